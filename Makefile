@@ -1,0 +1,29 @@
+# make demo: estimate a built-in GPT on a built-in cluster preset.  make test: the test suite.
+# Both create .venv and install what they need. torch==2.13.0 is installed first when no torch is
+# importable (a CPU build is available locally; asking pip for plain `torch` would pull CUDA wheels).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.autopar-installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m autopar.demo
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest tests
+
+bench: $(STAMP)
+	$(PY) bench/megatron_table1.py
+	$(PY) bench/activation_memory.py
+	$(PY) bench/capture_175b.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,33 @@
+"""Capture: model + example inputs -> OpGraph, via torch.export (non-strict)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .build import GraphWalk, batch_size_of, graph_fingerprint, node_stacks
+from .export import LossFn, run_export
+from .layers import build_layers
+from .opgraph import FLOAT_DTYPES, Gemm, GraphInput, Layer, OpGraph, OpKind, OpNode, SavedTensor, TensorMeta
+
+__all__ = ["capture", "OpGraph", "OpNode", "Layer", "OpKind", "TensorMeta", "SavedTensor", "Gemm",
+           "GraphInput", "FLOAT_DTYPES"]
+
+
+def capture(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None = None) -> OpGraph:
+    """Capture ``model`` called on ``example_inputs`` (then ``loss_fn``) as an OpGraph.
+
+    The model may live on the meta device; nothing is computed on real data. The
+    graph is the training forward pass (dropout on) down to the scalar loss.
+    Raises :class:`autopar.CaptureError` naming the source line when export fails.
+    """
+    program = run_export(model, example_inputs, loss_fn)
+    requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
+    walk = GraphWalk(program, requires_grad)
+    nodes = list(walk.run())
+    nodes_t, layers = build_layers(nodes, node_stacks(program), walk.params)
+    warnings = tuple(f"FLOPs not counted for {f}" for f in walk.flop_cache.failures)
+    return OpGraph(model_name=type(model).__name__, nodes=nodes_t, layers=layers, params=dict(walk.params),
+                   buffers=dict(walk.buffers), inputs=tuple(walk.inputs), batch_size=batch_size_of(walk.inputs),
+                   fingerprint=graph_fingerprint(list(nodes_t), walk.params), warnings=warnings)

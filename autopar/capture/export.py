@@ -1,0 +1,168 @@
+"""Run torch.export (non-strict) on a model plus a loss, and turn failures into CaptureError.
+
+The exported program is the forward pass *to a scalar loss*: Hugging Face models
+return a ModelOutput whose ``loss`` we keep (a cache object or logits beside it are
+dropped, so ``use_cache=True`` is harmless); other models go through
+``loss_fn(output, inputs)``, or, when none is given, the mean of their (first)
+floating output, a stand-in that costs nothing next to the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import traceback
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from ..errors import CaptureError, ConfigError
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+_INTERNAL = (os.sep + "torch" + os.sep, os.sep + "autopar" + os.sep + "capture" + os.sep, "<frozen", "contextlib.py",
+             os.sep + "transformers" + os.sep + "utils" + os.sep)
+
+
+class LossWrapper(nn.Module):
+    """``forward(*args, **kwargs) -> scalar loss`` around a user model."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn | None, inputs: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self._inputs = inputs  # passed to loss_fn as given (dict or tuple)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        out = self.model(*args, **kwargs)
+        if self.loss_fn is not None:
+            return self.loss_fn(out, kwargs if kwargs else args)
+        return extract_loss(out)
+
+
+def extract_loss(out: Any) -> torch.Tensor:
+    """The scalar loss in a model output: ``out.loss``, a scalar tensor, or a stand-in mean."""
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, Mapping):
+        loss = out.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(out, torch.Tensor):
+        return out if out.dim() == 0 else out.float().mean()
+    first = _first_float_tensor(out)
+    if first is None:
+        raise CaptureError(
+            f"the model returned {type(out).__name__} with no loss and no floating tensor: pass "
+            "labels in example_inputs (Hugging Face models) or loss_fn=lambda output, inputs: ...")
+    return first.float().mean()
+
+
+def _first_float_tensor(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out if out.is_floating_point() else None
+    values = out.values() if isinstance(out, Mapping) else out if isinstance(out, (list, tuple)) else ()
+    for v in values:
+        found = _first_float_tensor(v)
+        if found is not None:
+            return found
+    return None
+
+
+def normalize_inputs(example_inputs: Any) -> tuple[tuple, dict]:
+    """Split example inputs into (args, kwargs); a lone tensor becomes a 1-tuple."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, Mapping):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise ConfigError(f"example_inputs must be a tensor, a tuple of tensors or a dict of keyword tensors, "
+                      f"got {type(example_inputs).__name__}")
+
+
+def check_model(model: Any) -> None:
+    """Refuse what cannot be planned: not a module, no trainable parameters, mixed devices."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ConfigError(f"{type(model).__name__} has no trainable parameters: there is nothing to train "
+                          "or parallelize (check requires_grad)")
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:
+        raise ConfigError(f"{type(model).__name__} has parameters on several devices {devices}: move the whole "
+                          "model to one device (or to 'meta') before planning")
+
+
+def check_inputs_signature(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Name unknown keyword inputs before export turns them into an obscure TypeError."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return
+    has_var_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    unknown = [k for k in kwargs if k not in sig.parameters]
+    if unknown and not has_var_kw:
+        raise CaptureError(f"example_inputs key(s) {unknown} are not parameters of "
+                           f"{type(model).__name__}.forward{sig}: rename or drop them")
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise CaptureError(f"example_inputs do not match {type(model).__name__}.forward{sig}: {exc}") from None
+
+
+def user_frame(exc: BaseException) -> str:
+    """``file:line in function: code`` of the deepest frame in the user's code, or ""."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        if not any(part in frame.filename for part in _INTERNAL):
+            code = f": {frame.line.strip()}" if frame.line else ""
+            return f"{frame.filename}:{frame.lineno} in {frame.name}{code}"
+    return ""
+
+
+@contextlib.contextmanager
+def train_mode(model: nn.Module):
+    """Capture the training graph (dropout on), restoring each submodule's mode afterwards."""
+    modes = {m: m.training for m in model.modules()}
+    model.train()
+    try:
+        yield
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+
+def run_export(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None) -> torch.export.ExportedProgram:
+    """torch.export (non-strict) of model + loss; every failure becomes a CaptureError."""
+    check_model(model)
+    args, kwargs = normalize_inputs(example_inputs)
+    check_inputs_signature(model, args, kwargs)
+    wrapper = LossWrapper(model, loss_fn, example_inputs)
+    with train_mode(model):
+        try:
+            return torch.export.export(wrapper, args, kwargs, strict=False)
+        except CaptureError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised as CaptureError with the user's source line
+            raise _capture_error(model, exc) from exc
+
+
+def _capture_error(model: nn.Module, exc: BaseException) -> CaptureError:
+    where = user_frame(exc)
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    name = type(model).__name__
+    data_dependent = any(s in str(exc) for s in ("data-dependent", "DataDependent", "GuardOnDataDependent",
+                                                  "Could not guard on data-dependent"))
+    if data_dependent:
+        hint = ("the model branches on the values of a tensor (data-dependent control flow), which a "
+                "static graph cannot capture: rewrite the branch with torch.where / torch.cond, or make it "
+                "depend on shapes only")
+    elif isinstance(exc, (RuntimeError, IndexError, TypeError, ValueError)):
+        hint = ("the example inputs do not fit the model (shapes, dtypes or keys): call "
+                f"{name}(**example_inputs) once yourself to see the failure")
+    else:
+        hint = "torch.export could not trace the model"
+    at = f" at {where}" if where else ""
+    return CaptureError(f"capturing {name} failed{at}: {type(exc).__name__}: {first}. Hint: {hint}")

@@ -1,0 +1,127 @@
+"""Forward and backward FLOPs of one op, and its GEMM shape.
+
+Matmuls and convolutions are counted by ``torch.utils.flop_counter.FlopCounterMode``:
+the op is re-run on meta tensors of the captured shapes, forward and then backward
+(``torch.autograd.grad`` for exactly the inputs that need a gradient), so a linear on
+the network input costs 1x forward in backward, a hidden one 2x. Results are cached
+per (op, shapes, dtypes, requires-grad, scalar args), so 96 identical decoder layers
+cost one count.
+
+Attention is counted by formula, because FlopCounterMode counts the CPU SDPA kernel
+as 0: forward ``4 b h s_q s_k d`` (QK^T and PV, causal masking not discounted, as in
+Megatron-LM's accounting), backward twice that.
+
+Other ops are memory-bound; they count one FLOP per output element forward and per
+input element backward, which the roofline then ignores next to their bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from .opgraph import Gemm, OpKind, TensorMeta
+
+
+@dataclass
+class FlopCache:
+    """Explicit cache of counted ops: key -> (forward FLOPs, backward FLOPs)."""
+
+    entries: dict[tuple, tuple[float, float]] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+
+def _key(target: Any, args: tuple, kwargs: dict, grads: tuple[bool, ...]) -> tuple:
+    def norm(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return ("T", tuple(x.shape), str(x.dtype))
+        return x if isinstance(x, (int, float, bool, str, type(None))) else repr(x)
+    flat_args = tree_map(norm, args)
+    return (str(target), repr(flat_args), repr(sorted((k, norm(v)) for k, v in kwargs.items())), grads)
+
+
+def _as_meta(x: Any, requires_grad: bool) -> Any:
+    if isinstance(x, torch.Tensor):
+        t = torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device="meta")
+        return t.requires_grad_(requires_grad and t.is_floating_point())
+    return x
+
+
+def count_matmul_flops(target: Callable, args: tuple, kwargs: dict, grads: tuple[bool, ...],
+                       cache: FlopCache) -> tuple[float, float]:
+    """FLOPs of a matmul/conv node: ``args`` hold example tensors (fake or meta) in call order,
+    ``grads[i]`` whether the i-th tensor argument (in flattening order) needs a gradient."""
+    key = _key(target, args, kwargs, grads)
+    if key in cache.entries:
+        return cache.entries[key]
+    flags = iter(grads)
+    meta_args = tree_map(lambda x: _as_meta(x, next(flags)) if isinstance(x, torch.Tensor) else x, args)
+    leaves = [x for x in _leaves(meta_args) if isinstance(x, torch.Tensor) and x.requires_grad]
+    try:
+        with FlopCounterMode(display=False) as counter:
+            out = target(*meta_args, **kwargs)
+            fwd = float(counter.get_total_flops())
+            if leaves and isinstance(out, torch.Tensor) and out.requires_grad:
+                torch.autograd.grad(out, leaves, torch.empty_like(out), allow_unused=True)
+            bwd = float(counter.get_total_flops()) - fwd
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
+        # The op cannot run on meta tensors (rare: data-dependent shapes). Counted as 0 and
+        # reported in OpGraph.warnings rather than guessed.
+        cache.failures.append(f"{target}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+        fwd, bwd = 0.0, 0.0
+    cache.entries[key] = (fwd, bwd)
+    return fwd, bwd
+
+
+def _leaves(tree: Any) -> list:
+    out: list = []
+    tree_map(lambda x: out.append(x), tree)
+    return out
+
+
+def attention_flops(q: TensorMeta, k: TensorMeta, v: TensorMeta, needs_grad: bool) -> tuple[float, float]:
+    """Fused attention: QK^T is ``2 b h s_q s_k d`` and PV ``2 b h s_q s_k d_v``."""
+    bh = math.prod(q.shape[:-2])
+    s_q, d = q.shape[-2], q.shape[-1]
+    s_k, d_v = k.shape[-2], v.shape[-1]
+    fwd = 2.0 * bh * s_q * s_k * (d + d_v)
+    return fwd, (2.0 * fwd if needs_grad else 0.0)
+
+
+def gemm_shape(name: str, kind: OpKind, tensors: list[TensorMeta], out: TensorMeta | None,
+               batch_dependent: list[bool]) -> Gemm | None:
+    """The GEMM an op performs, for the matmul efficiency model; None when it is not one."""
+    if out is None or len(tensors) < 2:
+        return None
+    if kind is OpKind.ATTENTION:
+        q, k = tensors[0], tensors[1]
+        return Gemm(math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1],
+                    "batch" if batch_dependent[0] else "")
+    if kind is OpKind.CONV:
+        x, w = tensors[0], tensors[1]
+        if len(out.shape) < 3 or len(w.shape) < 3:
+            return None
+        return Gemm(1, out.shape[0] * math.prod(out.shape[2:]), w.shape[0], math.prod(w.shape[1:]),
+                    "m" if batch_dependent[0] else "")
+    if kind is not OpKind.MATMUL:
+        return None
+    if name in ("addmm", "baddbmm", "addbmm", "addmv"):
+        tensors, batch_dependent = tensors[1:], batch_dependent[1:]
+    a, b = tensors[0], tensors[1]
+    if name == "linear":  # weight is (n, k)
+        m, k = math.prod(a.shape[:-1]), a.shape[-1]
+        scaled = "m" if batch_dependent[0] else ""
+        return Gemm(1, m, b.shape[0], k, scaled)
+    if len(a.shape) >= 2 and len(b.shape) >= 2:
+        batch = math.prod(out.shape[:-2]) if len(out.shape) > 2 else 1
+        scaled = "batch" if (batch > 1 and (batch_dependent[0] or batch_dependent[1])) else (
+            "m" if batch_dependent[0] else "")
+        if len(b.shape) == 2 and len(a.shape) > 2:  # activation @ weight
+            return Gemm(1, math.prod(a.shape[:-1]), b.shape[-1], a.shape[-1], "m" if batch_dependent[0] else "")
+        return Gemm(batch, a.shape[-2], b.shape[-1], a.shape[-1], scaled)
+    return None

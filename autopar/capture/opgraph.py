@@ -1,0 +1,210 @@
+"""OpGraph: the captured model, the only thing the cost model and solver read of it.
+
+Sizes are recorded at the batch size of the example inputs (``OpGraph.batch_size``);
+every op says whether it scales with the batch (``batch_dependent``), so costs at
+another micro-batch size are a linear rescaling, not a re-capture. FLOPs are
+floating-point operations (a multiply-add is 2), bytes are bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Iterator, Mapping
+
+FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
+_DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+                "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype named as in ``str(torch.float32).split('.')[-1]``."""
+    return _DTYPE_BYTES.get(dtype, 4)
+
+
+class OpKind(str, enum.Enum):
+    """Cost class of an op: decides which efficiency model times it."""
+
+    MATMUL = "matmul"          # linear, mm, bmm, matmul, einsum
+    ATTENTION = "attention"    # fused scaled-dot-product attention
+    CONV = "conv"
+    NORM = "norm"              # layer/rms/batch/group norm
+    SOFTMAX = "softmax"
+    DROPOUT = "dropout"
+    EMBEDDING = "embedding"
+    LOSS = "loss"
+    ELEMENTWISE = "elementwise"
+    REDUCTION = "reduction"
+    VIEW = "view"              # aliases its input; moves no data
+    CREATION = "creation"      # ones, arange, full: no tensor input
+    OTHER = "other"
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of one tensor (dtype as a short name, e.g. "float32")."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_bytes(self.dtype)
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in FLOAT_DTYPES
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """A tensor autograd keeps from forward to backward.
+
+    ``root`` names the storage: the producing node (views resolved to their base),
+    or ``"<node>:<what>"`` for a tensor an op saves internally (dropout mask, norm
+    statistics, attention log-sum-exp).
+    """
+
+    root: str
+    numel: int
+    dtype: str
+    batch_dependent: bool
+
+    def nbytes(self, float_bytes: int | None = None) -> int:
+        """Bytes; floating tensors are counted at ``float_bytes`` per element when given (the
+        training precision), other dtypes (masks, indices) at their own size."""
+        per = float_bytes if (float_bytes is not None and self.dtype in FLOAT_DTYPES) else dtype_bytes(self.dtype)
+        return self.numel * per
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """A matrix multiply as ``batch`` independent (m x k) @ (k x n) products.
+
+    ``scaled`` names the dimension that grows with the micro-batch: "batch" or "m" (or
+    "" when none does, e.g. a weight-only product).
+    """
+
+    batch: int
+    m: int
+    n: int
+    k: int
+    scaled: str = "m"
+
+
+@dataclass(frozen=True)
+class OpNode:
+    """One op of the captured forward graph, with its forward and backward costs."""
+
+    name: str
+    target: str                       # e.g. "aten.linear.default"
+    kind: OpKind
+    inputs: tuple[str, ...]           # producer node names of activation inputs (graph inputs included)
+    params: tuple[str, ...]           # fully qualified names of parameters it reads
+    outputs: tuple[TensorMeta, ...]
+    flops_fwd: float
+    flops_bwd: float
+    bytes_fwd: float                  # bytes read + written in forward (0 for views)
+    requires_grad: bool
+    batch_dependent: bool             # scales linearly with the batch size
+    saved: tuple[SavedTensor, ...]    # what autograd keeps for this op's backward
+    module_path: str                  # innermost module ("" for the root)
+    module_type: str
+    layer: int                        # index into OpGraph.layers
+    gemm: Gemm | None = None
+    attention_core: bool = False      # inside an unfused attention core (selective recompute drops it)
+    source: str = ""                  # "file:line" of the model code that produced it, when known
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(t.nbytes for t in self.outputs)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A contiguous run of ops that pipeline stages are cut between.
+
+    Repeated blocks (a transformer's decoder layers) share a ``signature``; the
+    solver and cost model work once per signature.
+    """
+
+    index: int
+    name: str                         # module path, e.g. "blocks.3" or "embed"
+    signature: str
+    nodes: tuple[int, ...]            # indices into OpGraph.nodes
+    params: tuple[str, ...]           # parameters first used in this layer (each counted once)
+    shared_params: tuple[str, ...]    # parameters used here but first used by an earlier layer (tied)
+    param_numel: int
+    inputs: tuple[str, ...]           # nodes from earlier layers (or graph inputs) this layer reads
+    is_block: bool                    # part of a repeated-block family
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    name: str
+    meta: TensorMeta
+    batch_dependent: bool
+
+
+@dataclass(frozen=True)
+class OpGraph:
+    """The captured model. Build with :func:`autopar.capture.capture`."""
+
+    model_name: str
+    nodes: tuple[OpNode, ...]
+    layers: tuple[Layer, ...]
+    params: Mapping[str, TensorMeta]      # every trainable parameter (tied ones once)
+    buffers: Mapping[str, TensorMeta]
+    inputs: tuple[GraphInput, ...]
+    batch_size: int
+    fingerprint: str
+    warnings: tuple[str, ...] = field(default=())
+
+    @cached_property
+    def node_index(self) -> Mapping[str, int]:
+        return {n.name: i for i, n in enumerate(self.nodes)}
+
+    def node(self, name: str) -> OpNode:
+        return self.nodes[self.node_index[name]]
+
+    def layer_nodes(self, layer: Layer) -> Iterator[OpNode]:
+        return (self.nodes[i] for i in layer.nodes)
+
+    @property
+    def param_numel(self) -> int:
+        return sum(t.numel for t in self.params.values())
+
+    @property
+    def flops_fwd(self) -> float:
+        """Forward FLOPs of one pass over the captured batch."""
+        return sum(n.flops_fwd for n in self.nodes)
+
+    @property
+    def flops_bwd(self) -> float:
+        return sum(n.flops_bwd for n in self.nodes)
+
+    def signature_counts(self) -> dict[str, int]:
+        """How many layers share each signature, in order of first appearance."""
+        counts: dict[str, int] = {}
+        for layer in self.layers:
+            counts[layer.signature] = counts.get(layer.signature, 0) + 1
+        return counts
+
+    def describe(self) -> str:
+        """One line per layer family, e.g. ``96 x blocks.* (1.81 G params)``."""
+        lines = [f"{self.model_name}: {len(self.nodes)} ops, {len(self.layers)} layers, "
+                 f"{self.param_numel / 1e9:.3f} G params, batch {self.batch_size}"]
+        seen: dict[str, list[Layer]] = {}
+        for layer in self.layers:
+            seen.setdefault(layer.signature, []).append(layer)
+        for group in seen.values():
+            first = group[0]
+            name = first.name if len(group) == 1 else f"{len(group)} x {first.name} .. {group[-1].name}"
+            lines.append(f"  {name}: {len(first.nodes)} ops, {first.param_numel / 1e6:.2f} M params each")
+        return "\n".join(lines)

@@ -1,0 +1,176 @@
+"""Per-op knowledge: the cost class of an ATen op and what autograd saves for its backward.
+
+The saved-tensor rules follow the backward formulas of ATen's derivatives.yaml
+(the same accounting as Korthikanti et al., "Reducing Activation Recomputation in
+Large Transformer Models", section 4): a linear keeps its input when the weight
+needs a gradient, GeLU keeps its input, softmax its output, dropout a 1-byte mask,
+layer norm its input plus per-row statistics, fused attention q, k, v, its output
+and the log-sum-exp. Ops without a rule keep every floating input that another
+input's gradient could need (conservative: over-counts rather than under-counts).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from .opgraph import OpKind, TensorMeta
+
+_KINDS: dict[str, OpKind] = {}
+for _kind, _names in {
+    OpKind.MATMUL: "linear matmul mm bmm addmm baddbmm addbmm einsum addmv mv dot _scaled_mm",
+    OpKind.CONV: "conv1d conv2d conv3d convolution _convolution conv_transpose1d conv_transpose2d conv_transpose3d",
+    OpKind.ATTENTION: ("scaled_dot_product_attention _scaled_dot_product_flash_attention "
+                       "_scaled_dot_product_efficient_attention _scaled_dot_product_cudnn_attention "
+                       "_scaled_dot_product_flash_attention_for_cpu flex_attention"),
+    OpKind.NORM: ("layer_norm native_layer_norm rms_norm _fused_rms_norm batch_norm native_batch_norm "
+                  "_native_batch_norm_legit _native_batch_norm_legit_no_training _native_batch_norm_legit_functional "
+                  "group_norm native_group_norm instance_norm"),
+    OpKind.SOFTMAX: "softmax _softmax log_softmax _log_softmax _safe_softmax",
+    OpKind.DROPOUT: "dropout native_dropout feature_dropout alpha_dropout feature_alpha_dropout",
+    OpKind.EMBEDDING: "embedding embedding_bag",
+    OpKind.LOSS: ("cross_entropy_loss nll_loss nll_loss_forward nll_loss2d mse_loss l1_loss smooth_l1_loss "
+                  "binary_cross_entropy binary_cross_entropy_with_logits huber_loss kl_div"),
+    OpKind.VIEW: ("view _unsafe_view reshape _reshape_alias transpose permute expand expand_as unsqueeze squeeze "
+                  "slice select t alias split split_with_sizes chunk unbind narrow as_strided getitem flatten "
+                  "unflatten view_as movedim detach diagonal unfold numpy_T mT"),
+    OpKind.CREATION: ("ones zeros full arange empty ones_like zeros_like full_like empty_like scalar_tensor "
+                      "tensor rand randn randint rand_like randn_like linspace eye new_ones new_zeros new_full "
+                      "new_empty empty_strided _to_copy_empty lift_fresh_copy"),
+    OpKind.REDUCTION: ("sum mean amax amin max min var std var_mean std_mean norm logsumexp argmax argmin "
+                       "cumsum cumprod any all prod linalg_vector_norm"),
+}.items():
+    for _name in _names.split():
+        _KINDS[_name] = _kind
+
+# Elementwise ops whose backward needs their output (not their input).
+_SAVE_OUTPUT = frozenset("relu relu_ sigmoid tanh exp rsqrt sqrt elu hardsigmoid reciprocal".split())
+# Elementwise ops whose backward needs their first input.
+_SAVE_INPUT = frozenset(("gelu silu mish leaky_relu hardtanh hardswish softplus log log1p sin cos pow "
+                         "abs sign erf atan square clamp clamp_min clamp_max").split())
+# Ops whose backward needs nothing from forward (shape-only or linear in their input).
+_SAVE_NOTHING = frozenset(("add sub neg clone contiguous copy _to_copy to type_as cat stack pad "
+                           "constant_pad_nd repeat index_select_backward flip roll tril triu "
+                           "zeros_like ones_like sum mean cumsum adaptive_avg_pool2d avg_pool2d "
+                           "avg_pool1d mean_dim").split())
+
+
+def op_name(target: object) -> str:
+    """The ATen op's base name (``aten.linear.default`` -> ``linear``; ``operator.getitem`` -> ``getitem``)."""
+    name = getattr(target, "__name__", None) or str(target)
+    if hasattr(target, "_schema"):
+        name = target._schema.name.split("::")[-1]  # type: ignore[attr-defined]
+    return name.rstrip("_") if name.endswith("_") and not name.startswith("_") else name
+
+
+def op_kind(name: str) -> OpKind:
+    """Cost class of an op by its base name; unknown ops count as elementwise-like ``OTHER``."""
+    return _KINDS.get(name, OpKind.ELEMENTWISE if name in _SAVE_OUTPUT | _SAVE_INPUT | _SAVE_NOTHING
+                      or name in _ELEMENTWISE_EXTRA else OpKind.OTHER)
+
+
+_ELEMENTWISE_EXTRA = frozenset(("mul div masked_fill where eq ne lt le gt ge logical_not logical_and "
+                                "logical_or bitwise_not bitwise_and isnan isinf maximum minimum").split())
+
+
+@dataclass(frozen=True)
+class ArgInfo:
+    """One tensor argument of a node: its position, metadata and whether it needs a gradient."""
+
+    position: int
+    meta: TensorMeta
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class SavedSpec:
+    """What a rule says an op saves: positions of saved tensor args, whether the output is
+    saved, and internal extras as (label, numel, dtype)."""
+
+    inputs: tuple[int, ...] = ()
+    output: bool = False
+    extras: tuple[tuple[str, int, str], ...] = ()
+
+
+def _positions(args: Sequence[ArgInfo]) -> dict[int, ArgInfo]:
+    return {a.position: a for a in args}
+
+
+def _bilinear(args: Sequence[ArgInfo], a: int, b: int) -> tuple[int, ...]:
+    """For out = f(a, b) bilinear: a is needed for b's gradient and vice versa."""
+    pos = _positions(args)
+    saved = []
+    if a in pos and b in pos:
+        if pos[b].requires_grad:
+            saved.append(a)
+        if pos[a].requires_grad:
+            saved.append(b)
+    return tuple(saved)
+
+
+def saved_spec(name: str, args: Sequence[ArgInfo], out: TensorMeta | None, kwargs: dict) -> SavedSpec:
+    """What autograd keeps for the backward of op ``name`` called with tensor ``args``."""
+    if not any(a.requires_grad for a in args):
+        return SavedSpec()
+    kind = op_kind(name)
+    if kind in (OpKind.VIEW, OpKind.CREATION) or name in _SAVE_NOTHING:
+        return SavedSpec()
+    if name in ("linear", "matmul", "mm", "bmm", "einsum", "dot", "mv", "conv1d", "conv2d", "conv3d",
+                "convolution", "_convolution"):
+        return SavedSpec(inputs=_bilinear(args, 0, 1))
+    if name in ("addmm", "baddbmm", "addbmm", "addmv"):
+        return SavedSpec(inputs=_bilinear(args, 1, 2))
+    if kind is OpKind.ATTENTION:
+        q = _positions(args).get(0)
+        rows = math.prod(q.meta.shape[:-1]) if q else 0
+        return SavedSpec(inputs=tuple(p for p in (0, 1, 2) if p in _positions(args)), output=True,
+                         extras=(("lse", rows, "float32"),))
+    if kind is OpKind.NORM:
+        return _norm_saved(name, args)
+    if kind is OpKind.SOFTMAX:
+        return SavedSpec(output=True)
+    if kind is OpKind.DROPOUT:
+        p = kwargs.get("p", 0.5)
+        train = kwargs.get("train", True)
+        if out is None or not train or p == 0:
+            return SavedSpec()
+        return SavedSpec(extras=(("mask", out.numel, "bool"),))
+    if kind is OpKind.EMBEDDING:
+        return SavedSpec(inputs=(1,))
+    if kind is OpKind.LOSS:
+        first = _positions(args).get(0)
+        extras = (("log_probs", first.meta.numel, first.meta.dtype),) if first and name.startswith("cross") else ()
+        return SavedSpec(inputs=tuple(p for p in _positions(args) if p > 0), extras=extras)
+    if name in _SAVE_OUTPUT:
+        return SavedSpec(output=True)
+    if name in _SAVE_INPUT:
+        return SavedSpec(inputs=(0,))
+    if name == "mul":
+        return SavedSpec(inputs=_bilinear(args, 0, 1))
+    if name == "div":
+        pos = _positions(args)
+        saved = {1} if 1 in pos else set()
+        if 1 in pos and pos[1].requires_grad:
+            saved.add(0)
+        return SavedSpec(inputs=tuple(sorted(saved)))
+    if name in ("masked_fill", "where", "index", "gather", "index_select", "scatter", "take_along_dim"):
+        return SavedSpec(inputs=tuple(a.position for a in args if not a.meta.is_float))
+    if kind is OpKind.REDUCTION:
+        return SavedSpec(inputs=(0,), output=True) if name in ("amax", "amin", "max", "min", "norm",
+                                                                "linalg_vector_norm", "logsumexp") else SavedSpec()
+    # Unknown op: keep every floating tensor input (conservative).
+    return SavedSpec(inputs=tuple(a.position for a in args if a.meta.is_float))
+
+
+def _norm_saved(name: str, args: Sequence[ArgInfo]) -> SavedSpec:
+    """Norms keep their input and per-group statistics (mean and reciprocal std, fp32)."""
+    x = _positions(args).get(0)
+    if x is None:
+        return SavedSpec()
+    if "batch_norm" in name or "instance_norm" in name or "group_norm" in name:
+        channels = x.meta.shape[1] if len(x.meta.shape) > 1 else 1
+        return SavedSpec(inputs=(0,), extras=(("stats", 2 * channels, "float32"),))
+    rows = math.prod(x.meta.shape[:-1])
+    count = 1 if "rms" in name else 2
+    return SavedSpec(inputs=(0,), extras=(("stats", count * rows, "float32"),))

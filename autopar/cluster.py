@@ -1,0 +1,366 @@
+"""Hardware description: devices, links and the cluster topology.
+
+SI units everywhere: bytes, bytes/s, seconds, FLOP/s. Memory sizes use decimal
+gigabytes (80 GB = 80e9 bytes), as the datasheets do. Bandwidths are per device
+and per direction. Every preset number cites its source next to it; the
+efficiency constants (achieved fraction of a peak) are grouped per device
+family at the top so that calibration can find and revise them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+# --- Achieved-fraction constants, per device family --------------------------------------------
+# matmul_efficiency: fraction of the dense peak a large GEMM reaches; matmul_half_dim: the GEMM
+# dimension (elements) at which the per-dim factor d/(d+half) is 1/2; memory_efficiency: fraction
+# of HBM bandwidth a streaming kernel reaches; kernel_overhead: fixed seconds per kernel launch.
+V100_MATMUL_EFFICIENCY = 0.70
+V100_MATMUL_HALF_DIM = 64.0
+V100_MEMORY_EFFICIENCY = 0.8
+V100_KERNEL_OVERHEAD = 5e-6
+
+A100_MATMUL_EFFICIENCY = 0.75
+A100_MATMUL_HALF_DIM = 64.0
+A100_MEMORY_EFFICIENCY = 0.8
+A100_KERNEL_OVERHEAD = 5e-6
+
+H100_MATMUL_EFFICIENCY = 0.70  # H100 SXM and H200 (same compute die)
+H100_MATMUL_HALF_DIM = 64.0
+H100_MEMORY_EFFICIENCY = 0.8
+H100_KERNEL_OVERHEAD = 5e-6
+
+CPU_MATMUL_EFFICIENCY = 0.5  # placeholders until Cluster.local() profiles this machine
+CPU_MATMUL_HALF_DIM = 32.0
+CPU_MEMORY_EFFICIENCY = 0.5
+CPU_KERNEL_OVERHEAD = 1e-5
+
+REQUIRED_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
+_SPEC_FORM = "NODESxDEVICES_PER_NODExDEVICE e.g. 128x8xA100-80GB"
+
+
+def _check_number(owner: str, name: str, value: Any, *, allow_zero: bool = False,
+                  at_most_one: bool = False) -> None:
+    """Raise ConfigError unless ``value`` is a finite real number in the allowed range."""
+    rng = "in (0, 1]" if at_most_one else (">= 0" if allow_zero else "> 0")
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (value >= 0 if allow_zero else value > 0) and (not at_most_one or value <= 1))
+    if not ok:
+        raise ConfigError(f"{owner}.{name}={value!r} is out of range: it must be a finite number {rng}")
+
+
+def _check_count(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{owner}.{name}={value!r} is out of range: it must be an integer >= 1")
+
+
+def _from_dict(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown {cls.__name__} field(s) {unknown}; known fields: {sorted(known)}")
+    return dict(data)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    """One accelerator (or CPU socket set): peaks, memory and achieved-fraction constants."""
+
+    name: str
+    """Preset name, e.g. "A100-80GB"."""
+    peak_flops: Mapping[str, float]
+    """Dense FLOP/s per dtype name ("fp32", "bf16", "fp16" required; "tf32" optional). Stored read-only."""
+    memory: float
+    """Device memory in bytes."""
+    memory_bandwidth: float
+    """Main-memory (HBM) bandwidth in bytes/s."""
+    source: str
+    """Where the numbers come from (datasheet citation)."""
+    matmul_efficiency: float
+    """Achieved fraction of peak for large GEMMs, in (0, 1]."""
+    matmul_half_dim: float
+    """GEMM dimension (elements) at which the per-dim efficiency factor d / (d + half) is 1/2."""
+    memory_efficiency: float
+    """Achieved fraction of ``memory_bandwidth`` for streaming kernels, in (0, 1]."""
+    kernel_overhead: float
+    """Fixed seconds per kernel launch."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"Device.name={self.name!r} must be a non-empty string")
+        if not isinstance(self.peak_flops, Mapping):
+            raise ConfigError(f"Device.peak_flops={self.peak_flops!r} must be a mapping dtype name -> FLOP/s")
+        missing = [d for d in REQUIRED_DTYPES if d not in self.peak_flops]
+        if missing:
+            raise ConfigError(f"Device.peak_flops of {self.name!r} lacks {missing}: give a FLOP/s peak for "
+                              f"each of {list(REQUIRED_DTYPES)}")
+        for dtype, value in self.peak_flops.items():
+            if not isinstance(dtype, str):
+                raise ConfigError(f"Device.peak_flops key {dtype!r} must be a dtype name string")
+            _check_number("Device", f"peak_flops[{dtype!r}]", value)
+        object.__setattr__(self, "peak_flops", MappingProxyType({k: float(v) for k, v in self.peak_flops.items()}))
+        for name in ("memory", "memory_bandwidth"):
+            _check_number("Device", name, getattr(self, name))
+        for name in ("matmul_efficiency", "memory_efficiency"):
+            _check_number("Device", name, getattr(self, name), at_most_one=True)
+        for name in ("matmul_half_dim", "kernel_overhead"):
+            _check_number("Device", name, getattr(self, name), allow_zero=True)
+        if not isinstance(self.source, str):
+            raise ConfigError(f"Device.source={self.source!r} must be a string")
+
+    def __hash__(self) -> int:
+        return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory, self.memory_bandwidth,
+                     self.source, self.matmul_efficiency, self.matmul_half_dim, self.memory_efficiency,
+                     self.kernel_overhead))
+
+    def peak(self, dtype: str) -> float:
+        """Dense peak in FLOP/s for ``dtype`` ("fp32", "tf32", "bf16", "fp16")."""
+        try:
+            return self.peak_flops[dtype]
+        except KeyError:
+            raise ConfigError(f"device {self.name!r} has no peak for dtype {dtype!r}; "
+                              f"known dtypes: {sorted(self.peak_flops)}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["peak_flops"] = dict(self.peak_flops)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Device":
+        return cls(**_from_dict(cls, data))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """A communication path, per device and per direction."""
+
+    bandwidth: float
+    """Nominal bytes/s per device, one direction."""
+    latency: float
+    """Seconds per message (alpha); 0 allowed."""
+    efficiency: float = 1.0
+    """Achieved fraction of ``bandwidth`` for large collectives (measured busbw / nominal), in (0, 1]."""
+    name: str = ""
+    """Short label for summaries, e.g. "NVLink" or "IB"."""
+
+    def __post_init__(self) -> None:
+        _check_number("Link", "bandwidth", self.bandwidth)
+        _check_number("Link", "latency", self.latency, allow_zero=True)
+        _check_number("Link", "efficiency", self.efficiency, at_most_one=True)
+        if not isinstance(self.name, str):
+            raise ConfigError(f"Link.name={self.name!r} must be a string")
+
+    @property
+    def effective_bandwidth(self) -> float:
+        """Achievable bytes/s: ``bandwidth * efficiency``."""
+        return self.bandwidth * self.efficiency
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Link":
+        return cls(**_from_dict(cls, data))
+
+
+# --- Device presets (calibration.md section 6, vendor datasheets) -----------------------------
+def _gpu(name: str, *, bf16: float, fp32: float, tf32: float | None, memory: float, hbm: float, source: str,
+         family: str) -> Device:
+    consts = {"V100": (V100_MATMUL_EFFICIENCY, V100_MATMUL_HALF_DIM, V100_MEMORY_EFFICIENCY, V100_KERNEL_OVERHEAD),
+              "A100": (A100_MATMUL_EFFICIENCY, A100_MATMUL_HALF_DIM, A100_MEMORY_EFFICIENCY, A100_KERNEL_OVERHEAD),
+              "H100": (H100_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD)}
+    mm, half, mem, overhead = consts[family]
+    peaks = {"fp32": fp32, "bf16": bf16, "fp16": bf16}
+    if tf32 is not None:
+        peaks["tf32"] = tf32
+    return Device(name=name, peak_flops=peaks, memory=memory, memory_bandwidth=hbm, source=source,
+                  matmul_efficiency=mm, matmul_half_dim=half, memory_efficiency=mem, kernel_overhead=overhead)
+
+
+_V100_SRC = ("NVIDIA V100 SXM2 datasheet: 125 TFLOP/s fp16 tensor core, 15.7 fp32, 900 GB/s HBM2; V100 has no "
+             "bf16, so bf16 is mapped to the fp16 tensor-core peak")
+_A100_SRC = "NVIDIA A100 SXM4 datasheet: 312 TFLOP/s bf16/fp16 dense, 156 tf32, 19.5 fp32"
+_H100_SRC = "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16/fp16 dense, 494 tf32, 66.9 fp32"
+
+DEVICE_PRESETS: Mapping[str, Device] = MappingProxyType({
+    "V100-16GB": _gpu("V100-16GB", bf16=125e12, fp32=15.7e12, tf32=None, memory=16e9, hbm=900e9,
+                      source=_V100_SRC + "; 16 GB", family="V100"),
+    "V100-32GB": _gpu("V100-32GB", bf16=125e12, fp32=15.7e12, tf32=None, memory=32e9, hbm=900e9,
+                      source=_V100_SRC + "; 32 GB", family="V100"),
+    "A100-40GB": _gpu("A100-40GB", bf16=312e12, fp32=19.5e12, tf32=156e12, memory=40e9, hbm=1555e9,
+                      source=_A100_SRC + "; 40 GB HBM2, 1,555 GB/s", family="A100"),
+    "A100-80GB": _gpu("A100-80GB", bf16=312e12, fp32=19.5e12, tf32=156e12, memory=80e9, hbm=2039e9,
+                      source=_A100_SRC + "; 80 GB HBM2e, 2,039 GB/s", family="A100"),
+    "H100-SXM": _gpu("H100-SXM", bf16=989e12, fp32=66.9e12, tf32=494e12, memory=80e9, hbm=3350e9,
+                     source=_H100_SRC + "; 80 GB HBM3, 3,350 GB/s", family="H100"),
+    "H200": _gpu("H200", bf16=989e12, fp32=66.9e12, tf32=494e12, memory=141e9, hbm=4800e9,
+                 source="NVIDIA H200 SXM datasheet: H100 compute (989 TFLOP/s bf16 dense, 494 tf32, 66.9 fp32); "
+                        "141 GB HBM3e, 4,800 GB/s", family="H100"),
+    "cpu": Device(name="cpu", peak_flops={"fp32": 1e11, "bf16": 5e10, "fp16": 5e10}, memory=16e9,
+                  memory_bandwidth=2e10, matmul_efficiency=CPU_MATMUL_EFFICIENCY,
+                  matmul_half_dim=CPU_MATMUL_HALF_DIM, memory_efficiency=CPU_MEMORY_EFFICIENCY,
+                  kernel_overhead=CPU_KERNEL_OVERHEAD,
+                  source="placeholder figures for a modest CPU core set; Cluster.local() replaces them by "
+                         "profiling this machine"),
+})
+
+# --- Link presets per device family (DGX-class nodes of 8 devices) ----------------------------
+# NVLink latency: 1 us per ring step. The 8-byte all-reduce on 8 H100s takes 13.67 us for
+# 2(n-1) = 14 ring steps (calibration.md section 5), i.e. about 1 us each; the same NCCL
+# protocol is assumed on earlier NVLink generations. Inter-node: 10 us per message (IB RDMA plus
+# NCCL proxy), 5 us of wire latency being the floor.
+_LINKS: Mapping[str, tuple[Link, Link]] = MappingProxyType({
+    # V100 NVLink2: 300 GB/s both ways per GPU (section 6) = 150e9 per direction; 0.8 achieved
+    # (assumed, no public busbw in the calibration set). Inter-node: one 100 Gb/s NIC per NODE
+    # = 12.5e9 B/s shared by 8 GPUs; 0.92 achieved as for EDR InfiniBand (assumed).
+    "V100": (Link(bandwidth=150e9, latency=1e-6, efficiency=0.8, name="NVLink"),
+             Link(bandwidth=12.5e9 / 8, latency=1e-5, efficiency=0.92, name="IB")),
+    # A100 NVLink3: 600 GB/s both ways (section 6) = 300e9 per direction; NCCL all-reduce busbw
+    # about 230 GB/s (section 5): 230/300. Inter-node: 8 x HDR 200 Gb/s per DGX node = 25e9 B/s
+    # per GPU, about 24 GB/s achieved per NIC (section 5): 24/25.
+    "A100": (Link(bandwidth=300e9, latency=1e-6, efficiency=230 / 300, name="NVLink"),
+             Link(bandwidth=25e9, latency=1e-5, efficiency=24 / 25, name="IB")),
+    # H100/H200 NVLink4: 900 GB/s both ways = 450e9 per direction. Ring busbw is about 370 GB/s
+    # (0.82, NCCL maintainers); the measured table of section 5, which NCCL runs with NVLink
+    # SHARP, reaches 466 GB/s at 1 GiB. We take 0.85 (383 GB/s): close to ring, since a plan
+    # should not count on NVLS, and within 25% of that table for large messages.
+    # Inter-node: 8 x NDR 400 Gb/s = 50e9 B/s per GPU, about 48 GB/s achieved (section 5): 48/50.
+    "H100": (Link(bandwidth=450e9, latency=1e-6, efficiency=0.85, name="NVLink"),
+             Link(bandwidth=50e9, latency=1e-5, efficiency=48 / 50, name="IB")),
+    # CPU ranks under gloo: shared memory between local processes, 10 GbE between machines
+    # (1.25e9 B/s). Placeholders until the profiler measures them.
+    "cpu": (Link(bandwidth=5e9, latency=2e-5, efficiency=1.0, name="shm"),
+            Link(bandwidth=1.25e9, latency=5e-5, efficiency=1.0, name="Ethernet")),
+})
+_FAMILY = {"V100-16GB": "V100", "V100-32GB": "V100", "A100-40GB": "A100", "A100-80GB": "A100",
+           "H100-SXM": "H100", "H200": "H100", "cpu": "cpu"}
+
+
+def device_preset(name: str) -> Device:
+    """The preset Device called ``name`` (case-insensitive), e.g. ``device_preset("a100-80gb")``."""
+    for key, device in DEVICE_PRESETS.items():
+        if isinstance(name, str) and key.lower() == name.strip().lower():
+            return device
+    raise ConfigError(f"unknown device {name!r}; known devices: {', '.join(DEVICE_PRESETS)}")
+
+
+def link_presets(device_name: str) -> tuple[Link, Link]:
+    """(intra-node, inter-node) preset links for the family of the preset device ``device_name``."""
+    return _LINKS[_FAMILY[device_preset(device_name).name]]
+
+
+def _spec_error(spec: Any, reason: str) -> ConfigError:
+    return ConfigError(f"cluster spec {spec!r} is malformed: {reason}; expected {_SPEC_FORM}; "
+                       f"known devices: {', '.join(DEVICE_PRESETS)}")
+
+
+def _parse_spec(spec: str) -> tuple[int, int, str]:
+    """Split "NODESxPER_NODExDEVICE" (or "PER_NODExDEVICE") into counts and a device name."""
+    if not isinstance(spec, str):
+        raise _spec_error(spec, "it must be a string")
+    text = spec.strip()
+    # The device part starts at the first letter that is not the separator 'x'.
+    start = next((i for i, c in enumerate(text) if c.isalpha() and c.lower() != "x"), None)
+    if start is None:
+        raise _spec_error(spec, "no device name")
+    if start == 0 or text[start - 1].lower() != "x":
+        raise _spec_error(spec, f"missing the device count before {text[start:]!r}")
+    tokens = re.split("[xX]", text[:start - 1])
+    if len(tokens) > 2:
+        raise _spec_error(spec, f"too many counts {tokens}")
+    counts = []
+    for token in tokens:
+        if not re.fullmatch(r"\s*[+-]?\d+\s*", token):
+            raise _spec_error(spec, f"count {token!r} is not an integer")
+        if int(token) < 1:
+            raise _spec_error(spec, f"count {token!r} must be >= 1")
+        counts.append(int(token))
+    nodes, per_node = counts if len(counts) == 2 else (1, counts[0])
+    device = text[start:]
+    if device.lower() not in {k.lower() for k in DEVICE_PRESETS}:
+        raise _spec_error(spec, f"unknown device {device!r}")
+    return nodes, per_node, device
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """``nodes`` identical nodes of ``devices_per_node`` devices each.
+
+    ``inter_node`` is per device: a node's total NIC bandwidth is
+    ``devices_per_node * inter_node.bandwidth``.
+    """
+
+    nodes: int
+    devices_per_node: int
+    device: Device
+    intra_node: Link
+    inter_node: Link
+
+    def __post_init__(self) -> None:
+        _check_count("Cluster", "nodes", self.nodes)
+        _check_count("Cluster", "devices_per_node", self.devices_per_node)
+        if not isinstance(self.device, Device):
+            raise ConfigError(f"Cluster.device={self.device!r} must be a Device")
+        for name in ("intra_node", "inter_node"):
+            if not isinstance(getattr(self, name), Link):
+                raise ConfigError(f"Cluster.{name}={getattr(self, name)!r} must be a Link")
+
+    @property
+    def devices(self) -> int:
+        """Total number of devices (``nodes * devices_per_node``)."""
+        return self.nodes * self.devices_per_node
+
+    @classmethod
+    def from_spec(cls, spec: str, *, intra_node_bandwidth: float | None = None,
+                  inter_node_bandwidth: float | None = None, intra_node_latency: float | None = None,
+                  inter_node_latency: float | None = None) -> "Cluster":
+        """Build a cluster from "NODESxDEVICES_PER_NODExDEVICE" (e.g. "128x8xA100-80GB", "1x2xcpu").
+
+        "8xA100-80GB" means one node. The device name is case-insensitive. Links come
+        from the device family's presets. The keyword overrides are per device and per
+        direction, in bytes/s and seconds; an overridden bandwidth is taken as the
+        achievable number and so gets ``efficiency=1.0`` (an overridden latency keeps
+        the preset efficiency).
+        """
+        nodes, per_node, device_name = _parse_spec(spec)
+        device = device_preset(device_name)
+        intra, inter = link_presets(device.name)
+        intra = _override(intra, "intra_node", intra_node_bandwidth, intra_node_latency)
+        inter = _override(inter, "inter_node", inter_node_bandwidth, inter_node_latency)
+        return cls(nodes=nodes, devices_per_node=per_node, device=device, intra_node=intra, inter_node=inter)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"nodes": self.nodes, "devices_per_node": self.devices_per_node, "device": self.device.to_dict(),
+                "intra_node": self.intra_node.to_dict(), "inter_node": self.inter_node.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Cluster":
+        data = _from_dict(cls, data)
+        for key, kind in (("device", Device), ("intra_node", Link), ("inter_node", Link)):
+            if isinstance(data.get(key), Mapping):
+                data[key] = kind.from_dict(data[key])
+        return cls(**data)
+
+    def describe(self) -> str:
+        """E.g. "128 x 8 x A100-80GB (1024 devices; NVLink 300 GB/s, IB 25 GB/s per device)"."""
+        intra = f"{self.intra_node.name or 'intra-node'} {self.intra_node.bandwidth / 1e9:g} GB/s"
+        inter = f"{self.inter_node.name or 'inter-node'} {self.inter_node.bandwidth / 1e9:g} GB/s"
+        return (f"{self.nodes} x {self.devices_per_node} x {self.device.name} "
+                f"({self.devices} devices; {intra}, {inter} per device)")
+
+
+def _override(link: Link, which: str, bandwidth: float | None, latency: float | None) -> Link:
+    if bandwidth is not None:
+        _check_number("Cluster.from_spec", f"{which}_bandwidth", bandwidth)
+        link = Link(bandwidth=bandwidth, latency=link.latency, efficiency=1.0, name=link.name)
+    if latency is not None:
+        _check_number("Cluster.from_spec", f"{which}_latency", latency, allow_zero=True)
+        link = Link(bandwidth=link.bandwidth, latency=latency, efficiency=link.efficiency, name=link.name)
+    return link

@@ -1,0 +1,154 @@
+"""Configuration dataclasses: one point of the parallel search space, and the precision policy.
+
+Both are frozen, keyword-only and validated on construction; a bad value raises
+:class:`autopar.ConfigError` (also a ``ValueError``) naming the field, the value and
+the allowed range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal, Mapping
+
+from .errors import ConfigError
+
+Schedule = Literal["gpipe", "1f1b", "interleaved"]
+Recompute = Literal["none", "selective", "full"]
+DType = Literal["fp32", "bf16", "fp16"]
+
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+DTYPE_BYTES: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    if value < low or (high is not None and value > high):
+        bound = f"in {low}..{high}" if high is not None else f">= {low}"
+        raise ConfigError(f"{name}={value} is out of range: it must be {bound}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """One point in the parallel search space.
+
+    The device count is ``dp * tp * pp``. Mesh axes are laid out with ``tp``
+    innermost (consecutive ranks, inside a node when it fits), then ``dp``, then
+    ``pp`` outermost, as Megatron-LM does.
+    """
+
+    dp: int = 1
+    """Data-parallel degree: replicas that each take ``1/dp`` of the global batch."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron column/row split inside each layer)."""
+    pp: int = 1
+    """Pipeline-parallel degree: number of pipeline stages (devices along the pipeline)."""
+    micro_batch_size: int = 1
+    """Samples per micro-batch, per data-parallel replica."""
+    schedule: Schedule = "1f1b"
+    """Pipeline schedule: "gpipe", "1f1b" or "interleaved" (1F1B with virtual stages)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline device; > 1 only with schedule="interleaved"."""
+    zero: int = 0
+    """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP full shard)."""
+    recompute: Recompute = "none"
+    """Activation recomputation: "none", "selective" (attention core) or "full" (whole layer)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism: shard the non-tensor-parallel regions along the sequence."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages"):
+            _check_int(name, getattr(self, name), 1)
+        _check_int("zero", self.zero, 0, 3)
+        _check_choice("schedule", self.schedule, SCHEDULES)
+        _check_choice("recompute", self.recompute, RECOMPUTE_MODES)
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ConfigError(
+                f"virtual_stages={self.virtual_stages} needs schedule='interleaved' "
+                f"(got {self.schedule!r}): set schedule='interleaved' or virtual_stages=1")
+        if self.schedule == "interleaved" and self.pp == 1:
+            raise ConfigError("schedule='interleaved' needs pp > 1: raise pp or use schedule='1f1b'")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence_parallel=True needs tp > 1: raise tp or turn sequence_parallel off")
+
+    @property
+    def devices(self) -> int:
+        """Number of devices the configuration occupies (dp * tp * pp)."""
+        return self.dp * self.tp * self.pp
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ParallelConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown ParallelConfig field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**dict(data))
+
+    def short(self) -> str:
+        """A one-line description, e.g. ``dp=32 tp=8 pp=8 mb=1 interleaved(v=2) zero=0 recompute=full``."""
+        sched = self.schedule if self.virtual_stages == 1 else f"{self.schedule}(v={self.virtual_stages})"
+        sp = " sp" if self.sequence_parallel else ""
+        return (f"dp={self.dp} tp={self.tp}{sp} pp={self.pp} mb={self.micro_batch_size} {sched} "
+                f"zero={self.zero} recompute={self.recompute}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Precision:
+    """Mixed-precision and optimizer policy: the bytes each parameter costs.
+
+    The default is bf16 mixed precision with fp32 master weights and Adam, i.e.
+    2 (weights) + 2 (gradients) + 12 (fp32 master, momentum, variance) = 16 bytes
+    per parameter, as in the ZeRO paper. Megatron-LM's non-distributed optimizer
+    keeps fp32 gradients ("main grads"): ``Precision(grads="fp32")``, 18 bytes.
+    """
+
+    compute: DType = "bf16"
+    """Dtype of weights used in compute and of activations."""
+    grads: DType = "bf16"
+    """Dtype gradients are accumulated and reduced in."""
+    master_weights: bool = True
+    """Keep an fp32 master copy of the weights (only meaningful when compute is 16-bit)."""
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """Adam keeps two fp32 states per parameter (momentum, variance); SGD with momentum one."""
+
+    def __post_init__(self) -> None:
+        _check_choice("compute", self.compute, tuple(DTYPE_BYTES))
+        _check_choice("grads", self.grads, tuple(DTYPE_BYTES))
+        _check_choice("optimizer", self.optimizer, ("adam", "sgd"))
+
+    @property
+    def weight_bytes(self) -> int:
+        return DTYPE_BYTES[self.compute]
+
+    @property
+    def grad_bytes(self) -> int:
+        return DTYPE_BYTES[self.grads]
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """Optimizer state per parameter: fp32 master (if kept) plus the optimizer's fp32 states."""
+        master = 4 if (self.master_weights and DTYPE_BYTES[self.compute] < 4) else 0
+        return master + (8 if self.optimizer == "adam" else 4)
+
+    @property
+    def activation_bytes(self) -> int:
+        return DTYPE_BYTES[self.compute]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def for_device(cls, device_name: str) -> "Precision":
+        """The default policy for a device: fp32 on CPUs, bf16 mixed precision elsewhere."""
+        return cls(compute="fp32", grads="fp32") if device_name == "cpu" else cls()

@@ -1,0 +1,65 @@
+"""Cost model: compute, communication, memory and pipeline-schedule time of a configuration."""
+
+from __future__ import annotations
+
+from ..capture.opgraph import OpGraph
+from ..cluster import Cluster
+from ..config import ParallelConfig, Precision
+from .estimator import Estimator, check_config
+from .layer_cost import recomputable
+from .memory import MemoryBreakdown
+from .schedule import pipeline_time
+
+__all__ = ["Estimator", "MemoryBreakdown", "check_config", "estimate_plan"]
+
+
+def estimate_plan(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_batch_size: int,
+                  precision: Precision | None = None, estimator: Estimator | None = None):
+    """Predict one configuration's step time, memory and per-stage breakdown as a Plan."""
+    from ..plan import Plan, Stage, TimeBreakdown
+
+    precision = precision or Precision.for_device(cluster.device.name)
+    est = estimator or Estimator(graph, cluster, precision)
+    m = check_config(graph, cluster, cfg, global_batch_size)
+    devices = est.devices(cfg, m)
+    groups = est.placements(cfg)
+    pipe = pipeline_time([d.work for d in devices], m, cfg.schedule, cfg.virtual_stages)
+    dp = [est.dp_exposed(cfg, d, m, groups["dp"]) for d in devices]
+    opt = [est.optimizer_time(cfg, d) for d in devices]
+    slowest = max(range(len(devices)), key=lambda i: devices[i].work)
+    tail = max(range(len(devices)), key=lambda i: dp[i] + opt[i])
+    s = devices[slowest]
+    breakdown = TimeBreakdown(compute=m * (s.fwd + s.bwd), recompute=m * s.recompute, tp_comm=m * s.tp_comm,
+                              p2p=m * s.p2p, bubble=pipe.bubble, dp_comm=dp[tail], optimizer=opt[tail])
+    step = breakdown.total
+    names = [layer.name for layer in graph.layers]
+    stages = tuple(Stage(
+        index=i, layers=tuple(names[j] for c in d.chunks for j in c),
+        chunks=tuple(tuple(names[j] for j in c) for c in d.chunks), param_count=d.params,
+        fwd_time=d.fwd, bwd_time=d.bwd, recompute_time=d.recompute, tp_comm_time=d.tp_comm, p2p_time=d.p2p,
+        in_flight=d.in_flight, activation_per_microbatch=d.activations, memory=d.memory)
+        for i, d in enumerate(devices))
+    peak = max(d.memory.total for d in devices)
+    scale = global_batch_size / graph.batch_size
+    model_flops, recompute_flops = _flops(est, cfg, scale)
+    notes = tuple(f"tensor parallelism left {w} whole: tp={cfg.tp} does not divide its split dimension"
+                  for w in est.layers.layout(cfg.tp).replicated_weights) + tuple(graph.warnings)
+    return Plan(model_name=graph.model_name, fingerprint=graph.fingerprint, cluster=cluster, config=cfg,
+                precision=precision, global_batch_size=global_batch_size, micro_batches=m, step_time=step,
+                peak_memory=peak, throughput=global_batch_size / step, model_flops=model_flops,
+                hardware_flops=model_flops + recompute_flops, breakdown=breakdown, stages=stages,
+                fits=peak <= cluster.device.memory, notes=notes)
+
+
+def _flops(est: Estimator, cfg: ParallelConfig, scale: float) -> tuple[float, float]:
+    """(model FLOPs, recomputation FLOPs) per step over the global batch."""
+    graph = est.graph
+    model = sum((n.flops_fwd + n.flops_bwd) * (scale if n.batch_dependent else 1.0) for n in graph.nodes)
+    if cfg.recompute == "full":
+        rec = sum(n.flops_fwd * (scale if n.batch_dependent else 1.0) for n in graph.nodes
+                  if recomputable(graph, graph.layers[n.layer]))
+    elif cfg.recompute == "selective":
+        rec = sum(n.flops_fwd * (scale if n.batch_dependent else 1.0) for n in graph.nodes if n.attention_core)
+    else:
+        rec = 0.0
+    return model, rec

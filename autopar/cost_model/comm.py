@@ -1,0 +1,248 @@
+r"""Alpha-beta cost of collectives on a two-level (NVLink inside a node, NICs between nodes) topology.
+
+Notation: a group of ``n`` ranks, ``r`` of them on each of ``N = n / r`` nodes, ``g``
+groups of the same axis communicating at once through one node's NICs; ``S`` the
+per-rank buffer in bytes (all-reduce: the buffer; all-gather: the OUTPUT; reduce-scatter:
+the INPUT; all-to-all: the send buffer; broadcast: the buffer; p2p: the message).
+Every bandwidth below is achievable: ``link.bandwidth * link.efficiency`` (bytes/s).
+
+**Single node (N = 1): a ring over the intra-node link** (latency a, bandwidth B).
+The nccl-tests bus-bandwidth factors (calibration.md section 5) give
+
+* all-reduce        ``t = 2(n-1)/n * S / B + 2(n-1) a``
+* all-gather, reduce-scatter ``t = (n-1)/n * S / B + (n-1) a``
+* broadcast (pipelined chain) ``t = S / B + (n-1) a``
+* all-to-all (pairwise exchange) ``t = (n-1)/n * S / B + (n-1) a``
+
+**Several nodes.** The hierarchical decomposition of an all-reduce is: reduce-scatter
+inside the node among ``r`` ranks, all-reduce between the ``N`` nodes on each rank's
+``S / r`` shard, all-gather inside the node. It says which bytes cross which link: per
+rank ``2(r-1)/r * S`` over NVLink, and per node ``2(N-1)/N * S`` over the NICs.
+NCCL does not run those phases one after the other: its ring spans the nodes, cuts the
+buffer into chunks that flow through NVLink and the NICs at the same time, and spreads
+its channels over all the node's NICs. So the phases overlap and the bandwidth term is
+the ring's bus traffic over the *slowest hop*:
+
+    B_eff = min(B_intra, r * b)      (r > 1)        B_eff = b      (r = 1)
+    b     = min(inter.bandwidth * devices_per_node / (r * g), intra.bandwidth) * inter.efficiency
+
+``b`` is one rank's share of its node's NICs: the node's ``devices_per_node`` NICs are
+shared by the ``r * g`` ranks of this axis' groups that sit on it (NIC sharing), capped at
+what a rank can feed through its own links; ``r * b`` is the NIC bandwidth one group's
+ring gets when it crosses a node boundary. Summing the phases instead would predict a
+DGX A100 multi-node all-reduce busbw of 111-146 GB/s; NCCL measures about 192 GB/s
+= 8 NICs x 24 GB/s (calibration.md section 5), which is ``r * b`` above. With one rank
+per node (``r = 1``) this is a plain ring over the inter-node link.
+
+A ring pass of ``n - 1`` steps has ``n - N`` hops inside nodes and ``N - 1`` across them,
+so the latency of one pass is ``L = (n - N) a_intra + (N - 1) a_inter``:
+
+* all-reduce        ``t = 2(n-1)/n * S / B_eff + 2 L``
+* all-gather, reduce-scatter ``t = (n-1)/n * S / B_eff + L``
+* broadcast         ``t = S / B_eff + L``
+* all-to-all (pairwise exchange, ``n - 1`` steps of ``S / n``): ``r - 1`` steps inside
+  the node, ``n - r`` across, so ``(n-1)/n`` of the data moves and the inter-node share
+  ``(n-r)/n = (N-1)/N`` goes over the NICs:
+  ``t = (r-1)/n * S / B_intra + (n-r)/n * S / b + (r-1) a_intra + (n-r) a_inter``
+
+Since ``B_eff <= B_intra`` and the presets have ``a_inter >= a_intra``, a group spread over
+nodes never costs less than the same group inside one (hypothetically large) node.
+
+**Point to point**: ``t = S / B + a`` over the intra-node link, or over the inter-node
+link (one device's NIC) when the two ranks sit on different nodes.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..cluster import Cluster, Link
+from ..errors import ConfigError
+
+
+class Collective(str, enum.Enum):
+    """The collectives the cost model prices."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
+    P2P = "p2p"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupPlacement:
+    """Where one process group of a mesh axis lands on the cluster."""
+
+    size: int
+    """Ranks in the group."""
+    ranks_per_node: int
+    """How many of the group's ranks share one node (1 .. devices_per_node); divides ``size``."""
+    groups_per_node: int
+    """How many groups of this axis communicate at the same time through one node's NICs."""
+
+    def __post_init__(self) -> None:
+        for name in ("size", "ranks_per_node", "groups_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"GroupPlacement.{name}={value!r} is out of range: it must be an integer >= 1")
+        if self.ranks_per_node > self.size or self.size % self.ranks_per_node:
+            raise ConfigError(f"GroupPlacement.ranks_per_node={self.ranks_per_node} must divide "
+                              f"size={self.size} (a divisor of the group size)")
+
+    @property
+    def nodes(self) -> int:
+        """Nodes the group spans (``size // ranks_per_node``)."""
+        return self.size // self.ranks_per_node
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(k for k in range(1, min(n, limit) + 1) if n % k == 0)
+
+
+def _placement_by_formula(stride: int, degree: int, per_node: int) -> GroupPlacement | None:
+    """Placement of a group ``{base + k * stride}`` for the regular layouts, else None.
+
+    Regular: the group's consecutive members either all sit on distinct nodes
+    (``stride >= per_node``), or the node size is a multiple of the stride and the
+    group's span ``stride * degree`` divides or is a multiple of the node size (then
+    every node the group touches holds ``min(degree, per_node // stride)`` members and
+    each of the node's ``per_node`` devices is in exactly one group: ``g = per_node / r``).
+    """
+    if degree == 1 or stride >= per_node:
+        return GroupPlacement(size=degree, ranks_per_node=1, groups_per_node=per_node)
+    span = stride * degree
+    if per_node % stride == 0 and (per_node % span == 0 or span % per_node == 0):
+        r = min(degree, per_node // stride)
+        return GroupPlacement(size=degree, ranks_per_node=r, groups_per_node=per_node // r)
+    return None
+
+
+def _placement_by_enumeration(stride: int, degree: int, per_node: int, devices: int) -> GroupPlacement:
+    """Placement found by listing every rank's (group, node); any layout.
+
+    When some node holds fewer of a group's ranks than another (e.g. groups of 3 on
+    nodes of 8), the placement is made conservative: ``ranks_per_node`` is the largest
+    divisor of the size not above the smallest per-node count (fewer ranks per node
+    means more inter-node traffic), ``groups_per_node`` the most groups on any node.
+    """
+    ranks = np.arange(devices, dtype=np.int64)
+    group = ranks - ((ranks // stride) % degree) * stride
+    node = ranks // per_node
+    pairs, counts = np.unique(group * (devices // per_node) + node, return_counts=True)
+    groups_on_node = np.bincount(pairs % (devices // per_node))
+    r = _largest_divisor_at_most(degree, int(counts.min()))
+    return GroupPlacement(size=degree, ranks_per_node=r, groups_per_node=int(groups_on_node.max()))
+
+
+def place_axes(cluster: Cluster, degrees: Sequence[tuple[str, int]]) -> dict[str, GroupPlacement]:
+    """Placement of every mesh axis' groups, axes given innermost first.
+
+    ``degrees`` e.g. ``[("tp", 8), ("dp", 32), ("pp", 4)]``: ranks are laid out with the
+    first axis varying fastest, ``rank = tp_rank + tp * (dp_rank + dp * pp_rank)``, and
+    ranks ``k * devices_per_node .. (k+1) * devices_per_node - 1`` form node ``k``.
+    The product of the degrees must equal ``cluster.devices``.
+    """
+    names = [name for name, _ in degrees]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"mesh axes {names} repeat a name: give each axis once")
+    for name, degree in degrees:
+        if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+            raise ConfigError(f"mesh axis {name!r} has degree {degree!r}: it must be an integer >= 1")
+    product = math.prod(d for _, d in degrees)
+    if product != cluster.devices:
+        raise ConfigError(f"mesh degrees {dict(degrees)} multiply to {product} but the cluster has "
+                          f"{cluster.devices} devices: choose degrees whose product is {cluster.devices}")
+    out: dict[str, GroupPlacement] = {}
+    stride = 1
+    for name, degree in degrees:
+        placement = _placement_by_formula(stride, degree, cluster.devices_per_node)
+        if placement is None:
+            placement = _placement_by_enumeration(stride, degree, cluster.devices_per_node, cluster.devices)
+        out[name] = placement
+        stride *= degree
+    return out
+
+
+def _rank_nic_bandwidth(group: GroupPlacement, cluster: Cluster) -> float:
+    """One rank's achievable share of its node's NICs, bytes/s (``b`` in the module docstring)."""
+    inter, intra = cluster.inter_node, cluster.intra_node
+    share = inter.bandwidth * cluster.devices_per_node / (group.ranks_per_node * group.groups_per_node)
+    return min(share, intra.bandwidth) * inter.efficiency
+
+
+def _check(nbytes: float, group: GroupPlacement, cluster: Cluster) -> None:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not math.isfinite(nbytes) \
+            or nbytes < 0:
+        raise ConfigError(f"nbytes={nbytes!r} must be a finite number of bytes >= 0")
+    dpn = cluster.devices_per_node
+    if group.ranks_per_node * group.groups_per_node > dpn or group.nodes > cluster.nodes:
+        raise ConfigError(f"{group} does not fit {cluster.describe()}: ranks_per_node * groups_per_node must be "
+                          f"<= {dpn} and nodes <= {cluster.nodes}; build placements with place_axes()")
+
+
+def collective_time(kind: Collective, nbytes: float, group: GroupPlacement, cluster: Cluster) -> float:
+    """Seconds for one collective of ``nbytes`` per-rank bytes over ``group`` (see the module docstring).
+
+    A group of one rank costs 0, and so do 0 bytes; p2p ignores the group size and
+    uses the inter-node link when the group spans several nodes (a pipeline runs at
+    its slowest hop), the intra-node link otherwise.
+    """
+    kind = Collective(kind)
+    _check(nbytes, group, cluster)
+    if nbytes == 0:
+        return 0.0
+    if kind is Collective.P2P:
+        return p2p_time(nbytes, cluster, across_nodes=group.nodes > 1)
+    n, r, N = group.size, group.ranks_per_node, group.nodes
+    if n == 1:
+        return 0.0
+    intra, inter = cluster.intra_node, cluster.inter_node
+    b_intra = intra.effective_bandwidth
+    if kind is Collective.ALL_TO_ALL:
+        t_bw = (r - 1) / n * nbytes / b_intra
+        if N > 1:
+            t_bw += (n - r) / n * nbytes / _rank_nic_bandwidth(group, cluster)
+        return t_bw + (r - 1) * intra.latency + (n - r) * inter.latency
+    if N == 1:
+        b_eff = b_intra
+    elif r == 1:
+        b_eff = _rank_nic_bandwidth(group, cluster)
+    else:
+        b_eff = min(b_intra, r * _rank_nic_bandwidth(group, cluster))
+    ring_pass_latency = (n - N) * intra.latency + (N - 1) * inter.latency
+    if kind is Collective.ALL_REDUCE:
+        return 2 * (n - 1) / n * nbytes / b_eff + 2 * ring_pass_latency
+    if kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
+        return (n - 1) / n * nbytes / b_eff + ring_pass_latency
+    return nbytes / b_eff + ring_pass_latency  # BROADCAST
+
+
+def p2p_time(nbytes: float, cluster: Cluster, *, across_nodes: bool) -> float:
+    """Seconds to send ``nbytes`` from one rank to another: ``S / (bandwidth * efficiency) + latency``.
+
+    ``across_nodes`` picks the inter-node link (one device's NIC) over the intra-node one.
+    """
+    _check(nbytes, GroupPlacement(size=1, ranks_per_node=1, groups_per_node=1), cluster)
+    if nbytes == 0:
+        return 0.0
+    link: Link = cluster.inter_node if across_nodes else cluster.intra_node
+    return nbytes / link.effective_bandwidth + link.latency
+
+
+def bus_bandwidth(kind: Collective, nbytes: float, seconds: float, group_size: int) -> float:
+    """nccl-tests bus bandwidth in bytes/s: ``nbytes * factor / seconds``.
+
+    Factors: all-reduce ``2(n-1)/n``; all-gather, reduce-scatter, all-to-all ``(n-1)/n``;
+    broadcast and p2p 1. Useful to compare predictions with measured busbw tables.
+    """
+    kind, n = Collective(kind), group_size
+    factor = {Collective.ALL_REDUCE: 2 * (n - 1) / n, Collective.BROADCAST: 1.0,
+              Collective.P2P: 1.0}.get(kind, (n - 1) / n)
+    return nbytes * factor / seconds

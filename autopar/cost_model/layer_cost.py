@@ -1,0 +1,161 @@
+"""Costs of one layer for one micro-batch under a tensor-parallel layout (cached per signature).
+
+A layer's forward is the sum of its ops' forward times plus its forward
+tensor-parallel collectives; backward likewise. Recomputation adds forward work to
+backward: the whole forward (collectives included) for "full", the attention core's
+forward for "selective".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from ..capture.opgraph import Layer, OpGraph, OpKind, OpNode
+from ..cluster import Cluster
+from ..config import Precision
+from .comm import Collective, GroupPlacement, collective_time
+from .compute import ComputeModel, MeasuredTimes, fused_away
+from .memory import ActivationModel, saved_owner
+from .tensor_parallel import S, TPLayout, propagate
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Seconds and bytes of one layer for one micro-batch on one device."""
+
+    fwd: float               # compute only
+    bwd: float
+    recompute: float         # extra forward work during backward
+    tp_fwd: float            # tensor-parallel collectives in forward
+    tp_bwd: float
+    activations: float       # bytes kept until backward (under the recompute mode)
+    activations_full: float  # bytes it would keep without recomputation
+    largest_tensor: float    # bytes of its largest activation
+    flops: float             # forward + backward FLOPs (whole layer, all tensor-parallel ranks)
+    recompute_flops: float
+
+
+def recomputable(graph: OpGraph, layer: Layer) -> bool:
+    """Recomputation applies to the repeated blocks (Megatron-LM leaves the embedding and the head
+    alone); a model without repeated blocks recomputes every layer."""
+    return layer.is_block or not any(other.is_block for other in graph.layers)
+
+
+def split_dim(node: OpNode, layout: TPLayout) -> str:
+    """GEMM dimension tensor parallelism splits for this node: "n", "k", "batch" or ""."""
+    if layout.tp == 1 or node.gemm is None:
+        return ""
+    if node.params and node.params[0] in layout.split_params:
+        return "n" if layout.state.get(node.name) == S else "k"
+    return "batch" if layout.state.get(node.name) == S else ""
+
+
+def compute_shard(node: OpNode, layout: TPLayout, sequence_parallel: bool) -> int:
+    """Divisor of the node's compute under the layout."""
+    if node.params and node.params[0] in layout.split_params:
+        return layout.tp
+    return layout.shard(node.name, sequence_parallel) if node.batch_dependent or layout.state.get(
+        node.name) == S else 1
+
+
+@dataclass
+class LayerCostModel:
+    """Layer costs for one graph, cluster and precision; caches by (signature, tp, sp, mb, recompute)."""
+
+    graph: OpGraph
+    cluster: Cluster
+    precision: Precision
+    measured: MeasuredTimes | None = None
+    _layouts: dict[int, TPLayout] = field(default_factory=dict)
+    _cache: dict[tuple, LayerCost] = field(default_factory=dict)
+    _owner: Mapping[str, int] | None = None
+    _fused: frozenset[str] | None = None
+
+    def layout(self, tp: int) -> TPLayout:
+        if tp not in self._layouts:
+            self._layouts[tp] = propagate(self.graph, tp)
+        return self._layouts[tp]
+
+    @property
+    def owner(self) -> Mapping[str, int]:
+        if self._owner is None:
+            self._owner = saved_owner(self.graph)
+        return self._owner
+
+    @property
+    def fused(self) -> frozenset[str]:
+        if self._fused is None:
+            self._fused = fused_away(self.graph)
+        return self._fused
+
+    def cost(self, layer: Layer, tp: int, sp: bool, micro_batch: int, recompute: str,
+             tp_group: GroupPlacement) -> LayerCost:
+        if not recomputable(self.graph, layer):
+            recompute = "none"
+        key = (layer.signature, layer.index if not layer.is_block else -1, tp, sp, micro_batch, recompute)
+        if key not in self._cache:
+            self._cache[key] = self._compute(layer, tp, sp, micro_batch, recompute, tp_group)
+        return self._cache[key]
+
+    def _compute(self, layer: Layer, tp: int, sp: bool, micro_batch: int, recompute: str,
+                 tp_group: GroupPlacement) -> LayerCost:
+        layout = self.layout(tp)
+        scale = micro_batch / self.graph.batch_size
+        model = ComputeModel(self.graph, self.cluster.device, self.precision.compute, self.measured)
+        fwd = bwd = core_fwd = flops = core_flops = 0.0
+        for node in self.graph.layer_nodes(layer):
+            t = model.op_time(node, scale, compute_shard(node, layout, sp), split_dim(node, layout), self.fused)
+            fwd += t.fwd
+            bwd += t.bwd
+            node_scale = scale if node.batch_dependent else 1.0
+            flops += (node.flops_fwd + node.flops_bwd) * node_scale
+            if node.attention_core:
+                core_fwd += t.fwd
+                core_flops += node.flops_fwd * node_scale
+        tp_fwd, tp_bwd = self._tp_comm(layer, layout, scale, tp_group)
+        acts = ActivationModel(self.graph, layout, self.precision, sp)
+        if recompute == "full":
+            recompute_time = fwd + tp_fwd
+            recompute_flops = sum(n.flops_fwd * (scale if n.batch_dependent else 1.0)
+                                  for n in self.graph.layer_nodes(layer))
+        elif recompute == "selective":
+            recompute_time, recompute_flops = core_fwd, core_flops
+        else:
+            recompute_time, recompute_flops = 0.0, 0.0
+        return LayerCost(
+            fwd=fwd, bwd=bwd, recompute=recompute_time, tp_fwd=tp_fwd, tp_bwd=tp_bwd,
+            activations=acts.layer_bytes(layer, recompute, scale, self.owner),
+            activations_full=acts.layer_bytes(layer, "none", scale, self.owner),
+            largest_tensor=acts.largest_tensor([layer], scale), flops=flops, recompute_flops=recompute_flops)
+
+    def _tp_comm(self, layer: Layer, layout: TPLayout, scale: float, group: GroupPlacement) -> tuple[float, float]:
+        fwd = bwd = 0.0
+        per = self.precision.activation_bytes
+        for comm in layout.comms.get(layer.index, ()):
+            nbytes = comm.numel * per * (scale if comm.batch_dependent else 1.0)
+            kind = Collective.ALL_REDUCE if comm.kind == "all_reduce" else Collective.ALL_GATHER
+            t = collective_time(kind, nbytes, group, self.cluster)
+            if comm.phase == "fwd":
+                fwd += t
+                if kind is Collective.ALL_GATHER:
+                    bwd += t  # its backward is a reduce-scatter of the same volume
+            else:
+                bwd += t
+        return fwd, bwd
+
+    def crossing_numel(self, cut_after: int) -> tuple[int, int]:
+        """(batch-dependent, constant) elements produced at or before layer ``cut_after`` and used after it.
+
+        Graph inputs are excluded: every rank has the batch."""
+        graph = self.graph
+        crossing: dict[str, tuple[int, bool]] = {}
+        for layer in graph.layers[cut_after + 1:]:
+            for name in layer.inputs:
+                if name in graph.node_index:
+                    node = graph.node(name)
+                    if node.layer <= cut_after and node.kind is not OpKind.CREATION:
+                        crossing[name] = (node.outputs[0].numel, node.batch_dependent)
+        bd = sum(n for n, b in crossing.values() if b)
+        const = sum(n for n, b in crossing.values() if not b)
+        return bd, const

@@ -1,0 +1,152 @@
+"""Memory per device: model states by ZeRO stage, activations by layer, schedule and recompute.
+
+Model states (Rajbhandari et al., ZeRO, section 3), for ``Psi`` parameters held by a
+device after tensor/pipeline splitting, data-parallel degree ``N_d``, ``w``/``g``/``K``
+bytes per parameter of weights, gradients and optimizer state (2 / 2 / 12 for bf16
+mixed-precision Adam)::
+
+    zero 0:  (w + g + K) Psi          zero 2:  w Psi + (g + K) Psi / N_d
+    zero 1:  (w + g) Psi + K Psi/N_d  zero 3:  (w + g + K) Psi / N_d
+
+Activations of one layer for one micro-batch are the bytes of the tensors autograd
+saves (capture/rules.py), each storage counted once and charged to the first layer
+that saves it, at the training precision (floating tensors at 2 bytes in bf16; masks
+1 byte). Tensor parallelism divides a tensor in the split region by ``t``; sequence
+parallelism divides the replicated region by ``t`` as well. Selective recomputation
+drops the attention core's tensors; full recomputation keeps only the tensors that
+enter the layer from outside. For the Megatron GPT layer this reproduces
+Korthikanti et al. Table 2: ``sbh(34 + 5as/h)`` and its TP/SP/recompute variants.
+
+In-flight micro-batches per pipeline device ``i`` of ``p`` with ``m`` micro-batches:
+GPipe ``m``; 1F1B ``min(m, p - i)``; interleaved 1F1B with ``v`` chunks per device
+``min(m v, 2(p - i - 1) + (v - 1) p + 1)`` chunk-passes (Megatron's warm-up count),
+which for ``i = 0`` is Korthikanti's factor ``1 + (p - 1)/(p v)`` times ``L/p`` layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from ..capture.opgraph import Layer, OpGraph, SavedTensor
+from ..config import ParallelConfig, Precision
+from .tensor_parallel import TPLayout
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one device, by kind."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    def to_dict(self) -> dict[str, float]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "buffers": self.buffers, "total": self.total}
+
+
+def model_state_bytes(numel: float, precision: Precision, zero: int, dp: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes for ``numel`` parameters on one device."""
+    w, g, k = precision.weight_bytes * numel, precision.grad_bytes * numel, precision.optimizer_bytes * numel
+    if zero >= 1:
+        k /= dp
+    if zero >= 2:
+        g /= dp
+    if zero >= 3:
+        w /= dp
+    return w, g, k
+
+
+def saved_owner(graph: OpGraph) -> dict[str, int]:
+    """Storage root -> index of the first layer that saves it."""
+    owner: dict[str, int] = {}
+    for node in graph.nodes:
+        for st in node.saved:
+            owner.setdefault(st.root, node.layer)
+    return owner
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """Activation bytes per layer for one graph, tensor-parallel layout and precision."""
+
+    graph: OpGraph
+    layout: TPLayout
+    precision: Precision
+    sequence_parallel: bool = False
+
+    def _saved_in(self, layer: Layer, owner: Mapping[str, int]) -> Iterable[SavedTensor]:
+        seen: set[str] = set()
+        for node in self.graph.layer_nodes(layer):
+            for st in node.saved:
+                if st.root not in seen and owner.get(st.root) == layer.index:
+                    seen.add(st.root)
+                    yield st
+
+    def _bytes(self, st: SavedTensor, batch_scale: float) -> float:
+        scale = batch_scale if st.batch_dependent else 1.0
+        return st.nbytes(self.precision.activation_bytes) * scale / self.layout.shard(st.root, self.sequence_parallel)
+
+    def layer_bytes(self, layer: Layer, recompute: str, batch_scale: float, owner: Mapping[str, int]) -> float:
+        """Activation bytes one micro-batch leaves in ``layer`` until its backward."""
+        if recompute == "full":
+            return self.boundary_bytes(layer, batch_scale)
+        total = 0.0
+        for st in self._saved_in(layer, owner):
+            if recompute == "selective" and self._in_core(st.root):
+                continue
+            total += self._bytes(st, batch_scale)
+        return total
+
+    def boundary_bytes(self, layer: Layer, batch_scale: float) -> float:
+        """Bytes of the activations entering ``layer`` from earlier layers (what full recompute keeps)."""
+        total = 0.0
+        graph = self.graph
+        for name in layer.inputs:
+            if name in graph.node_index:
+                node = graph.node(name)
+                meta, bd = node.outputs[0], node.batch_dependent
+            else:
+                gi = next((g for g in graph.inputs if g.name == name), None)
+                if gi is None:
+                    continue
+                meta, bd = gi.meta, gi.batch_dependent
+            per = self.precision.activation_bytes if meta.is_float else None
+            st = SavedTensor(name, meta.numel, meta.dtype, bd)
+            total += st.nbytes(per) * (batch_scale if bd else 1.0) / self.layout.shard(name, self.sequence_parallel)
+        return total
+
+    def _in_core(self, root: str) -> bool:
+        name = root.split(":")[0]
+        return name in self.graph.node_index and self.graph.node(name).attention_core
+
+    def largest_tensor(self, layers: Iterable[Layer], batch_scale: float) -> float:
+        """Bytes of the largest activation any op of these layers produces (a gradient buffer's size)."""
+        best = 0.0
+        for layer in layers:
+            for node in self.graph.layer_nodes(layer):
+                meta = node.outputs[0]
+                per = self.precision.activation_bytes if meta.is_float else None
+                st = SavedTensor(node.name, meta.numel, meta.dtype, node.batch_dependent)
+                best = max(best, st.nbytes(per) * (batch_scale if node.batch_dependent else 1.0)
+                           / self.layout.shard(node.name, self.sequence_parallel))
+        return best
+
+
+def in_flight(cfg: ParallelConfig, stage: int, micro_batches: int) -> int:
+    """Micro-batch passes (chunk passes when interleaved) whose activations device ``stage`` holds at peak."""
+    p, m, v = cfg.pp, micro_batches, cfg.virtual_stages
+    if p == 1:
+        return 1
+    if cfg.schedule == "gpipe":
+        return m
+    if cfg.schedule == "1f1b":
+        return min(m, p - stage)
+    return min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)

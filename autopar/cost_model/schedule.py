@@ -1,0 +1,93 @@
+"""Pipeline schedule time and the layer-to-stage split used to estimate a given configuration.
+
+Pipeline time per optimizer step, ``m`` micro-batches, ``p`` devices along the pipeline,
+``x_i`` the work of device ``i`` per micro-batch (forward + backward + recompute +
+tensor-parallel collectives + its p2p sends/receives), ``X = max_i x_i``:
+
+- GPipe and 1F1B (Narayanan et al. 2021, section 2.2; both flush every step)::
+
+      T = (m - 1) X + sum_i x_i        (= (m + p - 1) X when balanced: bubble (p-1)/m)
+
+- interleaved 1F1B with ``v`` model chunks per device::
+
+      T = (m + (p - 1) / v) X          (bubble (p-1)/(v m), p2p traffic v times larger)
+
+The bubble reported is ``T - m X``: time the slowest device is not working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..capture.opgraph import OpGraph
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class PipelineTime:
+    total: float
+    bubble: float
+
+
+def pipeline_time(work: Sequence[float], micro_batches: int, schedule: str, virtual_stages: int) -> PipelineTime:
+    """Seconds for ``micro_batches`` through devices doing ``work[i]`` seconds per micro-batch each."""
+    if not work:
+        raise ConfigError("a pipeline needs at least one stage")
+    m, p, slowest = micro_batches, len(work), max(work)
+    if p == 1:
+        return PipelineTime(m * slowest, 0.0)
+    if schedule == "interleaved":
+        total = (m + (p - 1) / virtual_stages) * slowest
+    else:
+        total = (m - 1) * slowest + sum(work)
+    return PipelineTime(total, total - m * slowest)
+
+
+def even_partition(graph: OpGraph, chunks: int, layer_cost: Sequence[float]) -> list[list[int]]:
+    """Megatron's split: the repeated blocks evenly over ``chunks`` model chunks, the layers
+    before the first block on the first chunk and those after the last block on the last.
+
+    When the blocks do not divide evenly, the contiguous split that minimises the most
+    expensive chunk (by ``layer_cost``) is used instead.
+    """
+    n = len(graph.layers)
+    if chunks > n:
+        raise ConfigError(f"{chunks} pipeline chunks (pp x virtual_stages) but the model has only {n} layers "
+                          f"({', '.join(l.name for l in graph.layers[:6])}{'...' if n > 6 else ''}): lower pp or "
+                          "virtual_stages")
+    blocks = [l.index for l in graph.layers if l.is_block]
+    if chunks == 1:
+        return [list(range(n))]
+    if blocks and len(blocks) % chunks == 0 and blocks == list(range(blocks[0], blocks[-1] + 1)):
+        per = len(blocks) // chunks
+        parts = [blocks[i * per:(i + 1) * per] for i in range(chunks)]
+        parts[0] = list(range(0, blocks[0])) + parts[0]
+        parts[-1] = parts[-1] + list(range(blocks[-1] + 1, n))
+        return parts
+    return balanced_partition(layer_cost, chunks)
+
+
+def balanced_partition(cost: Sequence[float], parts: int) -> list[list[int]]:
+    """Contiguous split of ``cost`` into ``parts`` non-empty runs minimising the largest run sum
+    (classic linear-partition DP, O(n^2 parts))."""
+    n = len(cost)
+    prefix = [0.0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for j in range(k, n - (parts - k) + 1):
+            for i in range(k - 1, j):
+                val = max(best[k - 1][i], prefix[j] - prefix[i])
+                if val < best[k][j]:
+                    best[k][j], cut[k][j] = val, i
+    bounds, j = [], n
+    for k in range(parts, 0, -1):
+        i = cut[k][j]
+        bounds.append(list(range(i, j)))
+        j = i
+    return bounds[::-1]

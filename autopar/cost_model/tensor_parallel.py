@@ -1,0 +1,148 @@
+"""Layer-level Megatron tensor parallelism on an OpGraph: which ops are split, which collectives run.
+
+Each activation gets a state, propagated in graph order:
+
+- ``R`` replicated: every tensor-parallel rank holds all of it (the residual stream);
+- ``S`` split: each rank holds ``1/t`` (attention heads, MLP hidden, vocabulary);
+- ``C`` constant: does not depend on the batch (masks, rotary tables).
+
+Rules (Shoeybi et al. 2019, Megatron-LM section 3):
+
+- a matmul with a weight reading an ``R`` input is *column parallel*: output ``S``;
+  its input gradient needs one all-reduce in backward per distinct ``R`` input (Megatron's ``f``);
+- a matmul with a weight reading an ``S`` input is *row parallel*: output ``R`` after an
+  all-reduce in forward (Megatron's ``g``);
+- an embedding is vocabulary parallel: output ``R`` after a forward all-reduce;
+- a loss on ``S`` logits is the vocabulary-parallel cross entropy (three all-reduces of
+  one value per token);
+- any other op with an ``S`` input is ``S`` (it works on its shard), unless it also reads
+  an ``R`` activation or normalises/reduces its input, in which case the ``S`` input is
+  all-gathered first (a cost, never silently wrong);
+- the rest inherit ``R`` (or ``C`` when no input depends on the batch).
+
+A weight whose split dimension does not divide by ``t`` stays replicated (column
+rule not applied) and the graph keeps going in ``R``.
+
+With sequence parallelism (Korthikanti et al.) the ``R`` regions are split along the
+sequence too: their compute and activations divide by ``t`` and every all-reduce
+becomes a reduce-scatter plus an all-gather of the same total volume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from ..capture.opgraph import OpGraph, OpKind, OpNode
+
+R, S, C = "R", "S", "C"
+
+
+@dataclass(frozen=True)
+class TPComm:
+    """One tensor-parallel collective per micro-batch: ``nbytes`` at the captured batch, in the
+    captured dtype (rescaled by the caller). ``kind``: "all_reduce" | "all_gather"."""
+
+    node: str
+    kind: str
+    phase: str          # "fwd" | "bwd"
+    numel: int
+    batch_dependent: bool
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """The result of propagation for one tensor-parallel degree."""
+
+    tp: int
+    state: Mapping[str, str]          # node (and graph input) name -> R / S / C
+    split_params: frozenset[str]      # parameters divided by tp
+    comms: Mapping[int, tuple[TPComm, ...]]  # layer index -> collectives per micro-batch
+    replicated_weights: tuple[str, ...]      # matmul weights left whole because tp does not divide them
+
+    def shard(self, name: str, sequence_parallel: bool) -> int:
+        """Divisor of a node's compute and activations."""
+        st = self.state.get(name.split(":")[0], R)
+        if st == S or (st == R and sequence_parallel):
+            return self.tp
+        return 1
+
+
+def _weight_split_dim(node: OpNode, graph: OpGraph, column: bool) -> int | None:
+    if not node.params:
+        return None
+    weight = graph.params.get(node.params[0])
+    if weight is None or len(weight.shape) < 2:
+        return None
+    # linear weight is (out, in); a plain matmul's weight is (in, out).
+    if node.target.startswith("aten.linear"):
+        return weight.shape[0] if column else weight.shape[1]
+    return weight.shape[-1] if column else weight.shape[-2]
+
+
+def propagate(graph: OpGraph, tp: int) -> TPLayout:
+    """Propagate R/S/C states for tensor-parallel degree ``tp`` (``tp == 1``: everything R/C)."""
+    state: dict[str, str] = {gi.name: R for gi in graph.inputs}
+    split: set[str] = set()
+    replicated: list[str] = []
+    comms: dict[int, list[TPComm]] = {}
+    f_inputs: set[str] = set()  # R tensors feeding column-parallel matmuls (one bwd all-reduce each)
+
+    def add(node: OpNode, kind: str, phase: str, numel: int) -> None:
+        comms.setdefault(node.layer, []).append(TPComm(node.name, kind, phase, numel, node.batch_dependent))
+
+    for node in graph.nodes:
+        ins = [state.get(i, C) for i in node.inputs]
+        act_r = [i for i in node.inputs if state.get(i) == R]
+        has_s = S in ins
+        out_numel = node.outputs[0].numel
+        if tp == 1:
+            state[node.name] = R if (ins and any(s != C for s in ins)) or node.batch_dependent else C
+            continue
+        if node.kind is OpKind.MATMUL and node.params:
+            column = not has_s
+            dim = _weight_split_dim(node, graph, column)
+            if dim is None or dim % tp:
+                replicated.append(node.params[0])
+                if has_s:
+                    add(node, "all_gather", "fwd", sum(graph.node(i).outputs[0].numel for i in node.inputs
+                                                       if state.get(i) == S))
+                state[node.name] = R
+                continue
+            split.update(node.params)
+            if column:
+                state[node.name] = S
+                for i in act_r:
+                    if i not in f_inputs:
+                        f_inputs.add(i)
+                        src = graph.node(i) if i in graph.node_index else None
+                        numel = src.outputs[0].numel if src else out_numel
+                        add(node, "all_reduce", "bwd", numel)
+            else:
+                state[node.name] = R
+                add(node, "all_reduce", "fwd", out_numel)
+        elif node.kind is OpKind.EMBEDDING and node.params:
+            vocab = graph.params[node.params[0]].shape[0] if node.params[0] in graph.params else 0
+            if vocab % tp == 0:
+                split.update(node.params)
+                add(node, "all_reduce", "fwd", out_numel)
+            else:
+                replicated.append(node.params[0])
+            state[node.name] = R
+        elif node.kind is OpKind.LOSS and has_s:
+            rows = out_numel if node.outputs[0].shape else max(1, graph.node(node.inputs[0]).outputs[0].numel
+                                                                 // max(1, graph.node(node.inputs[0]).outputs[0].shape[-1]))
+            add(node, "all_reduce", "fwd", 3 * rows)
+            state[node.name] = R
+        elif has_s and (act_r or node.kind in (OpKind.NORM, OpKind.REDUCTION, OpKind.LOSS)):
+            add(node, "all_gather", "fwd", sum(graph.node(i).outputs[0].numel for i in node.inputs
+                                               if state.get(i) == S))
+            state[node.name] = R
+        elif has_s:
+            state[node.name] = S
+        elif act_r or node.batch_dependent:
+            state[node.name] = R
+        else:
+            state[node.name] = C
+    return TPLayout(tp, state, frozenset(split), {k: tuple(v) for k, v in comms.items()},
+                    tuple(dict.fromkeys(replicated)))

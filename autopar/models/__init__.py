@@ -1,0 +1,27 @@
+"""A small zoo of model builders for demos, tests and benchmarks.
+
+Every builder returns ``(model, example_inputs)`` with the batch on dim 0, builds
+on any device (``device="meta"`` allocates nothing) in any floating ``dtype``, and
+gives a model that ``torch.export.export(..., strict=False)`` captures in train mode.
+Transformers take ``{input_ids, labels}`` and return the loss; the MLP and CNN take
+a tuple and return outputs (callers pass a ``loss_fn``).
+The Hugging Face builders live in :mod:`autopar.models.hf` (transformers is optional)
+and are re-exported here; they import transformers only when called.
+"""
+
+from .cnn import (BasicBlock, Bottleneck, ResNet, build_resnet, resnet, resnet18, resnet50,
+                  small_resnet)
+from .gpt import GPT, GPTConfig, build_gpt, gpt_param_count
+from .hf import build_hf_bert, build_hf_gpt2, build_hf_llama
+from .llama import Llama, LlamaConfig, build_llama, llama_param_count
+from .mlp import MLP, build_mlp
+from .registry import ModelSpec, build, describe, names
+
+__all__ = [
+    "GPT", "GPTConfig", "build_gpt", "gpt_param_count",
+    "Llama", "LlamaConfig", "build_llama", "llama_param_count",
+    "MLP", "build_mlp",
+    "ResNet", "BasicBlock", "Bottleneck", "resnet", "resnet18", "resnet50", "small_resnet", "build_resnet",
+    "build_hf_gpt2", "build_hf_llama", "build_hf_bert",
+    "ModelSpec", "build", "describe", "names",
+]

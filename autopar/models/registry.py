@@ -1,0 +1,119 @@
+"""Named models: ``build("llama3-8b", device="meta")`` for demos, tests and benchmarks.
+
+The transformer entries use the hand-written :mod:`.gpt` and :mod:`.llama`
+models (quick to build on "meta" and to export). Vocabulary sizes are the
+published ones, unpadded (50257 for GPT-2 is not divisible by any tensor-parallel
+degree > 1; benchmarks that need padding define their own configs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError
+from .cnn import build_resnet
+from .gpt import GPTConfig, build_gpt
+from .llama import LlamaConfig, build_llama
+from .mlp import build_mlp
+
+Inputs = dict[str, torch.Tensor] | tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """One registry entry."""
+
+    name: str
+    """Registry name."""
+    description: str
+    """One line: what the model is and its size."""
+    config: GPTConfig | LlamaConfig | None = None
+    """Transformer config (its seq_len is the default sequence length), or None for the others."""
+    builder: Callable[..., tuple[nn.Module, Any]] | None = None
+    """For non-transformer entries: ``builder(batch_size=, device=, dtype=)``."""
+
+
+def _gpt(name: str, desc: str, **kw: Any) -> ModelSpec:
+    return ModelSpec(name=name, description=desc, config=GPTConfig(**kw))
+
+
+def _llama(name: str, desc: str, **kw: Any) -> ModelSpec:
+    return ModelSpec(name=name, description=desc, config=LlamaConfig(**kw))
+
+
+_SPECS: tuple[ModelSpec, ...] = (
+    _gpt("gpt-tiny", "GPT, 2 layers, h=64, 4 heads, V=512, s=32 (tests)",
+         layers=2, hidden=64, heads=4, vocab_size=512, seq_len=32),
+    _gpt("gpt2-small", "GPT-2 small: l=12, h=768, 12 heads, V=50257, s=1024, tied head (124M)",
+         layers=12, hidden=768, heads=12, vocab_size=50257, seq_len=1024),
+    _gpt("gpt2-xl", "GPT-2 XL: l=48, h=1600, 25 heads, V=50257, s=1024, tied head (1.56B)",
+         layers=48, hidden=1600, heads=25, vocab_size=50257, seq_len=1024),
+    _gpt("gpt3-175b", "GPT-3: l=96, h=12288, 96 heads, V=51200, s=2048 (175B)",
+         layers=96, hidden=12288, heads=96, vocab_size=51200, seq_len=2048),
+    _llama("llama2-7b", "Llama 2 7B: l=32, h=4096, 32 heads (MHA), ffn 11008, V=32000, s=4096 (6.7B)",
+           layers=32, hidden=4096, heads=32, kv_heads=32, ffn_hidden=11008, vocab_size=32000,
+           seq_len=4096, rope_theta=10000.0),
+    _llama("llama3-8b", "Llama 3 8B: l=32, h=4096, 32/8 kv heads, ffn 14336, V=128256, s=8192 (8.0B)",
+           layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab_size=128256,
+           seq_len=8192),
+    _llama("llama3-70b", "Llama 3 70B: l=80, h=8192, 64/8 kv heads, ffn 28672, V=128256, s=8192 (70.6B)",
+           layers=80, hidden=8192, heads=64, kv_heads=8, ffn_hidden=28672, vocab_size=128256,
+           seq_len=8192),
+    _llama("llama3-405b", "Llama 3.1 405B: l=126, h=16384, 128/8 kv heads, ffn 53248, V=128256, s=8192",
+           layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248, vocab_size=128256,
+           seq_len=8192),
+    ModelSpec(name="resnet50",
+              description="ResNet-50 v1.5, 224x224 images, 1000 classes (25.6M); returns logits",
+              builder=lambda **kw: build_resnet("resnet50", **kw)),
+    ModelSpec(name="mlp-small",
+              description="MLP 32 -> 64 (x4 hidden blocks) -> 16 (19.8K); returns outputs",
+              builder=build_mlp),
+    ModelSpec(name="small-cnn",
+              description="tiny ResNet: width 8, 2 BasicBlocks, 32x32 images, 10 classes (5.3K); logits",
+              builder=lambda **kw: build_resnet("small", **kw)),
+)
+
+REGISTRY: Mapping[str, ModelSpec] = MappingProxyType({s.name: s for s in _SPECS})
+"""Every built-in model by name (read-only)."""
+
+
+def names() -> tuple[str, ...]:
+    """The built-in model names, in registry order."""
+    return tuple(REGISTRY)
+
+
+def spec(name: str) -> ModelSpec:
+    """The registry entry of ``name``; ConfigError listing the names if unknown."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"unknown model {name!r}: choose one of {', '.join(names())}") from None
+
+
+def describe(name: str) -> str:
+    """One line about ``name``: what it is and its size."""
+    return f"{name}: {spec(name).description}"
+
+
+def build(name: str, *, batch_size: int = 1, seq_len: int | None = None,
+          device: torch.device | str = "meta",
+          dtype: torch.dtype = torch.float32) -> tuple[nn.Module, Inputs]:
+    """Build the named model and its example inputs (batch on dim 0), on "meta" by default.
+
+    ``seq_len`` overrides a transformer's sequence length (for GPT it also sizes the
+    position embedding); it is an error for the models that take no sequence.
+    """
+    entry = spec(name)
+    if entry.config is None:
+        if seq_len is not None:
+            raise ConfigError(f"model {name!r} takes no sequence: leave seq_len=None (got {seq_len})")
+        return entry.builder(batch_size=batch_size, device=device, dtype=dtype)
+    config = entry.config if seq_len is None else replace(entry.config, seq_len=seq_len)
+    if isinstance(config, GPTConfig):
+        return build_gpt(config, batch_size=batch_size, device=device, dtype=dtype)
+    return build_llama(config, batch_size=batch_size, device=device, dtype=dtype)

@@ -1,0 +1,154 @@
+"""Plan: a parallel configuration with its stage partition and predicted costs.
+
+Frozen dataclasses with a versioned JSON form (``SCHEMA_VERSION``). Units: seconds,
+bytes, FLOPs, samples/s; formatting happens only in ``summary()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+from .cluster import Cluster
+from .config import ParallelConfig, Precision
+from .cost_model.memory import MemoryBreakdown
+from .errors import PlanFormatError
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    """Where one optimizer step's time goes on the critical path (seconds, summing to the step)."""
+
+    compute: float        # forward + backward of the slowest pipeline device, all micro-batches
+    recompute: float      # activation recomputation on that device
+    tp_comm: float        # tensor-parallel collectives on that device (not overlapped)
+    p2p: float            # pipeline sends/receives on that device
+    bubble: float         # pipeline fill and drain
+    dp_comm: float        # data-parallel / ZeRO communication not hidden behind compute
+    optimizer: float      # the optimizer step
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.recompute + self.tp_comm + self.p2p + self.bubble + self.dp_comm
+                + self.optimizer)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline device's share: its layers and its costs per micro-batch."""
+
+    index: int
+    layers: tuple[str, ...]           # layer names, in order (all chunks when interleaved)
+    chunks: tuple[tuple[str, ...], ...]  # per model chunk (one chunk unless interleaved)
+    param_count: int                  # parameters held (after tensor parallelism, before ZeRO)
+    fwd_time: float                   # compute per micro-batch, seconds
+    bwd_time: float
+    recompute_time: float
+    tp_comm_time: float
+    p2p_time: float
+    in_flight: int                    # micro-batch passes whose activations are held at the peak
+    activation_per_microbatch: float  # bytes
+    memory: MemoryBreakdown
+
+    @property
+    def work(self) -> float:
+        """Seconds per micro-batch: everything this device does for one micro-batch."""
+        return self.fwd_time + self.bwd_time + self.recompute_time + self.tp_comm_time + self.p2p_time
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A parallel plan and its predicted cost. Made by :func:`autopar.estimate` / :func:`autopar.plan`."""
+
+    model_name: str
+    fingerprint: str
+    cluster: Cluster
+    config: ParallelConfig
+    precision: Precision
+    global_batch_size: int
+    micro_batches: int                 # per pipeline, per step
+    step_time: float                   # seconds per optimizer step
+    peak_memory: float                 # bytes, the largest over all devices
+    throughput: float                  # samples per second
+    model_flops: float                 # FLOPs per step without recomputation
+    hardware_flops: float              # FLOPs per step actually executed (with recomputation)
+    breakdown: TimeBreakdown
+    stages: tuple[Stage, ...]
+    fits: bool                         # peak_memory <= device memory
+    notes: tuple[str, ...] = ()
+    optimal: bool | None = None        # set by the solver; None for an estimate
+    schema_version: int = SCHEMA_VERSION
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def devices(self) -> int:
+        return self.config.devices
+
+    @property
+    def tflops_per_device(self) -> float:
+        """Achieved hardware FLOP/s per device (recomputation included, as Megatron-LM reports), in TFLOP/s."""
+        return self.hardware_flops / (self.step_time * self.devices) / 1e12
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilisation: model FLOPs per second over the devices' peak."""
+        peak = self.cluster.device.peak(self.precision.compute)
+        return self.model_flops / (self.step_time * self.devices * peak)
+
+    # --- JSON ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["cluster"] = self.cluster.to_dict()
+        data["config"] = self.config.to_dict()
+        data["precision"] = self.precision.to_dict()
+        data["extra"] = dict(self.extra)
+        return {"schema_version": self.schema_version, **{k: v for k, v in data.items() if k != "schema_version"}}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=False)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the plan as JSON atomically (temporary file, then rename)."""
+        path = os.fspath(path)
+        folder = os.path.dirname(os.path.abspath(path))
+        fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=folder)
+        try:
+            with os.fdopen(fd, "w") as fh:
+                fh.write(self.to_json())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        from .plan_io import plan_from_dict
+        return plan_from_dict(data)
+
+    def summary(self) -> str:
+        from .plan_io import summarize
+        return summarize(self)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    """Read a plan written by :meth:`Plan.save`; malformed or unsupported files raise PlanFormatError."""
+    try:
+        with open(path) as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise PlanFormatError(f"cannot read plan file {os.fspath(path)!r}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanFormatError(f"{os.fspath(path)!r} is not valid JSON (truncated or edited?) at line "
+                              f"{exc.lineno} column {exc.colno}: {exc.msg}") from None
+    return Plan.from_dict(data)

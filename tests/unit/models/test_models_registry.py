@@ -1,0 +1,57 @@
+"""The named-model registry: every name builds on meta with the size its name says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.errors import ConfigError
+from autopar.models import build, describe, gpt_param_count, names
+from autopar.models.registry import REGISTRY
+
+# Published sizes. The tolerance is 10% as these are rounded marketing numbers
+# (GPT-3 "175B" is 174.6B with V=51200; GPT-2 XL "1.5B" is 1.56B).
+EXPECTED = {
+    "gpt-tiny": gpt_param_count(REGISTRY["gpt-tiny"].config),
+    "gpt2-small": 124e6, "gpt2-xl": 1.5e9, "gpt3-175b": 175e9,
+    "llama2-7b": 6.7e9, "llama3-8b": 8.0e9, "llama3-70b": 70.6e9, "llama3-405b": 405e9,
+    "resnet50": 25.6e6, "mlp-small": 19_792, "small-cnn": 5_266,
+}
+
+
+def test_names() -> None:
+    assert set(names()) == set(EXPECTED)
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_builds_on_meta_with_expected_size(name: str) -> None:
+    model, inputs = build(name, batch_size=2)
+    params = list(model.parameters())
+    assert all(p.is_meta and p.dtype == torch.float32 for p in params)
+    count = sum(p.numel() for p in params)
+    assert abs(count - EXPECTED[name]) <= 0.1 * EXPECTED[name], f"{name}: {count:,}"
+    tensors = inputs.values() if isinstance(inputs, dict) else inputs
+    assert all(t.is_meta and t.shape[0] == 2 for t in tensors)
+    assert describe(name).startswith(name)
+
+
+def test_seq_len_override() -> None:
+    _, inputs = build("llama3-8b", seq_len=128)
+    assert inputs["input_ids"].shape == (1, 128)
+    model, inputs = build("gpt-tiny", seq_len=16, device="cpu")
+    assert model.embed.pos.num_embeddings == 16
+    assert model(**inputs).shape == ()
+
+
+def test_registry_gpt_exports() -> None:
+    model, inputs = build("gpt-tiny", batch_size=2, dtype=torch.bfloat16)
+    torch.export.export(model.train(), (), inputs, strict=False)
+
+
+def test_errors() -> None:
+    with pytest.raises(ConfigError, match="llama3-8b"):
+        build("gpt5")
+    with pytest.raises(ConfigError):
+        describe("gpt5")
+    with pytest.raises(ConfigError, match="seq_len"):
+        build("resnet50", seq_len=128)
