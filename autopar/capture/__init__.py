@@ -15,6 +15,12 @@ __all__ = ["capture", "OpGraph", "OpNode", "Layer", "OpKind", "TensorMeta", "Sav
            "GraphInput", "FLOAT_DTYPES"]
 
 
+def param_aliases(model: nn.Module) -> dict[str, str]:
+    """Every parameter name (tied ones included) -> the name ``model.named_parameters()`` gives it."""
+    canonical: dict[int, str] = {id(p): name for name, p in model.named_parameters()}
+    return {name: canonical[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+
+
 def capture(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None = None) -> OpGraph:
     """Capture ``model`` called on ``example_inputs`` (then ``loss_fn``) as an OpGraph.
 
@@ -24,7 +30,7 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None = None
     """
     program = run_export(model, example_inputs, loss_fn)
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
-    walk = GraphWalk(program, requires_grad)
+    walk = GraphWalk(program, requires_grad, param_aliases(model))
     nodes = list(walk.run())
     nodes_t, layers = build_layers(nodes, node_stacks(program), walk.params)
     warnings = tuple(f"FLOPs not counted for {f}" for f in walk.flop_cache.failures)

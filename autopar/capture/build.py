@@ -18,6 +18,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from .export import INTERNAL_PATHS
 from .flops import FlopCache, attention_flops, count_matmul_flops, gemm_shape
 from .opgraph import GraphInput, OpKind, OpNode, SavedTensor, TensorMeta
 from .rules import ArgInfo, op_kind, op_name, saved_spec
@@ -56,6 +57,7 @@ class GraphWalk:
 
     program: ExportedProgram
     param_requires_grad: Mapping[str, bool]
+    param_alias: Mapping[str, str] = field(default_factory=dict)  # any FQN -> canonical FQN (tied weights)
     flop_cache: FlopCache = field(default_factory=FlopCache)
     sources: dict[str, _Source] = field(default_factory=dict)
     root_numel: dict[str, tuple[int, str]] = field(default_factory=dict)
@@ -80,6 +82,9 @@ class GraphWalk:
             spec = specs.get(node.name)
             if spec is not None and spec.kind is InputKind.PARAMETER:
                 fqn = _strip(spec.target)
+                # torch.export keeps one placeholder per *name* of a tied parameter; fold every
+                # alias onto the name model.named_parameters() gives, so a tied weight counts once.
+                fqn = self.param_alias.get(fqn, fqn)
                 rg = self.param_requires_grad.get(fqn, True)
                 if meta is not None and rg:
                     self.params[fqn] = meta
@@ -231,8 +236,12 @@ def _module_type(node: torch.fx.Node) -> str:
 
 
 def _source_line(node: torch.fx.Node) -> str:
+    """``file:line`` of the innermost frame in model code (not torch's nn.Module internals)."""
     trace = node.meta.get("stack_trace") or ""
     found = re.findall(r'File "([^"]+)", line (\d+)', trace)
+    for path, line in reversed(found):
+        if not any(part in path for part in INTERNAL_PATHS):
+            return f"{path}:{line}"
     return f"{found[-1][0]}:{found[-1][1]}" if found else ""
 
 

@@ -21,8 +21,9 @@ from torch import nn
 from ..errors import CaptureError, ConfigError
 
 LossFn = Callable[[Any, Any], torch.Tensor]
-_INTERNAL = (os.sep + "torch" + os.sep, os.sep + "autopar" + os.sep + "capture" + os.sep, "<frozen", "contextlib.py",
-             os.sep + "transformers" + os.sep + "utils" + os.sep)
+# Frames that are not the user's model code: torch, autopar's capture, transformers' wrappers.
+INTERNAL_PATHS = (os.sep + "torch" + os.sep, os.sep + "autopar" + os.sep + "capture" + os.sep, "<frozen",
+                  "contextlib.py", os.sep + "transformers" + os.sep + "utils" + os.sep)
 
 
 class LossWrapper(nn.Module):
@@ -116,7 +117,7 @@ def user_frame(exc: BaseException) -> str:
     """``file:line in function: code`` of the deepest frame in the user's code, or ""."""
     frames = traceback.extract_tb(exc.__traceback__)
     for frame in reversed(frames):
-        if not any(part in frame.filename for part in _INTERNAL):
+        if not any(part in frame.filename for part in INTERNAL_PATHS):
             code = f": {frame.line.strip()}" if frame.line else ""
             return f"{frame.filename}:{frame.lineno} in {frame.name}{code}"
     return ""
@@ -146,12 +147,12 @@ def run_export(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None) ->
         except CaptureError:
             raise
         except Exception as exc:  # noqa: BLE001 - re-raised as CaptureError with the user's source line
-            raise _capture_error(model, exc) from exc
+            raise _capture_error(model, exc, call="**" if kwargs else "*") from exc
 
 
-def _capture_error(model: nn.Module, exc: BaseException) -> CaptureError:
+def _capture_error(model: nn.Module, exc: BaseException, call: str = "*") -> CaptureError:
     where = user_frame(exc)
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300].rstrip(".")
     name = type(model).__name__
     data_dependent = any(s in str(exc) for s in ("data-dependent", "DataDependent", "GuardOnDataDependent",
                                                   "Could not guard on data-dependent"))
@@ -161,7 +162,7 @@ def _capture_error(model: nn.Module, exc: BaseException) -> CaptureError:
                 "depend on shapes only")
     elif isinstance(exc, (RuntimeError, IndexError, TypeError, ValueError)):
         hint = ("the example inputs do not fit the model (shapes, dtypes or keys): call "
-                f"{name}(**example_inputs) once yourself to see the failure")
+                f"{name}({call}example_inputs) once yourself to see the failure")
     else:
         hint = "torch.export could not trace the model"
     at = f" at {where}" if where else ""

@@ -5,9 +5,10 @@ ends in an index (``blocks.3``, ``model.layers.17``, ``layer2.1``): that is a bl
 Other nodes are keyed by their module path cut to the depth of the block container
 (``transformer.wte``, ``lm_head``); a new non-block layer starts only where a node
 of another module *with parameters* appears, so parameter-free glue (masks, position
-ids, the loss) stays with its neighbour. Layers are contiguous in graph order, which
-is what a pipeline cut needs. Layers whose ops, shapes and parameter shapes agree
-share a ``signature``: "96 identical decoder layers" is one signature counted 96 times.
+ids, the loss) stays with its neighbour, except that a block never takes the ops of
+another module. Layers are contiguous in graph order, which is what a pipeline cut
+needs. Layers whose ops, shapes and parameter shapes agree share a ``signature``:
+"96 identical decoder layers" is one signature counted 96 times.
 
 Attention cores. Selective recomputation (Korthikanti et al.) drops the tensors of
 the attention core: everything from the scores product ``Q K^T`` (a matmul of two
@@ -65,7 +66,9 @@ def segment(nodes: Sequence[OpNode], stacks: Mapping[str, Sequence[str]]) -> lis
         current = segments[-1] if segments else None
         if current is not None and key == current[0]:
             current[2].append(i)
-        elif is_block or (node.params and key):
+        elif is_block or (node.params and key) or (key and current is not None and current[1]):
+            # A repeated block holds only its own ops: parameter-free ops of the module after it
+            # (the first half of an RMSNorm before its weight) would break the family's signature.
             segments.append((key, is_block, pending + [i]))
             pending = []
         elif current is not None:

@@ -11,9 +11,10 @@ training dtype) and memory bandwidth ``W``::
 device, in cluster.py). ``g`` captures that thin GEMMs (small hidden per tensor-parallel
 rank, a micro-batch of one short sequence) cannot fill the tensor cores.
 
-Element-wise chains are assumed fused, as Megatron-LM's fused kernels and
+Element-wise chains (softmax included) are assumed fused, as Megatron-LM's fused kernels and
 torch.compile do: an element-wise op whose only consumer is another element-wise op
-of the same size writes nothing to memory, and its consumer does not read it back.
+of the same size writes nothing to memory, and its consumer does not read it back,
+unless autograd saves it.
 Backward moves about twice the forward bytes (read the output gradient and the saved
 tensors, write the input gradient). Views cost nothing.
 
@@ -31,7 +32,7 @@ from ..capture.opgraph import FLOAT_DTYPES, Gemm, OpGraph, OpKind, OpNode, dtype
 from ..cluster import Device
 
 _GEMM_KINDS = (OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION)
-_FUSABLE = (OpKind.ELEMENTWISE, OpKind.DROPOUT)
+_FUSABLE = (OpKind.ELEMENTWISE, OpKind.DROPOUT, OpKind.SOFTMAX)
 _FREE = (OpKind.VIEW,)
 
 
@@ -69,15 +70,17 @@ def scaled_gemm(gemm: Gemm, batch_scale: float, split_dim: str, tp: int) -> Gemm
 
 
 def fused_away(graph: OpGraph) -> frozenset[str]:
-    """Element-wise ops whose output is consumed only by one same-sized element-wise op."""
+    """Element-wise ops whose output is consumed only by one same-sized element-wise op and is
+    not kept for backward (a saved tensor must be written, fused kernel or not)."""
     consumers: dict[str, list[OpNode]] = {}
     for n in graph.nodes:
         for src in n.inputs:
             consumers.setdefault(src, []).append(n)
+    saved = {st.root for n in graph.nodes for st in n.saved}
     fused = set()
     for n in graph.nodes:
         users = consumers.get(n.name, [])
-        if (n.kind in _FUSABLE and len(users) == 1 and users[0].kind in _FUSABLE
+        if (n.kind in _FUSABLE and n.name not in saved and len(users) == 1 and users[0].kind in _FUSABLE
                 and users[0].outputs[0].numel == n.outputs[0].numel):
             fused.add(n.name)
     return frozenset(fused)

@@ -1,0 +1,32 @@
+"""Shared fixtures: small models captured once per session (a capture costs 0.2-0.7 s).
+
+Models are built on the meta device (nothing is allocated); the captured OpGraph is
+immutable, so sharing it between tests is safe.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the Hugging Face builders must never download
+
+import pytest
+
+from autopar.capture import OpGraph, capture
+from autopar.models import GPTConfig, build_gpt
+
+# The planner's reference model: 8 identical blocks, so pp in {1, 2, 4, 8} and
+# interleaved pp * v in {2, 4, 8} divide the blocks.
+PLAN_GPT = GPTConfig(vocab_size=256, hidden=128, heads=4, layers=8, seq_len=64, dropout=0.1)
+
+
+@pytest.fixture(scope="session")
+def plan_gpt():
+    """(model on meta, example inputs of batch 1, captured graph) of PLAN_GPT."""
+    model, inputs = build_gpt(PLAN_GPT, batch_size=1, device="meta")
+    return model, inputs, capture(model, inputs)
+
+
+@pytest.fixture(scope="session")
+def plan_graph(plan_gpt) -> OpGraph:
+    return plan_gpt[2]
