@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
 from .cluster import Cluster
@@ -102,12 +102,23 @@ class Plan:
 
     # --- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        """The plan as JSON-native values (dicts, lists, str, numbers, bool, None), schema_version first."""
+        # Not dataclasses.asdict(self): it deep-copies the cluster's read-only peak_flops mapping,
+        # which cannot be copied; each part converts itself instead.
+        data: dict[str, Any] = {"schema_version": self.schema_version}
+        for f in fields(self):
+            if f.name != "schema_version":
+                data[f.name] = getattr(self, f.name)
         data["cluster"] = self.cluster.to_dict()
         data["config"] = self.config.to_dict()
         data["precision"] = self.precision.to_dict()
+        data["breakdown"] = asdict(self.breakdown)
+        # Memory is float bytes in the schema (the cost model may hand over ints): a reloaded plan
+        # then writes the same bytes.
+        data["stages"] = [{**asdict(s), "memory": {k: float(v) for k, v in asdict(s.memory).items()}}
+                          for s in self.stages]
         data["extra"] = dict(self.extra)
-        return {"schema_version": self.schema_version, **{k: v for k, v in data.items() if k != "schema_version"}}
+        return _json_native(data)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=False)
@@ -137,6 +148,15 @@ class Plan:
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def _json_native(value: Any) -> Any:
+    """Tuples become lists and mappings dicts, recursively, so that to_dict() == json.loads(to_json())."""
+    if isinstance(value, Mapping):
+        return {k: _json_native(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_native(v) for v in value]
+    return value
 
 
 def load_plan(path: str | os.PathLike) -> Plan:

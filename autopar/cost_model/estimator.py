@@ -133,12 +133,11 @@ class Estimator:
                 costs: list[LayerCost], micro_batches: int, dp_group: GroupPlacement) -> DeviceCost:
         idx = [i for chunk in chunks for i in chunk]
         layout = self.layers.layout(cfg.tp)
-        params = 0
-        for i in idx:
-            layer = self.graph.layers[i]
-            for name in layer.params + layer.shared_params:
-                numel = self.graph.params[name].numel if name in self.graph.params else 0
-                params += numel // cfg.tp if name in layout.split_params else numel
+        held = dict.fromkeys(n for i in idx for n in self.graph.layers[i].params + self.graph.layers[i].shared_params)
+        params = 0  # each parameter once per device, tied ones included (a pipeline stage may hold a copy)
+        for name in held:
+            numel = self.graph.params[name].numel if name in self.graph.params else 0
+            params += numel // cfg.tp if name in layout.split_params else numel
         w, g, k = model_state_bytes(params, self.precision, cfg.zero, cfg.dp)
         per_chunk = [sum(costs[i].activations for i in chunk) for chunk in chunks]
         acts = max(per_chunk) if cfg.schedule == "interleaved" else sum(per_chunk)
