@@ -73,6 +73,9 @@ def _ms(seconds: float) -> str:
 
 
 def _layer_span(names: tuple[str, ...]) -> str:
+    """"blocks.0 .. blocks.7 (8 layers)" for a contiguous run; interleaved stages show one per chunk."""
+    if not names:
+        return "-"
     return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} layers)"
 
 
@@ -101,7 +104,7 @@ def summarize(plan: Plan) -> str:
         m = s.memory
         lines.append(f"    {s.index:>5}  {m.params / _GB:7.2f} {m.grads / _GB:7.2f} {m.optimizer / _GB:7.2f} "
                      f"{m.activations / _GB:7.2f} {m.buffers / _GB:7.2f} {m.total / _GB:7.2f}  {s.in_flight:>9}  "
-                     f"{_layer_span(s.layers)}")
+                     f"{' | '.join(_layer_span(c) for c in s.chunks if c) or _layer_span(s.layers)}")
     for note in plan.notes:
         lines.append(f"  note: {note}")
     return "\n".join(lines)

@@ -246,11 +246,14 @@ def _source_line(node: torch.fx.Node) -> str:
 
 
 def graph_fingerprint(nodes: list[OpNode], params: Mapping[str, TensorMeta]) -> str:
-    """A hash of the graph's ops and shapes and of the parameter shapes (plan/model matching)."""
+    """A hash of the graph's ops, the parameters they use, the shapes that do not depend on the
+    batch, and the parameter shapes: the same model captured at another example batch size has
+    the same fingerprint (plan/model matching)."""
     import hashlib
     h = hashlib.sha256()
     for n in nodes:
-        h.update(f"{n.target}|{[o.shape for o in n.outputs]}|{n.params};".encode())
+        shapes = "" if n.batch_dependent else [o.shape for o in n.outputs]
+        h.update(f"{n.target}|{shapes}|{n.params};".encode())
     for fqn in sorted(params):
         h.update(f"{fqn}:{params[fqn].shape}:{params[fqn].dtype};".encode())
     return h.hexdigest()[:16]

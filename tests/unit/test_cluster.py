@@ -39,7 +39,7 @@ def test_v100_bf16_mapping_is_documented():
 
 
 def test_efficiency_constants():
-    assert device_preset("A100-80GB").matmul_efficiency == 0.75
+    assert device_preset("A100-80GB").matmul_efficiency == 0.68  # fitted by bench/calibrate_a100.py
     assert device_preset("V100-16GB").matmul_efficiency == 0.70
     assert device_preset("H100-SXM").matmul_efficiency == 0.70
     assert device_preset("H200").matmul_efficiency == 0.70

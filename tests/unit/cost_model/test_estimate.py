@@ -22,13 +22,14 @@ def est(graph, cluster=ONE_NODE, gbs=GBS, **config):
 
 CONFIGS = [
     (ONE_NODE, dict(dp=8)), (ONE_NODE, dict(dp=4, tp=2, sequence_parallel=True)),
-    (ONE_NODE, dict(dp=2, pp=4, schedule="gpipe")), (ONE_NODE, dict(dp=2, pp=4, schedule="interleaved", virtual_stages=2)),
+    (ONE_NODE, dict(dp=2, pp=4, schedule="gpipe")),
+    (ONE_NODE, dict(dp=2, pp=4, schedule="interleaved", virtual_stages=2)),
     (ONE_NODE, dict(dp=8, zero=3, recompute="full")), (TWO_NODES, dict(dp=16, zero=1)),
     (TWO_NODES, dict(dp=2, tp=4, pp=2, recompute="selective")), (TWO_NODES, dict(dp=2, pp=8, micro_batch_size=2)),
 ]
 
 
-@pytest.mark.parametrize("cluster, config", CONFIGS, ids=lambda v: str(v) if isinstance(v, dict) else "")
+@pytest.mark.parametrize("cluster, config", CONFIGS, ids=[f"{c.nodes}x8-{cfg}" for c, cfg in CONFIGS])
 def test_step_time_positive_and_breakdown_sums(plan_graph, cluster, config) -> None:
     plan = est(plan_graph, cluster, **config)
     b = plan.breakdown
@@ -41,7 +42,7 @@ def test_step_time_positive_and_breakdown_sums(plan_graph, cluster, config) -> N
     assert len(plan.stages) == plan.config.pp
     assert plan.peak_memory == max(s.memory.total for s in plan.stages) > 0
     # Every layer lands on exactly one stage, in order.
-    assert [n for s in plan.stages for c in s.chunks for n in c] != []
+    assert all(tuple(n for c in s.chunks for n in c) == s.layers for s in plan.stages)
     assert sorted(n for s in plan.stages for n in s.layers) == sorted(l.name for l in plan_graph.layers)
     # Components that the config switches on are non-zero, and off ones are zero.
     assert (b.bubble > 0) == (plan.config.pp > 1)
@@ -115,11 +116,13 @@ def test_zero_memory_decreases(plan_graph) -> None:
         assert (stage.memory.params, stage.memory.grads, stage.memory.optimizer) == (w, g, k)
 
 
-@pytest.mark.xfail(strict=True, reason="estimator._device counts a tied weight twice when the embedding and the "
-                                       "head share a stage (layer.params + layer.shared_params are summed)")
-def test_single_stage_holds_each_parameter_once(plan_graph) -> None:
-    # With pp = 1 and tp = 1 the one stage holds the whole model, the tied embedding/head once.
+def test_tied_weight_held_once_per_stage(plan_graph) -> None:
+    # pp = 1: the one stage holds the whole model, the tied embedding / head weight once.
     assert est(plan_graph, dp=8).stages[0].param_count == plan_graph.param_numel
+    # pp = 2: the first stage (embedding) and the last (head) each hold a copy, as in Megatron-LM.
+    tied = plan_graph.params["embed.tok.weight"].numel
+    stages = est(plan_graph, dp=4, pp=2).stages
+    assert sum(s.param_count for s in stages) == plan_graph.param_numel + tied
 
 
 # --- recompute, tensor and sequence parallelism ------------------------------------------------

@@ -1,0 +1,47 @@
+"""Every Hugging Face decoder-only architecture is a target: capture + estimate on tiny random configs.
+
+use_cache is left at its default (True), as users pass models: the capture keeps only the loss.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+tf = pytest.importorskip("transformers")
+
+import autopar  # noqa: E402
+from autopar.capture import capture  # noqa: E402
+from autopar.cost_model import estimate_plan  # noqa: E402
+
+COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=128, max_position_embeddings=64)
+ARCHS = {
+    "Qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "Qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "Mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "Phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "GPTNeoX": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+    "Gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16}),
+    "OPT": ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 128, "word_embed_proj_dim": 64}),
+    "Falcon": ("FalconConfig", "FalconForCausalLM", {}),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_decoder_captures_with_cache_on(arch: str) -> None:
+    config_cls, model_cls, extra = ARCHS[arch]
+    config = getattr(tf, config_cls)(**{**COMMON, **extra})
+    assert config.use_cache  # as users pass them
+    with torch.device("meta"):
+        model = getattr(tf, model_cls)(config)
+    ids = torch.randint(0, 256, (2, 16)).to("meta")
+    graph = capture(model, {"input_ids": ids, "labels": ids})
+    assert graph.param_numel == sum(p.numel() for p in model.parameters())
+    assert len(graph.layers) >= 3  # embedding, the two decoder layers (one each, or one family), head
+    assert graph.flops_fwd > 0 and graph.flops_bwd > 0
+    plan = estimate_plan(graph, autopar.Cluster.from_spec("1x2xA100-80GB"), autopar.ParallelConfig(tp=2), 4)
+    assert plan.step_time > 0 and plan.fits

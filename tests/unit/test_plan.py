@@ -1,0 +1,108 @@
+"""Plan: summary text, JSON form, atomic save."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import autopar
+from autopar import Cluster, ParallelConfig, Plan
+from autopar.cost_model import estimate_plan
+
+ONE_NODE = Cluster.from_spec("1x8xA100-80GB")
+
+
+@pytest.fixture(scope="module")
+def plan(plan_graph) -> Plan:
+    cfg = ParallelConfig(dp=2, pp=4, schedule="interleaved", virtual_stages=2, zero=1, recompute="selective")
+    return estimate_plan(plan_graph, ONE_NODE, cfg, 64)
+
+
+def test_summary(plan) -> None:
+    text = plan.summary()
+    assert str(plan) == text
+    assert plan.config.short() in text
+    assert f"{plan.step_time:.4g} s" in text
+    assert plan.model_name in text and "A100-80GB" in text
+    # One row per stage in the stage table: index, five memory columns, total, in-flight, layers.
+    rows = [line.split() for line in text.splitlines() if line.startswith("    ") and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == [s.index for s in plan.stages] == list(range(plan.config.pp))
+    for row, stage in zip(rows, plan.stages):
+        assert float(row[6]) == pytest.approx(stage.memory.total / 1e9, abs=0.006)  # printed with 2 decimals
+        assert int(row[7]) == stage.in_flight
+        assert row[8] == stage.layers[0]
+        assert len(stage.chunks) == 2 and all(chunk[0] in row[8:] for chunk in stage.chunks)  # one span per chunk
+    # Every breakdown component is listed, in milliseconds.
+    for name in ("compute", "recompute", "tp_comm", "p2p", "bubble", "dp_comm", "optimizer"):
+        assert any(line.split()[:1] == [name] and line.rstrip().endswith("%") for line in text.splitlines())
+
+
+def test_to_dict_is_json_native(plan) -> None:
+    data = plan.to_dict()
+    assert next(iter(data)) == "schema_version"
+    assert json.loads(plan.to_json()) == data
+    assert Plan.from_dict(data) == plan
+
+
+def test_save_then_load(plan, tmp_path) -> None:
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert autopar.load_plan(path) == plan
+    assert os.listdir(tmp_path) == ["plan.json"]
+
+
+class _FailingFile:
+    """A file object that writes the first half of what it is given, then fails (disk full)."""
+
+    def __init__(self, fh) -> None:
+        self._fh = fh
+        self.written = 0
+
+    def write(self, text: str) -> int:
+        half = text[: len(text) // 2]
+        self._fh.write(half)
+        self._fh.flush()
+        self.written += len(half)
+        raise OSError(28, "No space left on device")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._fh.close()
+
+
+def test_save_is_atomic(plan, tmp_path, monkeypatch) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text("previous plan")
+    real_fdopen = os.fdopen
+    opened: list[_FailingFile] = []
+
+    def failing_fdopen(fd, *args, **kwargs):
+        opened.append(_FailingFile(real_fdopen(fd, *args, **kwargs)))
+        return opened[-1]
+
+    monkeypatch.setattr(os, "fdopen", failing_fdopen)
+    with pytest.raises(OSError, match="No space left"):
+        plan.save(path)
+    monkeypatch.undo()
+    assert opened and opened[0].written > 0  # the failure really happened midway through the write
+    assert path.read_text() == "previous plan"
+    assert os.listdir(tmp_path) == ["plan.json"]  # no temporary file left behind
+
+
+def test_save_atomic_when_serialisation_fails(plan, tmp_path, monkeypatch) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text("previous plan")
+
+    def broken(*args, **kwargs):
+        raise TypeError("Object of type X is not JSON serializable")
+
+    monkeypatch.setattr(json, "dumps", broken)
+    with pytest.raises(TypeError):
+        plan.save(path)
+    monkeypatch.undo()
+    assert path.read_text() == "previous plan"
+    assert os.listdir(tmp_path) == ["plan.json"]
