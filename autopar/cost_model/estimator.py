@@ -116,18 +116,16 @@ class Estimator:
         return out
 
     def _p2p_times(self, cfg: ParallelConfig, chunks: list[list[int]], group: GroupPlacement) -> list[float]:
-        """Per chunk: seconds of p2p per micro-batch (send forward + send backward at its outgoing cut,
-        and the matching receives at its incoming cut, which overlap the neighbour's sends)."""
-        times = [0.0] * len(chunks)
+        """Per chunk, seconds of p2p per micro-batch: it sends its activations over its outgoing cut
+        and its input gradients back over its incoming cut (the matching receives overlap them)."""
         scale = cfg.micro_batch_size / self.graph.batch_size
-        split = cfg.tp if cfg.tp > 1 else 1
+        split = cfg.tp if cfg.tp > 1 else 1  # Megatron's scatter/gather: each TP rank sends 1/t
+        cut = []
         for c in range(len(chunks) - 1):
             bd, const = self.layers.crossing_numel(chunks[c][-1])
             nbytes = (bd * scale / split + const) * self.precision.activation_bytes
-            t = collective_time(Collective.P2P, nbytes, group, self.cluster)
-            times[c] += 2 * t
-            times[c + 1] += 2 * t if cfg.pp > 1 else 0.0
-        return [t / 2 for t in times]  # a send and its receive are one transfer, shared by two devices
+            cut.append(collective_time(Collective.P2P, nbytes, group, self.cluster))
+        return [(cut[c] if c < len(cut) else 0.0) + (cut[c - 1] if c > 0 else 0.0) for c in range(len(chunks))]
 
     def _device(self, cfg: ParallelConfig, d: int, chunks: list[tuple[int, ...]], p2p: float,
                 costs: list[LayerCost], micro_batches: int, dp_group: GroupPlacement) -> DeviceCost:
