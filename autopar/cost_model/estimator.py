@@ -130,12 +130,8 @@ class Estimator:
     def _device(self, cfg: ParallelConfig, d: int, chunks: list[tuple[int, ...]], p2p: float,
                 costs: list[LayerCost], micro_batches: int, dp_group: GroupPlacement) -> DeviceCost:
         idx = [i for chunk in chunks for i in chunk]
-        layout = self.layers.layout(cfg.tp)
-        held = dict.fromkeys(n for i in idx for n in self.graph.layers[i].params + self.graph.layers[i].shared_params)
-        params = 0  # each parameter once per device, tied ones included (a pipeline stage may hold a copy)
-        for name in held:
-            numel = self.graph.params[name].numel if name in self.graph.params else 0
-            params += numel // cfg.tp if name in layout.split_params else numel
+        # each parameter once per device, tied ones included (a pipeline stage may hold a copy)
+        params = self._local_params(dict.fromkeys(n for i in idx for n in self._layer_param_names(i)), cfg)
         w, g, k = model_state_bytes(params, self.precision, cfg.zero, cfg.dp)
         per_chunk = [sum(costs[i].activations for i in chunk) for chunk in chunks]
         acts = max(per_chunk) if cfg.schedule == "interleaved" else sum(per_chunk)
@@ -151,10 +147,18 @@ class Estimator:
             tp_comm=sum(costs[i].tp_fwd + costs[i].tp_bwd for i in idx), p2p=p2p,
             activations=acts, in_flight=flights, params=params, buffers=buffers, memory=memory)
 
+    def _layer_param_names(self, i: int) -> tuple[str, ...]:
+        layer = self.graph.layers[i]
+        return layer.params + layer.shared_params
+
+    def _local_params(self, names, cfg: ParallelConfig) -> int:
+        """Parameters of ``names`` one device holds after tensor parallelism splits them."""
+        split = self.layers.layout(cfg.tp).split_params
+        return sum(self.graph.params[n].numel // (cfg.tp if n in split else 1)
+                   for n in names if n in self.graph.params)
+
     def _layer_params(self, i: int, cfg: ParallelConfig) -> int:
-        layer, layout = self.graph.layers[i], self.layers.layout(cfg.tp)
-        return sum(self.graph.params[n].numel // (cfg.tp if n in layout.split_params else 1)
-                   for n in layer.params + layer.shared_params if n in self.graph.params)
+        return self._local_params(self._layer_param_names(i), cfg)
 
     def dp_exposed(self, cfg: ParallelConfig, dev: DeviceCost, micro_batches: int,
                    group: GroupPlacement) -> float:

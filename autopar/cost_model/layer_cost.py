@@ -103,22 +103,21 @@ class LayerCostModel:
         layout = self.layout(tp)
         scale = micro_batch / self.graph.batch_size
         model = ComputeModel(self.graph, self.cluster.device, self.precision.compute, self.measured)
-        fwd = bwd = core_fwd = flops = core_flops = 0.0
+        fwd = bwd = core_fwd = flops = fwd_flops = core_flops = 0.0
         for node in self.graph.layer_nodes(layer):
             t = model.op_time(node, scale, compute_shard(node, layout, sp), split_dim(node, layout), self.fused)
             fwd += t.fwd
             bwd += t.bwd
             node_scale = scale if node.batch_dependent else 1.0
             flops += (node.flops_fwd + node.flops_bwd) * node_scale
+            fwd_flops += node.flops_fwd * node_scale
             if node.attention_core:
                 core_fwd += t.fwd
                 core_flops += node.flops_fwd * node_scale
         tp_fwd, tp_bwd = self._tp_comm(layer, layout, scale, tp_group)
         acts = ActivationModel(self.graph, layout, self.precision, sp)
         if recompute == "full":
-            recompute_time = fwd + tp_fwd
-            recompute_flops = sum(n.flops_fwd * (scale if n.batch_dependent else 1.0)
-                                  for n in self.graph.layer_nodes(layer))
+            recompute_time, recompute_flops = fwd + tp_fwd, fwd_flops
         elif recompute == "selective":
             recompute_time, recompute_flops = core_fwd, core_flops
         else:

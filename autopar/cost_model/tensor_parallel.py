@@ -88,6 +88,10 @@ def propagate(graph: OpGraph, tp: int) -> TPLayout:
     comms: dict[int, list[TPComm]] = {}
     f_inputs: set[str] = set()  # R tensors feeding column-parallel matmuls (one bwd all-reduce each)
 
+    def split_numel(node: OpNode) -> int:
+        """Elements of the node's split (S) inputs: what gathering them moves."""
+        return sum(graph.node(i).outputs[0].numel for i in node.inputs if state.get(i) == S)
+
     def add(node: OpNode, kind: str, phase: str, numel: int) -> None:
         comms.setdefault(node.layer, []).append(TPComm(node.name, kind, phase, numel, node.batch_dependent))
 
@@ -105,8 +109,7 @@ def propagate(graph: OpGraph, tp: int) -> TPLayout:
             if dim is None or dim % tp:
                 replicated.append(node.params[0])
                 if has_s:
-                    add(node, "all_gather", "fwd", sum(graph.node(i).outputs[0].numel for i in node.inputs
-                                                       if state.get(i) == S))
+                    add(node, "all_gather", "fwd", split_numel(node))
                 state[node.name] = R
                 continue
             split.update(node.params)
@@ -130,13 +133,12 @@ def propagate(graph: OpGraph, tp: int) -> TPLayout:
                 replicated.append(node.params[0])
             state[node.name] = R
         elif node.kind is OpKind.LOSS and has_s:
-            rows = out_numel if node.outputs[0].shape else max(1, graph.node(node.inputs[0]).outputs[0].numel
-                                                                 // max(1, graph.node(node.inputs[0]).outputs[0].shape[-1]))
+            logits = graph.node(node.inputs[0]).outputs[0]
+            rows = out_numel if node.outputs[0].shape else max(1, logits.numel // max(1, logits.shape[-1]))
             add(node, "all_reduce", "fwd", 3 * rows)
             state[node.name] = R
         elif has_s and (act_r or node.kind in (OpKind.NORM, OpKind.REDUCTION, OpKind.LOSS)):
-            add(node, "all_gather", "fwd", sum(graph.node(i).outputs[0].numel for i in node.inputs
-                                               if state.get(i) == S))
+            add(node, "all_gather", "fwd", split_numel(node))
             state[node.name] = R
         elif has_s:
             state[node.name] = S
