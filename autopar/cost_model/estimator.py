@@ -52,6 +52,7 @@ class DeviceCost:
     params: int               # parameters held (after tensor parallelism)
     buffers: float
     memory: MemoryBreakdown
+    tp_grad_bytes: float = 0.0  # gradients all-reduced inside the tensor-parallel group once per step
 
     @property
     def work(self) -> float:
@@ -145,7 +146,8 @@ class Estimator:
             chunks=tuple(chunks), fwd=sum(costs[i].fwd for i in idx), bwd=sum(costs[i].bwd for i in idx),
             recompute=sum(costs[i].recompute for i in idx),
             tp_comm=sum(costs[i].tp_fwd + costs[i].tp_bwd for i in idx), p2p=p2p,
-            activations=acts, in_flight=flights, params=params, buffers=buffers, memory=memory)
+            activations=acts, in_flight=flights, params=params, buffers=buffers, memory=memory,
+            tp_grad_bytes=sum(self.layers.step_comm_bytes(self.graph.layers[i], cfg.tp) for i in idx))
 
     def _layer_param_names(self, i: int) -> tuple[str, ...]:
         layer = self.graph.layers[i]
@@ -161,10 +163,14 @@ class Estimator:
         return self._local_params(self._layer_param_names(i), cfg)
 
     def dp_exposed(self, cfg: ParallelConfig, dev: DeviceCost, micro_batches: int,
-                   group: GroupPlacement) -> float:
-        """Data-parallel / ZeRO communication of one device that compute does not hide, per step."""
+                   group: GroupPlacement, tp_group: GroupPlacement | None = None) -> float:
+        """Data-parallel / ZeRO communication of one device that compute does not hide, per step
+        (with the tensor-parallel group's own gradient all-reduce, when the layout has one)."""
+        tp_sync = 0.0
+        if dev.tp_grad_bytes and tp_group is not None:
+            tp_sync = collective_time(Collective.ALL_REDUCE, dev.tp_grad_bytes, tp_group, self.cluster)
         if cfg.dp == 1:
-            return 0.0
+            return max(tp_sync - (dev.bwd + dev.recompute), 0.0) if tp_sync else 0.0
         grad_bytes = dev.params * self.precision.grad_bytes
         weight_bytes = dev.params * self.precision.weight_bytes
         if cfg.zero == 3:
@@ -173,12 +179,13 @@ class Estimator:
             fwd_c, bwd_c = dev.fwd + dev.tp_comm / 2, dev.bwd + dev.recompute + dev.tp_comm / 2
             per_mb = max(0.0, ag - fwd_c) + max(0.0, ag + rs - bwd_c)
             first = ag / max(1, len([i for c in dev.chunks for i in c]))  # the first layer's gather is never hidden
-            return micro_batches * per_mb + first
+            return micro_batches * per_mb + first + tp_sync
         if cfg.zero == 0:
             total = collective_time(Collective.ALL_REDUCE, grad_bytes, group, self.cluster)
         else:
             total = (collective_time(Collective.REDUCE_SCATTER, grad_bytes, group, self.cluster)
                      + collective_time(Collective.ALL_GATHER, weight_bytes, group, self.cluster))
+        total += tp_sync
         buckets = max(1, math.ceil(grad_bytes / DP_BUCKET_BYTES))
         return max(total - (dev.bwd + dev.recompute), total / buckets)
 

@@ -9,7 +9,7 @@ forward for "selective".
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ..capture.opgraph import Layer, OpGraph, OpKind, OpNode
 from ..cluster import Cluster
@@ -36,6 +36,11 @@ class LayerCost:
     recompute_flops: float
 
 
+_COLLECTIVES = {"all_reduce": Collective.ALL_REDUCE, "all_gather": Collective.ALL_GATHER,
+                "reduce_scatter": Collective.REDUCE_SCATTER, "all_to_all": Collective.ALL_TO_ALL}
+_SELF_TRANSPOSED = (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL)
+
+
 def recomputable(graph: OpGraph, layer: Layer) -> bool:
     """Recomputation applies to the repeated blocks (Megatron-LM leaves the embedding and the head
     alone); a model without repeated blocks recomputes every layer."""
@@ -46,6 +51,8 @@ def split_dim(node: OpNode, layout: TPLayout) -> str:
     """GEMM dimension tensor parallelism splits for this node: "n", "k", "batch" or ""."""
     if layout.tp == 1 or node.gemm is None:
         return ""
+    if node.name in layout.gemm_split:
+        return layout.gemm_split[node.name]
     if node.params and node.params[0] in layout.split_params:
         return "n" if layout.state.get(node.name) == S else "k"
     return "batch" if layout.state.get(node.name) == S else ""
@@ -61,12 +68,16 @@ def compute_shard(node: OpNode, layout: TPLayout, sequence_parallel: bool) -> in
 
 @dataclass
 class LayerCostModel:
-    """Layer costs for one graph, cluster and precision; caches by (signature, tp, sp, mb, recompute)."""
+    """Layer costs for one graph, cluster and precision; caches by (signature, tp, sp, mb, recompute).
+
+    ``layout_fn`` decides the tensor-parallel layout per degree: Megatron's rules
+    (:func:`propagate`) for :func:`autopar.estimate`, the sharding ILP for the solver."""
 
     graph: OpGraph
     cluster: Cluster
     precision: Precision
     measured: MeasuredTimes | None = None
+    layout_fn: Callable[[OpGraph, int], TPLayout] = propagate
     _layouts: dict[int, TPLayout] = field(default_factory=dict)
     _cache: dict[tuple, LayerCost] = field(default_factory=dict)
     _owner: Mapping[str, int] | None = None
@@ -74,7 +85,7 @@ class LayerCostModel:
 
     def layout(self, tp: int) -> TPLayout:
         if tp not in self._layouts:
-            self._layouts[tp] = propagate(self.graph, tp)
+            self._layouts[tp] = self.layout_fn(self.graph, tp)
         return self._layouts[tp]
 
     @property
@@ -132,16 +143,23 @@ class LayerCostModel:
         fwd = bwd = 0.0
         per = self.precision.activation_bytes
         for comm in layout.comms.get(layer.index, ()):
+            if comm.phase == "step":
+                continue  # gradient synchronisation once per step: Estimator.dp_exposed
             nbytes = comm.numel * per * (scale if comm.batch_dependent else 1.0)
-            kind = Collective.ALL_REDUCE if comm.kind == "all_reduce" else Collective.ALL_GATHER
+            kind = _COLLECTIVES[comm.kind]
             t = collective_time(kind, nbytes, group, self.cluster)
             if comm.phase == "fwd":
                 fwd += t
-                if kind is Collective.ALL_GATHER:
-                    bwd += t  # its backward is a reduce-scatter of the same volume
+                if kind in _SELF_TRANSPOSED:
+                    bwd += t  # backward of a gather is a reduce-scatter of the same volume (and vice versa)
             else:
                 bwd += t
         return fwd, bwd
+
+    def step_comm_bytes(self, layer: Layer, tp: int) -> float:
+        """Gradient bytes this layer all-reduces inside its tensor-parallel group once per step."""
+        return sum(c.numel for c in self.layout(tp).comms.get(layer.index, ()) if c.phase == "step"
+                   ) * self.precision.grad_bytes
 
     def crossing_numel(self, cut_after: int) -> tuple[int, int]:
         """(batch-dependent, constant) elements produced at or before layer ``cut_after`` and used after it.

@@ -30,7 +30,7 @@ becomes a reduce-scatter plus an all-gather of the same total volume.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..capture.opgraph import OpGraph, OpKind, OpNode
@@ -40,12 +40,17 @@ R, S, C = "R", "S", "C"
 
 @dataclass(frozen=True)
 class TPComm:
-    """One tensor-parallel collective per micro-batch: ``nbytes`` at the captured batch, in the
-    captured dtype (rescaled by the caller). ``kind``: "all_reduce" | "all_gather"."""
+    """One tensor-parallel collective: ``numel`` elements at the captured batch (rescaled by the caller).
+
+    ``kind``: "all_reduce" | "all_gather" | "reduce_scatter" | "all_to_all" (``numel`` is the
+    full tensor's elements). ``phase``: "fwd" / "bwd" run once per micro-batch on the critical
+    path; "step" runs once per optimizer step on gradients (a weight the layout keeps whole
+    while splitting its input's batch is data parallel inside the tensor-parallel group, so its
+    gradient is all-reduced there, overlapped with backward like data-parallel buckets)."""
 
     node: str
     kind: str
-    phase: str          # "fwd" | "bwd"
+    phase: str          # "fwd" | "bwd" | "step"
     numel: int
     batch_dependent: bool
 
@@ -59,6 +64,8 @@ class TPLayout:
     split_params: frozenset[str]      # parameters divided by tp
     comms: Mapping[int, tuple[TPComm, ...]]  # layer index -> collectives per micro-batch
     replicated_weights: tuple[str, ...]      # matmul weights left whole because tp does not divide them
+    gemm_split: Mapping[str, str] = field(default_factory=dict)  # node -> GEMM dim split: "n" | "k" | "batch"
+    strategy: Mapping[str, str] = field(default_factory=dict)    # node -> strategy name (solver layouts)
 
     def shard(self, name: str, sequence_parallel: bool) -> int:
         """Divisor of a node's compute and activations."""
