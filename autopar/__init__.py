@@ -1,13 +1,13 @@
 """autopar: plan how to train a PyTorch model on a cluster, and run that plan."""
 
-from .api import estimate
+from .api import estimate, plan
 from .cluster import Cluster, Device, Link
 from .config import ParallelConfig, Precision
 from .errors import (AutoparError, CaptureError, ConfigError, InfeasiblePlanError, PlanFormatError,
                      PlanMismatchError, RuntimeFailure)
-from .plan import Plan, load_plan
+from .plan import Alternative, Plan, load_plan
 
-__all__ = ["estimate", "Cluster", "Device", "Link", "ParallelConfig", "Precision", "Plan", "load_plan",
+__all__ = ["plan", "estimate", "Cluster", "Device", "Link", "ParallelConfig", "Precision", "Plan", "Alternative", "load_plan",
            "AutoparError", "CaptureError", "ConfigError", "InfeasiblePlanError", "PlanFormatError",
            "PlanMismatchError", "RuntimeFailure"]
 __version__ = "0.1.0"

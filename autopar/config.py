@@ -61,8 +61,14 @@ class ParallelConfig:
     """Activation recomputation: "none", "selective" (attention core) or "full" (whole layer)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: shard the non-tensor-parallel regions along the sequence."""
+    stage_recompute: tuple[str, ...] = ()
+    """Recompute mode per pipeline stage (length ``pp``), overriding ``recompute``; empty: ``recompute``
+    everywhere. The first stages of a 1F1B pipeline hold the most micro-batches, so they may
+    recompute while the last ones do not."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.stage_recompute, list):
+            object.__setattr__(self, "stage_recompute", tuple(self.stage_recompute))
         for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages"):
             _check_int(name, getattr(self, name), 1)
         _check_int("zero", self.zero, 0, 3)
@@ -78,6 +84,21 @@ class ParallelConfig:
             raise ConfigError("schedule='interleaved' needs pp > 1: raise pp or use schedule='1f1b'")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel=True needs tp > 1: raise tp or turn sequence_parallel off")
+        if not isinstance(self.stage_recompute, tuple):
+            raise ConfigError(f"stage_recompute must be a tuple of recompute modes, got {self.stage_recompute!r}")
+        if self.stage_recompute:
+            if len(self.stage_recompute) != self.pp:
+                raise ConfigError(f"stage_recompute has {len(self.stage_recompute)} entries but pp={self.pp}: give "
+                                  "one mode per pipeline stage, or leave it empty to use recompute everywhere")
+            for i, mode in enumerate(self.stage_recompute):
+                _check_choice(f"stage_recompute[{i}]", mode, RECOMPUTE_MODES)
+            if self.schedule == "interleaved":
+                raise ConfigError("stage_recompute needs a non-interleaved schedule (an interleaved device holds "
+                                  "chunks from every part of the model): use recompute= instead")
+
+    def stage_mode(self, stage: int) -> str:
+        """The recompute mode of pipeline stage ``stage``."""
+        return self.stage_recompute[stage] if self.stage_recompute else self.recompute
 
     @property
     def devices(self) -> int:
@@ -85,7 +106,9 @@ class ParallelConfig:
         return self.dp * self.tp * self.pp
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        data["stage_recompute"] = list(self.stage_recompute)
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ParallelConfig":
@@ -93,14 +116,18 @@ class ParallelConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown ParallelConfig field(s) {unknown}; known fields: {sorted(known)}")
-        return cls(**dict(data))
+        data = dict(data)
+        if "stage_recompute" in data:
+            data["stage_recompute"] = tuple(data["stage_recompute"])
+        return cls(**data)
 
     def short(self) -> str:
         """A one-line description, e.g. ``dp=32 tp=8 pp=8 mb=1 interleaved(v=2) zero=0 recompute=full``."""
         sched = self.schedule if self.virtual_stages == 1 else f"{self.schedule}(v={self.virtual_stages})"
         sp = " sp" if self.sequence_parallel else ""
+        rec = f"[{','.join(self.stage_recompute)}]" if self.stage_recompute else self.recompute
         return (f"dp={self.dp} tp={self.tp}{sp} pp={self.pp} mb={self.micro_batch_size} {sched} "
-                f"zero={self.zero} recompute={self.recompute}")
+                f"zero={self.zero} recompute={rec}")
 
 
 @dataclass(frozen=True, kw_only=True)

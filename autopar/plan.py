@@ -62,6 +62,21 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class Alternative:
+    """A configuration the solver evaluated and did not choose, and why."""
+
+    config: ParallelConfig
+    step_time: float        # seconds (for one that does not fit: a lower bound)
+    peak_memory: float      # bytes (for one that does not fit: the least it could reach)
+    fits: bool
+    reason: str             # "slower by 3.2%" / "does not fit: needs 4.1 GB more per device ..."
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config.to_dict(), "step_time": self.step_time, "peak_memory": float(self.peak_memory),
+                "fits": self.fits, "reason": self.reason}
+
+
+@dataclass(frozen=True)
 class Plan:
     """A parallel plan and its predicted cost. Made by :func:`autopar.estimate` / :func:`autopar.plan`."""
 
@@ -82,6 +97,8 @@ class Plan:
     fits: bool                         # peak_memory <= device memory
     notes: tuple[str, ...] = ()
     optimal: bool | None = None        # set by the solver; None for an estimate
+    alternatives: tuple[Alternative, ...] = ()   # the solver's runners-up, best first
+    sharding: tuple[Mapping[str, Any], ...] = ()  # per layer group: each op's tensor-parallel strategy
     schema_version: int = SCHEMA_VERSION
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -117,6 +134,8 @@ class Plan:
         # then writes the same bytes.
         data["stages"] = [{**asdict(s), "memory": {k: float(v) for k, v in asdict(s.memory).items()}}
                           for s in self.stages]
+        data["alternatives"] = [a.to_dict() for a in self.alternatives]
+        data["sharding"] = [dict(g) for g in self.sharding]
         data["extra"] = dict(self.extra)
         return _json_native(data)
 

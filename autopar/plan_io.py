@@ -8,7 +8,7 @@ from .cluster import Cluster
 from .config import ParallelConfig, Precision
 from .cost_model.memory import MemoryBreakdown
 from .errors import AutoparError, PlanFormatError
-from .plan import SCHEMA_VERSION, Plan, Stage, TimeBreakdown
+from .plan import SCHEMA_VERSION, Alternative, Plan, Stage, TimeBreakdown
 
 _GB = 1e9
 
@@ -45,11 +45,21 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
             hardware_flops=float(_require(data, "hardware_flops", "")),
             breakdown=TimeBreakdown(**{k: float(_require(b, k, "breakdown.")) for k in TimeBreakdown.__annotations__}),
             stages=stages, fits=bool(_require(data, "fits", "")), notes=tuple(data.get("notes", ())),
-            optimal=data.get("optimal"), schema_version=version, extra=dict(data.get("extra", {})))
+            optimal=data.get("optimal"), schema_version=version, extra=dict(data.get("extra", {})),
+            alternatives=tuple(_alternative(a, i) for i, a in enumerate(data.get("alternatives", ()))),
+            sharding=tuple(dict(g) for g in data.get("sharding", ())))
     except PlanFormatError:
         raise
     except (AutoparError, TypeError, ValueError, KeyError) as exc:
         raise PlanFormatError(f"plan file has an invalid value: {exc}; re-create it with plan.save()") from None
+
+
+def _alternative(a: Mapping[str, Any], i: int) -> Alternative:
+    where = f"alternatives[{i}]."
+    return Alternative(config=ParallelConfig.from_dict(_require(a, "config", where)),
+                       step_time=float(_require(a, "step_time", where)),
+                       peak_memory=float(_require(a, "peak_memory", where)), fits=bool(_require(a, "fits", where)),
+                       reason=str(_require(a, "reason", where)))
 
 
 def _stage(s: Mapping[str, Any], i: int) -> Stage:
@@ -105,6 +115,10 @@ def summarize(plan: Plan) -> str:
         lines.append(f"    {s.index:>5}  {m.params / _GB:7.2f} {m.grads / _GB:7.2f} {m.optimizer / _GB:7.2f} "
                      f"{m.activations / _GB:7.2f} {m.buffers / _GB:7.2f} {m.total / _GB:7.2f}  {s.in_flight:>9}  "
                      f"{' | '.join(_layer_span(c) for c in s.chunks if c) or _layer_span(s.layers)}")
+    if plan.alternatives:
+        lines.append("  alternatives considered:")
+        for a in plan.alternatives:
+            lines.append(f"    {a.config.short():<60} {a.reason}")
     for note in plan.notes:
         lines.append(f"  note: {note}")
     return "\n".join(lines)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
 from ..config import ParallelConfig, Precision
@@ -14,14 +16,18 @@ __all__ = ["Estimator", "MemoryBreakdown", "check_config", "estimate_plan"]
 
 
 def estimate_plan(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_batch_size: int,
-                  precision: Precision | None = None, estimator: Estimator | None = None):
-    """Predict one configuration's step time, memory and per-stage breakdown as a Plan."""
+                  precision: Precision | None = None, estimator: Estimator | None = None,
+                  chunks: Sequence[Sequence[int]] | None = None):
+    """Predict one configuration's step time, memory and per-stage breakdown as a Plan.
+
+    ``chunks`` fixes the layer partition (``pp * virtual_stages`` contiguous runs of layer
+    indices); by default the blocks are split evenly as Megatron-LM does."""
     from ..plan import Plan, Stage, TimeBreakdown
 
     precision = precision or Precision.for_device(cluster.device.name)
     est = estimator or Estimator(graph, cluster, precision)
     m = check_config(graph, cluster, cfg, global_batch_size)
-    devices = est.devices(cfg, m)
+    devices = est.devices(cfg, m, chunks)
     groups = est.placements(cfg)
     pipe = pipeline_time([d.work for d in devices], m, cfg.schedule, cfg.virtual_stages)
     dp = [est.dp_exposed(cfg, d, m, groups["dp"], groups["tp"]) for d in devices]
@@ -41,7 +47,7 @@ def estimate_plan(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_
         for i, d in enumerate(devices))
     peak = max(d.memory.total for d in devices)
     scale = global_batch_size / graph.batch_size
-    model_flops, recompute_flops = _flops(est, cfg, scale)
+    model_flops, recompute_flops = _flops(est, cfg, scale, devices)
     notes = tuple(f"tensor parallelism left {w} whole: tp={cfg.tp} does not divide its split dimension"
                   for w in est.layers.layout(cfg.tp).replicated_weights) + tuple(graph.warnings)
     return Plan(model_name=graph.model_name, fingerprint=graph.fingerprint, cluster=cluster, config=cfg,
@@ -51,15 +57,14 @@ def estimate_plan(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_
                 fits=peak <= cluster.device.memory, notes=notes)
 
 
-def _flops(est: Estimator, cfg: ParallelConfig, scale: float) -> tuple[float, float]:
+def _flops(est: Estimator, cfg: ParallelConfig, scale: float, devices) -> tuple[float, float]:
     """(model FLOPs, recomputation FLOPs) per step over the global batch."""
     graph = est.graph
     model = sum((n.flops_fwd + n.flops_bwd) * (scale if n.batch_dependent else 1.0) for n in graph.nodes)
-    if cfg.recompute == "full":
-        rec = sum(n.flops_fwd * (scale if n.batch_dependent else 1.0) for n in graph.nodes
-                  if recomputable(graph, graph.layers[n.layer]))
-    elif cfg.recompute == "selective":
-        rec = sum(n.flops_fwd * (scale if n.batch_dependent else 1.0) for n in graph.nodes if n.attention_core)
-    else:
-        rec = 0.0
+    mode = {i: cfg.stage_mode(d) for d, dev in enumerate(devices) for c in dev.chunks for i in c}
+    rec = 0.0
+    for n in graph.nodes:
+        m = mode.get(n.layer, "none")
+        if (m == "full" and recomputable(graph, graph.layers[n.layer])) or (m == "selective" and n.attention_core):
+            rec += n.flops_fwd * (scale if n.batch_dependent else 1.0)
     return model, rec

@@ -224,6 +224,15 @@ def collective_time(kind: Collective, nbytes: float, group: GroupPlacement, clus
     return nbytes / b_eff + ring_pass_latency  # BROADCAST
 
 
+def collective_affine(kind: Collective, group: GroupPlacement, cluster: Cluster) -> tuple[float, float]:
+    """``(alpha, beta)`` with ``collective_time(kind, S) = alpha + beta * S`` for every ``S > 0`` (it is 0
+    at ``S = 0``): the form vectorised code (the stage partition DP) evaluates on arrays."""
+    big = 1e9
+    t1, t2 = collective_time(kind, big, group, cluster), collective_time(kind, 2 * big, group, cluster)
+    beta = (t2 - t1) / big
+    return t1 - beta * big, beta
+
+
 def p2p_time(nbytes: float, cluster: Cluster, *, across_nodes: bool) -> float:
     """Seconds to send ``nbytes`` from one rank to another: ``S / (bandwidth * efficiency) + latency``.
 

@@ -22,14 +22,16 @@ memory once: ``Psi_local (2 K + g + w) / (W e_mem)``.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
 
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
 from ..config import ParallelConfig, Precision
 from ..errors import ConfigError
-from .comm import Collective, GroupPlacement, collective_time, place_axes
+from .comm import Collective, GroupPlacement, collective_affine, collective_time, place_axes
 from .layer_cost import LayerCost, LayerCostModel
 from .memory import MemoryBreakdown, in_flight, model_state_bytes
 from .schedule import even_partition, pipeline_time
@@ -91,6 +93,7 @@ class Estimator:
     cluster: Cluster
     precision: Precision
     layers: LayerCostModel | None = None
+    _affine: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.layers is None:
@@ -99,37 +102,49 @@ class Estimator:
     def placements(self, cfg: ParallelConfig) -> dict[str, GroupPlacement]:
         return place_axes(self.cluster, [("tp", cfg.tp), ("dp", cfg.dp), ("pp", cfg.pp)])
 
-    def layer_costs(self, cfg: ParallelConfig, tp_group: GroupPlacement) -> list[LayerCost]:
-        return [self.layers.cost(layer, cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, cfg.recompute,
-                                 tp_group) for layer in self.graph.layers]
+    def layer_costs(self, cfg: ParallelConfig, tp_group: GroupPlacement, recompute: str | None = None
+                    ) -> list[LayerCost]:
+        mode = cfg.recompute if recompute is None else recompute
+        return [self.layers.cost(layer, cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, mode, tp_group)
+                for layer in self.graph.layers]
 
-    def devices(self, cfg: ParallelConfig, micro_batches: int) -> list[DeviceCost]:
+    def devices(self, cfg: ParallelConfig, micro_batches: int,
+                chunks: Sequence[Sequence[int]] | None = None) -> list[DeviceCost]:
+        """Per pipeline device costs. ``chunks`` (``pp * virtual_stages`` contiguous runs of layer
+        indices, device ``d`` holding chunks ``d, d + pp, ...``) defaults to Megatron's even split."""
         groups = self.placements(cfg)
-        costs = self.layer_costs(cfg, groups["tp"])
-        chunks = even_partition(self.graph, cfg.pp * cfg.virtual_stages,
-                                [c.fwd + c.bwd + c.recompute + c.tp_fwd + c.tp_bwd for c in costs])
-        p2p = self._p2p_times(cfg, chunks, groups["pp"])
+        modes = sorted({cfg.stage_mode(d) for d in range(cfg.pp)})
+        costs = {mode: self.layer_costs(cfg, groups["tp"], mode) for mode in modes}
+        if chunks is None:
+            uniform = costs[cfg.stage_mode(0)]
+            chunks = even_partition(self.graph, cfg.pp * cfg.virtual_stages,
+                                    [c.fwd + c.bwd + c.recompute + c.tp_fwd + c.tp_bwd for c in uniform])
+        chunks = [list(c) for c in chunks]
+        cuts = self.p2p_cut_times(cfg, groups["pp"])
         out = []
         for d in range(cfg.pp):
             mine = [c for c in range(len(chunks)) if c % cfg.pp == d]
-            out.append(self._device(cfg, d, [tuple(chunks[c]) for c in mine], sum(p2p[c] for c in mine),
-                                    costs, micro_batches, groups["dp"]))
+            p2p = sum((cuts[chunks[c][-1]] if c < len(chunks) - 1 else 0.0)
+                      + (cuts[chunks[c][0] - 1] if c > 0 else 0.0) for c in mine)
+            out.append(self._device(cfg, d, [tuple(chunks[c]) for c in mine], p2p, costs[cfg.stage_mode(d)],
+                                    micro_batches))
         return out
 
-    def _p2p_times(self, cfg: ParallelConfig, chunks: list[list[int]], group: GroupPlacement) -> list[float]:
-        """Per chunk, seconds of p2p per micro-batch: it sends its activations over its outgoing cut
-        and its input gradients back over its incoming cut (the matching receives overlap them)."""
+    def p2p_cut_times(self, cfg: ParallelConfig, group: GroupPlacement) -> list[float]:
+        """Seconds of p2p per micro-batch for a pipeline cut after layer ``l`` (index ``l``), as seen by
+        each of the two devices beside it: the sender's activations forward, the receiver's gradients
+        back (the matching receives overlap them). Tensor parallelism: Megatron's scatter/gather sends
+        ``1/t`` of a batch-dependent tensor from each rank."""
         scale = cfg.micro_batch_size / self.graph.batch_size
-        split = cfg.tp if cfg.tp > 1 else 1  # Megatron's scatter/gather: each TP rank sends 1/t
-        cut = []
-        for c in range(len(chunks) - 1):
-            bd, const = self.layers.crossing_numel(chunks[c][-1])
-            nbytes = (bd * scale / split + const) * self.precision.activation_bytes
-            cut.append(collective_time(Collective.P2P, nbytes, group, self.cluster))
-        return [(cut[c] if c < len(cut) else 0.0) + (cut[c - 1] if c > 0 else 0.0) for c in range(len(chunks))]
+        out = []
+        for cut in range(len(self.graph.layers) - 1):
+            bd, const = self.layers.crossing_numel(cut)
+            nbytes = (bd * scale / cfg.tp + const) * self.precision.activation_bytes
+            out.append(collective_time(Collective.P2P, nbytes, group, self.cluster))
+        return out
 
     def _device(self, cfg: ParallelConfig, d: int, chunks: list[tuple[int, ...]], p2p: float,
-                costs: list[LayerCost], micro_batches: int, dp_group: GroupPlacement) -> DeviceCost:
+                costs: list[LayerCost], micro_batches: int) -> DeviceCost:
         idx = [i for chunk in chunks for i in chunk]
         # each parameter once per device, tied ones included (a pipeline stage may hold a copy)
         params = self._local_params(dict.fromkeys(n for i in idx for n in self._layer_param_names(i)), cfg)
@@ -137,10 +152,9 @@ class Estimator:
         per_chunk = [sum(costs[i].activations for i in chunk) for chunk in chunks]
         acts = max(per_chunk) if cfg.schedule == "interleaved" else sum(per_chunk)
         flights = in_flight(cfg, d, micro_batches)
-        largest = max(costs[i].largest_tensor for i in idx)
-        working = max(costs[i].activations_full for i in idx) if cfg.recompute != "none" else 0.0
-        zero3 = 2 * max(self._layer_params(i, cfg) for i in idx) * self.precision.weight_bytes if cfg.zero == 3 else 0
-        buffers = 2 * largest + working + zero3
+        buffers = self.buffer_bytes(cfg, cfg.stage_mode(d), max(costs[i].largest_tensor for i in idx),
+                                    max(costs[i].activations_full for i in idx),
+                                    max(self._layer_params(i, cfg) for i in idx))
         memory = MemoryBreakdown(params=w, grads=g, optimizer=k, activations=acts * flights, buffers=buffers)
         return DeviceCost(
             chunks=tuple(chunks), fwd=sum(costs[i].fwd for i in idx), bwd=sum(costs[i].bwd for i in idx),
@@ -149,49 +163,80 @@ class Estimator:
             activations=acts, in_flight=flights, params=params, buffers=buffers, memory=memory,
             tp_grad_bytes=sum(self.layers.step_comm_bytes(self.graph.layers[i], cfg.tp) for i in idx))
 
+    def buffer_bytes(self, cfg: ParallelConfig, recompute: str, largest, working, layer_params):
+        """Transient bytes: two of the largest activation (output and gradient buffers), the
+        recomputed layer's working set, and ZeRO-3's two gathered layers of weights (prefetch).
+        Works on floats and numpy arrays alike."""
+        work = working if recompute != "none" else 0.0
+        zero3 = 2 * layer_params * self.precision.weight_bytes if cfg.zero == 3 else 0.0
+        return 2 * largest + work + zero3
+
     def _layer_param_names(self, i: int) -> tuple[str, ...]:
         layer = self.graph.layers[i]
         return layer.params + layer.shared_params
 
     def _local_params(self, names, cfg: ParallelConfig) -> int:
         """Parameters of ``names`` one device holds after tensor parallelism splits them."""
-        split = self.layers.layout(cfg.tp).split_params
-        return sum(self.graph.params[n].numel // (cfg.tp if n in split else 1)
-                   for n in names if n in self.graph.params)
+        return sum(self.local_numel(n, cfg.tp) for n in names if n in self.graph.params)
+
+    def local_numel(self, name: str, tp: int) -> int:
+        numel = self.graph.params[name].numel
+        return numel // tp if name in self.layers.layout(tp).split_params else numel
 
     def _layer_params(self, i: int, cfg: ParallelConfig) -> int:
         return self._local_params(self._layer_param_names(i), cfg)
+
+    def _ct(self, kind: Collective, nbytes, group: GroupPlacement):
+        """collective_time on floats or arrays (affine in the bytes, 0 for 0 bytes)."""
+        key = (kind, group)
+        if key not in self._affine:
+            self._affine[key] = collective_affine(kind, group, self.cluster)
+        alpha, beta = self._affine[key]
+        nbytes = np.asarray(nbytes, dtype=float)
+        return np.where(nbytes > 0, alpha + beta * nbytes, 0.0)
 
     def dp_exposed(self, cfg: ParallelConfig, dev: DeviceCost, micro_batches: int,
                    group: GroupPlacement, tp_group: GroupPlacement | None = None) -> float:
         """Data-parallel / ZeRO communication of one device that compute does not hide, per step
         (with the tensor-parallel group's own gradient all-reduce, when the layout has one)."""
-        tp_sync = 0.0
-        if dev.tp_grad_bytes and tp_group is not None:
-            tp_sync = collective_time(Collective.ALL_REDUCE, dev.tp_grad_bytes, tp_group, self.cluster)
+        layers_held = sum(len(c) for c in dev.chunks)
+        return float(self.dp_time(cfg, micro_batches, group, tp_group, dev.params, dev.fwd, dev.bwd,
+                                  dev.recompute, dev.tp_comm, dev.tp_grad_bytes, layers_held))
+
+    def dp_time(self, cfg: ParallelConfig, micro_batches: int, group: GroupPlacement,
+                tp_group: GroupPlacement | None, params, fwd, bwd, recompute, tp_comm, tp_grad_bytes, layers_held):
+        """:meth:`dp_exposed` on floats or numpy arrays (the stage DP evaluates every layer run at once)."""
+        params = np.asarray(params, dtype=float)
+        tp_sync = self._ct(Collective.ALL_REDUCE, tp_grad_bytes, tp_group) if tp_group is not None else 0.0
+        hidden = bwd + recompute
+        grad_bytes = params * self.precision.grad_bytes
+        weight_bytes = params * self.precision.weight_bytes
         if cfg.dp == 1:
-            return max(tp_sync - (dev.bwd + dev.recompute), 0.0) if tp_sync else 0.0
-        grad_bytes = dev.params * self.precision.grad_bytes
-        weight_bytes = dev.params * self.precision.weight_bytes
+            total = tp_sync + 0.0 * params
+            buckets = np.maximum(1.0, np.ceil(np.asarray(tp_grad_bytes, dtype=float) / DP_BUCKET_BYTES))
+            return np.maximum(total - hidden, total / buckets)
         if cfg.zero == 3:
-            ag = collective_time(Collective.ALL_GATHER, weight_bytes, group, self.cluster)
-            rs = collective_time(Collective.REDUCE_SCATTER, grad_bytes, group, self.cluster)
-            fwd_c, bwd_c = dev.fwd + dev.tp_comm / 2, dev.bwd + dev.recompute + dev.tp_comm / 2
-            per_mb = max(0.0, ag - fwd_c) + max(0.0, ag + rs - bwd_c)
-            first = ag / max(1, len([i for c in dev.chunks for i in c]))  # the first layer's gather is never hidden
+            ag = self._ct(Collective.ALL_GATHER, weight_bytes, group)
+            rs = self._ct(Collective.REDUCE_SCATTER, grad_bytes, group)
+            fwd_c, bwd_c = fwd + tp_comm / 2, hidden + tp_comm / 2
+            per_mb = np.maximum(0.0, ag - fwd_c) + np.maximum(0.0, ag + rs - bwd_c)
+            first = ag / np.maximum(1, layers_held)  # the first layer's gather is never hidden
             return micro_batches * per_mb + first + tp_sync
         if cfg.zero == 0:
-            total = collective_time(Collective.ALL_REDUCE, grad_bytes, group, self.cluster)
+            total = self._ct(Collective.ALL_REDUCE, grad_bytes, group)
         else:
-            total = (collective_time(Collective.REDUCE_SCATTER, grad_bytes, group, self.cluster)
-                     + collective_time(Collective.ALL_GATHER, weight_bytes, group, self.cluster))
-        total += tp_sync
-        buckets = max(1, math.ceil(grad_bytes / DP_BUCKET_BYTES))
-        return max(total - (dev.bwd + dev.recompute), total / buckets)
+            total = (self._ct(Collective.REDUCE_SCATTER, grad_bytes, group)
+                     + self._ct(Collective.ALL_GATHER, weight_bytes, group))
+        total = total + tp_sync
+        buckets = np.maximum(1.0, np.ceil(grad_bytes / DP_BUCKET_BYTES))
+        return np.maximum(total - hidden, total / buckets)
 
-    def optimizer_time(self, cfg: ParallelConfig, dev: DeviceCost) -> float:
-        local = dev.params / (cfg.dp if cfg.zero >= 1 else 1)
+    def optimizer_time(self, cfg: ParallelConfig, dev: DeviceCost | float):
+        """The optimizer step of one device (its parameters, or a DeviceCost); floats or arrays."""
+        params = dev.params if isinstance(dev, DeviceCost) else dev
+        local = np.asarray(params, dtype=float) / (cfg.dp if cfg.zero >= 1 else 1)
         p = self.precision
         per_param = 2 * p.optimizer_bytes + p.grad_bytes + p.weight_bytes
         bandwidth = self.cluster.device.memory_bandwidth * self.cluster.device.memory_efficiency
-        return local * per_param / bandwidth
+        out = local * per_param / bandwidth
+        return float(out) if out.ndim == 0 else out

@@ -1,0 +1,57 @@
+"""``solve``: OpGraph + Cluster + global batch -> the best Plan (wiring of search, stages, sharding)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from ..capture.opgraph import OpGraph
+from ..cluster import Cluster
+from ..config import Precision
+from ..cost_model.tensor_parallel import propagate
+from ..errors import ConfigError, InfeasiblePlanError
+from ..plan import Plan
+from .search import Search, SearchStats, alternatives, with_search_results
+from .space import check_fixed
+
+
+def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision: Precision | None = None,
+          fixed: Mapping[str, Any] | None = None, time_limit: float | None = None) -> tuple[Plan, SearchStats]:
+    """The fastest plan that fits, and what the search did. Raises InfeasiblePlanError when none fits."""
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ConfigError(f"global_batch_size={global_batch_size!r} must be a positive integer")
+    if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float))
+                                   or not time_limit > 0):
+        raise ConfigError(f"time_limit={time_limit!r} must be a positive number of seconds (or None)")
+    fixed = check_fixed(fixed)
+    precision = precision or Precision.for_device(cluster.device.name)
+    layouts = {"megatron": propagate}
+    search = Search(graph, cluster, global_batch_size, precision, layouts, fixed, time_limit)
+    best, best_c, seen = search.run()
+    if best is None:
+        raise _infeasible(search, fixed)
+    alts = alternatives(best, seen, cluster.device.memory)
+    plan = with_search_results(best, search.stats, alts, (), best_c.variant)
+    return plan, search.stats
+
+
+def _infeasible(search: Search, fixed: Mapping[str, Any]) -> InfeasiblePlanError:
+    cluster = search.cluster
+    if search.stats.candidates == 0:
+        return InfeasiblePlanError(
+            f"no configuration of {cluster.devices} devices matches global_batch_size={search.global_batch_size}"
+            f"{' and fixed=' + repr(dict(fixed)) if fixed else ''}: dp must divide the global batch and "
+            "dp * tp * pp must equal the device count; change the global batch or what is fixed")
+    need, arg = search.least_memory_overall()
+    have = cluster.device.memory
+    hints = [f"more devices (this cluster has {cluster.devices}; model states shrink about in proportion)",
+             f"a device with more than {need / 1e9:.1f} GB"]
+    if arg is not None and arg.micro_batch_size > 1:
+        hints.append("a smaller micro-batch (pin micro_batch_size=1)")
+    if fixed:
+        hints.append(f"fewer pinned fields (fixed={dict(fixed)!r} rules out the leaner configurations)")
+    where = f" (the leanest is {arg.config().short()})" if arg is not None else ""
+    return InfeasiblePlanError(
+        f"no plan fits on {cluster.describe()}: the least memory per device any plan needs is "
+        f"{need / 1e9:.1f} GB{where}, but each {cluster.device.name} has {have / 1e9:.1f} GB. "
+        f"Use {', or '.join(hints)}.")

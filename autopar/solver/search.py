@@ -1,0 +1,246 @@
+r"""The outer search: the fastest configuration that fits, by best-first branch and bound.
+
+For every candidate ``c`` of the space (space.py) a lower bound on its step time needs only
+per-layer costs (cached per layer signature)::
+
+    LB_T(c) = (m - 1) max(W / p, w_max) + W + opt(P / p)                   (1F1B, GPipe)
+    LB_T(c) = (m + (p - 1) / v) max(W / p, w_max) + opt(P / p)              (interleaved)
+    LB_M(c) = states(P / p)
+
+``W = sum_l c_l`` is the work of one micro-batch through all layers in the cheapest recompute
+mode, ``w_max`` its largest layer, ``P`` the parameters after tensor parallelism and
+``opt``/``states`` the optimizer time and model-state bytes of that many parameters: the
+slowest stage has at least the mean work and the mean parameters, and the pipeline formula
+(cost_model/schedule.py) is increasing in both. A candidate with ``LB_M > M`` cannot fit
+(pruned by memory). The rest are visited in increasing ``LB_T``; each is solved exactly by the
+stage DP (stages.py) and estimated; the search stops when the next bound reaches the best
+step time found (every remaining candidate is pruned by the bound). GPipe is never visited
+unless pinned: under this cost model it takes the same time as 1F1B and holds more
+micro-batches (dominated).
+
+The layout variants (the sharding ILP's "fast" and "lean" solutions, sharding.py) are
+separate candidates with their own layer costs, so the global step time, not the ILP's
+per-layer objective, decides between them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping
+
+from ..capture.opgraph import OpGraph
+from ..cluster import Cluster
+from ..config import ParallelConfig, Precision
+from ..cost_model import Estimator, estimate_plan
+from ..cost_model.layer_cost import LayerCostModel
+from ..cost_model.memory import model_state_bytes
+from ..cost_model.tensor_parallel import TPLayout
+from ..plan import Alternative, Plan
+from .space import Candidate, candidates, recompute_modes
+from .stages import least_memory, partition, run_tables
+
+TOP_ALTERNATIVES = 5
+
+
+@dataclass
+class SearchStats:
+    """What the search did (counts are deterministic; seconds are not and stay out of the plan)."""
+
+    candidates: int = 0
+    evaluated: int = 0
+    pruned_bound: int = 0
+    pruned_memory: int = 0
+    dominated: int = 0
+    infeasible: int = 0
+    inexact_partitions: int = 0
+    timed_out: bool = False
+    search_seconds: float = 0.0
+    ilp_seconds: float = 0.0
+    ilp_solves: int = 0
+
+    def counts(self) -> dict[str, Any]:
+        return {"candidates": self.candidates, "evaluated": self.evaluated, "pruned_by_bound": self.pruned_bound,
+                "pruned_by_memory": self.pruned_memory, "dominated": self.dominated,
+                "did_not_fit": self.infeasible, "inexact_partitions": self.inexact_partitions,
+                "stopped_at_time_limit": self.timed_out}
+
+
+@dataclass
+class Search:
+    """One search of one graph on one cluster and global batch."""
+
+    graph: OpGraph
+    cluster: Cluster
+    global_batch_size: int
+    precision: Precision
+    layouts: Mapping[str, Callable[[OpGraph, int], TPLayout]]
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    time_limit: float | None = None
+    stats: SearchStats = field(default_factory=SearchStats)
+    _estimators: dict[str, Estimator] = field(default_factory=dict)
+    _work: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
+
+    def estimator(self, variant: str) -> Estimator:
+        if variant not in self._estimators:
+            layers = LayerCostModel(self.graph, self.cluster, self.precision, layout_fn=self.layouts[variant])
+            self._estimators[variant] = Estimator(self.graph, self.cluster, self.precision, layers)
+        return self._estimators[variant]
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return recompute_modes(self.graph, self.fixed)
+
+    # --- bounds ------------------------------------------------------------------------------
+    def _layer_work(self, c: Candidate) -> tuple[float, float, float]:
+        """(W, w_max, P): summed and largest per-layer work in the cheapest mode, parameters after TP."""
+        key = (c.variant, c.tp, c.sequence_parallel, c.micro_batch_size)
+        if key not in self._work:
+            est = self.estimator(c.variant)
+            cfg = c.config()
+            group = est.placements(cfg)["tp"]
+            per_mode = [[x.fwd + x.bwd + x.recompute + x.tp_fwd + x.tp_bwd for x in est.layer_costs(cfg, group, m)]
+                        for m in self.modes]
+            work = [min(col) for col in zip(*per_mode)]
+            params = est._local_params(self.graph.params, cfg)
+            self._work[key] = (sum(work), max(work), float(params))
+        return self._work[key]
+
+    def bounds(self, c: Candidate) -> tuple[float, float]:
+        """(LB_T, LB_M) of the module docstring."""
+        total, largest, params = self._layer_work(c)
+        m, p = c.micro_batches(self.global_batch_size), c.pp
+        est = self.estimator(c.variant)
+        cfg = c.config()
+        x = max(total / p, largest)
+        if c.schedule == "interleaved":
+            pipe = (m + (p - 1) / c.virtual_stages) * x
+        else:
+            pipe = (m - 1) * x + total
+        lb_t = pipe + est.optimizer_time(cfg, params / p)
+        lb_m = sum(model_state_bytes(params / p, self.precision, c.zero, c.dp))
+        return lb_t, lb_m
+
+    # --- evaluation --------------------------------------------------------------------------
+    def evaluate(self, c: Candidate) -> Plan | float:
+        """The best plan of this candidate (partition and recompute solved), or, when nothing
+        fits, the least peak memory per device it could reach (bytes)."""
+        est = self.estimator(c.variant)
+        m = c.micro_batches(self.global_batch_size)
+        memory = self.cluster.device.memory
+        if c.schedule == "interleaved":
+            plans = [estimate_plan(self.graph, self.cluster, c.config(mode), self.global_batch_size,
+                                   self.precision, est) for mode in self.modes]
+            fitting = [pl for pl in plans if pl.fits]
+            if not fitting:
+                return min(pl.peak_memory for pl in plans)
+            return min(fitting, key=lambda pl: pl.step_time)
+        tables = run_tables(est, c.config(), m, self.modes)
+        part = partition(tables, c.config(), m, memory)
+        if part is None:
+            return least_memory(tables, c.config(), m)
+        if not part.exact:
+            self.stats.inexact_partitions += 1
+        modes = part.modes
+        cfg = c.config(modes[0]) if len(set(modes)) == 1 else c.config(modes[0], modes)
+        return estimate_plan(self.graph, self.cluster, cfg, self.global_batch_size, self.precision, est,
+                             chunks=part.chunks)
+
+    # --- the loop ----------------------------------------------------------------------------
+    def run(self) -> tuple[Plan | None, Candidate | None, list[tuple[float, Candidate, Plan | float]]]:
+        """Best plan and its candidate, and every evaluated candidate with its result (for the
+        alternatives)."""
+        t0 = time.perf_counter()
+        queue = []
+        for c in candidates(self.graph, self.cluster, self.global_batch_size, tuple(self.layouts), self.fixed):
+            self.stats.candidates += 1
+            if c.schedule == "gpipe" and "schedule" not in self.fixed:
+                self.stats.dominated += 1
+                continue
+            lb_t, lb_m = self.bounds(c)
+            if lb_m > self.cluster.device.memory:
+                self.stats.pruned_memory += 1
+                continue
+            queue.append((lb_t, c.sort_key(), c))
+        queue.sort(key=lambda e: (e[0], e[1]))
+        best: Plan | None = None
+        best_c: Candidate | None = None
+        seen: list[tuple[float, Candidate, Plan | float]] = []
+        for pos, (lb_t, _, c) in enumerate(queue):
+            if best is not None and lb_t >= best.step_time:
+                self.stats.pruned_bound += len(queue) - pos
+                break
+            if self.time_limit is not None and best is not None and time.perf_counter() - t0 > self.time_limit:
+                self.stats.timed_out = True
+                self.stats.pruned_bound += len(queue) - pos
+                break
+            result = self.evaluate(c)
+            self.stats.evaluated += 1
+            seen.append((lb_t, c, result))
+            if isinstance(result, Plan):
+                if best is None or _better(result, best):
+                    best, best_c = result, c
+            else:
+                self.stats.infeasible += 1
+        self.stats.search_seconds = time.perf_counter() - t0
+        return best, best_c, seen
+
+    def least_memory_overall(self) -> tuple[float, Candidate | None]:
+        """The least peak memory per device over every candidate (used when nothing fits): visits
+        candidates in increasing memory bound and stops when the bound reaches the best found."""
+        order = []
+        for c in candidates(self.graph, self.cluster, self.global_batch_size, tuple(self.layouts), self.fixed):
+            if c.schedule == "gpipe" and "schedule" not in self.fixed:
+                continue
+            order.append((self.bounds(c)[1], c.sort_key(), c))
+        order.sort(key=lambda e: (e[0], e[1]))
+        best, arg = float("inf"), None
+        for lb_m, _, c in order:
+            if lb_m >= best:
+                break
+            result = self.evaluate(c)
+            mem = result.peak_memory if isinstance(result, Plan) else result
+            if mem < best:
+                best, arg = mem, c
+        return best, arg
+
+
+def _better(a: Plan, b: Plan) -> bool:
+    """Faster wins; equal times go to less memory, then to the smaller config (deterministic)."""
+    return (a.step_time, a.peak_memory, _cfg_key(a.config)) < (b.step_time, b.peak_memory, _cfg_key(b.config))
+
+
+def _cfg_key(cfg: ParallelConfig) -> tuple:
+    return (cfg.dp, cfg.tp, cfg.pp, cfg.micro_batch_size, cfg.schedule, cfg.virtual_stages, cfg.zero,
+            cfg.recompute, cfg.sequence_parallel, cfg.stage_recompute)
+
+
+def alternatives(best: Plan, seen: list[tuple[float, Candidate, Plan | float]], memory: float) -> tuple[Alternative, ...]:
+    """The next-best evaluated configurations and why each lost to ``best``."""
+    plans = [r for _, _, r in seen if isinstance(r, Plan) and r is not best]
+    faster_unfit = sorted(((lb, c, r) for lb, c, r in seen if not isinstance(r, Plan)), key=lambda e: (e[0], e[1].sort_key()))
+    out = []
+    for pl in heapq.nsmallest(TOP_ALTERNATIVES, plans, key=lambda p: (p.step_time, p.peak_memory, _cfg_key(p.config))):
+        slower = (pl.step_time / best.step_time - 1) * 100
+        out.append(Alternative(config=pl.config, step_time=pl.step_time, peak_memory=pl.peak_memory, fits=True,
+                               reason=f"slower by {slower:.1f}%"))
+    for lb, c, need in faster_unfit[:3]:
+        if lb >= best.step_time:
+            break
+        out.append(Alternative(config=c.config(), step_time=lb, peak_memory=need, fits=False,
+                               reason=f"does not fit: needs {(need - memory) / 1e9:.1f} GB more per device "
+                                      f"(at least {need / 1e9:.1f} GB; step time bound {lb:.3g} s)"))
+    return tuple(out)
+
+
+def with_search_results(best: Plan, stats: SearchStats, alts: tuple[Alternative, ...],
+                        sharding: tuple[Mapping[str, Any], ...], variant: str) -> Plan:
+    optimal = not stats.timed_out and stats.inexact_partitions == 0
+    notes = best.notes
+    if stats.timed_out:
+        notes += ("the search stopped at time_limit: this is the best plan found so far and may not be optimal",)
+    extra = dict(best.extra)
+    extra["layout"] = variant
+    extra["search"] = stats.counts()
+    return replace(best, optimal=optimal, notes=notes, alternatives=alts, sharding=sharding, extra=extra)

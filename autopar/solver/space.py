@@ -1,0 +1,119 @@
+"""The search space: every configuration of the devices the outer search may consider.
+
+A point is a :class:`Candidate`: a tensor-parallel layout variant, the mesh degrees
+``dp x tp x pp`` (placed on the topology by :func:`autopar.cost_model.comm.place_axes`:
+``tp`` innermost, so it lands inside a node when it fits, but any degree that divides the
+devices is tried, including ones that span nodes), micro-batch size, schedule (1F1B, GPipe,
+interleaved 1F1B with each virtual-stage count that divides the blocks), ZeRO stage and
+sequence parallelism. Recompute is chosen per stage by the stage DP (stages.py), so it is
+not a dimension here except for the interleaved schedule.
+
+``fixed`` pins any ParallelConfig field; a pinned value that cannot be used raises
+ConfigError saying why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Iterator, Mapping
+
+from ..capture.opgraph import OpGraph
+from ..cluster import Cluster
+from ..config import RECOMPUTE_MODES, ParallelConfig
+from ..errors import ConfigError
+
+MAX_TP = 64               # beyond 64-way tensor parallelism every layer of a real model is communication bound
+MAX_VIRTUAL_STAGES = 8    # Megatron-LM's interleaving rarely pays beyond a few chunks per device
+_FIXABLE = tuple(f.name for f in fields(ParallelConfig) if f.name != "stage_recompute")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the outer search (a ParallelConfig without its recompute, plus the layout variant)."""
+
+    variant: str
+    dp: int
+    tp: int
+    pp: int
+    micro_batch_size: int
+    schedule: str
+    virtual_stages: int
+    zero: int
+    sequence_parallel: bool
+
+    def config(self, recompute: str = "none", stage_recompute: tuple[str, ...] = ()) -> ParallelConfig:
+        return ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, micro_batch_size=self.micro_batch_size,
+                              schedule=self.schedule, virtual_stages=self.virtual_stages, zero=self.zero,
+                              recompute=recompute, sequence_parallel=self.sequence_parallel,
+                              stage_recompute=stage_recompute)
+
+    def micro_batches(self, global_batch_size: int) -> int:
+        return global_batch_size // (self.dp * self.micro_batch_size)
+
+    def sort_key(self) -> tuple:
+        return (self.variant, self.dp, self.tp, self.pp, self.micro_batch_size, self.schedule,
+                self.virtual_stages, self.zero, self.sequence_parallel)
+
+
+def check_fixed(fixed: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Validate ``fixed`` field names and values (each value as ParallelConfig would)."""
+    if fixed is None:
+        return {}
+    if not isinstance(fixed, Mapping):
+        raise ConfigError(f"fixed must be a dict of ParallelConfig fields, e.g. {{'tp': 8}}; got {fixed!r}")
+    unknown = sorted(set(fixed) - set(_FIXABLE))
+    if unknown:
+        raise ConfigError(f"fixed has unknown field(s) {unknown}; it can pin: {', '.join(_FIXABLE)}")
+    probe = dict(fixed)
+    if probe.get("schedule") == "interleaved" and "pp" not in probe:
+        probe["pp"] = 2
+    if probe.get("sequence_parallel") and "tp" not in probe:
+        probe["tp"] = 2
+    ParallelConfig(**probe)  # raises ConfigError naming a bad value
+    return dict(fixed)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def recompute_modes(graph: OpGraph, fixed: Mapping[str, Any]) -> tuple[str, ...]:
+    """Modes worth trying: "selective" only when the graph has an unfused attention core."""
+    if "recompute" in fixed:
+        return (fixed["recompute"],)
+    has_core = any(n.attention_core for n in graph.nodes)
+    return tuple(m for m in RECOMPUTE_MODES if m != "selective" or has_core)
+
+
+def candidates(graph: OpGraph, cluster: Cluster, global_batch_size: int, variants: tuple[str, ...],
+               fixed: Mapping[str, Any]) -> Iterator[Candidate]:
+    """Every candidate allowed by the devices, the batch, the model's layer count and ``fixed``."""
+    n_dev = cluster.devices
+    n_layers = len(graph.layers)
+    blocks = sum(1 for layer in graph.layers if layer.is_block)
+
+    def allowed(name: str, values):
+        return [v for v in values if name not in fixed or fixed[name] == v]
+
+    for tp in allowed("tp", [d for d in divisors(n_dev) if d <= MAX_TP]):
+        for pp in allowed("pp", [d for d in divisors(n_dev // tp) if d <= n_layers]):
+            dp = n_dev // (tp * pp)
+            if "dp" in fixed and fixed["dp"] != dp:
+                continue
+            if global_batch_size % dp:
+                continue
+            for mb in allowed("micro_batch_size", divisors(global_batch_size // dp)):
+                for schedule, v in _schedules(pp, blocks, fixed):
+                    for zero in allowed("zero", [0, 1, 2, 3] if dp > 1 else [0]):
+                        for sp in allowed("sequence_parallel", [False, True] if tp > 1 else [False]):
+                            for variant in variants:
+                                yield Candidate(variant, dp, tp, pp, mb, schedule, v, zero, sp)
+
+
+def _schedules(pp: int, blocks: int, fixed: Mapping[str, Any]) -> list[tuple[str, int]]:
+    if pp == 1:
+        out = [("1f1b", 1)]
+    else:
+        out = [("1f1b", 1), ("gpipe", 1)]
+        out += [("interleaved", v) for v in range(2, MAX_VIRTUAL_STAGES + 1) if blocks and blocks % (pp * v) == 0]
+    return [(s, v) for s, v in out if fixed.get("schedule", s) == s and fixed.get("virtual_stages", v) == v]

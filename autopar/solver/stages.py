@@ -1,0 +1,252 @@
+r"""Pipeline stage partition: an exact dynamic programme over contiguous layer runs.
+
+Given one configuration (mesh, micro-batch, schedule, ZeRO, sequence parallelism) and the
+recompute modes allowed, choose the cuts ``0 = b_0 < b_1 < ... < b_p = n`` of the ``n``
+captured layers into ``p`` stages and a recompute mode ``r_k`` per stage to minimise the
+estimator's step time (cost_model/__init__.py) on that partition::
+
+    T = (m - 1) max_k x_k + sum_k x_k + max_k y_k                  (1F1B and GPipe)
+
+    x_k = sum_{l in [b_k, b_{k+1})} c_l^{r_k} + q_in(b_k) + q_out(b_{k+1} - 1)
+    y_k = dp_exposed(stage k) + optimizer(stage k)
+    s.t.  mem_k = states(params_k) + f_k sum_l a_l^{r_k} + buffers_k(r_k) <= M
+
+``c_l^r`` is layer ``l``'s work per micro-batch under recompute mode ``r`` (forward,
+backward, recomputation, tensor-parallel collectives), ``q`` the p2p time of a cut,
+``a_l^r`` its activation bytes, ``f_k`` the micro-batches stage ``k`` holds at its peak (1F1B:
+``min(m, p - k)``, so the first stage holds the most; GPipe: ``m``), ``params_k`` the
+parameters of its layers (a tied weight counted once per stage that uses it) and ``M`` the
+device memory. Every term of a stage depends only on its own run and index, so for fixed
+bounds ``X`` on ``max x_k`` and ``Y`` on ``max y_k`` the remaining objective ``sum_k x_k``
+decomposes (:func:`_min_sum`)::
+
+    D_0(0) = 0,   D_k(j) = min_{i < j, r : x^r(i,j) <= X, y^r(i,j) <= Y, mem_k^r(i,j) <= M}
+                           D_{k-1}(i) + x^r(i, j),          S(X, Y) = D_p(n)
+
+and ``T* = min_{X, Y} (m - 1) X + S(X, Y) + Y`` over the finitely many values ``x`` and ``y``
+take on layer runs. The search (:func:`partition`) walks ``X`` upwards from the bottleneck
+optimum ``X_min`` (:func:`_min_max`) and, for each, ``Y`` upwards from ``Y_min``, and stops as
+soon as the lower bound ``(m - 1) X + S_min + Y_min`` (resp. ``(m - 1) X + S(X, inf) + Y``)
+reaches the best step time found: the optimum is exact. Each DP is ``O(p n^2)``, vectorised
+over the ``n^2`` runs with numpy. When ``m = 1`` the ``X`` term vanishes and one ``X`` suffices.
+
+An interleaved schedule puts ``v`` chunks from all over the model on each device, which
+breaks the stage independence above; it keeps Megatron's even split of the blocks
+(:func:`autopar.cost_model.schedule.even_partition`) and one recompute mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from ..config import ParallelConfig
+from ..cost_model.estimator import Estimator
+from ..cost_model.memory import in_flight, model_state_bytes
+
+INF = float("inf")
+MAX_BOUND_PAIRS = 400  # (X, Y) pairs per partition before giving up exactness (reported, never silent)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """The DP's answer: chunks of layer indices, the recompute mode of each stage, and its cost."""
+
+    chunks: tuple[tuple[int, ...], ...]
+    modes: tuple[str, ...]
+    pipeline_and_tail: float   # (m - 1) max x + sum x + max y: the step time the estimator will report
+    exact: bool                # False when MAX_BOUND_PAIRS stopped the bound search early
+
+
+@dataclass(frozen=True)
+class RunTables:
+    """Per recompute mode, every layer run ``[i, j]`` as an ``n x n`` matrix (``inf`` where ``i > j``)."""
+
+    modes: tuple[str, ...]
+    work: np.ndarray       # (R, n, n) x^r(i, j) seconds per micro-batch, p2p included
+    tail: np.ndarray       # (R, n, n) y^r(i, j) seconds per step
+    fixed_mem: np.ndarray  # (R, n, n) model states + buffers, bytes
+    act: np.ndarray        # (R, n, n) activation bytes per micro-batch
+
+
+def run_tables(est: Estimator, cfg: ParallelConfig, micro_batches: int, modes: Sequence[str]) -> RunTables:
+    """Build the run matrices for ``cfg`` (its recompute fields are ignored: ``modes`` are tried)."""
+    graph = est.graph
+    n = len(graph.layers)
+    groups = est.placements(cfg)
+    cuts = np.array(est.p2p_cut_times(cfg, groups["pp"]) + [0.0])   # cut after layer l; none after the last
+    q_in = np.concatenate([[0.0], cuts[:-1]])                        # cut before layer i
+    i_idx, j_idx = np.indices((n, n))
+    valid = i_idx <= j_idx
+    params = _run_params(est, cfg, n)
+    layer_params = np.array([est._layer_params(i, cfg) for i in range(n)], dtype=float)
+    states = sum(model_state_bytes(params, est.precision, cfg.zero, cfg.dp))
+    step = np.array([est.layers.step_comm_bytes(layer, cfg.tp) for layer in graph.layers], dtype=float)
+    layers_held = (j_idx - i_idx + 1).astype(float)
+    works, tails, fixed, acts = [], [], [], []
+    for mode in modes:
+        costs = est.layer_costs(cfg, groups["tp"], mode)
+        col = lambda attr: np.array([getattr(c, attr) for c in costs], dtype=float)  # noqa: E731
+        fwd, bwd, rec = _run_sum(col("fwd")), _run_sum(col("bwd")), _run_sum(col("recompute"))
+        tp = _run_sum(col("tp_fwd") + col("tp_bwd"))
+        work = fwd + bwd + rec + tp + q_in[:, None] + cuts[None, :]
+        dp = est.dp_time(cfg, micro_batches, groups["dp"], groups["tp"], params, fwd, bwd, rec, tp,
+                         _run_sum(step), layers_held)
+        tail = dp + est.optimizer_time(cfg, params)
+        buffers = est.buffer_bytes(cfg, mode, _run_max(col("largest_tensor")), _run_max(col("activations_full")),
+                                   _run_max(layer_params))
+        works.append(np.where(valid, work, INF))
+        tails.append(np.where(valid, tail, INF))
+        fixed.append(np.where(valid, states + buffers, INF))
+        acts.append(np.where(valid, _run_sum(col("activations")), INF))
+    return RunTables(tuple(modes), np.stack(works), np.stack(tails), np.stack(fixed), np.stack(acts))
+
+
+def _run_sum(values: np.ndarray) -> np.ndarray:
+    prefix = np.concatenate([[0.0], np.cumsum(values)])
+    return prefix[None, 1:] - prefix[:-1, None]
+
+
+def _run_max(values: np.ndarray) -> np.ndarray:
+    n = len(values)
+    out = np.zeros((n, n))
+    for i in range(n):
+        out[i, i:] = np.maximum.accumulate(values[i:])
+    return out
+
+
+def _run_params(est: Estimator, cfg: ParallelConfig, n: int) -> np.ndarray:
+    """Parameters a stage holding layers ``[i, j]`` keeps: each layer's own, plus a tied parameter
+    first used before ``i`` once if any layer of the run uses it."""
+    graph = est.graph
+    own = np.array([sum(est.local_numel(p, cfg.tp) for p in layer.params if p in graph.params)
+                    for layer in graph.layers], dtype=float)
+    out = _run_sum(own)
+    owner = {p: layer.index for layer in graph.layers for p in layer.params}
+    users: dict[str, list[int]] = {}
+    for layer in graph.layers:
+        for p in layer.shared_params:
+            if p in graph.params:
+                users.setdefault(p, []).append(layer.index)
+    for p, used in users.items():
+        numel = est.local_numel(p, cfg.tp)
+        for i in range(owner.get(p, -1) + 1, n):
+            first = next((u for u in used if u >= i), None)
+            if first is not None:
+                out[i, first:] += numel
+    return out
+
+
+def _stage_cost(tables: RunTables, value: np.ndarray, k: int, flights: Sequence[int], memory: float,
+                x_bound: float, y_bound: float) -> tuple[np.ndarray, np.ndarray]:
+    """For stage ``k``: the best ``value`` over recompute modes of each run within the bounds and
+    memory (``inf`` if none), and which mode gives it."""
+    mem = tables.fixed_mem + flights[k] * tables.act
+    ok = (mem <= memory) & (tables.work <= x_bound) & (tables.tail <= y_bound)
+    masked = np.where(ok, value, INF)
+    mode = np.argmin(masked, axis=0)
+    return np.take_along_axis(masked, mode[None], axis=0)[0], mode
+
+
+def _min_sum(tables: RunTables, flights: Sequence[int], memory: float, x_bound: float,
+             y_bound: float) -> tuple[float, list[tuple[int, int, int]] | None]:
+    """min sum_k x_k under the bounds: ``(value, [(start, end, mode) per stage])`` or ``(inf, None)``."""
+    return _dp(tables, tables.work, flights, memory, x_bound, y_bound, np.add)
+
+
+def _min_max(tables: RunTables, value: np.ndarray, flights: Sequence[int], memory: float,
+             x_bound: float = INF, y_bound: float = INF) -> float:
+    """min over partitions of max_k value_k (bottleneck DP), within memory and the bounds."""
+    return _dp(tables, value, flights, memory, x_bound, y_bound, np.maximum)[0]
+
+
+def _dp(tables: RunTables, value: np.ndarray, flights: Sequence[int], memory: float, x_bound: float,
+        y_bound: float, combine) -> tuple[float, list[tuple[int, int, int]] | None]:
+    p, n = len(flights), value.shape[-1]
+    best = np.full(n + 1, INF)
+    best[0] = 0.0 if combine is np.add else -INF
+    choice = []
+    for k in range(p):
+        cost, mode = _stage_cost(tables, value, k, flights, memory, x_bound, y_bound)
+        total = combine(best[:n, None], cost)       # total[i, j]: stages 0..k with stage k = [i, j]
+        start = np.argmin(total, axis=0)
+        new = np.full(n + 1, INF)
+        new[1:] = total[start, np.arange(n)]
+        choice.append((start, mode))
+        best = new
+    if not np.isfinite(best[n]):
+        return INF, None
+    runs, j = [], n
+    for k in range(p - 1, -1, -1):
+        start, mode = choice[k]
+        i = int(start[j - 1])
+        runs.append((i, j - 1, int(mode[i, j - 1])))
+        j = i
+    return float(best[n]), runs[::-1]
+
+
+def flights_of(cfg: ParallelConfig, micro_batches: int) -> list[int]:
+    return [in_flight(cfg, k, micro_batches) for k in range(cfg.pp)]
+
+
+def step_of(tables: RunTables, runs: Sequence[tuple[int, int, int]], micro_batches: int) -> float:
+    x = [tables.work[r, i, j] for i, j, r in runs]
+    y = [tables.tail[r, i, j] for i, j, r in runs]
+    return (micro_batches - 1) * max(x) + sum(x) + max(y)
+
+
+def partition(tables: RunTables, cfg: ParallelConfig, micro_batches: int, memory: float) -> Partition | None:
+    """The exact optimum of the module docstring's problem, or None when no partition fits."""
+    flights = flights_of(cfg, micro_batches)
+    m = micro_batches
+    x_min = _min_max(tables, tables.work, flights, memory)
+    if not np.isfinite(x_min):
+        return None
+    y_min = _min_max(tables, tables.tail, flights, memory)
+    s_min, _ = _min_sum(tables, flights, memory, INF, INF)
+    feasible_x = np.unique(tables.work[np.isfinite(tables.work)])
+    xs = [INF] if m == 1 else [x for x in feasible_x if x >= x_min]
+    ys = [y for y in np.unique(tables.tail[np.isfinite(tables.tail)]) if y >= y_min]
+    best, best_runs, pairs, exact = INF, None, 0, True
+    for x in xs:
+        if np.isfinite(x) and (m - 1) * x + s_min + y_min >= best:
+            break
+        s_x, _ = _min_sum(tables, flights, memory, x, INF)
+        if not np.isfinite(s_x):
+            continue
+        for y in ys:
+            if (m - 1) * (x if np.isfinite(x) else 0.0) + s_x + y >= best:
+                break
+            pairs += 1
+            if pairs > MAX_BOUND_PAIRS:
+                exact = False
+                break
+            s, runs = _min_sum(tables, flights, memory, x, y)
+            if runs is None:
+                continue
+            t = step_of(tables, runs, m)
+            if t < best:
+                best, best_runs = t, runs
+        if not exact:
+            break
+    if best_runs is None:
+        return None
+    return Partition(tuple(tuple(range(i, j + 1)) for i, j, _ in best_runs),
+                     tuple(tables.modes[r] for _, _, r in best_runs), best, exact)
+
+
+def least_memory(tables: RunTables, cfg: ParallelConfig, micro_batches: int) -> float:
+    """The smallest peak memory per device any partition (and per-stage recompute) of ``cfg`` reaches."""
+    flights = flights_of(cfg, micro_batches)
+    p, n = len(flights), tables.work.shape[-1]
+    best = np.full(n + 1, INF)
+    best[0] = -INF
+    for k in range(p):
+        mem = np.min(tables.fixed_mem + flights[k] * tables.act, axis=0)
+        total = np.maximum(best[:n, None], mem)
+        new = np.full(n + 1, INF)
+        new[1:] = total.min(axis=0)
+        best = new
+    return float(best[n])
