@@ -18,6 +18,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from .dims import node_dims
 from .export import INTERNAL_PATHS
 from .flops import FlopCache, attention_flops, count_matmul_flops, gemm_shape
 from .opgraph import GraphInput, OpKind, OpNode, SavedTensor, TensorMeta
@@ -129,6 +130,8 @@ class GraphWalk:
             return None
         saved = self._saved(node, name, targs, srcs, outputs[0])
         fwd, bwd = self._flops(node, name, kind, targs, srcs, outputs[0], rg)
+        dims, reduced = node_dims(name, node, targs, [s.kind in ("op", "input") for s in srcs],
+                                  outputs[0].shape)
         moved = 0.0 if kind in (OpKind.VIEW, OpKind.CREATION) else float(
             sum(m.nbytes for m in metas if m) + sum(o.nbytes for o in outputs))
         return OpNode(
@@ -139,7 +142,7 @@ class GraphWalk:
             batch_dependent=bd, saved=saved, module_path=_module_path(node), module_type=_module_type(node),
             layer=-1, gemm=gemm_shape(name, kind, [m for m in metas if m], outputs[0],
                                       [s.batch_dependent for s in srcs]),
-            source=_source_line(node))
+            source=_source_line(node), dims=dims, reduced=reduced)
 
     def _root(self, node: torch.fx.Node, name: str, kind: OpKind, targs: list, outputs: tuple) -> str:
         if kind is OpKind.VIEW and targs:

@@ -120,6 +120,10 @@ class OpNode:
     gemm: Gemm | None = None
     attention_core: bool = False      # inside an unfused attention core (selective recompute drops it)
     source: str = ""                  # "file:line" of the model code that produced it, when known
+    # Per activation input (``inputs`` order): for each output dim, the input dim it comes from, -1 for
+    # none (new, broadcast, merged-inner or contracted dims); ``()`` when capture does not know the op.
+    dims: tuple[tuple[int, ...], ...] = ()
+    reduced: tuple[int, ...] = ()     # dims of the first input the op reduces or normalises over
 
     @property
     def output_bytes(self) -> int:
