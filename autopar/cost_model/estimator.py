@@ -10,11 +10,13 @@ transfers per model chunk boundary (activations forward, gradients backward; wit
 tensor parallelism the Megatron scatter/gather optimisation sends ``1/t`` of them).
 
 Data parallelism (ZeRO 0-2): gradients are all-reduced (ZeRO 1/2: reduce-scattered,
-then the updated weights all-gathered) in buckets that overlap the backward pass of
-the last micro-batch; what is exposed is ``max(T_dp - B_last, T_dp / n_buckets)``.
+then the updated weights all-gathered) in buckets of 25 MB (one collective, one latency
+each) that overlap the backward pass of the last micro-batch; what is exposed is
+``max(T_dp - B_last, T_dp / n_buckets)``.
 ZeRO 3 gathers each layer's weights in forward and again in backward and
-reduce-scatters its gradients, for every micro-batch, prefetched under compute:
-exposed ``max(0, T_ag - F) + max(0, T_ag + T_rs - B)`` per micro-batch.
+reduce-scatters its gradients (one collective per layer), for every micro-batch,
+prefetched under compute: exposed ``max(0, T_ag - F) + max(0, T_ag + T_rs - B)`` per
+micro-batch, plus the first layer's gather.
 
 The optimizer step streams the local shard's weights, gradients and states through
 memory once: ``Psi_local (2 K + g + w) / (W e_mem)``.
@@ -94,6 +96,8 @@ class Estimator:
     precision: Precision
     layers: LayerCostModel | None = None
     _affine: dict = field(default_factory=dict)
+    _cuts: dict = field(default_factory=dict)
+    _numel: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.layers is None:
@@ -135,13 +139,16 @@ class Estimator:
         each of the two devices beside it: the sender's activations forward, the receiver's gradients
         back (the matching receives overlap them). Tensor parallelism: Megatron's scatter/gather sends
         ``1/t`` of a batch-dependent tensor from each rank."""
-        scale = cfg.micro_batch_size / self.graph.batch_size
-        out = []
-        for cut in range(len(self.graph.layers) - 1):
-            bd, const = self.layers.crossing_numel(cut)
-            nbytes = (bd * scale / cfg.tp + const) * self.precision.activation_bytes
-            out.append(collective_time(Collective.P2P, nbytes, group, self.cluster))
-        return out
+        key = (cfg.tp, cfg.micro_batch_size, group)
+        if key not in self._cuts:
+            scale = cfg.micro_batch_size / self.graph.batch_size
+            out = []
+            for cut in range(len(self.graph.layers) - 1):
+                bd, const = self.layers.crossing_numel(cut)
+                nbytes = (bd * scale / cfg.tp + const) * self.precision.activation_bytes
+                out.append(collective_time(Collective.P2P, nbytes, group, self.cluster))
+            self._cuts[key] = out
+        return self._cuts[key]
 
     def _device(self, cfg: ParallelConfig, d: int, chunks: list[tuple[int, ...]], p2p: float,
                 costs: list[LayerCost], micro_batches: int) -> DeviceCost:
@@ -180,20 +187,27 @@ class Estimator:
         return sum(self.local_numel(n, cfg.tp) for n in names if n in self.graph.params)
 
     def local_numel(self, name: str, tp: int) -> int:
-        numel = self.graph.params[name].numel
-        return numel // tp if name in self.layers.layout(tp).split_params else numel
+        key = (name, tp)
+        if key not in self._numel:
+            numel = self.graph.params[name].numel
+            self._numel[key] = numel // tp if name in self.layers.layout(tp).split_params else numel
+        return self._numel[key]
 
     def _layer_params(self, i: int, cfg: ParallelConfig) -> int:
-        return self._local_params(self._layer_param_names(i), cfg)
+        key = (i, cfg.tp)
+        if key not in self._numel:
+            self._numel[key] = self._local_params(self._layer_param_names(i), cfg)
+        return self._numel[key]
 
-    def _ct(self, kind: Collective, nbytes, group: GroupPlacement):
-        """collective_time on floats or arrays (affine in the bytes, 0 for 0 bytes)."""
+    def _ct(self, kind: Collective, nbytes, group: GroupPlacement, calls=1):
+        """collective_time on floats or arrays, for ``nbytes`` moved in ``calls`` equal collectives
+        (affine in the bytes: ``calls * alpha + beta * nbytes``; 0 for 0 bytes)."""
         key = (kind, group)
         if key not in self._affine:
             self._affine[key] = collective_affine(kind, group, self.cluster)
         alpha, beta = self._affine[key]
         nbytes = np.asarray(nbytes, dtype=float)
-        return np.where(nbytes > 0, alpha + beta * nbytes, 0.0)
+        return np.where(nbytes > 0, calls * alpha + beta * nbytes, 0.0)
 
     def dp_exposed(self, cfg: ParallelConfig, dev: DeviceCost, micro_batches: int,
                    group: GroupPlacement, tp_group: GroupPlacement | None = None) -> float:
@@ -205,30 +219,34 @@ class Estimator:
 
     def dp_time(self, cfg: ParallelConfig, micro_batches: int, group: GroupPlacement,
                 tp_group: GroupPlacement | None, params, fwd, bwd, recompute, tp_comm, tp_grad_bytes, layers_held):
-        """:meth:`dp_exposed` on floats or numpy arrays (the stage DP evaluates every layer run at once)."""
+        """:meth:`dp_exposed` on floats or numpy arrays (the stage DP evaluates every layer run at once).
+
+        Gradients go in DP_BUCKET_BYTES buckets (one collective each); ZeRO-3 gathers and
+        reduce-scatters layer by layer (one collective per layer held)."""
         params = np.asarray(params, dtype=float)
-        tp_sync = self._ct(Collective.ALL_REDUCE, tp_grad_bytes, tp_group) if tp_group is not None else 0.0
         hidden = bwd + recompute
         grad_bytes = params * self.precision.grad_bytes
         weight_bytes = params * self.precision.weight_bytes
+        tp_bytes = np.asarray(tp_grad_bytes, dtype=float)
+        tp_sync = (self._ct(Collective.ALL_REDUCE, tp_bytes, tp_group, _buckets(tp_bytes))
+                   if tp_group is not None else 0.0)
         if cfg.dp == 1:
             total = tp_sync + 0.0 * params
-            buckets = np.maximum(1.0, np.ceil(np.asarray(tp_grad_bytes, dtype=float) / DP_BUCKET_BYTES))
-            return np.maximum(total - hidden, total / buckets)
+            return np.maximum(total - hidden, total / _buckets(tp_bytes))
         if cfg.zero == 3:
-            ag = self._ct(Collective.ALL_GATHER, weight_bytes, group)
-            rs = self._ct(Collective.REDUCE_SCATTER, grad_bytes, group)
+            ag = self._ct(Collective.ALL_GATHER, weight_bytes, group, layers_held)
+            rs = self._ct(Collective.REDUCE_SCATTER, grad_bytes, group, layers_held)
             fwd_c, bwd_c = fwd + tp_comm / 2, hidden + tp_comm / 2
             per_mb = np.maximum(0.0, ag - fwd_c) + np.maximum(0.0, ag + rs - bwd_c)
             first = ag / np.maximum(1, layers_held)  # the first layer's gather is never hidden
             return micro_batches * per_mb + first + tp_sync
+        buckets = _buckets(grad_bytes)
         if cfg.zero == 0:
-            total = self._ct(Collective.ALL_REDUCE, grad_bytes, group)
+            total = self._ct(Collective.ALL_REDUCE, grad_bytes, group, buckets)
         else:
-            total = (self._ct(Collective.REDUCE_SCATTER, grad_bytes, group)
-                     + self._ct(Collective.ALL_GATHER, weight_bytes, group))
+            total = (self._ct(Collective.REDUCE_SCATTER, grad_bytes, group, buckets)
+                     + self._ct(Collective.ALL_GATHER, weight_bytes, group, buckets))
         total = total + tp_sync
-        buckets = np.maximum(1.0, np.ceil(grad_bytes / DP_BUCKET_BYTES))
         return np.maximum(total - hidden, total / buckets)
 
     def optimizer_time(self, cfg: ParallelConfig, dev: DeviceCost | float):
@@ -240,3 +258,8 @@ class Estimator:
         bandwidth = self.cluster.device.memory_bandwidth * self.cluster.device.memory_efficiency
         out = local * per_param / bandwidth
         return float(out) if out.ndim == 0 else out
+
+
+def _buckets(nbytes):
+    """Gradient buckets of DP_BUCKET_BYTES (at least one)."""
+    return np.maximum(1.0, np.ceil(np.asarray(nbytes, dtype=float) / DP_BUCKET_BYTES))

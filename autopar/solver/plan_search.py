@@ -25,7 +25,7 @@ def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision
         raise ConfigError(f"time_limit={time_limit!r} must be a positive number of seconds (or None)")
     fixed = check_fixed(fixed)
     precision = precision or Precision.for_device(cluster.device.name)
-    layouts = {"megatron": propagate}
+    layouts = layouts_for(graph, cluster, precision)
     search = Search(graph, cluster, global_batch_size, precision, layouts, fixed, time_limit)
     best, best_c, seen = search.run()
     if best is None:
@@ -33,6 +33,11 @@ def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision
     alts = alternatives(best, seen, cluster.device.memory)
     plan = with_search_results(best, search.stats, alts, (), best_c.variant)
     return plan, search.stats
+
+
+def layouts_for(graph: OpGraph, cluster: Cluster, precision: Precision) -> dict:
+    """The tensor-parallel layout variants the search compares: name -> layout_fn(graph, tp)."""
+    return {"megatron": propagate}
 
 
 def _infeasible(search: Search, fixed: Mapping[str, Any]) -> InfeasiblePlanError:
@@ -45,13 +50,17 @@ def _infeasible(search: Search, fixed: Mapping[str, Any]) -> InfeasiblePlanError
     need, arg = search.least_memory_overall()
     have = cluster.device.memory
     hints = [f"more devices (this cluster has {cluster.devices}; model states shrink about in proportion)",
-             f"a device with more than {need / 1e9:.1f} GB"]
+             f"a device with more than {_gb(need)}"]
     if arg is not None and arg.micro_batch_size > 1:
         hints.append("a smaller micro-batch (pin micro_batch_size=1)")
     if fixed:
         hints.append(f"fewer pinned fields (fixed={dict(fixed)!r} rules out the leaner configurations)")
     where = f" (the leanest is {arg.config().short()})" if arg is not None else ""
     return InfeasiblePlanError(
-        f"no plan fits on {cluster.describe()}: the least memory per device any plan needs is "
-        f"{need / 1e9:.1f} GB{where}, but each {cluster.device.name} has {have / 1e9:.1f} GB. "
+        f"no plan fits on {cluster.describe()}: the leanest plan needs {_gb(need)} per device"
+        f"{where}, but each {cluster.device.name} has {_gb(have)}. "
         f"Use {', or '.join(hints)}.")
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.3g} GB"

@@ -1,0 +1,61 @@
+"""Reference for the solver's optimality tests: enumerate every configuration, every contiguous
+layer partition and every per-stage recompute assignment, and estimate each one.
+
+Deliberately naive and independent of the solver's search, bounds and DP: only the cost
+model (``estimate_plan``) and the layouts are shared.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from autopar.config import ParallelConfig
+from autopar.cost_model import estimate_plan
+from autopar.solver.space import divisors
+
+
+def partitions(n: int, parts: int):
+    """Every split of layers 0..n-1 into ``parts`` non-empty contiguous runs."""
+    for cuts in itertools.combinations(range(1, n), parts - 1):
+        bounds = (0, *cuts, n)
+        yield [list(range(bounds[i], bounds[i + 1])) for i in range(parts)]
+
+
+def configs(graph, devices: int, global_batch: int, modes):
+    blocks = sum(1 for layer in graph.layers if layer.is_block)
+    n = len(graph.layers)
+    for tp in divisors(devices):
+        for pp in divisors(devices // tp):
+            if pp > n:
+                continue
+            dp = devices // (tp * pp)
+            if global_batch % dp:
+                continue
+            for mb in divisors(global_batch // dp):
+                scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)] + [
+                    ("interleaved", v) for v in range(2, 9) if blocks and blocks % (pp * v) == 0]
+                for (sched, v), zero, sp in itertools.product(scheds, [0, 1, 2, 3] if dp > 1 else [0],
+                                                              [False, True] if tp > 1 else [False]):
+                    base = dict(dp=dp, tp=tp, pp=pp, micro_batch_size=mb, schedule=sched, virtual_stages=v,
+                                zero=zero, sequence_parallel=sp)
+                    if sched == "interleaved":
+                        for mode in modes:
+                            yield ParallelConfig(**base, recompute=mode), None
+                        continue
+                    for stage_modes in itertools.product(modes, repeat=pp):
+                        for chunks in partitions(n, pp):
+                            extra = {"stage_recompute": stage_modes} if len(set(stage_modes)) > 1 else {}
+                            yield ParallelConfig(**base, recompute=stage_modes[0], **extra), chunks
+
+
+def all_plans(search):
+    """(step time, peak memory, config) of every plan of the space (neither depends on the
+    device's memory size, only whether a plan fits does)."""
+    graph, cluster, gbs = search.graph, search.cluster, search.global_batch_size
+    out = []
+    for variant in search.layouts:
+        est = search.estimator(variant)
+        for cfg, chunks in configs(graph, cluster.devices, gbs, search.modes):
+            plan = estimate_plan(graph, cluster, cfg, gbs, search.precision, est, chunks=chunks)
+            out.append((plan.step_time, plan.peak_memory, cfg))
+    return out

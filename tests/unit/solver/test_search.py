@@ -1,0 +1,112 @@
+"""The outer search + stage DP against exhaustive enumeration under the same cost model.
+
+Small instances (4 layers, up to 8 devices, a few micro-batch sizes), drawn by hypothesis:
+cluster shape, device memory (from roomy down to nothing fits), global batch. The 4-layer
+model is a one-block Llama with a tied embedding / head (a parameter two stages may both
+hold); a 6-layer GPT with an unfused attention core adds selective recompute.
+Tolerance 1e-9 relative: the DP sums run costs in numpy and the estimator in Python, so
+the two step times of the same partition differ only by rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from autopar import Cluster, InfeasiblePlanError
+from autopar.capture import capture
+from autopar.config import Precision
+from autopar.models import GPTConfig, build_gpt
+from autopar.models.llama import LlamaConfig, build_llama
+from autopar.solver import solve
+from autopar.solver.search import Search
+from autopar.solver.plan_search import layouts_for
+from exhaustive_ref import all_plans
+
+SMALL_GPT = GPTConfig(vocab_size=512, hidden=256, heads=4, layers=2, seq_len=128, dropout=0.0)
+SMALL_LLAMA = LlamaConfig(vocab_size=512, hidden=256, heads=4, kv_heads=2, layers=1, ffn_hidden=512, seq_len=128,
+                          tie_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def small_graph():
+    model, inputs = build_llama(SMALL_LLAMA, batch_size=1, device="meta")
+    graph = capture(model, inputs)
+    assert [layer.name for layer in graph.layers] == ["embed", "layers.0", "norm", "head"]
+    assert graph.layers[-1].shared_params == ("embed.weight",)
+    return graph
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    model, inputs = build_gpt(SMALL_GPT, batch_size=1, device="meta")
+    graph = capture(model, inputs)
+    assert len(graph.layers) == 6 and any(n.attention_core for n in graph.nodes)
+    return graph
+
+
+def _cluster(spec: str, memory: float) -> Cluster:
+    cl = Cluster.from_spec(spec)
+    return dataclasses.replace(cl, device=dataclasses.replace(cl.device, memory=memory))
+
+
+_REFERENCE: dict = {}
+
+
+def _reference(graph, spec: str, gbs: int):
+    """Every plan's (step, peak, config) for this instance, enumerated once."""
+    key = (graph.fingerprint, spec, gbs)
+    if key not in _REFERENCE:
+        cluster = Cluster.from_spec(spec)
+        precision = Precision.for_device(cluster.device.name)
+        search = Search(graph, cluster, gbs, precision, layouts_for(graph, cluster, precision))
+        _REFERENCE[key] = all_plans(search)
+    return _REFERENCE[key]
+
+
+def _check_against_exhaustive(graph, spec: str, gbs: int, fraction: float):
+    """Device memory = least + fraction x (peak of the fastest plan - least): above 1 memory does
+    not bind, in between the memory limits decide the plan; a negative fraction puts it below
+    the leanest plan's need (least x (1 + fraction / 2)) and nothing fits."""
+    plans = _reference(graph, spec, gbs)
+    least = min(peak for _, peak, _ in plans)
+    fastest = min(plans, key=lambda p: (p[0], p[1]))
+    if fraction < 0 or fastest[1] <= least:
+        memory = least * (1 + 0.5 * fraction)
+    else:
+        memory = least + fraction * (fastest[1] - least)
+    cluster = _cluster(spec, memory)
+    fitting = [p for p in plans if p[1] <= memory]
+    try:
+        plan, _ = solve(graph, cluster, gbs)
+    except InfeasiblePlanError as exc:
+        assert not fitting, f"solver found nothing, exhaustive found {min(fitting, key=lambda p: p[0])[2].short()}"
+        need = float(re.search(r"leanest plan needs ([0-9.e+-]+) GB", str(exc)).group(1)) * 1e9
+        assert need == pytest.approx(least, rel=5e-3)  # the message gives 3 significant digits
+        return
+    assert fitting, f"exhaustive finds nothing fits {memory} B, solver chose {plan.config.short()}"
+    ref = min(fitting, key=lambda p: p[0])
+    assert plan.fits and plan.peak_memory <= memory
+    assert plan.step_time == pytest.approx(ref[0], rel=1e-9), (plan.config.short(), ref[2].short())
+    assert plan.optimal is True
+
+
+FRACTIONS = [-0.5, 0.001, 0.05, 0.2, 0.5, 0.8, 0.999, 2.0]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spec=st.sampled_from(["1x2xA100-80GB", "1x4xA100-80GB", "2x2xA100-80GB", "1x8xA100-80GB",
+                             "2x4xH100-SXM", "4x2xV100-32GB", "1x4xcpu"]),
+       fraction=st.sampled_from(FRACTIONS), gbs=st.sampled_from([4, 8, 12]))
+def test_plan_equals_exhaustive_enumeration(small_graph, spec, fraction, gbs):
+    _check_against_exhaustive(small_graph, spec, gbs, fraction)
+
+
+@pytest.mark.parametrize("spec,gbs", [("1x4xA100-80GB", 8), ("2x2xH100-SXM", 4)])
+@pytest.mark.parametrize("fraction", [-0.5, 0.05, 0.5, 2.0])
+def test_plan_equals_exhaustive_with_selective_recompute(gpt_graph, spec, gbs, fraction):
+    _check_against_exhaustive(gpt_graph, spec, gbs, fraction)
