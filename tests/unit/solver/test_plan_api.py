@@ -1,0 +1,141 @@
+"""autopar.plan end to end: model families x clusters, fixed fields, determinism, time limit,
+alternatives, the infeasible error, bad arguments."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import autopar
+from autopar import Cluster, ConfigError, InfeasiblePlanError
+from autopar.capture import capture
+from autopar.models import registry
+from autopar.solver import solve
+
+pytest.importorskip("transformers", reason="the Hugging Face models are the optional dev extra")
+from autopar.models.hf import build_hf_bert, build_hf_gpt2, build_hf_llama  # noqa: E402
+
+CLUSTERS = ["1x2xcpu", "1x8xA100-80GB", "4x8xA100-80GB", "64x8xH100-SXM"]
+
+
+def _small_cnn():
+    return registry.build("small-cnn", batch_size=2, device="meta")
+
+
+MODELS = {
+    "small-cnn": _small_cnn,
+    "hf-gpt2": lambda: build_hf_gpt2(device="meta"),
+    "hf-llama": lambda: build_hf_llama(device="meta"),
+    "hf-bert": lambda: build_hf_bert(device="meta"),
+}
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    out = {}
+    for name, builder in MODELS.items():
+        model, inputs = builder()
+        out[name] = capture(model, inputs)
+    return out
+
+
+@pytest.mark.parametrize("spec", CLUSTERS)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_plans_for_every_family_and_cluster(graphs, name, spec):
+    graph = graphs[name]
+    cluster = Cluster.from_spec(spec)
+    gbs = 4 * cluster.devices
+    plan, stats = solve(graph, cluster, gbs)
+    assert plan.fits and plan.peak_memory <= cluster.device.memory
+    assert plan.config.devices == cluster.devices
+    assert plan.global_batch_size == gbs and plan.step_time > 0
+    assert plan.optimal is True
+    # every layer lands on exactly one stage, in order
+    layers = [name for s in plan.stages for name in s.layers]
+    assert sorted(layers) == sorted(layer.name for layer in graph.layers)
+    assert stats.evaluated >= 1 and stats.evaluated + stats.pruned_bound + stats.pruned_memory \
+        + stats.dominated == stats.candidates
+    for alt in plan.alternatives:
+        assert alt.fits is False or alt.step_time >= plan.step_time
+    # the plan survives JSON and reloads equal
+    again = autopar.Plan.from_dict(json.loads(plan.to_json()))
+    assert again.to_json() == plan.to_json()
+
+
+@pytest.mark.parametrize("name,batch,gbs", [("gpt2-small", 1, 64), ("resnet50", 2, 256)])
+def test_small_model_gets_data_parallel(name, batch, gbs):
+    """GPT-2 small (124M) and ResNet-50 (26M) on 8 A100s: a replica fits on every GPU, so neither
+    tensor nor pipeline parallelism pays. (The tiny test CNN would not do: its ops are so small
+    that kernel launches dominate and duplicated compute is free.)"""
+    model, inputs = registry.build(name, batch_size=batch, device="meta")
+    plan, _ = solve(capture(model, inputs), Cluster.from_spec("1x8xA100-80GB"), gbs)
+    assert (plan.config.tp, plan.config.pp, plan.config.dp) == (1, 1, 8)
+
+
+def test_deterministic_json(graphs):
+    cluster = Cluster.from_spec("2x8xA100-80GB")
+    a, _ = solve(graphs["hf-llama"], cluster, 64)
+    b, _ = solve(graphs["hf-llama"], cluster, 64)
+    assert a.to_json() == b.to_json()
+
+
+def test_fixed_pins_fields(graphs):
+    plan, _ = solve(graphs["hf-gpt2"], Cluster.from_spec("1x8xA100-80GB"), 32,
+                    fixed={"tp": 2, "pp": 2, "recompute": "full"})
+    assert (plan.config.tp, plan.config.pp, plan.config.dp) == (2, 2, 2)
+    assert plan.config.recompute == "full" and not plan.config.stage_recompute
+
+
+def test_fixed_rejects_unknown_and_bad_values(graphs):
+    cluster = Cluster.from_spec("1x8xA100-80GB")
+    with pytest.raises(ConfigError, match="unknown field"):
+        solve(graphs["hf-gpt2"], cluster, 32, fixed={"tensor_parallel": 2})
+    with pytest.raises(ConfigError, match="zero"):
+        solve(graphs["hf-gpt2"], cluster, 32, fixed={"zero": 5})
+    with pytest.raises(ConfigError, match="time_limit"):
+        solve(graphs["hf-gpt2"], cluster, 32, time_limit=-1)
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        solve(graphs["hf-gpt2"], cluster, 0)
+
+
+def test_fixed_that_matches_nothing_says_why(graphs):
+    with pytest.raises(InfeasiblePlanError, match="no configuration of 8 devices"):
+        solve(graphs["hf-gpt2"], Cluster.from_spec("1x8xA100-80GB"), 32, fixed={"tp": 3})
+
+
+def test_time_limit_returns_best_so_far(graphs):
+    cluster = Cluster.from_spec("4x8xA100-80GB")
+    full, stats_full = solve(graphs["hf-llama"], cluster, 128)
+    assert stats_full.evaluated > 1  # else a limit cannot cut anything short
+    quick, stats = solve(graphs["hf-llama"], cluster, 128, time_limit=1e-9)
+    assert stats.timed_out and stats.evaluated == 1
+    assert quick.optimal is False and any("time_limit" in n for n in quick.notes)
+    assert quick.step_time >= full.step_time
+
+
+def test_infeasible_error_says_what_to_change():
+    model, inputs = registry.build("gpt3-175b", batch_size=1, device="meta")
+    graph = capture(model, inputs)
+    with pytest.raises(InfeasiblePlanError) as err:
+        solve(graph, Cluster.from_spec("1x8xA100-80GB"), 8)
+    msg = str(err.value)
+    assert "leanest plan needs" in msg and "per device" in msg and "80 GB" in msg
+    assert "more devices" in msg and "a device with more than" in msg
+    need = float(msg.split("leanest plan needs ")[1].split(" GB")[0])
+    # 175e9 parameters x 16 bytes over 8 devices with every byte sharded is 350 GB: no plan is below
+    assert need > 300
+
+
+def test_alternatives_explain_why_they_lost(graphs):
+    plan, _ = solve(graphs["hf-gpt2"], Cluster.from_spec("1x8xA100-80GB"), 32)
+    assert plan.alternatives
+    for alt in plan.alternatives:
+        assert alt.reason.startswith("slower by") or alt.reason.startswith("does not fit")
+    assert "alternatives considered" in plan.summary()
+
+
+def test_public_plan_entry_point():
+    model, inputs = build_hf_gpt2(device="meta")
+    plan = autopar.plan(model, Cluster.from_spec("1x2xcpu"), inputs, global_batch_size=8)
+    assert plan.fits and plan.config.devices == 2 and plan.extra["search"]["evaluated"] >= 1
