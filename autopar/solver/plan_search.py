@@ -49,13 +49,14 @@ def _infeasible(search: Search, fixed: Mapping[str, Any]) -> InfeasiblePlanError
             "dp * tp * pp must equal the device count; change the global batch or what is fixed")
     need, arg = search.least_memory_overall()
     have = cluster.device.memory
-    hints = [f"more devices (this cluster has {cluster.devices}; model states shrink about in proportion)",
-             f"a device with more than {_gb(need)}"]
+    scaled = math.ceil(cluster.devices * need / have)
+    hints = [f"more devices (this cluster has {cluster.devices}; if memory per device shrank in proportion, "
+             f"about {scaled} would do)", f"a device with more than {_gb(need)}"]
     if arg is not None and arg.micro_batch_size > 1:
         hints.append("a smaller micro-batch (pin micro_batch_size=1)")
     if fixed:
         hints.append(f"fewer pinned fields (fixed={dict(fixed)!r} rules out the leaner configurations)")
-    where = f" (the leanest is {arg.config().short()})" if arg is not None else ""
+    where = f" (the leanest is {arg.short()})" if arg is not None else ""
     return InfeasiblePlanError(
         f"no plan fits on {cluster.describe()}: the leanest plan needs {_gb(need)} per device"
         f"{where}, but each {cluster.device.name} has {_gb(have)}. "

@@ -139,7 +139,7 @@ class Search:
         tables = run_tables(est, c.config(), m, self.modes)
         part = partition(tables, c.config(), m, memory)
         if part is None:
-            return least_memory(tables, c.config(), m)
+            return least_memory(tables, c.config(), m)[0]
         if not part.exact:
             self.stats.inexact_partitions += 1
         modes = part.modes
@@ -186,9 +186,10 @@ class Search:
         self.stats.search_seconds = time.perf_counter() - t0
         return best, best_c, seen
 
-    def least_memory_overall(self) -> tuple[float, Candidate | None]:
-        """The least peak memory per device over every candidate (used when nothing fits): visits
-        candidates in increasing memory bound and stops when the bound reaches the best found."""
+    def least_memory_overall(self) -> tuple[float, ParallelConfig | None]:
+        """The least peak memory per device over every candidate, and the configuration reaching it
+        (used when nothing fits): visits candidates in increasing memory bound and stops when the
+        bound reaches the best found."""
         order = []
         for c in candidates(self.graph, self.cluster, self.global_batch_size, tuple(self.layouts), self.fixed):
             if c.schedule == "gpipe" and "schedule" not in self.fixed:
@@ -199,11 +200,23 @@ class Search:
         for lb_m, _, c in order:
             if lb_m >= best:
                 break
-            result = self.evaluate(c)
-            mem = result.peak_memory if isinstance(result, Plan) else result
+            mem, cfg = self.leanest(c)
             if mem < best:
-                best, arg = mem, c
+                best, arg = mem, cfg
         return best, arg
+
+    def leanest(self, c: Candidate) -> tuple[float, ParallelConfig]:
+        """The least peak memory of one candidate over partitions and recompute modes."""
+        est = self.estimator(c.variant)
+        m = c.micro_batches(self.global_batch_size)
+        if c.schedule == "interleaved":
+            plans = [estimate_plan(self.graph, self.cluster, c.config(mode), self.global_batch_size,
+                                   self.precision, est) for mode in self.modes]
+            lean = min(plans, key=lambda pl: pl.peak_memory)
+            return lean.peak_memory, lean.config
+        mem, modes = least_memory(run_tables(est, c.config(), m, self.modes), c.config(), m)
+        cfg = c.config(modes[0]) if len(set(modes)) <= 1 else c.config(modes[0], modes)
+        return mem, cfg
 
 
 def _better(a: Plan, b: Plan) -> bool:

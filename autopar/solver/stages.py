@@ -146,6 +146,7 @@ def _stage_cost(tables: RunTables, value: np.ndarray, k: int, flights: Sequence[
     mem = tables.fixed_mem + flights[k] * tables.act
     ok = (mem <= memory) & (tables.work <= x_bound) & (tables.tail <= y_bound)
     masked = np.where(ok, value, INF)
+    masked[~np.isfinite(tables.work)] = INF  # runs with i > j
     mode = np.argmin(masked, axis=0)
     return np.take_along_axis(masked, mode[None], axis=0)[0], mode
 
@@ -163,13 +164,16 @@ def _min_max(tables: RunTables, value: np.ndarray, flights: Sequence[int], memor
 
 
 def _dp(tables: RunTables, value: np.ndarray, flights: Sequence[int], memory: float, x_bound: float,
-        y_bound: float, combine) -> tuple[float, list[tuple[int, int, int]] | None]:
+        y_bound: float, combine, per_stage_value: bool = False) -> tuple[float, list[tuple[int, int, int]] | None]:
+    """The DP of the module docstring with ``combine`` (np.add: min-sum; np.maximum: bottleneck);
+    ``value`` is (R, n, n), or (p, R, n, n) when it differs per stage."""
     p, n = len(flights), value.shape[-1]
     best = np.full(n + 1, INF)
     best[0] = 0.0 if combine is np.add else -INF
     choice = []
     for k in range(p):
-        cost, mode = _stage_cost(tables, value, k, flights, memory, x_bound, y_bound)
+        cost, mode = _stage_cost(tables, value[k] if per_stage_value else value, k, flights, memory,
+                                 x_bound, y_bound)
         total = combine(best[:n, None], cost)       # total[i, j]: stages 0..k with stage k = [i, j]
         start = np.argmin(total, axis=0)
         new = np.full(n + 1, INF)
@@ -237,16 +241,10 @@ def partition(tables: RunTables, cfg: ParallelConfig, micro_batches: int, memory
                      tuple(tables.modes[r] for _, _, r in best_runs), best, exact)
 
 
-def least_memory(tables: RunTables, cfg: ParallelConfig, micro_batches: int) -> float:
-    """The smallest peak memory per device any partition (and per-stage recompute) of ``cfg`` reaches."""
+def least_memory(tables: RunTables, cfg: ParallelConfig, micro_batches: int) -> tuple[float, tuple[str, ...]]:
+    """The smallest peak memory per device any partition (and per-stage recompute) of ``cfg``
+    reaches, and the recompute mode of each stage that reaches it."""
     flights = flights_of(cfg, micro_batches)
-    p, n = len(flights), tables.work.shape[-1]
-    best = np.full(n + 1, INF)
-    best[0] = -INF
-    for k in range(p):
-        mem = np.min(tables.fixed_mem + flights[k] * tables.act, axis=0)
-        total = np.maximum(best[:n, None], mem)
-        new = np.full(n + 1, INF)
-        new[1:] = total.min(axis=0)
-        best = new
-    return float(best[n])
+    mem = [tables.fixed_mem + f * tables.act for f in flights]
+    value, runs = _dp(tables, np.stack(mem), flights, INF, INF, INF, np.maximum, per_stage_value=True)
+    return value, tuple(tables.modes[r] for _, _, r in runs) if runs else ()

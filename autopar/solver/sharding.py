@@ -1,0 +1,495 @@
+r"""The per-op sharding ILP: which tensor-parallel strategy every op runs (Alpa, Zheng et al. OSDI'22, sec. 4).
+
+It discovers the layout Megatron's rules (cost_model/tensor_parallel.py) hard-code, and
+returns the same :class:`TPLayout`, so the cost model prices it unchanged.
+
+**Groups.** One ILP per layer group: one per distinct block signature (solved on its first
+layer and copied by node position to the others, after checking they match op for op),
+and one over all non-block layers together (embedding, final norm, head, loss: a tied
+embedding/head weight gets one split). Tensors entering a group are replicated (``R``);
+an op whose output is read outside its group (or is the graph's output) must produce ``R``,
+or ``P`` and then all-reduce it (charged to that op: a vocabulary-parallel embedding feeding
+the first block). ``S`` may not leave a group: its readers outside assume ``R``.
+Costs are for a micro-batch of one sample (``batch_scale = 1 / B``, ``B`` the captured
+batch); sharding_problem.py prices every term exactly as the cost model does.
+
+**Variables.**
+
+- ``s_v[i]`` binary, one per strategy ``i`` of op ``v`` (strategies.py lists them);
+- ``e_uv[a, b] in [0, 1]`` per edge ``u -> v`` and pair of (producer output spec ``a``,
+  consumer input spec ``b``) that resharding can join;
+- ``g_u in [0, 1]``: the backward all-reduce of ``u``'s gradient runs (some consumer of ``u``
+  uses a strategy that leaves it partial; one all-reduce serves all of them);
+- ``x_p[d] in [0, 1]``: the split dim (or none) of a parameter read by several ops.
+
+**Objective.** ``time = sum_v sum_i s_v[i] (c_v[i] + x_v[i]) + sum_uv sum_ab e_uv[a,b] r_uv(a,b)
++ sum_u g_u A_u``, with ``c`` compute (forward + backward) plus the strategy's own and boundary
+collectives, ``x`` the exposed share of its once-per-step weight-gradient all-reduce, ``r``
+the resharding collectives and ``A_u`` the all-reduce of ``u``'s gradient (all seconds, in
+microseconds in the model). ``memory = sum_v sum_i s_v[i] m_v[i] + sum_p sum_d x_p[d] M_p(d)``:
+parameter states (``/ t`` when split) and the saved activations each op owns (``/ t`` when its
+output is split).
+
+- ``variant="fast"``: minimise time; then minimise memory with ``time <= T* (1 + 1e-6)``.
+- ``variant="lean"``: minimise memory; then minimise time with ``memory <= 1.01 M*``.
+
+The second solve adds ``1e-4 * (strategy index)`` per op (0.1 ns or 100 bytes) to break exact
+ties by strategy order, so that the layout does not depend on the solver.
+
+**Constraints**, each family added by one function:
+
+- ``add_one_hot``: ``sum_i s_v[i] = 1`` for every op;
+- ``add_resharding``: the edge linearisation in its row/column-sum form (tighter than Alpa's
+  ``e <= s_u, e <= s_v``): ``sum_b e_uv[a, b] = sum_{i: out_i = a} s_u[i]`` and
+  ``sum_a e_uv[a, b] = sum_{j: in_j = b} s_v[j]``; pairs that cannot be joined (anything to
+  ``P``) have no variable;
+- ``add_partial_gradients``: ``g_u >= s_v[j]`` for every strategy ``j`` of a consumer ``v``
+  that leaves ``u``'s gradient partial;
+- ``add_param_consistency``: ``sum_d x_p[d] = 1`` and ``s_v[i] <= x_p[d_v,i(p)]``: every op
+  reading ``p`` agrees on its split;
+- ``add_memory``: ``memory <= budget`` (the lean variant's second solve; optional otherwise);
+- ``add_time``: ``time <= T* (1 + 1e-6)`` (the fast variant's second solve).
+
+Solver: HiGHS (``highspy``) when installed, else CBC through pulp; both single-threaded and
+deterministic. Results are cached per (group, tp, variant) in the :class:`ShardingSolver`.
+"""
+
+from __future__ import annotations
+
+import time as _time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import pulp
+
+from ..capture.opgraph import Layer, OpGraph
+from ..cluster import Cluster
+from ..config import Precision
+from ..cost_model.comm import GroupPlacement, place_axes
+from ..cost_model.compute import fused_away
+from ..cost_model.tensor_parallel import TPComm, TPLayout, propagate
+from ..errors import AutoparError, ConfigError
+from .sharding_problem import Boundary, GroupProblem, Pricing, Realised, build_problem, layout_state, realise
+from .strategies import Comm, OpContext, R, S
+
+VARIANTS: tuple[str, ...] = ("fast", "lean")
+_US, _MB = 1e6, 1e-6            # the model's units: microseconds, megabytes
+_TIE = 1e-4                     # per strategy index, in the second objective's units
+_TIME_SLACK, _MEMORY_SLACK = 1e-6, 0.01
+
+
+def lp_solver() -> Any:
+    """HiGHS when ``highspy`` imports, else CBC (bundled with pulp)."""
+    try:
+        import highspy  # noqa: F401
+        return pulp.HiGHS(msg=False, threads=1)
+    except ImportError:
+        return pulp.PULP_CBC_CMD(msg=False, threads=1)
+
+
+# ---------------------------------------------------------------- the ILP, one constraint family each
+
+@dataclass
+class _Model:
+    prob: pulp.LpProblem
+    s: list[list[pulp.LpVariable]]
+    time: pulp.LpAffineExpression = field(default_factory=pulp.LpAffineExpression)
+    memory: pulp.LpAffineExpression = field(default_factory=pulp.LpAffineExpression)
+    tie: pulp.LpAffineExpression = field(default_factory=pulp.LpAffineExpression)
+
+
+def add_one_hot(prob: pulp.LpProblem, gp: GroupProblem) -> _Model:
+    s = [[pulp.LpVariable(f"s_{k}_{j}", cat=pulp.LpBinary) for j in range(len(opts))]
+         for k, opts in enumerate(gp.strategies)]
+    for k, vs in enumerate(s):
+        prob += pulp.lpSum(vs) == 1, f"one_hot_{k}"
+    m = _Model(prob, s)
+    m.time = pulp.LpAffineExpression([(v, _US * (gp.time[k][j] + gp.step[k][j]))
+                                      for k, vs in enumerate(s) for j, v in enumerate(vs)])
+    m.memory = pulp.LpAffineExpression([(v, _MB * gp.memory[k][j]) for k, vs in enumerate(s) for j, v in enumerate(vs)])
+    m.tie = pulp.LpAffineExpression([(v, _TIE * j) for vs in s for j, v in enumerate(vs) if j])
+    return m
+
+
+def add_resharding(m: _Model, gp: GroupProblem) -> None:
+    for n, edge in enumerate(gp.edges):
+        outs = dict.fromkeys(a for a, _ in edge.costs)
+        needs = dict.fromkeys(b for _, b in edge.costs)
+        if len(outs) == 1 and len(needs) == 1:
+            (key, cost), = edge.costs.items()
+            m.time += _US * cost
+            continue
+        e = {key: pulp.LpVariable(f"e_{n}_{idx}", 0, 1) for idx, key in enumerate(edge.costs)}
+        for idx, a in enumerate(outs):
+            prod = [v for j, v in enumerate(m.s[edge.u]) if gp.strategies[edge.u][j].output == a]
+            m.prob += pulp.lpSum(x for k, x in e.items() if k[0] == a) == pulp.lpSum(prod), f"row_{n}_{idx}"
+        for idx, b in enumerate(needs):
+            cons = [v for j, v in enumerate(m.s[edge.v]) if gp.strategies[edge.v][j].inputs[edge.i] == b]
+            m.prob += pulp.lpSum(x for k, x in e.items() if k[1] == b) == pulp.lpSum(cons), f"col_{n}_{idx}"
+        m.time += pulp.LpAffineExpression([(x, _US * edge.costs[k]) for k, x in e.items() if edge.costs[k]])
+
+
+def add_partial_gradients(m: _Model, gp: GroupProblem) -> None:
+    for n, (name, users) in enumerate(gp.partial.items()):
+        cost = _US * gp.partial_cost[name]
+        if len(users) == 1:
+            (k, j), = users
+            m.time += cost * m.s[k][j]
+            continue
+        g = pulp.LpVariable(f"g_{n}", 0, 1)
+        for k, j in users:
+            m.prob += g >= m.s[k][j], f"partial_{n}_{k}_{j}"
+        m.time += cost * g
+
+
+def add_param_consistency(m: _Model, gp: GroupProblem) -> None:
+    for n, (param, users) in enumerate(gp.shared.items()):
+        dims = list(dict.fromkeys(d for _, _, d in users))
+        x = {d: pulp.LpVariable(f"x_{n}_{'none' if d is None else d}", 0, 1) for d in dims}
+        m.prob += pulp.lpSum(x.values()) == 1, f"param_{n}"
+        for k, j, d in users:
+            m.prob += m.s[k][j] <= x[d], f"param_{n}_{k}_{j}"
+        full = gp.shared_bytes[param] * _MB
+        m.memory += pulp.LpAffineExpression([(v, full / (gp.tp if d is not None else 1)) for d, v in x.items()])
+
+
+def add_memory(m: _Model, budget: float) -> None:
+    """``memory <= budget`` (bytes)."""
+    m.prob += m.memory <= budget * _MB, f"memory_{len(m.prob.constraints)}"
+
+
+def add_time(m: _Model, bound: float) -> None:
+    """``time <= bound`` (seconds)."""
+    m.prob += m.time <= bound * _US, f"time_{len(m.prob.constraints)}"
+
+
+def solve_group(gp: GroupProblem, variant: str, budget: float | None = None,
+                stats: dict[str, Any] | None = None) -> Realised:
+    """The variant's two solves on one group; the chosen strategies with their exact totals.
+
+    ``stats``, when given, receives the model's size (``variables``, ``constraints``)."""
+    prob = pulp.LpProblem("sharding", pulp.LpMinimize)
+    m = add_one_hot(prob, gp)
+    add_resharding(m, gp)
+    add_partial_gradients(m, gp)
+    add_param_consistency(m, gp)
+    if budget is not None:
+        add_memory(m, budget)
+    if stats is not None:
+        stats.update(variables=prob.numVariables(), constraints=prob.numConstraints())
+    first, second = (m.time, m.memory) if variant == "fast" else (m.memory, m.time)
+    best = _run(m, gp, first, "first")
+    if variant == "fast":
+        add_time(m, (best.time + best.step) * (1 + _TIME_SLACK) + 1e-12)
+    else:
+        add_memory(m, best.memory * (1 + _MEMORY_SLACK) + 1.0)
+    return _run(m, gp, second + m.tie, "second")
+
+
+def _run(m: _Model, gp: GroupProblem, objective: pulp.LpAffineExpression, stage: str) -> Realised:
+    m.prob.setObjective(objective)
+    status = m.prob.solve(lp_solver())
+    if pulp.LpStatus[status] != "Optimal":
+        raise AutoparError(f"the sharding ILP ({stage} solve, {len(gp.nodes)} ops from {gp.nodes[0].name}) "
+                           f"ended {pulp.LpStatus[status]}: a memory budget below the least possible makes it "
+                           "infeasible; otherwise this is a bug, please report it with the model")
+    choice = [max(range(len(vs)), key=lambda j: (vs[j].varValue or 0.0, -j)) for vs in m.s]
+    return realise(gp, choice)
+
+
+# ---------------------------------------------------------------- layer groups
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers solved together: ``solved`` in one ILP, each of ``copies`` takes the solution by position."""
+
+    key: str
+    solved: tuple[int, ...]
+    copies: tuple[tuple[int, Mapping[str, str], Mapping[str, str]], ...]  # (layer, node map, param map)
+
+
+def consumers_of(graph: OpGraph) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        for name in node.inputs:
+            out.setdefault(name, []).append(node.name)
+    return out
+
+
+def layer_groups(graph: OpGraph) -> list[LayerGroup]:
+    """Non-block layers together; each block signature solved on its first layer and copied."""
+    consumers = consumers_of(graph)
+    groups: list[LayerGroup] = []
+    rest = tuple(layer.index for layer in graph.layers if not layer.is_block)
+    if rest:
+        groups.append(LayerGroup("non-block", rest, ()))
+    firsts: dict[str, Layer] = {}
+    copies: dict[str, list] = {}
+    for layer in graph.layers:
+        if not layer.is_block:
+            continue
+        first = firsts.setdefault(layer.signature, layer)
+        if first is layer:
+            copies[layer.signature] = []
+            continue
+        maps = _match(graph, first, layer, consumers)
+        if maps is None:
+            groups.append(LayerGroup(f"layer {layer.name}", (layer.index,), ()))
+        else:
+            copies[layer.signature].append((layer.index,) + maps)
+    for sig, first in firsts.items():
+        groups.append(LayerGroup(f"signature {sig}", (first.index,), tuple(copies[sig])))
+    return sorted(groups, key=lambda g: g.solved[0])
+
+
+def _match(graph: OpGraph, a: Layer, b: Layer, consumers: Mapping[str, list[str]]
+           ) -> tuple[dict[str, str], dict[str, str]] | None:
+    """Node and parameter maps from layer ``a`` to ``b`` when they match op for op, else None."""
+    if len(a.nodes) != len(b.nodes):
+        return None
+    na, nb = [graph.nodes[i] for i in a.nodes], [graph.nodes[i] for i in b.nodes]
+    pa = {n.name: k for k, n in enumerate(na)}
+    pb = {n.name: k for k, n in enumerate(nb)}
+    nodes, params = {}, {}
+    for x, y in zip(na, nb):
+        if (x.target, x.dims, x.outputs[0].shape, len(x.inputs), len(x.params)) != \
+                (y.target, y.dims, y.outputs[0].shape, len(y.inputs), len(y.params)):
+            return None
+        for i, j in zip(x.inputs, y.inputs):
+            if pa.get(i, -1) != pb.get(j, -1):
+                return None
+        if _readers(consumers, x.name, pa) != _readers(consumers, y.name, pb):
+            return None
+        for p, q in zip(x.params, y.params):
+            if graph.params[p].shape != graph.params[q].shape:
+                return None
+            params[p] = q
+        nodes[x.name] = y.name
+    return nodes, params
+
+
+def _readers(consumers: Mapping[str, list[str]], name: str, pos: Mapping[str, int]) -> tuple:
+    """(positions of the readers inside the layer, whether any reads it outside or none reads it at all)."""
+    readers = consumers.get(name, [])
+    return tuple(sorted({pos[r] for r in readers if r in pos})), not readers or any(r not in pos for r in readers)
+
+
+# ---------------------------------------------------------------- the public object
+
+@dataclass
+class GroupSolution:
+    """One solved layer group: its ILP data, the chosen strategies and the boundary spec it assumed."""
+
+    group: LayerGroup
+    problem: GroupProblem
+    result: Realised
+    boundary: str = "R"
+    stats: Mapping[str, Any] = field(default_factory=dict)   # ILP size and seconds
+
+
+def evaluate_layout(solution: GroupSolution, layout: TPLayout) -> Realised:
+    """Another layout (Megatron's rules, say) priced by the same group ILP: each op takes the strategy
+    with the layout's state and split parameters, the cheapest given its producers' choices."""
+    gp = solution.problem
+    choice: list[int] = []
+    into: dict[int, list] = {}
+    for e in gp.edges:
+        into.setdefault(e.v, []).append(e)
+    for k, node in enumerate(gp.nodes):
+        split = {p for p in node.params if p in layout.split_params}
+        state = layout.state.get(node.name, "R")
+        best, best_cost = None, 0.0
+        for j, s in enumerate(gp.strategies[k]):
+            if s.split_params != split or layout_state(node, s) != state:
+                continue
+            keys = [(gp.strategies[e.u][choice[e.u]].output, s.inputs[e.i]) for e in into.get(k, [])]
+            if any(key not in e.costs for key, e in zip(keys, into.get(k, []))):
+                continue
+            cost = gp.time[k][j] + gp.step[k][j] + sum(e.costs[key] for key, e in zip(keys, into.get(k, [])))
+            if best is None or cost < best_cost:
+                best, best_cost = j, cost
+        if best is None:
+            raise AutoparError(f"no strategy of {node.name} reproduces the layout's state {state!r} with split "
+                               f"parameters {sorted(split)}")
+        choice.append(best)
+    return realise(gp, choice)
+
+
+@dataclass
+class ShardingSolver:
+    """Per-op sharding ILPs for one graph, cluster and precision; layouts cached per (tp, variant).
+
+    ``seconds`` and ``solves`` count the time spent building and solving ILPs and the number of
+    group ILPs solved (each has two solver calls)."""
+
+    graph: OpGraph
+    cluster: Cluster
+    precision: Precision
+    seconds: float = 0.0
+    solves: int = 0
+    _layouts: dict[tuple[int, str], TPLayout] = field(default_factory=dict, repr=False)
+    _solutions: dict[tuple[int, str], list[GroupSolution]] = field(default_factory=dict, repr=False)
+
+    def layout(self, tp: int, variant: str = "fast") -> TPLayout:
+        """The layout the ILP chooses for tensor-parallel degree ``tp`` (1: everything R/C)."""
+        _check(tp, variant)
+        key = (tp, variant)
+        if key not in self._layouts:
+            if tp == 1:
+                self._layouts[key] = propagate(self.graph, 1)
+            else:
+                self._layouts[key] = assemble(self.graph, tp, self.solutions(tp, variant))
+        return self._layouts[key]
+
+    def layout_fn(self, variant: str) -> Callable[[OpGraph, int], TPLayout]:
+        """``layout_fn(graph, tp)`` for ``LayerCostModel(layout_fn=...)``."""
+        _check(2, variant)
+
+        def fn(graph: OpGraph, tp: int) -> TPLayout:
+            if graph is not self.graph and graph.fingerprint != self.graph.fingerprint:
+                raise ConfigError(f"this ShardingSolver was built for {self.graph.model_name} "
+                                  f"({self.graph.fingerprint}), not {graph.model_name} ({graph.fingerprint}): "
+                                  "make one ShardingSolver per graph")
+            return self.layout(tp, variant)
+        return fn
+
+    def solutions(self, tp: int, variant: str) -> list[GroupSolution]:
+        """The solved groups (tp > 1), in layer order."""
+        _check(tp, variant)
+        key = (tp, variant)
+        if key not in self._solutions:
+            start = _time.perf_counter()
+            self._solutions[key] = self._solve_all(tp, variant)
+            self.seconds += _time.perf_counter() - start
+        return self._solutions[key]
+
+    def describe(self, tp: int, variant: str) -> list[dict]:
+        """Per layer group: its layers and each op's strategy, output spec and parameter split dims."""
+        if tp == 1:
+            return [{"layers": [layer.name for layer in self.graph.layers],
+                     "ops": [{"node": n.name, "strategy": "replicate", "output": "R",
+                              "params": {p: None for p in n.params}} for n in self.graph.nodes]}]
+        out = []
+        for sol in self.solutions(tp, variant):
+            layers = list(sol.group.solved) + [c[0] for c in sol.group.copies]
+            ops = []
+            for k, (node, j) in enumerate(zip(sol.problem.nodes, sol.result.choice)):
+                s = sol.problem.strategies[k][j]
+                ops.append({"node": node.name, "strategy": s.name, "output": s.output,
+                            "params": {p: d for p, d in s.params}})
+            out.append({"layers": [self.graph.layers[i].name for i in layers], "boundary": sol.boundary, "ops": ops})
+        return out
+
+    def _solve_all(self, tp: int, variant: str) -> list[GroupSolution]:
+        graph = self.graph
+        ctx = OpContext(graph)
+        pricing = Pricing(graph, self.cluster, self.precision, tp, tp_group(self.cluster, tp), fused_away(graph))
+        consumers = consumers_of(graph)
+        groups = layer_groups(graph)
+        candidates = [Boundary(R)]
+        crossing = {name for layer in graph.layers for name in layer.inputs if name in graph.node_index}
+        if any(Boundary(S(0)).of(ctx, name, tp) != R for name in sorted(crossing)):
+            candidates.append(Boundary(S(0)))
+        options = [self._solve_groups(ctx, pricing, consumers, groups, variant, b) for b in candidates]
+        return options[_pick(options, variant)]
+
+    def _solve_groups(self, ctx: OpContext, pricing: Pricing, consumers: Mapping[str, list[str]],
+                      groups: Sequence[LayerGroup], variant: str, boundary: Boundary) -> list[GroupSolution]:
+        graph = self.graph
+        decided: dict[str, int | None] = {}
+        out = []
+        for g in groups:
+            nodes = [graph.nodes[i] for li in g.solved for i in graph.layers[li].nodes]
+            start = _time.perf_counter()
+            problem = build_problem(ctx, pricing, nodes, consumers, decided, boundary)
+            stats: dict[str, Any] = {"ops": len(nodes)}
+            result = solve_group(problem, variant, stats=stats)
+            stats["seconds"] = _time.perf_counter() - start
+            self.solves += 1
+            for k, j in enumerate(result.choice):
+                for p, d in problem.strategies[k][j].params:
+                    decided.setdefault(p, d)
+                    for _, _, pmap in g.copies:
+                        decided.setdefault(pmap.get(p, p), d)
+            out.append(GroupSolution(g, problem, result, boundary.spec, stats))
+        return out
+
+
+def totals(solutions: Sequence[GroupSolution]) -> tuple[float, float]:
+    """(time + exposed step seconds per sample, memory bytes) over every layer the groups cover."""
+    time = sum((s.result.time + s.result.step) * (1 + len(s.group.copies)) for s in solutions)
+    memory = sum(s.result.memory * (1 + len(s.group.copies)) for s in solutions)
+    return time, memory
+
+
+def _pick(options: Sequence[Sequence[GroupSolution]], variant: str) -> int:
+    """The boundary candidate the variant prefers (the same two criteria as inside a group)."""
+    tot = [totals(o) for o in options]
+    if variant == "fast":
+        best = min(t for t, _ in tot)
+        near = [i for i, (t, _) in enumerate(tot) if t <= best * (1 + _TIME_SLACK)]
+        return min(near, key=lambda i: (tot[i][1], i))
+    least = min(m for _, m in tot)
+    near = [i for i, (_, m) in enumerate(tot) if m <= least * (1 + _MEMORY_SLACK)]
+    return min(near, key=lambda i: (tot[i][0], i))
+
+
+def _check(tp: int, variant: str) -> None:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tp={tp!r} must be an integer >= 1")
+    if variant not in VARIANTS:
+        raise ConfigError(f"variant={variant!r} is not one of {', '.join(map(repr, VARIANTS))}")
+
+
+def tp_group(cluster: Cluster, tp: int) -> GroupPlacement:
+    """Placement of one tensor-parallel group: ``tp`` consecutive ranks (the innermost mesh axis)."""
+    if cluster.devices % tp:
+        raise ConfigError(f"tp={tp} does not divide the {cluster.devices} devices of {cluster.describe()}: "
+                          "choose a tensor-parallel degree that divides the device count")
+    axes = [("tp", tp)] + ([("rest", cluster.devices // tp)] if cluster.devices > tp else [])
+    return place_axes(cluster, axes)["tp"]
+
+
+# ---------------------------------------------------------------- solution -> TPLayout
+
+def assemble(graph: OpGraph, tp: int, solutions: Sequence[GroupSolution]) -> TPLayout:
+    """The TPLayout of solved groups: states, split parameters, collectives per layer, GEMM split dims."""
+    state: dict[str, str] = {gi.name: "R" for gi in graph.inputs}
+    split: set[str] = set()
+    replicated: list[str] = []
+    comms: dict[int, list[TPComm]] = {}
+    gemm: dict[str, str] = {}
+    names: dict[str, str] = {}
+    for sol in solutions:
+        maps = [({}, {})] + [(nm, pm) for _, nm, pm in sol.group.copies]
+        for nmap, pmap in maps:
+            for node, j, k in zip(sol.problem.nodes, sol.result.choice, range(len(sol.problem.nodes))):
+                s = sol.problem.strategies[k][j]
+                name = nmap.get(node.name, node.name)
+                target = graph.node(name)
+                state[name] = layout_state(target, s)
+                names[name] = s.name
+                if s.gemm and target.gemm is not None:
+                    gemm[name] = s.gemm
+                split.update(pmap.get(p, p) for p, d in s.params if d is not None)
+                if node.params and target.kind.value in ("matmul", "conv", "embedding") and not any(
+                        d is not None for o in sol.problem.strategies[k] for p, d in o.params if p == node.params[0]):
+                    replicated.append(pmap.get(node.params[0], node.params[0]))  # no split of it divides by tp
+            for owner, c in sol.result.comms:
+                name = nmap.get(owner, owner)
+                layer = graph.node(name).layer
+                comms.setdefault(layer, []).append(_tp_comm(name, c))
+    replicated = [p for p in dict.fromkeys(replicated) if p not in split]
+    return TPLayout(tp, state, frozenset(split), {k: tuple(v) for k, v in sorted(comms.items())},
+                    tuple(replicated), gemm, names)
+
+
+def _tp_comm(name: str, c: Comm | tuple[str, int]) -> TPComm:
+    if isinstance(c, Comm):
+        return TPComm(name, c.kind, c.phase, c.numel, c.batch_dependent)
+    return TPComm(name, "all_reduce", "step", c[1], False)
+
+
+__all__ = ["ShardingSolver", "LayerGroup", "GroupSolution", "VARIANTS", "add_one_hot", "add_resharding",
+           "add_partial_gradients", "add_param_consistency", "add_memory", "add_time", "solve_group",
+           "layer_groups", "assemble", "lp_solver", "tp_group", "totals", "evaluate_layout"]
