@@ -57,6 +57,7 @@ deterministic. Results are cached per (group, tp, variant) in the :class:`Shardi
 from __future__ import annotations
 
 import time as _time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -84,7 +85,16 @@ def lp_solver() -> Any:
         import highspy  # noqa: F401
         return pulp.HiGHS(msg=False, threads=1)
     except ImportError:
-        return pulp.PULP_CBC_CMD(msg=False, threads=1)
+        with warnings.catch_warnings():  # PuLP 3.3 announces its bundled CBC will move to an extra in 4.0
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return pulp.PULP_CBC_CMD(msg=False, threads=1)
+
+
+def _var(prob: pulp.LpProblem, name: str, low: float, up: float, cat: str = pulp.LpContinuous) -> pulp.LpVariable:
+    """A variable of ``prob`` (PuLP >= 3.3 attaches it to the model; older versions build it apart)."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, low, up, cat=cat)
+    return pulp.LpVariable(name, low, up, cat=cat)
 
 
 # ---------------------------------------------------------------- the ILP, one constraint family each
@@ -96,10 +106,11 @@ class _Model:
     time: pulp.LpAffineExpression = field(default_factory=pulp.LpAffineExpression)
     memory: pulp.LpAffineExpression = field(default_factory=pulp.LpAffineExpression)
     tie: pulp.LpAffineExpression = field(default_factory=pulp.LpAffineExpression)
+    bounds: int = 0
 
 
 def add_one_hot(prob: pulp.LpProblem, gp: GroupProblem) -> _Model:
-    s = [[pulp.LpVariable(f"s_{k}_{j}", cat=pulp.LpBinary) for j in range(len(opts))]
+    s = [[_var(prob, f"s_{k}_{j}", 0, 1, pulp.LpBinary) for j in range(len(opts))]
          for k, opts in enumerate(gp.strategies)]
     for k, vs in enumerate(s):
         prob += pulp.lpSum(vs) == 1, f"one_hot_{k}"
@@ -119,7 +130,7 @@ def add_resharding(m: _Model, gp: GroupProblem) -> None:
             (key, cost), = edge.costs.items()
             m.time += _US * cost
             continue
-        e = {key: pulp.LpVariable(f"e_{n}_{idx}", 0, 1) for idx, key in enumerate(edge.costs)}
+        e = {key: _var(m.prob, f"e_{n}_{idx}", 0, 1) for idx, key in enumerate(edge.costs)}
         for idx, a in enumerate(outs):
             prod = [v for j, v in enumerate(m.s[edge.u]) if gp.strategies[edge.u][j].output == a]
             m.prob += pulp.lpSum(x for k, x in e.items() if k[0] == a) == pulp.lpSum(prod), f"row_{n}_{idx}"
@@ -136,7 +147,7 @@ def add_partial_gradients(m: _Model, gp: GroupProblem) -> None:
             (k, j), = users
             m.time += cost * m.s[k][j]
             continue
-        g = pulp.LpVariable(f"g_{n}", 0, 1)
+        g = _var(m.prob, f"g_{n}", 0, 1)
         for k, j in users:
             m.prob += g >= m.s[k][j], f"partial_{n}_{k}_{j}"
         m.time += cost * g
@@ -145,7 +156,7 @@ def add_partial_gradients(m: _Model, gp: GroupProblem) -> None:
 def add_param_consistency(m: _Model, gp: GroupProblem) -> None:
     for n, (param, users) in enumerate(gp.shared.items()):
         dims = list(dict.fromkeys(d for _, _, d in users))
-        x = {d: pulp.LpVariable(f"x_{n}_{'none' if d is None else d}", 0, 1) for d in dims}
+        x = {d: _var(m.prob, f"x_{n}_{'none' if d is None else d}", 0, 1) for d in dims}
         m.prob += pulp.lpSum(x.values()) == 1, f"param_{n}"
         for k, j, d in users:
             m.prob += m.s[k][j] <= x[d], f"param_{n}_{k}_{j}"
@@ -155,12 +166,14 @@ def add_param_consistency(m: _Model, gp: GroupProblem) -> None:
 
 def add_memory(m: _Model, budget: float) -> None:
     """``memory <= budget`` (bytes)."""
-    m.prob += m.memory <= budget * _MB, f"memory_{len(m.prob.constraints)}"
+    m.bounds += 1
+    m.prob += m.memory <= budget * _MB, f"memory_{m.bounds}"
 
 
 def add_time(m: _Model, bound: float) -> None:
     """``time <= bound`` (seconds)."""
-    m.prob += m.time <= bound * _US, f"time_{len(m.prob.constraints)}"
+    m.bounds += 1
+    m.prob += m.time <= bound * _US, f"time_{m.bounds}"
 
 
 def solve_group(gp: GroupProblem, variant: str, budget: float | None = None,
@@ -296,11 +309,12 @@ def evaluate_layout(solution: GroupSolution, layout: TPLayout) -> Realised:
     for e in gp.edges:
         into.setdefault(e.v, []).append(e)
     for k, node in enumerate(gp.nodes):
-        split = {p for p in node.params if p in layout.split_params}
+        split = bool(node.params) and node.params[0] in layout.split_params   # the weight (not its bias)
         state = layout.state.get(node.name, "R")
         best, best_cost = None, 0.0
         for j, s in enumerate(gp.strategies[k]):
-            if s.split_params != split or layout_state(node, s) != state:
+            mine = bool(node.params) and node.params[0] in s.split_params
+            if mine != split or (layout_state(node, s) == "S") != (state == "S"):  # R and C alike
                 continue
             keys = [(gp.strategies[e.u][choice[e.u]].output, s.inputs[e.i]) for e in into.get(k, [])]
             if any(key not in e.costs for key, e in zip(keys, into.get(k, []))):
@@ -309,8 +323,8 @@ def evaluate_layout(solution: GroupSolution, layout: TPLayout) -> Realised:
             if best is None or cost < best_cost:
                 best, best_cost = j, cost
         if best is None:
-            raise AutoparError(f"no strategy of {node.name} reproduces the layout's state {state!r} with split "
-                               f"parameters {sorted(split)}")
+            raise AutoparError(f"no strategy of {node.name} reproduces the layout's state {state!r} with its "
+                               f"weight {'split' if split else 'whole'}")
         choice.append(best)
     return realise(gp, choice)
 
