@@ -6,12 +6,18 @@ returns the same :class:`TPLayout`, so the cost model prices it unchanged.
 **Groups.** One ILP per layer group: one per distinct block signature (solved on its first
 layer and copied by node position to the others, after checking they match op for op),
 and one over all non-block layers together (embedding, final norm, head, loss: a tied
-embedding/head weight gets one split). Tensors entering a group are replicated (``R``);
-an op whose output is read outside its group (or is the graph's output) must produce ``R``,
-or ``P`` and then all-reduce it (charged to that op: a vocabulary-parallel embedding feeding
-the first block). ``S`` may not leave a group: its readers outside assume ``R``.
-Costs are for a micro-batch of one sample (``batch_scale = 1 / B``, ``B`` the captured
-batch); sharding_problem.py prices every term exactly as the cost model does.
+embedding/head weight gets one split). Tensors cross between groups in one *boundary spec*
+``b``: ``R``, or ``S(0)`` (the batch dim split: data parallelism between groups) for the
+batch-dependent crossing tensors whose dim 0 divides by ``t``. A tensor entering a group
+arrives in ``b`` (graph inputs always ``R``: every rank has the batch); an op whose output is
+read outside its group must produce ``b`` (``R`` for the graph's output), or ``P`` reduced to
+``b`` on the way out (all-reduce or reduce-scatter, charged to that op: a vocabulary-parallel
+embedding feeding the first block). Every group is solved for each candidate ``b`` (``S(0)``
+only when some crossing tensor can take it) and the variant's criteria below, applied to the
+whole model's totals, pick one ``b``. Costs are for a micro-batch of one sample
+(``batch_scale = 1 / B``, ``B`` the captured batch); sharding_problem.py prices every term
+exactly as the cost model prices the resulting TPLayout (including its convention that a
+forward all-gather, reduce-scatter or all-to-all costs its transpose again in backward).
 
 **Variables.**
 
@@ -22,11 +28,12 @@ batch); sharding_problem.py prices every term exactly as the cost model does.
   uses a strategy that leaves it partial; one all-reduce serves all of them);
 - ``x_p[d] in [0, 1]``: the split dim (or none) of a parameter read by several ops.
 
-**Objective.** ``time = sum_v sum_i s_v[i] (c_v[i] + x_v[i]) + sum_uv sum_ab e_uv[a,b] r_uv(a,b)
+**Objective.** ``time = sum_v sum_i s_v[i] (c_v[i] + w_v[i]) + sum_uv sum_ab e_uv[a,b] r_uv(a,b)
 + sum_u g_u A_u``, with ``c`` compute (forward + backward) plus the strategy's own and boundary
-collectives, ``x`` the exposed share of its once-per-step weight-gradient all-reduce, ``r``
-the resharding collectives and ``A_u`` the all-reduce of ``u``'s gradient (all seconds, in
-microseconds in the model). ``memory = sum_v sum_i s_v[i] m_v[i] + sum_p sum_d x_p[d] M_p(d)``:
+collectives, ``w = max(0, T_allreduce(weight gradients) / B - backward_v)`` the exposed share per
+sample of a once-per-step weight-gradient all-reduce (strategies that keep a weight whole while
+splitting its op), ``r`` the resharding collectives and ``A_u`` the all-reduce of ``u``'s
+gradient (all seconds, in microseconds in the model). ``memory = sum_v sum_i s_v[i] m_v[i] + sum_p sum_d x_p[d] M_p(d)``:
 parameter states (``/ t`` when split) and the saved activations each op owns (``/ t`` when its
 output is split).
 
@@ -50,8 +57,9 @@ ties by strategy order, so that the layout does not depend on the solver.
 - ``add_memory``: ``memory <= budget`` (the lean variant's second solve; optional otherwise);
 - ``add_time``: ``time <= T* (1 + 1e-6)`` (the fast variant's second solve).
 
-Solver: HiGHS (``highspy``) when installed, else CBC through pulp; both single-threaded and
-deterministic. Results are cached per (group, tp, variant) in the :class:`ShardingSolver`.
+Solver: HiGHS (``highspy``, the ``highs`` extra) when installed, else CBC through pulp; both
+single-threaded and deterministic. Layouts are cached per (tp, variant) in the
+:class:`ShardingSolver`, which also counts the ILP seconds and solves.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ group). The rules by op class:
 - norms, softmax, reductions, element-wise ops, pooling: ``split(d)`` of any output dim whose
   source dims are not reduced (batch norm may split its batch dim: per-rank statistics, as
   DDP without SyncBatchNorm does); sum/mean/amax/amin also split a reduced dim and
-  all-reduce their output;
+  all-reduce their output (``split_reduce(d)``);
 - views: the producer's spec carried through the dims map (``P`` passes through);
 - ops without a dims map: replicate only.
 """
@@ -203,7 +203,7 @@ def _split_along(ctx: OpContext, node: OpNode, t: int, d: int, allow_reduced: bo
 def _generic(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     """Replicate, plus ``split(d)`` for every output dim ``d`` the dims maps allow."""
     out = [replicate(node)]
-    bn = op_base(node) in _BATCH_NORMS
+    bn = op_base(node) in _CHANNEL_NORMS
     gemm_dims = len(node.outputs[0].shape)
     for d in range(len(node.outputs[0].shape)):
         specs = _split_along(ctx, node, t, d, allow_reduced=bn and d == 0)
