@@ -287,6 +287,18 @@ class ShardingSolver:
             out.append({"layers": [self.graph.layers[i].name for i in layers], "boundary": sol.boundary, "ops": ops})
         return out
 
+    def splits_batch(self, tp: int, variant: str) -> bool:
+        """Whether the layout splits the batch dim (data parallelism inside the tensor-parallel group):
+        then every micro-batch must hold a multiple of ``tp`` samples. The cost model does not check it."""
+        if tp == 1:
+            return False
+        b = self.graph.batch_size
+        return any(sol.boundary != R or any(
+            s.output == S(0) and node.batch_dependent and node.outputs[0].shape[:1] == (b,)
+            for node, s in zip(sol.problem.nodes, (sol.problem.strategies[k][j]
+                                                   for k, j in enumerate(sol.result.choice))))
+            for sol in self.solutions(tp, variant))
+
     def _solve_all(self, tp: int, variant: str) -> list[GroupSolution]:
         graph = self.graph
         ctx = OpContext(graph)

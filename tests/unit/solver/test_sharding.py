@@ -180,6 +180,7 @@ def test_resnet50_is_data_parallel(tp):
     assert all(group["boundary"] == "S(0)" for group in solver.describe(tp, "fast"))
     phases = {c.phase for comms in layout.comms.values() for c in comms}
     assert "step" in phases  # the weights' gradients are all-reduced once per step: data parallelism
+    assert solver.splits_batch(tp, "fast")
 
 
 def test_ilp_never_worse_than_megatron(gpt, llama):
@@ -233,6 +234,7 @@ def test_lean_uses_no_more_memory(gpt):
 def test_api_contract(gpt):
     graph, solver = gpt
     assert solver.layout(1) == propagate(graph, 1)
+    assert not solver.splits_batch(8, "fast")                            # one sample: nothing to split
     assert solver.layout(8, "fast") is solver.layout(8, "fast")           # cached
     assert solver.solves >= 2 and solver.seconds > 0
     assert solver.layout_fn("lean")(graph, 8) is solver.layout(8, "lean")
