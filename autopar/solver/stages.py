@@ -47,7 +47,7 @@ from ..cost_model.estimator import Estimator
 from ..cost_model.memory import in_flight, model_state_bytes
 
 INF = float("inf")
-MAX_BOUND_PAIRS = 400  # (X, Y) pairs per partition before giving up exactness (reported, never silent)
+MAX_BOUND_SOLVES = 2000  # DP solves per partition before giving up exactness (reported, never silent)
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class Partition:
     chunks: tuple[tuple[int, ...], ...]
     modes: tuple[str, ...]
     pipeline_and_tail: float   # (m - 1) max x + sum x + max y: the step time the estimator will report
-    exact: bool                # False when MAX_BOUND_PAIRS stopped the bound search early
+    exact: bool                # False when MAX_BOUND_SOLVES stopped the bound search early
 
 
 @dataclass(frozen=True)
@@ -139,55 +139,88 @@ def _run_params(est: Estimator, cfg: ParallelConfig, n: int) -> np.ndarray:
     return out
 
 
-def _stage_cost(tables: RunTables, value: np.ndarray, k: int, flights: Sequence[int], memory: float,
-                x_bound: float, y_bound: float) -> tuple[np.ndarray, np.ndarray]:
-    """For stage ``k``: the best ``value`` over recompute modes of each run within the bounds and
-    memory (``inf`` if none), and which mode gives it."""
-    mem = tables.fixed_mem + flights[k] * tables.act
-    ok = (mem <= memory) & (tables.work <= x_bound) & (tables.tail <= y_bound)
-    masked = np.where(ok, value, INF)
-    masked[~np.isfinite(tables.work)] = INF  # runs with i > j
-    mode = np.argmin(masked, axis=0)
-    return np.take_along_axis(masked, mode[None], axis=0)[0], mode
+@dataclass(frozen=True)
+class Band:
+    """The run tables indexed by run END ``j`` and length - 1 ``l`` (start ``j - l``), for runs of at
+    most ``L`` layers: the DP then costs ``O(p n L)``, and memory limits keep ``L`` small for big
+    models (a stage of a model that needs many stages holds few layers)."""
+
+    work: np.ndarray     # (R, n, L)
+    tail: np.ndarray
+    fixed_mem: np.ndarray
+    act: np.ndarray
+    start: np.ndarray    # (n, L) int: j - l, clipped at 0
+    valid: np.ndarray    # (n, L) bool: j - l >= 0
 
 
-def _min_sum(tables: RunTables, flights: Sequence[int], memory: float, x_bound: float,
+def band(tables: RunTables, length: int) -> Band:
+    n = tables.work.shape[-1]
+    j, ell = np.indices((n, max(1, min(length, n))))
+    start = j - ell
+    valid = start >= 0
+    start = np.maximum(start, 0)
+
+    def cut(a: np.ndarray) -> np.ndarray:
+        return np.where(valid[None], a[:, start, j], INF)
+    return Band(cut(tables.work), cut(tables.tail), cut(tables.fixed_mem), cut(tables.act), start, valid)
+
+
+def _longest_run(tables: RunTables, flights: Sequence[int], memory: float) -> int:
+    """The most layers one stage can hold within memory (0 if not even one layer fits)."""
+    ok = (tables.fixed_mem + min(flights) * tables.act <= memory).any(axis=0)
+    if not ok.any():
+        return 0
+    i, j = np.nonzero(ok)
+    return int((j - i).max()) + 1
+
+
+def _min_sum(b: Band, flights: Sequence[int], memory: float, x_bound: float,
              y_bound: float) -> tuple[float, list[tuple[int, int, int]] | None]:
     """min sum_k x_k under the bounds: ``(value, [(start, end, mode) per stage])`` or ``(inf, None)``."""
-    return _dp(tables, tables.work, flights, memory, x_bound, y_bound, np.add)
+    return _dp(b, lambda k: b.work, flights, memory, x_bound, y_bound, np.add)
 
 
-def _min_max(tables: RunTables, value: np.ndarray, flights: Sequence[int], memory: float,
+def _min_max(b: Band, value: np.ndarray, flights: Sequence[int], memory: float,
              x_bound: float = INF, y_bound: float = INF) -> float:
     """min over partitions of max_k value_k (bottleneck DP), within memory and the bounds."""
-    return _dp(tables, value, flights, memory, x_bound, y_bound, np.maximum)[0]
+    return _dp(b, lambda k: value, flights, memory, x_bound, y_bound, np.maximum)[0]
 
 
-def _dp(tables: RunTables, value: np.ndarray, flights: Sequence[int], memory: float, x_bound: float,
-        y_bound: float, combine, per_stage_value: bool = False) -> tuple[float, list[tuple[int, int, int]] | None]:
+def _dp(b: Band, value_of, flights: Sequence[int], memory: float, x_bound: float, y_bound: float,
+        combine) -> tuple[float, list[tuple[int, int, int]] | None]:
     """The DP of the module docstring with ``combine`` (np.add: min-sum; np.maximum: bottleneck);
-    ``value`` is (R, n, n), or (p, R, n, n) when it differs per stage."""
-    p, n = len(flights), value.shape[-1]
+    ``value_of(k)`` gives stage ``k``'s (R, n, L) values."""
+    p, n = len(flights), b.work.shape[1]
+    within = (b.work <= x_bound) & (b.tail <= y_bound) if np.isfinite(x_bound) or np.isfinite(y_bound) else None
+    fits: dict[int, np.ndarray] = {}
     best = np.full(n + 1, INF)
     best[0] = 0.0 if combine is np.add else -INF
+    rows = np.arange(n)
     choice = []
     for k in range(p):
-        cost, mode = _stage_cost(tables, value[k] if per_stage_value else value, k, flights, memory,
-                                 x_bound, y_bound)
-        total = combine(best[:n, None], cost)       # total[i, j]: stages 0..k with stage k = [i, j]
-        start = np.argmin(total, axis=0)
+        f = flights[k]
+        if f not in fits:
+            fits[f] = b.fixed_mem + f * b.act <= memory
+            if within is not None:
+                fits[f] &= within
+        masked = np.where(fits[f], value_of(k), INF)
+        mode = np.argmin(masked, axis=0)                                  # (n, L)
+        cost = np.take_along_axis(masked, mode[None], axis=0)[0]
+        prev = np.where(b.valid, best[b.start], INF)                      # stages 0..k-1 end before j - l
+        total = combine(prev, cost)
+        ell = np.argmin(total, axis=1)
         new = np.full(n + 1, INF)
-        new[1:] = total[start, np.arange(n)]
-        choice.append((start, mode))
+        new[1:] = total[rows, ell]
+        choice.append((ell, mode))
         best = new
     if not np.isfinite(best[n]):
         return INF, None
-    runs, j = [], n
+    runs, j = [], n - 1
     for k in range(p - 1, -1, -1):
-        start, mode = choice[k]
-        i = int(start[j - 1])
-        runs.append((i, j - 1, int(mode[i, j - 1])))
-        j = i
+        ell, mode = choice[k]
+        i = j - int(ell[j])
+        runs.append((i, j, int(mode[j, ell[j]])))
+        j = i - 1
     return float(best[n]), runs[::-1]
 
 
@@ -202,49 +235,103 @@ def step_of(tables: RunTables, runs: Sequence[tuple[int, int, int]], micro_batch
 
 
 def partition(tables: RunTables, cfg: ParallelConfig, micro_batches: int, memory: float) -> Partition | None:
-    """The exact optimum of the module docstring's problem, or None when no partition fits."""
+    """The exact optimum of the module docstring's problem, or None when no partition fits.
+
+    With ``G(X) = min {sum x + max y : max x <= X}`` the step time is ``min_X (m - 1) X + G(X)``
+    over the run works ``X``, and ``G(X) = min_Y S(X, Y) + Y`` over the run tails ``Y``. Both ``G``
+    and ``S`` are non-increasing step functions, which :func:`_step_min` minimises by bisection."""
     flights = flights_of(cfg, micro_batches)
     m = micro_batches
-    x_min = _min_max(tables, tables.work, flights, memory)
+    longest = _longest_run(tables, flights, memory)
+    if longest == 0:
+        return None
+    b = band(tables, longest)
+    x_min = _min_max(b, b.work, flights, memory)
     if not np.isfinite(x_min):
         return None
-    y_min = _min_max(tables, tables.tail, flights, memory)
-    s_min, _ = _min_sum(tables, flights, memory, INF, INF)
-    feasible_x = np.unique(tables.work[np.isfinite(tables.work)])
-    xs = [INF] if m == 1 else [x for x in feasible_x if x >= x_min]
-    ys = [y for y in np.unique(tables.tail[np.isfinite(tables.tail)]) if y >= y_min]
-    best, best_runs, pairs, exact = INF, None, 0, True
-    for x in xs:
-        if np.isfinite(x) and (m - 1) * x + s_min + y_min >= best:
-            break
-        s_x, _ = _min_sum(tables, flights, memory, x, INF)
-        if not np.isfinite(s_x):
-            continue
-        for y in ys:
-            if (m - 1) * (x if np.isfinite(x) else 0.0) + s_x + y >= best:
-                break
-            pairs += 1
-            if pairs > MAX_BOUND_PAIRS:
-                exact = False
-                break
-            s, runs = _min_sum(tables, flights, memory, x, y)
-            if runs is None:
-                continue
-            t = step_of(tables, runs, m)
-            if t < best:
-                best, best_runs = t, runs
-        if not exact:
-            break
-    if best_runs is None:
-        return None
-    return Partition(tuple(tuple(range(i, j + 1)) for i, j, _ in best_runs),
-                     tuple(tables.modes[r] for _, _, r in best_runs), best, exact)
+    works = np.unique(b.work[np.isfinite(b.work)])
+    tails = np.unique(b.tail[np.isfinite(b.tail)])
+    counter = [0]
+
+    def inner(x_bound: float):
+        """G(X) by bisection over Y: (G, max work of its partition, its runs)."""
+        y_lo = _min_max(b, b.tail, flights, memory, x_bound)
+
+        def solve_y(y: float):
+            counter[0] += 1
+            s_val, runs = _min_sum(b, flights, memory, x_bound, y)
+            y_used = max(tables.tail[r, i, j] for i, j, r in runs)
+            return s_val, y_used, runs
+        return _step_min(tails, y_lo, solve_y, slope=1.0)
+
+    def solve_x(x: float):
+        g, runs = inner(x)
+        x_used = max(tables.work[r, i, j] for i, j, r in runs)
+        return g, x_used, runs
+
+    if m == 1:  # the max-work term vanishes
+        _, runs = inner(INF)
+    else:
+        _, runs = _step_min(works, x_min, solve_x, slope=float(m - 1))
+    exact = counter[0] <= MAX_BOUND_SOLVES
+    return Partition(tuple(tuple(range(i, j + 1)) for i, j, _ in runs),
+                     tuple(tables.modes[r] for _, _, r in runs), step_of(tables, runs, m), exact)
+
+
+def _step_min(values: np.ndarray, lowest: float, solve, slope: float):
+    """``min_v slope * v + S(v)`` over the sorted ``values >= lowest`` (and ``v = inf``), where
+    ``solve(v) -> (S(v), used, runs)`` gives a non-increasing step function ``S`` whose optimum
+    under bound ``v`` only uses ``used <= v`` (so ``S`` is constant on ``[used, v]``). Bisection:
+    an interval whose ends have equal ``S`` is constant (its best is its lowest end); one whose
+    lower bound ``slope * v_lo + S(v_hi)`` cannot beat the best so far is skipped.
+    Returns (best objective, runs attaining it)."""
+    cand = values[values >= lowest]
+    cache: dict[int, tuple] = {}
+
+    def at(k: int):
+        if k not in cache:
+            v = float(cand[k]) if k < len(cand) else INF
+            cache[k] = solve(v)
+        return cache[k]
+
+    best = [INF, None]
+
+    def consider(k: int) -> None:
+        s_val, used, runs = at(k)
+        value = slope * used + s_val
+        if value < best[0]:
+            best[:] = [value, runs]
+
+    def search(lo: int, hi: int) -> None:
+        consider(hi)
+        # S is constant on [used(hi), v(hi)]: move hi down to used's index
+        used = at(hi)[1]
+        hi = min(hi, int(np.searchsorted(cand, used, side="left")))
+        if hi <= lo:
+            return
+        consider(lo)
+        if at(lo)[0] == at(hi)[0] or hi - lo <= 1:
+            return
+        if slope * float(cand[lo]) + at(hi)[0] >= best[0]:
+            return
+        mid = (lo + hi) // 2
+        search(mid, hi)
+        search(lo, mid)
+
+    search(0, len(cand))
+    return best[0], best[1]
+
+
+def _below(values: np.ndarray, limit: float, inclusive: bool) -> float:
+    """The largest of the sorted ``values`` below ``limit`` (``-inf`` if none)."""
+    k = np.searchsorted(values, limit, side="right" if inclusive else "left")
+    return float(values[k - 1]) if k > 0 else -INF
 
 
 def least_memory(tables: RunTables, cfg: ParallelConfig, micro_batches: int) -> tuple[float, tuple[str, ...]]:
     """The smallest peak memory per device any partition (and per-stage recompute) of ``cfg``
     reaches, and the recompute mode of each stage that reaches it."""
     flights = flights_of(cfg, micro_batches)
-    mem = [tables.fixed_mem + f * tables.act for f in flights]
-    value, runs = _dp(tables, np.stack(mem), flights, INF, INF, INF, np.maximum, per_stage_value=True)
+    b = band(tables, tables.work.shape[-1])
+    value, runs = _dp(b, lambda k: b.fixed_mem + flights[k] * b.act, flights, INF, INF, INF, np.maximum)
     return value, tuple(tables.modes[r] for _, _, r in runs) if runs else ()
