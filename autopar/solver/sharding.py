@@ -127,7 +127,8 @@ def add_one_hot(prob: pulp.LpProblem, gp: GroupProblem) -> _Model:
     m = _Model(prob, s)
     m.time = pulp.LpAffineExpression([(v, _US * (gp.time[k][j] + gp.step[k][j]))
                                       for k, vs in enumerate(s) for j, v in enumerate(vs)])
-    m.memory = pulp.LpAffineExpression([(v, _MB * gp.memory[k][j]) for k, vs in enumerate(s) for j, v in enumerate(vs)])
+    m.memory = pulp.LpAffineExpression([(v, _MB * gp.memory[k][j]) for k, vs in enumerate(s) for j, v in enumerate(vs)],
+                                       constant=_MB * gp.const_memory)
     m.tie = pulp.LpAffineExpression([(v, _TIE * j) for vs in s for j, v in enumerate(vs) if j])
     return m
 
