@@ -8,16 +8,20 @@ from typing import Any, Mapping
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
 from ..config import Precision
-from ..cost_model.tensor_parallel import propagate
 from ..errors import ConfigError, InfeasiblePlanError
 from ..plan import Plan
 from .search import Search, SearchStats, alternatives, with_search_results
+from .sharding import VARIANTS, ShardingSolver
 from .space import check_fixed
 
 
 def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision: Precision | None = None,
           fixed: Mapping[str, Any] | None = None, time_limit: float | None = None) -> tuple[Plan, SearchStats]:
-    """The fastest plan that fits, and what the search did. Raises InfeasiblePlanError when none fits."""
+    """The fastest plan that fits, and what the search did. Raises InfeasiblePlanError when none fits.
+
+    Wiring: the sharding ILP (sharding.py) gives each tensor-parallel degree its layouts, the
+    outer search (search.py) walks the configurations by bound, the stage DP (stages.py) splits
+    each one's layers, and the cost model estimates the result."""
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
         raise ConfigError(f"global_batch_size={global_batch_size!r} must be a positive integer")
     if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float))
@@ -25,19 +29,24 @@ def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision
         raise ConfigError(f"time_limit={time_limit!r} must be a positive number of seconds (or None)")
     fixed = check_fixed(fixed)
     precision = precision or Precision.for_device(cluster.device.name)
-    layouts = layouts_for(graph, cluster, precision)
-    search = Search(graph, cluster, global_batch_size, precision, layouts, fixed, time_limit)
+    sharding = ShardingSolver(graph, cluster, precision)
+    search = Search(graph, cluster, global_batch_size, precision, layouts_for(sharding), fixed, time_limit,
+                    splits_batch=sharding.splits_batch)
     best, best_c, seen = search.run()
+    search.stats.ilp_seconds, search.stats.ilp_solves = sharding.seconds, sharding.solves
+    search.stats.ilp_timed_out = sharding.timed_out
     if best is None:
         raise _infeasible(search, fixed)
     alts = alternatives(best, seen, cluster.device.memory)
-    plan = with_search_results(best, search.stats, alts, (), best_c.variant)
+    described = tuple(sharding.describe(best.config.tp, best_c.variant)) if best.config.tp > 1 else ()
+    plan = with_search_results(best, search.stats, alts, described, f"ilp-{best_c.variant}")
     return plan, search.stats
 
 
-def layouts_for(graph: OpGraph, cluster: Cluster, precision: Precision) -> dict:
-    """The tensor-parallel layout variants the search compares: name -> layout_fn(graph, tp)."""
-    return {"megatron": propagate}
+def layouts_for(sharding: ShardingSolver) -> dict:
+    """The tensor-parallel layout variants the search compares: name -> layout_fn(graph, tp): the
+    sharding ILP's fastest layout and its leanest (the global step time decides between them)."""
+    return {variant: sharding.layout_fn(variant) for variant in VARIANTS}
 
 
 def _infeasible(search: Search, fixed: Mapping[str, Any]) -> InfeasiblePlanError:

@@ -38,7 +38,7 @@ from ..cost_model.layer_cost import LayerCostModel
 from ..cost_model.memory import model_state_bytes
 from ..cost_model.tensor_parallel import TPLayout
 from ..plan import Alternative, Plan
-from .space import Candidate, candidates, recompute_modes
+from .space import Candidate, candidates, placeable, recompute_modes
 from .stages import least_memory, partition, run_tables
 
 TOP_ALTERNATIVES = 5
@@ -59,11 +59,13 @@ class SearchStats:
     search_seconds: float = 0.0
     ilp_seconds: float = 0.0
     ilp_solves: int = 0
+    ilp_timed_out: int = 0
 
     def counts(self) -> dict[str, Any]:
         return {"candidates": self.candidates, "evaluated": self.evaluated, "pruned_by_bound": self.pruned_bound,
                 "pruned_by_memory": self.pruned_memory, "dominated": self.dominated,
                 "did_not_fit": self.infeasible, "inexact_partitions": self.inexact_partitions,
+                "ilp_solves": self.ilp_solves, "ilp_at_time_limit": self.ilp_timed_out,
                 "stopped_at_time_limit": self.timed_out}
 
 
@@ -78,6 +80,7 @@ class Search:
     layouts: Mapping[str, Callable[[OpGraph, int], TPLayout]]
     fixed: Mapping[str, Any] = field(default_factory=dict)
     time_limit: float | None = None
+    splits_batch: Callable[[int, str], bool] | None = None   # (tp, variant) -> the layout splits the batch
     stats: SearchStats = field(default_factory=SearchStats)
     _estimators: dict[str, Estimator] = field(default_factory=dict)
     _work: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
@@ -91,6 +94,23 @@ class Search:
     @property
     def modes(self) -> tuple[str, ...]:
         return recompute_modes(self.graph, self.fixed)
+
+    def _usable(self):
+        """The space's candidates whose mesh places uniformly on the topology and whose layout can
+        split their micro-batch."""
+        for c in candidates(self.graph, self.cluster, self.global_batch_size, tuple(self.layouts), self.fixed):
+            if not placeable(self.cluster, c.config()):
+                continue
+            if (self.splits_batch is not None and c.micro_batch_size % c.tp
+                    and self.splits_batch(c.tp, c.variant)):
+                continue
+            yield c
+
+    def _duplicate(self, c: Candidate) -> bool:
+        """A later variant whose layout equals an earlier variant's at this tp adds nothing."""
+        variants = list(self.layouts)
+        mine = self.estimator(c.variant).layers.layout(c.tp)
+        return any(self.estimator(v).layers.layout(c.tp) == mine for v in variants[:variants.index(c.variant)])
 
     # --- bounds ------------------------------------------------------------------------------
     def _layer_work(self, c: Candidate) -> tuple[float, float, float]:
@@ -153,9 +173,9 @@ class Search:
         alternatives)."""
         t0 = time.perf_counter()
         queue = []
-        for c in candidates(self.graph, self.cluster, self.global_batch_size, tuple(self.layouts), self.fixed):
+        for c in self._usable():
             self.stats.candidates += 1
-            if c.schedule == "gpipe" and "schedule" not in self.fixed:
+            if self._duplicate(c) or (c.schedule == "gpipe" and "schedule" not in self.fixed):
                 self.stats.dominated += 1
                 continue
             lb_t, lb_m = self.bounds(c)
@@ -191,8 +211,8 @@ class Search:
         (used when nothing fits): visits candidates in increasing memory bound and stops when the
         bound reaches the best found."""
         order = []
-        for c in candidates(self.graph, self.cluster, self.global_batch_size, tuple(self.layouts), self.fixed):
-            if c.schedule == "gpipe" and "schedule" not in self.fixed:
+        for c in self._usable():
+            if self._duplicate(c) or (c.schedule == "gpipe" and "schedule" not in self.fixed):
                 continue
             order.append((self.bounds(c)[1], c.sort_key(), c))
         order.sort(key=lambda e: (e[0], e[1]))
@@ -253,6 +273,9 @@ def with_search_results(best: Plan, stats: SearchStats, alts: tuple[Alternative,
     notes = best.notes
     if stats.timed_out:
         notes += ("the search stopped at time_limit: this is the best plan found so far and may not be optimal",)
+    if stats.ilp_timed_out:
+        notes += (f"{stats.ilp_timed_out} sharding ILP(s) stopped at their time limit: those layouts are the best "
+                  "found, not proven optimal",)
     extra = dict(best.extra)
     extra["layout"] = variant
     extra["search"] = stats.counts()

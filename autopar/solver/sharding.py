@@ -87,17 +87,20 @@ VARIANTS: tuple[str, ...] = ("fast", "lean")
 _US, _MB = 1e6, 1e-6            # the model's units: microseconds, megabytes
 _TIE = 1e-4                     # per strategy index, in the second objective's units
 _TIME_SLACK, _MEMORY_SLACK = 1e-6, 0.01
+SOLVE_TIME_LIMIT = 5.0          # seconds per solver call; past it the best integer solution found is used
 
 
 def lp_solver() -> Any:
-    """HiGHS when ``highspy`` imports, else CBC (bundled with pulp)."""
+    """HiGHS when ``highspy`` imports, else CBC (bundled with pulp); both stop at SOLVE_TIME_LIMIT
+    (almost every group solves in well under a second; a rare hard one would otherwise stall the
+    search: one Llama-like lean instance took CBC 10 s)."""
     try:
         import highspy  # noqa: F401
-        return pulp.HiGHS(msg=False, threads=1)
+        return pulp.HiGHS(msg=False, threads=1, timeLimit=SOLVE_TIME_LIMIT)
     except ImportError:
         with warnings.catch_warnings():  # PuLP 3.3 announces its bundled CBC will move to an extra in 4.0
             warnings.simplefilter("ignore", DeprecationWarning)
-            return pulp.PULP_CBC_CMD(msg=False, threads=1)
+            return pulp.PULP_CBC_CMD(msg=False, threads=1, timeLimit=SOLVE_TIME_LIMIT)
 
 
 def _var(prob: pulp.LpProblem, name: str, low: float, up: float, cat: str = pulp.LpContinuous) -> pulp.LpVariable:
@@ -117,6 +120,7 @@ class _Model:
     memory: pulp.LpAffineExpression = field(default_factory=pulp.LpAffineExpression)
     tie: pulp.LpAffineExpression = field(default_factory=pulp.LpAffineExpression)
     bounds: int = 0
+    timed_out: bool = False
 
 
 def add_one_hot(prob: pulp.LpProblem, gp: GroupProblem) -> _Model:
@@ -207,13 +211,18 @@ def solve_group(gp: GroupProblem, variant: str, budget: float | None = None,
         add_time(m, (best.time + best.step) * (1 + _TIME_SLACK) + 1e-12)
     else:
         add_memory(m, best.memory * (1 + _MEMORY_SLACK) + 1.0)
-    return _run(m, gp, second + m.tie, "second")
+    result = _run(m, gp, second + m.tie, "second")
+    if stats is not None:
+        stats["timed_out"] = m.timed_out
+    return result
 
 
 def _run(m: _Model, gp: GroupProblem, objective: pulp.LpAffineExpression, stage: str) -> Realised:
     m.prob.setObjective(objective)
     status = m.prob.solve(lp_solver())
-    if pulp.LpStatus[status] != "Optimal":
+    if m.prob.sol_status == pulp.LpSolutionIntegerFeasible:  # stopped at SOLVE_TIME_LIMIT with a solution
+        m.timed_out = True
+    elif pulp.LpStatus[status] != "Optimal":
         raise AutoparError(f"the sharding ILP ({stage} solve, {len(gp.nodes)} ops from {gp.nodes[0].name}) "
                            f"ended {pulp.LpStatus[status]}: a memory budget below the least possible makes it "
                            "infeasible; otherwise this is a bug, please report it with the model")
@@ -235,6 +244,7 @@ class ShardingSolver:
     precision: Precision
     seconds: float = 0.0
     solves: int = 0
+    timed_out: int = 0      # group ILPs that stopped at SOLVE_TIME_LIMIT (their layout is the best found)
     _layouts: dict[tuple[int, str], TPLayout] = field(default_factory=dict, repr=False)
     _solutions: dict[tuple[int, str], list[GroupSolution]] = field(default_factory=dict, repr=False)
 
@@ -326,6 +336,7 @@ class ShardingSolver:
             result = solve_group(problem, variant, stats=stats)
             stats["seconds"] = _time.perf_counter() - start
             self.solves += 1
+            self.timed_out += bool(stats.get("timed_out"))
             for k, j in enumerate(result.choice):
                 for p, d in problem.strategies[k][j].params:
                     decided.setdefault(p, d)

@@ -20,6 +20,7 @@ from typing import Any, Iterator, Mapping
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
 from ..config import RECOMPUTE_MODES, ParallelConfig
+from ..cost_model.comm import place_axes
 from ..errors import ConfigError
 
 MAX_TP = 64               # beyond 64-way tensor parallelism every layer of a real model is communication bound
@@ -108,6 +109,17 @@ def candidates(graph: OpGraph, cluster: Cluster, global_batch_size: int, variant
                         for sp in allowed("sequence_parallel", [False, True] if tp > 1 else [False]):
                             for variant in variants:
                                 yield Candidate(variant, dp, tp, pp, mb, schedule, v, zero, sp)
+
+
+def placeable(cluster: Cluster, cfg: ParallelConfig) -> bool:
+    """Whether every mesh axis lands uniformly on the nodes (same ranks per node in every group),
+    which the collective cost model assumes; e.g. tp=3 on 8-GPU nodes does not."""
+    try:
+        groups = place_axes(cluster, [("tp", cfg.tp), ("dp", cfg.dp), ("pp", cfg.pp)])
+    except ConfigError:
+        return False
+    dpn = cluster.devices_per_node
+    return all(g.ranks_per_node * g.groups_per_node <= dpn and g.nodes <= cluster.nodes for g in groups.values())
 
 
 def _schedules(pp: int, blocks: int, fixed: Mapping[str, Any]) -> list[tuple[str, int]]:

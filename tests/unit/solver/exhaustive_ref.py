@@ -11,7 +11,7 @@ import itertools
 
 from autopar.config import ParallelConfig
 from autopar.cost_model import estimate_plan
-from autopar.solver.space import divisors
+from autopar.solver.space import divisors, placeable
 
 
 def partitions(n: int, parts: int):
@@ -21,7 +21,7 @@ def partitions(n: int, parts: int):
         yield [list(range(bounds[i], bounds[i + 1])) for i in range(parts)]
 
 
-def configs(graph, devices: int, global_batch: int, modes):
+def configs(graph, devices: int, global_batch: int, modes, valid=lambda cfg: True):
     blocks = sum(1 for layer in graph.layers if layer.is_block)
     n = len(graph.layers)
     for tp in divisors(devices):
@@ -32,6 +32,8 @@ def configs(graph, devices: int, global_batch: int, modes):
             if global_batch % dp:
                 continue
             for mb in divisors(global_batch // dp):
+                if not valid(ParallelConfig(dp=dp, tp=tp, pp=pp, micro_batch_size=mb)):
+                    continue
                 scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)] + [
                     ("interleaved", v) for v in range(2, 9) if blocks and blocks % (pp * v) == 0]
                 for (sched, v), zero, sp in itertools.product(scheds, [0, 1, 2, 3] if dp > 1 else [0],
@@ -55,7 +57,12 @@ def all_plans(search):
     out = []
     for variant in search.layouts:
         est = search.estimator(variant)
-        for cfg, chunks in configs(graph, cluster.devices, gbs, search.modes):
+
+        def valid(cfg, variant=variant):
+            """The space's rules: uniform placement; a batch-splitting layout needs mb % tp == 0."""
+            return placeable(cluster, cfg) and not (cfg.micro_batch_size % cfg.tp
+                                                    and search.splits_batch(cfg.tp, variant))
+        for cfg, chunks in configs(graph, cluster.devices, gbs, search.modes, valid):
             plan = estimate_plan(graph, cluster, cfg, gbs, search.precision, est, chunks=chunks)
             out.append((plan.step_time, plan.peak_memory, cfg))
     return out

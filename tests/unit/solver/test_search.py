@@ -25,6 +25,7 @@ from autopar.models.llama import LlamaConfig, build_llama
 from autopar.solver import solve
 from autopar.solver.search import Search
 from autopar.solver.plan_search import layouts_for
+from autopar.solver.sharding import ShardingSolver
 from exhaustive_ref import all_plans
 
 SMALL_GPT = GPTConfig(vocab_size=512, hidden=256, heads=4, layers=2, seq_len=128, dropout=0.0)
@@ -63,7 +64,8 @@ def _reference(graph, spec: str, gbs: int):
     if key not in _REFERENCE:
         cluster = Cluster.from_spec(spec)
         precision = Precision.for_device(cluster.device.name)
-        search = Search(graph, cluster, gbs, precision, layouts_for(graph, cluster, precision))
+        sharding = ShardingSolver(graph, cluster, precision)
+        search = Search(graph, cluster, gbs, precision, layouts_for(sharding), splits_batch=sharding.splits_batch)
         _REFERENCE[key] = all_plans(search)
     return _REFERENCE[key]
 

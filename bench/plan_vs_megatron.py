@@ -1,0 +1,56 @@
+"""Solver quality: for every row of Megatron-LM SC21 Table 1, ``autopar`` plans the same model on
+the same devices with the same global batch, and its predicted step time must be no worse than
+the estimate of the published configuration (TP / PP / DP as published, full recompute, the
+fastest micro-batch size and interleaving that fit, as bench/megatron_table1.py), and the plan
+must fit in 80 GB. Same precision as Megatron (bf16, fp32 main gradients: 18 bytes/parameter).
+
+Prints both configurations side by side. Run: .venv/bin/python bench/plan_vs_megatron.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+import autopar
+from autopar.capture import capture
+from autopar.models import GPTConfig, build_gpt
+from autopar.solver import solve
+from megatron_table1 import PRECISION, TABLE1, VOCAB, best_plan, candidates
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="only the first four rows")
+    args = parser.parse_args()
+    rows = TABLE1[:4] if args.quick else TABLE1
+    print(f"{'params':>7} {'GPUs':>5} {'batch':>5} | {'published config (estimated)':<52} {'step s':>7} | "
+          f"{'autopar plan':<62} {'step s':>7} {'gain':>6} {'peak GB':>7} {'solve s':>7}")
+    ok = True
+    t0 = time.perf_counter()
+    for params, heads, hidden, layers, tp, pp, gpus, batch, _ in rows:
+        dp = gpus // (tp * pp)
+        cfg = GPTConfig(vocab_size=VOCAB, hidden=hidden, heads=heads, layers=layers, seq_len=2048)
+        model, inputs = build_gpt(cfg, batch_size=1, device="meta", dtype=torch.bfloat16)
+        graph = capture(model, inputs)
+        cluster = autopar.Cluster.from_spec(f"{gpus // 8}x8xA100-80GB")
+        published = best_plan(graph, cluster, candidates(layers, tp, pp, dp, batch), batch)
+        t1 = time.perf_counter()
+        plan, _ = solve(graph, cluster, batch, precision=PRECISION)
+        t2 = time.perf_counter()
+        gain = published.step_time / plan.step_time - 1
+        good = plan.fits and plan.step_time <= published.step_time * (1 + 1e-9)
+        ok &= good
+        print(f"{params:>6}B {gpus:>5} {batch:>5} | {published.config.short():<52} {published.step_time:>7.2f} | "
+              f"{plan.config.short():<62} {plan.step_time:>7.2f} {gain * 100:>+5.1f}% "
+              f"{plan.peak_memory / 1e9:>7.1f} {t2 - t1:>7.1f}{'' if good else '  WORSE'}")
+    print(f"every plan fits and is no slower than the published configuration: {ok} "
+          f"({time.perf_counter() - t0:.0f} s)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
