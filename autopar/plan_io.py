@@ -89,6 +89,27 @@ def _layer_span(names: tuple[str, ...]) -> str:
     return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} layers)"
 
 
+def _sharding_lines(plan: Plan) -> list[str]:
+    """One line per layer group: each weight-bearing op's tensor-parallel strategy."""
+    if not plan.sharding:
+        return []
+    lines = [f"  tensor-parallel sharding (tp={plan.config.tp}):"]
+    for group in plan.sharding:
+        layers = group.get("layers", [])
+        prefix = layers[0] + "." if layers else ""
+        ops = []
+        for op in group.get("ops", []):
+            params = list(op.get("params", {}))
+            if not params:
+                continue
+            module = params[0].rsplit(".", 1)[0]
+            module = module[len(prefix):] if module.startswith(prefix) else module
+            ops.append(f"{module}={op.get('strategy')}")
+        span = _layer_span(tuple(layers))
+        lines.append(f"    {span}: {', '.join(dict.fromkeys(ops)) or 'no weights'}")
+    return lines
+
+
 def summarize(plan: Plan) -> str:
     """A plain-text table: configuration, step time breakdown, memory per stage."""
     c, b = plan.config, plan.breakdown
@@ -115,6 +136,12 @@ def summarize(plan: Plan) -> str:
         lines.append(f"    {s.index:>5}  {m.params / _GB:7.2f} {m.grads / _GB:7.2f} {m.optimizer / _GB:7.2f} "
                      f"{m.activations / _GB:7.2f} {m.buffers / _GB:7.2f} {m.total / _GB:7.2f}  {s.in_flight:>9}  "
                      f"{' | '.join(_layer_span(c) for c in s.chunks if c) or _layer_span(s.layers)}")
+    if plan.optimal is not None:
+        search = plan.extra.get("search", {})
+        lines.append(f"  search      {'optimal under the cost model' if plan.optimal else 'best found, NOT proven optimal'}"
+                     f"; layout {plan.extra.get('layout', '?')}; {search.get('candidates', '?')} candidates, "
+                     f"{search.get('evaluated', '?')} evaluated")
+    lines.extend(_sharding_lines(plan))
     if plan.alternatives:
         lines.append("  alternatives considered:")
         for a in plan.alternatives:

@@ -254,7 +254,12 @@ def alternatives(best: Plan, seen: list[tuple[float, Candidate, Plan | float]], 
     plans = [r for _, _, r in seen if isinstance(r, Plan) and r is not best]
     faster_unfit = sorted(((lb, c, r) for lb, c, r in seen if not isinstance(r, Plan)), key=lambda e: (e[0], e[1].sort_key()))
     out = []
-    for pl in heapq.nsmallest(TOP_ALTERNATIVES, plans, key=lambda p: (p.step_time, p.peak_memory, _cfg_key(p.config))):
+    distinct = {}
+    for pl in sorted(plans, key=lambda p: (p.step_time, p.peak_memory, _cfg_key(p.config))):
+        if pl.config != best.config:
+            distinct.setdefault(pl.config, pl)  # the same config with another layout is not an alternative
+    for pl in heapq.nsmallest(TOP_ALTERNATIVES, distinct.values(),
+                              key=lambda p: (p.step_time, p.peak_memory, _cfg_key(p.config))):
         slower = (pl.step_time / best.step_time - 1) * 100
         out.append(Alternative(config=pl.config, step_time=pl.step_time, peak_memory=pl.peak_memory, fits=True,
                                reason=f"slower by {slower:.1f}%"))
