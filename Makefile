@@ -1,4 +1,4 @@
-# make demo: estimate a built-in GPT on a built-in cluster preset.  make test: the test suite.
+# make demo: plan a built-in GPT on a built-in cluster preset.  make test: the test suite.
 # Both create .venv and install what they need. torch==2.13.0 is installed first when no torch is
 # importable (a CPU build is available locally; asking pip for plain `torch` would pull CUDA wheels).
 PYTHON ?= python3
@@ -24,6 +24,9 @@ bench: $(STAMP)
 	$(PY) bench/megatron_table1.py
 	$(PY) bench/activation_memory.py
 	$(PY) bench/capture_175b.py
+	$(PY) bench/sharding_ilp.py
+	$(PY) bench/solver_scaling.py
+	$(PY) bench/plan_vs_megatron.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
