@@ -1,7 +1,14 @@
-"""Solver: the fastest plan that fits (outer search, stage DP, per-op sharding ILP)."""
+"""Solver: the fastest plan that fits (outer search, stage DP, per-op sharding ILP).
+
+- ``plan_search.solve``: wiring, OpGraph + Cluster + global batch -> Plan;
+- ``search``: best-first branch and bound over the configuration space (``space``);
+- ``stages``: the exact stage-partition DP with per-stage memory and recompute;
+- ``sharding`` (+ ``sharding_problem``, ``sharding_layout``, ``strategies``): the per-op ILP.
+"""
 
 from __future__ import annotations
 
 from .plan_search import solve
+from .sharding import ShardingSolver
 
-__all__ = ["solve"]
+__all__ = ["solve", "ShardingSolver"]

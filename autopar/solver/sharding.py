@@ -58,7 +58,9 @@ ties by strategy order, so that the layout does not depend on the solver.
 - ``add_time``: ``time <= T* (1 + 1e-6)`` (the fast variant's second solve).
 
 Solver: HiGHS (``highspy``, the ``highs`` extra) when installed, else CBC through pulp; both
-single-threaded and deterministic. Layouts are cached per (tp, variant) in the
+single-threaded and deterministic, and stopped at ``SOLVE_TIME_LIMIT`` seconds per call (the
+best integer solution is then used and counted in ``ShardingSolver.timed_out``; the plan says
+so in its notes). Layouts are cached per (tp, variant) in the
 :class:`ShardingSolver`, which also counts the ILP seconds and solves.
 """
 
