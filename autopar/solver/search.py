@@ -150,8 +150,7 @@ class Search:
         m = c.micro_batches(self.global_batch_size)
         memory = self.cluster.device.memory
         if c.schedule == "interleaved":
-            plans = [estimate_plan(self.graph, self.cluster, c.config(mode), self.global_batch_size,
-                                   self.precision, est) for mode in self.modes]
+            plans = self._interleaved(c)
             fitting = [pl for pl in plans if pl.fits]
             if not fitting:
                 return min(pl.peak_memory for pl in plans)
@@ -162,10 +161,14 @@ class Search:
             return least_memory(tables, c.config(), m)[0]
         if not part.exact:
             self.stats.inexact_partitions += 1
-        modes = part.modes
-        cfg = c.config(modes[0]) if len(set(modes)) == 1 else c.config(modes[0], modes)
-        return estimate_plan(self.graph, self.cluster, cfg, self.global_batch_size, self.precision, est,
-                             chunks=part.chunks)
+        return estimate_plan(self.graph, self.cluster, c.with_modes(part.modes), self.global_batch_size,
+                             self.precision, est, chunks=part.chunks)
+
+    def _interleaved(self, c: Candidate) -> list[Plan]:
+        """An interleaved candidate keeps Megatron's even split (stages.py): one estimate per mode."""
+        est = self.estimator(c.variant)
+        return [estimate_plan(self.graph, self.cluster, c.config(mode), self.global_batch_size, self.precision, est)
+                for mode in self.modes]
 
     # --- the loop ----------------------------------------------------------------------------
     def run(self) -> tuple[Plan | None, Candidate | None, list[tuple[float, Candidate, Plan | float]]]:
@@ -230,13 +233,10 @@ class Search:
         est = self.estimator(c.variant)
         m = c.micro_batches(self.global_batch_size)
         if c.schedule == "interleaved":
-            plans = [estimate_plan(self.graph, self.cluster, c.config(mode), self.global_batch_size,
-                                   self.precision, est) for mode in self.modes]
-            lean = min(plans, key=lambda pl: pl.peak_memory)
+            lean = min(self._interleaved(c), key=lambda pl: pl.peak_memory)
             return lean.peak_memory, lean.config
         mem, modes = least_memory(run_tables(est, c.config(), m, self.modes), c.config(), m)
-        cfg = c.config(modes[0]) if len(set(modes)) <= 1 else c.config(modes[0], modes)
-        return mem, cfg
+        return mem, c.with_modes(modes)
 
 
 def _better(a: Plan, b: Plan) -> bool:

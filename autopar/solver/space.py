@@ -48,6 +48,12 @@ class Candidate:
                               recompute=recompute, sequence_parallel=self.sequence_parallel,
                               stage_recompute=stage_recompute)
 
+    def with_modes(self, modes: tuple[str, ...]) -> ParallelConfig:
+        """The config with one recompute mode per stage (a single ``recompute`` when they agree)."""
+        if len(set(modes)) <= 1:
+            return self.config(modes[0] if modes else "none")
+        return self.config(modes[0], tuple(modes))
+
     def micro_batches(self, global_batch_size: int) -> int:
         return global_batch_size // (self.dp * self.micro_batch_size)
 
