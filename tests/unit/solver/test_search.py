@@ -112,3 +112,18 @@ def test_plan_equals_exhaustive_enumeration(small_graph, spec, fraction, gbs):
 @pytest.mark.parametrize("fraction", [-0.5, 0.05, 0.5, 2.0])
 def test_plan_equals_exhaustive_with_selective_recompute(gpt_graph, spec, gbs, fraction):
     _check_against_exhaustive(gpt_graph, spec, gbs, fraction)
+
+
+def test_first_stage_gets_fewer_layers_when_it_holds_more_micro_batches(plan_graph):
+    """1F1B: stage 0 keeps p micro-batches of activations, the last stage one. Just below the
+    memory Megatron's even split needs, the DP moves blocks off the first stage."""
+    from autopar.config import ParallelConfig
+    from autopar.cost_model import estimate_plan
+    fixed = {"tp": 1, "pp": 4, "dp": 1, "micro_batch_size": 32, "schedule": "1f1b", "zero": 0, "recompute": "none"}
+    cluster = Cluster.from_spec("1x4xA100-80GB")
+    even = estimate_plan(plan_graph, cluster, ParallelConfig(**fixed), 256)
+    assert even.stages[0].memory.total > even.stages[-1].memory.total  # activations dominate
+    plan, _ = solve(plan_graph, _cluster("1x4xA100-80GB", even.peak_memory * 0.97), 256, fixed=fixed)
+    blocks = [sum(1 for name in s.layers if name.startswith("blocks.")) for s in plan.stages]
+    assert plan.fits and sum(blocks) == 8
+    assert blocks[0] < blocks[-1], blocks
