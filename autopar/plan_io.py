@@ -102,7 +102,7 @@ def _sharding_lines(plan: Plan) -> list[str]:
             params = list(op.get("params", {}))
             if not params:
                 continue
-            module = params[0].rsplit(".", 1)[0]
+            module = op.get("module") or params[0].rsplit(".", 1)[0]
             module = module[len(prefix):] if module.startswith(prefix) else module
             ops.append(f"{module}={op.get('strategy')}")
         span = _layer_span(tuple(layers))

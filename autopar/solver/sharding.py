@@ -287,7 +287,7 @@ class ShardingSolver:
         """Per layer group: its layers and each op's strategy, output spec and parameter split dims."""
         if tp == 1:
             return [{"layers": [layer.name for layer in self.graph.layers],
-                     "ops": [{"node": n.name, "strategy": "replicate", "output": "R",
+                     "ops": [{"node": n.name, "module": n.module_path, "strategy": "replicate", "output": "R",
                               "params": {p: None for p in n.params}} for n in self.graph.nodes]}]
         out = []
         for sol in self.solutions(tp, variant):
@@ -295,7 +295,7 @@ class ShardingSolver:
             ops = []
             for k, (node, j) in enumerate(zip(sol.problem.nodes, sol.result.choice)):
                 s = sol.problem.strategies[k][j]
-                ops.append({"node": node.name, "strategy": s.name, "output": s.output,
+                ops.append({"node": node.name, "module": node.module_path, "strategy": s.name, "output": s.output,
                             "params": {p: d for p, d in s.params}})
             out.append({"layers": [self.graph.layers[i].name for i in layers], "boundary": sol.boundary, "ops": ops})
         return out
