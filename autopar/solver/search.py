@@ -54,7 +54,6 @@ class SearchStats:
     pruned_memory: int = 0
     dominated: int = 0
     infeasible: int = 0
-    inexact_partitions: int = 0
     timed_out: bool = False
     search_seconds: float = 0.0
     ilp_seconds: float = 0.0
@@ -64,7 +63,7 @@ class SearchStats:
     def counts(self) -> dict[str, Any]:
         return {"candidates": self.candidates, "evaluated": self.evaluated, "pruned_by_bound": self.pruned_bound,
                 "pruned_by_memory": self.pruned_memory, "dominated": self.dominated,
-                "did_not_fit": self.infeasible, "inexact_partitions": self.inexact_partitions,
+                "did_not_fit": self.infeasible,
                 "ilp_solves": self.ilp_solves, "ilp_at_time_limit": self.ilp_timed_out,
                 "stopped_at_time_limit": self.timed_out}
 
@@ -159,8 +158,6 @@ class Search:
         part = partition(tables, c.config(), m, memory)
         if part is None:
             return least_memory(tables, c.config(), m)[0]
-        if not part.exact:
-            self.stats.inexact_partitions += 1
         return estimate_plan(self.graph, self.cluster, c.with_modes(part.modes), self.global_batch_size,
                              self.precision, est, chunks=part.chunks)
 
@@ -274,7 +271,7 @@ def alternatives(best: Plan, seen: list[tuple[float, Candidate, Plan | float]], 
 
 def with_search_results(best: Plan, stats: SearchStats, alts: tuple[Alternative, ...],
                         sharding: tuple[Mapping[str, Any], ...], variant: str) -> Plan:
-    optimal = not stats.timed_out and stats.inexact_partitions == 0
+    optimal = not stats.timed_out
     notes = best.notes
     if stats.timed_out:
         notes += ("the search stopped at time_limit: this is the best plan found so far and may not be optimal",)

@@ -24,11 +24,15 @@ decomposes (:func:`_min_sum`)::
                            D_{k-1}(i) + x^r(i, j),          S(X, Y) = D_p(n)
 
 and ``T* = min_{X, Y} (m - 1) X + S(X, Y) + Y`` over the finitely many values ``x`` and ``y``
-take on layer runs. The search (:func:`partition`) walks ``X`` upwards from the bottleneck
-optimum ``X_min`` (:func:`_min_max`) and, for each, ``Y`` upwards from ``Y_min``, and stops as
-soon as the lower bound ``(m - 1) X + S_min + Y_min`` (resp. ``(m - 1) X + S(X, inf) + Y``)
-reaches the best step time found: the optimum is exact. Each DP is ``O(p n^2)``, vectorised
-over the ``n^2`` runs with numpy. When ``m = 1`` the ``X`` term vanishes and one ``X`` suffices.
+take on layer runs. With ``G(X) = min_Y S(X, Y) + Y``, both ``G`` and ``S`` are
+non-increasing step functions, and the partition attaining ``S(X, Y)`` (whose largest run
+work is ``x* <= X``) stays optimal for every bound in ``[x*, X]``. :func:`partition` minimises
+``(m - 1) X + G(X)`` over ``X >= X_min`` (the bottleneck optimum, :func:`_min_max`) and each
+``G(X)`` over ``Y >= Y_min(X)`` by bisection (:func:`_step_min`): an interval whose two ends give
+the same ``S`` is constant, and one whose lower bound cannot beat the best is skipped, so
+the optimum is exact. The DP runs on runs of at most ``L`` layers, ``L`` the most one stage
+can hold within memory (:class:`Band`): ``O(p n L)`` per DP, vectorised with numpy. When
+``m = 1`` the ``X`` term vanishes and one ``X`` suffices.
 
 An interleaved schedule puts ``v`` chunks from all over the model on each device, which
 breaks the stage independence above; it keeps Megatron's even split of the blocks
@@ -47,7 +51,6 @@ from ..cost_model.estimator import Estimator
 from ..cost_model.memory import in_flight, model_state_bytes
 
 INF = float("inf")
-MAX_BOUND_SOLVES = 2000  # DP solves per partition before giving up exactness (reported, never silent)
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,6 @@ class Partition:
     chunks: tuple[tuple[int, ...], ...]
     modes: tuple[str, ...]
     pipeline_and_tail: float   # (m - 1) max x + sum x + max y: the step time the estimator will report
-    exact: bool                # False when MAX_BOUND_SOLVES stopped the bound search early
 
 
 @dataclass(frozen=True)
@@ -251,14 +253,12 @@ def partition(tables: RunTables, cfg: ParallelConfig, micro_batches: int, memory
         return None
     works = np.unique(b.work[np.isfinite(b.work)])
     tails = np.unique(b.tail[np.isfinite(b.tail)])
-    counter = [0]
 
     def inner(x_bound: float):
         """G(X) by bisection over Y: (G, max work of its partition, its runs)."""
         y_lo = _min_max(b, b.tail, flights, memory, x_bound)
 
         def solve_y(y: float):
-            counter[0] += 1
             s_val, runs = _min_sum(b, flights, memory, x_bound, y)
             y_used = max(tables.tail[r, i, j] for i, j, r in runs)
             return s_val, y_used, runs
@@ -273,9 +273,8 @@ def partition(tables: RunTables, cfg: ParallelConfig, micro_batches: int, memory
         _, runs = inner(INF)
     else:
         _, runs = _step_min(works, x_min, solve_x, slope=float(m - 1))
-    exact = counter[0] <= MAX_BOUND_SOLVES
     return Partition(tuple(tuple(range(i, j + 1)) for i, j, _ in runs),
-                     tuple(tables.modes[r] for _, _, r in runs), step_of(tables, runs, m), exact)
+                     tuple(tables.modes[r] for _, _, r in runs), step_of(tables, runs, m))
 
 
 def _step_min(values: np.ndarray, lowest: float, solve, slope: float):
