@@ -88,18 +88,24 @@ def best_plan(graph, cluster, configs, batch):
     return best
 
 
+def published_plan(heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int):
+    """(graph, cluster, estimate of the published configuration) of one Table 1 row."""
+    cfg = GPTConfig(vocab_size=VOCAB, hidden=hidden, heads=heads, layers=layers, seq_len=2048)
+    model, inputs = build_gpt(cfg, batch_size=1, device="meta", dtype=torch.bfloat16)
+    graph = capture(model, inputs)
+    cluster = autopar.Cluster.from_spec(f"{gpus // 8}x8xA100-80GB")
+    dp = gpus // (tp * pp)
+    return graph, cluster, best_plan(graph, cluster, candidates(layers, tp, pp, dp, batch), batch)
+
+
 def run_table1(rows) -> list[float]:
     print("Megatron-LM SC21 Table 1 (DGX A100 80GB; full recompute; interleaved 1F1B)")
     print(f"{'params':>7} {'TP':>3} {'PP':>3} {'DP':>3} {'GPUs':>5} {'batch':>5} | {'published':>9} {'predicted':>9} "
           f"{'error':>7} | {'iter s pub':>10} {'iter s pred':>11} | chosen (mb, schedule)  peak GB")
     errors = []
     for params, heads, hidden, layers, tp, pp, gpus, batch, published in rows:
-        dp = gpus // (tp * pp)
-        cfg = GPTConfig(vocab_size=VOCAB, hidden=hidden, heads=heads, layers=layers, seq_len=2048)
-        model, inputs = build_gpt(cfg, batch_size=1, device="meta", dtype=torch.bfloat16)
-        graph = capture(model, inputs)
-        cluster = autopar.Cluster.from_spec(f"{gpus // 8}x8xA100-80GB")
-        plan = best_plan(graph, cluster, candidates(layers, tp, pp, dp, batch), batch)
+        graph, cluster, plan = published_plan(heads, hidden, layers, tp, pp, gpus, batch)
+        dp = plan.config.dp
         flops = megatron_flops(batch, 2048, layers, hidden)
         predicted = flops / (plan.step_time * gpus) / 1e12
         err = (predicted - published) / published

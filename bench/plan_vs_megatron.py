@@ -13,13 +13,8 @@ import argparse
 import sys
 import time
 
-import torch
-
-import autopar
-from autopar.capture import capture
-from autopar.models import GPTConfig, build_gpt
 from autopar.solver import solve
-from megatron_table1 import PRECISION, TABLE1, VOCAB, best_plan, candidates
+from megatron_table1 import PRECISION, TABLE1, published_plan
 
 
 def main() -> int:
@@ -32,12 +27,7 @@ def main() -> int:
     ok = True
     t0 = time.perf_counter()
     for params, heads, hidden, layers, tp, pp, gpus, batch, _ in rows:
-        dp = gpus // (tp * pp)
-        cfg = GPTConfig(vocab_size=VOCAB, hidden=hidden, heads=heads, layers=layers, seq_len=2048)
-        model, inputs = build_gpt(cfg, batch_size=1, device="meta", dtype=torch.bfloat16)
-        graph = capture(model, inputs)
-        cluster = autopar.Cluster.from_spec(f"{gpus // 8}x8xA100-80GB")
-        published = best_plan(graph, cluster, candidates(layers, tp, pp, dp, batch), batch)
+        graph, cluster, published = published_plan(heads, hidden, layers, tp, pp, gpus, batch)
         t1 = time.perf_counter()
         plan, _ = solve(graph, cluster, batch, precision=PRECISION)
         t2 = time.perf_counter()
