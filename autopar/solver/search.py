@@ -83,6 +83,8 @@ class Search:
     stats: SearchStats = field(default_factory=SearchStats)
     _estimators: dict[str, Estimator] = field(default_factory=dict)
     _work: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
+    _mesh_ok: dict[tuple, bool] = field(default_factory=dict)       # (tp, dp, pp) -> placeable
+    _layout_facts: dict[tuple, tuple[bool, bool]] = field(default_factory=dict)  # (variant, tp) -> facts
 
     def estimator(self, variant: str) -> Estimator:
         if variant not in self._estimators:
@@ -98,18 +100,30 @@ class Search:
         """The space's candidates whose mesh places uniformly on the topology and whose layout can
         split their micro-batch."""
         for c in candidates(self.graph, self.cluster, self.global_batch_size, tuple(self.layouts), self.fixed):
-            if not placeable(self.cluster, c.config()):
+            mesh = (c.tp, c.dp, c.pp)
+            if mesh not in self._mesh_ok:
+                self._mesh_ok[mesh] = placeable(self.cluster, c.config())
+            if not self._mesh_ok[mesh]:
                 continue
-            if (self.splits_batch is not None and c.micro_batch_size % c.tp
-                    and self.splits_batch(c.tp, c.variant)):
+            if c.micro_batch_size % c.tp and self._facts(c)[1]:
                 continue
             yield c
 
     def _duplicate(self, c: Candidate) -> bool:
-        """A later variant whose layout equals an earlier variant's at this tp adds nothing."""
-        variants = list(self.layouts)
-        mine = self.estimator(c.variant).layers.layout(c.tp)
-        return any(self.estimator(v).layers.layout(c.tp) == mine for v in variants[:variants.index(c.variant)])
+        return self._facts(c)[0]
+
+    def _facts(self, c: Candidate) -> tuple[bool, bool]:
+        """Per (variant, tp), computed once: (a later variant whose layout equals an earlier one's,
+        which adds nothing; the layout splits the batch, so micro-batches must divide by tp)."""
+        key = (c.variant, c.tp)
+        if key not in self._layout_facts:
+            variants = list(self.layouts)
+            mine = self.estimator(c.variant).layers.layout(c.tp)
+            duplicate = any(self.estimator(v).layers.layout(c.tp) == mine
+                            for v in variants[:variants.index(c.variant)])
+            splits = self.splits_batch is not None and self.splits_batch(c.tp, c.variant)
+            self._layout_facts[key] = (duplicate, splits)
+        return self._layout_facts[key]
 
     # --- bounds ------------------------------------------------------------------------------
     def _layer_work(self, c: Candidate) -> tuple[float, float, float]:
