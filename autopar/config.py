@@ -21,7 +21,8 @@ RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 DTYPE_BYTES: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
-def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
+def check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
+    """Raise ConfigError unless ``value`` is an int (not a bool) in ``low..high``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
     if value < low or (high is not None and value > high):
@@ -29,7 +30,8 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None
         raise ConfigError(f"{name}={value} is out of range: it must be {bound}")
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Raise ConfigError unless ``value`` is one of ``choices``."""
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")
 
@@ -70,10 +72,10 @@ class ParallelConfig:
         if isinstance(self.stage_recompute, list):
             object.__setattr__(self, "stage_recompute", tuple(self.stage_recompute))
         for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages"):
-            _check_int(name, getattr(self, name), 1)
-        _check_int("zero", self.zero, 0, 3)
-        _check_choice("schedule", self.schedule, SCHEDULES)
-        _check_choice("recompute", self.recompute, RECOMPUTE_MODES)
+            check_int(name, getattr(self, name), 1)
+        check_int("zero", self.zero, 0, 3)
+        check_choice("schedule", self.schedule, SCHEDULES)
+        check_choice("recompute", self.recompute, RECOMPUTE_MODES)
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
@@ -91,7 +93,7 @@ class ParallelConfig:
                 raise ConfigError(f"stage_recompute has {len(self.stage_recompute)} entries but pp={self.pp}: give "
                                   "one mode per pipeline stage, or leave it empty to use recompute everywhere")
             for i, mode in enumerate(self.stage_recompute):
-                _check_choice(f"stage_recompute[{i}]", mode, RECOMPUTE_MODES)
+                check_choice(f"stage_recompute[{i}]", mode, RECOMPUTE_MODES)
             if self.schedule == "interleaved":
                 raise ConfigError("stage_recompute needs a non-interleaved schedule (an interleaved device holds "
                                   "chunks from every part of the model): use recompute= instead")
@@ -150,9 +152,9 @@ class Precision:
     """Adam keeps two fp32 states per parameter (momentum, variance); SGD with momentum one."""
 
     def __post_init__(self) -> None:
-        _check_choice("compute", self.compute, tuple(DTYPE_BYTES))
-        _check_choice("grads", self.grads, tuple(DTYPE_BYTES))
-        _check_choice("optimizer", self.optimizer, ("adam", "sgd"))
+        check_choice("compute", self.compute, tuple(DTYPE_BYTES))
+        check_choice("grads", self.grads, tuple(DTYPE_BYTES))
+        check_choice("optimizer", self.optimizer, ("adam", "sgd"))
 
     @property
     def weight_bytes(self) -> int:

@@ -32,9 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ..config import SCHEDULES, check_choice, check_int
 from ..errors import ConfigError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclass(frozen=True, order=True)
@@ -63,11 +63,9 @@ def build(kind: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> Sc
 
 
 def _check_args(kind: str, pp: int, m: int, v: int) -> None:
-    if kind not in SCHEDULES:
-        raise ConfigError(f"schedule {kind!r} is not one of {', '.join(map(repr, SCHEDULES))}")
+    check_choice("schedule", kind, SCHEDULES)
     for name, value in (("pp", pp), ("micro_batches", m), ("virtual_stages", v)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{name}={value!r} must be an integer >= 1")
+        check_int(name, value, 1)
     if kind != "interleaved" and v != 1:
         raise ConfigError(f"virtual_stages={v} needs schedule='interleaved'")
     if kind == "interleaved" and m % pp:
