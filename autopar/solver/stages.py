@@ -55,11 +55,11 @@ INF = float("inf")
 
 @dataclass(frozen=True)
 class Partition:
-    """The DP's answer: chunks of layer indices, the recompute mode of each stage, and its cost."""
+    """The DP's answer: chunks of layer indices and the recompute mode of each stage (the caller
+    estimates the step time of this partition)."""
 
     chunks: tuple[tuple[int, ...], ...]
     modes: tuple[str, ...]
-    pipeline_and_tail: float   # (m - 1) max x + sum x + max y: the step time the estimator will report
 
 
 @dataclass(frozen=True)
@@ -274,7 +274,7 @@ def partition(tables: RunTables, cfg: ParallelConfig, micro_batches: int, memory
     else:
         _, runs = _step_min(works, x_min, solve_x, slope=float(m - 1))
     return Partition(tuple(tuple(range(i, j + 1)) for i, j, _ in runs),
-                     tuple(tables.modes[r] for _, _, r in runs), step_of(tables, runs, m))
+                     tuple(tables.modes[r] for _, _, r in runs))
 
 
 def _step_min(values: np.ndarray, lowest: float, solve, slope: float):
