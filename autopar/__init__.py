@@ -6,8 +6,9 @@ from .config import ParallelConfig, Precision
 from .errors import (AutoparError, CaptureError, ConfigError, InfeasiblePlanError, PlanFormatError,
                      PlanMismatchError, RuntimeFailure)
 from .plan import Alternative, Plan, load_plan
+from .runtime.program import Program, parallelize
 
-__all__ = ["plan", "estimate", "Cluster", "Device", "Link", "ParallelConfig", "Precision", "Plan", "Alternative", "load_plan",
+__all__ = ["plan", "estimate", "parallelize", "Program", "Cluster", "Device", "Link", "ParallelConfig", "Precision", "Plan", "Alternative", "load_plan",
            "AutoparError", "CaptureError", "ConfigError", "InfeasiblePlanError", "PlanFormatError",
            "PlanMismatchError", "RuntimeFailure"]
 __version__ = "0.1.0"

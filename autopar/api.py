@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 from torch import nn
@@ -13,6 +14,7 @@ from .config import ParallelConfig, Precision
 from .cost_model import estimate_plan
 from .errors import ConfigError
 from .plan import Plan
+from .runtime.inputs import describe_inputs
 from .solver import solve
 
 
@@ -33,7 +35,12 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *, global_batc
         raise ConfigError(_NO_PROFILER)
     graph = capture(model, example_inputs, loss_fn)
     best, _ = solve(graph, cluster, global_batch_size, precision=precision, fixed=fixed, time_limit=time_limit)
-    return best
+    return _with_inputs(best, example_inputs)
+
+
+def _with_inputs(plan: Plan, example_inputs: Any) -> Plan:
+    """The plan with its inputs' structure, shapes and dtypes, which parallelize exports from."""
+    return dataclasses.replace(plan, extra={**plan.extra, "inputs": describe_inputs(example_inputs)})
 
 
 def _check_cluster(cluster: Any) -> None:
@@ -61,4 +68,4 @@ def estimate(model: nn.Module, cluster: Cluster, example_inputs: Any, config: Pa
     if profile:
         raise ConfigError(_NO_PROFILER)
     graph = capture(model, example_inputs, loss_fn)
-    return estimate_plan(graph, cluster, config, global_batch_size, precision)
+    return _with_inputs(estimate_plan(graph, cluster, config, global_batch_size, precision), example_inputs)

@@ -28,7 +28,11 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None = None
     graph is the training forward pass (dropout on) down to the scalar loss.
     Raises :class:`autopar.CaptureError` naming the source line when export fails.
     """
-    program = run_export(model, example_inputs, loss_fn)
+    return graph_of(model, run_export(model, example_inputs, loss_fn))
+
+
+def graph_of(model: nn.Module, program) -> OpGraph:
+    """The OpGraph of an exported program of ``model`` (from capture's run_export)."""
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
     walk = GraphWalk(program, requires_grad, param_aliases(model))
     nodes = list(walk.run())

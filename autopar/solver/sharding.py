@@ -284,11 +284,13 @@ class ShardingSolver:
         return self._solutions[key]
 
     def describe(self, tp: int, variant: str) -> list[dict]:
-        """Per layer group: its layers and each op's strategy, output spec and parameter split dims."""
+        """Per layer group: its layers (the first ``solved`` were solved, the rest copy the first by
+        node position) and each solved op's strategy, input and output specs and parameter split dims."""
         if tp == 1:
-            return [{"layers": [layer.name for layer in self.graph.layers],
+            return [{"layers": [layer.name for layer in self.graph.layers], "solved": len(self.graph.layers),
                      "ops": [{"node": n.name, "module": n.module_path, "strategy": "replicate", "output": "R",
-                              "params": {p: None for p in n.params}} for n in self.graph.nodes]}]
+                              "inputs": ["R" for _ in n.inputs], "params": {p: None for p in n.params}}
+                             for n in self.graph.nodes]}]
         out = []
         for sol in self.solutions(tp, variant):
             layers = list(sol.group.solved) + [c[0] for c in sol.group.copies]
@@ -296,8 +298,9 @@ class ShardingSolver:
             for k, (node, j) in enumerate(zip(sol.problem.nodes, sol.result.choice)):
                 s = sol.problem.strategies[k][j]
                 ops.append({"node": node.name, "module": node.module_path, "strategy": s.name, "output": s.output,
-                            "params": {p: d for p, d in s.params}})
-            out.append({"layers": [self.graph.layers[i].name for i in layers], "boundary": sol.boundary, "ops": ops})
+                        "inputs": list(s.inputs), "params": {p: d for p, d in s.params}})
+            out.append({"layers": [self.graph.layers[i].name for i in layers], "solved": len(sol.group.solved),
+                        "boundary": sol.boundary, "ops": ops})
         return out
 
     def splits_batch(self, tp: int, variant: str) -> bool:

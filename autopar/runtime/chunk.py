@@ -1,0 +1,235 @@
+"""One pipeline chunk as an ``nn.Module``: its layers run the exported graph's nodes eagerly.
+
+Why not ``torch.distributed.pipelining``'s ``pipeline()`` split or ``parallelize_module``:
+the plan cuts at capture's layers (not at ``pipe_split`` markers in user code), a value may
+skip to any later chunk and a tied weight lives in two chunks, and the plan shards every op
+(not only ``nn.Linear`` / ``nn.Embedding`` modules) with the specs the ILP chose. So each
+layer is a small module that runs its slice of the exported graph node by node:
+
+- with ``tp == 1`` on plain tensors (the graph's ops, nothing added);
+- with ``tp > 1`` on DTensors: parameters are distributed with the plan's split dims, every
+  input is redistributed to the spec the plan's strategy reads it in, and every output to the
+  plan's output spec. DTensor's own sharding propagation then runs each op on its shards and
+  its autograd supplies the backward collectives (the all-reduce of a column-parallel input's
+  gradient, Megatron's ``f``). An op DTensor has no rule for runs on gathered (replicated)
+  inputs: slower, never wrong, and listed in ``ChunkModule.fallbacks``.
+
+Each layer is its own module so FSDP2 can gather its parameters just in time (ZeRO-3) and
+``torch.utils.checkpoint`` can recompute it (recompute ``full``); ``selective`` recomputes only
+the attention core's nodes (Korthikanti et al.).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils.checkpoint import checkpoint
+
+from .graph import ChunkSpec, LayerSpec, SplitGraph
+from .specs import OpSpec, placement, split_dim
+
+_SKIPPED = frozenset({"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
+                      "aten.sym_constrain_range_for_size.default", "aten._assert_async.msg"})
+_LOSSES = ("cross_entropy", "nll_loss")
+
+
+def attr_name(fqn: str) -> str:
+    """A parameter / buffer name usable as a module attribute."""
+    return fqn.replace(".", "__")
+
+
+class NodeRunner:
+    """Runs fx nodes of one exported program on plain tensors or on DTensors of ``mesh``."""
+
+    def __init__(self, split: SplitGraph, mesh: DeviceMesh | None, specs: Mapping[str, OpSpec]) -> None:
+        self.nodes = split.nodes()
+        self.module = split.program.graph_module
+        self.mesh = mesh
+        self.specs = specs
+        self.fallbacks: set[str] = set()
+
+    def wrap(self, value: Any, spec: str = "R") -> Any:
+        """A local tensor (replicated, or this rank's shard of ``spec``) as a DTensor of the mesh."""
+        if self.mesh is None or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            return value
+        place = placement(spec, value.dim()) or Replicate()
+        return DTensor.from_local(value, self.mesh, [place], run_check=False)
+
+    def run(self, name: str, env: dict[str, Any]) -> Any:
+        node = self.nodes[name]
+        if str(node.target) in _SKIPPED:
+            return None
+        def load(n: torch.fx.Node) -> Any:
+            return getattr(self.module, n.target) if n.op == "get_attr" else env[n.name]
+
+        args = torch.fx.node.map_arg(node.args, load)
+        kwargs = torch.fx.node.map_arg(node.kwargs, load)
+        if self.mesh is None or node.target is operator.getitem:
+            return node.target(*args, **kwargs)
+        return self._run_dtensor(node, args, kwargs)
+
+    def _run_dtensor(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+        spec = self.specs.get(node.name)
+        if spec is not None:
+            args = tuple(self._to_spec(a, spec.inputs.get(n.name)) if isinstance(n, torch.fx.Node) else a
+                         for a, n in zip(args, node.args))
+        args, kwargs = _map_tensors((args, kwargs), self.wrap)
+        if node.name not in self.fallbacks:
+            try:
+                with self._loss_context(node, args):
+                    out = node.target(*args, **kwargs)
+            except (NotImplementedError, RuntimeError) as exc:
+                if "sharding" not in str(exc).lower() and "DTensor" not in str(exc) and \
+                        not isinstance(exc, NotImplementedError):
+                    raise
+                self.fallbacks.add(node.name)
+        if node.name in self.fallbacks:
+            local_args, local_kwargs = _map_tensors((args, kwargs), _full)
+            out = node.target(*local_args, **local_kwargs)
+        out = _map_tensors(out, self.wrap)
+        if spec is not None and isinstance(out, DTensor):
+            out = self._to_spec(out, spec.output)
+        return out
+
+    def _to_spec(self, value: Any, spec: str | None) -> Any:
+        if spec is None or not isinstance(value, DTensor):
+            return value
+        place = placement(spec, value.dim())
+        if place is None or value.placements[0] == place:
+            return value
+        return value.redistribute(self.mesh, [place])
+
+    def _loss_context(self, node: torch.fx.Node, args: tuple):
+        """The vocabulary-parallel cross entropy: logits split along the class dim."""
+        if any(k in str(node.target) for k in _LOSSES) and args and isinstance(args[0], DTensor):
+            d = args[0].placements[0]
+            if d.is_shard() and d.dim == args[0].dim() - 1:
+                return loss_parallel()
+        return contextlib.nullcontext()
+
+
+def _full(value: Any) -> Any:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _map_tensors(tree: Any, fn) -> Any:
+    return torch.utils._pytree.tree_map_only(torch.Tensor, fn, tree)
+
+
+class LayerModule(nn.Module):
+    """One layer: ``forward(*inputs, *shared_params) -> outputs`` over its slice of the graph."""
+
+    def __init__(self, spec: LayerSpec, runner: NodeRunner, own: Sequence[str], shared: Sequence[str],
+                 param_of: Mapping[str, str], buffers: Mapping[str, torch.Tensor], recompute: str) -> None:
+        super().__init__()
+        self.spec = spec
+        self.runner = runner
+        self.own = tuple(own)
+        self.shared = tuple(shared)
+        self.recompute = recompute
+        self.placeholder_of = {fqn: ph for ph, fqn in param_of.items()}
+        self.buffer_names = tuple(spec.buffers)
+        for name in self.buffer_names:
+            self.register_buffer(attr_name(name), buffers[name], persistent=False)
+
+    def forward(self, *values: Any) -> tuple[Any, ...]:
+        if self.recompute == "full" and torch.is_grad_enabled():
+            return checkpoint(self._run, *values, use_reentrant=False)
+        return self._run(*values)
+
+    def _run(self, *values: Any) -> tuple[Any, ...]:
+        n_in = len(self.spec.inputs)
+        env: dict[str, Any] = dict(zip(self.spec.inputs, values[:n_in]))
+        for fqn, value in zip(self.shared, values[n_in:]):
+            env[self.placeholder_of[fqn]] = value
+        for fqn in self.own:
+            env[self.placeholder_of[fqn]] = getattr(self, attr_name(fqn))
+        for name in self.buffer_names:
+            env[name] = self.runner.wrap(getattr(self, attr_name(name)))
+        if self.recompute == "selective" and self.spec.attention_core and torch.is_grad_enabled():
+            self._run_selective(env)
+        else:
+            for name in self.spec.nodes:
+                env[name] = self.runner.run(name, env)
+        return tuple(env[name] for name in self.spec.outputs)
+
+    def _run_selective(self, env: dict[str, Any]) -> None:
+        """Run the nodes, recomputing each run of attention-core nodes in backward."""
+        nodes = list(self.spec.nodes)
+        i = 0
+        while i < len(nodes):
+            if nodes[i] not in self.spec.attention_core:
+                env[nodes[i]] = self.runner.run(nodes[i], env)
+                i += 1
+                continue
+            j = i
+            while j < len(nodes) and nodes[j] in self.spec.attention_core:
+                j += 1
+            segment = nodes[i:j]
+            reads = list(dict.fromkeys(a.name for n in segment for a in self.runner.nodes[n].all_input_nodes
+                                       if a.name not in segment))
+            later = set(nodes[j:])
+            outs = [n for n in segment if any(u.name in later or u.name not in nodes
+                                              for u in self.runner.nodes[n].users)]
+
+            def core(*vals: Any, segment=segment, reads=reads, outs=outs) -> tuple[Any, ...]:
+                local = dict(zip(reads, vals))
+                for name in segment:
+                    local[name] = self.runner.run(name, local)
+                return tuple(local[name] for name in outs)
+
+            results = checkpoint(core, *[env[r] for r in reads], use_reentrant=False)
+            env.update(zip(outs, results))
+            i = j
+
+
+class ChunkModule(nn.Module):
+    """One chunk: ``forward(*graph_inputs, *received) -> values sent on`` (the loss for the last)."""
+
+    def __init__(self, spec: ChunkSpec, split: SplitGraph, runner: NodeRunner,
+                 params: Mapping[str, nn.Parameter], recompute: str) -> None:
+        super().__init__()
+        self.spec = spec
+        self.runner = runner
+        use_count: dict[str, int] = {}
+        for layer in spec.layers:
+            for p in layer.params:
+                use_count[p] = use_count.get(p, 0) + 1
+        self.shared_params = tuple(p for p in spec.params if use_count[p] > 1)
+        for fqn in self.shared_params:
+            self.register_parameter(attr_name(fqn), params[fqn])
+        self.layers = nn.ModuleList()
+        for layer in spec.layers:
+            own = [p for p in layer.params if use_count[p] == 1]
+            shared = [p for p in layer.params if use_count[p] > 1]
+            module = LayerModule(layer, runner, own, shared, split.param_of, split.buffer_value, recompute)
+            for fqn in own:
+                module.register_parameter(attr_name(fqn), params[fqn])
+            self.layers.append(module)
+
+    def forward(self, *values: Any) -> tuple[Any, ...]:
+        names = self.spec.graph_inputs + self.spec.recv
+        env: dict[str, Any] = dict(zip(names, values))
+        shared = {fqn: getattr(self, attr_name(fqn)) for fqn in self.shared_params}
+        for layer in self.layers:
+            ins = [env[v] for v in layer.spec.inputs] + [shared[p] for p in layer.shared]
+            env.update(zip(layer.spec.outputs, layer(*ins)))
+        return tuple(env[v] for v in self.spec.send)
+
+    def named_model_parameters(self) -> dict[str, nn.Parameter]:
+        """Parameter fqn (the model's name) -> the parameter held here."""
+        out = {fqn: getattr(self, attr_name(fqn)) for fqn in self.shared_params}
+        for layer in self.layers:
+            out.update({fqn: getattr(layer, attr_name(fqn)) for fqn in layer.own})
+        return out
+
+
+def split_of(spec: str | None) -> int | None:
+    return split_dim(spec) if spec else None

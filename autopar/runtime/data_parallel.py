@@ -1,0 +1,159 @@
+"""Data-parallel gradient reduction (bucketed, overlapped with backward) and ZeRO-1.
+
+ZeRO-2 and ZeRO-3 are FSDP2's ``fully_shard`` (program.py). Plain data parallelism and ZeRO-1
+are done here rather than by ``DistributedDataParallel`` / ``ZeroRedundancyOptimizer``:
+
+- DDP wraps one module with one forward per backward; a pipeline rank runs several chunk
+  modules, each several micro-batches, and only the *last* backward of each chunk in a step
+  may start the reduction. DDP also refuses DTensor (tensor-parallel) parameters.
+- ``ZeroRedundancyOptimizer`` wants an optimizer class and keyword arguments and broadcasts
+  whole tensors, not DTensor shards; ours takes the user's optimizer factory.
+
+:class:`GradReducer` puts parameters into buckets of ``bucket_bytes`` in reverse registration
+order (about the order backward finishes them, as DDP does) and starts one asynchronous
+all-reduce (sum) per bucket as soon as the last gradient of the bucket is accumulated during
+the chunk's final backward; :meth:`GradReducer.finish` waits, divides by the data-parallel
+degree and writes the means back.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .failures import wait_or_fail
+
+BUCKET_BYTES = 25 * 2 ** 20   # DDP's default bucket_cap_mb
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's data of a (possibly distributed) tensor."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.ready: set[int] = set()
+        self.flat: torch.Tensor | None = None
+        self.work = None
+
+
+class GradReducer:
+    """Bucketed all-reduce of the gradients of some chunks' parameters over ``group``."""
+
+    def __init__(self, chunks: Sequence[Sequence[nn.Parameter]], group, size: int, timeout: float,
+                 bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.group = group
+        self.size = size
+        self.timeout = timeout
+        self.active: set[int] = set()
+        self.buckets: list[list[_Bucket]] = []
+        self._where: dict[int, tuple[int, _Bucket]] = {}
+        self._handles = []
+        for c, params in enumerate(chunks):
+            buckets = _make_buckets([p for p in reversed(list(params)) if p.requires_grad], bucket_bytes)
+            self.buckets.append(buckets)
+            for b in buckets:
+                for p in b.params:
+                    self._where[id(p)] = (c, b)
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
+
+    def start(self, chunk: int) -> None:
+        """The next backward of ``chunk`` is its last in this step: reduce as gradients finish."""
+        self.active.add(chunk)
+
+    def _hook(self, p: torch.Tensor) -> None:
+        c, bucket = self._where[id(p)]
+        if c in self.active and bucket.work is None:
+            bucket.ready.add(id(p))
+            if len(bucket.ready) == len(bucket.params):
+                self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        grads = []
+        for p in bucket.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(local(p.grad).reshape(-1))
+        bucket.flat = torch.cat(grads)
+        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+
+    def finish(self) -> None:
+        """Wait for every bucket (starting those not started), write the mean gradients back."""
+        for buckets in self.buckets:
+            for bucket in buckets:
+                if bucket.work is None:
+                    self._launch(bucket)
+                wait_or_fail(bucket.work, self.timeout, "all_reduce of data-parallel gradients", self.group)
+                bucket.flat.div_(self.size)
+                offset = 0
+                for p in bucket.params:
+                    g = local(p.grad)
+                    g.copy_(bucket.flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
+                bucket.flat, bucket.work = None, None
+                bucket.ready.clear()
+        self.active.clear()
+
+
+def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
+    buckets: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for p in params:
+        nbytes = local(p).numel() * local(p).element_size()
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return [_Bucket(b) for b in buckets if b]
+
+
+class Zero1Optimizer:
+    """ZeRO stage 1: each data-parallel rank keeps optimizer state for its share of the parameters
+    (whole tensors, greedily balanced by size, as ZeroRedundancyOptimizer partitions), steps only
+    those, then every owner broadcasts its updated parameters to the others."""
+
+    def __init__(self, params: Sequence[nn.Parameter], factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+                 group, ranks: Sequence[int], rank: int, timeout: float) -> None:
+        self.params = list(params)
+        self.group = group
+        self.ranks = list(ranks)      # global ranks of the data-parallel group, by dp rank
+        self.timeout = timeout
+        load = [0] * len(self.ranks)
+        self.owner: list[int] = []
+        for p in sorted(range(len(self.params)), key=lambda i: -local(self.params[i]).numel()):
+            k = min(range(len(load)), key=lambda j: (load[j], j))
+            load[k] += local(self.params[p]).numel()
+            self.owner.append((p, k))
+        self.owner = [k for _, k in sorted(self.owner)]
+        me = self.ranks.index(rank)
+        self.mine = [p for p, k in zip(self.params, self.owner) if k == me]
+        self.inner = factory(self.mine) if self.mine else None
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups if self.inner is not None else []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
+
+    def step(self) -> None:
+        if self.inner is not None:
+            self.inner.step()
+        works = []
+        with torch.no_grad():
+            for p, k in zip(self.params, self.owner):
+                works.append(dist.broadcast(local(p.data), src=self.ranks[k], group=self.group, async_op=True))
+        for w in works:
+            wait_or_fail(w, self.timeout, "broadcast of ZeRO-1 updated parameters", self.group)
+
+    def state_dict(self):
+        return self.inner.state_dict() if self.inner is not None else {}
+

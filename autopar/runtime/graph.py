@@ -1,0 +1,200 @@
+"""The exported training graph cut into pipeline chunks and layers, ready to run.
+
+``parallelize`` exports the model at one micro-batch (torch.export, as capture does), so the
+graph's fx nodes carry the same names as the plan's OpGraph. Every call_function node gets
+the layer of the nearest captured op before it in graph order (capture skips ops without a
+tensor output, e.g. ``_assert_tensor_metadata``), so each layer, and each chunk (a run of
+layers), is a contiguous range of the graph.
+
+What a chunk needs and gives:
+
+- *graph inputs* (the batch's tensors): read from the micro-batch directly, on every rank;
+- *parameters, buffers, constants*: held by the chunk (a parameter read by two chunks, a
+  tied embedding and head, is held by both; their gradients are summed after backward);
+- *values*: a node's output read by a later chunk crosses the cut (point-to-point), including
+  skip connections to a chunk further on; the last chunk gives the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from ..capture.opgraph import OpGraph
+from ..errors import PlanMismatchError
+
+_WRAPPER_PREFIX = "model."   # capture's LossWrapper holds the user's model as ``.model``
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer of one chunk: its nodes (graph order) and what crosses its edges."""
+
+    index: int                     # OpGraph layer index
+    name: str
+    nodes: tuple[str, ...]         # fx call_function node names, in graph order
+    inputs: tuple[str, ...]        # values (node / graph-input names) read from before this layer
+    outputs: tuple[str, ...]       # values read after this layer (by later layers or chunks)
+    params: tuple[str, ...]        # parameter fqns read
+    buffers: tuple[str, ...]       # buffer / constant placeholder names read
+    attention_core: frozenset[str]  # nodes selective recomputation drops
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One pipeline chunk (virtual stage): its layers and the values crossing its cuts."""
+
+    index: int
+    layers: tuple[LayerSpec, ...]
+    graph_inputs: tuple[str, ...]  # batch tensors read
+    recv: tuple[str, ...]          # values received from earlier chunks
+    send: tuple[str, ...]          # values later chunks read (the loss for the last chunk)
+    params: tuple[str, ...]        # parameter fqns held
+    buffers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SplitGraph:
+    """The exported program cut into chunks, with where each value is produced and read."""
+
+    program: ExportedProgram
+    chunks: tuple[ChunkSpec, ...]
+    producer: Mapping[str, int]             # value -> chunk that computes it
+    consumers: Mapping[str, tuple[int, ...]]  # value -> later chunks that read it
+    param_of: Mapping[str, str]             # param placeholder -> parameter fqn (canonical)
+    buffer_value: Mapping[str, torch.Tensor]  # buffer / constant placeholder -> tensor
+    user_inputs: tuple[str, ...]            # graph-input placeholders, flattening order
+    in_spec: Any                            # pytree spec of (args, kwargs)
+    loss: str                               # the node whose value is the loss
+
+    def nodes(self) -> dict[str, torch.fx.Node]:
+        return {n.name: n for n in self.program.graph.nodes}
+
+    def meta(self, value: str) -> torch.Tensor | Any:
+        """The fake value (shape, dtype) of a node or placeholder at one micro-batch."""
+        return self.nodes()[value].meta.get("val")
+
+
+def split_graph(program: ExportedProgram, graph: OpGraph, chunk_layers: Sequence[Sequence[str]],
+                aliases: Mapping[str, str]) -> SplitGraph:
+    """Cut ``program`` into chunks of the named layers (the plan's stages' chunks, in order)."""
+    sig = program.graph_signature
+    fx_nodes = list(program.graph.nodes)
+    param_of, buffer_value = _placeholders(program, aliases)
+    user_inputs = tuple(s.arg.name for s in sig.input_specs if s.kind is InputKind.USER_INPUT)
+    layer_of = _layer_of_nodes(fx_nodes, graph)
+    layer_index = {layer.name: layer.index for layer in graph.layers}
+    missing = [name for chunk in chunk_layers for name in chunk if name not in layer_index]
+    if missing:
+        raise PlanMismatchError(f"the plan's stages name layers {missing[:3]} the model does not have: the plan "
+                                "was made for another model; re-plan with autopar.plan on this model")
+    chunk_of_layer = {layer_index[name]: c for c, chunk in enumerate(chunk_layers) for name in chunk}
+    if sorted(chunk_of_layer) != list(range(len(graph.layers))):
+        raise PlanMismatchError("the plan's stages do not cover every layer of the model once: re-plan")
+    output = next(n for n in fx_nodes if n.op == "output")
+    loss = output.args[0][0] if isinstance(output.args[0], (list, tuple)) else output.args[0]
+    where = {n.name: chunk_of_layer[layer_of[n.name]] for n in fx_nodes if n.name in layer_of}
+    users = {n.name: [u for u in n.users if u.op == "call_function"] for n in fx_nodes}
+    layers = {i: _layer_spec(graph.layers[i].name, i, [n for n in fx_nodes if layer_of.get(n.name) == i],
+                             layer_of, users, param_of, set(user_inputs), graph, loss.name)
+              for i in range(len(graph.layers))}
+    consumers: dict[str, set[int]] = {}
+    for n in fx_nodes:
+        if n.name in where:
+            for u in users[n.name]:
+                if where[u.name] != where[n.name]:
+                    consumers.setdefault(n.name, set()).add(where[u.name])
+    chunks = []
+    for c, names in enumerate(chunk_layers):
+        specs = tuple(layers[layer_index[name]] for name in names)
+        reads = [v for spec in specs for v in spec.inputs]
+        chunks.append(ChunkSpec(
+            index=c, layers=specs,
+            graph_inputs=tuple(dict.fromkeys(v for v in reads if v in user_inputs)),
+            recv=tuple(dict.fromkeys(v for v in reads if v in where and where[v] != c)),
+            send=tuple(v for v in (n.name for n in fx_nodes) if where.get(v) == c and v in consumers)
+            + ((loss.name,) if where.get(loss.name) == c else ()),
+            params=tuple(dict.fromkeys(p for spec in specs for p in spec.params)),
+            buffers=tuple(dict.fromkeys(b for spec in specs for b in spec.buffers))))
+    return SplitGraph(program=program, chunks=tuple(chunks), producer=where,
+                      consumers={k: tuple(sorted(v)) for k, v in consumers.items()}, param_of=param_of,
+                      buffer_value=buffer_value, user_inputs=user_inputs, in_spec=program.call_spec.in_spec,
+                      loss=loss.name)
+
+
+def _placeholders(program: ExportedProgram, aliases: Mapping[str, str]) -> tuple[dict, dict]:
+    param_of: dict[str, str] = {}
+    buffer_value: dict[str, torch.Tensor] = {}
+    for spec in program.graph_signature.input_specs:
+        if spec.kind is InputKind.PARAMETER:
+            fqn = _strip(spec.target)
+            param_of[spec.arg.name] = aliases.get(fqn, fqn)
+        elif spec.kind is InputKind.BUFFER:
+            buffer_value[spec.arg.name] = program.state_dict[spec.target] if spec.persistent is not False \
+                else program.constants[spec.target]
+        elif spec.kind is InputKind.CONSTANT_TENSOR:
+            buffer_value[spec.arg.name] = program.constants[spec.target]
+    return param_of, buffer_value
+
+
+def _strip(target: str) -> str:
+    return target[len(_WRAPPER_PREFIX):] if target.startswith(_WRAPPER_PREFIX) else target
+
+
+def _layer_of_nodes(fx_nodes: Sequence[torch.fx.Node], graph: OpGraph) -> dict[str, int]:
+    """Layer of every call_function node: its own, else that of the nearest captured op before
+    it (the first layer for ops before any)."""
+    captured = {node.name: node.layer for node in graph.nodes}
+    calls = [n for n in fx_nodes if n.op == "call_function"]
+    unknown = [n.name for n in graph.nodes if n.name not in {c.name for c in calls}]
+    if unknown:
+        raise PlanMismatchError(f"the model's graph at this micro-batch lacks ops {unknown[:3]} of the plan's "
+                                "graph: the model changed since planning; re-plan")
+    out: dict[str, int] = {}
+    current = next((captured[n.name] for n in calls if n.name in captured), 0)
+    for n in calls:
+        current = captured.get(n.name, current)
+        out[n.name] = current
+    return out
+
+
+def _layer_spec(name: str, index: int, nodes: list[torch.fx.Node], layer_of: Mapping[str, int],
+                users: Mapping[str, list], param_of: Mapping[str, str], user_inputs: set[str], graph: OpGraph,
+                loss: str) -> LayerSpec:
+    own = {n.name for n in nodes}
+    inputs: dict[str, None] = {}
+    params: dict[str, None] = {}
+    buffers: dict[str, None] = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            if a.op == "placeholder":
+                if a.name in param_of:
+                    params[param_of[a.name]] = None
+                elif a.name not in own:
+                    (inputs if a.name in user_inputs else buffers)[a.name] = None
+            elif a.op == "call_function" and a.name not in own:
+                inputs[a.name] = None
+    outputs = tuple(n.name for n in nodes
+                    if n.name == loss or any(layer_of.get(u.name) != index for u in users[n.name]))
+    core = frozenset(graph.nodes[i].name for i in graph.layers[index].nodes if graph.nodes[i].attention_core)
+    return LayerSpec(index=index, name=name, nodes=tuple(n.name for n in nodes), inputs=tuple(inputs),
+                     outputs=outputs, params=tuple(params), buffers=tuple(buffers), attention_core=core)
+
+
+def flatten_batch(batch: Any, in_spec: Any) -> list[Any]:
+    """The batch's leaves in the exported program's input order (kwargs reordered as exported)."""
+    from ..capture.export import normalize_inputs
+    args, kwargs = normalize_inputs(batch)
+    arg_spec, kw_spec = in_spec.children() if hasattr(in_spec, "children") else in_spec.children_specs
+    keys = list(kw_spec.context) if kw_spec.context else []
+    if set(keys) != set(kwargs) or len(args) != arg_spec.num_children:
+        raise PlanMismatchError(f"the batch has {len(args)} positional and keyword inputs {sorted(kwargs)}, but the "
+                                f"program was built for {arg_spec.num_children} positional and "
+                                f"{sorted(keys)}: pass batches shaped like the plan's example inputs")
+    leaves, spec = pytree.tree_flatten((tuple(args), {k: kwargs[k] for k in keys}))
+    return leaves

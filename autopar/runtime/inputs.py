@@ -1,0 +1,81 @@
+"""The shape of a model's inputs, recorded in the plan, and example inputs rebuilt from it.
+
+``autopar.plan`` / ``autopar.estimate`` store ``plan.extra["inputs"]``: how the example inputs
+were passed (a tensor, positional tensors or keyword tensors) with each tensor's shape and
+dtype. ``parallelize`` rebuilds zero-filled inputs of one micro-batch from it to export the
+model again (export traces fake tensors, so values never matter), and checks real batches
+against it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import ConfigError, PlanMismatchError
+
+
+def describe_inputs(example_inputs: Any) -> dict[str, Any]:
+    """JSON-native record of the inputs' structure, shapes and dtypes."""
+    def leaf(t: Any) -> Any:
+        if isinstance(t, torch.Tensor):
+            return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+        return None
+
+    if isinstance(example_inputs, torch.Tensor):
+        return {"kind": "tensor", "args": [leaf(example_inputs)]}
+    if isinstance(example_inputs, Mapping):
+        return {"kind": "kwargs", "kwargs": {k: leaf(v) for k, v in example_inputs.items()}}
+    return {"kind": "args", "args": [leaf(v) for v in example_inputs]}
+
+
+def example_at(record: Mapping[str, Any], batch_size: int, device: torch.device | str = "cpu") -> Any:
+    """Zero-filled inputs shaped like ``record`` with dim 0 of every batched tensor set to ``batch_size``."""
+    def make(spec: Any) -> Any:
+        if spec is None:
+            return None
+        shape = list(spec["shape"])
+        if shape:
+            shape[0] = batch_size
+        return torch.zeros(shape, dtype=getattr(torch, spec["dtype"]), device=device)
+
+    kind = record.get("kind")
+    if kind == "tensor":
+        return make(record["args"][0])
+    if kind == "kwargs":
+        return {k: make(v) for k, v in record["kwargs"].items()}
+    if kind == "args":
+        return tuple(make(v) for v in record["args"])
+    raise PlanMismatchError(f"plan.extra['inputs'] is malformed ({record!r}): re-plan, or pass example_inputs=")
+
+
+def slice_batch(batch: Any, start: int, stop: int, global_batch: int) -> Any:
+    """Rows ``start:stop`` of every tensor of the batch whose dim 0 is the global batch size."""
+    def cut(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == global_batch:
+            return t[start:stop]
+        return t
+
+    if isinstance(batch, torch.Tensor):
+        return cut(batch)
+    if isinstance(batch, Mapping):
+        return {k: cut(v) for k, v in batch.items()}
+    return tuple(cut(v) for v in batch)
+
+
+def check_batch(batch: Any, record: Mapping[str, Any] | None, global_batch: int) -> None:
+    """Refuse a batch whose structure or batch size is not the plan's."""
+    leaves = [batch] if isinstance(batch, torch.Tensor) else list(batch.values()) if isinstance(batch, Mapping) \
+        else list(batch)
+    sizes = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim()}
+    if global_batch not in sizes:
+        raise ConfigError(f"the batch's tensors have dim-0 sizes {sorted(sizes)}, but the plan's global batch size "
+                          f"is {global_batch}: pass the whole global batch (every rank the same) to the program")
+    if record is None:
+        return
+    if record.get("kind") == "kwargs":
+        if not isinstance(batch, Mapping) or set(batch) != set(record["kwargs"]):
+            got = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+            raise ConfigError(f"the batch has keys {got}, the plan's inputs are {sorted(record['kwargs'])}: "
+                              "pass the same keys as the example inputs")

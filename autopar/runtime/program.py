@@ -1,0 +1,345 @@
+"""``autopar.parallelize``: a plan turned into the program one rank runs.
+
+Every rank calls ``parallelize(model, plan, optimizer=...)`` inside an initialised process
+group of ``plan.devices`` ranks and gets a :class:`Program`. Ranks form a ``(pp, dp, tp)``
+device mesh, tp innermost (``rank = tp_rank + tp (dp_rank + dp pp_rank)``, the layout the
+cost model priced). The rank:
+
+1. exports the model at one micro-batch and checks its fingerprint against the plan's;
+2. cuts the graph into the plan's chunks and builds the ones of its pipeline stage
+   (chunk ``c`` runs on stage ``c mod pp``), with parameters copied from the model,
+   tensor-parallel ones distributed with the plan's split dims;
+3. sets up data parallelism: the bucketed all-reduce of data_parallel.py (ZeRO 0 and 1, the
+   latter with its partitioned optimizer), or FSDP2 ``fully_shard`` on every layer and chunk
+   (ZeRO-2: ``reshard_after_forward=False``, ZeRO-3: ``True``);
+4. runs the plan's schedule (schedules.py, checked before the first send) on each global batch.
+
+Gradients are those of the mean loss over the global batch: each micro-batch's loss is
+scaled by ``1 / micro_batches`` and the data-parallel reduction averages. A parameter held by
+two stages (tied embedding and head) gets the sum of both stages' gradients on both.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from ..capture import graph_of, param_aliases
+from ..capture.export import LossFn, run_export
+from ..errors import ConfigError, PlanMismatchError
+from ..plan import Plan
+from . import schedules
+from .chunk import ChunkModule, NodeRunner
+from .data_parallel import GradReducer, Zero1Optimizer, local
+from .failures import wait_or_fail
+from .graph import flatten_batch, split_graph
+from .inputs import check_batch, example_at, slice_batch
+from .pipeline import PipelineRunner, Topology
+from .specs import node_specs, sequence_parallel
+
+DEFAULT_TIMEOUT = 300.0  # seconds a rank waits on a peer before failing
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def parallelize(model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None = None, *,
+                loss_fn: LossFn | None = None, example_inputs: Any = None,
+                timeout: float = DEFAULT_TIMEOUT) -> "Program":
+    """This rank's share of ``plan`` for ``model``: a :class:`Program` that trains it.
+
+    ``optimizer`` maps parameters to an optimizer (``lambda ps: torch.optim.AdamW(ps, lr=1e-3)``);
+    ``loss_fn`` must be the one the plan was made with; ``example_inputs`` is needed only for a
+    plan without recorded inputs (one made before they were recorded). ``timeout`` (seconds)
+    bounds every wait on a peer. Raises PlanMismatchError when the plan's device count is not
+    the world size or the plan was made for another model.
+    """
+    return Program(model, plan, optimizer, loss_fn=loss_fn, example_inputs=example_inputs, timeout=timeout)
+
+
+class Program:
+    """One rank's program: ``forward_backward``, ``train_step``, ``full_grads``, ``full_state_dict``."""
+
+    def __init__(self, model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None, *,
+                 loss_fn: LossFn | None, example_inputs: Any, timeout: float) -> None:
+        _check_world(plan)
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        cfg = plan.config
+        self.plan, self.cfg, self.timeout = plan, cfg, float(timeout)
+        self.rank = dist.get_rank()
+        self.tp_rank = self.rank % cfg.tp
+        self.dp_rank = (self.rank // cfg.tp) % cfg.dp
+        self.pp_rank = self.rank // (cfg.tp * cfg.dp)
+        self.micro_batches = plan.micro_batches
+        per_replica = plan.global_batch_size // cfg.dp
+        if per_replica != cfg.micro_batch_size * self.micro_batches:
+            raise PlanMismatchError(f"plan's global batch {plan.global_batch_size} over dp={cfg.dp} is not "
+                                    f"{self.micro_batches} micro-batches of {cfg.micro_batch_size}: re-plan")
+        self.device = _device()
+        self.inputs_record = plan.extra.get("inputs")
+        self._export(model, loss_fn, example_inputs)
+        self.aliases = param_aliases(model)
+        self._mesh()
+        self._build_chunks(model)
+        self._data_parallel()
+        self._tied_groups()
+        self.schedule = schedules.build(cfg.schedule, cfg.pp, self.micro_batches, cfg.virtual_stages)
+        schedules.check(self.schedule, self.micro_batches, cfg.virtual_stages)
+        self.actions = self.schedule[self.pp_rank]
+        self.runner = PipelineRunner(self.split, self.chunks, self.node_runner, self._topology(), self.specs,
+                                     self._requires_grad, cfg.tp, self.timeout, self._before_backward)
+        self.runner.device = self.device
+        self.optimizer = self._optimizer(optimizer)
+
+    # --- construction -------------------------------------------------------------------------
+    def _export(self, model: nn.Module, loss_fn: LossFn | None, example_inputs: Any) -> None:
+        if example_inputs is not None:
+            from .inputs import describe_inputs
+            self.inputs_record = describe_inputs(example_inputs)
+        if self.inputs_record is None:
+            raise ConfigError("the plan does not record its example inputs: pass parallelize(..., example_inputs=) "
+                              "shaped like the inputs the plan was made with")
+        example = example_at(self.inputs_record, self.cfg.micro_batch_size, self.device)
+        program = run_export(model, example, loss_fn)
+        self.graph = graph_of(model, program)
+        if self.graph.fingerprint != self.plan.fingerprint:
+            raise PlanMismatchError(
+                f"the plan was made for a model with fingerprint {self.plan.fingerprint} ({self.plan.model_name}), "
+                f"but {type(model).__name__} here has {self.graph.fingerprint}: its ops or parameter shapes differ "
+                "(another config, or another loss_fn?); re-plan with autopar.plan on this model")
+        chunk_layers = [self.plan.stages[c % self.cfg.pp].chunks[c // self.cfg.pp]
+                        for c in range(self.cfg.pp * self.cfg.virtual_stages)]
+        self.split = split_graph(program, self.graph, chunk_layers, param_aliases(model))
+
+    def _mesh(self) -> None:
+        cfg = self.cfg
+        self.mesh = init_device_mesh(self.device.type, (cfg.pp, cfg.dp, cfg.tp), mesh_dim_names=("pp", "dp", "tp"))
+        self.tp_mesh = self.mesh["tp"] if cfg.tp > 1 else None
+        self.dp_mesh = self.mesh["dp"]
+        self.dp_group = self.dp_mesh.get_group()
+        self.specs: dict = {}
+        self.param_dims: dict = {}
+        if cfg.tp > 1:
+            if not self.plan.sharding:
+                raise PlanMismatchError("the plan has tp > 1 but no per-op sharding (autopar.estimate plans do not "
+                                        "solve it): make the plan with autopar.plan(..., fixed={...}) instead")
+            self.specs, self.param_dims = node_specs(self.plan.sharding, self.graph)
+            if cfg.sequence_parallel:
+                self.specs = sequence_parallel(self.specs, self.graph, cfg.tp)
+
+    def _build_chunks(self, model: nn.Module) -> None:
+        cfg = self.cfg
+        self.node_runner = NodeRunner(self.split, self.tp_mesh, self.specs)
+        full = dict(model.named_parameters())
+        self.my_chunks = [c for c in range(len(self.split.chunks)) if c % cfg.pp == self.pp_rank]
+        self.params: dict[str, nn.Parameter] = {}
+        for c in self.my_chunks:
+            for fqn in self.split.chunks[c].params:
+                if fqn not in self.params:
+                    self.params[fqn] = self._distribute(fqn, full[fqn])
+        buffers = {k: v.to(self.device) for k, v in self.split.buffer_value.items()}
+        object.__setattr__(self.split, "buffer_value", buffers)
+        self.chunks = {c: ChunkModule(self.split.chunks[c], self.split, self.node_runner, self.params,
+                                      cfg.stage_mode(self.pp_rank)) for c in self.my_chunks}
+
+    def _distribute(self, fqn: str, value: torch.Tensor) -> nn.Parameter:
+        data = value.detach().to(self.device).clone()
+        if self.tp_mesh is None:
+            return nn.Parameter(data, requires_grad=value.requires_grad)
+        d = self.param_dims.get(fqn)
+        place = Shard(d % data.dim()) if d is not None else Replicate()
+        return nn.Parameter(distribute_tensor(data, self.tp_mesh, [place]), requires_grad=value.requires_grad)
+
+    def _data_parallel(self) -> None:
+        cfg = self.cfg
+        self.zero = cfg.zero if cfg.dp > 1 else 0
+        self.reducer = None
+        self.fsdp = self.zero >= 2
+        if self.fsdp:
+            from torch.distributed.fsdp import fully_shard
+            mesh = self.mesh["dp", "tp"] if cfg.tp > 1 else self.dp_mesh
+            if cfg.tp > 1:
+                raise ConfigError("ZeRO-2/3 with tp > 1 is not supported by this runtime yet: use zero=1 with tp > 1")
+            for chunk in self.chunks.values():
+                for layer in chunk.layers:
+                    if any(True for _ in layer.parameters(recurse=False)):
+                        fully_shard(layer, mesh=mesh, reshard_after_forward=self.zero == 3)
+                fully_shard(chunk, mesh=mesh, reshard_after_forward=self.zero == 3)
+            self.params = {fqn: p for chunk in self.chunks.values()
+                           for fqn, p in chunk.named_model_parameters().items()}
+        elif cfg.dp > 1:
+            per_chunk = [list(self.chunks[c].named_model_parameters().values()) for c in self.my_chunks]
+            self.reducer = GradReducer(_dedupe(per_chunk), self.dp_group, cfg.dp, self.timeout)
+
+    def _tied_groups(self) -> None:
+        """A process group per parameter held by several pipeline stages, over those stages' ranks."""
+        cfg = self.cfg
+        holders: dict[str, tuple[int, ...]] = {}
+        for c, spec in enumerate(self.split.chunks):
+            for fqn in spec.params:
+                holders[fqn] = tuple(sorted(set(holders.get(fqn, ()) + (c % cfg.pp,))))
+        self.holders = holders
+        self.tied: list[tuple[str, Any]] = []
+        sets = sorted({h for h in holders.values() if len(h) > 1})
+        groups = {}
+        for h in sets:  # every rank creates every group, in the same order (new_group is collective)
+            for dp_r in range(cfg.dp):
+                for tp_r in range(cfg.tp):
+                    ranks = [tp_r + cfg.tp * (dp_r + cfg.dp * s) for s in h]
+                    g = dist.new_group(ranks)
+                    if self.rank in ranks:
+                        groups[h] = g
+        for fqn, h in sorted(holders.items()):
+            if h in groups and fqn in self.params:
+                self.tied.append((fqn, groups[h]))
+
+    def _topology(self) -> Topology:
+        cfg = self.cfg
+        ranks = [self.tp_rank + cfg.tp * (self.dp_rank + cfg.dp * s) for s in range(cfg.pp)]
+        return Topology(cfg.pp, ranks, self.pp_rank)
+
+    def _requires_grad(self, value: str) -> bool:
+        return self.graph.node(value).requires_grad if value in self.graph.node_index else True
+
+    def _optimizer(self, factory: OptimizerFactory | None):
+        if factory is None:
+            return None
+        params = list(self.parameters())
+        if self.zero == 1:
+            ranks = [self.tp_rank + self.cfg.tp * (d + self.cfg.dp * self.pp_rank) for d in range(self.cfg.dp)]
+            return Zero1Optimizer(params, factory, self.dp_group, ranks, self.rank, self.timeout)
+        return factory(params)
+
+    # --- training -----------------------------------------------------------------------------
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters (its shards), each once."""
+        return list({id(p): p for p in self.params.values()}.values())
+
+    def _before_backward(self, chunk: int, last: bool) -> None:
+        if self.fsdp:
+            self.chunks[chunk].set_requires_gradient_sync(last)
+        elif self.reducer is not None and last:
+            self.reducer.start(self.my_chunks.index(chunk))
+
+    def forward_backward(self, batch: Any) -> torch.Tensor:
+        """Gradients of the mean loss over ``batch`` (the whole global batch, the same on every rank)
+        into this rank's parameters (previous gradients are dropped); returns that loss."""
+        check_batch(batch, self.inputs_record, self.plan.global_batch_size)
+        for p in self.parameters():
+            p.grad = None
+        per = self.plan.global_batch_size // self.cfg.dp
+        mbs = self.cfg.micro_batch_size
+        micro = []
+        for i in range(self.micro_batches):
+            start = self.dp_rank * per + i * mbs
+            part = slice_batch(batch, start, start + mbs, self.plan.global_batch_size)
+            leaves = [t.to(self.device) if isinstance(t, torch.Tensor) else t
+                      for t in flatten_batch(part, self.split.in_spec)]
+            micro.append(dict(zip(self.split.user_inputs, leaves)))
+        with torch.autograd.set_grad_enabled(True):
+            losses = self.runner.run(self.actions, micro, 1.0 / self.micro_batches)
+        self._finish_grads()
+        return self._share_loss(losses)
+
+    def train_step(self, batch: Any) -> torch.Tensor:
+        """``forward_backward`` then one optimizer step; returns the loss."""
+        if self.optimizer is None:
+            raise ConfigError("train_step needs an optimizer: parallelize(model, plan, optimizer=lambda params: "
+                              "torch.optim.AdamW(params, lr=...))")
+        loss = self.forward_backward(batch)
+        self.optimizer.step()
+        return loss
+
+    def _finish_grads(self) -> None:
+        if self.reducer is not None:
+            self.reducer.finish()
+        for fqn, p in self.params.items():
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements and not self.fsdp:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        works = []
+        for fqn, group in self.tied:
+            p = self.params[fqn]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            works.append((dist.all_reduce(local(p.grad), group=group, async_op=True), fqn, group))
+        for work, fqn, group in works:
+            wait_or_fail(work, self.timeout, f"all_reduce of tied parameter {fqn}'s gradient", group)
+
+    def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        cfg = self.cfg
+        owner = self.pp_rank == cfg.pp - 1 and self.tp_rank == 0
+        total = torch.stack(losses).mean().float() if owner else torch.zeros((), device=self.device)
+        total = total.detach().clone().reshape(1)
+        work = dist.all_reduce(total, async_op=True)
+        wait_or_fail(work, self.timeout, "all_reduce of the step's loss")
+        return (total / cfg.dp).reshape(())
+
+    # --- full tensors on every rank -------------------------------------------------------------
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Every parameter's full gradient under the model's own names, on every rank."""
+        return self._gather(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter (all names of tied ones) as a full tensor, on every rank."""
+        canonical = self._gather(lambda p: p.detach())
+        return {alias: canonical[name] for alias, name in self.aliases.items() if name in canonical}
+
+    def _gather(self, pick: Callable[[nn.Parameter], torch.Tensor]) -> dict[str, torch.Tensor]:
+        cfg = self.cfg
+        out = {}
+        for fqn in sorted(self.holders):
+            src_stage = self.holders[fqn][0]
+            src = cfg.tp * cfg.dp * src_stage
+            meta = self.graph.params.get(fqn)
+            if meta is None:
+                continue
+            if self.pp_rank == src_stage:
+                value = pick(self.params[fqn])
+                value = value.full_tensor() if isinstance(value, DTensor) else value
+                buf = value.detach().clone().contiguous()
+            else:
+                buf = torch.empty(meta.shape, dtype=getattr(torch, str(meta.dtype).removeprefix("torch.")),
+                                  device=self.device)
+            work = dist.broadcast(buf, src=src, async_op=True)
+            wait_or_fail(work, self.timeout, f"broadcast of {fqn}")
+            out[fqn] = buf.cpu()
+        return out
+
+
+def _check_world(plan: Plan) -> None:
+    if not isinstance(plan, Plan):
+        raise ConfigError(f"plan must be an autopar.Plan (from autopar.plan or autopar.load_plan), "
+                          f"got {type(plan).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError("parallelize needs an initialised process group: run under torchrun and call "
+                          "torch.distributed.init_process_group() first")
+    world = dist.get_world_size()
+    if world != plan.devices:
+        raise PlanMismatchError(f"the plan is for {plan.devices} devices ({plan.config.short()}) but the process "
+                                f"group has {world} ranks: launch {plan.devices} ranks (torchrun --nproc-per-node "
+                                f"{plan.devices}) or re-plan for a {world}-device cluster")
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _dedupe(per_chunk: list[list[nn.Parameter]]) -> list[list[nn.Parameter]]:
+    """A parameter shared by two chunks of this rank is reduced once, with the earlier chunk (whose
+    last backward comes last)."""
+    seen: set[int] = set()
+    out: list[list[nn.Parameter]] = [[] for _ in per_chunk]
+    for c in range(len(per_chunk)):
+        for p in per_chunk[c]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out[c].append(p)
+    return out
+

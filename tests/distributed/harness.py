@@ -1,0 +1,168 @@
+"""Run many parallelize cases in one spawn of gloo ranks, against single-process references.
+
+The parent plans each case (autopar.plan with every ParallelConfig field pinned, or free),
+computes the single-process reference (loss and gradients of step 1, parameters after three
+AdamW steps on three batches), spawns ``world`` ranks once, and every rank runs every case of
+that world size. Rank 0 writes its results; every rank checks that its loss equals rank 0's.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+STEPS = 3
+LR = 1e-3
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str                    # key of MODELS
+    fixed: dict | None            # ParallelConfig fields pinned; None: the planner's free choice
+    world: int
+    global_batch: int = 4
+
+
+def _mlp():
+    from autopar.models.mlp import MLP
+    torch.manual_seed(0)
+    model = MLP(in_features=16, hidden=32, out_features=8, depth=4)
+    return model
+
+
+def mlp_loss(out, inputs):
+    return torch.nn.functional.mse_loss(out, torch.zeros_like(out) + 0.5)
+
+
+def _gpt():
+    from autopar.models import GPTConfig, build_gpt
+    torch.manual_seed(0)
+    model, _ = build_gpt(GPTConfig(vocab_size=64, hidden=32, heads=4, layers=4, seq_len=8, dropout=0.0),
+                         batch_size=1)
+    return model
+
+
+def _hf(builder):
+    def make():
+        import autopar.models.hf as hf
+        torch.manual_seed(0)
+        model, _ = getattr(hf, builder)(layers=4, hidden=32, heads=4, vocab=64, seq_len=8, dropout=0.0,
+                                        batch_size=1)
+        return model.float()
+    return make
+
+
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "mlp": _mlp, "gpt": _gpt, "llama": _hf("build_hf_llama"), "gpt2": _hf("build_hf_gpt2"),
+    "bert": _hf("build_hf_bert"),
+}
+
+
+def batches(model_name: str, n: int, global_batch: int) -> list[Any]:
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(n):
+        if model_name == "mlp":
+            out.append((torch.randn(global_batch, 16, generator=g),))
+        else:
+            ids = torch.randint(0, 64, (global_batch, 8), generator=g)
+            batch = {"input_ids": ids, "labels": torch.randint(0, 64, (global_batch, 8), generator=g)}
+            if model_name == "bert":
+                batch["attention_mask"] = torch.ones_like(ids)
+            out.append(batch)
+    return out
+
+
+def loss_fn_of(model_name: str):
+    return mlp_loss if model_name == "mlp" else None
+
+
+def call_loss(model, batch, loss_fn):
+    from autopar.capture.export import LossWrapper
+    from autopar.capture.export import normalize_inputs
+    args, kwargs = normalize_inputs(batch)
+    return LossWrapper(model, loss_fn, batch)(*args, **kwargs)
+
+
+def reference(case: Case) -> dict[str, Any]:
+    model = MODELS[case.model]()
+    data = batches(case.model, STEPS, case.global_batch)
+    loss_fn = loss_fn_of(case.model)
+    loss = call_loss(model, data[0], loss_fn)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for b in data:
+        opt.zero_grad()
+        call_loss(model, b, loss_fn).backward()
+        opt.step()
+    return {"loss": loss.item(), "grads": grads,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def make_plan(case: Case):
+    import autopar
+    from autopar import Cluster
+    model = MODELS[case.model]()
+    data = batches(case.model, 1, case.global_batch)[0]
+    from autopar.runtime.inputs import slice_batch
+    example = slice_batch(data, 0, 1, case.global_batch)
+    fixed = None if case.fixed is None else dict(case.fixed)
+    return autopar.plan(model, Cluster.from_spec(f"1x{case.world}xcpu"), example,
+                        global_batch_size=case.global_batch, fixed=fixed, loss_fn=loss_fn_of(case.model))
+
+
+def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    import faulthandler
+    faulthandler.dump_traceback_later(float(os.environ.get("AUTOPAR_TEST_HANG_DUMP", "600")), exit=True, file=sys.stderr)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import autopar
+    results = {}
+    for case, plan_dict in jobs:
+        plan = autopar.Plan.from_dict(plan_dict)
+        try:
+            model = MODELS[case.model]()
+            data = batches(case.model, STEPS, case.global_batch)
+            program = autopar.parallelize(model, plan, lambda ps: torch.optim.AdamW(ps, lr=LR),
+                                          loss_fn=loss_fn_of(case.model), timeout=60)
+            loss = program.forward_backward(data[0])
+            grads = program.full_grads()
+            for b in data:
+                program.train_step(b)
+            params = program.full_state_dict()
+            results[case.name] = {"loss": loss.item(), "grads": grads, "params": params}
+        except Exception as exc:  # noqa: BLE001 - reported per case to the parent
+            import traceback
+            results[case.name] = {"error": f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+            print(results[case.name]["error"], file=sys.stderr, flush=True)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cases(cases: list[Case], world: int) -> list[dict[str, Any]]:
+    """Per rank: case name -> {"loss", "grads", "params"} or {"error"}."""
+    jobs = [(c, make_plan(c).to_dict()) for c in cases]
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_worker, args=(world, free_port(), jobs, out), nprocs=world, join=True,
+                           start_method="spawn")
+        return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
