@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
@@ -48,11 +48,13 @@ def attr_name(fqn: str) -> str:
 class NodeRunner:
     """Runs fx nodes of one exported program on plain tensors or on DTensors of ``mesh``."""
 
-    def __init__(self, split: SplitGraph, mesh: DeviceMesh | None, specs: Mapping[str, OpSpec]) -> None:
+    def __init__(self, split: SplitGraph, mesh: DeviceMesh | None, specs: Mapping[str, OpSpec],
+                 local_ops: frozenset[str] = frozenset()) -> None:
         self.nodes = split.nodes()
         self.module = split.program.graph_module
         self.mesh = mesh
         self.specs = specs
+        self.local_ops = local_ops    # attention: run on local shards (see _run_local)
         self.fallbacks: set[str] = set()
 
     def wrap(self, value: Any, spec: str = "R") -> Any:
@@ -73,6 +75,8 @@ class NodeRunner:
         kwargs = torch.fx.node.map_arg(node.kwargs, load)
         if self.mesh is None or node.target is operator.getitem:
             return node.target(*args, **kwargs)
+        if str(node.target) in _CONTEXT_HOPS:
+            return _run_context_hop(str(node.target), args, kwargs)
         return self._run_dtensor(node, args, kwargs)
 
     def _run_dtensor(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
@@ -81,6 +85,8 @@ class NodeRunner:
             args = tuple(self._to_spec(a, spec.inputs.get(n.name)) if isinstance(n, torch.fx.Node) else a
                          for a, n in zip(args, node.args))
         args, kwargs = _map_tensors((args, kwargs), self.wrap)
+        if node.name in self.local_ops:
+            return self._run_local(node, args, kwargs, spec)
         if node.name not in self.fallbacks:
             try:
                 with self._loss_context(node, args):
@@ -98,13 +104,36 @@ class NodeRunner:
             out = self._to_spec(out, spec.output)
         return out
 
+    def _run_local(self, node: torch.fx.Node, args: tuple, kwargs: dict, spec: OpSpec | None) -> Any:
+        """Attention split along a batch or head dim ``d`` (or whole): every slice is independent, so
+        the op runs on this rank's slices of q, k, v (and of a mask that has dim ``d``) and the
+        output is that slice. Written out because DTensor has no rule for CPU attention's backward."""
+        d = split_dim(spec.output) if spec is not None else None
+        first = next(a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor))
+        place = Shard(d % first.dim()) if d is not None else Replicate()
+
+        def prep(t: DTensor) -> torch.Tensor:
+            whole = d is None or t.dim() != first.dim() or t.shape[place.dim] != first.shape[place.dim]
+            target = Replicate() if whole else place
+            return (t if t.placements[0] == target else t.redistribute(self.mesh, [target])).to_local()
+
+        local_args, local_kwargs = torch.utils._pytree.tree_map_only(DTensor, prep, (args, kwargs))
+        out = node.target(*local_args, **local_kwargs)
+        return torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: DTensor.from_local(t, self.mesh, [place], run_check=False), out)
+
     def _to_spec(self, value: Any, spec: str | None) -> Any:
         if spec is None or not isinstance(value, DTensor):
             return value
         place = placement(spec, value.dim())
         if place is None or value.placements[0] == place:
             return value
-        return value.redistribute(self.mesh, [place])
+        out = value.redistribute(self.mesh, [place])
+        if out.requires_grad:
+            # The backward of a redistribution can hand on a strided slice (a Shard(d) -> Replicate
+            # gather's gradient is a narrow of dim d), which a later view's backward cannot view.
+            out.register_hook(_contiguous)
+        return out
 
     def _loss_context(self, node: torch.fx.Node, args: tuple):
         """The vocabulary-parallel cross entropy: logits split along the class dim."""
@@ -113,6 +142,35 @@ class NodeRunner:
             if d.is_shard() and d.dim == args[0].dim() - 1:
                 return loss_parallel()
         return contextlib.nullcontext()
+
+
+_CONTEXT_HOPS = frozenset({"wrap_with_set_grad_enabled", "wrap_with_autocast"})
+
+
+def _run_context_hop(name: str, args: tuple, kwargs: dict) -> Any:
+    """``wrap_with_set_grad_enabled`` / ``wrap_with_autocast`` (a ``torch.no_grad()`` or autocast region of
+    the model, e.g. a rotary embedding) run as the context manager around their subgraph: the
+    higher-order op itself leaves grad mode off when its arguments are DTensors (torch 2.13)."""
+    if name == "wrap_with_set_grad_enabled":
+        enabled, body, *rest = args
+        with torch.set_grad_enabled(enabled):
+            return _Body(body).run(*rest, **kwargs)
+    device_type, dtype, enabled, cache_enabled, body, *rest = args
+    with torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled):
+        return _Body(body).run(*rest, **kwargs)
+
+
+class _Body(torch.fx.Interpreter):
+    """A higher-order op's subgraph, without its metadata asserts (DTensor has no rule for them)."""
+
+    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
+        if str(target) in _SKIPPED:
+            return None
+        return super().call_function(target, args, kwargs)
+
+
+def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+    return grad.contiguous()
 
 
 def _full(value: Any) -> Any:

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from ..capture import graph_of, param_aliases
 from ..capture.export import LossFn, run_export
+from ..capture.opgraph import OpKind
 from ..errors import ConfigError, PlanMismatchError
 from ..plan import Plan
 from . import schedules
@@ -40,7 +41,7 @@ from .failures import wait_or_fail
 from .graph import flatten_batch, split_graph
 from .inputs import check_batch, example_at, slice_batch
 from .pipeline import PipelineRunner, Topology
-from .specs import node_specs, sequence_parallel
+from .specs import align, node_specs, sequence_parallel, translate
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits on a peer before failing
 
@@ -104,14 +105,22 @@ class Program:
         if self.inputs_record is None:
             raise ConfigError("the plan does not record its example inputs: pass parallelize(..., example_inputs=) "
                               "shaped like the inputs the plan was made with")
-        example = example_at(self.inputs_record, self.cfg.micro_batch_size, self.device)
-        program = run_export(model, example, loss_fn)
+        mbs = self.cfg.micro_batch_size
+        program = run_export(model, example_at(self.inputs_record, mbs, self.device), loss_fn)
         self.graph = graph_of(model, program)
-        if self.graph.fingerprint != self.plan.fingerprint:
+        planned = self.graph
+        captured = _record_batch(self.inputs_record)
+        if captured is not None and (captured == 1) != (mbs == 1):
+            # torch.export specialises size 1 (only), so a graph at batch 1 and one at a larger batch
+            # can differ by ops that are no-ops at size 1: check the plan against its own batch size
+            planned = graph_of(model, run_export(model, example_at(self.inputs_record, captured, self.device),
+                                                 loss_fn))
+        if planned.fingerprint != self.plan.fingerprint:
             raise PlanMismatchError(
                 f"the plan was made for a model with fingerprint {self.plan.fingerprint} ({self.plan.model_name}), "
-                f"but {type(model).__name__} here has {self.graph.fingerprint}: its ops or parameter shapes differ "
+                f"but {type(model).__name__} here has {planned.fingerprint}: its ops or parameter shapes differ "
                 "(another config, or another loss_fn?); re-plan with autopar.plan on this model")
+        self.planned_graph = planned
         chunk_layers = [self.plan.stages[c % self.cfg.pp].chunks[c // self.cfg.pp]
                         for c in range(self.cfg.pp * self.cfg.virtual_stages)]
         self.split = split_graph(program, self.graph, chunk_layers, param_aliases(model))
@@ -128,13 +137,16 @@ class Program:
             if not self.plan.sharding:
                 raise PlanMismatchError("the plan has tp > 1 but no per-op sharding (autopar.estimate plans do not "
                                         "solve it): make the plan with autopar.plan(..., fixed={...}) instead")
-            self.specs, self.param_dims = node_specs(self.plan.sharding, self.graph)
+            self.specs, self.param_dims = node_specs(self.plan.sharding, self.planned_graph)
+            if self.planned_graph is not self.graph:
+                self.specs = translate(self.specs, align(self.planned_graph, self.graph))
             if cfg.sequence_parallel:
                 self.specs = sequence_parallel(self.specs, self.graph, cfg.tp)
 
     def _build_chunks(self, model: nn.Module) -> None:
         cfg = self.cfg
-        self.node_runner = NodeRunner(self.split, self.tp_mesh, self.specs)
+        attention = frozenset(n.name for n in self.graph.nodes if n.kind is OpKind.ATTENTION)
+        self.node_runner = NodeRunner(self.split, self.tp_mesh, self.specs, attention)
         full = dict(model.named_parameters())
         self.my_chunks = [c for c in range(len(self.split.chunks)) if c % cfg.pp == self.pp_rank]
         self.params: dict[str, nn.Parameter] = {}
@@ -323,6 +335,12 @@ def _check_world(plan: Plan) -> None:
         raise PlanMismatchError(f"the plan is for {plan.devices} devices ({plan.config.short()}) but the process "
                                 f"group has {world} ranks: launch {plan.devices} ranks (torchrun --nproc-per-node "
                                 f"{plan.devices}) or re-plan for a {world}-device cluster")
+
+
+def _record_batch(record: Mapping[str, Any]) -> int | None:
+    """The batch size the plan's example inputs had (dim 0 of the first tensor with dims)."""
+    leaves = list(record.get("args") or []) + list((record.get("kwargs") or {}).values())
+    return next((leaf["shape"][0] for leaf in leaves if leaf and leaf["shape"]), None)
 
 
 def _device() -> torch.device:

@@ -107,3 +107,36 @@ def sequence_parallel(specs: Mapping[str, OpSpec], graph: OpGraph, tp: int) -> d
                       else v) for k, v in spec.inputs.items()}
         out[name] = replace(spec, output="S(1)", inputs=inputs)
     return out
+
+
+def align(planned: OpGraph, running: OpGraph) -> dict[str, str]:
+    """Node of the plan's graph -> the same op in the graph exported at the micro-batch size.
+
+    torch.export specialises a batch of 1: it drops ops that do nothing at that size (an
+    ``expand`` to the same shape, a ``contiguous``), so the two graphs can differ by such ops.
+    Layers are matched by name and their ops by the longest common subsequence of targets
+    (difflib); the ops only one graph has get no spec and DTensor propagates through them.
+    """
+    import difflib
+    by_name = {layer.name: layer for layer in running.layers}
+    out: dict[str, str] = {}
+    for layer in planned.layers:
+        other = by_name.get(layer.name)
+        if other is None:
+            raise PlanMismatchError(f"layer {layer.name} of the plan is not in the model exported at the micro-batch "
+                                    "size: re-plan with example inputs of the micro-batch size")
+        a = [planned.nodes[i] for i in layer.nodes]
+        b = [running.nodes[i] for i in other.nodes]
+        matcher = difflib.SequenceMatcher(None, [n.target for n in a], [n.target for n in b], autojunk=False)
+        for block in matcher.get_matching_blocks():
+            for k in range(block.size):
+                out[a[block.a + k].name] = b[block.b + k].name
+    for gi in planned.inputs:
+        out[gi.name] = gi.name
+    return out
+
+
+def translate(specs: Mapping[str, OpSpec], names: Mapping[str, str]) -> dict[str, OpSpec]:
+    """The specs re-keyed by ``names`` (see :func:`align`); ops without a match are dropped."""
+    return {names[k]: replace(v, inputs={names[i]: s for i, s in v.inputs.items() if i in names})
+            for k, v in specs.items() if k in names}

@@ -37,7 +37,7 @@ class Case:
 def _mlp():
     from autopar.models.mlp import MLP
     torch.manual_seed(0)
-    model = MLP(in_features=16, hidden=32, out_features=8, depth=4)
+    model = MLP(in_features=16, hidden=1024, out_features=8, depth=4)  # wide enough that tp=2 splits it
     return model
 
 
@@ -112,16 +112,28 @@ def reference(case: Case) -> dict[str, Any]:
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def make_plan(case: Case):
-    import autopar
+def test_cluster(world: int):
+    """A CPU node whose links are fast enough that tensor parallelism pays off even for these tiny
+    models, so that the planner's layouts (and the pinned tp cases) really split ops."""
     from autopar import Cluster
-    model = MODELS[case.model]()
-    data = batches(case.model, 1, case.global_batch)[0]
-    from autopar.runtime.inputs import slice_batch
-    example = slice_batch(data, 0, 1, case.global_batch)
-    fixed = None if case.fixed is None else dict(case.fixed)
-    return autopar.plan(model, Cluster.from_spec(f"1x{case.world}xcpu"), example,
-                        global_batch_size=case.global_batch, fixed=fixed, loss_fn=loss_fn_of(case.model))
+    return Cluster.from_spec(f"1x{world}xcpu", intra_node_bandwidth=1e12, intra_node_latency=1e-9)
+
+
+_GRAPHS: dict[str, Any] = {}
+
+
+def make_plan(case: Case):
+    """autopar.plan for the case, capturing each model once (the cases of a model share its graph)."""
+    import dataclasses
+    from autopar.capture import capture
+    from autopar.runtime.inputs import describe_inputs, slice_batch
+    from autopar.solver import solve
+    example = slice_batch(batches(case.model, 1, case.global_batch)[0], 0, 1, case.global_batch)
+    if case.model not in _GRAPHS:
+        _GRAPHS[case.model] = capture(MODELS[case.model](), example, loss_fn_of(case.model))
+    plan, _ = solve(_GRAPHS[case.model], test_cluster(case.world), case.global_batch,
+                    fixed=None if case.fixed is None else dict(case.fixed))
+    return dataclasses.replace(plan, extra={**plan.extra, "inputs": describe_inputs(example)})
 
 
 def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
@@ -131,6 +143,7 @@ def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
     faulthandler.dump_traceback_later(float(os.environ.get("AUTOPAR_TEST_HANG_DUMP", "600")), exit=True, file=sys.stderr)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import autopar
+    torch.autograd.set_detect_anomaly(bool(os.environ.get("AUTOPAR_TEST_ANOMALY")))
     results = {}
     for case, plan_dict in jobs:
         plan = autopar.Plan.from_dict(plan_dict)
@@ -144,7 +157,9 @@ def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
             for b in data:
                 program.train_step(b)
             params = program.full_state_dict()
-            results[case.name] = {"loss": loss.item(), "grads": grads, "params": params}
+            from autopar.runtime.data_parallel import local
+            results[case.name] = {"loss": loss.item(), "grads": grads, "params": params,
+                                  "local_numel": sum(local(p).numel() for p in program.parameters())}
         except Exception as exc:  # noqa: BLE001 - reported per case to the parent
             import traceback
             results[case.name] = {"error": f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
@@ -166,3 +181,58 @@ def run_cases(cases: list[Case], world: int) -> list[dict[str, Any]]:
         mp.start_processes(_worker, args=(world, free_port(), jobs, out), nprocs=world, join=True,
                            start_method="spawn")
         return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
+
+
+def _failure_worker(rank: int, world: int, port: int, plan_dict: dict, mode: str, out_dir: str) -> None:
+    """Rank 1 goes silent (``mode="silent"``: sleeps past the timeout) or dies (``"dead"``) after
+    building its program; rank 0 runs a step and records what it raised, and how soon."""
+    import time
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import autopar
+    plan = autopar.Plan.from_dict(plan_dict)
+    model = MODELS["gpt"]()
+    out: dict[str, Any] = {}
+    for label, bad in (("world", dataclass_replace_devices(plan)), ("fingerprint", plan)):
+        try:
+            other = model if label == "world" else _other_gpt()
+            autopar.parallelize(other, bad, timeout=FAILURE_TIMEOUT)
+        except autopar.AutoparError as exc:
+            out[label] = f"{type(exc).__name__}: {exc}"
+    program = autopar.parallelize(model, plan, timeout=FAILURE_TIMEOUT)
+    dist.barrier()
+    if rank == 1:
+        if mode == "silent":
+            time.sleep(FAILURE_TIMEOUT + 1.5)
+        os._exit(0)
+    start = time.perf_counter()
+    try:
+        program.forward_backward(batches("gpt", 1, 4)[0])
+        out["step"] = "no error"
+    except autopar.AutoparError as exc:
+        out["step"] = f"{type(exc).__name__}: {exc}"
+    out["seconds"] = time.perf_counter() - start
+    torch.save(out, os.path.join(out_dir, "failure.pt"))
+    os._exit(0)
+
+
+FAILURE_TIMEOUT = 3.0
+
+
+def dataclass_replace_devices(plan):
+    """The plan as if made for twice the devices (dp doubled)."""
+    import dataclasses
+    return dataclasses.replace(plan, config=dataclasses.replace(plan.config, dp=plan.config.dp * 2))
+
+
+def _other_gpt():
+    from autopar.models import GPTConfig, build_gpt
+    return build_gpt(GPTConfig(vocab_size=64, hidden=48, heads=4, layers=4, seq_len=8, dropout=0.0), batch_size=1)[0]
+
+
+def run_failure(plan, mode: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_failure_worker, args=(2, free_port(), plan.to_dict(), mode, out), nprocs=2, join=True,
+                           start_method="spawn")
+        return torch.load(os.path.join(out, "failure.pt"))

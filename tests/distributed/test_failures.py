@@ -1,0 +1,32 @@
+"""A rank that dies or goes silent makes the others fail within the timeout, naming it; plans for
+another world size or another model are refused."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from harness import FAILURE_TIMEOUT, Case, make_plan, run_failure  # noqa: E402
+
+PP2 = dict(dp=1, tp=1, pp=2, micro_batch_size=1, zero=0, recompute="none", schedule="1f1b", virtual_stages=1,
+           sequence_parallel=False)
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return make_plan(Case("failure", "gpt", PP2, 2))
+
+
+@pytest.mark.parametrize("mode", ["silent", "dead"])
+def test_peer_failure_is_named_within_the_timeout(plan, mode):
+    out = run_failure(plan, mode)
+    assert out["step"].startswith("RuntimeFailure: rank 0:"), out["step"]
+    assert "rank 1" in out["step"] and ("receive" in out["step"] or "send" in out["step"]), out["step"]
+    # silent: the wait itself times out; dead: the broken connection is seen at once. Either way
+    # no later than the timeout plus the time of the step's own work (well under a second here).
+    assert out["seconds"] <= FAILURE_TIMEOUT + 2.0, out["seconds"]
+    assert out["world"].startswith("PlanMismatchError") and "4 devices" in out["world"] and "2 ranks" in out["world"]
+    assert out["fingerprint"].startswith("PlanMismatchError") and "fingerprint" in out["fingerprint"]
