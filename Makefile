@@ -27,6 +27,7 @@ bench: $(STAMP)
 	$(PY) bench/sharding_ilp.py
 	$(PY) bench/solver_scaling.py
 	$(PY) bench/plan_vs_megatron.py
+	$(PY) bench/runtime_overhead.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

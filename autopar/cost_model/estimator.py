@@ -81,6 +81,10 @@ def check_config(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_b
         raise ConfigError(f"interleaved schedule with pp={cfg.pp} x virtual_stages={cfg.virtual_stages} = {chunks} "
                           f"chunks, but the model's {blocks} repeated layers do not divide by {chunks}: pick "
                           "virtual_stages so that pp * virtual_stages divides the layer count")
+    m = global_batch_size // per_step
+    if cfg.schedule == "interleaved" and m % cfg.pp:
+        raise ConfigError(f"the interleaved schedule needs the micro-batches per pipeline ({m}) to be a multiple of "
+                          f"pp={cfg.pp} (Megatron-LM's order): lower micro_batch_size or raise the global batch")
     if chunks > len(graph.layers):
         raise ConfigError(f"pp*virtual_stages = {chunks} chunks but the model has only {len(graph.layers)} layers: "
                           "lower pp or virtual_stages")

@@ -109,6 +109,7 @@ def split_graph(program: ExportedProgram, graph: OpGraph, chunk_layers: Sequence
             for u in users[n.name]:
                 if where[u.name] != where[n.name]:
                     consumers.setdefault(n.name, set()).add(where[u.name])
+    order = {n.name: i for i, n in enumerate(fx_nodes)}
     chunks = []
     for c, names in enumerate(chunk_layers):
         specs = tuple(layers[layer_index[name]] for name in names)
@@ -116,7 +117,8 @@ def split_graph(program: ExportedProgram, graph: OpGraph, chunk_layers: Sequence
         chunks.append(ChunkSpec(
             index=c, layers=specs,
             graph_inputs=tuple(dict.fromkeys(v for v in reads if v in user_inputs)),
-            recv=tuple(dict.fromkeys(v for v in reads if v in where and where[v] != c)),
+            # in graph order, the order the producers send in (NCCL matches sends to receives by order)
+            recv=tuple(sorted(dict.fromkeys(v for v in reads if v in where and where[v] != c), key=order.__getitem__)),
             send=tuple(v for v in (n.name for n in fx_nodes) if where.get(v) == c and v in consumers)
             + ((loss.name,) if where.get(loss.name) == c else ()),
             params=tuple(dict.fromkeys(p for spec in specs for p in spec.params)),

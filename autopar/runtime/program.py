@@ -174,9 +174,9 @@ class Program:
         self.fsdp = self.zero >= 2
         if self.fsdp:
             from torch.distributed.fsdp import fully_shard
-            mesh = self.mesh["dp", "tp"] if cfg.tp > 1 else self.dp_mesh
-            if cfg.tp > 1:
-                raise ConfigError("ZeRO-2/3 with tp > 1 is not supported by this runtime yet: use zero=1 with tp > 1")
+            # With tp > 1 the parameters are already DTensors of the tp sub-mesh: FSDP2 shards them
+            # further over the dp sub-mesh of the same root mesh (2-D, as torchtitan does).
+            mesh = self.dp_mesh
             for chunk in self.chunks.values():
                 for layer in chunk.layers:
                     if any(True for _ in layer.parameters(recurse=False)):

@@ -110,7 +110,10 @@ def candidates(graph: OpGraph, cluster: Cluster, global_batch_size: int, variant
             if global_batch_size % dp:
                 continue
             for mb in allowed("micro_batch_size", divisors(global_batch_size // dp)):
+                m = global_batch_size // (dp * mb)
                 for schedule, v in _schedules(pp, blocks, fixed):
+                    if schedule == "interleaved" and m % pp:
+                        continue  # Megatron's interleaved order needs m to be a multiple of pp
                     for zero in allowed("zero", [0, 1, 2, 3] if dp > 1 else [0]):
                         for sp in allowed("sequence_parallel", [False, True] if tp > 1 else [False]):
                             for variant in variants:

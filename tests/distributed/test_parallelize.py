@@ -41,6 +41,7 @@ TWO = {
 FOUR = {
     "tp2_pp2": dict(tp=2, pp=2),
     "dp2_tp2": dict(dp=2, tp=2),
+    "dp2_tp2_zero3": dict(dp=2, tp=2, zero=3),   # FSDP2 over DTensor tensor-parallel shards (2-D)
     "planner": None,
 }
 MODELS = ("mlp", "gpt", "llama", "gpt2", "bert")

@@ -127,3 +127,18 @@ def test_first_stage_gets_fewer_layers_when_it_holds_more_micro_batches(plan_gra
     blocks = [sum(1 for name in s.layers if name.startswith("blocks.")) for s in plan.stages]
     assert plan.fits and sum(blocks) == 8
     assert blocks[0] < blocks[-1], blocks
+
+
+def test_interleaved_only_with_micro_batches_a_multiple_of_pp(plan_graph):
+    """Megatron's interleaved order needs m % pp == 0: the search never offers anything else, and
+    the cost model refuses it when pinned."""
+    from autopar import Cluster, ConfigError, ParallelConfig
+    from autopar.cost_model import estimate_plan
+    from autopar.solver.space import candidates
+    cluster = Cluster.from_spec("1x4xcpu")
+    for c in candidates(plan_graph, cluster, 4, ("fast",), {}):
+        if c.schedule == "interleaved":
+            assert (4 // (c.dp * c.micro_batch_size)) % c.pp == 0, c
+    with pytest.raises(ConfigError, match="multiple of pp=2"):
+        estimate_plan(plan_graph, cluster, ParallelConfig(dp=2, pp=2, micro_batch_size=2, schedule="interleaved",
+                                                          virtual_stages=2), 4)

@@ -1,0 +1,118 @@
+"""The runtime's pieces that need no process group: graph split, specs, inputs, emitted script."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+import autopar.codegen
+from autopar import Cluster, ConfigError, ParallelConfig, PlanMismatchError
+from autopar.capture import capture, graph_of, param_aliases
+from autopar.capture.export import run_export
+from autopar.models import GPTConfig, build_gpt
+from autopar.runtime.graph import flatten_batch, split_graph
+from autopar.runtime.inputs import check_batch, describe_inputs, example_at, slice_batch
+from autopar.runtime.specs import align, node_specs, sequence_parallel
+
+CFG = GPTConfig(vocab_size=64, hidden=32, heads=4, layers=4, seq_len=8, dropout=0.0)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    torch.manual_seed(0)
+    model, inputs = build_gpt(CFG, batch_size=2)
+    program = run_export(model, inputs, None)
+    return model, inputs, program, graph_of(model, program)
+
+
+def test_split_sends_every_value_a_later_chunk_reads(gpt):
+    model, inputs, program, graph = gpt
+    names = [layer.name for layer in graph.layers]
+    chunks = [names[:3], names[3:5], names[5:]]
+    split = split_graph(program, graph, chunks, param_aliases(model))
+    assert [c.index for c in split.chunks] == [0, 1, 2]
+    assert split.chunks[-1].send == (split.loss,)
+    for c in split.chunks:
+        for v in c.recv:
+            assert split.producer[v] < c.index and c.index in split.consumers[v]
+            assert v in split.chunks[split.producer[v]].send
+    # the labels (a graph input) are read where the loss is computed, never sent
+    assert all(v not in split.user_inputs for c in split.chunks for v in c.send)
+    held = [p for c in split.chunks for p in c.params]
+    assert set(held) == set(graph.params)
+
+
+def test_split_refuses_layers_the_model_lacks(gpt):
+    model, _, program, graph = gpt
+    with pytest.raises(PlanMismatchError, match="layers"):
+        split_graph(program, graph, [["nope"]], param_aliases(model))
+
+
+def test_batch_flattening_follows_the_exported_order(gpt):
+    _, inputs, program, _ = gpt
+    leaves = flatten_batch(dict(reversed(list(inputs.items()))), program.call_spec.in_spec)
+    assert [t.data_ptr() for t in leaves] == [inputs[k].data_ptr() for k in inputs]
+    with pytest.raises(PlanMismatchError, match="keyword"):
+        flatten_batch({"input_ids": inputs["input_ids"]}, program.call_spec.in_spec)
+
+
+def test_inputs_record_round_trip():
+    batch = {"input_ids": torch.zeros(4, 8, dtype=torch.long), "mask": torch.ones(4, 8)}
+    record = describe_inputs(batch)
+    again = example_at(record, 2)
+    assert again["input_ids"].shape == (2, 8) and again["input_ids"].dtype == torch.long
+    assert slice_batch(batch, 1, 3, 4)["mask"].shape == (2, 8)
+    check_batch(batch, record, 4)
+    with pytest.raises(ConfigError, match="global batch size is 8"):
+        check_batch(batch, record, 8)
+    with pytest.raises(ConfigError, match="keys"):
+        check_batch({"input_ids": batch["input_ids"]}, record, 4)
+
+
+def test_specs_cover_every_op_and_sequence_parallel_splits_the_residual(gpt):
+    model, inputs, _, graph = gpt
+    cluster = Cluster.from_spec("1x2xcpu", intra_node_bandwidth=1e12, intra_node_latency=1e-9)
+    plan = autopar.plan(model, cluster, inputs, global_batch_size=2,
+                        fixed=dict(dp=1, tp=2, pp=1, micro_batch_size=2, sequence_parallel=True))
+    specs, params = node_specs(plan.sharding, graph)
+    assert set(specs) == {n.name for n in graph.nodes}
+    assert set(params) <= set(graph.params) and any(d is not None for d in params.values())
+    sp = sequence_parallel(specs, graph, 2)
+    for node in graph.nodes:
+        out = node.outputs[0]
+        residual = (specs[node.name].output == "R" and node.batch_dependent and out.is_float
+                    and len(out.shape) == 3 and out.shape[1] % 2 == 0)
+        assert sp[node.name].output == ("S(1)" if residual else specs[node.name].output), node.name
+
+
+def test_align_maps_ops_across_the_batch_one_specialisation():
+    from autopar.runtime.inputs import slice_batch as cut
+    import autopar.models.hf as hf
+    model, inputs = hf.build_hf_llama(layers=2, hidden=32, heads=4, vocab=64, seq_len=8, batch_size=2)
+    one, two = capture(model, cut(inputs, 0, 1, 2)), capture(model, inputs)
+    names = align(one, two)
+    assert len(names) >= len(one.nodes) - 2 and len(two.nodes) > len(one.nodes)  # export drops no-ops at batch 1
+    assert all(one.node(a).target == two.node(b).target for a, b in names.items() if a in one.node_index)
+
+
+def test_emitted_script_spells_out_the_plan(gpt, tmp_path):
+    model, inputs, _, _ = gpt
+    plan = autopar.estimate(model, Cluster.from_spec("1x2xcpu"), inputs,
+                            ParallelConfig(pp=2, micro_batch_size=1), global_batch_size=2)
+    path = autopar.codegen.emit(plan, tmp_path, "mypkg.models:build", lr=3e-4)
+    text = open(path).read()
+    compile(text, path, "exec")
+    assert "from mypkg.models import build as model_factory" in text
+    assert "DP, TP, PP = 1, 1, 2" in text and "'F0.0 F0.1 B0.0 B0.1'" in text and "lr\", type=float, default=0.0003" in text
+    assert autopar.load_plan(tmp_path / "plan.json").config == plan.config
+    with pytest.raises(ConfigError, match="package.module:function"):
+        autopar.codegen.emit(plan, tmp_path, "no_colon")
+
+
+def test_parallelize_needs_a_process_group(gpt):
+    model, inputs, _, _ = gpt
+    plan = autopar.estimate(model, Cluster.from_spec("1x2xcpu"), inputs, ParallelConfig(dp=2),
+                            global_batch_size=2)
+    with pytest.raises(ConfigError, match="init_process_group"):
+        autopar.parallelize(model, plan)
