@@ -288,6 +288,3 @@ class ChunkModule(nn.Module):
             out.update({fqn: getattr(layer, attr_name(fqn)) for fqn in layer.own})
         return out
 
-
-def split_of(spec: str | None) -> int | None:
-    return split_dim(spec) if spec else None

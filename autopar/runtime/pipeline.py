@@ -61,12 +61,11 @@ class PipelineRunner:
 
     def __init__(self, split: SplitGraph, chunks: Mapping[int, ChunkModule], runner: NodeRunner,
                  topo: Topology, specs: Mapping[str, Any], requires_grad: Callable[[str], bool],
-                 tp: int, timeout: float, before_backward: Callable[[int, bool], None]) -> None:
+                 timeout: float, before_backward: Callable[[int, bool], None]) -> None:
         self.split = split
         self.chunks = chunks
         self.runner = runner
         self.topo = topo
-        self.tp = tp
         self.timeout = timeout
         self.before_backward = before_backward
         self.n_chunks = len(split.chunks)

@@ -17,10 +17,20 @@ cost model priced). The rank:
 Gradients are those of the mean loss over the global batch: each micro-batch's loss is
 scaled by ``1 / micro_batches`` and the data-parallel reduction averages. A parameter held by
 two stages (tied embedding and head) gets the sum of both stages' gradients on both.
+
+What differs from one device, by design:
+
+- the loss is the mean of the micro-batches' losses, which is the global mean when every
+  micro-batch has as many loss terms (fixed-length batches; with ``ignore_index`` padding
+  it weights micro-batches equally, as Megatron-LM does);
+- batch norm normalises over what one rank sees of one micro-batch (as DDP without
+  SyncBatchNorm does), and buffers the forward mutates (running statistics) are not updated;
+- dropout draws its own random numbers on every rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -39,7 +49,7 @@ from .chunk import ChunkModule, NodeRunner
 from .data_parallel import GradReducer, Zero1Optimizer, local
 from .failures import wait_or_fail
 from .graph import flatten_batch, split_graph
-from .inputs import check_batch, example_at, slice_batch
+from .inputs import check_batch, describe_inputs, example_at, slice_batch
 from .pipeline import PipelineRunner, Topology
 from .specs import align, node_specs, sequence_parallel, translate
 
@@ -93,14 +103,13 @@ class Program:
         schedules.check(self.schedule, self.micro_batches, cfg.virtual_stages)
         self.actions = self.schedule[self.pp_rank]
         self.runner = PipelineRunner(self.split, self.chunks, self.node_runner, self._topology(), self.specs,
-                                     self._requires_grad, cfg.tp, self.timeout, self._before_backward)
+                                     self._requires_grad, self.timeout, self._before_backward)
         self.runner.device = self.device
         self.optimizer = self._optimizer(optimizer)
 
     # --- construction -------------------------------------------------------------------------
     def _export(self, model: nn.Module, loss_fn: LossFn | None, example_inputs: Any) -> None:
         if example_inputs is not None:
-            from .inputs import describe_inputs
             self.inputs_record = describe_inputs(example_inputs)
         if self.inputs_record is None:
             raise ConfigError("the plan does not record its example inputs: pass parallelize(..., example_inputs=) "
@@ -147,6 +156,11 @@ class Program:
         cfg = self.cfg
         attention = frozenset(n.name for n in self.graph.nodes if n.kind is OpKind.ATTENTION)
         self.node_runner = NodeRunner(self.split, self.tp_mesh, self.specs, attention)
+        # DTensor's convolution rule handles a batch split only: a channel-split convolution (the
+        # plan's column / row) would get mismatched shards, so it runs on gathered inputs instead.
+        self.node_runner.fallbacks.update(
+            n.name for n in self.graph.nodes if n.kind is OpKind.CONV and n.name in self.specs
+            and self.specs[n.name].strategy not in ("replicate", "split(0)", "const"))
         full = dict(model.named_parameters())
         self.my_chunks = [c for c in range(len(self.split.chunks)) if c % cfg.pp == self.pp_rank]
         self.params: dict[str, nn.Parameter] = {}
@@ -154,8 +168,8 @@ class Program:
             for fqn in self.split.chunks[c].params:
                 if fqn not in self.params:
                     self.params[fqn] = self._distribute(fqn, full[fqn])
-        buffers = {k: v.to(self.device) for k, v in self.split.buffer_value.items()}
-        object.__setattr__(self.split, "buffer_value", buffers)
+        self.split = dataclasses.replace(
+            self.split, buffer_value={k: v.to(self.device) for k, v in self.split.buffer_value.items()})
         self.chunks = {c: ChunkModule(self.split.chunks[c], self.split, self.node_runner, self.params,
                                       cfg.stage_mode(self.pp_rank)) for c in self.my_chunks}
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping
 
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from ..capture.opgraph import OpGraph
 from ..errors import PlanMismatchError
@@ -46,10 +46,6 @@ def placement(spec: str, ndim: int) -> Placement | None:
     if d is not None:
         return Shard(d % ndim if ndim else 0)
     return Replicate() if spec == R else None
-
-
-def partial_placement() -> Placement:
-    return Partial()
 
 
 def node_specs(plan_sharding, graph: OpGraph) -> tuple[dict[str, OpSpec], dict[str, int | None]]:

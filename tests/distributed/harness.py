@@ -12,7 +12,7 @@ import os
 import socket
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -63,9 +63,15 @@ def _hf(builder):
     return make
 
 
+def _cnn():
+    from autopar.models.cnn import build_resnet
+    torch.manual_seed(0)
+    return build_resnet("small", batch_size=1, image_size=16)[0]
+
+
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "mlp": _mlp, "gpt": _gpt, "llama": _hf("build_hf_llama"), "gpt2": _hf("build_hf_gpt2"),
-    "bert": _hf("build_hf_bert"),
+    "bert": _hf("build_hf_bert"), "cnn": _cnn,
 }
 
 
@@ -75,6 +81,8 @@ def batches(model_name: str, n: int, global_batch: int) -> list[Any]:
     for _ in range(n):
         if model_name == "mlp":
             out.append((torch.randn(global_batch, 16, generator=g),))
+        elif model_name == "cnn":
+            out.append((torch.randn(global_batch, 3, 16, 16, generator=g),))
         else:
             ids = torch.randint(0, 64, (global_batch, 8), generator=g)
             batch = {"input_ids": ids, "labels": torch.randint(0, 64, (global_batch, 8), generator=g)}
@@ -84,8 +92,12 @@ def batches(model_name: str, n: int, global_batch: int) -> list[Any]:
     return out
 
 
+def cnn_loss(out, inputs):
+    return out.float().pow(2).mean()
+
+
 def loss_fn_of(model_name: str):
-    return mlp_loss if model_name == "mlp" else None
+    return {"mlp": mlp_loss, "cnn": cnn_loss}.get(model_name)
 
 
 def call_loss(model, batch, loss_fn):

@@ -45,7 +45,12 @@ FOUR = {
     "planner": None,
 }
 MODELS = ("mlp", "gpt", "llama", "gpt2", "bert")
-CASES = {2: [Case(f"{m}-{k}", m, None if v is None else {**BASE, **v}, 2) for m in MODELS for k, v in TWO.items()],
+# A ResNet's batch norm normalises over what one rank sees of one micro-batch (as DDP without
+# SyncBatchNorm does), so it matches one process only with the whole batch in one micro-batch on
+# every rank: tensor parallelism (channel-split convolutions) with micro_batch_size = the batch.
+CNN = [Case("cnn-tp2", "cnn", {**BASE, "tp": 2, "micro_batch_size": 4}, 2)]
+CASES = {2: [Case(f"{m}-{k}", m, None if v is None else {**BASE, **v}, 2) for m in MODELS for k, v in TWO.items()]
+         + CNN,
          4: [Case(f"{m}-{k}", m, None if v is None else {**BASE, **v}, 4) for m in MODELS for k, v in FOUR.items()]}
 
 
