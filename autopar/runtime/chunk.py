@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+from functools import cached_property
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -220,32 +221,43 @@ class LayerModule(nn.Module):
 
     def _run_selective(self, env: dict[str, Any]) -> None:
         """Run the nodes, recomputing each run of attention-core nodes in backward."""
+        for kind, names, reads, outs in self.segments:
+            if kind == "plain":
+                env[names[0]] = self.runner.run(names[0], env)
+                continue
+
+            def core(*vals: Any, names=names, reads=reads, outs=outs) -> tuple[Any, ...]:
+                local = dict(zip(reads, vals))
+                for name in names:
+                    local[name] = self.runner.run(name, local)
+                return tuple(local[name] for name in outs)
+
+            results = checkpoint(core, *[env[r] for r in reads], use_reentrant=False)
+            env.update(zip(outs, results))
+
+    @cached_property
+    def segments(self) -> list[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]]:
+        """("plain", (node,), (), ()) or ("core", nodes, values read from outside, values used after)."""
         nodes = list(self.spec.nodes)
+        out = []
         i = 0
         while i < len(nodes):
             if nodes[i] not in self.spec.attention_core:
-                env[nodes[i]] = self.runner.run(nodes[i], env)
+                out.append(("plain", (nodes[i],), (), ()))
                 i += 1
                 continue
             j = i
             while j < len(nodes) and nodes[j] in self.spec.attention_core:
                 j += 1
             segment = nodes[i:j]
-            reads = list(dict.fromkeys(a.name for n in segment for a in self.runner.nodes[n].all_input_nodes
-                                       if a.name not in segment))
+            reads = tuple(dict.fromkeys(a.name for n in segment for a in self.runner.nodes[n].all_input_nodes
+                                        if a.name not in segment))
             later = set(nodes[j:])
-            outs = [n for n in segment if any(u.name in later or u.name not in nodes
-                                              for u in self.runner.nodes[n].users)]
-
-            def core(*vals: Any, segment=segment, reads=reads, outs=outs) -> tuple[Any, ...]:
-                local = dict(zip(reads, vals))
-                for name in segment:
-                    local[name] = self.runner.run(name, local)
-                return tuple(local[name] for name in outs)
-
-            results = checkpoint(core, *[env[r] for r in reads], use_reentrant=False)
-            env.update(zip(outs, results))
+            outs = tuple(n for n in segment if any(u.name in later or u.name not in nodes
+                                                   for u in self.runner.nodes[n].users))
+            out.append(("core", tuple(segment), reads, outs))
             i = j
+        return out
 
 
 class ChunkModule(nn.Module):

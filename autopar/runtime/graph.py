@@ -18,6 +18,7 @@ What a chunk needs and gives:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -72,12 +73,16 @@ class SplitGraph:
     in_spec: Any                            # pytree spec of (args, kwargs)
     loss: str                               # the node whose value is the loss
 
-    def nodes(self) -> dict[str, torch.fx.Node]:
+    @cached_property
+    def node_map(self) -> Mapping[str, torch.fx.Node]:
         return {n.name: n for n in self.program.graph.nodes}
+
+    def nodes(self) -> Mapping[str, torch.fx.Node]:
+        return self.node_map
 
     def meta(self, value: str) -> torch.Tensor | Any:
         """The fake value (shape, dtype) of a node or placeholder at one micro-batch."""
-        return self.nodes()[value].meta.get("val")
+        return self.node_map[value].meta.get("val")
 
 
 def split_graph(program: ExportedProgram, graph: OpGraph, chunk_layers: Sequence[Sequence[str]],

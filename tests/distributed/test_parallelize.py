@@ -49,8 +49,10 @@ MODELS = ("mlp", "gpt", "llama", "gpt2", "bert")
 # SyncBatchNorm does), so it matches one process only with the whole batch in one micro-batch on
 # every rank: tensor parallelism (channel-split convolutions) with micro_batch_size = the batch.
 CNN = [Case("cnn-tp2", "cnn", {**BASE, "tp": 2, "micro_batch_size": 4}, 2)]
+# The hand-written GPT's attention is unfused, so selective recomputation has a core to drop.
+SELECTIVE = [Case("gpt-recompute_selective", "gpt", {**BASE, "tp": 2, "micro_batch_size": 2, "recompute": "selective"}, 2)]
 CASES = {2: [Case(f"{m}-{k}", m, None if v is None else {**BASE, **v}, 2) for m in MODELS for k, v in TWO.items()]
-         + CNN,
+         + CNN + SELECTIVE,
          4: [Case(f"{m}-{k}", m, None if v is None else {**BASE, **v}, 4) for m in MODELS for k, v in FOUR.items()]}
 
 
