@@ -19,6 +19,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..plan import Plan
 from ..runtime import schedules
+from ..runtime.graph import plan_chunks
 
 SCRIPT = "train.py"
 PLAN_FILE = "plan.json"
@@ -90,9 +91,8 @@ def render(plan: Plan, model_factory: str, batch_factory: str | None, loss_fn: s
 
 
 def pp_chunks(plan: Plan) -> dict[int, list[str]]:
-    """Chunk index -> layer names, chunk ``c`` being chunk ``c // pp`` of stage ``c % pp``."""
-    cfg = plan.config
-    return {c: list(plan.stages[c % cfg.pp].chunks[c // cfg.pp]) for c in range(cfg.pp * cfg.virtual_stages)}
+    """Chunk index -> layer names (see runtime.graph.plan_chunks)."""
+    return {c: list(layers) for c, layers in enumerate(plan_chunks(plan))}
 
 
 def tp_splits(plan: Plan) -> dict[str, Any]:

@@ -85,6 +85,12 @@ class SplitGraph:
         return self.node_map[value].meta.get("val")
 
 
+def plan_chunks(plan) -> list[tuple[str, ...]]:
+    """The plan's chunks in pipeline order: chunk ``c`` is chunk ``c // pp`` of stage ``c mod pp``."""
+    pp = plan.config.pp
+    return [tuple(plan.stages[c % pp].chunks[c // pp]) for c in range(pp * plan.config.virtual_stages)]
+
+
 def split_graph(program: ExportedProgram, graph: OpGraph, chunk_layers: Sequence[Sequence[str]],
                 aliases: Mapping[str, str]) -> SplitGraph:
     """Cut ``program`` into chunks of the named layers (the plan's stages' chunks, in order)."""

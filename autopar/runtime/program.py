@@ -48,7 +48,7 @@ from . import schedules
 from .chunk import ChunkModule, NodeRunner
 from .data_parallel import GradReducer, Zero1Optimizer, local
 from .failures import wait_or_fail
-from .graph import flatten_batch, split_graph
+from .graph import flatten_batch, plan_chunks, split_graph
 from .inputs import check_batch, describe_inputs, example_at, slice_batch
 from .pipeline import PipelineRunner, Topology
 from .specs import align, node_specs, sequence_parallel, translate
@@ -130,9 +130,7 @@ class Program:
                 f"but {type(model).__name__} here has {planned.fingerprint}: its ops or parameter shapes differ "
                 "(another config, or another loss_fn?); re-plan with autopar.plan on this model")
         self.planned_graph = planned
-        chunk_layers = [self.plan.stages[c % self.cfg.pp].chunks[c // self.cfg.pp]
-                        for c in range(self.cfg.pp * self.cfg.virtual_stages)]
-        self.split = split_graph(program, self.graph, chunk_layers, param_aliases(model))
+        self.split = split_graph(program, self.graph, plan_chunks(self.plan), param_aliases(model))
 
     def _mesh(self) -> None:
         cfg = self.cfg
