@@ -77,6 +77,7 @@ class Program:
 
     def __init__(self, model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None, *,
                  loss_fn: LossFn | None, example_inputs: Any, timeout: float) -> None:
+        _check_model(model)
         _check_world(plan)
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -333,6 +334,16 @@ class Program:
             wait_or_fail(work, self.timeout, f"broadcast of {fqn}")
             out[fqn] = buf.cpu()
         return out
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise ConfigError(f"parallelize needs the model's weights, but {meta[0]} (and {len(meta) - 1} more) live on "
+                          "the meta device: build the model on the CPU with the same seed on every rank (a meta "
+                          "model is enough for autopar.plan, not for training)")
 
 
 def _check_world(plan: Plan) -> None:
