@@ -159,6 +159,7 @@ def main() -> None:
             if args.loss_file:
                 with open(args.loss_file, "a") as fh:
                     fh.write(f"{{loss.item():.9g}}\\n")
+    dist.barrier()  # no rank tears its connections down while a peer still uses them
     dist.destroy_process_group()
 
 

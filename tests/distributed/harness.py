@@ -177,6 +177,7 @@ def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
             results[case.name] = {"error": f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
             print(results[case.name]["error"], file=sys.stderr, flush=True)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()  # no rank tears its connections down while a peer still uses them
     dist.destroy_process_group()
 
 
