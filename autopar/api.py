@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping
 
 from torch import nn
@@ -14,7 +13,7 @@ from .config import ParallelConfig, Precision
 from .cost_model import estimate_plan
 from .errors import ConfigError
 from .plan import Plan
-from .runtime.inputs import describe_inputs
+from .runtime.inputs import with_inputs
 from .solver import solve
 
 
@@ -35,12 +34,7 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *, global_batc
         raise ConfigError(_NO_PROFILER)
     graph = capture(model, example_inputs, loss_fn)
     best, _ = solve(graph, cluster, global_batch_size, precision=precision, fixed=fixed, time_limit=time_limit)
-    return _with_inputs(best, example_inputs)
-
-
-def _with_inputs(plan: Plan, example_inputs: Any) -> Plan:
-    """The plan with its inputs' structure, shapes and dtypes, which parallelize exports from."""
-    return dataclasses.replace(plan, extra={**plan.extra, "inputs": describe_inputs(example_inputs)})
+    return with_inputs(best, example_inputs)
 
 
 def _check_cluster(cluster: Any) -> None:
@@ -68,4 +62,4 @@ def estimate(model: nn.Module, cluster: Cluster, example_inputs: Any, config: Pa
     if profile:
         raise ConfigError(_NO_PROFILER)
     graph = capture(model, example_inputs, loss_fn)
-    return _with_inputs(estimate_plan(graph, cluster, config, global_batch_size, precision), example_inputs)
+    return with_inputs(estimate_plan(graph, cluster, config, global_batch_size, precision), example_inputs)

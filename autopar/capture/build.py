@@ -36,7 +36,8 @@ def tensor_meta(value: Any) -> TensorMeta | None:
     return None
 
 
-def _strip(fqn: str) -> str:
+def strip_wrapper(fqn: str) -> str:
+    """A name inside capture's LossWrapper (``model.x``) as the user's model names it (``x``)."""
     return fqn[len(_WRAPPER_PREFIX):] if fqn.startswith(_WRAPPER_PREFIX) else fqn
 
 
@@ -82,7 +83,7 @@ class GraphWalk:
             meta = tensor_meta(node.meta.get("val"))
             spec = specs.get(node.name)
             if spec is not None and spec.kind is InputKind.PARAMETER:
-                fqn = _strip(spec.target)
+                fqn = strip_wrapper(spec.target)
                 # torch.export keeps one placeholder per *name* of a tied parameter; fold every
                 # alias onto the name model.named_parameters() gives, so a tied weight counts once.
                 fqn = self.param_alias.get(fqn, fqn)
@@ -91,7 +92,7 @@ class GraphWalk:
                     self.params[fqn] = meta
                 self.sources[node.name] = _Source("param", fqn, rg, False, node.name, meta)
             elif spec is not None and spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-                fqn = _strip(spec.target or node.name)
+                fqn = strip_wrapper(spec.target or node.name)
                 if meta is not None and spec.kind is InputKind.BUFFER:
                     self.buffers[fqn] = meta
                 self.sources[node.name] = _Source("buffer", fqn, False, False, node.name, meta)
@@ -220,7 +221,7 @@ def _clean_path(path: str) -> str:
     path = re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")
     if path == "model":
         return ""
-    return _strip(path)
+    return strip_wrapper(path)
 
 
 def _module_path(node: torch.fx.Node) -> str:

@@ -12,7 +12,7 @@ layer is a small module that runs its slice of the exported graph node by node:
   plan's output spec. DTensor's own sharding propagation then runs each op on its shards and
   its autograd supplies the backward collectives (the all-reduce of a column-parallel input's
   gradient, Megatron's ``f``). An op DTensor has no rule for runs on gathered (replicated)
-  inputs: slower, never wrong, and listed in ``ChunkModule.fallbacks``.
+  inputs: slower, never wrong, and listed in ``NodeRunner.fallbacks``.
 
 Each layer is its own module so FSDP2 can gather its parameters just in time (ZeRO-3) and
 ``torch.utils.checkpoint`` can recompute it (recompute ``full``); ``selective`` recomputes only
@@ -51,12 +51,17 @@ class NodeRunner:
 
     def __init__(self, split: SplitGraph, mesh: DeviceMesh | None, specs: Mapping[str, OpSpec],
                  local_ops: frozenset[str] = frozenset()) -> None:
-        self.nodes = split.nodes()
+        self.nodes = split.node_map
         self.module = split.program.graph_module
         self.mesh = mesh
         self.specs = specs
         self.local_ops = local_ops    # attention: run on local shards (see _run_local)
         self.fallbacks: set[str] = set()
+        # what each node is, decided once rather than from str(target) on every call
+        targets = {name: str(n.target) for name, n in self.nodes.items()}
+        self.skipped = frozenset(name for name, t in targets.items() if t in _SKIPPED)
+        self.context_hops = {name: t for name, t in targets.items() if t in _CONTEXT_HOPS}
+        self.losses = frozenset(name for name, t in targets.items() if any(k in t for k in _LOSSES))
 
     def wrap(self, value: Any, spec: str = "R") -> Any:
         """A local tensor (replicated, or this rank's shard of ``spec``) as a DTensor of the mesh."""
@@ -67,8 +72,9 @@ class NodeRunner:
 
     def run(self, name: str, env: dict[str, Any]) -> Any:
         node = self.nodes[name]
-        if str(node.target) in _SKIPPED:
+        if name in self.skipped:
             return None
+
         def load(n: torch.fx.Node) -> Any:
             return getattr(self.module, n.target) if n.op == "get_attr" else env[n.name]
 
@@ -76,14 +82,14 @@ class NodeRunner:
         kwargs = torch.fx.node.map_arg(node.kwargs, load)
         if self.mesh is None or node.target is operator.getitem:
             return node.target(*args, **kwargs)
-        if str(node.target) in _CONTEXT_HOPS:
-            return _run_context_hop(str(node.target), args, kwargs)
+        if name in self.context_hops:
+            return _run_context_hop(self.context_hops[name], args, kwargs)
         return self._run_dtensor(node, args, kwargs)
 
     def _run_dtensor(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
         spec = self.specs.get(node.name)
         if spec is not None:
-            args = tuple(self._to_spec(a, spec.inputs.get(n.name)) if isinstance(n, torch.fx.Node) else a
+            args = tuple(self.to_spec(a, spec.inputs.get(n.name)) if isinstance(n, torch.fx.Node) else a
                          for a, n in zip(args, node.args))
         args, kwargs = _map_tensors((args, kwargs), self.wrap)
         if node.name in self.local_ops:
@@ -102,7 +108,7 @@ class NodeRunner:
             out = node.target(*local_args, **local_kwargs)
         out = _map_tensors(out, self.wrap)
         if spec is not None and isinstance(out, DTensor):
-            out = self._to_spec(out, spec.output)
+            out = self.to_spec(out, spec.output)
         return out
 
     def _run_local(self, node: torch.fx.Node, args: tuple, kwargs: dict, spec: OpSpec | None) -> Any:
@@ -123,7 +129,8 @@ class NodeRunner:
         return torch.utils._pytree.tree_map_only(
             torch.Tensor, lambda t: DTensor.from_local(t, self.mesh, [place], run_check=False), out)
 
-    def _to_spec(self, value: Any, spec: str | None) -> Any:
+    def to_spec(self, value: Any, spec: str | None) -> Any:
+        """``value`` redistributed to ``spec`` (unchanged if not a DTensor, or for ``P`` / ``C`` / None)."""
         if spec is None or not isinstance(value, DTensor):
             return value
         place = placement(spec, value.dim())
@@ -138,7 +145,7 @@ class NodeRunner:
 
     def _loss_context(self, node: torch.fx.Node, args: tuple):
         """The vocabulary-parallel cross entropy: logits split along the class dim."""
-        if any(k in str(node.target) for k in _LOSSES) and args and isinstance(args[0], DTensor):
+        if node.name in self.losses and args and isinstance(args[0], DTensor):
             d = args[0].placements[0]
             if d.is_shard() and d.dim == args[0].dim() - 1:
                 return loss_parallel()
@@ -267,7 +274,6 @@ class ChunkModule(nn.Module):
                  params: Mapping[str, nn.Parameter], recompute: str) -> None:
         super().__init__()
         self.spec = spec
-        self.runner = runner
         use_count: dict[str, int] = {}
         for layer in spec.layers:
             for p in layer.params:

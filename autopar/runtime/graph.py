@@ -26,10 +26,10 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from ..capture.build import strip_wrapper
 from ..capture.opgraph import OpGraph
 from ..errors import PlanMismatchError
 
-_WRAPPER_PREFIX = "model."   # capture's LossWrapper holds the user's model as ``.model``
 
 
 @dataclass(frozen=True)
@@ -75,10 +75,8 @@ class SplitGraph:
 
     @cached_property
     def node_map(self) -> Mapping[str, torch.fx.Node]:
+        """Every fx node of the program by name."""
         return {n.name: n for n in self.program.graph.nodes}
-
-    def nodes(self) -> Mapping[str, torch.fx.Node]:
-        return self.node_map
 
     def meta(self, value: str) -> torch.Tensor | Any:
         """The fake value (shape, dtype) of a node or placeholder at one micro-batch."""
@@ -111,9 +109,13 @@ def split_graph(program: ExportedProgram, graph: OpGraph, chunk_layers: Sequence
     loss = output.args[0][0] if isinstance(output.args[0], (list, tuple)) else output.args[0]
     where = {n.name: chunk_of_layer[layer_of[n.name]] for n in fx_nodes if n.name in layer_of}
     users = {n.name: [u for u in n.users if u.op == "call_function"] for n in fx_nodes}
-    layers = {i: _layer_spec(graph.layers[i].name, i, [n for n in fx_nodes if layer_of.get(n.name) == i],
-                             layer_of, users, param_of, set(user_inputs), graph, loss.name)
-              for i in range(len(graph.layers))}
+    by_layer: dict[int, list[torch.fx.Node]] = {i: [] for i in range(len(graph.layers))}
+    for n in fx_nodes:
+        if n.name in layer_of:
+            by_layer[layer_of[n.name]].append(n)
+    layers = {i: _layer_spec(graph.layers[i].name, i, nodes, layer_of, users, param_of, set(user_inputs), graph,
+                             loss.name)
+              for i, nodes in by_layer.items()}
     consumers: dict[str, set[int]] = {}
     for n in fx_nodes:
         if n.name in where:
@@ -145,7 +147,7 @@ def _placeholders(program: ExportedProgram, aliases: Mapping[str, str]) -> tuple
     buffer_value: dict[str, torch.Tensor] = {}
     for spec in program.graph_signature.input_specs:
         if spec.kind is InputKind.PARAMETER:
-            fqn = _strip(spec.target)
+            fqn = strip_wrapper(spec.target)
             param_of[spec.arg.name] = aliases.get(fqn, fqn)
         elif spec.kind is InputKind.BUFFER:
             buffer_value[spec.arg.name] = program.state_dict[spec.target] if spec.persistent is not False \
@@ -155,16 +157,13 @@ def _placeholders(program: ExportedProgram, aliases: Mapping[str, str]) -> tuple
     return param_of, buffer_value
 
 
-def _strip(target: str) -> str:
-    return target[len(_WRAPPER_PREFIX):] if target.startswith(_WRAPPER_PREFIX) else target
-
-
 def _layer_of_nodes(fx_nodes: Sequence[torch.fx.Node], graph: OpGraph) -> dict[str, int]:
     """Layer of every call_function node: its own, else that of the nearest captured op before
     it (the first layer for ops before any)."""
     captured = {node.name: node.layer for node in graph.nodes}
     calls = [n for n in fx_nodes if n.op == "call_function"]
-    unknown = [n.name for n in graph.nodes if n.name not in {c.name for c in calls}]
+    names = {c.name for c in calls}
+    unknown = [n.name for n in graph.nodes if n.name not in names]
     if unknown:
         raise PlanMismatchError(f"the model's graph at this micro-batch lacks ops {unknown[:3]} of the plan's "
                                 "graph: the model changed since planning; re-plan")
@@ -209,5 +208,4 @@ def flatten_batch(batch: Any, in_spec: Any) -> list[Any]:
         raise PlanMismatchError(f"the batch has {len(args)} positional and keyword inputs {sorted(kwargs)}, but the "
                                 f"program was built for {arg_spec.num_children} positional and "
                                 f"{sorted(keys)}: pass batches shaped like the plan's example inputs")
-    leaves, spec = pytree.tree_flatten((tuple(args), {k: kwargs[k] for k in keys}))
-    return leaves
+    return pytree.tree_leaves((tuple(args), {k: kwargs[k] for k in keys}))

@@ -9,6 +9,7 @@ against it.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 import torch
@@ -28,6 +29,11 @@ def describe_inputs(example_inputs: Any) -> dict[str, Any]:
     if isinstance(example_inputs, Mapping):
         return {"kind": "kwargs", "kwargs": {k: leaf(v) for k, v in example_inputs.items()}}
     return {"kind": "args", "args": [leaf(v) for v in example_inputs]}
+
+
+def with_inputs(plan: Any, example_inputs: Any) -> Any:
+    """``plan`` (an autopar.Plan) with ``extra["inputs"]`` recording ``example_inputs``."""
+    return dataclasses.replace(plan, extra={**plan.extra, "inputs": describe_inputs(example_inputs)})
 
 
 def example_at(record: Mapping[str, Any], batch_size: int, device: torch.device | str = "cpu") -> Any:

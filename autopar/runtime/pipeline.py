@@ -32,7 +32,7 @@ from .chunk import ChunkModule, NodeRunner
 from .failures import wait_or_fail
 from .graph import SplitGraph
 from .schedules import Action
-from .specs import R, placement, split_dim
+from .specs import R, split_dim
 
 
 @dataclass
@@ -61,7 +61,7 @@ class PipelineRunner:
 
     def __init__(self, split: SplitGraph, chunks: Mapping[int, ChunkModule], runner: NodeRunner,
                  topo: Topology, specs: Mapping[str, Any], requires_grad: Callable[[str], bool],
-                 timeout: float, before_backward: Callable[[int, bool], None]) -> None:
+                 timeout: float, before_backward: Callable[[int, bool], None], device: torch.device) -> None:
         self.split = split
         self.chunks = chunks
         self.runner = runner
@@ -73,7 +73,7 @@ class PipelineRunner:
         self.value_id = {v: i for i, v in enumerate(crossing)}
         self.spec = {v: self._cut_spec(specs.get(v)) for v in crossing}
         self.requires_grad = {v: requires_grad(v) and self._meta(v).is_floating_point() for v in crossing}
-        self.device = torch.device("cpu")
+        self.device = device
 
     # --- one step -----------------------------------------------------------------------------
     def run(self, actions: Sequence[Action], micro: Sequence[Sequence[Any]], scale: float) -> list[torch.Tensor]:
@@ -115,7 +115,7 @@ class PipelineRunner:
         loss = None
         for v, out in zip(chunk.spec.send, outs):
             if v == self.split.loss:
-                loss_local = _loss_local(out)
+                loss_local = self._local(out, R)
                 state.outputs[v] = loss_local
                 loss = loss_local.detach()
                 continue
@@ -165,12 +165,8 @@ class PipelineRunner:
         return self.split.meta(v)
 
     def _local(self, value: Any, spec: str) -> torch.Tensor:
-        if isinstance(value, DTensor):
-            place = placement(spec, value.dim())
-            if value.placements[0] != place:
-                value = value.redistribute(self.runner.mesh, [place])
-            return value.to_local()
-        return value
+        """This rank's part of ``value`` in ``spec`` (R or S(d)), as a plain tensor with autograd."""
+        return self.runner.to_spec(value, spec).to_local() if isinstance(value, DTensor) else value
 
     def _local_shape(self, v: str) -> tuple[int, ...]:
         shape = list(self._meta(v).shape)
@@ -207,10 +203,3 @@ class PipelineRunner:
         wait_or_fail(work, self.timeout, what, peers=[peer])
         return buf
 
-
-def _loss_local(out: Any) -> torch.Tensor:
-    if isinstance(out, DTensor):
-        if out.placements[0].is_partial() or out.placements[0].is_shard():
-            out = out.redistribute(out.device_mesh, [placement(R, out.dim())])
-        return out.to_local()
-    return out

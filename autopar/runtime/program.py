@@ -104,8 +104,7 @@ class Program:
         schedules.check(self.schedule, self.micro_batches, cfg.virtual_stages)
         self.actions = self.schedule[self.pp_rank]
         self.runner = PipelineRunner(self.split, self.chunks, self.node_runner, self._topology(), self.specs,
-                                     self._requires_grad, self.timeout, self._before_backward)
-        self.runner.device = self.device
+                                     self._requires_grad, self.timeout, self._before_backward, self.device)
         self.optimizer = self._optimizer(optimizer)
 
     # --- construction -------------------------------------------------------------------------
@@ -215,7 +214,7 @@ class Program:
         for h in sets:  # every rank creates every group, in the same order (new_group is collective)
             for dp_r in range(cfg.dp):
                 for tp_r in range(cfg.tp):
-                    ranks = [tp_r + cfg.tp * (dp_r + cfg.dp * s) for s in h]
+                    ranks = [self.global_rank(s, dp_r, tp_r) for s in h]
                     g = dist.new_group(ranks)
                     if self.rank in ranks:
                         groups[h] = g
@@ -223,9 +222,13 @@ class Program:
             if h in groups and fqn in self.params:
                 self.tied.append((fqn, groups[h]))
 
+    def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        """The rank at those mesh coordinates (tp innermost, pp outermost)."""
+        return tp_rank + self.cfg.tp * (dp_rank + self.cfg.dp * pp_rank)
+
     def _topology(self) -> Topology:
         cfg = self.cfg
-        ranks = [self.tp_rank + cfg.tp * (self.dp_rank + cfg.dp * s) for s in range(cfg.pp)]
+        ranks = [self.global_rank(s, self.dp_rank, self.tp_rank) for s in range(cfg.pp)]
         return Topology(cfg.pp, ranks, self.pp_rank)
 
     def _requires_grad(self, value: str) -> bool:
@@ -236,7 +239,7 @@ class Program:
             return None
         params = list(self.parameters())
         if self.zero == 1:
-            ranks = [self.tp_rank + self.cfg.tp * (d + self.cfg.dp * self.pp_rank) for d in range(self.cfg.dp)]
+            ranks = [self.global_rank(self.pp_rank, d, self.tp_rank) for d in range(self.cfg.dp)]
             return Zero1Optimizer(params, factory, self.dp_group, ranks, self.rank, self.timeout)
         return factory(params)
 
@@ -315,11 +318,10 @@ class Program:
         return {alias: canonical[name] for alias, name in self.aliases.items() if name in canonical}
 
     def _gather(self, pick: Callable[[nn.Parameter], torch.Tensor]) -> dict[str, torch.Tensor]:
-        cfg = self.cfg
         out = {}
         for fqn in sorted(self.holders):
             src_stage = self.holders[fqn][0]
-            src = cfg.tp * cfg.dp * src_stage
+            src = self.global_rank(src_stage, 0, 0)
             meta = self.graph.params.get(fqn)
             if meta is None:
                 continue

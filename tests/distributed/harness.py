@@ -136,16 +136,15 @@ _GRAPHS: dict[str, Any] = {}
 
 def make_plan(case: Case):
     """autopar.plan for the case, capturing each model once (the cases of a model share its graph)."""
-    import dataclasses
     from autopar.capture import capture
-    from autopar.runtime.inputs import describe_inputs, slice_batch
+    from autopar.runtime.inputs import slice_batch, with_inputs
     from autopar.solver import solve
     example = slice_batch(batches(case.model, 1, case.global_batch)[0], 0, 1, case.global_batch)
     if case.model not in _GRAPHS:
         _GRAPHS[case.model] = capture(MODELS[case.model](), example, loss_fn_of(case.model))
     plan, _ = solve(_GRAPHS[case.model], test_cluster(case.world), case.global_batch,
                     fixed=None if case.fixed is None else dict(case.fixed))
-    return dataclasses.replace(plan, extra={**plan.extra, "inputs": describe_inputs(example)})
+    return with_inputs(plan, example)
 
 
 def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
