@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -92,6 +92,11 @@ class Device:
     """Achieved fraction of ``memory_bandwidth`` for streaming kernels, in (0, 1]."""
     kernel_overhead: float
     """Fixed seconds per kernel launch."""
+    dispatch_overhead: float = 0.0
+    """Extra seconds per op when the runtime runs it as a DTensor (tensor parallelism): sharding
+    propagation and redistribution checks on the host. Measured by the profiler; 0 for presets."""
+    threads: int = 0
+    """CPU threads per rank the measured figures hold for (profiler, CPU only); 0 when not measured."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -111,15 +116,17 @@ class Device:
             _check_number("Device", name, getattr(self, name))
         for name in ("matmul_efficiency", "memory_efficiency"):
             _check_number("Device", name, getattr(self, name), at_most_one=True)
-        for name in ("matmul_half_dim", "kernel_overhead"):
+        for name in ("matmul_half_dim", "kernel_overhead", "dispatch_overhead"):
             _check_number("Device", name, getattr(self, name), allow_zero=True)
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
+            raise ConfigError(f"Device.threads={self.threads!r} is out of range: it must be an integer >= 0")
         if not isinstance(self.source, str):
             raise ConfigError(f"Device.source={self.source!r} must be a string")
 
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory, self.memory_bandwidth,
                      self.source, self.matmul_efficiency, self.matmul_half_dim, self.memory_efficiency,
-                     self.kernel_overhead))
+                     self.kernel_overhead, self.dispatch_overhead, self.threads))
 
     def peak(self, dtype: str) -> float:
         """Dense peak in FLOP/s for ``dtype`` ("fp32", "tf32", "bf16", "fp16")."""
@@ -139,6 +146,23 @@ class Device:
         return cls(**_from_dict(cls, data))
 
 
+COLLECTIVE_NAMES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveFit:
+    """A measured collective on one link level, as the ring model's two parameters (profiler)."""
+
+    latency: float
+    """Seconds per ring step (``a`` in cost_model/comm.py); for p2p, per message."""
+    bandwidth: float
+    """Achievable bytes/s of one rank's link for this collective (``B``; already the achieved figure)."""
+
+    def __post_init__(self) -> None:
+        _check_number("CollectiveFit", "latency", self.latency, allow_zero=True)
+        _check_number("CollectiveFit", "bandwidth", self.bandwidth)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Link:
     """A communication path, per device and per direction."""
@@ -151,6 +175,9 @@ class Link:
     """Achieved fraction of ``bandwidth`` for large collectives (measured busbw / nominal), in (0, 1]."""
     name: str = ""
     """Short label for summaries, e.g. "NVLink" or "IB"."""
+    collectives: Mapping[str, CollectiveFit] = field(default_factory=dict)
+    """Measured fits per collective (keys from COLLECTIVE_NAMES) that replace ``latency`` and
+    ``bandwidth * efficiency`` for that collective; empty for presets. Stored read-only."""
 
     def __post_init__(self) -> None:
         _check_number("Link", "bandwidth", self.bandwidth)
@@ -158,14 +185,41 @@ class Link:
         _check_number("Link", "efficiency", self.efficiency, at_most_one=True)
         if not isinstance(self.name, str):
             raise ConfigError(f"Link.name={self.name!r} must be a string")
+        if not isinstance(self.collectives, Mapping):
+            raise ConfigError(f"Link.collectives={self.collectives!r} must be a mapping collective -> CollectiveFit")
+        fits = {}
+        for kind, fit in self.collectives.items():
+            if kind not in COLLECTIVE_NAMES:
+                raise ConfigError(f"Link.collectives has unknown collective {kind!r}; known: {list(COLLECTIVE_NAMES)}")
+            fits[kind] = CollectiveFit(**fit) if isinstance(fit, Mapping) else fit
+            if not isinstance(fits[kind], CollectiveFit):
+                raise ConfigError(f"Link.collectives[{kind!r}]={fit!r} must be a CollectiveFit")
+        object.__setattr__(self, "collectives", MappingProxyType(fits))
+
+    def __hash__(self) -> int:
+        return hash((self.bandwidth, self.latency, self.efficiency, self.name, tuple(sorted(
+            (k, v.latency, v.bandwidth) for k, v in self.collectives.items()))))
 
     @property
     def effective_bandwidth(self) -> float:
         """Achievable bytes/s: ``bandwidth * efficiency``."""
         return self.bandwidth * self.efficiency
 
+    def achievable(self, collective: str) -> float:
+        """Achievable bytes/s for ``collective`` (a name in COLLECTIVE_NAMES): measured, else the nominal figure."""
+        fit = self.collectives.get(collective)
+        return fit.bandwidth if fit is not None else self.effective_bandwidth
+
+    def step_latency(self, collective: str) -> float:
+        """Seconds per ring step (per message for p2p) of ``collective``: measured, else ``latency``."""
+        fit = self.collectives.get(collective)
+        return fit.latency if fit is not None else self.latency
+
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["collectives"] = {k: {"latency": v.latency, "bandwidth": v.bandwidth}
+                               for k, v in self.collectives.items()}
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Link":

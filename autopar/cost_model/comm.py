@@ -4,7 +4,8 @@ Notation: a group of ``n`` ranks, ``r`` of them on each of ``N = n / r`` nodes, 
 groups of the same axis communicating at once through one node's NICs; ``S`` the
 per-rank buffer in bytes (all-reduce: the buffer; all-gather: the OUTPUT; reduce-scatter:
 the INPUT; all-to-all: the send buffer; broadcast: the buffer; p2p: the message).
-Every bandwidth below is achievable: ``link.bandwidth * link.efficiency`` (bytes/s).
+Every bandwidth below is achievable: ``link.bandwidth * link.efficiency`` (bytes/s), or, where
+the profiler measured the collective on that link, its fitted ``B`` and ``a`` (``Link.collectives``).
 
 **Single node (N = 1): a ring over the intra-node link** (latency a, bandwidth B).
 The nccl-tests bus-bandwidth factors (calibration.md section 5) give
@@ -170,11 +171,14 @@ def place_axes(cluster: Cluster, degrees: Sequence[tuple[str, int]]) -> dict[str
     return out
 
 
-def _rank_nic_bandwidth(group: GroupPlacement, cluster: Cluster) -> float:
-    """One rank's achievable share of its node's NICs, bytes/s (``b`` in the module docstring)."""
+def _rank_nic_bandwidth(group: GroupPlacement, cluster: Cluster, kind: Collective) -> float:
+    """One rank's achievable share of its node's NICs, bytes/s (``b`` in the module docstring).
+    A measured fit of ``kind`` on the inter-node link is already achievable: it is shared as is."""
     inter, intra = cluster.inter_node, cluster.intra_node
-    share = inter.bandwidth * cluster.devices_per_node / (group.ranks_per_node * group.groups_per_node)
-    return min(share, intra.bandwidth) * inter.efficiency
+    sharing = cluster.devices_per_node / (group.ranks_per_node * group.groups_per_node)
+    if kind.value in inter.collectives:
+        return min(inter.achievable(kind.value) * sharing, intra.achievable(kind.value))
+    return min(inter.bandwidth * sharing, intra.bandwidth) * inter.efficiency
 
 
 def _check(nbytes: float, group: GroupPlacement, cluster: Cluster) -> None:
@@ -204,19 +208,20 @@ def collective_time(kind: Collective, nbytes: float, group: GroupPlacement, clus
     if n == 1:
         return 0.0
     intra, inter = cluster.intra_node, cluster.inter_node
-    b_intra = intra.effective_bandwidth
+    b_intra = intra.achievable(kind.value)
+    a_intra, a_inter = intra.step_latency(kind.value), inter.step_latency(kind.value)
     if kind is Collective.ALL_TO_ALL:
         t_bw = (r - 1) / n * nbytes / b_intra
         if N > 1:
-            t_bw += (n - r) / n * nbytes / _rank_nic_bandwidth(group, cluster)
-        return t_bw + (r - 1) * intra.latency + (n - r) * inter.latency
+            t_bw += (n - r) / n * nbytes / _rank_nic_bandwidth(group, cluster, kind)
+        return t_bw + (r - 1) * a_intra + (n - r) * a_inter
     if N == 1:
         b_eff = b_intra
     elif r == 1:
-        b_eff = _rank_nic_bandwidth(group, cluster)
+        b_eff = _rank_nic_bandwidth(group, cluster, kind)
     else:
-        b_eff = min(b_intra, r * _rank_nic_bandwidth(group, cluster))
-    ring_pass_latency = (n - N) * intra.latency + (N - 1) * inter.latency
+        b_eff = min(b_intra, r * _rank_nic_bandwidth(group, cluster, kind))
+    ring_pass_latency = (n - N) * a_intra + (N - 1) * a_inter
     if kind is Collective.ALL_REDUCE:
         return 2 * (n - 1) / n * nbytes / b_eff + 2 * ring_pass_latency
     if kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
@@ -242,7 +247,7 @@ def p2p_time(nbytes: float, cluster: Cluster, *, across_nodes: bool) -> float:
     if nbytes == 0:
         return 0.0
     link: Link = cluster.inter_node if across_nodes else cluster.intra_node
-    return nbytes / link.effective_bandwidth + link.latency
+    return nbytes / link.achievable("p2p") + link.step_latency("p2p")
 
 
 def bus_bandwidth(kind: Collective, nbytes: float, seconds: float, group_size: int) -> float:

@@ -12,7 +12,7 @@ and are re-exported here; they import transformers only when called.
 from .cnn import (BasicBlock, Bottleneck, ResNet, build_resnet, resnet, resnet18, resnet50,
                   small_resnet)
 from .gpt import GPT, GPTConfig, build_gpt, gpt_param_count
-from .hf import build_hf_bert, build_hf_gpt2, build_hf_llama
+from .hf import build_hf_bert, build_hf_gpt2, build_hf_gpt_neox, build_hf_llama
 from .llama import Llama, LlamaConfig, build_llama, llama_param_count
 from .mlp import MLP, build_mlp
 from .registry import ModelSpec, build, describe, names
@@ -22,6 +22,6 @@ __all__ = [
     "Llama", "LlamaConfig", "build_llama", "llama_param_count",
     "MLP", "build_mlp",
     "ResNet", "BasicBlock", "Bottleneck", "resnet", "resnet18", "resnet50", "small_resnet", "build_resnet",
-    "build_hf_gpt2", "build_hf_llama", "build_hf_bert",
+    "build_hf_gpt2", "build_hf_gpt_neox", "build_hf_llama", "build_hf_bert",
     "ModelSpec", "build", "describe", "names",
 ]

@@ -29,6 +29,7 @@ ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("sdpa", "eager")
 GPT2_DROPOUT_FIELDS: tuple[str, ...] = ("resid_pdrop", "embd_pdrop", "attn_pdrop",
                                         "summary_first_dropout")
 LLAMA_DROPOUT_FIELDS: tuple[str, ...] = ("attention_dropout",)
+GPT_NEOX_DROPOUT_FIELDS: tuple[str, ...] = ("attention_dropout", "hidden_dropout")
 BERT_DROPOUT_FIELDS: tuple[str, ...] = ("hidden_dropout_prob", "attention_probs_dropout_prob",
                                         "classifier_dropout")
 
@@ -119,6 +120,27 @@ def build_hf_llama(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: 
                             **_common_kwargs(dropout, LLAMA_DROPOUT_FIELDS, attn_implementation,
                                             vocab))
     model = construct(lambda: tf.LlamaForCausalLM(config), device, dtype)
+    return model.train(), _token_inputs(batch_size, seq_len, vocab, device)
+
+
+def build_hf_gpt_neox(layers: int = 2, hidden: int = 64, heads: int = 4, ffn_hidden: int | None = None,
+                      vocab: int = 256, seq_len: int = 32, batch_size: int = 2,
+                      device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                      dropout: float | None = None, attn_implementation: AttnImplementation = "sdpa",
+                      ) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """``GPTNeoXForCausalLM`` (parallel attention + MLP residual, partial rotary embeddings, untied head;
+    ``ffn_hidden`` defaults to 4 x hidden) and ``{input_ids, labels}``.
+
+    ``dropout`` None keeps the config defaults (0.0); a float sets both dropout fields.
+    """
+    tf = _transformers()
+    ffn_hidden = 4 * hidden if ffn_hidden is None else ffn_hidden
+    _check_sizes(layers=layers, hidden=hidden, heads=heads, ffn_hidden=ffn_hidden, seq_len=seq_len)
+    config = tf.GPTNeoXConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                              intermediate_size=ffn_hidden, vocab_size=vocab, max_position_embeddings=seq_len,
+                              tie_word_embeddings=False,
+                              **_common_kwargs(dropout, GPT_NEOX_DROPOUT_FIELDS, attn_implementation, vocab))
+    model = construct(lambda: tf.GPTNeoXForCausalLM(config), device, dtype)
     return model.train(), _token_inputs(batch_size, seq_len, vocab, device)
 
 
