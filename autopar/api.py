@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from typing import Any, Mapping
 
 from torch import nn
@@ -10,7 +12,8 @@ from .capture import capture
 from .capture.export import LossFn
 from .cluster import Cluster
 from .config import ParallelConfig, Precision
-from .cost_model import estimate_plan
+from .cost_model import Estimator, estimate_plan
+from .cost_model.layer_cost import LayerCostModel
 from .errors import ConfigError
 from .plan import Plan
 from .runtime.inputs import with_inputs
@@ -19,7 +22,8 @@ from .solver import solve
 
 def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *, global_batch_size: int,
          fixed: Mapping[str, Any] | None = None, time_limit: float | None = None, loss_fn: LossFn | None = None,
-         precision: Precision | None = None, profile: bool = False) -> Plan:
+         precision: Precision | None = None, profile: bool = False,
+         profile_db: str | os.PathLike | None = None) -> Plan:
     """The fastest parallel plan for ``model`` on ``cluster`` that fits in memory.
 
     Searches data x tensor x pipeline degrees, micro-batch size, schedule, ZeRO stage,
@@ -28,13 +32,15 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *, global_batc
     e.g. ``{"tp": 8, "pp": 8}``. With ``time_limit`` (seconds) the search returns the best
     plan found by then (``plan.optimal`` is False if it stopped early). Raises
     :class:`autopar.InfeasiblePlanError` when nothing fits, saying what would.
+    ``profile=True`` times the model's own ops on this machine (``cluster`` must be
+    :meth:`Cluster.local`), cached in ``profile_db`` (default ``~/.cache/autopar/profile.json``).
     """
     _check_cluster(cluster)
-    if profile:
-        raise ConfigError(_NO_PROFILER)
     graph = capture(model, example_inputs, loss_fn)
-    best, _ = solve(graph, cluster, global_batch_size, precision=precision, fixed=fixed, time_limit=time_limit)
-    return with_inputs(best, example_inputs)
+    measured = _profiler(model, example_inputs, loss_fn, graph, cluster, profile_db) if profile else None
+    best, _ = solve(graph, cluster, global_batch_size, precision=precision, fixed=fixed, time_limit=time_limit,
+                    measured=measured)
+    return with_inputs(_profiled(best, measured), example_inputs)
 
 
 def _check_cluster(cluster: Any) -> None:
@@ -43,23 +49,39 @@ def _check_cluster(cluster: Any) -> None:
                           f"got {type(cluster).__name__}")
 
 
-_NO_PROFILER = ("profile=True needs the profiler, which this version does not have yet: "
-                "leave profile=False to use the analytical cost model")
-
-
 def estimate(model: nn.Module, cluster: Cluster, example_inputs: Any, config: ParallelConfig, *,
              global_batch_size: int, loss_fn: LossFn | None = None, precision: Precision | None = None,
-             profile: bool = False) -> Plan:
+             profile: bool = False, profile_db: str | os.PathLike | None = None) -> Plan:
     """Predict what ``config`` costs for ``model`` on ``cluster``: step time, memory, per-stage breakdown.
 
     ``example_inputs`` (tuple or dict of tensors, batch on dim 0, any batch size) are only
     traced, never computed on; the model may live on the meta device. ``precision``
-    defaults to bf16 mixed precision with Adam (fp32 on a CPU cluster).
+    defaults to bf16 mixed precision with Adam (fp32 on a CPU cluster). ``profile=True``
+    times the model's ops on this machine instead (real weights; ``cluster`` from
+    :meth:`Cluster.local`), cached in ``profile_db``.
     """
     _check_cluster(cluster)
     if not isinstance(config, ParallelConfig):
         raise ConfigError(f"config must be an autopar.ParallelConfig, got {type(config).__name__}")
-    if profile:
-        raise ConfigError(_NO_PROFILER)
     graph = capture(model, example_inputs, loss_fn)
-    return with_inputs(estimate_plan(graph, cluster, config, global_batch_size, precision), example_inputs)
+    estimator = None
+    measured = _profiler(model, example_inputs, loss_fn, graph, cluster, profile_db) if profile else None
+    if measured is not None:
+        precision = precision or Precision.for_device(cluster.device.name)
+        estimator = Estimator(graph, cluster, precision,
+                              LayerCostModel(graph, cluster, precision, measured=measured))
+    plan_ = estimate_plan(graph, cluster, config, global_batch_size, precision, estimator)
+    return with_inputs(_profiled(plan_, measured), example_inputs)
+
+
+def _profiler(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None, graph, cluster: Cluster,
+              profile_db: str | os.PathLike | None):
+    from .profiler import op_profiler
+    return op_profiler(model, example_inputs, loss_fn, graph, cluster, profile_db)
+
+
+def _profiled(plan_: Plan, measured) -> Plan:
+    """The plan with a note of what the profiler measured (and which ops it priced analytically)."""
+    if measured is None:
+        return plan_
+    return dataclasses.replace(plan_, notes=plan_.notes + (measured.summary(),))

@@ -37,9 +37,11 @@ _FREE = (OpKind.VIEW,)
 
 
 class MeasuredTimes(Protocol):
-    """Measured (forward, backward) seconds of an op at a given scale, or None (the profiler)."""
+    """Measured (forward, backward) seconds of an op at a given micro-batch scale, split ``shard`` ways
+    along the GEMM dimension ``split_dim`` ("" when not a split GEMM), or None (profiler/ops.py)."""
 
-    def lookup(self, node: OpNode, batch_scale: float, shard: int, dtype: str) -> tuple[float, float] | None: ...
+    def lookup(self, node: OpNode, batch_scale: float, shard: int, split_dim: str, dtype: str
+               ) -> tuple[float, float] | None: ...
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ class ComputeModel:
         if node.kind in _FREE:
             return OpTime(0.0, 0.0)
         if self.measured is not None:
-            hit = self.measured.lookup(node, batch_scale, shard, self.dtype)
+            hit = self.measured.lookup(node, batch_scale, shard, split_dim, self.dtype)
             if hit is not None:
                 return OpTime(*hit)
         scale = (batch_scale if node.batch_dependent else 1.0) / shard

@@ -3,7 +3,9 @@
 A layer's forward is the sum of its ops' forward times plus its forward
 tensor-parallel collectives; backward likewise. Recomputation adds forward work to
 backward: the whole forward (collectives included) for "full", the attention core's
-forward for "selective".
+forward for "selective". Under tensor parallelism the runtime runs each op as a DTensor,
+which costs the device's ``dispatch_overhead`` per op and pass on the host (measured by the
+profiler; 0 for the GPU presets, whose kernels run asynchronously behind the host).
 """
 
 from __future__ import annotations
@@ -125,6 +127,10 @@ class LayerCostModel:
             if node.attention_core:
                 core_fwd += t.fwd
                 core_flops += node.flops_fwd * node_scale
+        if tp > 1:  # the runtime runs every op of the layer as a DTensor: its host-side dispatch cost
+            nodes = list(self.graph.layer_nodes(layer))
+            fwd += len(nodes) * self.cluster.device.dispatch_overhead
+            bwd += sum(n.requires_grad for n in nodes) * self.cluster.device.dispatch_overhead
         tp_fwd, tp_bwd = self._tp_comm(layer, layout, scale, tp_group)
         acts = ActivationModel(self.graph, layout, self.precision, sp)
         if recompute == "full":

@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from .graph import ChunkSpec, LayerSpec, SplitGraph
 from .specs import OpSpec, placement, split_dim
 
-_SKIPPED = frozenset({"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
+SKIPPED_TARGETS = frozenset({"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
                       "aten.sym_constrain_range_for_size.default", "aten._assert_async.msg"})
 _LOSSES = ("cross_entropy", "nll_loss")
 
@@ -59,7 +59,7 @@ class NodeRunner:
         self.fallbacks: set[str] = set()
         # what each node is, decided once rather than from str(target) on every call
         targets = {name: str(n.target) for name, n in self.nodes.items()}
-        self.skipped = frozenset(name for name, t in targets.items() if t in _SKIPPED)
+        self.skipped = frozenset(name for name, t in targets.items() if t in SKIPPED_TARGETS)
         self.context_hops = {name: t for name, t in targets.items() if t in _CONTEXT_HOPS}
         self.losses = frozenset(name for name, t in targets.items() if any(k in t for k in _LOSSES))
 
@@ -172,7 +172,7 @@ class _Body(torch.fx.Interpreter):
     """A higher-order op's subgraph, without its metadata asserts (DTensor has no rule for them)."""
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        if str(target) in _SKIPPED:
+        if str(target) in SKIPPED_TARGETS:
             return None
         return super().call_function(target, args, kwargs)
 

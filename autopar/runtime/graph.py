@@ -94,7 +94,7 @@ def split_graph(program: ExportedProgram, graph: OpGraph, chunk_layers: Sequence
     """Cut ``program`` into chunks of the named layers (the plan's stages' chunks, in order)."""
     sig = program.graph_signature
     fx_nodes = list(program.graph.nodes)
-    param_of, buffer_value = _placeholders(program, aliases)
+    param_of, buffer_value = placeholders(program, aliases)
     user_inputs = tuple(s.arg.name for s in sig.input_specs if s.kind is InputKind.USER_INPUT)
     layer_of = _layer_of_nodes(fx_nodes, graph)
     layer_index = {layer.name: layer.index for layer in graph.layers}
@@ -142,7 +142,7 @@ def split_graph(program: ExportedProgram, graph: OpGraph, chunk_layers: Sequence
                       loss=loss.name)
 
 
-def _placeholders(program: ExportedProgram, aliases: Mapping[str, str]) -> tuple[dict, dict]:
+def placeholders(program: ExportedProgram, aliases: Mapping[str, str]) -> tuple[dict, dict]:
     param_of: dict[str, str] = {}
     buffer_value: dict[str, torch.Tensor] = {}
     for spec in program.graph_signature.input_specs:

@@ -8,6 +8,7 @@ from typing import Any, Mapping
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
 from ..config import Precision
+from ..cost_model.compute import MeasuredTimes
 from ..errors import ConfigError, InfeasiblePlanError
 from ..plan import Plan
 from .search import Search, SearchStats, alternatives, with_search_results
@@ -16,12 +17,14 @@ from .space import check_fixed
 
 
 def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision: Precision | None = None,
-          fixed: Mapping[str, Any] | None = None, time_limit: float | None = None) -> tuple[Plan, SearchStats]:
+          fixed: Mapping[str, Any] | None = None, time_limit: float | None = None,
+          measured: MeasuredTimes | None = None) -> tuple[Plan, SearchStats]:
     """The fastest plan that fits, and what the search did. Raises InfeasiblePlanError when none fits.
 
     Wiring: the sharding ILP (sharding.py) gives each tensor-parallel degree its layouts, the
     outer search (search.py) walks the configurations by bound, the stage DP (stages.py) splits
-    each one's layers, and the cost model estimates the result."""
+    each one's layers, and the cost model estimates the result (with ``measured`` op times when
+    profiled; the sharding ILP keeps the analytic op costs to choose layouts)."""
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
         raise ConfigError(f"global_batch_size={global_batch_size!r} must be a positive integer")
     if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float))
@@ -31,7 +34,7 @@ def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision
     precision = precision or Precision.for_device(cluster.device.name)
     sharding = ShardingSolver(graph, cluster, precision)
     search = Search(graph, cluster, global_batch_size, precision, layouts_for(sharding), fixed, time_limit,
-                    splits_batch=sharding.splits_batch)
+                    splits_batch=sharding.splits_batch, measured=measured)
     best, best_c, seen = search.run()
     search.stats.ilp_seconds, search.stats.ilp_solves = sharding.seconds, sharding.solves
     search.stats.ilp_timed_out = sharding.timed_out

@@ -34,6 +34,7 @@ from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
 from ..config import ParallelConfig, Precision
 from ..cost_model import Estimator, estimate_plan
+from ..cost_model.compute import MeasuredTimes
 from ..cost_model.layer_cost import LayerCostModel
 from ..cost_model.memory import model_state_bytes
 from ..cost_model.tensor_parallel import TPLayout
@@ -80,6 +81,7 @@ class Search:
     fixed: Mapping[str, Any] = field(default_factory=dict)
     time_limit: float | None = None
     splits_batch: Callable[[int, str], bool] | None = None   # (tp, variant) -> the layout splits the batch
+    measured: MeasuredTimes | None = None                    # profiled op times (profile=True)
     stats: SearchStats = field(default_factory=SearchStats)
     _estimators: dict[str, Estimator] = field(default_factory=dict)
     _work: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
@@ -88,7 +90,8 @@ class Search:
 
     def estimator(self, variant: str) -> Estimator:
         if variant not in self._estimators:
-            layers = LayerCostModel(self.graph, self.cluster, self.precision, layout_fn=self.layouts[variant])
+            layers = LayerCostModel(self.graph, self.cluster, self.precision, measured=self.measured,
+                                    layout_fn=self.layouts[variant])
             self._estimators[variant] = Estimator(self.graph, self.cluster, self.precision, layers)
         return self._estimators[variant]
 
