@@ -50,7 +50,7 @@ _SPEC_FORM = "NODESxDEVICES_PER_NODExDEVICE e.g. 128x8xA100-80GB"
 def _check_number(owner: str, name: str, value: Any, *, allow_zero: bool = False,
                   at_most_one: bool = False) -> None:
     """Raise ConfigError unless ``value`` is a finite real number in the allowed range."""
-    rng = "in (0, 1]" if at_most_one else (">= 0" if allow_zero else "> 0")
+    rng = ("in [0, 1]" if allow_zero else "in (0, 1]") if at_most_one else (">= 0" if allow_zero else "> 0")
     ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
           and (value >= 0 if allow_zero else value > 0) and (not at_most_one or value <= 1))
     if not ok:
@@ -95,6 +95,8 @@ class Device:
     dispatch_overhead: float = 0.0
     """Extra seconds per op when the runtime runs it as a DTensor (tensor parallelism): sharding
     propagation and redistribution checks on the host. Measured by the profiler; 0 for presets."""
+    dispatch_overhead_backward: float = 0.0
+    """The same per op of the backward pass (measured; 0 for presets)."""
     threads: int = 0
     """CPU threads per rank the measured figures hold for (profiler, CPU only); 0 when not measured."""
 
@@ -116,7 +118,7 @@ class Device:
             _check_number("Device", name, getattr(self, name))
         for name in ("matmul_efficiency", "memory_efficiency"):
             _check_number("Device", name, getattr(self, name), at_most_one=True)
-        for name in ("matmul_half_dim", "kernel_overhead", "dispatch_overhead"):
+        for name in ("matmul_half_dim", "kernel_overhead", "dispatch_overhead", "dispatch_overhead_backward"):
             _check_number("Device", name, getattr(self, name), allow_zero=True)
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
             raise ConfigError(f"Device.threads={self.threads!r} is out of range: it must be an integer >= 0")
@@ -126,7 +128,12 @@ class Device:
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory, self.memory_bandwidth,
                      self.source, self.matmul_efficiency, self.matmul_half_dim, self.memory_efficiency,
-                     self.kernel_overhead, self.dispatch_overhead, self.threads))
+                     self.kernel_overhead, self.dispatch_overhead, self.dispatch_overhead_backward, self.threads))
+
+    @property
+    def is_cpu(self) -> bool:
+        """A CPU (the "cpu" preset, or a measured "cpu <model> xN thread(s)" device)."""
+        return self.name.split(" ")[0] == "cpu"
 
     def peak(self, dtype: str) -> float:
         """Dense peak in FLOP/s for ``dtype`` ("fp32", "tf32", "bf16", "fp16")."""
@@ -175,6 +182,10 @@ class Link:
     """Achieved fraction of ``bandwidth`` for large collectives (measured busbw / nominal), in (0, 1]."""
     name: str = ""
     """Short label for summaries, e.g. "NVLink" or "IB"."""
+    overlap: float = 1.0
+    """Fraction of a collective's time that computation issued meanwhile hides, in [0, 1]: 1 for NCCL
+    on GPUs (its kernels run beside the compute); measured by the profiler (gloo's threads share
+    the CPU cores with the compute ranks)."""
     collectives: Mapping[str, CollectiveFit] = field(default_factory=dict)
     """Measured fits per collective (keys from COLLECTIVE_NAMES) that replace ``latency`` and
     ``bandwidth * efficiency`` for that collective; empty for presets. Stored read-only."""
@@ -183,6 +194,7 @@ class Link:
         _check_number("Link", "bandwidth", self.bandwidth)
         _check_number("Link", "latency", self.latency, allow_zero=True)
         _check_number("Link", "efficiency", self.efficiency, at_most_one=True)
+        _check_number("Link", "overlap", self.overlap, allow_zero=True, at_most_one=True)
         if not isinstance(self.name, str):
             raise ConfigError(f"Link.name={self.name!r} must be a string")
         if not isinstance(self.collectives, Mapping):
@@ -197,7 +209,7 @@ class Link:
         object.__setattr__(self, "collectives", MappingProxyType(fits))
 
     def __hash__(self) -> int:
-        return hash((self.bandwidth, self.latency, self.efficiency, self.name, tuple(sorted(
+        return hash((self.bandwidth, self.latency, self.efficiency, self.overlap, self.name, tuple(sorted(
             (k, v.latency, v.bandwidth) for k, v in self.collectives.items()))))
 
     @property
@@ -391,6 +403,19 @@ class Cluster:
         intra = _override(intra, "intra_node", intra_node_bandwidth, intra_node_latency)
         inter = _override(inter, "inter_node", inter_node_bandwidth, inter_node_latency)
         return cls(nodes=nodes, devices_per_node=per_node, device=device, intra_node=intra, inter_node=inter)
+
+    @classmethod
+    def local(cls, nprocs: int | None = None, threads_per_rank: int | None = None, *,
+              profile_db: str | None = None, refresh: bool = False, progress: bool = True) -> "Cluster":
+        """This machine with measured device and links (the profiler), loaded from the profile cache
+        (``profile_db``, default ``~/.cache/autopar/profile.json``) when it was measured before.
+
+        GPUs: one rank per GPU (``nprocs`` of them, default all), NCCL. CPU: ``nprocs`` gloo ranks of
+        ``threads_per_rank`` threads (default one-thread ranks on every core; given ``nprocs``
+        alone, the cores shared out). ``refresh=True`` measures again. First run: about 10-40 s.
+        """
+        from .profiler.local import local_cluster
+        return local_cluster(nprocs, threads_per_rank, profile_db=profile_db, refresh=refresh, progress=progress)
 
     def to_dict(self) -> dict[str, Any]:
         return {"nodes": self.nodes, "devices_per_node": self.devices_per_node, "device": self.device.to_dict(),

@@ -180,4 +180,4 @@ class Precision:
     @classmethod
     def for_device(cls, device_name: str) -> "Precision":
         """The default policy for a device: fp32 on CPUs, bf16 mixed precision elsewhere."""
-        return cls(compute="fp32", grads="fp32") if device_name.split(" ")[0] == "cpu" else cls()
+        return cls(compute="fp32", grads="fp32") if device_name.split(" ")[0] == "cpu" else cls()  # "cpu ..." measured

@@ -4,7 +4,8 @@ A layer's forward is the sum of its ops' forward times plus its forward
 tensor-parallel collectives; backward likewise. Recomputation adds forward work to
 backward: the whole forward (collectives included) for "full", the attention core's
 forward for "selective". Under tensor parallelism the runtime runs each op as a DTensor,
-which costs the device's ``dispatch_overhead`` per op and pass on the host (measured by the
+which costs the device's ``dispatch_overhead`` per op (``dispatch_overhead_backward`` per op of
+the backward) on the host (measured by the
 profiler; 0 for the GPU presets, whose kernels run asynchronously behind the host).
 """
 
@@ -130,7 +131,7 @@ class LayerCostModel:
         if tp > 1:  # the runtime runs every op of the layer as a DTensor: its host-side dispatch cost
             nodes = list(self.graph.layer_nodes(layer))
             fwd += len(nodes) * self.cluster.device.dispatch_overhead
-            bwd += sum(n.requires_grad for n in nodes) * self.cluster.device.dispatch_overhead
+            bwd += sum(n.requires_grad for n in nodes) * self.cluster.device.dispatch_overhead_backward
         tp_fwd, tp_bwd = self._tp_comm(layer, layout, scale, tp_group)
         acts = ActivationModel(self.graph, layout, self.precision, sp)
         if recompute == "full":

@@ -16,7 +16,8 @@ on every rank and makes a repeat last about :data:`BLOCK_SECONDS` (from the slow
 fastest warm-up call; ``k = 1`` for large messages), so that small messages get many timings
 and the barrier's exit skew touches only the first of them. Every call's time is the MAX over
 ranks (a collective ends when its last rank is done; one all-reduce(MAX) of all the times at
-the end), and the sample is the median over all timed calls of all repeats. Every repeat visits
+the end), and the sample is the MEAN over all timed calls of all repeats: a training step is a
+sum of many collectives, so what it pays per call is the mean, stalls (below) included. Every repeat visits
 the (collective, size) pairs in a new order, the same on every rank, so that a burst of load on
 the machine hits one repeat of many sizes rather than every repeat of one size. All calls work
 on views of two buffers of the largest size, allocated once.
@@ -27,23 +28,27 @@ so it costs about an all-reduce of ``S``. The profile records what the backend r
 its fit then gives a (low) effective ``B`` for reduce-scatter that the cost model uses as is.
 
 The same spawn measures the **DTensor dispatch overhead**: on a 1-D DeviceMesh of all ranks,
-``x + y`` on two ``[8]`` Replicate DTensors against plain tensors (forward), and
-``(x + y).sum().backward()`` on leaves that require grad (forward + backward). Per op,
+the op mix of a tensor-parallel layer at a negligible size (a column-parallel linear whose
+weight is ``Shard(0)``, gelu, two views, two transposes, a multiply, a sum: 8 ops) as DTensors
+against plain tensors, forward, and forward + backward (the weight a leaf that needs a gradient).
+Per op,
 
-    fwd = t_DT(x + y) - t_plain(x + y)
-    bwd = ([t_DT(fb) - t_plain(fb)] - [t_DT(fwd) - t_plain(fwd)]) / 2
+    fwd = (t_DT(chain) - t_plain(chain)) / 8
+    bwd = ([t_DT(fb) - t_plain(fb)] - [t_DT(chain) - t_plain(chain)]) / 8
 
-where ``fb`` is the forward + backward of the two-op chain and ``fwd`` its forward alone
-(the chain has two ops; its backward includes the leaves' gradient accumulation). Each
-``t`` is the median over :data:`DISPATCH_BLOCKS` blocks of 50-200 calls, the plain and DTensor
+Each ``t`` is the median over :data:`DISPATCH_BLOCKS` blocks of 50-200 calls, the plain and DTensor
 blocks alternating; the MAX over ranks is reported, and a difference below 0 (timing noise) as 0.
+(A replicated ``x + y`` alone costs a third of this: sharding propagation of views and sharded
+matmuls is what costs.)
 
 **Noise.** On a small VM gloo's times are bimodal: most calls take the link's time, but a
 fraction (0-60%, varying with size and over time, even on an idle machine) waits for a
-scheduler tick (4 ms at HZ=250) in one of the many thread hand-offs of a gloo collective. The
-median is robust while that fraction stays well below one half; where it nears one half, a
-size's median can land on the slow mode. More repeats make that rarer; bench/link_fit.py
-shows how far the fit then predicts sizes it did not see.
+scheduler tick (4 ms at HZ=250) in one of the many thread hand-offs of a gloo collective. A
+median would price a collective at the fast mode and a step full of collectives far below
+what it measures (the 2 MB all-reduces of a tensor-parallel step cost ~4 ms each in context
+against a 1.5 ms median); the mean prices the stalls at their frequency, and, being about
+the same for every size, they mostly land in ``alpha``. bench/link_fit.py shows how far the fit
+then predicts sizes it did not see.
 
 **The fit.** Every collective is fitted by ``t(S) = alpha + beta * S`` minimising the
 RELATIVE error, i.e. weighted least squares with weights ``1 / t_i``:
@@ -151,6 +156,8 @@ class LinkProfile:
     """Extra seconds per op of a forward run on Replicate DTensors instead of plain tensors."""
     dispatch_bwd_seconds: float
     """Extra seconds per op of the backward of those ops."""
+    overlap_fraction: float
+    """Fraction of an asynchronous all-reduce's time that compute issued meanwhile hides (0..1)."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
@@ -164,6 +171,9 @@ class LinkProfile:
                 raise ConfigError(f"LinkProfile.samples has unknown collective {kind!r}; known: {list(COLLECTIVES)}")
             clean[kind] = _check_samples(kind, pairs)
         object.__setattr__(self, "samples", MappingProxyType(clean))
+        if isinstance(self.overlap_fraction, bool) or not isinstance(self.overlap_fraction, (int, float)) \
+                or not 0 <= self.overlap_fraction <= 1:
+            raise ConfigError(f"LinkProfile.overlap_fraction={self.overlap_fraction!r} must be a number in [0, 1]")
         for name in ("dispatch_fwd_seconds", "dispatch_bwd_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -171,7 +181,7 @@ class LinkProfile:
 
     def __hash__(self) -> int:
         return hash((self.backend, self.nprocs, self.threads_per_rank, tuple(sorted(self.samples.items())),
-                     self.dispatch_fwd_seconds, self.dispatch_bwd_seconds))
+                     self.dispatch_fwd_seconds, self.dispatch_bwd_seconds, self.overlap_fraction))
 
     @property
     def key(self) -> str:
@@ -184,13 +194,13 @@ class LinkProfile:
                 "collectives": {kind: {"bytes": [b for b, _ in pairs], "seconds": [t for _, t in pairs]}
                                 for kind, pairs in self.samples.items()},
                 "dispatch_fwd_seconds": self.dispatch_fwd_seconds,
-                "dispatch_bwd_seconds": self.dispatch_bwd_seconds}
+                "dispatch_bwd_seconds": self.dispatch_bwd_seconds, "overlap_fraction": self.overlap_fraction}
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> "LinkProfile":
         """The profile :meth:`to_record` wrote; ConfigError when a field is missing or malformed."""
         needed = ("backend", "nprocs", "threads_per_rank", "collectives", "dispatch_fwd_seconds",
-                  "dispatch_bwd_seconds")
+                  "dispatch_bwd_seconds", "overlap_fraction")
         missing = [k for k in needed if k not in record]
         if missing:
             raise ConfigError(f"link profile record lacks {missing}: measure the links again (measure_links)")
@@ -207,7 +217,8 @@ class LinkProfile:
             samples[kind] = tuple(zip(columns["bytes"], columns["seconds"]))
         return cls(backend=record["backend"], nprocs=record["nprocs"], threads_per_rank=record["threads_per_rank"],
                    samples=samples, dispatch_fwd_seconds=record["dispatch_fwd_seconds"],
-                   dispatch_bwd_seconds=record["dispatch_bwd_seconds"])
+                   dispatch_bwd_seconds=record["dispatch_bwd_seconds"],
+                   overlap_fraction=record["overlap_fraction"])
 
 
 def links_key(backend: str, nprocs: int) -> str:
@@ -529,14 +540,65 @@ def _rank_main(rank: int, nprocs: int, port: int, threads: int, sizes: list[int]
         for (kind, size), t in zip(tasks, seconds):
             samples[kind].append((size, t / 2 if kind == "p2p" else t))  # p2p: a round trip is two messages
         fwd, bwd = _dispatch_overhead(device, nprocs)
+        overlap = _overlap(device)
         if rank == 0:
             record = LinkProfile(backend=backend, nprocs=nprocs, threads_per_rank=threads, samples=samples,
-                                 dispatch_fwd_seconds=fwd, dispatch_bwd_seconds=bwd).to_record()
+                                 dispatch_fwd_seconds=fwd, dispatch_bwd_seconds=bwd,
+                                 overlap_fraction=overlap).to_record()
             with open(out_path, "w") as fh:
                 json.dump(record, fh)
         dist.barrier()  # no rank tears its connections down while a peer still uses them
     finally:
         dist.destroy_process_group()
+
+
+OVERLAP_BYTES = 4 * 2 ** 20
+OVERLAP_TRIALS = 9
+
+
+def _overlap(device: torch.device) -> float:
+    """Fraction of an asynchronous all-reduce of OVERLAP_BYTES that a block of matmuls issued meanwhile
+    hides: ``o = (T_c + T_a - T_both) / min(T_c, T_a)`` clipped to [0, 1], with ``T_a`` the all-reduce
+    alone, ``T_c`` the compute alone (sized to take about ``T_a``), ``T_both`` the two together; each
+    the mean over OVERLAP_TRIALS of the max over ranks. NCCL on GPUs overlaps (its kernels use their own
+    SMs); gloo's threads compete with the compute for the CPU cores."""
+    import torch.distributed as dist
+    buf = torch.randn(OVERLAP_BYTES // _FLOAT_BYTES, device=device)
+    a, b = torch.randn(256, 256, device=device), torch.randn(256, 256, device=device)
+
+    def comm_alone() -> None:
+        dist.all_reduce(buf, async_op=True).wait()
+
+    t_a = _mean_max(comm_alone, device)
+    per = _mean_max(lambda: [a @ b for _ in range(10)], device) / 10
+    n = max(1, round(t_a / max(per, 1e-9)))
+
+    def compute() -> None:
+        for _ in range(n):
+            a @ b
+
+    def both() -> None:
+        work = dist.all_reduce(buf, async_op=True)
+        compute()
+        work.wait()
+
+    t_c, t_both = _mean_max(compute, device), _mean_max(both, device)
+    hidden = (t_c + t_a - t_both) / max(min(t_c, t_a), 1e-9)
+    return float(min(1.0, max(0.0, hidden)))
+
+
+def _mean_max(fn: Callable[[], object], device: torch.device) -> float:
+    """Mean over OVERLAP_TRIALS barrier-started calls of ``fn`` of the slowest rank's seconds."""
+    import torch.distributed as dist
+    fn()
+    times = []
+    for _ in range(OVERLAP_TRIALS):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.fmean(_max_over_ranks(times, device))
 
 
 class _Buffers:
@@ -626,7 +688,7 @@ def _time_tasks(tasks: list[tuple[str, int]], rank: int, nprocs: int, device: to
     flat = _max_over_ranks([t for per_task in times for t in per_task], device)
     out, pos = [], 0
     for per_task in times:
-        out.append(statistics.median(flat[pos:pos + len(per_task)]))
+        out.append(statistics.fmean(flat[pos:pos + len(per_task)]))
         pos += len(per_task)
     return out
 
@@ -649,29 +711,39 @@ def _per_call(fns: Sequence[Callable[[], object]], device: torch.device, calls: 
     return [statistics.median(per) for per in blocks]
 
 
+DISPATCH_CHAIN_OPS = 8
+
+
 def _dispatch_overhead(device: torch.device, nprocs: int) -> tuple[float, float]:
-    """(forward, backward) extra seconds per op of Replicate DTensors over plain tensors, max over ranks."""
-    from torch.distributed.tensor import DTensor, Replicate, init_device_mesh
+    """(forward, backward) extra seconds per op of DTensors over plain tensors, max over ranks, on the op
+    mix of a tensor-parallel transformer layer at a negligible size: a column-parallel linear (weight
+    ``Shard(0)``), gelu, a view and its inverse, a transpose and back, a multiply, a sum (8 ops)."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
     mesh = init_device_mesh(device.type, (nprocs,))
+    rows = 8 * nprocs
 
-    def leaf(dtensor: bool, grad: bool) -> torch.Tensor:
-        t = torch.randn(8, device=device)
+    def chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(F.linear(x, w))
+        h = h.view(-1, rows).view(2, 4, rows).transpose(1, 2).transpose(1, 2)
+        return (h * h).sum()
+
+    def variants(dtensor: bool) -> tuple[Callable[[], object], Callable[[], object]]:
+        x, w = torch.randn(2, 4, 8, device=device), torch.randn(rows, 8, device=device)
         if dtensor:
-            t = DTensor.from_local(t, mesh, [Replicate()], run_check=False)
-        return t.detach().requires_grad_(grad)
-
-    def variants(dtensor: bool) -> tuple[Callable[[], object], ...]:
-        x, y = leaf(dtensor, False), leaf(dtensor, False)
-        xg, yg = leaf(dtensor, True), leaf(dtensor, True)
+            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+            w = DTensor.from_local(w.chunk(nprocs)[0].contiguous(), mesh, [Shard(0)], run_check=False)
+        w = w.detach().requires_grad_()
 
         def fwd_bwd() -> None:
-            xg.grad = yg.grad = None
-            (xg + yg).sum().backward()
+            w.grad = None
+            chain(x, w).backward()
 
-        return lambda: x + y, lambda: (xg + yg).sum(), fwd_bwd
+        return lambda: chain(x, w), fwd_bwd
 
-    (plain_add, plain_fwd, plain_fb), (dt_add, dt_fwd, dt_fb) = variants(False), variants(True)
-    p_add, d_add = _per_call([plain_add, dt_add], device, 200)
+    (plain_fwd, plain_fb), (dt_fwd, dt_fb) = variants(False), variants(True)
     p_fwd, d_fwd, p_fb, d_fb = _per_call([plain_fwd, dt_fwd, plain_fb, dt_fb], device, 50)
-    fwd, bwd = _max_over_ranks([d_add - p_add, ((d_fb - p_fb) - (d_fwd - p_fwd)) / 2], device)
+    fwd = (d_fwd - p_fwd) / DISPATCH_CHAIN_OPS
+    bwd = ((d_fb - p_fb) - (d_fwd - p_fwd)) / DISPATCH_CHAIN_OPS
+    fwd, bwd = _max_over_ranks([fwd, bwd], device)
     return max(0.0, fwd), max(0.0, bwd)

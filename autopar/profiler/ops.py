@@ -231,6 +231,7 @@ class OpProfiler:
     reused: int = 0                      # op calls whose signature was in the database
     untimed: set[str] = field(default_factory=set)  # ops that could not run alone (priced analytically)
     in_context: dict[int, tuple[float, float]] = field(default_factory=dict)  # mbs -> (fwd, bwd) whole / sum
+    _optimizer: float | None = None
 
     def __post_init__(self) -> None:
         dtypes = {p.dtype for p in self.model.parameters() if p.is_floating_point()}
@@ -271,6 +272,25 @@ class OpProfiler:
         return (f"op times measured on {self.device_name} at micro-batch {batches}: {self.timed} op signatures "
                 f"timed, {self.reused} op calls found in {self.db.path}; whole pass / sum of ops (fwd/bwd) "
                 f"{factors}{left}")
+
+    def optimizer_seconds_per_param(self) -> float:
+        """Seconds per parameter of one ``torch.optim.AdamW`` step (its default, multi-tensor
+        implementation) on tensors shaped like the model's trainable parameters, random gradients."""
+        if self._optimizer is None:
+            key = f"adamw {self.graph.fingerprint}"
+            record = self.db.get(self.device_name, "ops", key)
+            if record is None:
+                params = [torch.randn_like(p).requires_grad_() for p in self.model.parameters() if p.requires_grad]
+                for p in params:
+                    p.grad = torch.randn_like(p)
+                opt = torch.optim.AdamW(params, lr=1e-4)
+                with torch_threads(self.threads):
+                    seconds = median_time(opt.step, self.device, warmup=self.warmup, repeats=self.repeats)
+                record = {"step_seconds": seconds, "params": sum(p.numel() for p in params)}
+                self.db.put(self.device_name, "ops", key, record)
+                self.db.save()
+            self._optimizer = record["step_seconds"] / max(1, record["params"])
+        return self._optimizer
 
     # --- profiling --------------------------------------------------------------------------
     def timings(self, micro_batch: int) -> dict[str, OpTiming]:

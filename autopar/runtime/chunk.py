@@ -57,6 +57,7 @@ class NodeRunner:
         self.specs = specs
         self.local_ops = local_ops    # attention: run on local shards (see _run_local)
         self.fallbacks: set[str] = set()
+        self.loss_parallel = False    # the loss ran vocabulary-parallel: its backward must too
         # what each node is, decided once rather than from str(target) on every call
         targets = {name: str(n.target) for name, n in self.nodes.items()}
         self.skipped = frozenset(name for name, t in targets.items() if t in SKIPPED_TARGETS)
@@ -148,8 +149,14 @@ class NodeRunner:
         if node.name in self.losses and args and isinstance(args[0], DTensor):
             d = args[0].placements[0]
             if d.is_shard() and d.dim == args[0].dim() - 1:
+                self.loss_parallel = True
                 return loss_parallel()
         return contextlib.nullcontext()
+
+    def backward_context(self, has_loss: bool):
+        """Around the backward of the pass that computed the loss: loss_parallel again when the loss
+        ran vocabulary-parallel, else its backward (nll_loss / log_softmax) would gather the logits."""
+        return loss_parallel() if has_loss and self.loss_parallel else contextlib.nullcontext()
 
 
 _CONTEXT_HOPS = frozenset({"wrap_with_set_grad_enabled", "wrap_with_autocast"})

@@ -145,7 +145,8 @@ class PipelineRunner:
                 tensors.append(out)
                 grads.append(g)
         if tensors:
-            torch.autograd.backward(tensors, grads)
+            with self.runner.backward_context(self.split.loss in state.outputs):
+                torch.autograd.backward(tensors, grads)
         for v, leaf in state.leaves.items():
             if self.requires_grad[v]:
                 g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)

@@ -29,7 +29,7 @@ def _profile(nprocs: int = 2, **lines: tuple[float, float]) -> LinkProfile:
     samples = {kind: _line(*lines.get(kind, (50e-6, 1 / 2e9)), noise=0.01, seed=i)
                for i, kind in enumerate(COLLECTIVES)}
     return LinkProfile(backend="gloo", nprocs=nprocs, threads_per_rank=1, samples=samples,
-                       dispatch_fwd_seconds=5e-6, dispatch_bwd_seconds=1e-5)
+                       dispatch_fwd_seconds=5e-6, dispatch_bwd_seconds=1e-5, overlap_fraction=0.5)
 
 
 # --- the fit ---------------------------------------------------------------------------------------
@@ -142,7 +142,10 @@ def test_record_errors_say_what_is_wrong():
         LinkProfile.from_record(record)
     with pytest.raises(ConfigError, match="seconds must be a finite number > 0"):
         LinkProfile(backend="gloo", nprocs=2, threads_per_rank=1, samples={"p2p": [(4096, -1.0)]},
-                    dispatch_fwd_seconds=0.0, dispatch_bwd_seconds=0.0)
+                    dispatch_fwd_seconds=0.0, dispatch_bwd_seconds=0.0, overlap_fraction=1.0)
+    with pytest.raises(ConfigError, match="overlap_fraction"):
+        LinkProfile(backend="gloo", nprocs=2, threads_per_rank=1, samples={"p2p": [(4096, 1.0)]},
+                    dispatch_fwd_seconds=0.0, dispatch_bwd_seconds=0.0, overlap_fraction=1.5)
 
 
 # --- conversion to the cost model ------------------------------------------------------------------
@@ -228,5 +231,6 @@ def test_measure_links_on_two_gloo_ranks():
         assert all(t > 0 for t in times), kind
         assert times[-1] > times[0], f"{kind}: {pairs}"   # 4096x the bytes takes longer, whatever the noise
     assert profile.dispatch_fwd_seconds >= 0 and profile.dispatch_bwd_seconds >= 0
+    assert 0 <= profile.overlap_fraction <= 1
     link = to_link(profile, 2)
     assert link.bandwidth > 0

@@ -1,0 +1,80 @@
+"""The ``autopar`` command.
+
+    autopar profile [--nprocs N] [--threads-per-rank T] [--db PATH] [--refresh] [--json]
+
+``profile`` measures this machine (or loads the cached measurement) as ``Cluster.local``
+does and prints the device, its fitted constants and the link fits per collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from .profiler.local import local_profile
+
+    result = local_profile(args.nprocs, args.threads_per_rank, profile_db=args.db, refresh=args.refresh,
+                           progress=not args.json)
+    cluster, report = result.cluster, result.device_fit
+    if args.json:
+        out = {"cluster": cluster.to_dict(), "profile_db": result.db_path,
+               "device_fit": {"median_relative_error": report.median_relative_error,
+                              "max_relative_error": report.max_relative_error, "samples": report.samples},
+               "link_fits": {kind: {"alpha_seconds": fit.alpha, "beta_seconds_per_byte": fit.beta,
+                                    "breakpoint_bytes": fit.breakpoint_bytes if fit.piecewise else None,
+                                    "median_relative_error": fit.median_rel_error,
+                                    "max_relative_error": fit.max_rel_error}
+                             for kind, fit in result.link_fits.items()}}
+        print(json.dumps(out, indent=1))
+        return 0
+    device = cluster.device
+    print(cluster.describe())
+    print(f"profile cache: {result.db_path}")
+    peaks = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in device.peak_flops.items())
+    print(f"device: {device.name}; peak GFLOP/s {peaks}; matmul efficiency {device.matmul_efficiency:.2f}, "
+          f"half dim {device.matmul_half_dim:.1f}; memory bandwidth {device.memory_bandwidth / 1e9:.1f} GB/s; "
+          f"kernel overhead {device.kernel_overhead * 1e6:.2f} us; DTensor dispatch {device.dispatch_overhead * 1e6:.1f} us"
+          f" fwd / {device.dispatch_overhead_backward * 1e6:.1f} us bwd"
+          f"/op; memory {device.memory / 1e9:.1f} GB")
+    print(f"  matmul fit over {report.samples} samples: median error {report.median_relative_error * 100:.1f}%, "
+          f"max {report.max_relative_error * 100:.1f}%")
+    if result.link_fits:
+        print(f"{'collective':<15} {'alpha us':>9} {'1/beta GB/s':>12} {'fit median':>11} {'fit max':>8}")
+        for kind, fit in result.link_fits.items():
+            bandwidth = 1 / fit.beta / 1e9 if fit.beta > 0 else float("inf")
+            print(f"{kind:<15} {fit.alpha * 1e6:>9.1f} {bandwidth:>12.2f} {fit.median_rel_error * 100:>10.1f}% "
+                  f"{fit.max_rel_error * 100:>7.1f}%")
+    else:
+        print("links: one rank, nothing to measure (the preset links stand in)")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="autopar", description="Auto-parallelization planner for PyTorch.")
+    sub = top.add_subparsers(dest="command", required=True)
+    prof = sub.add_parser("profile", help="measure this machine's device and links (Cluster.local)")
+    prof.add_argument("--nprocs", type=int, default=None, help="ranks (default: every GPU, or every CPU core)")
+    prof.add_argument("--threads-per-rank", type=int, default=None, help="torch threads per CPU rank")
+    prof.add_argument("--db", default=None, help="profile cache (default ~/.cache/autopar/profile.json)")
+    prof.add_argument("--refresh", action="store_true", help="measure again even when cached")
+    prof.add_argument("--json", action="store_true", help="print JSON")
+    prof.set_defaults(run=_profile)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from .errors import AutoparError
+    try:
+        return args.run(args)
+    except AutoparError as exc:
+        print(f"autopar {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""``Cluster.local()``: this machine as a Cluster of measured devices and links, cached in a ProfileDB.
+
+Ranks: on a GPU machine one per GPU (NCCL); on a CPU ``nprocs`` processes of
+``threads_per_rank`` torch threads each (gloo), by default as many one-thread ranks as there
+are cores. The device comes from device.py (``fit_device`` of its FLOP/s curves; memory per
+rank = RAM / ranks on a CPU), its ``dispatch_overhead`` (DTensor, per op) and the intra-node
+link from links.py (per-collective alpha/beta fits). One machine has no inter-node link to
+measure: the preset one of the device family stands in, and ``describe()`` says so.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+import torch
+
+from ..cluster import Cluster, link_presets
+from ..errors import ConfigError
+from .database import ProfileDB
+from .device import DeviceFitReport, DeviceProfile, fit_device, load_profile, measure_device, save_profile
+from .host import accelerator, check_threads, device_name
+from .links import CollectiveFitResult, LinkProfile, fit_profile, links_key, measure_links, to_link
+
+
+def _ranks(device: torch.device, nprocs: int | None, threads: int | None) -> tuple[int, int]:
+    """(ranks, threads per rank) with the defaults filled in and checked against this machine."""
+    if device.type == "cuda":
+        gpus = torch.cuda.device_count()
+        nprocs = gpus if nprocs is None else nprocs
+        if isinstance(nprocs, bool) or not isinstance(nprocs, int) or not 1 <= nprocs <= gpus:
+            raise ConfigError(f"nprocs={nprocs!r} must be an integer from 1 to the {gpus} GPUs of this machine")
+        return nprocs, check_threads(threads or 1)
+    cores = os.cpu_count() or 1
+    if nprocs is None:
+        threads = check_threads(threads or 1)
+        nprocs = max(1, cores // threads)
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ConfigError(f"nprocs={nprocs!r} must be an integer >= 1")
+    threads = check_threads(threads if threads is not None else max(1, cores // nprocs))
+    return nprocs, threads
+
+
+def _memory_per_rank(device: torch.device, nprocs: int) -> float | None:
+    if device.type == "cuda":
+        return None  # fit_device takes the GPU's own memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / nprocs
+
+
+@dataclass(frozen=True)
+class LocalProfile:
+    """What ``Cluster.local`` measured: the cluster, and the curves and fits behind it."""
+
+    cluster: Cluster
+    device: DeviceProfile
+    device_fit: DeviceFitReport
+    links: LinkProfile | None            # None with one rank
+    link_fits: Mapping[str, CollectiveFitResult]
+    db_path: str
+
+
+def local_profile(nprocs: int | None = None, threads_per_rank: int | None = None, *,
+                  profile_db: str | os.PathLike | None = None, refresh: bool = False,
+                  progress: bool = True) -> LocalProfile:
+    """This machine, measured (or loaded from ``profile_db``; ``refresh=True`` measures again)."""
+    device = accelerator()
+    nprocs, threads = _ranks(device, nprocs, threads_per_rank)
+    name = device_name(device, threads)
+    db = ProfileDB(profile_db)
+    curves = None if refresh else load_profile(db, name)
+    if curves is None:
+        curves = measure_device(device, threads, progress=progress)
+        save_profile(db, curves)
+    links = _links(db, name, device, nprocs, threads, refresh, progress)
+    db.save()
+    dispatch = links.dispatch_fwd_seconds if links is not None else 0.0
+    fitted, report = fit_device(curves, memory=_memory_per_rank(device, nprocs), dispatch_overhead=dispatch)
+    fitted = replace(fitted, name=name, threads=threads if device.type == "cpu" else 0,
+                     dispatch_overhead_backward=links.dispatch_bwd_seconds if links is not None else 0.0)
+    preset_intra, preset_inter = _preset_links(device)
+    fits = fit_profile(links) if links is not None else {}
+    intra = replace(to_link(fits, nprocs, name="shm" if device.type == "cpu" else "NVLink"),
+                    overlap=links.overlap_fraction) if fits else preset_intra
+    inter = replace(preset_inter, name=f"{preset_inter.name or 'inter-node'} (preset, not measured)")
+    cluster = Cluster(nodes=1, devices_per_node=nprocs, device=fitted, intra_node=intra, inter_node=inter)
+    return LocalProfile(cluster, curves, report, links, fits, str(db.path))
+
+
+def local_cluster(nprocs: int | None = None, threads_per_rank: int | None = None, *,
+                  profile_db: str | os.PathLike | None = None, refresh: bool = False,
+                  progress: bool = True) -> Cluster:
+    """:func:`local_profile`'s cluster."""
+    return local_profile(nprocs, threads_per_rank, profile_db=profile_db, refresh=refresh,
+                         progress=progress).cluster
+
+
+def _links(db: ProfileDB, name: str, device: torch.device, nprocs: int, threads: int, refresh: bool,
+           progress: bool) -> LinkProfile | None:
+    """The link profile of ``nprocs`` ranks (None for one rank: nothing to measure)."""
+    if nprocs < 2:
+        return None
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    key = links_key(backend, nprocs)
+    record = None if refresh else db.get(name, "links", key)
+    if record is not None:
+        return LinkProfile.from_record(record)
+    profile = measure_links(nprocs, threads, backend=backend, progress=progress)
+    db.put(name, "links", key, profile.to_record())
+    return profile
+
+
+def _preset_links(device: torch.device) -> tuple:
+    """The (intra, inter) preset links of the nearest preset family, for what cannot be measured here."""
+    if device.type == "cpu":
+        return link_presets("cpu")
+    gpu = torch.cuda.get_device_name(device)
+    family = next((f for f in ("V100-32GB", "A100-80GB") if f.split("-")[0] in gpu), "H100-SXM")
+    return link_presets(family)

@@ -1,0 +1,93 @@
+"""Cluster.local: measured device and links become a Cluster, cached; the `autopar profile` command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import autopar.profiler.local as local
+from autopar import Cluster, ConfigError
+from autopar.cli import main
+from autopar.cost_model.comm import Collective, GroupPlacement, collective_time
+from autopar.profiler.device import measure_device
+from autopar.profiler.host import device_name
+from autopar.profiler.links import COLLECTIVES, LinkProfile, fit_profile
+
+SIZES = (4096, 65536, 1 << 20, 1 << 22)
+
+
+def _synthetic_links(nprocs: int, threads: int, **_) -> LinkProfile:
+    """Links of a made-up machine: t = 50 us + S / 2 GB/s for every collective (p2p twice as fast)."""
+    samples = {kind: tuple((s, 5e-5 + s / (4e9 if kind == "p2p" else 2e9)) for s in SIZES) for kind in COLLECTIVES}
+    return LinkProfile(backend="gloo", nprocs=nprocs, threads_per_rank=threads, samples=samples,
+                       dispatch_fwd_seconds=2e-5, dispatch_bwd_seconds=3e-5, overlap_fraction=0.25)
+
+
+@pytest.fixture()
+def measured(monkeypatch):
+    """Patch the measurements: a quick real device profile, synthetic links; count the calls."""
+    calls = {"device": 0, "links": 0}
+
+    def device(dev, threads, progress=True):
+        calls["device"] += 1
+        return measure_device(dev, threads, dtypes=("fp32",), budget="quick", progress=False)
+
+    def links(nprocs, threads, **kw):
+        calls["links"] += 1
+        return _synthetic_links(nprocs, threads)
+
+    monkeypatch.setattr(local, "measure_device", device)
+    monkeypatch.setattr(local, "measure_links", links)
+    return calls
+
+
+def test_local_cluster_is_this_machine_measured_and_cached(measured, tmp_path) -> None:
+    db = tmp_path / "profile.json"
+    cluster = Cluster.local(nprocs=2, threads_per_rank=1, profile_db=str(db), progress=False)
+    assert measured == {"device": 1, "links": 1}
+    assert (cluster.nodes, cluster.devices_per_node) == (1, 2)
+    assert cluster.device.name == device_name(torch.device("cpu"), 1) and cluster.device.threads == 1
+    assert cluster.device.dispatch_overhead == pytest.approx(2e-5)
+    assert cluster.device.dispatch_overhead_backward == pytest.approx(3e-5)
+    assert cluster.intra_node.overlap == 0.25
+    assert set(cluster.intra_node.collectives) == set(COLLECTIVES)
+    assert "not measured" in cluster.inter_node.name
+    # the comm model prices the measured line: alpha + S * beta at n = 2 ranks
+    group = GroupPlacement(size=2, ranks_per_node=2, groups_per_node=1)
+    fits = fit_profile(_synthetic_links(2, 1))
+    for kind in ("all_reduce", "all_gather"):
+        assert collective_time(Collective(kind), 1 << 21, group, cluster) == pytest.approx(
+            float(fits[kind].predict(1 << 21)), rel=1e-6)
+    again = Cluster.local(nprocs=2, threads_per_rank=1, profile_db=str(db), progress=False)
+    assert measured == {"device": 1, "links": 1}  # loaded, not measured
+    assert again == cluster
+    Cluster.local(nprocs=2, threads_per_rank=1, profile_db=str(db), refresh=True, progress=False)
+    assert measured == {"device": 2, "links": 2}
+
+
+def test_one_rank_has_no_links_to_measure(measured, tmp_path) -> None:
+    cluster = Cluster.local(nprocs=1, threads_per_rank=1, profile_db=str(tmp_path / "p.json"), progress=False)
+    assert cluster.devices == 1 and measured["links"] == 0
+    assert cluster.device.dispatch_overhead == 0.0
+
+
+@pytest.mark.parametrize("kw", [dict(nprocs=0), dict(nprocs=2, threads_per_rank=0), dict(nprocs=True)])
+def test_bad_rank_counts_are_refused(kw, tmp_path) -> None:
+    with pytest.raises(ConfigError):
+        Cluster.local(profile_db=str(tmp_path / "p.json"), progress=False, **kw)
+
+
+def test_profile_command_prints_the_cached_measurement(measured, tmp_path, capsys) -> None:
+    db = str(tmp_path / "profile.json")
+    assert main(["profile", "--nprocs", "2", "--threads-per-rank", "1", "--db", db, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["cluster"]["devices_per_node"] == 2 and out["profile_db"] == db
+    assert set(out["link_fits"]) == set(COLLECTIVES)
+    assert main(["profile", "--nprocs", "2", "--threads-per-rank", "1", "--db", db]) == 0
+    text = capsys.readouterr().out
+    assert "all_reduce" in text and "peak GFLOP/s" in text
+    assert measured == {"device": 1, "links": 1}
+    assert main(["profile", "--nprocs", "0", "--db", db]) == 2
+    assert "nprocs" in capsys.readouterr().err
