@@ -186,6 +186,11 @@ class Link:
     """Fraction of a collective's time that computation issued meanwhile hides, in [0, 1]: 1 for NCCL
     on GPUs (its kernels run beside the compute); measured by the profiler (gloo's threads share
     the CPU cores with the compute ranks)."""
+    context_latency: float = 0.0
+    """Extra seconds per collective issued between compute rather than back to back (the backend's
+    threads wake up, the ranks arrive apart); measured by the profiler, 0 for presets."""
+    context_latency_p2p: float = 0.0
+    """The same for a point-to-point message."""
     collectives: Mapping[str, CollectiveFit] = field(default_factory=dict)
     """Measured fits per collective (keys from COLLECTIVE_NAMES) that replace ``latency`` and
     ``bandwidth * efficiency`` for that collective; empty for presets. Stored read-only."""
@@ -195,6 +200,8 @@ class Link:
         _check_number("Link", "latency", self.latency, allow_zero=True)
         _check_number("Link", "efficiency", self.efficiency, at_most_one=True)
         _check_number("Link", "overlap", self.overlap, allow_zero=True, at_most_one=True)
+        _check_number("Link", "context_latency", self.context_latency, allow_zero=True)
+        _check_number("Link", "context_latency_p2p", self.context_latency_p2p, allow_zero=True)
         if not isinstance(self.name, str):
             raise ConfigError(f"Link.name={self.name!r} must be a string")
         if not isinstance(self.collectives, Mapping):
@@ -209,7 +216,8 @@ class Link:
         object.__setattr__(self, "collectives", MappingProxyType(fits))
 
     def __hash__(self) -> int:
-        return hash((self.bandwidth, self.latency, self.efficiency, self.overlap, self.name, tuple(sorted(
+        return hash((self.bandwidth, self.latency, self.efficiency, self.overlap, self.context_latency,
+                     self.context_latency_p2p, self.name, tuple(sorted(
             (k, v.latency, v.bandwidth) for k, v in self.collectives.items()))))
 
     @property

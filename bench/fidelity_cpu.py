@@ -9,14 +9,16 @@ global batch 16, fp32, AdamW. For every configuration below the script
 - predicts: ``autopar.plan(model, cluster, ..., fixed=<every field>, profile=True).step_time``
   (the plan is what the program runs: per-op sharding from the ILP, stages from the DP);
 - measures: the ``train_step`` of ``autopar.parallelize(model, plan)`` on R gloo ranks with one
-  thread each: 2 warm-up steps, then the median of 5 (each step between two barriers);
+  thread each: 2 warm-up steps, then the median of 5 (each step between two barriers), the
+  configurations' steps taken round robin so that the VM's slow spells (its speed drifts by
+  10-20% over minutes) fall on all of them alike;
 
 and ``autopar.plan(..., profile=True)`` with nothing pinned picks a configuration, which is
 measured too when it is not in the list. Targets (issue: profiler): median |error| <= 10%,
 none over 25%, and the pick measures within 5% of the fastest measured configuration.
 Prints the table, writes bench/results/fidelity_cpu_<R>ranks.{json,png}.
 
-Run: .venv/bin/python bench/fidelity_cpu.py [--ranks 2|4] [--db PATH]
+Run: .venv/bin/python bench/fidelity_cpu.py [--ranks 2|4] [--db PATH] [--plot-only]
      (--db reuses a profile cache; by default a fresh one, so the profiling is part of the run)
 """
 
@@ -108,18 +110,18 @@ def _worker(rank: int, world: int, port: int, plans: dict, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     x = batch()
-    measured = {}
-    for name, plan in plans.items():
-        program = autopar.parallelize(model(), autopar.Plan.from_dict(plan), optimizer)
-        times = []
-        for _ in range(WARMUP + STEPS):
+    programs = {name: autopar.parallelize(model(), autopar.Plan.from_dict(plan), optimizer)
+                for name, plan in plans.items()}
+    times: dict[str, list[float]] = {name: [] for name in plans}
+    for step in range(WARMUP + STEPS):  # round robin: a slow spell of the VM hits every configuration alike
+        for name, program in programs.items():
             dist.barrier()
             start = time.perf_counter()
             program.train_step(x)
             dist.barrier()
-            times.append(time.perf_counter() - start)
-        measured[name] = statistics.median(times[WARMUP:])
-        del program
+            if step >= WARMUP:
+                times[name].append(time.perf_counter() - start)
+    measured = {name: statistics.median(t) for name, t in times.items()}
     if rank == 0:
         with open(out, "w") as fh:
             json.dump(measured, fh)
@@ -146,26 +148,37 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     top = 1.1 * max(max(r["measured_s"], r["predicted_s"]) for r in rows)
     ax.plot([0, top], [0, top], color="grey", lw=1, label="predicted = measured")
     ax.fill_between([0, top], [0, 0.9 * top], [0, 1.1 * top], color="grey", alpha=0.15, label="within 10%")
-    for r in rows:
-        ax.scatter(r["measured_s"], r["predicted_s"], s=30)
-        ax.annotate(r["config"], (r["measured_s"], r["predicted_s"]), fontsize=7, xytext=(4, -3),
-                    textcoords="offset points")
+    markers = "osD^v<>ph*"
+    for i, r in enumerate(rows):
+        ax.scatter(r["measured_s"], r["predicted_s"], s=36, marker=markers[i % len(markers)], label=r["config"])
     ax.set_xlim(0, top)
     ax.set_ylim(0, top)
     ax.set_xlabel("measured train_step (s)")
     ax.set_ylabel("predicted step time, profile=True (s)")
     ax.set_title(title, fontsize=9)
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="upper left", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _title(ranks: int, median: float, worst: float) -> str:
+    return (f"{ranks} gloo ranks x 1 thread, GPT-NeoX-style 4x256, batch 16\n"
+            f"median |error| {median * 100:.1f}%, max {worst * 100:.1f}%")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2, choices=sorted(CONFIGS))
     parser.add_argument("--db", default=None, help="profile cache to use (default: a fresh temporary one)")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the saved JSON")
     args = parser.parse_args()
+    stem = RESULTS / f"fidelity_cpu_{args.ranks}ranks"
+    if args.plot_only:
+        with open(stem.with_suffix(".json")) as fh:
+            saved = json.load(fh)
+        plot(saved["rows"], stem.with_suffix(".png"), _title(args.ranks, saved["median_error"], saved["max_error"]))
+        return 0
     cores = os.cpu_count() or 1
     if cores < args.ranks:
         print(f"SKIPPED: {args.ranks} ranks with 1 thread each need {args.ranks} cores; this machine has {cores}, so "
@@ -191,12 +204,10 @@ def main() -> int:
           f"plan's pick {pick!r} measures {pick_gap * 100:+.1f}% vs the fastest measured "
           f"({fastest['config']}) (target <= 5%)")
     RESULTS.mkdir(exist_ok=True)
-    stem = RESULTS / f"fidelity_cpu_{args.ranks}ranks"
     with open(stem.with_suffix(".json"), "w") as fh:
         json.dump({"rows": rows, "pick": pick, "median_error": median, "max_error": worst, "pick_gap": pick_gap,
                    **timings}, fh, indent=1)
-    plot(rows, stem.with_suffix(".png"), f"{args.ranks} gloo ranks x 1 thread, GPT-NeoX-style 4x256, batch 16\n"
-         f"median |error| {median * 100:.1f}%, max {worst * 100:.1f}%")
+    plot(rows, stem.with_suffix(".png"), _title(args.ranks, median, worst))
     ok = median <= 0.10 and worst <= 0.25 and pick_gap <= 0.05
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1

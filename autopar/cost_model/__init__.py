@@ -30,7 +30,8 @@ def estimate_plan(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_
     devices = est.devices(cfg, m, chunks)
     groups = est.placements(cfg)
     pipe = pipeline_time([d.work for d in devices], m, cfg.schedule, cfg.virtual_stages)
-    dp = [est.dp_exposed(cfg, d, m, groups["dp"], groups["tp"]) for d in devices]
+    loss = est.loss_share_time()
+    dp = [est.dp_exposed(cfg, d, m, groups["dp"], groups["tp"]) + loss for d in devices]
     opt = [est.optimizer_time(cfg, d) for d in devices]
     slowest = max(range(len(devices)), key=lambda i: devices[i].work)
     tail = max(range(len(devices)), key=lambda i: dp[i] + opt[i])

@@ -51,6 +51,12 @@ nodes never costs less than the same group inside one (hypothetically large) nod
 
 **Point to point**: ``t = S / B + a`` over the intra-node link, or over the inter-node
 link (one device's NIC) when the two ranks sit on different nodes.
+
+**In context.** A collective issued between compute, as in a training step, can cost more
+than back-to-back calls: the backend's threads have gone to sleep and the ranks arrive apart.
+Every call adds the link's measured ``context_latency`` (``context_latency_p2p`` for p2p) once;
+it is 0 for the presets (NCCL's kernels are queued ahead on the GPU) and measured by the
+profiler (gloo on a small VM: several ms).
 """
 
 from __future__ import annotations
@@ -214,7 +220,7 @@ def collective_time(kind: Collective, nbytes: float, group: GroupPlacement, clus
         t_bw = (r - 1) / n * nbytes / b_intra
         if N > 1:
             t_bw += (n - r) / n * nbytes / _rank_nic_bandwidth(group, cluster, kind)
-        return t_bw + (r - 1) * a_intra + (n - r) * a_inter
+        return t_bw + (r - 1) * a_intra + (n - r) * a_inter + _context(group, cluster)
     if N == 1:
         b_eff = b_intra
     elif r == 1:
@@ -222,11 +228,12 @@ def collective_time(kind: Collective, nbytes: float, group: GroupPlacement, clus
     else:
         b_eff = min(b_intra, r * _rank_nic_bandwidth(group, cluster, kind))
     ring_pass_latency = (n - N) * a_intra + (N - 1) * a_inter
+    context = _context(group, cluster)
     if kind is Collective.ALL_REDUCE:
-        return 2 * (n - 1) / n * nbytes / b_eff + 2 * ring_pass_latency
+        return 2 * (n - 1) / n * nbytes / b_eff + 2 * ring_pass_latency + context
     if kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
-        return (n - 1) / n * nbytes / b_eff + ring_pass_latency
-    return nbytes / b_eff + ring_pass_latency  # BROADCAST
+        return (n - 1) / n * nbytes / b_eff + ring_pass_latency + context
+    return nbytes / b_eff + ring_pass_latency + context  # BROADCAST
 
 
 def collective_affine(kind: Collective, group: GroupPlacement, cluster: Cluster) -> tuple[float, float]:
@@ -247,7 +254,15 @@ def p2p_time(nbytes: float, cluster: Cluster, *, across_nodes: bool) -> float:
     if nbytes == 0:
         return 0.0
     link: Link = cluster.inter_node if across_nodes else cluster.intra_node
-    return nbytes / link.achievable("p2p") + link.step_latency("p2p")
+    return nbytes / link.achievable("p2p") + link.step_latency("p2p") + link.context_latency_p2p
+
+
+def _context(group: GroupPlacement, cluster: Cluster) -> float:
+    """Seconds a collective pays once for being issued between compute (``Link.context_latency``): of
+    the intra-node link inside one node, of the slower level across nodes."""
+    if group.nodes == 1:
+        return cluster.intra_node.context_latency
+    return max(cluster.intra_node.context_latency, cluster.inter_node.context_latency)
 
 
 def bus_bandwidth(kind: Collective, nbytes: float, seconds: float, group_size: int) -> float:

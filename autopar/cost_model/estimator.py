@@ -24,9 +24,14 @@ Forward prefetch (``o_f = o``) needs a host that runs ahead of its device, as wi
 streams; on a CPU the compute runs on the thread that would issue the next gather
 (FSDP2 prefetches explicitly only in backward), so ``o_f = 0`` there.
 
+The runtime also all-reduces the step's loss (one float) over every device, which is
+counted with ``T_dp_exposed``.
+
 The optimizer step streams the local shard's weights, gradients and states through
 memory once: ``Psi_local (2 K + g + w) / (W e_mem)``; profiled, it is the measured seconds
-per parameter of an AdamW step on the model's own parameters times ``Psi_local``.
+per parameter of an AdamW step on the model's own parameters times ``Psi_local``, plus, for
+DTensor parameters (tensor parallelism, ZeRO-3), the device's per-op dispatch overhead for
+each of the update's ADAM_OPS_PER_TENSOR ops on each parameter tensor.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ from .memory import MemoryBreakdown, in_flight, model_state_bytes
 from .schedule import even_partition, pipeline_time
 
 DP_BUCKET_BYTES = 25e6  # PyTorch DDP's default bucket size
+# Tensor ops per parameter of torch's single-tensor AdamW (the CPU default): weight decay, the two
+# moment updates (lerp_, mul_ + addcmul_), sqrt, div, add_ (eps) and addcdiv_ (torch/optim/adam.py)
+ADAM_OPS_PER_TENSOR = 8
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,7 @@ class DeviceCost:
     buffers: float
     memory: MemoryBreakdown
     tp_grad_bytes: float = 0.0  # gradients all-reduced inside the tensor-parallel group once per step
+    param_tensors: int = 0      # parameter tensors held (the optimizer's per-tensor work)
 
     @property
     def work(self) -> float:
@@ -165,7 +174,8 @@ class Estimator:
                 costs: list[LayerCost], micro_batches: int) -> DeviceCost:
         idx = [i for chunk in chunks for i in chunk]
         # each parameter once per device, tied ones included (a pipeline stage may hold a copy)
-        params = self._local_params(dict.fromkeys(n for i in idx for n in self._layer_param_names(i)), cfg)
+        names = dict.fromkeys(n for i in idx for n in self._layer_param_names(i) if n in self.graph.params)
+        params = self._local_params(names, cfg)
         w, g, k = model_state_bytes(params, self.precision, cfg.zero, cfg.dp)
         per_chunk = [sum(costs[i].activations for i in chunk) for chunk in chunks]
         acts = max(per_chunk) if cfg.schedule == "interleaved" else sum(per_chunk)
@@ -179,7 +189,8 @@ class Estimator:
             recompute=sum(costs[i].recompute for i in idx),
             tp_comm=sum(costs[i].tp_fwd + costs[i].tp_bwd for i in idx), p2p=p2p,
             activations=acts, in_flight=flights, params=params, buffers=buffers, memory=memory,
-            tp_grad_bytes=sum(self.layers.step_comm_bytes(self.graph.layers[i], cfg.tp) for i in idx))
+            tp_grad_bytes=sum(self.layers.step_comm_bytes(self.graph.layers[i], cfg.tp) for i in idx),
+            param_tensors=len(names))
 
     def buffer_bytes(self, cfg: ParallelConfig, recompute: str, largest, working, layer_params):
         """Transient bytes: two of the largest activation (output and gradient buffers), the
@@ -270,6 +281,12 @@ class Estimator:
             return 1.0
         return (self.cluster.intra_node if group.nodes == 1 else self.cluster.inter_node).overlap
 
+    def loss_share_time(self) -> float:
+        """The step's loss, one float, all-reduced over every device once per step (the runtime's
+        ``train_step`` returns it on every rank); counted with the data-parallel communication."""
+        world = place_axes(self.cluster, [("world", self.cluster.devices)])["world"]
+        return collective_time(Collective.ALL_REDUCE, 4.0, world, self.cluster)
+
     def optimizer_time(self, cfg: ParallelConfig, dev: DeviceCost | float):
         """The optimizer step of one device (its parameters, or a DeviceCost); floats or arrays."""
         params = dev.params if isinstance(dev, DeviceCost) else dev
@@ -277,6 +294,10 @@ class Estimator:
         measured = self.layers.measured.optimizer_seconds_per_param() if self.layers.measured is not None else None
         if measured is not None:
             out = local * measured
+            if isinstance(dev, DeviceCost) and (cfg.tp > 1 or cfg.zero == 3):
+                # DTensor parameters (tensor parallelism, FSDP2): every op of the per-tensor update pays
+                # the runtime's dispatch overhead
+                out = out + dev.param_tensors * ADAM_OPS_PER_TENSOR * self.cluster.device.dispatch_overhead
         else:
             p = self.precision
             per_param = 2 * p.optimizer_bytes + p.grad_bytes + p.weight_bytes

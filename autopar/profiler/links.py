@@ -27,19 +27,19 @@ ProcessGroupGloo clones the input, all-reduces all of it and copies this rank's 
 so it costs about an all-reduce of ``S``. The profile records what the backend really does;
 its fit then gives a (low) effective ``B`` for reduce-scatter that the cost model uses as is.
 
-The same spawn measures the **DTensor dispatch overhead**: on a 1-D DeviceMesh of all ranks,
-the op mix of a tensor-parallel layer at a negligible size (a column-parallel linear whose
-weight is ``Shard(0)``, gelu, two views, two transposes, a multiply, a sum: 8 ops) as DTensors
-against plain tensors, forward, and forward + backward (the weight a leaf that needs a gradient).
-Per op,
+The same spawn measures the **DTensor dispatch overhead** of autopar's runtime: the op mix of
+a tensor-parallel layer at a negligible size (a linear whose weight is ``Shard(0)``, gelu, two
+views, two transposes, a multiply, a sum), exported and run node by node through the runtime's
+``NodeRunner``, on plain tensors and on DTensors of a 1-D mesh of all ranks, forward and
+forward + backward. Per node,
 
-    fwd = (t_DT(chain) - t_plain(chain)) / 8
-    bwd = ([t_DT(fb) - t_plain(fb)] - [t_DT(chain) - t_plain(chain)]) / 8
+    fwd = (t_DT(forward) - t_plain(forward)) / nodes
+    bwd = ([t_DT(fb) - t_plain(fb)] - [t_DT(forward) - t_plain(forward)]) / nodes
 
 Each ``t`` is the median over :data:`DISPATCH_BLOCKS` blocks of 50-200 calls, the plain and DTensor
 blocks alternating; the MAX over ranks is reported, and a difference below 0 (timing noise) as 0.
-(A replicated ``x + y`` alone costs a third of this: sharding propagation of views and sharded
-matmuls is what costs.)
+(A replicated ``x + y`` alone costs a fraction of this: sharding propagation of views and
+sharded matmuls, and the runtime's wrapping of every value, are what cost.)
 
 **Noise.** On a small VM gloo's times are bimodal: most calls take the link's time, but a
 fraction (0-60%, varying with size and over time, even on an idle machine) waits for a
@@ -158,6 +158,9 @@ class LinkProfile:
     """Extra seconds per op of the backward of those ops."""
     overlap_fraction: float
     """Fraction of an asynchronous all-reduce's time that compute issued meanwhile hides (0..1)."""
+    context_seconds: Mapping[str, float]
+    """Extra seconds per call of a collective issued right after compute, over back-to-back calls
+    ("all_reduce" for the ring collectives, "p2p"); stored read-only."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
@@ -174,6 +177,13 @@ class LinkProfile:
         if isinstance(self.overlap_fraction, bool) or not isinstance(self.overlap_fraction, (int, float)) \
                 or not 0 <= self.overlap_fraction <= 1:
             raise ConfigError(f"LinkProfile.overlap_fraction={self.overlap_fraction!r} must be a number in [0, 1]")
+        context = dict(self.context_seconds)
+        if set(context) != {"all_reduce", "p2p"} or any(
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0
+                for v in context.values()):
+            raise ConfigError(f"LinkProfile.context_seconds={context!r} must map 'all_reduce' and 'p2p' to "
+                              "seconds >= 0")
+        object.__setattr__(self, "context_seconds", MappingProxyType(context))
         for name in ("dispatch_fwd_seconds", "dispatch_bwd_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -181,7 +191,8 @@ class LinkProfile:
 
     def __hash__(self) -> int:
         return hash((self.backend, self.nprocs, self.threads_per_rank, tuple(sorted(self.samples.items())),
-                     self.dispatch_fwd_seconds, self.dispatch_bwd_seconds, self.overlap_fraction))
+                     self.dispatch_fwd_seconds, self.dispatch_bwd_seconds, self.overlap_fraction,
+                     tuple(sorted(self.context_seconds.items()))))
 
     @property
     def key(self) -> str:
@@ -194,13 +205,14 @@ class LinkProfile:
                 "collectives": {kind: {"bytes": [b for b, _ in pairs], "seconds": [t for _, t in pairs]}
                                 for kind, pairs in self.samples.items()},
                 "dispatch_fwd_seconds": self.dispatch_fwd_seconds,
-                "dispatch_bwd_seconds": self.dispatch_bwd_seconds, "overlap_fraction": self.overlap_fraction}
+                "dispatch_bwd_seconds": self.dispatch_bwd_seconds, "overlap_fraction": self.overlap_fraction,
+                "context_seconds": dict(self.context_seconds)}
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> "LinkProfile":
         """The profile :meth:`to_record` wrote; ConfigError when a field is missing or malformed."""
         needed = ("backend", "nprocs", "threads_per_rank", "collectives", "dispatch_fwd_seconds",
-                  "dispatch_bwd_seconds", "overlap_fraction")
+                  "dispatch_bwd_seconds", "overlap_fraction", "context_seconds")
         missing = [k for k in needed if k not in record]
         if missing:
             raise ConfigError(f"link profile record lacks {missing}: measure the links again (measure_links)")
@@ -218,7 +230,7 @@ class LinkProfile:
         return cls(backend=record["backend"], nprocs=record["nprocs"], threads_per_rank=record["threads_per_rank"],
                    samples=samples, dispatch_fwd_seconds=record["dispatch_fwd_seconds"],
                    dispatch_bwd_seconds=record["dispatch_bwd_seconds"],
-                   overlap_fraction=record["overlap_fraction"])
+                   overlap_fraction=record["overlap_fraction"], context_seconds=record["context_seconds"])
 
 
 def links_key(backend: str, nprocs: int) -> str:
@@ -541,10 +553,11 @@ def _rank_main(rank: int, nprocs: int, port: int, threads: int, sizes: list[int]
             samples[kind].append((size, t / 2 if kind == "p2p" else t))  # p2p: a round trip is two messages
         fwd, bwd = _dispatch_overhead(device, nprocs)
         overlap = _overlap(device)
+        context = _in_context(device, rank)
         if rank == 0:
             record = LinkProfile(backend=backend, nprocs=nprocs, threads_per_rank=threads, samples=samples,
                                  dispatch_fwd_seconds=fwd, dispatch_bwd_seconds=bwd,
-                                 overlap_fraction=overlap).to_record()
+                                 overlap_fraction=overlap, context_seconds=context).to_record()
             with open(out_path, "w") as fh:
                 json.dump(record, fh)
         dist.barrier()  # no rank tears its connections down while a peer still uses them
@@ -599,6 +612,54 @@ def _mean_max(fn: Callable[[], object], device: torch.device) -> float:
         _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.fmean(_max_over_ranks(times, device))
+
+
+CONTEXT_COMPUTE_SECONDS = 0.02
+CONTEXT_CALLS = 20
+CONTEXT_BYTES = (64 * 2 ** 10, 2 * 2 ** 20)
+
+
+def _in_context(device: torch.device, rank: int) -> dict[str, float]:
+    """Extra seconds a collective costs when it follows a block of compute (as in a training step, where
+    the backend's threads have gone to sleep and the ranks arrive apart) rather than another collective:
+    ``mean(T(compute; op)) - mean(T(compute)) - mean(T(op; op))`` over CONTEXT_CALLS calls without
+    barriers, the slowest rank's, averaged over CONTEXT_BYTES; for the all-reduce and for p2p
+    (rank 0 sends to rank 1, both after their compute)."""
+    import torch.distributed as dist
+    a, b = torch.randn(256, 256, device=device), torch.randn(256, 256, device=device)
+    per = _mean_max(lambda: [a @ b for _ in range(10)], device) / 10
+    n = max(1, round(CONTEXT_COMPUTE_SECONDS / max(per, 1e-9)))
+
+    def compute() -> None:
+        for _ in range(n):
+            a @ b
+
+    def loop(fn: Callable[[], object]) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(CONTEXT_CALLS):
+            fn()
+        _sync(device)
+        return _max_over_ranks([(time.perf_counter() - start) / CONTEXT_CALLS], device)[0]
+
+    out = {}
+    for kind in ("all_reduce", "p2p"):
+        extra = []
+        for nbytes in CONTEXT_BYTES:
+            buf = torch.randn(nbytes // _FLOAT_BYTES, device=device)
+            if kind == "all_reduce":
+                def op() -> None:
+                    dist.all_reduce(buf)
+            else:
+                def op() -> None:
+                    if rank == 0:
+                        dist.send(buf, 1)
+                    elif rank == 1:
+                        dist.recv(buf, 0)
+            op()
+            extra.append(loop(lambda: (compute(), op())) - loop(compute) - loop(op))
+        out[kind] = max(0.0, statistics.fmean(extra))
+    return out
 
 
 class _Buffers:
@@ -711,39 +772,64 @@ def _per_call(fns: Sequence[Callable[[], object]], device: torch.device, calls: 
     return [statistics.median(per) for per in blocks]
 
 
-DISPATCH_CHAIN_OPS = 8
+class _LayerMix(torch.nn.Module):
+    """The op mix of a tensor-parallel transformer layer at a negligible size: a linear (its weight split
+    by rows across the mesh), gelu, two views, two transposes, a multiply and a sum."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.rows = rows
+        self.weight = torch.nn.Parameter(torch.randn(rows, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(torch.nn.functional.linear(x, self.weight))
+        h = h.view(-1, self.rows).view(2, 4, self.rows).transpose(1, 2).transpose(1, 2)
+        return (h * h).sum()
 
 
 def _dispatch_overhead(device: torch.device, nprocs: int) -> tuple[float, float]:
-    """(forward, backward) extra seconds per op of DTensors over plain tensors, max over ranks, on the op
-    mix of a tensor-parallel transformer layer at a negligible size: a column-parallel linear (weight
-    ``Shard(0)``), gelu, a view and its inverse, a transpose and back, a multiply, a sum (8 ops)."""
-    import torch.nn.functional as F
+    """(forward, backward) extra seconds per op when autopar's runtime runs ops as DTensors, max over ranks.
+
+    The exported :class:`_LayerMix` is run node by node through the runtime's own ``NodeRunner``,
+    once on plain tensors (no mesh) and once on DTensors of a 1-D mesh of all ranks (input
+    ``Replicate``, weight ``Shard(0)``), forward and forward + backward; per node,
+    ``fwd = (t_DT - t_plain) / nodes`` and ``bwd = ([t_DT(fb) - t_plain(fb)] - [t_DT - t_plain]) / nodes``."""
+    from types import SimpleNamespace
+
     from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
+
+    from ..runtime.chunk import NodeRunner
+
     mesh = init_device_mesh(device.type, (nprocs,))
     rows = 8 * nprocs
+    program = torch.export.export(_LayerMix(rows).to(device), (torch.randn(2, 4, 8, device=device),), strict=False)
+    split = SimpleNamespace(node_map={n.name: n for n in program.graph.nodes}, program=program)
+    calls = [n.name for n in program.graph.nodes if n.op == "call_function"]
+    weight_name, input_name = [n.name for n in program.graph.nodes if n.op == "placeholder"]
 
-    def chain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        h = F.gelu(F.linear(x, w))
-        h = h.view(-1, rows).view(2, 4, rows).transpose(1, 2).transpose(1, 2)
-        return (h * h).sum()
-
-    def variants(dtensor: bool) -> tuple[Callable[[], object], Callable[[], object]]:
+    def variant(dtensor: bool) -> tuple[Callable[[], object], Callable[[], object]]:
+        runner = NodeRunner(split, mesh if dtensor else None, {})
         x, w = torch.randn(2, 4, 8, device=device), torch.randn(rows, 8, device=device)
         if dtensor:
             x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
             w = DTensor.from_local(w.chunk(nprocs)[0].contiguous(), mesh, [Shard(0)], run_check=False)
         w = w.detach().requires_grad_()
 
+        def forward() -> torch.Tensor:
+            env: dict[str, Any] = {weight_name: w, input_name: x}
+            for name in calls:
+                env[name] = runner.run(name, env)
+            return env[calls[-1]]
+
         def fwd_bwd() -> None:
             w.grad = None
-            chain(x, w).backward()
+            forward().backward()
 
-        return lambda: chain(x, w), fwd_bwd
+        return forward, fwd_bwd
 
-    (plain_fwd, plain_fb), (dt_fwd, dt_fb) = variants(False), variants(True)
+    (plain_fwd, plain_fb), (dt_fwd, dt_fb) = variant(False), variant(True)
     p_fwd, d_fwd, p_fb, d_fb = _per_call([plain_fwd, dt_fwd, plain_fb, dt_fb], device, 50)
-    fwd = (d_fwd - p_fwd) / DISPATCH_CHAIN_OPS
-    bwd = ((d_fb - p_fb) - (d_fwd - p_fwd)) / DISPATCH_CHAIN_OPS
+    fwd = (d_fwd - p_fwd) / len(calls)
+    bwd = ((d_fb - p_fb) - (d_fwd - p_fwd)) / len(calls)
     fwd, bwd = _max_over_ranks([fwd, bwd], device)
     return max(0.0, fwd), max(0.0, bwd)

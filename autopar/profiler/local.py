@@ -81,7 +81,8 @@ def local_profile(nprocs: int | None = None, threads_per_rank: int | None = None
     preset_intra, preset_inter = _preset_links(device)
     fits = fit_profile(links) if links is not None else {}
     intra = replace(to_link(fits, nprocs, name="shm" if device.type == "cpu" else "NVLink"),
-                    overlap=links.overlap_fraction) if fits else preset_intra
+                    overlap=links.overlap_fraction, context_latency=links.context_seconds["all_reduce"],
+                    context_latency_p2p=links.context_seconds["p2p"]) if fits else preset_intra
     inter = replace(preset_inter, name=f"{preset_inter.name or 'inter-node'} (preset, not measured)")
     cluster = Cluster(nodes=1, devices_per_node=nprocs, device=fitted, intra_node=intra, inter_node=inter)
     return LocalProfile(cluster, curves, report, links, fits, str(db.path))

@@ -29,7 +29,8 @@ def _profile(nprocs: int = 2, **lines: tuple[float, float]) -> LinkProfile:
     samples = {kind: _line(*lines.get(kind, (50e-6, 1 / 2e9)), noise=0.01, seed=i)
                for i, kind in enumerate(COLLECTIVES)}
     return LinkProfile(backend="gloo", nprocs=nprocs, threads_per_rank=1, samples=samples,
-                       dispatch_fwd_seconds=5e-6, dispatch_bwd_seconds=1e-5, overlap_fraction=0.5)
+                       dispatch_fwd_seconds=5e-6, dispatch_bwd_seconds=1e-5, overlap_fraction=0.5,
+                       context_seconds={"all_reduce": 1e-3, "p2p": 5e-4})
 
 
 # --- the fit ---------------------------------------------------------------------------------------
@@ -142,10 +143,12 @@ def test_record_errors_say_what_is_wrong():
         LinkProfile.from_record(record)
     with pytest.raises(ConfigError, match="seconds must be a finite number > 0"):
         LinkProfile(backend="gloo", nprocs=2, threads_per_rank=1, samples={"p2p": [(4096, -1.0)]},
-                    dispatch_fwd_seconds=0.0, dispatch_bwd_seconds=0.0, overlap_fraction=1.0)
+                    dispatch_fwd_seconds=0.0, dispatch_bwd_seconds=0.0, overlap_fraction=1.0,
+                    context_seconds={"all_reduce": 0.0, "p2p": 0.0})
     with pytest.raises(ConfigError, match="overlap_fraction"):
         LinkProfile(backend="gloo", nprocs=2, threads_per_rank=1, samples={"p2p": [(4096, 1.0)]},
-                    dispatch_fwd_seconds=0.0, dispatch_bwd_seconds=0.0, overlap_fraction=1.5)
+                    dispatch_fwd_seconds=0.0, dispatch_bwd_seconds=0.0, overlap_fraction=1.5,
+                    context_seconds={"all_reduce": 0.0, "p2p": 0.0})
 
 
 # --- conversion to the cost model ------------------------------------------------------------------
@@ -232,5 +235,6 @@ def test_measure_links_on_two_gloo_ranks():
         assert times[-1] > times[0], f"{kind}: {pairs}"   # 4096x the bytes takes longer, whatever the noise
     assert profile.dispatch_fwd_seconds >= 0 and profile.dispatch_bwd_seconds >= 0
     assert 0 <= profile.overlap_fraction <= 1
+    assert set(profile.context_seconds) == {"all_reduce", "p2p"} and min(profile.context_seconds.values()) >= 0
     link = to_link(profile, 2)
     assert link.bandwidth > 0

@@ -22,7 +22,8 @@ def _synthetic_links(nprocs: int, threads: int, **_) -> LinkProfile:
     """Links of a made-up machine: t = 50 us + S / 2 GB/s for every collective (p2p twice as fast)."""
     samples = {kind: tuple((s, 5e-5 + s / (4e9 if kind == "p2p" else 2e9)) for s in SIZES) for kind in COLLECTIVES}
     return LinkProfile(backend="gloo", nprocs=nprocs, threads_per_rank=threads, samples=samples,
-                       dispatch_fwd_seconds=2e-5, dispatch_bwd_seconds=3e-5, overlap_fraction=0.25)
+                       dispatch_fwd_seconds=2e-5, dispatch_bwd_seconds=3e-5, overlap_fraction=0.25,
+                       context_seconds={"all_reduce": 2e-3, "p2p": 1e-3})
 
 
 @pytest.fixture()
@@ -54,12 +55,15 @@ def test_local_cluster_is_this_machine_measured_and_cached(measured, tmp_path) -
     assert cluster.intra_node.overlap == 0.25
     assert set(cluster.intra_node.collectives) == set(COLLECTIVES)
     assert "not measured" in cluster.inter_node.name
-    # the comm model prices the measured line: alpha + S * beta at n = 2 ranks
+    # the comm model prices the measured line, alpha + S * beta at n = 2 ranks, plus the in-context latency
+    assert (cluster.intra_node.context_latency, cluster.intra_node.context_latency_p2p) == (2e-3, 1e-3)
     group = GroupPlacement(size=2, ranks_per_node=2, groups_per_node=1)
     fits = fit_profile(_synthetic_links(2, 1))
     for kind in ("all_reduce", "all_gather"):
         assert collective_time(Collective(kind), 1 << 21, group, cluster) == pytest.approx(
-            float(fits[kind].predict(1 << 21)), rel=1e-6)
+            float(fits[kind].predict(1 << 21)) + 2e-3, rel=1e-6)
+    assert collective_time(Collective.P2P, 1 << 21, group, cluster) == pytest.approx(
+        float(fits["p2p"].predict(1 << 21)) + 1e-3, rel=1e-6)
     again = Cluster.local(nprocs=2, threads_per_rank=1, profile_db=str(db), progress=False)
     assert measured == {"device": 1, "links": 1}  # loaded, not measured
     assert again == cluster
