@@ -28,6 +28,8 @@ bench: $(STAMP)
 	$(PY) bench/solver_scaling.py
 	$(PY) bench/plan_vs_megatron.py
 	$(PY) bench/runtime_overhead.py
+	$(PY) bench/link_fit.py
+	$(PY) bench/fidelity_cpu.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
