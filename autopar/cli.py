@@ -24,6 +24,7 @@ def _profile(args: argparse.Namespace) -> int:
         out = {"cluster": cluster.to_dict(), "profile_db": result.db_path,
                "device_fit": {"median_relative_error": report.median_relative_error,
                               "max_relative_error": report.max_relative_error, "samples": report.samples},
+               "overlap": cluster.intra_node.overlap, "context_latency_seconds": cluster.intra_node.context_latency,
                "link_fits": {kind: {"alpha_seconds": fit.alpha, "beta_seconds_per_byte": fit.beta,
                                     "breakpoint_bytes": fit.breakpoint_bytes if fit.piecewise else None,
                                     "median_relative_error": fit.median_rel_error,
@@ -43,6 +44,9 @@ def _profile(args: argparse.Namespace) -> int:
     print(f"  matmul fit over {report.samples} samples: median error {report.median_relative_error * 100:.1f}%, "
           f"max {report.max_relative_error * 100:.1f}%")
     if result.link_fits:
+        link = cluster.intra_node
+        print(f"links: compute hides {link.overlap * 100:.0f}% of a collective; a collective issued between compute "
+              f"costs {link.context_latency * 1e3:.2f} ms more ({link.context_latency_p2p * 1e3:.2f} ms for p2p)")
         print(f"{'collective':<15} {'alpha us':>9} {'1/beta GB/s':>12} {'fit median':>11} {'fit max':>8}")
         for kind, fit in result.link_fits.items():
             bandwidth = 1 / fit.beta / 1e9 if fit.beta > 0 else float("inf")
