@@ -195,7 +195,7 @@ def main() -> int:
     pick_gap = measured[pick] / fastest["measured_s"] - 1
     print(f"cluster: {timings['cluster']} (Cluster.local {timings['cluster_local_s']:.1f} s; "
           f"{len(CONFIGS[args.ranks])} plans {timings['plans_s']:.1f} s; free plan {timings['free_plan_s']:.1f} s)")
-    print(f"| configuration | predicted s | measured s | error |\n|---|---:|---:|---:|")
+    print("| configuration | predicted s | measured s | error |\n|---|---:|---:|---:|")
     for r in rows:
         mark = " (plan's pick)" if r["config"] == pick else ""
         print(f"| {r['config']}{mark} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | {r['error'] * 100:+.1f}% |")
