@@ -12,8 +12,7 @@ from .capture import capture
 from .capture.export import LossFn
 from .cluster import Cluster
 from .config import ParallelConfig, Precision
-from .cost_model import Estimator, estimate_plan
-from .cost_model.layer_cost import LayerCostModel
+from .cost_model import estimate_plan
 from .errors import ConfigError
 from .plan import Plan
 from .runtime.inputs import with_inputs
@@ -64,13 +63,8 @@ def estimate(model: nn.Module, cluster: Cluster, example_inputs: Any, config: Pa
     if not isinstance(config, ParallelConfig):
         raise ConfigError(f"config must be an autopar.ParallelConfig, got {type(config).__name__}")
     graph = capture(model, example_inputs, loss_fn)
-    estimator = None
     measured = _profiler(model, example_inputs, loss_fn, graph, cluster, profile_db) if profile else None
-    if measured is not None:
-        precision = precision or Precision.for_device(cluster.device.name)
-        estimator = Estimator(graph, cluster, precision,
-                              LayerCostModel(graph, cluster, precision, measured=measured))
-    plan_ = estimate_plan(graph, cluster, config, global_batch_size, precision, estimator)
+    plan_ = estimate_plan(graph, cluster, config, global_batch_size, precision, measured=measured)
     return with_inputs(_profiled(plan_, measured), example_inputs)
 
 

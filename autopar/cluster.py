@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from .config import is_cpu_device
 from .errors import ConfigError
 
 # --- Achieved-fraction constants, per device family --------------------------------------------
@@ -133,7 +134,7 @@ class Device:
     @property
     def is_cpu(self) -> bool:
         """A CPU (the "cpu" preset, or a measured "cpu <model> xN thread(s)" device)."""
-        return self.name.split(" ")[0] == "cpu"
+        return is_cpu_device(self.name)
 
     def peak(self, dtype: str) -> float:
         """Dense peak in FLOP/s for ``dtype`` ("fp32", "tf32", "bf16", "fp16")."""

@@ -12,6 +12,11 @@ from typing import Any, Literal, Mapping
 
 from .errors import ConfigError
 
+
+def is_cpu_device(device_name: str) -> bool:
+    """A CPU device name: the "cpu" preset, or a measured "cpu <model> xN thread(s)" (profiler)."""
+    return device_name.split(" ")[0] == "cpu"
+
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Recompute = Literal["none", "selective", "full"]
 DType = Literal["fp32", "bf16", "fp16"]
@@ -180,4 +185,4 @@ class Precision:
     @classmethod
     def for_device(cls, device_name: str) -> "Precision":
         """The default policy for a device: fp32 on CPUs, bf16 mixed precision elsewhere."""
-        return cls(compute="fp32", grads="fp32") if device_name.split(" ")[0] == "cpu" else cls()  # "cpu ..." measured
+        return cls(compute="fp32", grads="fp32") if is_cpu_device(device_name) else cls()

@@ -8,7 +8,8 @@ from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
 from ..config import ParallelConfig, Precision
 from .estimator import Estimator, check_config
-from .layer_cost import recomputable
+from .compute import MeasuredTimes
+from .layer_cost import LayerCostModel, recomputable
 from .memory import MemoryBreakdown
 from .schedule import pipeline_time
 
@@ -17,15 +18,16 @@ __all__ = ["Estimator", "MemoryBreakdown", "check_config", "estimate_plan"]
 
 def estimate_plan(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_batch_size: int,
                   precision: Precision | None = None, estimator: Estimator | None = None,
-                  chunks: Sequence[Sequence[int]] | None = None):
+                  chunks: Sequence[Sequence[int]] | None = None, measured: MeasuredTimes | None = None):
     """Predict one configuration's step time, memory and per-stage breakdown as a Plan.
 
     ``chunks`` fixes the layer partition (``pp * virtual_stages`` contiguous runs of layer
-    indices); by default the blocks are split evenly as Megatron-LM does."""
+    indices); by default the blocks are split evenly as Megatron-LM does. ``measured`` (profiled op
+    times) prices the ops when no ``estimator`` is given."""
     from ..plan import Plan, Stage, TimeBreakdown
 
     precision = precision or Precision.for_device(cluster.device.name)
-    est = estimator or Estimator(graph, cluster, precision)
+    est = estimator or Estimator(graph, cluster, precision, LayerCostModel(graph, cluster, precision, measured))
     m = check_config(graph, cluster, cfg, global_batch_size)
     devices = est.devices(cfg, m, chunks)
     groups = est.placements(cfg)

@@ -118,7 +118,10 @@ class LayerCostModel:
         scale = micro_batch / self.graph.batch_size
         model = ComputeModel(self.graph, self.cluster.device, self.precision.compute, self.measured)
         fwd = bwd = core_fwd = flops = fwd_flops = core_flops = 0.0
+        ops = grad_ops = 0
         for node in self.graph.layer_nodes(layer):
+            ops += 1
+            grad_ops += node.requires_grad
             t = model.op_time(node, scale, compute_shard(node, layout, sp), split_dim(node, layout), self.fused)
             fwd += t.fwd
             bwd += t.bwd
@@ -129,9 +132,8 @@ class LayerCostModel:
                 core_fwd += t.fwd
                 core_flops += node.flops_fwd * node_scale
         if tp > 1:  # the runtime runs every op of the layer as a DTensor: its host-side dispatch cost
-            nodes = list(self.graph.layer_nodes(layer))
-            fwd += len(nodes) * self.cluster.device.dispatch_overhead
-            bwd += sum(n.requires_grad for n in nodes) * self.cluster.device.dispatch_overhead_backward
+            fwd += ops * self.cluster.device.dispatch_overhead
+            bwd += grad_ops * self.cluster.device.dispatch_overhead_backward
         tp_fwd, tp_bwd = self._tp_comm(layer, layout, scale, tp_group)
         acts = ActivationModel(self.graph, layout, self.precision, sp)
         if recompute == "full":

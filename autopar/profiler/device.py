@@ -164,9 +164,33 @@ class MatmulSample:
         return cls(int(r["m"]), int(r["n"]), int(r["k"]), float(r["seconds"]), int(r.get("batch", 1)))
 
 
+class _KernelSample:
+    """The record form shared by the kernel samples below: their fields (``dtype`` a string,
+    ``seconds`` a float, the sizes integers) plus the derived ``flops`` and ``flops_per_second``."""
+
+    what = "kernel sample"  # for error messages
+
+    @property
+    def flops_per_second(self) -> float:
+        return self.flops / self.seconds
+
+    def to_record(self) -> dict[str, Any]:
+        rec = {f.name: getattr(self, f.name) for f in fields(self)}
+        return rec | {"flops": self.flops, "flops_per_second": self.flops_per_second}
+
+    @classmethod
+    def from_record(cls, r: Mapping[str, Any]):
+        keys = [f.name for f in fields(cls)]
+        _require(r, keys, cls.what)
+        return cls(**{k: (str(r[k]) if k == "dtype" else float(r[k]) if k == "seconds" else int(r[k]))
+                      for k in keys})
+
+
 @dataclass(frozen=True)
-class ConvSample:
+class ConvSample(_KernelSample):
     """conv2d of an (N, C_in, H, W) input by (C_out, C_in, kernel, kernel) weights, stride 1, same padding."""
+
+    what = "conv sample"
 
     dtype: str
     batch: int
@@ -181,25 +205,12 @@ class ConvSample:
     def flops(self) -> float:
         return 2.0 * self.batch * self.out_channels * self.height * self.width * self.in_channels * self.kernel ** 2
 
-    @property
-    def flops_per_second(self) -> float:
-        return self.flops / self.seconds
-
-    def to_record(self) -> dict[str, Any]:
-        rec = {f.name: getattr(self, f.name) for f in fields(self)}
-        return rec | {"flops": self.flops, "flops_per_second": self.flops_per_second}
-
-    @classmethod
-    def from_record(cls, r: Mapping[str, Any]) -> "ConvSample":
-        keys = [f.name for f in fields(cls)]
-        _require(r, keys, "conv sample")
-        return cls(**{k: (str(r[k]) if k == "dtype" else float(r[k]) if k == "seconds" else int(r[k]))
-                      for k in keys})
-
 
 @dataclass(frozen=True)
-class AttentionSample:
+class AttentionSample(_KernelSample):
     """scaled_dot_product_attention forward of (batch, heads, seq, head_dim) q, k and v, no mask."""
+
+    what = "attention sample"
 
     dtype: str
     batch: int
@@ -211,21 +222,6 @@ class AttentionSample:
     @property
     def flops(self) -> float:
         return 4.0 * self.batch * self.heads * self.seq ** 2 * self.head_dim
-
-    @property
-    def flops_per_second(self) -> float:
-        return self.flops / self.seconds
-
-    def to_record(self) -> dict[str, Any]:
-        rec = {f.name: getattr(self, f.name) for f in fields(self)}
-        return rec | {"flops": self.flops, "flops_per_second": self.flops_per_second}
-
-    @classmethod
-    def from_record(cls, r: Mapping[str, Any]) -> "AttentionSample":
-        keys = [f.name for f in fields(cls)]
-        _require(r, keys, "attention sample")
-        return cls(**{k: (str(r[k]) if k == "dtype" else float(r[k]) if k == "seconds" else int(r[k]))
-                      for k in keys})
 
 
 @dataclass(frozen=True)
