@@ -1,7 +1,7 @@
 """Link fit: how well ``t = alpha + beta * S`` predicts this machine's collectives at sizes it did not see.
 
 Measures all-reduce, all-gather, reduce-scatter, all-to-all and p2p on 2 gloo ranks of this CPU
-(1 thread each) with ``autopar.profiler.links.measure_links``, at 28 per-rank sizes log-spaced
+(1 thread each) with ``autopar.profiler.link_timing.measure_links``, at 28 per-rank sizes log-spaced
 from 4 KiB to 256 MiB (21 repeats; about 80 s), then:
 
 - fits every collective on all sizes (least relative error, alpha, beta >= 0; a second segment
@@ -38,8 +38,8 @@ import time
 
 import numpy as np
 
-from autopar.profiler.links import (LinkProfile, fit_profile, heldout_errors, measure_links,
-                                    to_link)
+from autopar.profiler.link_timing import measure_links
+from autopar.profiler.links import LinkProfile, fit_profile, heldout_errors, to_link
 
 TARGET = 0.15
 

@@ -2,7 +2,8 @@
 
 - ops.py: the model's own ops timed forward and backward (the cost model's MeasuredTimes);
 - device.py: achieved FLOP/s curves and memory bandwidth -> a measured Device;
-- links.py: collectives between local ranks -> per-collective alpha/beta -> a measured Link;
+- link_timing.py: collectives between local ranks timed in one spawn (and overlap, in-context
+  latency, DTensor dispatch); links.py: their per-collective alpha/beta fits -> a measured Link;
 - local.py: ``Cluster.local()``: all of it for this machine, cached;
 - database.py: the JSON cache; host.py: timers, thread counts, progress bars.
 """

@@ -21,7 +21,8 @@ from ..errors import ConfigError
 from .database import ProfileDB
 from .device import DeviceFitReport, DeviceProfile, fit_device, load_profile, measure_device, save_profile
 from .host import accelerator, check_threads, device_name
-from .links import CollectiveFitResult, LinkProfile, fit_profile, links_key, measure_links, to_link
+from .link_timing import measure_links
+from .links import CollectiveFitResult, LinkProfile, fit_profile, links_key, to_link
 
 
 def _ranks(device: torch.device, nprocs: int | None, threads: int | None) -> tuple[int, int]:

@@ -14,8 +14,9 @@ from autopar.cluster import Cluster, device_preset, link_presets
 from autopar.cost_model.comm import Collective, GroupPlacement, collective_time
 from autopar.errors import ConfigError
 from autopar.profiler.database import ProfileDB
+from autopar.profiler.link_timing import measure_links, round_sizes
 from autopar.profiler.links import (COLLECTIVES, CollectiveFitResult, LineFit, LinkProfile, fit_collective,
-                                    fit_line, fit_profile, heldout_errors, measure_links, round_sizes, to_link)
+                                    fit_line, fit_profile, heldout_errors, to_link)
 
 SIZES = [int(s) for s in np.geomspace(1024, 64 * 2**20, 18)]
 
