@@ -18,8 +18,8 @@ from autopar.errors import ConfigError
 from autopar.profiler import device as dev
 from autopar.profiler.database import ProfileDB
 from autopar.profiler.device import (AttentionSample, BandwidthSample, ConvSample, DeviceProfile, MatmulSample,
-                                     device_fit_errors, fit_device, load_profile, matmul_curve, measure_device,
-                                     save_profile)
+                                     load_profile, matmul_curve, measure_device, save_profile)
+from autopar.profiler.device_fit import device_fit_errors, fit_device
 from autopar.profiler.host import device_name, median_time, torch_threads
 
 SHAPES = dev.matmul_shapes(dev.BUDGETS[("cpu", "normal")])
