@@ -44,10 +44,9 @@ def _ranks(device: torch.device, nprocs: int | None, threads: int | None) -> tup
     return nprocs, threads
 
 
-def _memory_per_rank(device: torch.device, nprocs: int) -> float | None:
-    if device.type == "cuda":
-        return None  # fit_device takes the GPU's own memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / nprocs
+def _memory_per_rank(curves: DeviceProfile, nprocs: int) -> float:
+    """A GPU's own memory; on a CPU the ranks share the machine's RAM (both as the profile recorded)."""
+    return curves.memory_bytes if curves.device_type == "cuda" else curves.memory_bytes / nprocs
 
 
 @dataclass(frozen=True)
@@ -77,7 +76,7 @@ def local_profile(nprocs: int | None = None, threads_per_rank: int | None = None
     links = _links(db, name, device, nprocs, threads, refresh, progress)
     db.save()
     dispatch = links.dispatch_fwd_seconds if links is not None else 0.0
-    fitted, report = fit_device(curves, memory=_memory_per_rank(device, nprocs), dispatch_overhead=dispatch)
+    fitted, report = fit_device(curves, memory=_memory_per_rank(curves, nprocs), dispatch_overhead=dispatch)
     fitted = replace(fitted, name=name, threads=threads if device.type == "cpu" else 0,
                      dispatch_overhead_backward=links.dispatch_bwd_seconds if links is not None else 0.0)
     preset_intra, preset_inter = _preset_links(device)

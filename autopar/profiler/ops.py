@@ -226,7 +226,7 @@ class OpProfiler:
     progress: bool = True
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _by_batch: dict[int, dict[str, OpTiming]] = field(default_factory=dict)
-    _gemms: dict[tuple, OpTiming] = field(default_factory=dict)
+    _gemms: dict[str, OpTiming] = field(default_factory=dict)     # by the "gemm ..." database key
     timed: int = 0                       # op signatures measured (not found in the database)
     reused: int = 0                      # op calls whose signature was in the database
     untimed: set[str] = field(default_factory=set)  # ops that could not run alone (priced analytically)
@@ -274,8 +274,9 @@ class OpProfiler:
                 f"{factors}{left}")
 
     def optimizer_seconds_per_param(self) -> float:
-        """Seconds per parameter of one ``torch.optim.AdamW`` step (its default, multi-tensor
-        implementation) on tensors shaped like the model's trainable parameters, random gradients."""
+        """Seconds per parameter of one ``torch.optim.AdamW`` step (its default implementation for the
+        device: single-tensor on a CPU, multi-tensor on CUDA) on tensors shaped like the model's
+        trainable parameters, random gradients."""
         if self._optimizer is None:
             key = f"adamw {self.graph.fingerprint}"
             record = self.db.get(self.device_name, "ops", key)
