@@ -175,12 +175,13 @@ def test_from_record_rejects_foreign_or_truncated_records():
 
 # --- Measuring ---------------------------------------------------------------------------------
 def test_a_series_stops_before_a_call_would_exceed_the_cap():
-    budget = replace(dev.BUDGETS[("cpu", "quick")], call_cap=0.02, warmup=1, repeats=1)
+    # times in tenths of a second: this VM's 4 ms scheduler tick must not move a case across the cap
+    budget = replace(dev.BUDGETS[("cpu", "quick")], call_cap=0.2, warmup=1, repeats=1)
     cpu = torch.device("cpu")
-    rows = dev._time_series([8, 1, 4, 2, 16], float, lambda c: (lambda: time.sleep(0.004 * c)), cpu, budget)
-    assert [c for c, _ in rows] == [1, 2, 4]  # 8 would take about 0.032 s
-    first = dev._time_series([10, 20], float, lambda c: (lambda: time.sleep(0.003 * c)), cpu, budget)
-    assert [c for c, _ in first] == [10] and first[0][1] > 0.02  # the first case is kept, over the cap
+    rows = dev._time_series([8, 1, 4, 2, 16], float, lambda c: (lambda: time.sleep(0.04 * c)), cpu, budget)
+    assert [c for c, _ in rows] == [1, 2, 4]  # 8 would take about 0.32 s
+    first = dev._time_series([10, 20], float, lambda c: (lambda: time.sleep(0.03 * c)), cpu, budget)
+    assert [c for c, _ in first] == [10] and first[0][1] > 0.2  # the first case is kept, over the cap
 
 
 def test_measure_device_refuses_bad_arguments():
