@@ -22,7 +22,7 @@ from .solver import solve
 def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *, global_batch_size: int,
          fixed: Mapping[str, Any] | None = None, time_limit: float | None = None, loss_fn: LossFn | None = None,
          precision: Precision | None = None, profile: bool = False,
-         profile_db: str | os.PathLike | None = None) -> Plan:
+         profile_db: str | os.PathLike | None = None, verbose: bool = True) -> Plan:
     """The fastest parallel plan for ``model`` on ``cluster`` that fits in memory.
 
     Searches data x tensor x pipeline degrees, micro-batch size, schedule, ZeRO stage,
@@ -33,12 +33,13 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *, global_batc
     :class:`autopar.InfeasiblePlanError` when nothing fits, saying what would.
     ``profile=True`` times the model's own ops on this machine (``cluster`` must be
     :meth:`Cluster.local`), cached in ``profile_db`` (default ``~/.cache/autopar/profile.json``).
+    ``verbose=False`` hides the progress bars (shown on a terminal for work over a second).
     """
     _check_cluster(cluster)
     graph = capture(model, example_inputs, loss_fn)
     measured = _profiler(model, example_inputs, loss_fn, graph, cluster, profile_db) if profile else None
     best, _ = solve(graph, cluster, global_batch_size, precision=precision, fixed=fixed, time_limit=time_limit,
-                    measured=measured)
+                    measured=measured, progress=verbose)
     return with_inputs(_profiled(best, measured), example_inputs)
 
 

@@ -10,12 +10,17 @@ import json
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .cluster import Cluster
 from .config import ParallelConfig, Precision
 from .cost_model.memory import MemoryBreakdown
-from .errors import PlanFormatError
+from .errors import ConfigError, PlanFormatError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from .report import PlanComparison
 
 SCHEMA_VERSION = 1
 
@@ -70,10 +75,12 @@ class Alternative:
     peak_memory: float      # bytes (for one that does not fit: the least it could reach)
     fits: bool
     reason: str             # "slower by 3.2%" / "does not fit: needs 4.1 GB more per device ..."
+    breakdown: TimeBreakdown | None = None   # its step time's parts (None for one that does not fit)
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": self.config.to_dict(), "step_time": self.step_time, "peak_memory": float(self.peak_memory),
-                "fits": self.fits, "reason": self.reason}
+                "fits": self.fits, "reason": self.reason,
+                "breakdown": None if self.breakdown is None else asdict(self.breakdown)}
 
 
 @dataclass(frozen=True)
@@ -161,9 +168,42 @@ class Plan:
         from .plan_io import plan_from_dict
         return plan_from_dict(data)
 
+    # --- reading it (autopar/report, autopar/viz) -------------------------------------------------
     def summary(self) -> str:
-        from .plan_io import summarize
+        """A text table: configuration, step-time breakdown, memory per stage against the device, MFU."""
+        from .report import summarize
         return summarize(self)
+
+    def explain(self) -> str:
+        """Why this plan: where the time and memory go, each parallel choice, and why each runner-up lost."""
+        from .report import explain
+        return explain(self)
+
+    def compare(self, other: "Plan") -> "PlanComparison":
+        """This plan (A) beside ``other`` (B); ``print()`` it, or show it in a notebook."""
+        from .report import compare
+        if not isinstance(other, Plan):
+            raise ConfigError(f"compare() takes another autopar.Plan, got {type(other).__name__}")
+        return compare(self, other)
+
+    def plot_timeline(self, path: str | os.PathLike | None = None, **kwargs: Any) -> "Figure":
+        """The pipeline schedule as a Gantt chart (one row per stage); a PNG at ``path`` if given."""
+        from .viz import plot_timeline
+        return plot_timeline(self, path, **kwargs)
+
+    def plot_memory(self, path: str | os.PathLike | None = None) -> "Figure":
+        """Memory per stage, stacked by kind, against the device's memory; a PNG at ``path`` if given."""
+        from .viz import plot_memory
+        return plot_memory(self, path)
+
+    def plot_partition(self, path: str | os.PathLike | None = None) -> "Figure":
+        """Which layers each pipeline stage holds; a PNG at ``path`` if given."""
+        from .viz import plot_partition
+        return plot_partition(self, path)
+
+    def _repr_html_(self) -> str:
+        from .report import plan_html
+        return plan_html(self)
 
     def __str__(self) -> str:
         return self.summary()

@@ -1,4 +1,4 @@
-"""Plan <-> JSON dictionaries, and the plain-text summary."""
+"""Plan <-> JSON dictionaries (the format: docs/plan-format.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from .cost_model.memory import MemoryBreakdown
 from .errors import AutoparError, PlanFormatError
 from .plan import SCHEMA_VERSION, Alternative, Plan, Stage, TimeBreakdown
 
-_GB = 1e9
 
 
 def _require(data: Mapping[str, Any], key: str, where: str) -> Any:
@@ -43,7 +42,7 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
             step_time=float(_require(data, "step_time", "")), peak_memory=float(_require(data, "peak_memory", "")),
             throughput=float(_require(data, "throughput", "")), model_flops=float(_require(data, "model_flops", "")),
             hardware_flops=float(_require(data, "hardware_flops", "")),
-            breakdown=TimeBreakdown(**{k: float(_require(b, k, "breakdown.")) for k in TimeBreakdown.__annotations__}),
+            breakdown=_breakdown(b, "breakdown."),
             stages=stages, fits=bool(_require(data, "fits", "")), notes=tuple(data.get("notes", ())),
             optimal=data.get("optimal"), schema_version=version, extra=dict(data.get("extra", {})),
             alternatives=tuple(_alternative(a, i) for i, a in enumerate(data.get("alternatives", ()))),
@@ -54,12 +53,18 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         raise PlanFormatError(f"plan file has an invalid value: {exc}; re-create it with plan.save()") from None
 
 
+def _breakdown(b: Mapping[str, Any], where: str) -> TimeBreakdown:
+    return TimeBreakdown(**{k: float(_require(b, k, where)) for k in TimeBreakdown.__annotations__})
+
+
 def _alternative(a: Mapping[str, Any], i: int) -> Alternative:
     where = f"alternatives[{i}]."
+    breakdown = a.get("breakdown")   # absent in plans written before it was recorded
     return Alternative(config=ParallelConfig.from_dict(_require(a, "config", where)),
                        step_time=float(_require(a, "step_time", where)),
                        peak_memory=float(_require(a, "peak_memory", where)), fits=bool(_require(a, "fits", where)),
-                       reason=str(_require(a, "reason", where)))
+                       reason=str(_require(a, "reason", where)),
+                       breakdown=None if breakdown is None else _breakdown(breakdown, where + "breakdown."))
 
 
 def _stage(s: Mapping[str, Any], i: int) -> Stage:
@@ -76,76 +81,3 @@ def _stage(s: Mapping[str, Any], i: int) -> Stage:
         activation_per_microbatch=float(_require(s, "activation_per_microbatch", where)),
         memory=MemoryBreakdown(**{k: float(_require(mem, k, where + "memory."))
                                   for k in ("params", "grads", "optimizer", "activations", "buffers")}))
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:10.1f} ms"
-
-
-def _layer_span(names: tuple[str, ...]) -> str:
-    """"blocks.0 .. blocks.7 (8 layers)" for a contiguous run; interleaved stages show one per chunk."""
-    if not names:
-        return "-"
-    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} layers)"
-
-
-def _sharding_lines(plan: Plan) -> list[str]:
-    """One line per layer group: each weight-bearing op's tensor-parallel strategy."""
-    if not plan.sharding:
-        return []
-    lines = [f"  tensor-parallel sharding (tp={plan.config.tp}):"]
-    for group in plan.sharding:
-        layers = group.get("layers", [])
-        prefix = layers[0] + "." if layers else ""
-        ops = []
-        for op in group.get("ops", []):
-            params = list(op.get("params", {}))
-            if not params:
-                continue
-            module = op.get("module") or params[0].rsplit(".", 1)[0]
-            module = module[len(prefix):] if module.startswith(prefix) else module
-            ops.append(f"{module}={op.get('strategy')}")
-        span = _layer_span(tuple(layers))
-        lines.append(f"    {span}: {', '.join(dict.fromkeys(ops)) or 'no weights'}")
-    return lines
-
-
-def summarize(plan: Plan) -> str:
-    """A plain-text table: configuration, step time breakdown, memory per stage."""
-    c, b = plan.config, plan.breakdown
-    lines = [
-        f"autopar plan for {plan.model_name} on {plan.cluster.describe()}",
-        f"  config      {c.short()}",
-        f"  batch       global {plan.global_batch_size}, {plan.micro_batches} micro-batches of {c.micro_batch_size} "
-        f"per pipeline, precision {plan.precision.compute}",
-        f"  step time   {plan.step_time:.4g} s   throughput {plan.throughput:.4g} samples/s   "
-        f"{plan.tflops_per_device:.1f} TFLOP/s per device   MFU {plan.mfu * 100:.1f}%",
-        f"  peak memory {plan.peak_memory / _GB:.2f} GB of {plan.cluster.device.memory / _GB:.0f} GB"
-        + ("" if plan.fits else "   DOES NOT FIT"),
-        "  step time breakdown (critical path):",
-    ]
-    for name in TimeBreakdown.__annotations__:
-        value = getattr(b, name)
-        share = value / plan.step_time * 100 if plan.step_time else 0.0
-        lines.append(f"    {name:<10} {_ms(value)}  {share:5.1f}%")
-    lines.append("  stages (per device, memory in GB):")
-    lines.append(f"    {'stage':>5}  {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'buffers':>7} "
-                 f"{'total':>7}  {'in-flight':>9}  layers")
-    for s in plan.stages:
-        m = s.memory
-        lines.append(f"    {s.index:>5}  {m.params / _GB:7.2f} {m.grads / _GB:7.2f} {m.optimizer / _GB:7.2f} "
-                     f"{m.activations / _GB:7.2f} {m.buffers / _GB:7.2f} {m.total / _GB:7.2f}  {s.in_flight:>9}  "
-                     f"{' | '.join(_layer_span(c) for c in s.chunks if c) or _layer_span(s.layers)}")
-    if plan.optimal is not None:
-        search = plan.extra.get("search", {})
-        lines.append(f"  search      {'optimal under the cost model' if plan.optimal else 'best found, NOT proven optimal'}"
-                     f"; layout {plan.extra.get('layout', '?')}; {search.get('candidates', '?')} candidates, "
-                     f"{search.get('evaluated', '?')} evaluated")
-    lines.extend(_sharding_lines(plan))
-    if plan.alternatives:
-        lines.append("  alternatives considered:")
-        for a in plan.alternatives:
-            lines.append(f"    {a.config.short():<60} {a.reason}")
-    for note in plan.notes:
-        lines.append(f"  note: {note}")
-    return "\n".join(lines)

@@ -5,7 +5,7 @@
 - link_timing.py: collectives between local ranks timed in one spawn (and overlap, in-context
   latency, DTensor dispatch); links.py: their per-collective alpha/beta fits -> a measured Link;
 - local.py: ``Cluster.local()``: all of it for this machine, cached;
-- database.py: the JSON cache; host.py: timers, thread counts, progress bars.
+- database.py: the JSON cache; host.py: timers and thread counts (progress bars: autopar/progress.py).
 """
 
 from __future__ import annotations

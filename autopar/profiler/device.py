@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from . import host
+from ..progress import progress_bar
 from .host import accelerator, device_name, median_time, torch_threads
 
 TORCH_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
@@ -480,7 +480,7 @@ def measure_device(device: torch.device | None = None, threads: int = 1, *,
                       (("attention", n), functools.partial(_measure_attention, n, device, plan))]
         steps += [(("bandwidth", ""), functools.partial(_measure_bandwidth, device, plan)),
                   (("overhead", ""), functools.partial(_measure_overhead, device, plan))]
-        done = {key: step() for key, step in host.progress(steps, f"profiling {device}", total=len(steps),
+        done = {key: step() for key, step in progress_bar(steps, f"profiling {device}", total=len(steps),
                                                            enabled=progress)}
     return DeviceProfile(device_name=device_name(device, threads), device_type=device.type, threads=threads,
                          torch_version=torch.__version__,

@@ -1,4 +1,4 @@
-"""This machine: its device's name, the timer, the thread count, and the progress bar.
+"""This machine: its device's name, the timer and the thread count.
 
 Timing: ``warmup`` untimed calls, then ``repeats`` timed ones, and the median. On a CPU
 each call is timed with ``time.perf_counter`` (the ops run synchronously); on a GPU with
@@ -11,15 +11,12 @@ from __future__ import annotations
 import contextlib
 import platform
 import statistics
-import sys
 import time
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Callable, Iterator
 
 import torch
 
 from ..errors import ConfigError
-
-T = TypeVar("T")
 
 
 def accelerator() -> torch.device:
@@ -84,10 +81,3 @@ def median_time(fn: Callable[[], object], device: torch.device, *, warmup: int =
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def progress(items: Iterable[T], desc: str, total: int | None = None, enabled: bool = True) -> Iterator[T]:
-    """``items`` with a progress bar on stderr that appears only once the work has taken over a second."""
-    from tqdm.auto import tqdm
-    yield from tqdm(items, desc=desc, total=total, delay=1.0, file=sys.stderr, disable=not enabled,
-                    leave=False, dynamic_ncols=True)

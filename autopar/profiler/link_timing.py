@@ -68,7 +68,8 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, RuntimeFailure
-from .host import check_threads, progress as progress_bar
+from ..progress import progress_bar
+from .host import check_threads
 from .links import COLLECTIVES, LinkProfile
 
 DEFAULT_SIZES: tuple[int, ...] = tuple(int(s) for s in np.geomspace(2 ** 10, 24 * 2 ** 20, 16))

@@ -50,7 +50,8 @@ from ..capture.export import LossFn, LossWrapper, normalize_inputs, run_export
 from ..capture.opgraph import Gemm, OpGraph, OpKind, OpNode
 from ..errors import ConfigError
 from .database import ProfileDB
-from .host import median_time, progress as progress_bar, torch_threads
+from ..progress import progress_bar
+from .host import median_time, torch_threads
 
 _UNTIMED = (OpKind.VIEW,)
 _LOOP_SECONDS = 1e-3

@@ -18,13 +18,14 @@ from .space import check_fixed
 
 def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision: Precision | None = None,
           fixed: Mapping[str, Any] | None = None, time_limit: float | None = None,
-          measured: MeasuredTimes | None = None) -> tuple[Plan, SearchStats]:
+          measured: MeasuredTimes | None = None, progress: bool = False) -> tuple[Plan, SearchStats]:
     """The fastest plan that fits, and what the search did. Raises InfeasiblePlanError when none fits.
 
     Wiring: the sharding ILP (sharding.py) gives each tensor-parallel degree its layouts, the
     outer search (search.py) walks the configurations by bound, the stage DP (stages.py) splits
     each one's layers, and the cost model estimates the result (with ``measured`` op times when
-    profiled; the sharding ILP keeps the analytic op costs to choose layouts)."""
+    profiled; the sharding ILP keeps the analytic op costs to choose layouts). ``progress`` shows a
+    bar on a terminal once the search has taken a second."""
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
         raise ConfigError(f"global_batch_size={global_batch_size!r} must be a positive integer")
     if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float))
@@ -34,7 +35,7 @@ def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision
     precision = precision or Precision.for_device(cluster.device.name)
     sharding = ShardingSolver(graph, cluster, precision)
     search = Search(graph, cluster, global_batch_size, precision, layouts_for(sharding), fixed, time_limit,
-                    splits_batch=sharding.splits_batch, measured=measured)
+                    splits_batch=sharding.splits_batch, measured=measured, progress=progress)
     best, best_c, seen = search.run()
     search.stats.ilp_seconds, search.stats.ilp_solves = sharding.seconds, sharding.solves
     search.stats.ilp_timed_out = sharding.timed_out

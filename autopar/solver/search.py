@@ -39,6 +39,7 @@ from ..cost_model.layer_cost import LayerCostModel
 from ..cost_model.memory import model_state_bytes
 from ..cost_model.tensor_parallel import TPLayout
 from ..plan import Alternative, Plan
+from ..progress import progress_bar
 from .space import Candidate, candidates, placeable, recompute_modes
 from .stages import least_memory, partition, run_tables
 
@@ -82,6 +83,7 @@ class Search:
     time_limit: float | None = None
     splits_batch: Callable[[int, str], bool] | None = None   # (tp, variant) -> the layout splits the batch
     measured: MeasuredTimes | None = None                    # profiled op times (profile=True)
+    progress: bool = False                                   # a progress bar once the search takes over 1 s
     stats: SearchStats = field(default_factory=SearchStats)
     _estimators: dict[str, Estimator] = field(default_factory=dict)
     _work: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
@@ -204,7 +206,7 @@ class Search:
         best: Plan | None = None
         best_c: Candidate | None = None
         seen: list[tuple[float, Candidate, Plan | float]] = []
-        for pos, (lb_t, _, c) in enumerate(queue):
+        for pos, (lb_t, _, c) in enumerate(progress_bar(queue, "autopar: searching", enabled=self.progress)):
             if best is not None and lb_t >= best.step_time:
                 self.stats.pruned_bound += len(queue) - pos
                 break
@@ -276,7 +278,7 @@ def alternatives(best: Plan, seen: list[tuple[float, Candidate, Plan | float]], 
                               key=lambda p: (p.step_time, p.peak_memory, _cfg_key(p.config))):
         slower = (pl.step_time / best.step_time - 1) * 100
         out.append(Alternative(config=pl.config, step_time=pl.step_time, peak_memory=pl.peak_memory, fits=True,
-                               reason=f"slower by {slower:.1f}%"))
+                               reason=f"slower by {slower:.1f}%", breakdown=pl.breakdown))
     for lb, c, need in faster_unfit[:3]:
         if lb >= best.step_time:
             break

@@ -1,21 +1,14 @@
-"""The ``autopar`` command.
-
-    autopar profile [--nprocs N] [--threads-per-rank T] [--db PATH] [--refresh] [--json]
-
-``profile`` measures this machine (or loads the cached measurement) as ``Cluster.local``
-does and prints the device, its fitted constants and the link fits per collective.
-"""
+"""``autopar profile``: measure this machine (or load the cached measurement) as ``Cluster.local``
+does, and print the device, its fitted constants and the link fit of every collective."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-from typing import Sequence
 
 
-def _profile(args: argparse.Namespace) -> int:
-    from .profiler.local import local_profile
+def run(args: argparse.Namespace) -> int:
+    from ..profiler.local import local_profile
 
     result = local_profile(args.nprocs, args.threads_per_rank, profile_db=args.db, refresh=args.refresh,
                            progress=not args.json)
@@ -57,28 +50,12 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="autopar", description="Auto-parallelization planner for PyTorch.")
-    sub = top.add_subparsers(dest="command", required=True)
-    prof = sub.add_parser("profile", help="measure this machine's device and links (Cluster.local)")
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    prof = sub.add_parser("profile", help="measure this machine's device and links (Cluster.local)",
+                          description=__doc__)
     prof.add_argument("--nprocs", type=int, default=None, help="ranks (default: every GPU, or every CPU core)")
     prof.add_argument("--threads-per-rank", type=int, default=None, help="torch threads per CPU rank")
     prof.add_argument("--db", default=None, help="profile cache (default ~/.cache/autopar/profile.json)")
     prof.add_argument("--refresh", action="store_true", help="measure again even when cached")
     prof.add_argument("--json", action="store_true", help="print JSON")
-    prof.set_defaults(run=_profile)
-    return top
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    from .errors import AutoparError
-    try:
-        return args.run(args)
-    except AutoparError as exc:
-        print(f"autopar {args.command}: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    prof.set_defaults(run=run)

@@ -1,0 +1,157 @@
+"""``Plan.explain()``: why this plan, read from the plan itself (a saved plan explains as well).
+
+Every statement is computed from the plan's own numbers: the step-time breakdown, each
+stage's memory by kind, the cluster's links, and the runners-up the search recorded with
+their breakdowns. Nothing is re-estimated (a loaded plan has no model graph).
+"""
+
+from __future__ import annotations
+
+from ..plan import Alternative, Plan, TimeBreakdown
+from .compare import config_changes
+from .format import BREAKDOWN_LABELS, gigabytes, percent, seconds
+
+TOP_PARTS = 3
+"""How many breakdown parts "where the time goes" names, and how many differences a runner-up shows."""
+
+
+def explain(plan: Plan) -> str:
+    """Paragraphs: the verdict, where the time goes, memory, each parallel choice, the runners-up."""
+    sections = [_verdict(plan), _time(plan), _memory(plan), _choices(plan), _runners_up(plan)]
+    return "\n\n".join(s for s in sections if s)
+
+
+def _verdict(plan: Plan) -> str:
+    head = (f"{plan.model_name} on {plan.cluster.describe()}, global batch {plan.global_batch_size}:\n"
+            f"  {plan.config.short()}: {seconds(plan.step_time)} per step, {plan.throughput:.4g} samples/s, "
+            f"MFU {percent(plan.mfu)}")
+    if plan.optimal is None:
+        return head + "\n  This is an estimate of the configuration you gave; autopar.plan() searches for the best."
+    s = plan.extra.get("search", {})
+    verdict = ("the fastest configuration that fits, under the cost model" if plan.optimal
+               else "the best found before the time limit (not proven optimal)")
+    return (head + f"\n  It is {verdict}: of {s.get('candidates', '?')} configurations, "
+            f"{s.get('pruned_by_memory', '?')} were ruled out because their model states alone exceed device memory, "
+            f"{s.get('dominated', '?')} are dominated (GPipe holds more than 1F1B in the same time, or a layout "
+            f"repeats another), {s.get('evaluated', '?')} were solved exactly (stage partition and recompute per "
+            f"stage), and the remaining {s.get('pruned_by_bound', '?')} cannot beat this plan (their lower bound on "
+            "step time is higher).")
+
+
+def _time(plan: Plan) -> str:
+    parts = sorted(TimeBreakdown.__annotations__, key=lambda k: -getattr(plan.breakdown, k))
+    named = [f"{BREAKDOWN_LABELS[k]} {seconds(getattr(plan.breakdown, k))} "
+             f"({percent(getattr(plan.breakdown, k) / plan.step_time)})"
+             for k in parts[:TOP_PARTS] if getattr(plan.breakdown, k) > 0]
+    return "Where the time goes: " + "; ".join(named) + "."
+
+
+def _memory(plan: Plan) -> str:
+    peak = max(plan.stages, key=lambda s: s.memory.total)
+    m, limit = peak.memory, plan.cluster.device.memory
+    state = "fits" if plan.fits else "DOES NOT FIT"
+    return (f"Memory: the fullest device (stage {peak.index}) holds {gigabytes(m.total)} of {gigabytes(limit)} "
+            f"({state}): parameters {gigabytes(m.params)}, gradients {gigabytes(m.grads)}, optimizer state "
+            f"{gigabytes(m.optimizer)}, activations {gigabytes(m.activations)} ({peak.in_flight} micro-batch passes "
+            f"held at once), buffers {gigabytes(m.buffers)}.")
+
+
+def _choices(plan: Plan) -> str:
+    lines = ["The choices:"]
+    lines += [f"  - {line}" for line in (_tp(plan), _pp(plan), _dp(plan), _micro(plan), _recompute(plan))]
+    return "\n".join(lines)
+
+
+def _tp(plan: Plan) -> str:
+    c, cluster, b = plan.config, plan.cluster, plan.breakdown
+    if c.tp == 1:
+        return ("tensor parallel 1: every layer stays whole on its device, so no activation collectives are paid "
+                "inside layers.")
+    inside = c.tp <= cluster.devices_per_node
+    link = cluster.intra_node if inside else cluster.inter_node
+    where = (f"inside one node ({link.name or 'intra-node link'}, {link.bandwidth / 1e9:g} GB/s)" if inside
+             else f"across nodes ({link.name or 'inter-node link'}, {link.bandwidth / 1e9:g} GB/s): a node has "
+                  f"only {cluster.devices_per_node} devices")
+    sp = "; sequence parallel shards the norms and dropouts along the sequence too" if c.sequence_parallel else ""
+    return (f"tensor parallel {c.tp}: each layer's weights and matmuls split over {c.tp} devices {where}; "
+            f"its collectives cost {seconds(b.tp_comm)} per step ({percent(b.tp_comm / plan.step_time)}){sp}.")
+
+
+def _pp(plan: Plan) -> str:
+    c, limit = plan.config, plan.cluster.device.memory
+    states = sum(s.memory.params + s.memory.grads + s.memory.optimizer for s in plan.stages)
+    holder = "a device" if c.tp == 1 else f"each of {c.tp} tensor-parallel devices"
+    whole = (f"{holder} holding every layer would need {gigabytes(states)} for parameters, gradients and "
+             "optimizer state alone")
+    if c.pp == 1:
+        return f"pipeline 1: no pipeline stages; {whole} (device: {gigabytes(limit)})."
+    why = (f"{whole}, more than the device's {gigabytes(limit)}" if states > limit
+           else f"{whole}, which would fit, but splitting the layers is faster (less data-parallel and "
+                "tensor-parallel communication per device)")
+    sizes = sorted(len(s.layers) for s in plan.stages)
+    bubble = plan.breakdown.bubble
+    sched = c.schedule if c.virtual_stages == 1 else f"interleaved with {c.virtual_stages} chunks per device"
+    return (f"pipeline {c.pp}: {why}. The {c.pp} stages hold {sizes[0]}-{sizes[-1]} layers each "
+            f"(an exact partition minimising step time); schedule {sched}; the bubble costs {seconds(bubble)} "
+            f"({percent(bubble / plan.step_time)}).")
+
+
+def _dp(plan: Plan) -> str:
+    c, b = plan.config, plan.breakdown
+    if c.dp == 1:
+        return "data parallel 1: one model replica, so no gradient reduction."
+    zero = {0: "every replica keeps its full optimizer state",
+            1: f"ZeRO-1 shards the optimizer state over the {c.dp} replicas",
+            2: f"ZeRO-2 shards optimizer state and gradients over the {c.dp} replicas",
+            3: f"ZeRO-3 shards optimizer state, gradients and parameters over the {c.dp} replicas "
+               "(parameters are gathered layer by layer)"}[c.zero]
+    what = "the pipeline" if c.pp > 1 else ("the tensor-parallel group" if c.tp > 1 else "the model")
+    return (f"data parallel {c.dp}: {c.dp} replicas of {what}, each taking "
+            f"{plan.global_batch_size // c.dp} samples; {zero}; the gradient communication not hidden behind "
+            f"backward costs {seconds(b.dp_comm)} ({percent(b.dp_comm / plan.step_time)}).")
+
+
+def _micro(plan: Plan) -> str:
+    c, m = plan.config, plan.micro_batches
+    text = f"micro-batches: {m} of {c.micro_batch_size} sample(s) per pipeline and step"
+    if c.pp > 1:
+        ideal = (c.pp - 1) / (c.virtual_stages * m)
+        text += (f"; more of them shrink the bubble (about (p-1)/(v m) = {percent(ideal)} of the work) but hold "
+                 "more activations in flight on the first stages")
+    elif m > 1:
+        text += "; accumulated one after another, so the activations of only one are held at a time"
+    return text + "."
+
+
+def _recompute(plan: Plan) -> str:
+    c = plan.config
+    modes = [c.stage_mode(s.index) for s in plan.stages]
+    cost = plan.breakdown.recompute
+    if set(modes) == {"none"}:
+        return "recompute none: the activations fit, so nothing is computed twice."
+    which = (modes[0] if len(set(modes)) == 1
+             else ", ".join(f"stage {i} {m}" for i, m in enumerate(modes)))
+    return (f"recompute {which}: without it the activations of the micro-batches in flight would not fit (or "
+            f"would force a slower configuration); recomputing costs {seconds(cost)} per step "
+            f"({percent(cost / plan.step_time)}).")
+
+
+def _runners_up(plan: Plan) -> str:
+    if not plan.alternatives:
+        return "" if plan.optimal is None else "Runners-up: none (no other configuration fits)."
+    lines = ["Runners-up and why each lost:"]
+    for i, alt in enumerate(plan.alternatives, 1):
+        lines.append(f"  {i}. {alt.config.short()} ({config_changes(plan.config, alt.config)}): {_why_lost(plan, alt)}")
+    return "\n".join(lines)
+
+
+def _why_lost(plan: Plan, alt: Alternative) -> str:
+    if not alt.fits:
+        return alt.reason
+    if alt.breakdown is None:
+        return alt.reason
+    deltas = sorted(((getattr(alt.breakdown, k) - getattr(plan.breakdown, k), k) for k in TimeBreakdown.__annotations__),
+                    key=lambda d: -abs(d[0]))
+    shown = [f"{BREAKDOWN_LABELS[k]} {'+' if d > 0 else '-'}{seconds(abs(d))}" for d, k in deltas[:TOP_PARTS]
+             if abs(d) > 1e-3 * plan.step_time]
+    return f"{alt.reason} ({', '.join(shown) or 'the same parts'})"

@@ -1,0 +1,59 @@
+"""Formatting at the edge: seconds, bytes and shares as text (code and JSON keep SI units)."""
+
+from __future__ import annotations
+
+from ..plan import Plan
+
+GB = 1e9
+
+BREAKDOWN_LABELS = {
+    "compute": "compute (forward + backward)",
+    "recompute": "activation recomputation",
+    "tp_comm": "tensor-parallel communication",
+    "p2p": "pipeline send/receive",
+    "bubble": "pipeline bubble",
+    "dp_comm": "data-parallel communication (exposed)",
+    "optimizer": "optimizer step",
+}
+"""TimeBreakdown field -> what it is, for people."""
+
+MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "buffers")
+
+
+def seconds(value: float) -> str:
+    """"12.3 s", "45.6 ms" or "789 us": three or four significant digits in the unit that fits."""
+    a = abs(value)
+    if a >= 1:
+        return f"{value:.3g} s" if a < 100 else f"{value:.0f} s"
+    if a >= 1e-3:
+        return f"{value * 1e3:.3g} ms"
+    if a == 0:
+        return "0"
+    return f"{value * 1e6:.3g} us"
+
+
+def gigabytes(value: float) -> str:
+    return f"{value / GB:.2f} GB"
+
+
+def percent(value: float) -> str:
+    return f"{value * 100:.1f}%"
+
+
+def layer_span(names: tuple[str, ...]) -> str:
+    """"blocks.0 .. blocks.7 (8 layers)" for a run of layers; "-" for none."""
+    if not names:
+        return "-"
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} layers)"
+
+
+def stage_layers(plan: Plan, index: int) -> str:
+    """A stage's layers, one span per model chunk (interleaved stages hold several)."""
+    stage = plan.stages[index]
+    return " | ".join(layer_span(c) for c in stage.chunks if c) or layer_span(stage.layers)
+
+
+def cluster_spec(plan: Plan) -> str:
+    """"128x8xA100-80GB": the cluster in Cluster.from_spec's words."""
+    c = plan.cluster
+    return f"{c.nodes}x{c.devices_per_node}x{c.device.name}"

@@ -1,0 +1,158 @@
+"""The ``autopar`` command, run as a subprocess from a temporary directory (as a user would).
+
+One subprocess per command run: each pays the torch import (about 2 s), so the cases are few
+and each checks a lot. Argument errors are checked in-process (argparse and our parsing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import py_compile
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import autopar
+from autopar.cli import main
+from autopar.cli.models import parse_fields
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(
+    [os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))]
+    + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+
+
+def autopar_cmd(cwd, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "autopar.cli", *args], cwd=cwd, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"autopar {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def _config_line(summary: str) -> str:
+    match = re.search(r"^  configuration  (.+)$", summary, re.M)
+    assert match, summary
+    return match.group(1)
+
+
+@pytest.mark.parametrize("model, cluster, batch", [("gpt3-175b", "128x8xA100-80GB", "1536"),
+                                                   ("llama3-8b", "1x8xH100-SXM", "64")])
+def test_plan_show_codegen(tmp_path, model, cluster, batch):
+    plan_out = autopar_cmd(tmp_path, "plan", model, "--cluster", cluster, "--global-batch", batch, "-o", "p.json",
+                           "--explain").stdout
+    plan = autopar.load_plan(tmp_path / "p.json")
+    assert plan.model_name == model and plan.global_batch_size == int(batch) and plan.fits and plan.optimal
+    assert plan.extra["model"] == {"model": model, "seq_len": None, "dtype": "bf16"}
+    assert plan.devices == autopar.Cluster.from_spec(cluster).devices
+    summary = plan.summary()
+    assert plan_out.startswith(summary), "plan prints the saved plan's summary first"
+    assert _config_line(plan_out) == plan.config.short()
+    assert "Runners-up and why each lost:" in plan_out and "The choices:" in plan_out
+
+    show = autopar_cmd(tmp_path, "show", "p.json", "--timeline", "t.png", "--memory", "m.png").stdout
+    assert show.startswith(summary)
+    for png in ("t.png", "m.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    as_json = json.loads(autopar_cmd(tmp_path, "show", "p.json", "--json").stdout)
+    assert as_json == plan.to_dict()
+
+    gen = autopar_cmd(tmp_path, "codegen", "p.json", "-o", "out").stdout
+    for name in ("train.py", "plan.json", "planned_model.py"):
+        py_compile.compile(str(tmp_path / "out" / name), doraise=True) if name.endswith(".py") else None
+        assert (tmp_path / "out" / name).is_file(), gen
+    script = (tmp_path / "out" / "train.py").read_text()
+    cfg = plan.config
+    assert f"DP, TP, PP = {cfg.dp}, {cfg.tp}, {cfg.pp}" in script
+    assert f"registry.build({model!r}" in (tmp_path / "out" / "planned_model.py").read_text()
+    assert autopar.load_plan(tmp_path / "out" / "plan.json").to_dict() == plan.to_dict()
+    assert f"--nproc-per-node {min(plan.devices, 8)}" in gen
+
+
+def test_estimate_compare_and_a_factory_model(tmp_path):
+    """estimate with --config; a user's package.module:factory; compare; and the codegen'd program
+    of a tiny model run under torchrun on 2 gloo ranks (planned_model.py builds it)."""
+    (tmp_path / "mymodels.py").write_text(textwrap.dedent("""\
+        from autopar.models import GPTConfig, build_gpt
+
+        def tiny(device):
+            return build_gpt(GPTConfig(vocab_size=128, hidden=32, heads=2, layers=2, seq_len=16), device=device)
+        """))
+    est = autopar_cmd(tmp_path, "estimate", "mymodels:tiny", "--cluster", "1x2xcpu", "--global-batch", "8",
+                      "--config", "pp=2,mbs=2,schedule=gpipe", "-o", "est.json").stdout
+    assert _config_line(est) == "dp=1 tp=1 pp=2 mb=2 gpipe zero=0 recompute=none"
+    autopar_cmd(tmp_path, "plan", "mymodels:tiny", "--cluster", "1x2xcpu", "--global-batch", "8", "-o", "best.json")
+    best, estimate = autopar.load_plan(tmp_path / "best.json"), autopar.load_plan(tmp_path / "est.json")
+    assert best.model_name == "mymodels:tiny" and estimate.optimal is None
+
+    cmp_ = autopar_cmd(tmp_path, "compare", "best.json", "est.json").stdout
+    marked = {line[2:].split("  ")[0].strip() for line in cmp_.splitlines() if line.startswith("* ")}
+    names = {f.name for f in dataclasses.fields(autopar.ParallelConfig)}
+    differing = {n for n in names if getattr(best.config, n) != getattr(estimate.config, n)}
+    assert {"pp", "schedule"} <= differing and marked & names == differing, cmp_
+    assert "model" not in marked and "cluster" not in marked and "step time" in marked
+    faster = "A" if best.step_time < estimate.step_time else "B"
+    assert f"{faster} is faster" in cmp_
+
+    autopar_cmd(tmp_path, "codegen", "best.json", "-o", "run")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(best.devices),
+                          "train.py", "--steps", "2"], cwd=tmp_path / "run", env={**ENV, "PYTHONPATH": os.pathsep.join(
+                              [str(tmp_path), ENV["PYTHONPATH"]])}, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", run.stdout)]
+    assert len(losses) == 2 and all(0 < x < 10 for x in losses), run.stdout
+
+
+def test_user_errors_exit_2_with_one_line(tmp_path):
+    proc = autopar_cmd(tmp_path, "plan", "no-such-model", "--cluster", "1x2xcpu", "--global-batch", "4", check=False)
+    assert proc.returncode == 2 and "unknown model 'no-such-model'" in proc.stderr and "gpt2-small" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_help_on_every_command(capsys):
+    commands = ("plan", "estimate", "show", "compare", "codegen", "profile", "models", "demo")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    top = capsys.readouterr().out
+    for command in commands:
+        assert command in top
+        with pytest.raises(SystemExit) as exit_:
+            main([command, "--help"])
+        assert exit_.value.code == 0
+        assert f"usage: autopar {command}" in capsys.readouterr().out
+
+
+def test_in_process_errors(tmp_path, capsys):
+    assert main(["estimate", "gpt-tiny", "--cluster", "1x2xcpu", "--global-batch", "4", "--config", "tp=2,bogus=1"]) == 2
+    assert "unknown field 'bogus'" in capsys.readouterr().err
+    assert main(["show", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read plan file" in capsys.readouterr().err
+    assert main(["estimate", "gpt-tiny", "--cluster", "1x2xcpu", "--global-batch", "4", "--config", "tp=two"]) == 2
+    assert "tp='two' must be an integer" in capsys.readouterr().err
+    assert main(["codegen", str(_plan_without_model(tmp_path)), "-o", str(tmp_path / "o")]) == 2
+    assert "--model-factory" in capsys.readouterr().err
+    assert main(["models"]) == 0
+    assert "gpt3-175b" in capsys.readouterr().out
+
+
+def _plan_without_model(tmp_path):
+    model, inputs = autopar.models.build("gpt-tiny")
+    plan = autopar.estimate(model, autopar.Cluster.from_spec("1x2xcpu"), inputs, autopar.ParallelConfig(dp=2),
+                            global_batch_size=4)
+    plan.save(tmp_path / "api.json")
+    return tmp_path / "api.json"
+
+
+def test_parse_fields():
+    assert parse_fields("dp=16,tp=8,pp=8,mbs=1,schedule=interleaved,v=2,recompute=full,sp=true", "--config") == {
+        "dp": 16, "tp": 8, "pp": 8, "micro_batch_size": 1, "schedule": "interleaved", "virtual_stages": 2,
+        "recompute": "full", "sequence_parallel": True}
+    assert parse_fields("stage_recompute=full/none", "--fixed") == {"stage_recompute": ("full", "none")}
+    for bad in ("tp", "tp=", "sp=maybe", "zero=1.5"):
+        with pytest.raises(autopar.ConfigError):
+            parse_fields(bad, "--fixed")

@@ -1,0 +1,134 @@
+"""Plan.summary / explain / compare / _repr_html_: what they state is the plan's own numbers."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields, replace
+
+import pytest
+
+import autopar
+from autopar.plan import TimeBreakdown
+from autopar.report.format import BREAKDOWN_LABELS, seconds
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return autopar.Cluster.from_spec("2x8xA100-80GB")
+
+
+@pytest.fixture(scope="module")
+def searched(plan_gpt, cluster, tmp_path_factory):
+    """A searched plan (with runners-up and sharding) and its JSON reload."""
+    model, inputs, _ = plan_gpt
+    plan = autopar.plan(model, cluster, inputs, global_batch_size=64, fixed={"tp": 2}, verbose=False)
+    path = tmp_path_factory.mktemp("plans") / "p.json"
+    plan.save(path)
+    return plan, autopar.load_plan(path)
+
+
+@pytest.fixture(scope="module")
+def pipelined(plan_gpt, cluster):
+    model, inputs, _ = plan_gpt
+    cfg = autopar.ParallelConfig(dp=2, tp=2, pp=4, micro_batch_size=2, schedule="interleaved", virtual_stages=2,
+                                 recompute="full", zero=1)
+    return autopar.estimate(model, cluster, inputs, cfg, global_batch_size=64)
+
+
+def test_summary_table(pipelined):
+    text = pipelined.summary()
+    assert f"configuration  {pipelined.config.short()}" in text
+    assert f"MFU {pipelined.mfu * 100:.1f}%" in text
+    for name in TimeBreakdown.__annotations__:        # every part, with its share of the step
+        value = getattr(pipelined.breakdown, name)
+        row = re.search(rf"^  {re.escape(BREAKDOWN_LABELS[name])} +(\S+ ?\S*) +([0-9.]+)%", text, re.M)
+        assert row and row.group(1) == seconds(value)
+        assert float(row.group(2)) == pytest.approx(value / pipelined.step_time * 100, abs=0.051)
+    stage_rows = [line for line in text.splitlines() if re.match(r"^ +\d+ +[0-9.]+ +[0-9.]+", line)]
+    assert len(stage_rows) == pipelined.config.pp
+    for stage, line in zip(pipelined.stages, stage_rows):
+        cells = line.split()
+        assert float(cells[6]) == pytest.approx(stage.memory.total / 1e9, abs=0.006)
+        assert cells[7] == f"{stage.memory.total / pipelined.cluster.device.memory:.0%}"
+    assert "search         none" in text        # an estimate says it was not searched
+
+
+def test_summary_marks_a_plan_that_does_not_fit(pipelined):
+    small = replace(pipelined.cluster, device=replace(pipelined.cluster.device, memory=pipelined.peak_memory / 2))
+    over = replace(pipelined, cluster=small, fits=False)
+    text = over.summary()
+    assert "DOES NOT FIT" in text and "OVER" in text
+
+
+def test_explain_states_the_plans_numbers(searched):
+    plan, loaded = searched
+    text = plan.explain()
+    assert text == loaded.explain(), "a plan loaded from JSON explains itself the same way"
+    assert plan.config.short() in text and "fastest configuration that fits" in text
+    search = plan.extra["search"]
+    assert f"of {search['candidates']} configurations" in text
+    assert f"{search['evaluated']} were solved exactly" in text
+    assert plan.alternatives, "the fixture must have runners-up"
+    for i, alt in enumerate(plan.alternatives, 1):
+        line = next(l for l in text.splitlines() if l.startswith(f"  {i}. "))
+        prefix = f"  {i}. {alt.config.short()} ("
+        assert line.startswith(prefix) and alt.reason in line
+        named = {change.split(" ")[0] for change in line[len(prefix):].split("): ")[0].split(", ")}
+        assert named == {f.name for f in fields(autopar.ParallelConfig)        # the changed fields, exactly
+                         if getattr(plan.config, f.name) != getattr(alt.config, f.name)}
+        if alt.fits:
+            assert alt.breakdown is not None
+            biggest = max(TimeBreakdown.__annotations__,
+                          key=lambda k: abs(getattr(alt.breakdown, k) - getattr(plan.breakdown, k)))
+            delta = getattr(alt.breakdown, biggest) - getattr(plan.breakdown, biggest)
+            if abs(delta) > 1e-3 * plan.step_time:
+                assert f"{BREAKDOWN_LABELS[biggest]} {'+' if delta > 0 else '-'}{seconds(abs(delta))}" in line
+
+
+def test_explain_an_estimate_and_its_pipeline(pipelined):
+    text = pipelined.explain()
+    assert "This is an estimate of the configuration you gave" in text
+    assert "pipeline 4:" in text and "interleaved with 2 chunks per device" in text
+    assert "ZeRO-1 shards the optimizer state over the 2 replicas" in text
+    assert f"recomputing costs {seconds(pipelined.breakdown.recompute)}" in text
+    states = sum(s.memory.params + s.memory.grads + s.memory.optimizer for s in pipelined.stages)
+    assert f"{states / 1e9:.2f} GB for parameters, gradients and optimizer state alone" in text
+
+
+def test_compare_marks_exactly_the_differences(searched, pipelined):
+    plan, _ = searched
+    cmp_ = plan.compare(pipelined)
+    by_label = {r.label.strip(): r for r in cmp_.rows}
+    for f in fields(autopar.ParallelConfig):
+        assert by_label[f.name].differs == (getattr(plan.config, f.name) != getattr(pipelined.config, f.name))
+    assert not by_label["model"].differs and not by_label["cluster"].differs
+    step = by_label["step time"]
+    assert step.differs and step.change == f"{(pipelined.step_time / plan.step_time - 1) * 100:+.1f}%"
+    text = str(cmp_)
+    lines = text.splitlines()[3:-1]             # after A:, B: and the header; before the verdict
+    assert len(lines) == len(cmp_.rows)
+    assert all(line.startswith("* ") == row.differs and row.label in line for line, row in zip(lines, cmp_.rows))
+    faster = "A" if plan.step_time < pipelined.step_time else "B"
+    assert cmp_.verdict.startswith(f"{faster} is faster")
+    same = plan.compare(plan)
+    assert not same.differences and same.verdict.startswith("A and B take the same time")
+    html = cmp_._repr_html_()
+    assert html.count("background:#fff3b0") == len(cmp_.differences)
+    with pytest.raises(autopar.ConfigError):
+        plan.compare("plan.json")
+
+
+def test_compare_warns_on_different_models(searched):
+    plan, _ = searched
+    other = replace(plan, fingerprint="other", global_batch_size=32)
+    warnings = plan.compare(other).warnings
+    assert any("different models" in w for w in warnings) and any("global batches differ" in w for w in warnings)
+
+
+def test_notebook_view(searched):
+    plan, _ = searched
+    html = plan._repr_html_()
+    assert plan.config.short() in html and html.count("<table") == 2
+    assert html.count("<tr") >= len(TimeBreakdown.__annotations__) + len(plan.stages) + 1
+    pytest.importorskip("matplotlib")
+    assert "<img alt='pipeline timeline' src='data:image/png;base64," in html
