@@ -1,7 +1,8 @@
 """Named models: ``build("llama3-8b", device="meta")`` for demos, tests and benchmarks.
 
-The transformer entries use the hand-written :mod:`.gpt` and :mod:`.llama`
-models (quick to build on "meta" and to export). Vocabulary sizes are the
+The transformer entries use the hand-written :mod:`.gpt`, :mod:`.llama`,
+:mod:`.bert`, :mod:`.t5` and :mod:`.moe` models (quick to build on "meta" and to
+export; no transformers dependency). Vocabulary sizes are the
 published ones, unpadded (50257 for GPT-2 is not divisible by any tensor-parallel
 degree > 1; benchmarks that need padding define their own configs).
 """
@@ -16,12 +17,22 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
+from .bert import BERTConfig, build_bert
 from .cnn import build_resnet
 from .gpt import GPTConfig, build_gpt
 from .llama import LlamaConfig, build_llama
 from .mlp import build_mlp
+from .moe import MixtralConfig, build_mixtral
+from .t5 import T5Config, build_t5
 
 Inputs = dict[str, torch.Tensor] | tuple[torch.Tensor, ...]
+TransformerConfig = GPTConfig | LlamaConfig | MixtralConfig | BERTConfig | T5Config
+
+_BUILDERS: Mapping[type, Callable[..., tuple[nn.Module, Inputs]]] = MappingProxyType({
+    GPTConfig: build_gpt, LlamaConfig: build_llama, MixtralConfig: build_mixtral,
+    BERTConfig: build_bert, T5Config: build_t5,
+})
+"""The builder of each transformer config type (exact type: MixtralConfig subclasses LlamaConfig)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,8 +43,9 @@ class ModelSpec:
     """Registry name."""
     description: str
     """One line: what the model is and its size."""
-    config: GPTConfig | LlamaConfig | None = None
-    """Transformer config (its seq_len is the default sequence length), or None for the others."""
+    config: TransformerConfig | None = None
+    """Transformer config (its seq_len is the default sequence length; T5's is the encoder's),
+    or None for the others."""
     builder: Callable[..., tuple[nn.Module, Any]] | None = None
     """For non-transformer entries: ``builder(batch_size=, device=, dtype=)``."""
 
@@ -44,6 +56,18 @@ def _gpt(name: str, desc: str, **kw: Any) -> ModelSpec:
 
 def _llama(name: str, desc: str, **kw: Any) -> ModelSpec:
     return ModelSpec(name=name, description=desc, config=LlamaConfig(**kw))
+
+
+def _mixtral(name: str, desc: str, **kw: Any) -> ModelSpec:
+    return ModelSpec(name=name, description=desc, config=MixtralConfig(**kw))
+
+
+def _bert(name: str, desc: str, **kw: Any) -> ModelSpec:
+    return ModelSpec(name=name, description=desc, config=BERTConfig(**kw))
+
+
+def _t5(name: str, desc: str, **kw: Any) -> ModelSpec:
+    return ModelSpec(name=name, description=desc, config=T5Config(**kw))
 
 
 _SPECS: tuple[ModelSpec, ...] = (
@@ -67,6 +91,24 @@ _SPECS: tuple[ModelSpec, ...] = (
     _llama("llama3-405b", "Llama 3.1 405B: l=126, h=16384, 128/8 kv heads, ffn 53248, V=128256, s=8192",
            layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248, vocab_size=128256,
            seq_len=8192),
+    _mixtral("mixtral-tiny", "Mixtral-style MoE, 2 layers, h=64, 4/2 kv heads, 4 experts top-2, "
+             "capacity 1.0, V=512, s=32 (tests)",
+             layers=2, hidden=64, heads=4, kv_heads=2, ffn_hidden=96, vocab_size=512, seq_len=32,
+             num_experts=4, top_k=2, capacity_factor=1.0),
+    _mixtral("mixtral-8x7b", "Mixtral 8x7B: l=32, h=4096, 32/8 kv heads, 8 experts (ffn 14336) top-2, "
+             "capacity 1.0, V=32000, s=4096 (46.7B, 12.9B active)",
+             layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab_size=32000,
+             seq_len=4096, rope_theta=1e6, num_experts=8, top_k=2, capacity_factor=1.0),
+    _bert("bert-tiny", "BERT MLM, 2 layers, h=64, 4 heads, V=512, s=32 (tests)",
+          layers=2, hidden=64, heads=4, vocab_size=512, seq_len=32),
+    _bert("bert-base", "BERT-base MLM: l=12, h=768, 12 heads, ffn 3072, V=30522, s=512, tied decoder (110M)",
+          layers=12, hidden=768, heads=12, ffn_hidden=3072, vocab_size=30522, seq_len=512, max_positions=512),
+    _t5("t5-tiny", "T5 v1.0, 2+2 layers, h=64, 4 heads, ffn 128, V=512, s=32 encoder / 16 decoder (tests)",
+        layers=2, hidden=64, heads=4, ffn_hidden=128, vocab_size=512, seq_len=32, decoder_seq_len=16),
+    _t5("t5-base", "T5 v1.0 base: 12+12 layers, h=768, 12 heads x 64, ffn 3072 ReLU, V=32128, "
+        "s=512 encoder / 128 decoder, tied head (223M)",
+        layers=12, hidden=768, heads=12, head_dim=64, ffn_hidden=3072, vocab_size=32128, seq_len=512,
+        decoder_seq_len=128),
     ModelSpec(name="resnet50",
               description="ResNet-50 v1.5, 224x224 images, 1000 classes (25.6M); returns logits",
               builder=lambda **kw: build_resnet("resnet50", **kw)),
@@ -106,7 +148,8 @@ def build(name: str, *, batch_size: int = 1, seq_len: int | None = None,
     """Build the named model and its example inputs (batch on dim 0), on "meta" by default.
 
     ``seq_len`` overrides a transformer's sequence length (for GPT it also sizes the
-    position embedding); it is an error for the models that take no sequence.
+    position embedding; for BERT it must stay within its 512 positions; for T5 it is the
+    encoder's, the decoder keeps its own); it is an error for the models that take no sequence.
     """
     entry = spec(name)
     if entry.config is None:
@@ -114,6 +157,4 @@ def build(name: str, *, batch_size: int = 1, seq_len: int | None = None,
             raise ConfigError(f"model {name!r} takes no sequence: leave seq_len=None (got {seq_len})")
         return entry.builder(batch_size=batch_size, device=device, dtype=dtype)
     config = entry.config if seq_len is None else replace(entry.config, seq_len=seq_len)
-    if isinstance(config, GPTConfig):
-        return build_gpt(config, batch_size=batch_size, device=device, dtype=dtype)
-    return build_llama(config, batch_size=batch_size, device=device, dtype=dtype)
+    return _BUILDERS[type(config)](config, batch_size=batch_size, device=device, dtype=dtype)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from autopar.errors import ConfigError
-from autopar.models import build, describe, gpt_param_count, names
+from autopar.models import (bert_param_count, build, describe, gpt_param_count, mixtral_param_count, names,
+                            t5_param_count)
 from autopar.models.registry import REGISTRY
 
 # Published sizes. The tolerance is 10% as these are rounded marketing numbers
@@ -16,6 +17,9 @@ EXPECTED = {
     "gpt2-small": 124e6, "gpt2-xl": 1.5e9, "gpt3-175b": 175e9,
     "llama2-7b": 6.7e9, "llama3-8b": 8.0e9, "llama3-70b": 70.6e9, "llama3-405b": 405e9,
     "resnet50": 25.6e6, "mlp-small": 19_792, "small-cnn": 5_266,
+    "bert-tiny": bert_param_count(REGISTRY["bert-tiny"].config), "bert-base": 110e6,
+    "t5-tiny": t5_param_count(REGISTRY["t5-tiny"].config), "t5-base": 223e6,
+    "mixtral-tiny": mixtral_param_count(REGISTRY["mixtral-tiny"].config), "mixtral-8x7b": 46.7e9,
 }
 
 

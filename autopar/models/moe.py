@@ -1,0 +1,236 @@
+"""A Mixtral-style mixture-of-experts decoder: :mod:`.llama` blocks whose MLP is a routed set of SwiGLU experts.
+
+Module tree::
+
+    Mixtral
+      embed            Embedding(V, h)
+      layers[i]        MixtralBlock (pre-norm):
+        attn_norm      RMSNorm(h)                       (from .llama)
+        attn           LlamaAttention (GQA + RoPE)      (from .llama)
+        mlp_norm       RMSNorm(h)
+        moe            MoE:
+          router       Linear(h -> E, bias=False)
+          experts      Experts: w1, w3 (E, h, ffn), w2 (E, ffn, h), one SwiGLU per expert
+      norm             RMSNorm(h)
+      head             Linear(h -> V, bias=False)
+
+Routing (as Mixtral, Jiang et al. 2024): softmax of the router logits in float32,
+the top-k experts of each token, their weights renormalised to sum to 1.
+
+Static-shape dispatch. ``torch.export`` needs shapes that do not depend on the
+routing, so every expert gets a buffer of ``C`` token slots:
+
+1. The T tokens' k choices become ``k*T`` assignments, ordered choice-major (all
+   first choices, then all second choices), so that first choices win slots first
+   when an expert overflows (GShard / Switch priority).
+2. ``onehot`` (k*T, E) marks each assignment's expert; its cumulative sum down the
+   assignments gives each one its position within its expert.
+3. Assignments at a position >= C are dropped (they contribute nothing; the
+   residual carries the token), the others go to slot ``expert * C + position`` of
+   an (E*C, h) buffer, filled by ``index_put`` (accumulate: dropped ones add zeros).
+4. The experts run as batched matmuls on (E, C, h): ``w2(silu(x w1) * (x w3))``.
+5. Each assignment reads its slot back, is scaled by its routing weight, and the
+   k assignments of a token are summed.
+
+``C = ceil(capacity_factor * T * k / E)``; ``capacity_factor=None`` drops nothing
+(``C = T``, as no expert can receive a token twice), which is Mixtral's exact
+maths but computes E*T slots, E/k times the routed FLOPs. With ``capacity_factor=1.0``
+the experts compute exactly the ``T*k`` routed slots, so a captured graph costs
+what the active parameters do; the registry's mixtral-8x7b uses 1.0.
+T is the tokens of one forward call (one micro-batch on one rank), so with a
+capacity the tokens dropped depend on how the batch is split, as in any
+capacity-based MoE; only ``capacity_factor=None`` computes the same loss for any
+split (data, pipeline micro-batches) as one process does.
+
+No auxiliary load-balancing loss: Mixtral's (router_aux_loss_coef 0.02) only
+regularises routing, costs a few elementwise ops, and would need the blocks to
+return a second value through every pipeline stage.
+
+Parameter count: see :func:`mixtral_param_count` (46,702,792,704 for Mixtral 8x7B,
+12,879,925,248 active per token).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._common import check_int, construct, random_tokens
+from .llama import INIT_STD, LlamaAttention, LlamaConfig, RMSNorm
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixtralConfig(LlamaConfig):
+    """A :class:`LlamaConfig` whose ``ffn_hidden`` is each expert's SwiGLU size, plus the routing."""
+
+    num_experts: int = 8
+    """Experts E per layer."""
+    top_k: int = 2
+    """Experts each token is routed to; at most ``num_experts``."""
+    capacity_factor: float | None = None
+    """Slots per expert as a multiple of the balanced load ``T*k/E``; None drops nothing (C = T)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_int("num_experts", self.num_experts)
+        check_int("top_k", self.top_k)
+        if self.top_k > self.num_experts:
+            raise ConfigError(f"top_k={self.top_k} is out of range: it must be <= num_experts={self.num_experts}")
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
+            raise ConfigError(f"capacity_factor={cf!r} is out of range: it must be a number > 0, or None "
+                              f"to drop no tokens")
+
+    def capacity(self, tokens: int) -> int:
+        """Slots per expert C for ``tokens`` tokens (at most ``tokens``: more could never fill)."""
+        if self.capacity_factor is None:
+            return tokens
+        return min(tokens, max(1, math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)))
+
+
+def mixtral_param_count(cfg: MixtralConfig, *, active: bool = False) -> int:
+    """Exact number of distinct parameters of ``Mixtral(cfg)``; with ``active`` only those
+    one token uses (its ``top_k`` experts instead of all of them)."""
+    h, d = cfg.hidden, cfg.head_dim
+    attn = 2 * h * h + 2 * h * cfg.kv_heads * d
+    experts = (cfg.top_k if active else cfg.num_experts) * 3 * h * cfg.ffn_hidden
+    per_layer = attn + experts + h * cfg.num_experts + 2 * h
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * h
+    return cfg.layers * per_layer + cfg.vocab_size * h + h + head
+
+
+class Experts(nn.Module):
+    """E SwiGLU feed-forwards stored as stacked weights; ``forward`` maps (E, C, h) -> (E, C, h)."""
+
+    def __init__(self, cfg: MixtralConfig) -> None:
+        super().__init__()
+        e, h, f = cfg.num_experts, cfg.hidden, cfg.ffn_hidden
+        self.w1 = nn.Parameter(torch.empty(e, h, f))
+        self.w3 = nn.Parameter(torch.empty(e, h, f))
+        self.w2 = nn.Parameter(torch.empty(e, f, h))
+        for w in (self.w1, self.w2, self.w3):
+            nn.init.normal_(w, mean=0.0, std=INIT_STD)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(F.silu(torch.bmm(x, self.w1)) * torch.bmm(x, self.w3), self.w2)
+
+
+class MoE(nn.Module):
+    """Router plus experts with the static-shape dispatch of the module docstring; (b, s, h) -> (b, s, h)."""
+
+    def __init__(self, cfg: MixtralConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.router = nn.Linear(cfg.hidden, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k (weights in x's dtype, expert ids), both (T, k), for the flat tokens x (T, h)."""
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.config.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        e, k = self.config.num_experts, self.config.top_k
+        tokens = b * s
+        cap = self.config.capacity(tokens)
+        flat = x.reshape(tokens, h)
+        weights, experts = self.route(flat)
+        expert_of = experts.t().reshape(-1)                                # (k*T,) choice-major
+        weight_of = weights.t().reshape(-1)
+        onehot = (expert_of.unsqueeze(-1) == torch.arange(e, device=x.device)).to(torch.long)
+        position = (torch.cumsum(onehot, dim=0) * onehot).sum(dim=-1) - 1  # place within its expert
+        kept = position < cap
+        slot = expert_of * cap + torch.clamp(position, max=cap - 1)
+        values = flat.repeat(k, 1) * kept.unsqueeze(-1).to(x.dtype)       # (k*T, h); dropped -> 0
+        buffer = torch.zeros(e * cap, h, dtype=x.dtype, device=x.device)
+        buffer = buffer.index_put((slot,), values, accumulate=True)
+        out = self.experts(buffer.view(e, cap, h)).reshape(e * cap, h)
+        scale = (weight_of * kept.to(weight_of.dtype)).unsqueeze(-1)
+        combined = (out[slot] * scale).view(k, tokens, h).sum(dim=0)
+        return combined.view(b, s, h)
+
+
+def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The same layer assignment by assignment (a Python loop): the test oracle of the dispatch.
+
+    Walks the first choices of all tokens, then the second ones, and so on, counting
+    each expert's assignments; one beyond the expert's capacity is dropped.
+    """
+    b, s, h = x.shape
+    flat = x.reshape(b * s, h)
+    weights, experts = moe.route(flat)
+    w1, w2, w3 = moe.experts.w1, moe.experts.w2, moe.experts.w3
+    cap = moe.config.capacity(flat.shape[0])
+    load = [0] * moe.config.num_experts
+    rows = [torch.zeros_like(flat[t]) for t in range(flat.shape[0])]
+    for j in range(moe.config.top_k):
+        for t in range(flat.shape[0]):
+            i = int(experts[t, j])
+            load[i] += 1
+            if load[i] <= cap:
+                rows[t] = rows[t] + weights[t, j] * ((F.silu(flat[t] @ w1[i]) * (flat[t] @ w3[i])) @ w2[i])
+    return torch.stack(rows).view(b, s, h)
+
+
+class MixtralBlock(nn.Module):
+    """Pre-norm block: x + attn(attn_norm(x)), then x + moe(mlp_norm(x))."""
+
+    def __init__(self, cfg: MixtralConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.attn = LlamaAttention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.moe = MoE(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.moe(self.mlp_norm(x))
+
+
+class Mixtral(nn.Module):
+    """Mixtral-style MoE decoder; ``forward(input_ids, labels=None)`` as :class:`autopar.models.llama.Llama`."""
+
+    def __init__(self, cfg: MixtralConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
+        self.layers = nn.ModuleList(MixtralBlock(cfg) for _ in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(self.norm(x))
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def build_mixtral(cfg: MixtralConfig, batch_size: int = 1, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> tuple[Mixtral, dict[str, torch.Tensor]]:
+    """A :class:`Mixtral` on ``device`` in ``dtype`` and example inputs ``{input_ids, labels}``.
+
+    Both are int64 of shape (batch_size, cfg.seq_len) from a fixed seed (shape only on
+    "meta"). ``model(**inputs)`` is the training loss.
+    """
+    model = construct(lambda: Mixtral(cfg), device, dtype)
+    inputs = {
+        "input_ids": random_tokens(batch_size, cfg.seq_len, cfg.vocab_size, device),
+        "labels": random_tokens(batch_size, cfg.seq_len, cfg.vocab_size, device, offset=1),
+    }
+    return model, inputs
