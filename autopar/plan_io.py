@@ -24,7 +24,10 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
     if not isinstance(data, Mapping):
         raise PlanFormatError(f"a plan file holds a JSON object, got {type(data).__name__}")
     version = _require(data, "schema_version", "")
-    if not isinstance(version, int) or version > SCHEMA_VERSION:
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise PlanFormatError(f"plan schema_version {version!r} must be an integer (this autopar writes "
+                              f"{SCHEMA_VERSION}): the file was edited; re-create it with plan.save()")
+    if version > SCHEMA_VERSION:
         raise PlanFormatError(f"plan schema_version {version!r} is newer than this autopar understands "
                               f"({SCHEMA_VERSION}): upgrade autopar")
     if version < 1:

@@ -93,7 +93,7 @@ MODEL_MODULE = "planned_model"
 
 
 def run_codegen(args: argparse.Namespace) -> int:
-    from ..codegen import emit
+    from ..codegen.emit import SCRIPT, emit, run_hint
     plan = load_plan(args.plan)
     factory = args.model_factory
     if factory is None:
@@ -111,13 +111,7 @@ def run_codegen(args: argparse.Namespace) -> int:
     if args.model_factory is None:
         written.append(os.path.join(args.output, MODEL_MODULE + ".py"))
     print("wrote " + ", ".join(written))
-    per_node = min(plan.devices, plan.cluster.devices_per_node)
-    if plan.devices <= per_node:
-        print(f"run: torchrun --nproc-per-node {plan.devices} {script} --steps 10")
-    else:
-        nodes = plan.devices // per_node
-        print(f"run on each of {nodes} nodes: torchrun --nnodes {nodes} --nproc-per-node {per_node} "
-              f"--rdzv-backend c10d --rdzv-endpoint HOST:29500 {script} --steps 10   (docs/multinode.md)")
+    print("run: " + run_hint(plan).replace(SCRIPT, script) + "   (docs/multinode.md)")
     return 0
 
 

@@ -154,4 +154,12 @@ def _why_lost(plan: Plan, alt: Alternative) -> str:
                     key=lambda d: -abs(d[0]))
     shown = [f"{BREAKDOWN_LABELS[k]} {'+' if d > 0 else '-'}{seconds(abs(d))}" for d, k in deltas[:TOP_PARTS]
              if abs(d) > 1e-3 * plan.step_time]
-    return f"{alt.reason} ({', '.join(shown) or 'the same parts'})"
+    if shown:
+        return f"{alt.reason} ({', '.join(shown)})"
+    slower = alt.step_time - plan.step_time
+    memory = f"peak memory {gigabytes(alt.peak_memory)} against {gigabytes(plan.peak_memory)}"
+    if slower > 0:
+        return f"slower by only {seconds(slower)} ({slower / plan.step_time * 100:.2g}%); {memory}"
+    if alt.peak_memory != plan.peak_memory:
+        return f"as fast; a tie goes to the leaner plan: {memory}"
+    return "as fast and as lean; the tie goes to the smaller configuration"
