@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(PY) bench/runtime_overhead.py
 	$(PY) bench/link_fit.py
 	$(PY) bench/fidelity_cpu.py
+	$(PY) bench/cli_plan_time.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,70 @@
+"""How long the ``autopar`` command takes, end to end, from a fresh process.
+
+Runs, as a user would from a shell (a new Python process each time: imports, model build on
+the meta device, capture, search, summary):
+
+    autopar plan gpt3-175b --cluster 128x8xA100-80GB --global-batch 1536
+    autopar plan llama3-405b --cluster 2048x8xH100-SXM --global-batch 2048
+    autopar plan mixtral-8x7b --cluster 8x8xH100-SXM --global-batch 256
+    autopar show <the gpt3 plan>
+
+and prints each one's wall time (median of ``--repeats`` runs; the first run of each also pays
+the file-system cache) and the plan it printed. Target (issue 6): the GPT-3 summary in under
+30 s on this 2-core machine. Nothing else should run meanwhile: the times are wall-clock.
+
+Run: .venv/bin/python bench/cli_plan_time.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+TARGET_SECONDS = 30.0
+RUNS = (
+    ("gpt3-175b", "128x8xA100-80GB", "1536"),
+    ("llama3-405b", "2048x8xH100-SXM", "2048"),
+    ("mixtral-8x7b", "8x8xH100-SXM", "256"),
+)
+
+
+def timed(args: list[str], cwd: str) -> tuple[float, str]:
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "autopar.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"autopar {' '.join(args)} failed:\n{proc.stderr}")
+    return seconds, proc.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    repeats = parser.parse_args().repeats
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model, cluster, batch in RUNS:
+            args = ["plan", model, "--cluster", cluster, "--global-batch", batch, "-o", f"{model}.json", "-q"]
+            times, out = zip(*(timed(args, tmp) for _ in range(repeats)))
+            config = next(line.split("configuration", 1)[1].strip() for line in out[0].splitlines()
+                          if line.startswith("  configuration"))
+            rows.append((f"autopar plan {model} --cluster {cluster} --global-batch {batch}", times, config))
+        times, _ = zip(*(timed(["show", "gpt3-175b.json"], tmp) for _ in range(repeats)))
+        rows.append(("autopar show gpt3-175b.json", times, "-"))
+    print(f"{'command':<78} {'median s':>8} {'min s':>6} {'max s':>6}  plan")
+    for command, times, config in rows:
+        print(f"{command:<78} {statistics.median(times):8.1f} {min(times):6.1f} {max(times):6.1f}  {config}")
+    gpt3 = statistics.median(rows[0][1])
+    verdict = "met" if gpt3 < TARGET_SECONDS else "NOT met"
+    print(f"\ntarget: the gpt3-175b plan's summary in under {TARGET_SECONDS:.0f} s: {verdict} ({gpt3:.1f} s median, "
+          f"{os.cpu_count()} cores)")
+
+
+if __name__ == "__main__":
+    main()
