@@ -20,7 +20,7 @@ from ..config import Precision
 from .comm import Collective, GroupPlacement, collective_time
 from .compute import ComputeModel, MeasuredTimes, fused_away
 from .memory import ActivationModel, saved_owner
-from .tensor_parallel import S, TPLayout, propagate
+from .tensor_parallel import S, TPLayout, propagate, sequence_gathers
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ class LayerCostModel:
         if tp > 1:  # the runtime runs every op of the layer as a DTensor: its host-side dispatch cost
             fwd += ops * self.cluster.device.dispatch_overhead
             bwd += grad_ops * self.cluster.device.dispatch_overhead_backward
-        tp_fwd, tp_bwd = self._tp_comm(layer, layout, scale, tp_group)
+        tp_fwd, tp_bwd = self._tp_comm(layer, layout, scale, tp_group, sp)
         acts = ActivationModel(self.graph, layout, self.precision, sp)
         if recompute == "full":
             recompute_time, recompute_flops = fwd + tp_fwd, fwd_flops
@@ -148,10 +148,12 @@ class LayerCostModel:
             activations_full=acts.layer_bytes(layer, "none", scale, self.owner),
             largest_tensor=acts.largest_tensor([layer], scale), flops=flops, recompute_flops=recompute_flops)
 
-    def _tp_comm(self, layer: Layer, layout: TPLayout, scale: float, group: GroupPlacement) -> tuple[float, float]:
+    def _tp_comm(self, layer: Layer, layout: TPLayout, scale: float, group: GroupPlacement,
+                 sp: bool) -> tuple[float, float]:
         fwd = bwd = 0.0
         per = self.precision.activation_bytes
-        for comm in layout.comms.get(layer.index, ()):
+        gathers = sequence_gathers(self.graph, layout, self.graph.layer_nodes(layer)) if sp else []
+        for comm in (*layout.comms.get(layer.index, ()), *gathers):
             if comm.phase == "step":
                 continue  # gradient synchronisation once per step: Estimator.dp_exposed
             nbytes = comm.numel * per * (scale if comm.batch_dependent else 1.0)

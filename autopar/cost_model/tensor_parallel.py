@@ -25,7 +25,12 @@ rule not applied) and the graph keeps going in ``R``.
 
 With sequence parallelism (Korthikanti et al.) the ``R`` regions are split along the
 sequence too: their compute and activations divide by ``t`` and every all-reduce
-becomes a reduce-scatter plus an all-gather of the same total volume.
+becomes a reduce-scatter plus an all-gather of the same total volume. Only what the runtime
+splits is divided (:func:`splits_along_sequence`: ``[batch, seq, hidden]`` float activations
+whose sequence divides by ``t``, runtime/specs.py), and an ``R`` op that is not split but
+reads a split one gathers that input first (:func:`sequence_gathers`: an all-gather forward,
+a reduce-scatter backward); in a Megatron layer there is none, in a layout that leaves
+attention replicated there is one per attention input.
 """
 
 from __future__ import annotations
@@ -66,13 +71,41 @@ class TPLayout:
     replicated_weights: tuple[str, ...]      # matmul weights left whole because tp does not divide them
     gemm_split: Mapping[str, str] = field(default_factory=dict)  # node -> GEMM dim split: "n" | "k" | "batch"
     strategy: Mapping[str, str] = field(default_factory=dict)    # node -> strategy name (solver layouts)
+    sequence_split: frozenset[str] = frozenset()  # R nodes sequence parallelism splits (splits_along_sequence)
 
     def shard(self, name: str, sequence_parallel: bool) -> int:
         """Divisor of a node's compute and activations."""
-        st = self.state.get(name.split(":")[0], R)
-        if st == S or (st == R and sequence_parallel):
+        base = name.split(":")[0]
+        st = self.state.get(base, R)
+        if st == S or (st == R and sequence_parallel and base in self.sequence_split):
             return self.tp
         return 1
+
+
+def splits_along_sequence(node: OpNode, tp: int) -> bool:
+    """Whether sequence parallelism splits this node's output when it is replicated: a batch-dependent
+    float ``[batch, seq, hidden]`` activation whose sequence divides by ``tp`` (the runtime's rule)."""
+    out = node.outputs[0] if node.outputs else None
+    return (out is not None and node.batch_dependent and out.is_float and len(out.shape) == 3
+            and out.shape[1] > 1 and out.shape[1] % tp == 0)
+
+
+def sequence_split_nodes(graph: OpGraph, state: Mapping[str, str], tp: int) -> frozenset[str]:
+    """The nodes whose ``R`` output sequence parallelism splits."""
+    return frozenset(n.name for n in graph.nodes if state.get(n.name) == R and splits_along_sequence(n, tp))
+
+
+def sequence_gathers(graph: OpGraph, layout: TPLayout, nodes) -> list[TPComm]:
+    """Under sequence parallelism: an all-gather of every sequence-split input an ``R`` node that
+    is not split itself reads (the runtime redistributes it to replicated for that op)."""
+    out = []
+    for node in nodes:
+        if layout.state.get(node.name) != R or node.name in layout.sequence_split:
+            continue
+        for name in dict.fromkeys(node.inputs):
+            if name in layout.sequence_split:
+                out.append(TPComm(node.name, "all_gather", "fwd", graph.node(name).outputs[0].numel, True))
+    return out
 
 
 def _weight_split_dim(node: OpNode, graph: OpGraph, column: bool) -> int | None:
@@ -154,4 +187,4 @@ def propagate(graph: OpGraph, tp: int) -> TPLayout:
         else:
             state[node.name] = C
     return TPLayout(tp, state, frozenset(split), {k: tuple(v) for k, v in comms.items()},
-                    tuple(dict.fromkeys(replicated)))
+                    tuple(dict.fromkeys(replicated)), sequence_split=sequence_split_nodes(graph, state, tp))

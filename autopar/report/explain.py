@@ -138,7 +138,10 @@ def _recompute(plan: Plan) -> str:
 
 def _runners_up(plan: Plan) -> str:
     if not plan.alternatives:
-        return "" if plan.optimal is None else "Runners-up: none (no other configuration fits)."
+        if plan.optimal is None:
+            return ""
+        return ("Runners-up: none evaluated. Every other configuration either does not fit or has a lower bound on "
+                "step time above this plan's, so it cannot be faster.")
     lines = ["Runners-up and why each lost:"]
     for i, alt in enumerate(plan.alternatives, 1):
         lines.append(f"  {i}. {alt.config.short()} ({config_changes(plan.config, alt.config)}): {_why_lost(plan, alt)}")

@@ -22,6 +22,7 @@ from typing import Mapping
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from ..capture.opgraph import OpGraph
+from ..cost_model.tensor_parallel import splits_along_sequence
 from ..errors import PlanMismatchError
 
 R, P, C = "R", "P", "C"
@@ -90,9 +91,7 @@ def sequence_parallel(specs: Mapping[str, OpSpec], graph: OpGraph, tp: int) -> d
     sp = set()
     for node in graph.nodes:
         spec = specs.get(node.name)
-        out = node.outputs[0]
-        if (spec is not None and spec.output == R and node.batch_dependent and out.is_float
-                and len(out.shape) == 3 and out.shape[1] % tp == 0 and out.shape[1] > 1):
+        if spec is not None and spec.output == R and splits_along_sequence(node, tp):  # the cost model's rule
             sp.add(node.name)
     out = dict(specs)
     for name in sp:

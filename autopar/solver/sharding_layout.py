@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from ..capture.opgraph import Layer, OpGraph
-from ..cost_model.tensor_parallel import TPComm, TPLayout
+from ..cost_model.tensor_parallel import TPComm, TPLayout, sequence_split_nodes
 from ..errors import AutoparError
 from .sharding_problem import GroupProblem, Realised, layout_state, realise
 from .strategies import Comm
@@ -169,7 +169,7 @@ def assemble(graph: OpGraph, tp: int, solutions: Sequence[GroupSolution]) -> TPL
                 comms.setdefault(layer, []).append(_tp_comm(name, c))
     replicated = [p for p in dict.fromkeys(replicated) if p not in split]
     return TPLayout(tp, state, frozenset(split), {k: tuple(v) for k, v in sorted(comms.items())},
-                    tuple(replicated), gemm, names)
+                    tuple(replicated), gemm, names, sequence_split_nodes(graph, state, tp))
 
 
 def _tp_comm(name: str, c: Comm | tuple[str, int]) -> TPComm:
