@@ -21,6 +21,7 @@ Keys and values are repeated to all heads before F.scaled_dot_product_attention.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -180,11 +181,11 @@ class Llama(nn.Module):
     b*s tokens. ``labels`` are already the targets of each position (no shift here).
     """
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, block: Callable[[LlamaConfig], nn.Module] | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
-        self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.layers))
+        self.layers = nn.ModuleList((block or LlamaBlock)(cfg) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         for module in self.modules():
@@ -210,7 +211,13 @@ def build_llama(cfg: LlamaConfig, batch_size: int = 1, device: torch.device | st
     Both inputs are int64 of shape (batch_size, cfg.seq_len), drawn from a fixed seed
     (shape only on "meta"). ``model(**inputs)`` is the training loss.
     """
-    model = construct(lambda: Llama(cfg), device, dtype)
+    return build_decoder(Llama, cfg, batch_size, device, dtype)
+
+
+def build_decoder(model_cls: Callable[[LlamaConfig], Llama], cfg: LlamaConfig, batch_size: int,
+                  device: torch.device | str, dtype: torch.dtype) -> tuple[Llama, dict[str, torch.Tensor]]:
+    """``model_cls(cfg)`` (a Llama or a subclass) on ``device`` in ``dtype``, and its token inputs."""
+    model = construct(lambda: model_cls(cfg), device, dtype)
     inputs = {
         "input_ids": random_tokens(batch_size, cfg.seq_len, cfg.vocab_size, device),
         "labels": random_tokens(batch_size, cfg.seq_len, cfg.vocab_size, device, offset=1),

@@ -59,8 +59,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import check_int, construct, random_tokens
-from .llama import INIT_STD, LlamaAttention, LlamaConfig, RMSNorm
+from ._common import check_int
+from .llama import INIT_STD, Llama, LlamaAttention, LlamaConfig, RMSNorm, build_decoder
 from ..errors import ConfigError
 
 
@@ -195,30 +195,12 @@ class MixtralBlock(nn.Module):
         return x + self.moe(self.mlp_norm(x))
 
 
-class Mixtral(nn.Module):
-    """Mixtral-style MoE decoder; ``forward(input_ids, labels=None)`` as :class:`autopar.models.llama.Llama`."""
+class Mixtral(Llama):
+    """Mixtral-style MoE decoder: :class:`autopar.models.llama.Llama` with :class:`MixtralBlock` layers;
+    ``forward(input_ids, labels=None)`` the same."""
 
     def __init__(self, cfg: MixtralConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden)
-        self.layers = nn.ModuleList(MixtralBlock(cfg) for _ in range(cfg.layers))
-        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
-        if cfg.tie_embeddings:
-            self.head.weight = self.embed.weight
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = layer(x)
-        logits = self.head(self.norm(x))
-        if labels is None:
-            return logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        super().__init__(cfg, MixtralBlock)
 
 
 def build_mixtral(cfg: MixtralConfig, batch_size: int = 1, device: torch.device | str = "cpu",
@@ -228,9 +210,4 @@ def build_mixtral(cfg: MixtralConfig, batch_size: int = 1, device: torch.device 
     Both are int64 of shape (batch_size, cfg.seq_len) from a fixed seed (shape only on
     "meta"). ``model(**inputs)`` is the training loss.
     """
-    model = construct(lambda: Mixtral(cfg), device, dtype)
-    inputs = {
-        "input_ids": random_tokens(batch_size, cfg.seq_len, cfg.vocab_size, device),
-        "labels": random_tokens(batch_size, cfg.seq_len, cfg.vocab_size, device, offset=1),
-    }
-    return model, inputs
+    return build_decoder(Mixtral, cfg, batch_size, device, dtype)

@@ -29,8 +29,8 @@ model's ``pipeline_time`` and ``in_flight`` formulas must agree with.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
 from ..config import SCHEDULES, check_choice, check_int
 from ..errors import ConfigError
@@ -141,6 +141,7 @@ def check(schedule: Schedule, micro_batches: int, virtual_stages: int = 1) -> No
 class Simulation:
     makespan: float                 # seconds from the first forward to the last backward
     peak_in_flight: tuple[int, ...]  # per device: most forwards held without their backward
+    times: Mapping[Action, tuple[float, float]] = field(default_factory=dict)  # (start, end) of each action
 
 
 def simulate(schedule: Schedule, virtual_stages: int, duration: Callable[[Action], float]) -> Simulation:
@@ -150,6 +151,7 @@ def simulate(schedule: Schedule, virtual_stages: int, duration: Callable[[Action
     p = len(schedule)
     stages = p * virtual_stages
     done: dict[Action, float] = {}
+    times: dict[Action, tuple[float, float]] = {}
     pos = [0] * p
     clock = [0.0] * p
     held = [0] * p
@@ -165,6 +167,7 @@ def simulate(schedule: Schedule, virtual_stages: int, duration: Callable[[Action
                     break
                 start = max([clock[d]] + [done[dep] for dep in deps])
                 clock[d] = done[action] = start + duration(action)
+                times[action] = (start, clock[d])
                 held[d] += 1 if action.kind == "F" else -1
                 peak[d] = max(peak[d], held[d])
                 pos[d] += 1
@@ -173,7 +176,7 @@ def simulate(schedule: Schedule, virtual_stages: int, duration: Callable[[Action
         if not progressed:
             blocked = [f"device {d} waits at {schedule[d][pos[d]]}" for d in range(p) if pos[d] < len(schedule[d])]
             raise ConfigError(f"schedule deadlocks: {'; '.join(blocked[:6])}")
-    return Simulation(max(clock), tuple(peak))
+    return Simulation(max(clock), tuple(peak), times)
 
 
 def format_schedule(schedule: Schedule) -> str:

@@ -1,10 +1,9 @@
 """Pipeline timeline (Gantt chart) of one optimizer step of a Plan.
 
 Geometry first, drawing second. :func:`build_timeline` replays the plan's schedule
-(``runtime.schedules.build``) on an idealised pipeline, the same rule as
-``runtime.schedules.simulate`` (a device starts its next action once it is free and the
-action's dependencies have finished; p2p takes no extra wall time beyond its share of a block),
-but records when every action starts and ends. Per-action durations come from each
+(``runtime.schedules.build``) with ``runtime.schedules.simulate`` (a device starts its next
+action once it is free and the action's dependencies have finished; p2p takes no extra wall
+time beyond its share of a block), which records when every action starts and ends. Per-action durations come from each
 :class:`~autopar.plan.Stage` (seconds per micro-batch, all of a device's chunks together):
 
 - forward  = (fwd_time + its share of tp_comm_time + half of p2p_time) / v
@@ -33,7 +32,7 @@ import numpy as np
 
 from ..config import check_int
 from ..errors import ConfigError
-from ..runtime.schedules import Action, Schedule, build, dependencies
+from ..runtime.schedules import build, simulate
 from ._common import DPI, finish, format_time, mix, new_figure, time_unit
 
 FORWARD = "#1f77b4"
@@ -116,37 +115,12 @@ def build_timeline(plan: Any, max_micro_batches: int | None = None) -> Timeline:
     parts = [action_parts(s, v) for s in plan.stages]
     lengths = [{k: sum(t for _, t in p) for k, p in d.items()} for d in parts]
     schedule = build(cfg.schedule, pp, m, v)
-    times = _simulate(schedule, v, lambda a: lengths[a.stage % pp][a.kind])
+    times = simulate(schedule, v, lambda a: lengths[a.stage % pp][a.kind]).times
     blocks = tuple(Block(device=d, chunk=a.stage // pp, kind=a.kind, micro_batch=a.micro_batch,
                          start=times[a][0], end=times[a][1], parts=parts[d][a.kind])
                    for d, actions in enumerate(schedule) for a in actions)
     ends = tuple(times[actions[-1]][1] for actions in schedule)
     return Timeline(blocks, ends, plan.breakdown.dp_comm, plan.breakdown.optimizer, m, v)
-
-
-def _simulate(schedule: Schedule, v: int, duration) -> dict[Action, tuple[float, float]]:
-    """(start, end) seconds of every action; the rule of ``runtime.schedules.simulate``."""
-    p = len(schedule)
-    times: dict[Action, tuple[float, float]] = {}
-    pos, clock = [0] * p, [0.0] * p
-    remaining = sum(len(a) for a in schedule)
-    while remaining:
-        progressed = False
-        for d in range(p):
-            while pos[d] < len(schedule[d]):
-                action = schedule[d][pos[d]]
-                deps = dependencies(action, p * v)
-                if any(dep not in times for dep in deps):
-                    break
-                start = max([clock[d]] + [times[dep][1] for dep in deps])
-                clock[d] = start + duration(action)
-                times[action] = (start, clock[d])
-                pos[d] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise ConfigError(f"the {p}-device schedule deadlocks; check it with runtime.schedules.check")
-    return times
 
 
 # --- drawing ----------------------------------------------------------------------------------
