@@ -1,7 +1,7 @@
 """Plan: a parallel configuration with its stage partition and predicted costs.
 
 Frozen dataclasses with a versioned JSON form (``SCHEMA_VERSION``). Units: seconds,
-bytes, FLOPs, samples/s; formatting happens only in ``summary()``.
+bytes, FLOPs, samples/s; formatting happens only where people read it (autopar/report, autopar/viz).
 """
 
 from __future__ import annotations
