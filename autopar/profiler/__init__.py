@@ -1,7 +1,8 @@
 """Profiler: measured op times, device curves and link fits of this machine, cached in a ProfileDB.
 
 - ops.py: the model's own ops timed forward and backward (the cost model's MeasuredTimes);
-- device.py: achieved FLOP/s curves and memory bandwidth; device_fit.py: the Device fitted to them;
+- device.py: achieved FLOP/s curves and memory bandwidth, measured; device_profile.py: their records;
+  device_fit.py: the Device fitted to them;
 - link_timing.py: collectives between local ranks timed in one spawn (and overlap, in-context
   latency, DTensor dispatch); links.py: their per-collective alpha/beta fits -> a measured Link;
 - local.py: ``Cluster.local()``: all of it for this machine, cached;

@@ -35,7 +35,7 @@ import numpy as np
 
 from ..cluster import REQUIRED_DTYPES, Device
 from ..errors import ConfigError
-from .device import DeviceProfile
+from .device_profile import DeviceProfile
 
 
 # --- Fitting ----------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ import torch
 from ..cluster import Cluster, link_presets
 from ..errors import ConfigError
 from .database import ProfileDB
-from .device import DeviceProfile, load_profile, measure_device, save_profile
+from .device import measure_device
+from .device_profile import DeviceProfile, load_profile, save_profile
 from .device_fit import DeviceFitReport, fit_device
 from .host import accelerator, check_threads, device_name
 from .link_timing import measure_links

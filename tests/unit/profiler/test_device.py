@@ -17,8 +17,9 @@ from autopar.cost_model.compute import gemm_efficiency
 from autopar.errors import ConfigError
 from autopar.profiler import device as dev
 from autopar.profiler.database import ProfileDB
-from autopar.profiler.device import (AttentionSample, BandwidthSample, ConvSample, DeviceProfile, MatmulSample,
-                                     load_profile, matmul_curve, measure_device, save_profile)
+from autopar.profiler.device import measure_device
+from autopar.profiler.device_profile import (AttentionSample, BandwidthSample, ConvSample, DeviceProfile,
+                                             MatmulSample, load_profile, matmul_curve, save_profile)
 from autopar.profiler.device_fit import device_fit_errors, fit_device
 from autopar.profiler.host import device_name, median_time, torch_threads
 
