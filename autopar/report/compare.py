@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 from ..config import ParallelConfig
 from ..plan import Plan, TimeBreakdown
-from .format import BREAKDOWN_LABELS, MEMORY_KINDS, cluster_spec, gigabytes, percent, seconds
+from .format import BREAKDOWN_LABELS, MEMORY_KINDS, cluster_spec, gigabytes, peak_stage, percent, seconds
 
 RELATIVE_TOLERANCE = 0.005
 """Numbers closer than this (relative) count as equal: the cost model is not that precise."""
@@ -121,15 +121,11 @@ def _number_rows(a: Plan, b: Plan) -> list[Row]:
     rows += [_number_row(f"  {BREAKDOWN_LABELS[k]}", getattr(a.breakdown, k), getattr(b.breakdown, k), seconds)
              for k in TimeBreakdown.__annotations__]
     rows.append(_number_row("peak memory per device", a.peak_memory, b.peak_memory, gigabytes))
-    pa, pb = _peak_stage(a), _peak_stage(b)
+    pa, pb = peak_stage(a), peak_stage(b)
     rows += [_number_row(f"  {kind} (fullest stage)", getattr(pa.memory, kind), getattr(pb.memory, kind), gigabytes)
              for kind in MEMORY_KINDS]
     rows.append(_text_row("fits in device memory", a.fits, b.fits))
     return rows
-
-
-def _peak_stage(plan: Plan):
-    return max(plan.stages, key=lambda s: s.memory.total)
 
 
 def _verdict(a: Plan, b: Plan) -> str:

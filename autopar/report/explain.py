@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..plan import Alternative, Plan, TimeBreakdown
 from .compare import config_changes
-from .format import BREAKDOWN_LABELS, gigabytes, percent, seconds
+from .format import BREAKDOWN_LABELS, gigabytes, peak_stage, percent, seconds
 
 TOP_PARTS = 3
 """How many breakdown parts "where the time goes" names, and how many differences a runner-up shows."""
@@ -47,7 +47,7 @@ def _time(plan: Plan) -> str:
 
 
 def _memory(plan: Plan) -> str:
-    peak = max(plan.stages, key=lambda s: s.memory.total)
+    peak = peak_stage(plan)
     m, limit = peak.memory, plan.cluster.device.memory
     state = "fits" if plan.fits else "DOES NOT FIT"
     return (f"Memory: the fullest device (stage {peak.index}) holds {gigabytes(m.total)} of {gigabytes(limit)} "

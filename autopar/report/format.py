@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..plan import Plan
+from ..plan import Plan, Stage
 
 GB = 1e9
 
@@ -57,3 +57,8 @@ def cluster_spec(plan: Plan) -> str:
     """"128x8xA100-80GB": the cluster in Cluster.from_spec's words."""
     c = plan.cluster
     return f"{c.nodes}x{c.devices_per_node}x{c.device.name}"
+
+
+def peak_stage(plan: Plan) -> Stage:
+    """The pipeline stage whose device holds the most memory."""
+    return max(plan.stages, key=lambda s: s.memory.total)
