@@ -9,10 +9,12 @@ from torch import nn
 from .build import GraphWalk, batch_size_of, graph_fingerprint, node_stacks
 from .export import LossFn, run_export
 from .layers import build_layers
-from .opgraph import FLOAT_DTYPES, Gemm, GraphInput, Layer, OpGraph, OpKind, OpNode, SavedTensor, TensorMeta
+from .moe import count_routed_flops, eager_warning, find_regions
+from .opgraph import (FLOAT_DTYPES, Gemm, GraphInput, Layer, MoERegion, OpGraph, OpKind, OpNode, SavedTensor,
+                      TensorMeta)
 
 __all__ = ["capture", "OpGraph", "OpNode", "Layer", "OpKind", "TensorMeta", "SavedTensor", "Gemm",
-           "GraphInput", "FLOAT_DTYPES"]
+           "GraphInput", "MoERegion", "FLOAT_DTYPES"]
 
 
 def param_aliases(model: nn.Module) -> dict[str, str]:
@@ -26,6 +28,8 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None = None
 
     The model may live on the meta device; nothing is computed on real data. The
     graph is the training forward pass (dropout on) down to the scalar loss.
+    Mixture-of-experts layers become :class:`MoERegion` records (``OpGraph.moe``) whose ops
+    count only the routed work (capture/moe.py).
     Raises :class:`autopar.CaptureError` naming the source line when export fails.
     """
     return graph_of(model, run_export(model, example_inputs, loss_fn))
@@ -36,8 +40,12 @@ def graph_of(model: nn.Module, program) -> OpGraph:
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
     walk = GraphWalk(program, requires_grad, param_aliases(model))
     nodes = list(walk.run())
-    nodes_t, layers = build_layers(nodes, node_stacks(program), walk.params)
+    stacks = node_stacks(program)
+    nodes_t, layers = build_layers(nodes, stacks, walk.params)
+    moe = find_regions(nodes_t, walk.inputs, stacks, walk.params, program)
+    nodes_t = count_routed_flops(nodes_t, moe, walk.params)
     warnings = tuple(f"FLOPs not counted for {f}" for f in walk.flop_cache.failures)
+    warnings += tuple(w for w in (eager_warning(model),) if w)
     return OpGraph(model_name=type(model).__name__, nodes=nodes_t, layers=layers, params=dict(walk.params),
                    buffers=dict(walk.buffers), inputs=tuple(walk.inputs), batch_size=batch_size_of(walk.inputs),
-                   fingerprint=graph_fingerprint(list(nodes_t), walk.params), warnings=warnings)
+                   fingerprint=graph_fingerprint(list(nodes_t), walk.params), warnings=warnings, moe=moe)

@@ -20,9 +20,9 @@ from torch.export.graph_signature import InputKind
 
 from .dims import node_dims
 from .export import INTERNAL_PATHS
-from .flops import FlopCache, attention_flops, count_matmul_flops, gemm_shape
+from .flops import FlopCache, attention_flops, count_matmul_flops, gemm_shape, grouped_mm_flops
 from .opgraph import GraphInput, OpKind, OpNode, SavedTensor, TensorMeta
-from .rules import ArgInfo, op_kind, op_name, saved_spec
+from .rules import GROUPED_MM, ArgInfo, op_kind, op_name, saved_spec
 
 _WRAPPER_PREFIX = "model."
 # FLOPs per output element of memory-bound ops (forward); only their bytes matter for time.
@@ -166,8 +166,8 @@ class GraphWalk:
         saved: list[SavedTensor] = []
         for pos in spec.inputs:
             src = by_pos.get(pos)
-            if src is None or src.kind in ("param", "buffer"):
-                continue  # weights live in parameter memory, not activation memory
+            if src is None or src.kind in ("param", "buffer") or self._is_param_view(src):
+                continue  # weights (and views of them, W.t()) live in parameter memory, not activation memory
             numel, dtype = self.root_numel.get(src.root, (src.meta.numel, src.meta.dtype))
             saved.append(SavedTensor(src.root, numel, dtype, src.batch_dependent))
         me = self.sources[node.name]
@@ -178,10 +178,16 @@ class GraphWalk:
             saved.append(SavedTensor(f"{node.name}:{label}", numel, dtype, me.batch_dependent))
         return tuple(saved)
 
+    def _is_param_view(self, src: _Source) -> bool:
+        root = self.sources.get(src.root)
+        return src.kind == "op" and root is not None and root.kind == "param"
+
     def _flops(self, node: torch.fx.Node, name: str, kind: OpKind, targs: list, srcs: list[_Source],
                out: TensorMeta, rg: bool) -> tuple[float, float]:
         if kind is OpKind.ATTENTION and len(srcs) >= 3:
             return attention_flops(srcs[0].meta, srcs[1].meta, srcs[2].meta, rg)
+        if name in GROUPED_MM and len(srcs) >= 2 and srcs[0].meta and srcs[1].meta:
+            return grouped_mm_flops(srcs[0].meta, srcs[1].meta, out, (srcs[0].requires_grad, srcs[1].requires_grad))
         if kind in (OpKind.MATMUL, OpKind.CONV):
             args = torch.fx.node.map_arg(node.args, lambda a: a.meta.get("val"))
             kwargs = torch.fx.node.map_arg(dict(node.kwargs), lambda a: a.meta.get("val"))

@@ -5,6 +5,9 @@ return a ModelOutput whose ``loss`` we keep (a cache object or logits beside it 
 dropped, so ``use_cache=True`` is harmless); other models go through
 ``loss_fn(output, inputs)``, or, when none is given, the mean of their (first)
 floating output, a stand-in that costs nothing next to the model.
+
+Hugging Face experts set to ``experts_implementation="eager"`` (a loop with data-dependent
+shapes) are exported with a static implementation of the same maths (capture/moe.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import CaptureError, ConfigError
+from .moe import static_experts
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 # Frames that are not the user's model code: torch, autopar's capture, transformers' wrappers.
@@ -141,7 +145,7 @@ def run_export(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None) ->
     args, kwargs = normalize_inputs(example_inputs)
     check_inputs_signature(model, args, kwargs)
     wrapper = LossWrapper(model, loss_fn, example_inputs)
-    with train_mode(model):
+    with train_mode(model), static_experts(model):
         try:
             return torch.export.export(wrapper, args, kwargs, strict=False)
         except CaptureError:
@@ -160,6 +164,10 @@ def _capture_error(model: nn.Module, exc: BaseException, call: str = "*") -> Cap
         hint = ("the model branches on the values of a tensor (data-dependent control flow), which a "
                 "static graph cannot capture: rewrite the branch with torch.where / torch.cond, or make it "
                 "depend on shapes only")
+        if any(p.dim() == 3 for p in model.parameters()):
+            hint += ("; a mixture-of-experts layer that loops over the experts it hits is such a branch: "
+                     "dispatch with static shapes (Hugging Face: experts_implementation='grouped_mm' or "
+                     "'batched_mm'; autopar.models.moe.Experts: a capacity-based dispatch)")
     elif isinstance(exc, (RuntimeError, IndexError, TypeError, ValueError)):
         hint = ("the example inputs do not fit the model (shapes, dtypes or keys): call "
                 f"{name}({call}example_inputs) once yourself to see the failure")

@@ -11,6 +11,11 @@ Attention is counted by formula, because FlopCounterMode counts the CPU SDPA ker
 as 0: forward ``4 b h s_q s_k d`` (QK^T and PV, causal masking not discounted, as in
 Megatron-LM's accounting), backward twice that.
 
+Grouped GEMMs (``grouped_mm``, transformers' ``grouped_mm_fallback``) are counted by formula
+too (FlopCounterMode does not know the custom op): ``x`` [S, k] times the weight of each
+row's group [k, n] is ``2 S k n`` forward, whichever group a row belongs to; backward
+``2 S k n`` per operand that needs a gradient.
+
 Other ops are memory-bound; they count one FLOP per output element forward and per
 input element backward, which the roofline then ignores next to their bytes.
 """
@@ -91,6 +96,18 @@ def attention_flops(q: TensorMeta, k: TensorMeta, v: TensorMeta, needs_grad: boo
     s_k, d_v = k.shape[-2], v.shape[-1]
     fwd = 2.0 * bh * s_q * s_k * (d + d_v)
     return fwd, (2.0 * fwd if needs_grad else 0.0)
+
+
+def grouped_mm_flops(x: TensorMeta, w: TensorMeta, out: TensorMeta, grads: tuple[bool, bool]
+                     ) -> tuple[float, float]:
+    """Grouped GEMM: ``x`` [S, k] @ per-group ``w`` [G, k, n] -> [S, n] is ``2 S k n``; the batched
+    form ([G, m, k] @ [G, k, n]) ``2 G m k n``; the 2-D form ([m, K] @ [K, n] -> [G, m, n], groups
+    along K) ``2 m K n``. Backward: the same once per operand in ``grads`` (needs a gradient)."""
+    if len(x.shape) == 2 and len(w.shape) == 2:
+        fwd = 2.0 * x.shape[0] * x.shape[1] * w.shape[1]
+    else:
+        fwd = 2.0 * out.numel * x.shape[-1]
+    return fwd, fwd * sum(grads)
 
 
 def gemm_shape(name: str, kind: OpKind, tensors: list[TensorMeta], out: TensorMeta | None,

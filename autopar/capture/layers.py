@@ -115,12 +115,25 @@ def build_layers(nodes: Sequence[OpNode], stacks: Mapping[str, Sequence[str]],
     return out, tuple(layers)
 
 
-def _is_activation_product(node: OpNode) -> bool:
-    return node.kind is OpKind.MATMUL and not node.params and len(node.inputs) >= 2
+def weight_operands(nodes: Sequence[OpNode]) -> set[str]:
+    """Nodes whose value is a parameter seen through views or gathers: a view or unknown op (index)
+    reading a parameter, or a view of such a node."""
+    found: set[str] = set()
+    for n in nodes:
+        if (n.params and n.kind in (OpKind.VIEW, OpKind.OTHER)) or (
+                n.kind is OpKind.VIEW and n.inputs and n.inputs[0] in found):
+            found.add(n.name)
+    return found
+
+
+def _is_activation_product(node: OpNode, weights: set[str]) -> bool:
+    return (node.kind is OpKind.MATMUL and not node.params and len(node.inputs) >= 2
+            and not any(i in weights for i in node.inputs))
 
 
 def attention_cores(nodes: Sequence[OpNode], owner: Mapping[str, int]) -> set[str]:
     """Names of nodes inside unfused attention cores (scores product up to the value product)."""
+    weights = weight_operands(nodes)
     consumers: dict[str, list[OpNode]] = {}
     for n in nodes:
         for src in n.inputs:
@@ -128,7 +141,7 @@ def attention_cores(nodes: Sequence[OpNode], owner: Mapping[str, int]) -> set[st
     core: set[str] = set()
     closing: set[str] = set()
     for start in nodes:
-        if not _is_activation_product(start) or start.name in closing:
+        if not _is_activation_product(start, weights) or start.name in closing:
             continue
         region, frontier, end = {start.name}, [start], None
         while frontier:
@@ -136,7 +149,7 @@ def attention_cores(nodes: Sequence[OpNode], owner: Mapping[str, int]) -> set[st
             for nxt in consumers.get(node.name, []):
                 if nxt.name in region or owner.get(nxt.name) != owner.get(start.name):
                     continue
-                if _is_activation_product(nxt):
+                if _is_activation_product(nxt, weights):
                     end = nxt
                     continue
                 if nxt.params:

@@ -157,6 +157,35 @@ class GraphInput:
 
 
 @dataclass(frozen=True)
+class MoERegion:
+    """One mixture-of-experts experts call found by capture (rules in :mod:`autopar.capture.moe`).
+
+    The experts compute, for ``T`` tokens ``x_t`` each routed to ``k`` of ``E`` experts,
+    ``out_t = sum_j w_tj * D_e (act(G_e x_t) * (U_e x_t))`` with ``e`` the j-th expert id of token
+    t, ``G_e``/``U_e`` the gate/up rows of ``gate_up[e]`` and ``D_e = down[e]``. The nodes of
+    the region carry the FLOPs of that routed work only (``T*k`` rows per GEMM; fewer when a
+    capacity drops some), whatever the implementation computes.
+    """
+
+    layer: int                   # index of the OpGraph layer holding it
+    module: str                  # module path of the experts module, e.g. "model.layers.0.mlp.experts"
+    nodes: tuple[str, ...]       # graph nodes computed inside the experts module (what expert parallelism replaces)
+    hidden_input: str            # value (node or graph input) of the tokens entering the experts, [T, h]
+    index_input: str             # top-k expert ids, [T, k] integer
+    weight_input: str            # top-k routing weights, [T, k] float
+    output: str                  # node of the experts' combined output, [T, h]
+    gate_up: str                 # parameter, stacked [E, 2f, h] (gate rows first, then up)
+    down: str                    # parameter, stacked [E, h, f]
+    activation: str              # what act(gate) * up uses: a Hugging Face hidden_act name ("silu", "gelu", ...)
+    num_experts: int             # E
+    top_k: int                   # k
+    tokens: int                  # T at the captured batch (batch * seq)
+    hidden: int                  # h
+    ffn: int                     # f, each expert's intermediate size
+    router: str | None           # the router's weight parameter, when found
+
+
+@dataclass(frozen=True)
 class OpGraph:
     """The captured model. Build with :func:`autopar.capture.capture`."""
 
@@ -169,6 +198,7 @@ class OpGraph:
     batch_size: int
     fingerprint: str
     warnings: tuple[str, ...] = field(default=())
+    moe: tuple[MoERegion, ...] = field(default=())   # mixture-of-experts regions, in graph order
 
     @cached_property
     def node_index(self) -> Mapping[str, int]:

@@ -19,7 +19,8 @@ from .opgraph import OpKind, TensorMeta
 
 _KINDS: dict[str, OpKind] = {}
 for _kind, _names in {
-    OpKind.MATMUL: "linear matmul mm bmm addmm baddbmm addbmm einsum addmv mv dot _scaled_mm",
+    OpKind.MATMUL: ("linear matmul mm bmm addmm baddbmm addbmm einsum addmv mv dot _scaled_mm "
+                    "_grouped_mm grouped_mm grouped_mm_fallback"),
     OpKind.CONV: "conv1d conv2d conv3d convolution _convolution conv_transpose1d conv_transpose2d conv_transpose3d",
     OpKind.ATTENTION: ("scaled_dot_product_attention _scaled_dot_product_flash_attention "
                        "_scaled_dot_product_efficient_attention _scaled_dot_product_cudnn_attention "
@@ -54,6 +55,11 @@ _SAVE_NOTHING = frozenset(("add sub neg clone contiguous copy _to_copy to type_a
                            "constant_pad_nd repeat index_select_backward flip roll tril triu "
                            "zeros_like ones_like sum mean cumsum adaptive_avg_pool2d avg_pool2d "
                            "avg_pool1d mean_dim").split())
+
+
+GROUPED_MM = frozenset(("_grouped_mm", "grouped_mm", "grouped_mm_fallback"))
+"""Grouped GEMMs (``torch.nn.functional.grouped_mm`` and transformers' fallback custom op): rows of
+``x`` [S, k] sorted by group, each group's rows times its own weight ``w[g]`` [k, n]."""
 
 
 def op_name(target: object) -> str:
@@ -117,7 +123,7 @@ def saved_spec(name: str, args: Sequence[ArgInfo], out: TensorMeta | None, kwarg
     if kind in (OpKind.VIEW, OpKind.CREATION) or name in _SAVE_NOTHING:
         return SavedSpec()
     if name in ("linear", "matmul", "mm", "bmm", "einsum", "dot", "mv", "conv1d", "conv2d", "conv3d",
-                "convolution", "_convolution"):
+                "convolution", "_convolution") or name in GROUPED_MM:
         return SavedSpec(inputs=_bilinear(args, 0, 1))
     if name in ("addmm", "baddbmm", "addbmm", "addmv"):
         return SavedSpec(inputs=_bilinear(args, 1, 2))

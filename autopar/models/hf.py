@@ -9,6 +9,16 @@ target at every position (no -100 masking), so every token counts.
 transformers is an optional extra (``pip install autopar[dev]``): it is imported
 inside the builders, and a missing install raises ConfigError. KV caches are off
 (``use_cache=False``): training does not use them and they are no exportable output.
+
+The mixture-of-experts builders (Mixtral, Qwen2-MoE, Qwen3-MoE) take
+``experts_implementation``: transformers' name of the experts dispatch, passed to the
+config (``PretrainedConfig(experts_implementation=...)``, the same keyword
+``from_pretrained`` takes; ``model.set_experts_implementation`` switches a built model).
+"grouped_mm" (transformers' default) sorts the T*k assignments by expert and runs one
+grouped GEMM; "batched_mm" gathers each assignment's expert weights and runs a batched
+matrix-vector product; "eager" loops over the experts hit, which torch.export cannot
+trace (capture then exports it as "grouped_mm": autopar/capture/moe.py). Their router
+aux loss is off (``output_router_logits=False``, the config default).
 """
 
 from __future__ import annotations
@@ -25,10 +35,13 @@ from ..errors import ConfigError
 
 AttnImplementation = Literal["sdpa", "eager"]
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("sdpa", "eager")
+ExpertsImplementation = Literal["grouped_mm", "batched_mm", "eager"]
+EXPERTS_IMPLEMENTATIONS: tuple[str, ...] = ("grouped_mm", "batched_mm", "eager")
 
 GPT2_DROPOUT_FIELDS: tuple[str, ...] = ("resid_pdrop", "embd_pdrop", "attn_pdrop",
                                         "summary_first_dropout")
 LLAMA_DROPOUT_FIELDS: tuple[str, ...] = ("attention_dropout",)
+MOE_DROPOUT_FIELDS: tuple[str, ...] = ("attention_dropout",)
 GPT_NEOX_DROPOUT_FIELDS: tuple[str, ...] = ("attention_dropout", "hidden_dropout")
 BERT_DROPOUT_FIELDS: tuple[str, ...] = ("hidden_dropout_prob", "attention_probs_dropout_prob",
                                         "classifier_dropout")
@@ -166,3 +179,92 @@ def build_hf_bert(layers: int = 2, hidden: int = 64, heads: int = 4, ffn_hidden:
               "attention_mask": torch.ones(batch_size, seq_len, dtype=torch.long, device=device),
               "labels": inputs["labels"]}
     return model.train(), inputs
+
+
+def _moe_sizes(layers: int, hidden: int, heads: int, kv_heads: int, ffn_hidden: int, num_experts: int,
+               top_k: int, seq_len: int, experts_implementation: str) -> None:
+    """The sizes of a MoE decoder are positive, heads divide, ``top_k <= num_experts``, a known dispatch."""
+    _check_sizes(layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn_hidden=ffn_hidden,
+                 num_experts=num_experts, top_k=top_k, seq_len=seq_len)
+    if top_k > num_experts:
+        raise ConfigError(f"top_k={top_k} is out of range: it must be <= num_experts={num_experts}")
+    check_choice("experts_implementation", experts_implementation, EXPERTS_IMPLEMENTATIONS)
+
+
+def build_hf_mixtral(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                     ffn_hidden: int = 128, num_experts: int = 4, top_k: int = 2, vocab: int = 256,
+                     seq_len: int = 32, batch_size: int = 2, device: torch.device | str = "cpu",
+                     dtype: torch.dtype = torch.float32, dropout: float | None = None,
+                     attn_implementation: AttnImplementation = "sdpa",
+                     experts_implementation: ExpertsImplementation = "grouped_mm",
+                     ) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """``MixtralForCausalLM``: GQA decoder whose MLPs are ``num_experts`` SwiGLU experts of size
+    ``ffn_hidden``, ``top_k`` per token (renormalised softmax weights), and ``{input_ids, labels}``.
+
+    ``dropout`` None keeps the config default (attention_dropout = 0.0); a float sets it.
+    """
+    tf = _transformers()
+    _moe_sizes(layers, hidden, heads, kv_heads, ffn_hidden, num_experts, top_k, seq_len, experts_implementation)
+    config = tf.MixtralConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                              num_key_value_heads=kv_heads, intermediate_size=ffn_hidden,
+                              num_local_experts=num_experts, num_experts_per_tok=top_k, vocab_size=vocab,
+                              max_position_embeddings=seq_len, tie_word_embeddings=False,
+                              experts_implementation=experts_implementation,
+                              **_common_kwargs(dropout, MOE_DROPOUT_FIELDS, attn_implementation, vocab))
+    model = construct(lambda: tf.MixtralForCausalLM(config), device, dtype)
+    return model.train(), _token_inputs(batch_size, seq_len, vocab, device)
+
+
+def build_hf_qwen2_moe(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                       ffn_hidden: int = 96, shared_ffn_hidden: int = 128, num_experts: int = 4, top_k: int = 2,
+                       vocab: int = 256, seq_len: int = 32, batch_size: int = 2,
+                       device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                       dropout: float | None = None, attn_implementation: AttnImplementation = "sdpa",
+                       experts_implementation: ExpertsImplementation = "grouped_mm",
+                       ) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """``Qwen2MoeForCausalLM``: every layer's MLP is ``num_experts`` SwiGLU experts of size ``ffn_hidden``
+    (``moe_intermediate_size``), ``top_k`` per token (weights not renormalised, the config default),
+    plus a sigmoid-gated shared expert of size ``shared_ffn_hidden``; and ``{input_ids, labels}``.
+
+    ``dropout`` None keeps the config default (attention_dropout = 0.0); a float sets it.
+    """
+    tf = _transformers()
+    _moe_sizes(layers, hidden, heads, kv_heads, ffn_hidden, num_experts, top_k, seq_len, experts_implementation)
+    check_int("shared_ffn_hidden", shared_ffn_hidden)
+    config = tf.Qwen2MoeConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                               num_key_value_heads=kv_heads, moe_intermediate_size=ffn_hidden,
+                               shared_expert_intermediate_size=shared_ffn_hidden, intermediate_size=shared_ffn_hidden,
+                               num_experts=num_experts, num_experts_per_tok=top_k, vocab_size=vocab,
+                               max_position_embeddings=seq_len, tie_word_embeddings=False,
+                               experts_implementation=experts_implementation,
+                               **_common_kwargs(dropout, MOE_DROPOUT_FIELDS, attn_implementation, vocab))
+    model = construct(lambda: tf.Qwen2MoeForCausalLM(config), device, dtype)
+    return model.train(), _token_inputs(batch_size, seq_len, vocab, device)
+
+
+def build_hf_qwen3_moe(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                       ffn_hidden: int = 96, num_experts: int = 4, top_k: int = 2, vocab: int = 256,
+                       seq_len: int = 32, batch_size: int = 2, device: torch.device | str = "cpu",
+                       dtype: torch.dtype = torch.float32, dropout: float | None = None,
+                       attn_implementation: AttnImplementation = "sdpa",
+                       experts_implementation: ExpertsImplementation = "grouped_mm",
+                       ) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """``Qwen3MoeForCausalLM`` (q/k norms, head_dim = hidden / heads): every layer's MLP is
+    ``num_experts`` SwiGLU experts of size ``ffn_hidden``, ``top_k`` per token, no shared expert;
+    and ``{input_ids, labels}``.
+
+    ``dropout`` None keeps the config default (attention_dropout = 0.0); a float sets it.
+    """
+    tf = _transformers()
+    if not hasattr(tf, "Qwen3MoeForCausalLM"):
+        raise ConfigError(f"transformers {tf.__version__} has no Qwen3-MoE: pip install 'transformers>=4.51'")
+    _moe_sizes(layers, hidden, heads, kv_heads, ffn_hidden, num_experts, top_k, seq_len, experts_implementation)
+    config = tf.Qwen3MoeConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                               num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                               moe_intermediate_size=ffn_hidden, intermediate_size=ffn_hidden,
+                               num_experts=num_experts, num_experts_per_tok=top_k, vocab_size=vocab,
+                               max_position_embeddings=seq_len, tie_word_embeddings=False,
+                               experts_implementation=experts_implementation,
+                               **_common_kwargs(dropout, MOE_DROPOUT_FIELDS, attn_implementation, vocab))
+    model = construct(lambda: tf.Qwen3MoeForCausalLM(config), device, dtype)
+    return model.train(), _token_inputs(batch_size, seq_len, vocab, device)

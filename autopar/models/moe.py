@@ -10,15 +10,24 @@ Module tree::
         mlp_norm       RMSNorm(h)
         moe            MoE:
           router       Linear(h -> E, bias=False)
-          experts      Experts: w1, w3 (E, h, ffn), w2 (E, ffn, h), one SwiGLU per expert
+          experts      Experts: gate_up_proj (E, 2 ffn, h), down_proj (E, h, ffn), one SwiGLU per expert
       norm             RMSNorm(h)
       head             Linear(h -> V, bias=False)
 
 Routing (as Mixtral, Jiang et al. 2024): softmax of the router logits in float32,
 the top-k experts of each token, their weights renormalised to sum to 1.
 
-Static-shape dispatch. ``torch.export`` needs shapes that do not depend on the
-routing, so every expert gets a buffer of ``C`` token slots:
+Experts interface and layout: those of Hugging Face transformers v5 (``MixtralExperts``),
+so that capture and expert parallelism treat both alike (capture/moe.py)::
+
+    experts(hidden [T, h], top_k_index [T, k], top_k_weights [T, k]) -> [T, h]
+    out_t = sum_j w_tj * D_e (silu(G_e x_t) * (U_e x_t)),   e = top_k_index[t, j]
+
+with ``gate_up_proj[e]`` = [G_e; U_e] (the ffn gate rows, then the ffn up rows) and
+``down_proj[e]`` = D_e, so HF weights load unchanged.
+
+Static-shape dispatch (inside ``Experts.forward``). ``torch.export`` needs shapes that do
+not depend on the routing, so every expert gets a buffer of ``C`` token slots:
 
 1. The T tokens' k choices become ``k*T`` assignments, ordered choice-major (all
    first choices, then all second choices), so that first choices win slots first
@@ -28,15 +37,18 @@ routing, so every expert gets a buffer of ``C`` token slots:
 3. Assignments at a position >= C are dropped (they contribute nothing; the
    residual carries the token), the others go to slot ``expert * C + position`` of
    an (E*C, h) buffer, filled by ``index_put`` (accumulate: dropped ones add zeros).
-4. The experts run as batched matmuls on (E, C, h): ``w2(silu(x w1) * (x w3))``.
+4. The experts run as batched matmuls on (E, C, h):
+   ``gate, up = x gate_up^T``, then ``(silu(gate) * up) down^T``.
 5. Each assignment reads its slot back, is scaled by its routing weight, and the
    k assignments of a token are summed.
 
 ``C = ceil(capacity_factor * T * k / E)``; ``capacity_factor=None`` drops nothing
 (``C = T``, as no expert can receive a token twice), which is Mixtral's exact
 maths but computes E*T slots, E/k times the routed FLOPs. With ``capacity_factor=1.0``
-the experts compute exactly the ``T*k`` routed slots, so a captured graph costs
-what the active parameters do; the registry's mixtral-8x7b uses 1.0.
+the experts compute exactly the ``T*k`` routed slots (the registry's Mixtral entries use
+1.0). Either way capture counts the
+routed FLOPs only (``T*k`` rows per expert GEMM; capture/moe.py), which is what the
+active parameters cost.
 T is the tokens of one forward call (one micro-batch on one rank), so with a
 capacity the tokens dropped depend on how the batch is split, as in any
 capacity-based MoE; only ``capacity_factor=None`` computes the same loss for any
@@ -98,30 +110,52 @@ def mixtral_param_count(cfg: MixtralConfig, *, active: bool = False) -> int:
     one token uses (its ``top_k`` experts instead of all of them)."""
     h, d = cfg.hidden, cfg.head_dim
     attn = 2 * h * h + 2 * h * cfg.kv_heads * d
-    experts = (cfg.top_k if active else cfg.num_experts) * 3 * h * cfg.ffn_hidden
+    per_expert = 2 * cfg.ffn_hidden * h + h * cfg.ffn_hidden   # gate_up_proj (2 ffn, h) + down_proj (h, ffn)
+    experts = (cfg.top_k if active else cfg.num_experts) * per_expert
     per_layer = attn + experts + h * cfg.num_experts + 2 * h
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * h
     return cfg.layers * per_layer + cfg.vocab_size * h + h + head
 
 
 class Experts(nn.Module):
-    """E SwiGLU feed-forwards stored as stacked weights; ``forward`` maps (E, C, h) -> (E, C, h)."""
+    """E SwiGLU experts in Hugging Face's layout (``gate_up_proj`` (E, 2 ffn, h), gate rows first,
+    ``down_proj`` (E, h, ffn)) with the static-shape dispatch of the module docstring:
+    ``forward(hidden (T, h), top_k_index (T, k), top_k_weights (T, k)) -> (T, h)``."""
 
     def __init__(self, cfg: MixtralConfig) -> None:
         super().__init__()
+        self.config = cfg
         e, h, f = cfg.num_experts, cfg.hidden, cfg.ffn_hidden
-        self.w1 = nn.Parameter(torch.empty(e, h, f))
-        self.w3 = nn.Parameter(torch.empty(e, h, f))
-        self.w2 = nn.Parameter(torch.empty(e, f, h))
-        for w in (self.w1, self.w2, self.w3):
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * f, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, f))
+        for w in (self.gate_up_proj, self.down_proj):
             nn.init.normal_(w, mean=0.0, std=INIT_STD)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.bmm(F.silu(torch.bmm(x, self.w1)) * torch.bmm(x, self.w3), self.w2)
+    def expert_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """Every expert on its slots: (E, C, h) -> (E, C, h)."""
+        gate, up = torch.bmm(x, self.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+        return torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, h = hidden.shape
+        e, k = self.config.num_experts, top_k_index.shape[-1]
+        cap = self.config.capacity(tokens)
+        expert_of = top_k_index.t().reshape(-1)                            # (k*T,) choice-major
+        weight_of = top_k_weights.t().reshape(-1)
+        onehot = (expert_of.unsqueeze(-1) == torch.arange(e, device=hidden.device)).to(torch.long)
+        position = (torch.cumsum(onehot, dim=0) * onehot).sum(dim=-1) - 1  # place within its expert
+        kept = position < cap
+        slot = expert_of * cap + torch.clamp(position, max=cap - 1)
+        values = hidden.repeat(k, 1) * kept.unsqueeze(-1).to(hidden.dtype)  # (k*T, h); dropped -> 0
+        buffer = torch.zeros(e * cap, h, dtype=hidden.dtype, device=hidden.device)
+        buffer = buffer.index_put((slot,), values, accumulate=True)
+        out = self.expert_mlp(buffer.view(e, cap, h)).reshape(e * cap, h)
+        scale = (weight_of * kept.to(weight_of.dtype)).unsqueeze(-1)
+        return (out[slot] * scale).view(k, tokens, h).sum(dim=0)
 
 
 class MoE(nn.Module):
-    """Router plus experts with the static-shape dispatch of the module docstring; (b, s, h) -> (b, s, h)."""
+    """Router plus experts; (b, s, h) -> (b, s, h)."""
 
     def __init__(self, cfg: MixtralConfig) -> None:
         super().__init__()
@@ -138,24 +172,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
-        e, k = self.config.num_experts, self.config.top_k
-        tokens = b * s
-        cap = self.config.capacity(tokens)
-        flat = x.reshape(tokens, h)
+        flat = x.reshape(b * s, h)
         weights, experts = self.route(flat)
-        expert_of = experts.t().reshape(-1)                                # (k*T,) choice-major
-        weight_of = weights.t().reshape(-1)
-        onehot = (expert_of.unsqueeze(-1) == torch.arange(e, device=x.device)).to(torch.long)
-        position = (torch.cumsum(onehot, dim=0) * onehot).sum(dim=-1) - 1  # place within its expert
-        kept = position < cap
-        slot = expert_of * cap + torch.clamp(position, max=cap - 1)
-        values = flat.repeat(k, 1) * kept.unsqueeze(-1).to(x.dtype)       # (k*T, h); dropped -> 0
-        buffer = torch.zeros(e * cap, h, dtype=x.dtype, device=x.device)
-        buffer = buffer.index_put((slot,), values, accumulate=True)
-        out = self.experts(buffer.view(e, cap, h)).reshape(e * cap, h)
-        scale = (weight_of * kept.to(weight_of.dtype)).unsqueeze(-1)
-        combined = (out[slot] * scale).view(k, tokens, h).sum(dim=0)
-        return combined.view(b, s, h)
+        return self.experts(flat, experts, weights).view(b, s, h)
 
 
 def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -167,7 +186,7 @@ def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     b, s, h = x.shape
     flat = x.reshape(b * s, h)
     weights, experts = moe.route(flat)
-    w1, w2, w3 = moe.experts.w1, moe.experts.w2, moe.experts.w3
+    gate_up, down = moe.experts.gate_up_proj, moe.experts.down_proj
     cap = moe.config.capacity(flat.shape[0])
     load = [0] * moe.config.num_experts
     rows = [torch.zeros_like(flat[t]) for t in range(flat.shape[0])]
@@ -176,7 +195,8 @@ def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
             i = int(experts[t, j])
             load[i] += 1
             if load[i] <= cap:
-                rows[t] = rows[t] + weights[t, j] * ((F.silu(flat[t] @ w1[i]) * (flat[t] @ w3[i])) @ w2[i])
+                gate, up = (gate_up[i] @ flat[t]).chunk(2)
+                rows[t] = rows[t] + weights[t, j] * (down[i] @ (F.silu(gate) * up))
     return torch.stack(rows).view(b, s, h)
 
 

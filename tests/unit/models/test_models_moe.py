@@ -13,7 +13,7 @@ import autopar
 from autopar.capture import capture
 from autopar.errors import ConfigError
 from autopar.models import build
-from autopar.models.moe import Mixtral, MixtralConfig, MoE, build_mixtral, mixtral_param_count, moe_reference
+from autopar.models.moe import Experts, Mixtral, MixtralConfig, MoE, build_mixtral, mixtral_param_count, moe_reference
 from autopar.models.registry import REGISTRY
 
 TINY = dict(hidden=32, heads=4, kv_heads=2, layers=2, ffn_hidden=48, vocab_size=128, seq_len=16,
@@ -86,7 +86,9 @@ def test_module_paths() -> None:
     modules = dict(model.named_modules())
     assert {"layers.0.attn", "layers.0.moe.router", "layers.0.moe.experts", "layers.1.moe.experts"} <= set(modules)
     experts = modules["layers.0.moe.experts"]
-    assert experts.w1.shape == (4, 32, 48) and experts.w3.shape == (4, 32, 48) and experts.w2.shape == (4, 48, 32)
+    # Hugging Face v5's layout: gate_up (E, 2 ffn, h), gate rows first; down (E, h, ffn).
+    assert experts.gate_up_proj.shape == (4, 96, 32) and experts.down_proj.shape == (4, 32, 48)
+    assert {n for n, _ in experts.named_parameters()} == {"gate_up_proj", "down_proj"}
     assert modules["layers.0.moe.router"].weight.shape == (4, 32)
 
 
@@ -114,15 +116,19 @@ def test_capture_finds_repeated_layers(tiny_graph) -> None:
     assert len({layer.name for layer in graph.layers}) == len(graph.layers)   # a plan names layers
 
 
-def test_expert_flops_count_routed_tokens_only(tiny_graph) -> None:
-    """With capacity_factor=1.0 the expert matmuls cover exactly the T*k routed slots."""
-    model, inputs, graph = tiny_graph
-    cfg = model.config
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_expert_flops_count_routed_tokens_only(capacity_factor: float | None) -> None:
+    """The expert matmuls count the T*k routed rows, whatever the dispatch computes (E*T slots
+    without a capacity, E*C with one); capture/moe.py recounts them."""
+    cfg = MixtralConfig(**TINY, capacity_factor=capacity_factor)
+    model, inputs = build_mixtral(cfg, batch_size=2, device="meta")
+    graph = capture(model, inputs)
     expert_nodes = [n for n in graph.nodes if n.module_path.endswith("moe.experts") and n.target == "aten.bmm.default"]
-    assert len(expert_nodes) == 3 * cfg.layers
+    assert len(expert_nodes) == 2 * cfg.layers                    # gate_up, then down, per layer
     tokens = inputs["input_ids"].numel()
     routed = 2.0 * tokens * cfg.top_k * 3 * cfg.hidden * cfg.ffn_hidden * cfg.layers
     assert sum(n.flops_fwd for n in expert_nodes) == routed
+    assert [r.module for r in graph.moe] == ["layers.0.moe.experts", "layers.1.moe.experts"]
 
 
 def test_estimate_tiny() -> None:
@@ -170,14 +176,32 @@ def test_matches_hugging_face_mixtral() -> None:
         new[f"layers.{i}.attn_norm.weight"] = sd[p + "input_layernorm.weight"]
         new[f"layers.{i}.mlp_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
         new[f"layers.{i}.moe.router.weight"] = sd[p + "mlp.gate.weight"]
-        gate_up = sd[p + "mlp.experts.gate_up_proj"]                  # (E, 2 ffn, h): gate rows, then up
-        new[f"layers.{i}.moe.experts.w1"] = gate_up[:, :48].transpose(1, 2)
-        new[f"layers.{i}.moe.experts.w3"] = gate_up[:, 48:].transpose(1, 2)
-        new[f"layers.{i}.moe.experts.w2"] = sd[p + "mlp.experts.down_proj"].transpose(1, 2)
+        # The same layout: gate_up (E, 2 ffn, h) with the gate rows first, down (E, h, ffn).
+        new[f"layers.{i}.moe.experts.gate_up_proj"] = sd[p + "mlp.experts.gate_up_proj"]
+        new[f"layers.{i}.moe.experts.down_proj"] = sd[p + "mlp.experts.down_proj"]
     ours.load_state_dict(new)
     # float32, same maths in a different order (observed max difference 7e-8).
     torch.testing.assert_close(ours.eval()(inputs["input_ids"]), hf.eval()(input_ids=inputs["input_ids"]).logits,
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
+def test_experts_match_hugging_face_experts(implementation: str) -> None:
+    """Our Experts (no capacity) and HF's MixtralExperts compute the same on the same weights and routing."""
+    tf = pytest.importorskip("transformers", reason="transformers is the optional dev extra")
+    torch.manual_seed(0)
+    cfg = MixtralConfig(**TINY)
+    ours = Experts(cfg)
+    hf_cfg = tf.MixtralConfig(hidden_size=32, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                              experts_implementation=implementation)
+    hf_cfg._experts_implementation_internal = implementation   # as a PreTrainedModel would set it
+    theirs = tf.models.mixtral.modeling_mixtral.MixtralExperts(hf_cfg)
+    theirs.load_state_dict(ours.state_dict())
+    hidden = torch.randn(32, 32)
+    weights, index = torch.softmax(torch.randn(32, 4), -1).topk(2, dim=-1)
+    # float32 (torch's grouped_mm has no float64 kernel): the same products summed in another
+    # order differ by a few ulps (observed <= 5e-10 on outputs of ~2e-3); 1e-6 leaves a wide margin.
+    torch.testing.assert_close(ours(hidden, index, weights), theirs(hidden, index, weights), atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("bad", [{"top_k": 5}, {"num_experts": 0}, {"capacity_factor": 0.0},
