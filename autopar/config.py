@@ -45,9 +45,11 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 class ParallelConfig:
     """One point in the parallel search space.
 
-    The device count is ``dp * tp * pp``. Mesh axes are laid out with ``tp``
-    innermost (consecutive ranks, inside a node when it fits), then ``dp``, then
-    ``pp`` outermost, as Megatron-LM does.
+    The device count is ``dp * cp * tp * pp``. Mesh axes are laid out with ``tp``
+    innermost (consecutive ranks, inside a node when it fits), then ``cp``, then ``dp``,
+    then ``pp`` outermost, as Megatron-Core does. Expert parallelism does not add devices:
+    the ``ep`` ranks holding different experts are ``ep`` consecutive data-parallel replicas
+    (Megatron-Core's expert mesh ``tp x cp x ep x dp/ep x pp``).
     """
 
     dp: int = 1
@@ -56,6 +58,12 @@ class ParallelConfig:
     """Tensor-parallel degree (Megatron column/row split inside each layer)."""
     pp: int = 1
     """Pipeline-parallel degree: number of pipeline stages (devices along the pipeline)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split across ``cp`` ranks (2 cp chunks, head-tail for
+    causal balance), attention exchanging keys and values around a ring."""
+    ep: int = 1
+    """Expert-parallel degree: each mixture-of-experts layer's experts split across ``ep`` data-parallel
+    replicas, tokens dispatched to them and combined back by all-to-all. Divides ``dp``."""
     micro_batch_size: int = 1
     """Samples per micro-batch, per data-parallel replica."""
     schedule: Schedule = "1f1b"
@@ -76,7 +84,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.stage_recompute, list):
             object.__setattr__(self, "stage_recompute", tuple(self.stage_recompute))
-        for name in ("dp", "tp", "pp", "micro_batch_size", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "virtual_stages"):
             check_int(name, getattr(self, name), 1)
         check_int("zero", self.zero, 0, 3)
         check_choice("schedule", self.schedule, SCHEDULES)
@@ -89,6 +97,9 @@ class ParallelConfig:
                 f"(got {self.schedule!r}): set schedule='interleaved' or virtual_stages=1")
         if self.schedule == "interleaved" and self.pp == 1:
             raise ConfigError("schedule='interleaved' needs pp > 1: raise pp or use schedule='1f1b'")
+        if self.dp % self.ep:
+            raise ConfigError(f"ep={self.ep} must divide dp={self.dp}: expert parallelism splits the experts over "
+                              "data-parallel replicas; raise dp to a multiple of ep or lower ep")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("sequence_parallel=True needs tp > 1: raise tp or turn sequence_parallel off")
         if not isinstance(self.stage_recompute, tuple):
@@ -109,8 +120,20 @@ class ParallelConfig:
 
     @property
     def devices(self) -> int:
-        """Number of devices the configuration occupies (dp * tp * pp)."""
-        return self.dp * self.tp * self.pp
+        """Number of devices the configuration occupies (dp * cp * tp * pp)."""
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def grad_replicas(self) -> int:
+        """Ranks that hold the same dense weights and reduce their gradients: the data- and
+        context-parallel ranks (``dp * cp``; ZeRO shards over them, as Megatron-Core's distributed
+        optimizer does)."""
+        return self.dp * self.cp
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts (``dp * cp / ep``): the expert weights' gradient and ZeRO group."""
+        return self.dp * self.cp // self.ep
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -129,11 +152,14 @@ class ParallelConfig:
         return cls(**data)
 
     def short(self) -> str:
-        """A one-line description, e.g. ``dp=32 tp=8 pp=8 mb=1 interleaved(v=2) zero=0 recompute=full``."""
+        """A one-line description, e.g. ``dp=32 tp=8 pp=8 mb=1 interleaved(v=2) zero=0 recompute=full``
+        (``cp=`` and ``ep=`` appear when above 1)."""
         sched = self.schedule if self.virtual_stages == 1 else f"{self.schedule}(v={self.virtual_stages})"
         sp = " sp" if self.sequence_parallel else ""
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        ep = f" ep={self.ep}" if self.ep > 1 else ""
         rec = f"[{','.join(self.stage_recompute)}]" if self.stage_recompute else self.recompute
-        return (f"dp={self.dp} tp={self.tp}{sp} pp={self.pp} mb={self.micro_batch_size} {sched} "
+        return (f"dp={self.dp}{ep} tp={self.tp}{sp}{cp} pp={self.pp} mb={self.micro_batch_size} {sched} "
                 f"zero={self.zero} recompute={rec}")
 
 

@@ -36,11 +36,13 @@ class TimeBreakdown:
     bubble: float         # pipeline fill and drain
     dp_comm: float        # data-parallel / ZeRO communication not hidden behind compute
     optimizer: float      # the optimizer step
+    cp_comm: float = 0.0  # context-parallel ring (keys and values) not hidden behind attention
+    ep_comm: float = 0.0  # expert-parallel dispatch and combine all-to-alls
 
     @property
     def total(self) -> float:
         return (self.compute + self.recompute + self.tp_comm + self.p2p + self.bubble + self.dp_comm
-                + self.optimizer)
+                + self.optimizer + self.cp_comm + self.ep_comm)
 
 
 @dataclass(frozen=True)
@@ -59,11 +61,15 @@ class Stage:
     in_flight: int                    # micro-batch passes whose activations are held at the peak
     activation_per_microbatch: float  # bytes
     memory: MemoryBreakdown
+    cp_comm_time: float = 0.0         # context-parallel ring not hidden, per micro-batch
+    ep_comm_time: float = 0.0         # expert-parallel all-to-alls, per micro-batch
+    expert_param_count: int = 0       # of param_count, expert weights (after expert parallelism)
 
     @property
     def work(self) -> float:
         """Seconds per micro-batch: everything this device does for one micro-batch."""
-        return self.fwd_time + self.bwd_time + self.recompute_time + self.tp_comm_time + self.p2p_time
+        return (self.fwd_time + self.bwd_time + self.recompute_time + self.tp_comm_time + self.p2p_time
+                + self.cp_comm_time + self.ep_comm_time)
 
 
 @dataclass(frozen=True)

@@ -56,8 +56,12 @@ def plan_from_dict(data: Mapping[str, Any]) -> Plan:
         raise PlanFormatError(f"plan file has an invalid value: {exc}; re-create it with plan.save()") from None
 
 
+_OPTIONAL_BREAKDOWN = ("cp_comm", "ep_comm")   # absent in plans written before context/expert parallelism
+
+
 def _breakdown(b: Mapping[str, Any], where: str) -> TimeBreakdown:
-    return TimeBreakdown(**{k: float(_require(b, k, where)) for k in TimeBreakdown.__annotations__})
+    return TimeBreakdown(**{k: float(b.get(k, 0.0) if k in _OPTIONAL_BREAKDOWN else _require(b, k, where))
+                            for k in TimeBreakdown.__annotations__})
 
 
 def _alternative(a: Mapping[str, Any], i: int) -> Alternative:
@@ -82,5 +86,7 @@ def _stage(s: Mapping[str, Any], i: int) -> Stage:
         tp_comm_time=float(_require(s, "tp_comm_time", where)), p2p_time=float(_require(s, "p2p_time", where)),
         in_flight=int(_require(s, "in_flight", where)),
         activation_per_microbatch=float(_require(s, "activation_per_microbatch", where)),
+        cp_comm_time=float(s.get("cp_comm_time", 0.0)), ep_comm_time=float(s.get("ep_comm_time", 0.0)),
+        expert_param_count=int(s.get("expert_param_count", 0)),
         memory=MemoryBreakdown(**{k: float(_require(mem, k, where + "memory."))
                                   for k in ("params", "grads", "optimizer", "activations", "buffers")}))

@@ -33,20 +33,22 @@ def estimate_plan(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_
     groups = est.placements(cfg)
     pipe = pipeline_time([d.work for d in devices], m, cfg.schedule, cfg.virtual_stages)
     loss = est.loss_share_time()
-    dp = [est.dp_exposed(cfg, d, m, groups["dp"], groups["tp"]) + loss for d in devices]
+    dp = [est.dp_exposed(cfg, d, m, groups) + loss for d in devices]
     opt = [est.optimizer_time(cfg, d) for d in devices]
     slowest = max(range(len(devices)), key=lambda i: devices[i].work)
     tail = max(range(len(devices)), key=lambda i: dp[i] + opt[i])
     s = devices[slowest]
     breakdown = TimeBreakdown(compute=m * (s.fwd + s.bwd), recompute=m * s.recompute, tp_comm=m * s.tp_comm,
-                              p2p=m * s.p2p, bubble=pipe.bubble, dp_comm=dp[tail], optimizer=opt[tail])
+                              p2p=m * s.p2p, bubble=pipe.bubble, dp_comm=dp[tail], optimizer=opt[tail],
+                              cp_comm=m * s.cp_comm, ep_comm=m * s.ep_comm)
     step = breakdown.total
     names = [layer.name for layer in graph.layers]
     stages = tuple(Stage(
         index=i, layers=tuple(names[j] for c in d.chunks for j in c),
         chunks=tuple(tuple(names[j] for j in c) for c in d.chunks), param_count=d.params,
         fwd_time=d.fwd, bwd_time=d.bwd, recompute_time=d.recompute, tp_comm_time=d.tp_comm, p2p_time=d.p2p,
-        in_flight=d.in_flight, activation_per_microbatch=d.activations, memory=d.memory)
+        in_flight=d.in_flight, activation_per_microbatch=d.activations, memory=d.memory,
+        cp_comm_time=d.cp_comm, ep_comm_time=d.ep_comm, expert_param_count=d.expert_params)
         for i, d in enumerate(devices))
     peak = max(d.memory.total for d in devices)
     scale = global_batch_size / graph.batch_size

@@ -9,7 +9,10 @@ backward, recomputation and tensor-parallel collectives (layer_cost.py) and two 
 transfers per model chunk boundary (activations forward, gradients backward; with
 tensor parallelism the Megatron scatter/gather optimisation sends ``1/t`` of them).
 
-Data parallelism (ZeRO 0-2): gradients are all-reduced (ZeRO 1/2: reduce-scattered,
+Data parallelism runs over the ``dp * cp`` ranks holding the same dense weights (context-
+parallel ranks see different tokens of the same sequences, so their gradients are reduced
+together, as Megatron-Core does), expert weights over the ``dp * cp / ep`` ranks holding the
+same experts (expert_parallel.py); ZeRO shards over the same groups. Gradients (ZeRO 0-2) are all-reduced (ZeRO 1/2: reduce-scattered,
 then the updated weights all-gathered) in buckets of 25 MB (one collective, one latency
 each) that overlap the backward pass of the last micro-batch. With ``o`` the fraction of a
 collective's time that compute issued meanwhile hides (``Link.overlap``: 1 for NCCL, measured
@@ -45,8 +48,9 @@ from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
 from ..config import ParallelConfig, Precision
 from ..errors import ConfigError
+from . import context_parallel, expert_parallel
 from .comm import Collective, GroupPlacement, collective_affine, collective_time, place_axes
-from .layer_cost import LayerCost, LayerCostModel
+from .layer_cost import LayerCost, LayerCostModel, SplitGroups
 from .memory import MemoryBreakdown, in_flight, model_state_bytes
 from .schedule import even_partition, pipeline_time
 
@@ -73,10 +77,13 @@ class DeviceCost:
     memory: MemoryBreakdown
     tp_grad_bytes: float = 0.0  # gradients all-reduced inside the tensor-parallel group once per step
     param_tensors: int = 0      # parameter tensors held (the optimizer's per-tensor work)
+    cp_comm: float = 0.0        # context-parallel ring communication not hidden, per micro-batch
+    ep_comm: float = 0.0        # expert-parallel all-to-alls, per micro-batch
+    expert_params: int = 0      # of ``params``, those of experts (reduced over the expert replicas)
 
     @property
     def work(self) -> float:
-        return self.fwd + self.bwd + self.recompute + self.tp_comm + self.p2p
+        return self.fwd + self.bwd + self.recompute + self.tp_comm + self.p2p + self.cp_comm + self.ep_comm
 
 
 def check_config(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_batch_size: int) -> int:
@@ -84,8 +91,11 @@ def check_config(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_b
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
         raise ConfigError(f"global_batch_size={global_batch_size!r} must be a positive integer")
     if cfg.devices != cluster.devices:
-        raise ConfigError(f"dp*tp*pp = {cfg.dp}*{cfg.tp}*{cfg.pp} = {cfg.devices} devices, but the cluster "
-                          f"{cluster.describe()} has {cluster.devices}: make the product equal the device count")
+        raise ConfigError(f"dp*cp*tp*pp = {cfg.dp}*{cfg.cp}*{cfg.tp}*{cfg.pp} = {cfg.devices} devices, but the "
+                          f"cluster {cluster.describe()} has {cluster.devices}: make the product equal the device count")
+    for reason in (context_parallel.unsupported(graph, cfg.cp), expert_parallel.unsupported(graph, cfg.ep)):
+        if reason is not None:
+            raise ConfigError(reason)
     per_step = cfg.dp * cfg.micro_batch_size
     if global_batch_size % per_step:
         raise ConfigError(f"global_batch_size={global_batch_size} does not divide into dp={cfg.dp} replicas x "
@@ -107,6 +117,24 @@ def check_config(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_b
     return global_batch_size // per_step
 
 
+def mesh_groups(cluster: Cluster, cfg: ParallelConfig) -> dict[str, GroupPlacement]:
+    """Every group a config communicates over: "tp", "cp", "ep", "pp", "dp" (the ``dp * cp`` ranks
+    reducing dense gradients) and "edp" (the ``dp * cp / ep`` ranks holding the same experts).
+
+    Ranks: tp innermost, then cp, then dp (its ``ep`` consecutive replicas form an expert group),
+    pp outermost. With cp > 1 and ep > 1 the expert replicas are not one run of the mesh; they are
+    placed as a run of the same size at the expert group's stride (never closer than they are)."""
+    tp, cp, dp, ep, pp = cfg.tp, cfg.cp, cfg.dp, cfg.ep, cfg.pp
+    out = place_axes(cluster, [("tp", tp), ("cp", cp), ("ep", ep), ("replica", dp // ep), ("pp", pp)])
+    out["dp"] = place_axes(cluster, [("tp", tp), ("dp", dp * cp), ("pp", pp)])["dp"]
+    if cp > 1 and ep > 1:
+        out["edp"] = place_axes(cluster, [("tp", tp * ep), ("edp", dp * cp // ep), ("pp", pp)])["edp"]
+    else:
+        out["edp"] = out["replica"] if cp == 1 else out["dp"]
+    del out["replica"]
+    return out
+
+
 @dataclass
 class Estimator:
     """Estimates configs of one graph on one cluster; reuse it across configs (it caches layer costs)."""
@@ -123,13 +151,23 @@ class Estimator:
         if self.layers is None:
             self.layers = LayerCostModel(self.graph, self.cluster, self.precision)
 
-    def placements(self, cfg: ParallelConfig) -> dict[str, GroupPlacement]:
-        return place_axes(self.cluster, [("tp", cfg.tp), ("dp", cfg.dp), ("pp", cfg.pp)])
+    @property
+    def experts(self) -> frozenset[str]:
+        """The expert parameters (divided by ep)."""
+        return expert_parallel.expert_params(self.graph)
 
-    def layer_costs(self, cfg: ParallelConfig, tp_group: GroupPlacement, recompute: str | None = None
-                    ) -> list[LayerCost]:
+    def placements(self, cfg: ParallelConfig) -> dict[str, GroupPlacement]:
+        return mesh_groups(self.cluster, cfg)
+
+    def split_groups(self, cfg: ParallelConfig, groups: dict[str, GroupPlacement]) -> SplitGroups:
+        return SplitGroups(cp=cfg.cp, cp_group=groups["cp"] if cfg.cp > 1 else None,
+                           ep=cfg.ep, ep_group=groups["ep"] if cfg.ep > 1 else None)
+
+    def layer_costs(self, cfg: ParallelConfig, tp_group: GroupPlacement, recompute: str | None = None,
+                    groups: dict[str, GroupPlacement] | None = None) -> list[LayerCost]:
         mode = cfg.recompute if recompute is None else recompute
-        return [self.layers.cost(layer, cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, mode, tp_group)
+        split = self.split_groups(cfg, groups if groups is not None else self.placements(cfg))
+        return [self.layers.cost(layer, cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, mode, tp_group, split)
                 for layer in self.graph.layers]
 
     def devices(self, cfg: ParallelConfig, micro_batches: int,
@@ -138,11 +176,10 @@ class Estimator:
         indices, device ``d`` holding chunks ``d, d + pp, ...``) defaults to Megatron's even split."""
         groups = self.placements(cfg)
         modes = sorted({cfg.stage_mode(d) for d in range(cfg.pp)})
-        costs = {mode: self.layer_costs(cfg, groups["tp"], mode) for mode in modes}
+        costs = {mode: self.layer_costs(cfg, groups["tp"], mode, groups) for mode in modes}
         if chunks is None:
             uniform = costs[cfg.stage_mode(0)]
-            chunks = even_partition(self.graph, cfg.pp * cfg.virtual_stages,
-                                    [c.fwd + c.bwd + c.recompute + c.tp_fwd + c.tp_bwd for c in uniform])
+            chunks = even_partition(self.graph, cfg.pp * cfg.virtual_stages, [c.work for c in uniform])
         chunks = [list(c) for c in chunks]
         cuts = self.p2p_cut_times(cfg, groups["pp"])
         out = []
@@ -159,9 +196,9 @@ class Estimator:
         each of the two devices beside it: the sender's activations forward, the receiver's gradients
         back (the matching receives overlap them). Tensor parallelism: Megatron's scatter/gather sends
         ``1/t`` of a batch-dependent tensor from each rank."""
-        key = (cfg.tp, cfg.micro_batch_size, group)
+        key = (cfg.tp, cfg.cp, cfg.micro_batch_size, group)
         if key not in self._cuts:
-            scale = cfg.micro_batch_size / self.graph.batch_size
+            scale = cfg.micro_batch_size / (self.graph.batch_size * cfg.cp)
             out = []
             for cut in range(len(self.graph.layers) - 1):
                 bd, const = self.layers.crossing_numel(cut)
@@ -176,7 +213,8 @@ class Estimator:
         # each parameter once per device, tied ones included (a pipeline stage may hold a copy)
         names = dict.fromkeys(n for i in idx for n in self._layer_param_names(i) if n in self.graph.params)
         params = self._local_params(names, cfg)
-        w, g, k = model_state_bytes(params, self.precision, cfg.zero, cfg.dp)
+        experts = self._local_params([n for n in names if n in self.experts], cfg)
+        w, g, k = self.state_bytes(cfg, params, experts)
         per_chunk = [sum(costs[i].activations for i in chunk) for chunk in chunks]
         acts = max(per_chunk) if cfg.schedule == "interleaved" else sum(per_chunk)
         flights = in_flight(cfg, d, micro_batches)
@@ -190,7 +228,16 @@ class Estimator:
             tp_comm=sum(costs[i].tp_fwd + costs[i].tp_bwd for i in idx), p2p=p2p,
             activations=acts, in_flight=flights, params=params, buffers=buffers, memory=memory,
             tp_grad_bytes=sum(self.layers.step_comm_bytes(self.graph.layers[i], cfg.tp) for i in idx),
-            param_tensors=len(names))
+            param_tensors=len(names), cp_comm=sum(costs[i].cp_fwd + costs[i].cp_bwd for i in idx),
+            ep_comm=sum(costs[i].ep_fwd + costs[i].ep_bwd for i in idx), expert_params=experts)
+
+    def state_bytes(self, cfg: ParallelConfig, params, experts=0.0):
+        """(weights, gradients, optimizer state) bytes of ``params`` parameters on one device, ``experts``
+        of them expert weights: dense ones ZeRO-sharded over ``dp * cp``, expert ones over ``dp * cp / ep``.
+        Floats or numpy arrays."""
+        dense = model_state_bytes(params - experts, self.precision, cfg.zero, cfg.grad_replicas)
+        expert = model_state_bytes(experts, self.precision, cfg.zero, cfg.expert_replicas)
+        return tuple(a + b for a, b in zip(dense, expert))
 
     def buffer_bytes(self, cfg: ParallelConfig, recompute: str, largest, working, layer_params):
         """Transient bytes: two of the largest activation (output and gradient buffers), the
@@ -206,17 +253,20 @@ class Estimator:
 
     def _local_params(self, names, cfg: ParallelConfig) -> int:
         """Parameters of ``names`` one device holds after tensor parallelism splits them."""
-        return sum(self.local_numel(n, cfg.tp) for n in names if n in self.graph.params)
+        return sum(self.local_numel(n, cfg.tp, cfg.ep) for n in names if n in self.graph.params)
 
-    def local_numel(self, name: str, tp: int) -> int:
-        key = (name, tp)
+    def local_numel(self, name: str, tp: int, ep: int = 1) -> int:
+        """Elements of parameter ``name`` one device holds: divided by tp when the layout splits it,
+        by ep when it is an expert weight."""
+        key = (name, tp, ep)
         if key not in self._numel:
             numel = self.graph.params[name].numel
-            self._numel[key] = numel // tp if name in self.layers.layout(tp).split_params else numel
+            numel = numel // tp if name in self.layers.layout(tp).split_params else numel
+            self._numel[key] = numel // ep if name in self.experts else numel
         return self._numel[key]
 
     def _layer_params(self, i: int, cfg: ParallelConfig) -> int:
-        key = (i, cfg.tp)
+        key = (i, cfg.tp, cfg.ep)
         if key not in self._numel:
             self._numel[key] = self._local_params(self._layer_param_names(i), cfg)
         return self._numel[key]
@@ -232,33 +282,36 @@ class Estimator:
         return np.where(nbytes > 0, calls * alpha + beta * nbytes, 0.0)
 
     def dp_exposed(self, cfg: ParallelConfig, dev: DeviceCost, micro_batches: int,
-                   group: GroupPlacement, tp_group: GroupPlacement | None = None) -> float:
+                   groups: dict[str, GroupPlacement]) -> float:
         """Data-parallel / ZeRO communication of one device that compute does not hide, per step
         (with the tensor-parallel group's own gradient all-reduce, when the layout has one)."""
         layers_held = sum(len(c) for c in dev.chunks)
-        return float(self.dp_time(cfg, micro_batches, group, tp_group, dev.params, dev.fwd, dev.bwd,
-                                  dev.recompute, dev.tp_comm, dev.tp_grad_bytes, layers_held))
+        return float(self.dp_time(cfg, micro_batches, groups, dev.params, dev.fwd, dev.bwd, dev.recompute,
+                                  dev.tp_comm, dev.tp_grad_bytes, layers_held, dev.expert_params))
 
-    def dp_time(self, cfg: ParallelConfig, micro_batches: int, group: GroupPlacement,
-                tp_group: GroupPlacement | None, params, fwd, bwd, recompute, tp_comm, tp_grad_bytes, layers_held):
+    def dp_time(self, cfg: ParallelConfig, micro_batches: int, groups: dict[str, GroupPlacement],
+                params, fwd, bwd, recompute, tp_comm, tp_grad_bytes, layers_held, experts=0.0):
         """:meth:`dp_exposed` on floats or numpy arrays (the stage DP evaluates every layer run at once).
 
         Gradients go in DP_BUCKET_BYTES buckets (one collective each); ZeRO-3 gathers and
-        reduce-scatters layer by layer (one collective per layer held)."""
+        reduce-scatters layer by layer (one collective per layer held). Dense weights synchronise
+        over ``groups["dp"]`` (dp * cp ranks), the ``experts`` of ``params`` over ``groups["edp"]``."""
+        group, tp_group = groups["dp"], groups["tp"] if cfg.tp > 1 else None
         params = np.asarray(params, dtype=float)
+        experts = np.asarray(experts, dtype=float)
         hidden = bwd + recompute
-        grad_bytes = params * self.precision.grad_bytes
-        weight_bytes = params * self.precision.weight_bytes
+        parts = [(params - experts, group), (experts, groups["edp"])]
         tp_bytes = np.asarray(tp_grad_bytes, dtype=float)
         tp_sync = (self._ct(Collective.ALL_REDUCE, tp_bytes, tp_group, _buckets(tp_bytes))
                    if tp_group is not None else 0.0)
-        if cfg.dp == 1:
+        if cfg.grad_replicas == 1:
             total = tp_sync + 0.0 * params
             return total - self._overlap(tp_group) * np.minimum(hidden, total - total / _buckets(tp_bytes))
         o = self._overlap(group)
+        g_b, w_b = self.precision.grad_bytes, self.precision.weight_bytes
         if cfg.zero == 3:
-            ag = self._ct(Collective.ALL_GATHER, weight_bytes, group, layers_held)
-            rs = self._ct(Collective.REDUCE_SCATTER, grad_bytes, group, layers_held)
+            ag = sum(self._ct(Collective.ALL_GATHER, n * w_b, grp, layers_held) for n, grp in parts)
+            rs = sum(self._ct(Collective.REDUCE_SCATTER, n * g_b, grp, layers_held) for n, grp in parts)
             fwd_c, bwd_c = fwd + tp_comm / 2, hidden + tp_comm / 2
             # forward prefetch needs a host that runs ahead of its device (GPU streams); a CPU rank
             # computes on the thread that would issue the next gather, so forward hides nothing there
@@ -266,12 +319,16 @@ class Estimator:
             per_mb = (ag - o_fwd * np.minimum(ag, fwd_c)) + (ag + rs - o * np.minimum(ag + rs, bwd_c))
             first = o_fwd * ag / np.maximum(1, layers_held)  # the first layer's gather is never hidden
             return micro_batches * per_mb + first + tp_sync
-        buckets = _buckets(grad_bytes)
-        if cfg.zero == 0:
-            total = self._ct(Collective.ALL_REDUCE, grad_bytes, group, buckets)
-        else:
-            total = (self._ct(Collective.REDUCE_SCATTER, grad_bytes, group, buckets)
-                     + self._ct(Collective.ALL_GATHER, weight_bytes, group, buckets))
+        total, buckets = 0.0, 0.0
+        for n, grp in parts:
+            nb = _buckets(n * g_b)
+            buckets = buckets + np.where(n > 0, nb, 0.0)
+            if cfg.zero == 0:
+                total = total + self._ct(Collective.ALL_REDUCE, n * g_b, grp, nb)
+            else:
+                total = total + (self._ct(Collective.REDUCE_SCATTER, n * g_b, grp, nb)
+                                 + self._ct(Collective.ALL_GATHER, n * w_b, grp, nb))
+        buckets = np.maximum(1.0, buckets)
         total = total + tp_sync
         return total - o * np.minimum(hidden, total - total / buckets)
 
@@ -287,10 +344,14 @@ class Estimator:
         world = place_axes(self.cluster, [("world", self.cluster.devices)])["world"]
         return collective_time(Collective.ALL_REDUCE, 4.0, world, self.cluster)
 
-    def optimizer_time(self, cfg: ParallelConfig, dev: DeviceCost | float):
-        """The optimizer step of one device (its parameters, or a DeviceCost); floats or arrays."""
+    def optimizer_time(self, cfg: ParallelConfig, dev: DeviceCost | float, experts=0.0):
+        """The optimizer step of one device (its parameters, ``experts`` of them expert weights, or a
+        DeviceCost); floats or arrays. ZeRO divides the dense ones by dp * cp, the experts by dp * cp / ep."""
         params = dev.params if isinstance(dev, DeviceCost) else dev
-        local = np.asarray(params, dtype=float) / (cfg.dp if cfg.zero >= 1 else 1)
+        params, experts = np.asarray(params, dtype=float), np.asarray(experts, dtype=float)
+        if isinstance(dev, DeviceCost):
+            experts = np.asarray(float(dev.expert_params))
+        local = params if cfg.zero == 0 else (params - experts) / cfg.grad_replicas + experts / cfg.expert_replicas
         measured = self.layers.measured.optimizer_seconds_per_param() if self.layers.measured is not None else None
         if measured is not None:
             out = local * measured

@@ -17,6 +17,7 @@ from typing import Callable, Mapping
 from ..capture.opgraph import Layer, OpGraph, OpKind, OpNode
 from ..cluster import Cluster
 from ..config import Precision
+from . import context_parallel, expert_parallel
 from .comm import Collective, GroupPlacement, collective_time
 from .compute import ComputeModel, MeasuredTimes, fused_away
 from .memory import ActivationModel, saved_owner
@@ -37,6 +38,20 @@ class LayerCost:
     largest_tensor: float    # bytes of its largest activation
     flops: float             # forward + backward FLOPs (whole layer, all tensor-parallel ranks)
     recompute_flops: float
+    cp_fwd: float = 0.0      # context-parallel ring communication compute does not hide
+    cp_bwd: float = 0.0
+    ep_fwd: float = 0.0      # expert-parallel dispatch and combine all-to-alls
+    ep_bwd: float = 0.0
+
+    @property
+    def comm(self) -> float:
+        """Communication on the critical path per micro-batch: tensor, context and expert parallel."""
+        return self.tp_fwd + self.tp_bwd + self.cp_fwd + self.cp_bwd + self.ep_fwd + self.ep_bwd
+
+    @property
+    def work(self) -> float:
+        """Everything this layer costs one device per micro-batch."""
+        return self.fwd + self.bwd + self.recompute + self.comm
 
 
 _COLLECTIVES = {"all_reduce": Collective.ALL_REDUCE, "all_gather": Collective.ALL_GATHER,
@@ -69,9 +84,23 @@ def compute_shard(node: OpNode, layout: TPLayout, sequence_parallel: bool) -> in
         node.name) == S else 1
 
 
+@dataclass(frozen=True)
+class SplitGroups:
+    """The groups a layer's communication runs over, beyond tensor parallelism (None: degree 1)."""
+
+    cp: int = 1
+    cp_group: GroupPlacement | None = None
+    ep: int = 1
+    ep_group: GroupPlacement | None = None
+
+
+NO_SPLIT = SplitGroups()
+
+
 @dataclass
 class LayerCostModel:
-    """Layer costs for one graph, cluster and precision; caches by (signature, tp, sp, mb, recompute).
+    """Layer costs for one graph, cluster and precision; caches by (signature, tp, sp, mb, recompute,
+    context- and expert-parallel groups).
 
     ``layout_fn`` decides the tensor-parallel layout per degree: Megatron's rules
     (:func:`propagate`) for :func:`autopar.estimate`, the sharding ILP for the solver."""
@@ -85,6 +114,7 @@ class LayerCostModel:
     _cache: dict[tuple, LayerCost] = field(default_factory=dict)
     _owner: Mapping[str, int] | None = None
     _fused: frozenset[str] | None = None
+    expert_imbalance: float = expert_parallel.DEFAULT_IMBALANCE
 
     def layout(self, tp: int) -> TPLayout:
         if tp not in self._layouts:
@@ -104,27 +134,43 @@ class LayerCostModel:
         return self._fused
 
     def cost(self, layer: Layer, tp: int, sp: bool, micro_batch: int, recompute: str,
-             tp_group: GroupPlacement) -> LayerCost:
+             tp_group: GroupPlacement, split: SplitGroups = NO_SPLIT) -> LayerCost:
         if not recomputable(self.graph, layer):
             recompute = "none"
-        key = (layer.signature, layer.index if not layer.is_block else -1, tp, sp, micro_batch, recompute)
+        key = (layer.signature, layer.index if not layer.is_block else -1, tp, sp, micro_batch, recompute, split)
         if key not in self._cache:
-            self._cache[key] = self._compute(layer, tp, sp, micro_batch, recompute, tp_group)
+            self._cache[key] = self._compute(layer, tp, sp, micro_batch, recompute, tp_group, split)
         return self._cache[key]
 
     def _compute(self, layer: Layer, tp: int, sp: bool, micro_batch: int, recompute: str,
-                 tp_group: GroupPlacement) -> LayerCost:
+                 tp_group: GroupPlacement, split: SplitGroups) -> LayerCost:
         layout = self.layout(tp)
-        scale = micro_batch / self.graph.batch_size
+        scale = micro_batch / (self.graph.batch_size * split.cp)   # a rank holds 1/cp of each sequence
         model = ComputeModel(self.graph, self.cluster.device, self.precision.compute, self.measured)
+        experts = expert_parallel.region_nodes(self.graph, layer.index) if split.ep > 1 else frozenset()
+        imbalance = self.expert_imbalance if split.ep > 1 else 1.0
         fwd = bwd = core_fwd = flops = fwd_flops = core_flops = 0.0
+        cp_fwd = cp_bwd = 0.0
         ops = grad_ops = 0
         for node in self.graph.layer_nodes(layer):
             ops += 1
             grad_ops += node.requires_grad
-            t = model.op_time(node, scale, compute_shard(node, layout, sp), split_dim(node, layout), self.fused)
-            fwd += t.fwd
-            bwd += t.bwd
+            shard, dim = compute_shard(node, layout, sp), split_dim(node, layout)
+            if split.cp > 1 and node.kind is OpKind.ATTENTION:
+                t = context_parallel.ring_attention_time(model, node, scale * split.cp, shard, dim, split.cp)
+            elif node.name in experts:
+                t = model.op_time(expert_parallel.local_experts(node, split.ep), scale, shard, dim, self.fused)
+            else:
+                t = model.op_time(node, scale, shard, dim, self.fused)
+            load = imbalance if node.name in experts else 1.0   # the busiest expert rank sets the pace
+            fwd += t.fwd * load
+            bwd += t.bwd * load
+            if split.cp > 1 and node.kind is OpKind.ATTENTION:
+                kv = context_parallel.kv_numel(node, self.graph) * scale * self.precision.activation_bytes
+                f, b = context_parallel.ring_exposed(kv / layout.shard(node.name, False), t.fwd, t.bwd, split.cp,
+                                                     split.cp_group, self.cluster)
+                cp_fwd += f
+                cp_bwd += b
             node_scale = scale if node.batch_dependent else 1.0
             flops += (node.flops_fwd + node.flops_bwd) * node_scale
             fwd_flops += node.flops_fwd * node_scale
@@ -135,18 +181,24 @@ class LayerCostModel:
             fwd += ops * self.cluster.device.dispatch_overhead
             bwd += grad_ops * self.cluster.device.dispatch_overhead_backward
         tp_fwd, tp_bwd = self._tp_comm(layer, layout, scale, tp_group, sp)
+        ep_fwd = ep_bwd = 0.0
+        if split.ep > 1:
+            ep_fwd, ep_bwd = expert_parallel.dispatch_time(self.graph, layer.index, layout, sp, scale,
+                                                           self.precision.activation_bytes, imbalance,
+                                                           split.ep_group, self.cluster)
         acts = ActivationModel(self.graph, layout, self.precision, sp)
         if recompute == "full":
-            recompute_time, recompute_flops = fwd + tp_fwd, fwd_flops
+            recompute_time, recompute_flops = fwd + tp_fwd + cp_fwd + ep_fwd, fwd_flops  # the ring and all-to-alls rerun
         elif recompute == "selective":
-            recompute_time, recompute_flops = core_fwd, core_flops
+            recompute_time, recompute_flops = core_fwd + cp_fwd, core_flops
         else:
             recompute_time, recompute_flops = 0.0, 0.0
         return LayerCost(
             fwd=fwd, bwd=bwd, recompute=recompute_time, tp_fwd=tp_fwd, tp_bwd=tp_bwd,
             activations=acts.layer_bytes(layer, recompute, scale, self.owner),
             activations_full=acts.layer_bytes(layer, "none", scale, self.owner),
-            largest_tensor=acts.largest_tensor([layer], scale), flops=flops, recompute_flops=recompute_flops)
+            largest_tensor=acts.largest_tensor([layer], scale), flops=flops, recompute_flops=recompute_flops,
+            cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep_fwd, ep_bwd=ep_bwd)
 
     def _tp_comm(self, layer: Layer, layout: TPLayout, scale: float, group: GroupPlacement,
                  sp: bool) -> tuple[float, float]:

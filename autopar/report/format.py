@@ -14,8 +14,13 @@ BREAKDOWN_LABELS = {
     "bubble": "pipeline bubble",
     "dp_comm": "data-parallel communication (exposed)",
     "optimizer": "optimizer step",
+    "cp_comm": "context-parallel ring (exposed)",
+    "ep_comm": "expert-parallel all-to-all",
 }
 """TimeBreakdown field -> what it is, for people."""
+
+OPTIONAL_BREAKDOWN = ("cp_comm", "ep_comm")
+"""Parts shown only when a plan has them (context / expert parallelism)."""
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations", "buffers")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..plan import Plan, TimeBreakdown
-from .format import BREAKDOWN_LABELS, GB, gigabytes, layer_span, percent, seconds, stage_layers
+from .format import BREAKDOWN_LABELS, GB, OPTIONAL_BREAKDOWN, gigabytes, layer_span, percent, seconds, stage_layers
 
 BAR_WIDTH = 20
 
@@ -39,6 +39,8 @@ def _breakdown(plan: Plan) -> list[str]:
     lines = ["step time breakdown (the critical path: the slowest pipeline device):"]
     for name in TimeBreakdown.__annotations__:
         value = getattr(plan.breakdown, name)
+        if name in OPTIONAL_BREAKDOWN and not value:
+            continue
         share = value / plan.step_time if plan.step_time else 0.0
         bar = "#" * round(share * BAR_WIDTH)
         lines.append(f"  {BREAKDOWN_LABELS[name]:<38} {seconds(value):>10} {percent(share):>6}  {bar}")

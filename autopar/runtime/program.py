@@ -82,6 +82,9 @@ class Program:
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         cfg = plan.config
+        if cfg.cp > 1 or cfg.ep > 1:
+            raise ConfigError(f"this autopar cannot run context or expert parallelism yet ({cfg.short()}): "
+                              "re-plan with fixed={'cp': 1, 'ep': 1}")
         self.plan, self.cfg, self.timeout = plan, cfg, float(timeout)
         self.rank = dist.get_rank()
         self.tp_rank = self.rank % cfg.tp

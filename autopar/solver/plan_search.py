@@ -59,7 +59,7 @@ def _infeasible(search: Search, fixed: Mapping[str, Any]) -> InfeasiblePlanError
         return InfeasiblePlanError(
             f"no configuration of {cluster.devices} devices matches global_batch_size={search.global_batch_size}"
             f"{' and fixed=' + repr(dict(fixed)) if fixed else ''}: dp must divide the global batch and "
-            "dp * tp * pp must equal the device count; change the global batch or what is fixed")
+            "dp * cp * tp * pp must equal the device count; change the global batch or what is fixed")
     need, arg = search.least_memory_overall()
     have = cluster.device.memory
     scaled = math.ceil(cluster.devices * need / have)

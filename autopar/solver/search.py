@@ -26,6 +26,7 @@ per-layer objective, decides between them.
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
@@ -36,7 +37,6 @@ from ..config import ParallelConfig, Precision
 from ..cost_model import Estimator, estimate_plan
 from ..cost_model.compute import MeasuredTimes
 from ..cost_model.layer_cost import LayerCostModel
-from ..cost_model.memory import model_state_bytes
 from ..cost_model.tensor_parallel import TPLayout
 from ..plan import Alternative, Plan
 from ..progress import progress_bar
@@ -87,7 +87,7 @@ class Search:
     stats: SearchStats = field(default_factory=SearchStats)
     _estimators: dict[str, Estimator] = field(default_factory=dict)
     _work: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
-    _mesh_ok: dict[tuple, bool] = field(default_factory=dict)       # (tp, dp, pp) -> placeable
+    _mesh_ok: dict[tuple, bool] = field(default_factory=dict)       # (tp, cp, dp, ep, pp) -> placeable
     _layout_facts: dict[tuple, tuple[bool, bool]] = field(default_factory=dict)  # (variant, tp) -> facts
 
     def estimator(self, variant: str) -> Estimator:
@@ -105,7 +105,7 @@ class Search:
         """The space's candidates whose mesh places uniformly on the topology and whose layout can
         split their micro-batch."""
         for c in candidates(self.graph, self.cluster, self.global_batch_size, tuple(self.layouts), self.fixed):
-            mesh = (c.tp, c.dp, c.pp)
+            mesh = (c.tp, c.cp, c.dp, c.ep, c.pp)
             if mesh not in self._mesh_ok:
                 self._mesh_ok[mesh] = placeable(self.cluster, c.config())
             if not self._mesh_ok[mesh]:
@@ -132,22 +132,23 @@ class Search:
 
     # --- bounds ------------------------------------------------------------------------------
     def _layer_work(self, c: Candidate) -> tuple[float, float, float]:
-        """(W, w_max, P): summed and largest per-layer work in the cheapest mode, parameters after TP."""
-        key = (c.variant, c.tp, c.sequence_parallel, c.micro_batch_size)
+        """(W, w_max, P, P_e): summed and largest per-layer work in the cheapest mode, parameters after
+        tensor and expert parallelism, and the expert ones among them."""
+        key = (c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep)
         if key not in self._work:
             est = self.estimator(c.variant)
             cfg = c.config()
-            group = est.placements(cfg)["tp"]
-            per_mode = [[x.fwd + x.bwd + x.recompute + x.tp_fwd + x.tp_bwd for x in est.layer_costs(cfg, group, m)]
-                        for m in self.modes]
+            groups = est.placements(cfg)
+            per_mode = [[x.work for x in est.layer_costs(cfg, groups["tp"], m, groups)] for m in self.modes]
             work = [min(col) for col in zip(*per_mode)]
             params = est._local_params(self.graph.params, cfg)
-            self._work[key] = (sum(work), max(work), float(params))
+            experts = est._local_params(est.experts, cfg)
+            self._work[key] = (sum(work), max(work), float(params), float(experts))
         return self._work[key]
 
     def bounds(self, c: Candidate) -> tuple[float, float]:
         """(LB_T, LB_M) of the module docstring."""
-        total, largest, params = self._layer_work(c)
+        total, largest, params, experts = self._layer_work(c)
         m, p = c.micro_batches(self.global_batch_size), c.pp
         est = self.estimator(c.variant)
         cfg = c.config()
@@ -156,8 +157,8 @@ class Search:
             pipe = (m + (p - 1) / c.virtual_stages) * x
         else:
             pipe = (m - 1) * x + total
-        lb_t = pipe + est.optimizer_time(cfg, params / p)
-        lb_m = sum(model_state_bytes(params / p, self.precision, c.zero, c.dp))
+        lb_t = pipe + est.optimizer_time(cfg, params / p, experts / p)
+        lb_m = sum(est.state_bytes(cfg, params / p, experts / p))
         return lb_t, lb_m
 
     # --- evaluation --------------------------------------------------------------------------
@@ -255,14 +256,21 @@ class Search:
         return mem, c.with_modes(modes)
 
 
+TIE = 1e-9   # relative: step times closer than this are equal (a communication-bound step sums the same
+             # collectives in another order when the mesh is refolded, e.g. dp=64 vs dp=32 x cp=2)
+
+
 def _better(a: Plan, b: Plan) -> bool:
-    """Faster wins; equal times go to less memory, then to the smaller config (deterministic)."""
-    return (a.step_time, a.peak_memory, _cfg_key(a.config)) < (b.step_time, b.peak_memory, _cfg_key(b.config))
+    """Faster wins; equal times go to less memory, then to the plainer config (deterministic)."""
+    if not math.isclose(a.step_time, b.step_time, rel_tol=TIE):
+        return a.step_time < b.step_time
+    return (a.peak_memory, _cfg_key(a.config)) < (b.peak_memory, _cfg_key(b.config))
 
 
 def _cfg_key(cfg: ParallelConfig) -> tuple:
-    return (cfg.dp, cfg.tp, cfg.pp, cfg.micro_batch_size, cfg.schedule, cfg.virtual_stages, cfg.zero,
-            cfg.recompute, cfg.sequence_parallel, cfg.stage_recompute)
+    """Ties go to the plainer config: no context or expert parallelism first, then smaller degrees."""
+    return (cfg.cp, cfg.ep, cfg.dp, cfg.tp, cfg.pp, cfg.micro_batch_size, cfg.schedule, cfg.virtual_stages,
+            cfg.zero, cfg.recompute, cfg.sequence_parallel, cfg.stage_recompute)
 
 
 def alternatives(best: Plan, seen: list[tuple[float, Candidate, Plan | float]], memory: float) -> tuple[Alternative, ...]:

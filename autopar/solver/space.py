@@ -1,11 +1,14 @@
 """The search space: every configuration of the devices the outer search may consider.
 
 A point is a :class:`Candidate`: a tensor-parallel layout variant, the mesh degrees
-``dp x tp x pp`` (placed on the topology by :func:`autopar.cost_model.comm.place_axes`:
+``dp x cp x tp x pp`` and the expert-parallel degree ``ep`` dividing ``dp`` (placed on the
+topology by :func:`autopar.cost_model.estimator.mesh_groups`:
 ``tp`` innermost, so it lands inside a node when it fits, but any degree that divides the
 devices is tried, including ones that span nodes), micro-batch size, schedule (1F1B, GPipe,
 interleaved 1F1B with each virtual-stage count that divides the blocks), ZeRO stage and
-sequence parallelism. Recompute is chosen per stage by the stage DP (stages.py), so it is
+sequence parallelism. Context parallelism is tried at every degree the model's fused attention
+and sequence length allow (cost_model/context_parallel.py), expert parallelism at every degree
+dividing both dp and the expert count of its mixture-of-experts layers. Recompute is chosen per stage by the stage DP (stages.py), so it is
 not a dimension here except for the interleaved schedule.
 
 ``fixed`` pins any ParallelConfig field; a pinned value that cannot be used raises
@@ -20,10 +23,12 @@ from typing import Any, Iterator, Mapping
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
 from ..config import RECOMPUTE_MODES, ParallelConfig
-from ..cost_model.comm import place_axes
+from ..cost_model import context_parallel, expert_parallel
+from ..cost_model.estimator import mesh_groups
 from ..errors import ConfigError
 
 MAX_TP = 64               # beyond 64-way tensor parallelism every layer of a real model is communication bound
+MAX_CP = 32               # the ring's per-step block (S / cp tokens) stops hiding its transfer long before
 MAX_VIRTUAL_STAGES = 8    # Megatron-LM's interleaving rarely pays beyond a few chunks per device
 _FIXABLE = tuple(f.name for f in fields(ParallelConfig) if f.name != "stage_recompute")
 
@@ -41,12 +46,14 @@ class Candidate:
     virtual_stages: int
     zero: int
     sequence_parallel: bool
+    cp: int = 1
+    ep: int = 1
 
     def config(self, recompute: str = "none", stage_recompute: tuple[str, ...] = ()) -> ParallelConfig:
-        return ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, micro_batch_size=self.micro_batch_size,
-                              schedule=self.schedule, virtual_stages=self.virtual_stages, zero=self.zero,
-                              recompute=recompute, sequence_parallel=self.sequence_parallel,
-                              stage_recompute=stage_recompute)
+        return ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
+                              micro_batch_size=self.micro_batch_size, schedule=self.schedule,
+                              virtual_stages=self.virtual_stages, zero=self.zero, recompute=recompute,
+                              sequence_parallel=self.sequence_parallel, stage_recompute=stage_recompute)
 
     def with_modes(self, modes: tuple[str, ...]) -> ParallelConfig:
         """The config with one recompute mode per stage (a single ``recompute`` when they agree)."""
@@ -58,7 +65,7 @@ class Candidate:
         return global_batch_size // (self.dp * self.micro_batch_size)
 
     def sort_key(self) -> tuple:
-        return (self.variant, self.dp, self.tp, self.pp, self.micro_batch_size, self.schedule,
+        return (self.variant, self.dp, self.tp, self.pp, self.cp, self.ep, self.micro_batch_size, self.schedule,
                 self.virtual_stages, self.zero, self.sequence_parallel)
 
 
@@ -76,6 +83,8 @@ def check_fixed(fixed: Mapping[str, Any] | None) -> dict[str, Any]:
         probe["pp"] = 2
     if probe.get("sequence_parallel") and "tp" not in probe:
         probe["tp"] = 2
+    if "ep" in probe and "dp" not in probe:
+        probe["dp"] = probe["ep"]
     ParallelConfig(**probe)  # raises ConfigError naming a bad value
     return dict(fixed)
 
@@ -102,29 +111,41 @@ def candidates(graph: OpGraph, cluster: Cluster, global_batch_size: int, variant
     def allowed(name: str, values):
         return [v for v in values if name not in fixed or fixed[name] == v]
 
-    for tp in allowed("tp", [d for d in divisors(n_dev) if d <= MAX_TP]):
-        for pp in allowed("pp", [d for d in divisors(n_dev // tp) if d <= n_layers]):
-            dp = n_dev // (tp * pp)
-            if "dp" in fixed and fixed["dp"] != dp:
-                continue
-            if global_batch_size % dp:
-                continue
+    for tp, cp, pp, dp in _meshes(graph, n_dev, n_layers, fixed):
+        if global_batch_size % dp:
+            continue
+        for ep in allowed("ep", [e for e in divisors(dp) if expert_parallel.unsupported(graph, e) is None]):
             for mb in allowed("micro_batch_size", divisors(global_batch_size // dp)):
                 m = global_batch_size // (dp * mb)
                 for schedule, v in _schedules(pp, blocks, fixed):
                     if schedule == "interleaved" and m % pp:
                         continue  # Megatron's interleaved order needs m to be a multiple of pp
-                    for zero in allowed("zero", [0, 1, 2, 3] if dp > 1 else [0]):
+                    for zero in allowed("zero", [0, 1, 2, 3] if dp * cp > 1 else [0]):
                         for sp in allowed("sequence_parallel", [False, True] if tp > 1 else [False]):
                             for variant in variants:
-                                yield Candidate(variant, dp, tp, pp, mb, schedule, v, zero, sp)
+                                yield Candidate(variant, dp, tp, pp, mb, schedule, v, zero, sp, cp, ep)
+
+
+def _meshes(graph: OpGraph, n_dev: int, n_layers: int, fixed: Mapping[str, Any]) -> Iterator[tuple[int, ...]]:
+    """(tp, cp, pp, dp) with ``tp * cp * pp * dp = n_dev`` that ``fixed`` and the model allow."""
+    def ok(name: str, value: int) -> bool:
+        return name not in fixed or fixed[name] == value
+
+    for tp in (d for d in divisors(n_dev) if d <= MAX_TP and ok("tp", d)):
+        for cp in (d for d in divisors(n_dev // tp) if d <= MAX_CP and ok("cp", d)):
+            if context_parallel.unsupported(graph, cp) is not None:
+                continue
+            for pp in (d for d in divisors(n_dev // (tp * cp)) if d <= n_layers and ok("pp", d)):
+                dp = n_dev // (tp * cp * pp)
+                if ok("dp", dp):
+                    yield tp, cp, pp, dp
 
 
 def placeable(cluster: Cluster, cfg: ParallelConfig) -> bool:
     """Whether every mesh axis lands uniformly on the nodes (same ranks per node in every group),
     which the collective cost model assumes; e.g. tp=3 on 8-GPU nodes does not."""
     try:
-        groups = place_axes(cluster, [("tp", cfg.tp), ("dp", cfg.dp), ("pp", cfg.pp)])
+        groups = mesh_groups(cluster, cfg)
     except ConfigError:
         return False
     dpn = cluster.devices_per_node

@@ -48,7 +48,7 @@ import numpy as np
 
 from ..config import ParallelConfig
 from ..cost_model.estimator import Estimator
-from ..cost_model.memory import in_flight, model_state_bytes
+from ..cost_model.memory import in_flight
 
 INF = float("inf")
 
@@ -82,21 +82,22 @@ def run_tables(est: Estimator, cfg: ParallelConfig, micro_batches: int, modes: S
     q_in = np.concatenate([[0.0], cuts[:-1]])                        # cut before layer i
     i_idx, j_idx = np.indices((n, n))
     valid = i_idx <= j_idx
-    params = _run_params(est, cfg, n)
+    params, experts = _run_params(est, cfg, n)
     layer_params = np.array([est._layer_params(i, cfg) for i in range(n)], dtype=float)
-    states = sum(model_state_bytes(params, est.precision, cfg.zero, cfg.dp))
+    states = sum(est.state_bytes(cfg, params, experts))
     step = np.array([est.layers.step_comm_bytes(layer, cfg.tp) for layer in graph.layers], dtype=float)
     layers_held = (j_idx - i_idx + 1).astype(float)
     works, tails, fixed, acts = [], [], [], []
     for mode in modes:
-        costs = est.layer_costs(cfg, groups["tp"], mode)
+        costs = est.layer_costs(cfg, groups["tp"], mode, groups)
         col = lambda attr: np.array([getattr(c, attr) for c in costs], dtype=float)  # noqa: E731
         fwd, bwd, rec = _run_sum(col("fwd")), _run_sum(col("bwd")), _run_sum(col("recompute"))
         tp = _run_sum(col("tp_fwd") + col("tp_bwd"))
-        work = fwd + bwd + rec + tp + q_in[:, None] + cuts[None, :]
-        dp = est.dp_time(cfg, micro_batches, groups["dp"], groups["tp"], params, fwd, bwd, rec, tp,
-                         _run_sum(step), layers_held)
-        tail = dp + est.optimizer_time(cfg, params)
+        other = _run_sum(col("cp_fwd") + col("cp_bwd") + col("ep_fwd") + col("ep_bwd"))
+        work = fwd + bwd + rec + tp + other + q_in[:, None] + cuts[None, :]
+        dp = est.dp_time(cfg, micro_batches, groups, params, fwd, bwd, rec, tp, _run_sum(step), layers_held,
+                         experts)
+        tail = dp + est.optimizer_time(cfg, params, experts)
         buffers = est.buffer_bytes(cfg, mode, _run_max(col("largest_tensor")), _run_max(col("activations_full")),
                                    _run_max(layer_params))
         works.append(np.where(valid, work, INF))
@@ -119,12 +120,14 @@ def _run_max(values: np.ndarray) -> np.ndarray:
     return out
 
 
-def _run_params(est: Estimator, cfg: ParallelConfig, n: int) -> np.ndarray:
+def _run_params(est: Estimator, cfg: ParallelConfig, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Parameters a stage holding layers ``[i, j]`` keeps: each layer's own, plus a tied parameter
-    first used before ``i`` once if any layer of the run uses it."""
+    first used before ``i`` once if any layer of the run uses it; and, of those, the expert weights."""
     graph = est.graph
-    own = np.array([sum(est.local_numel(p, cfg.tp) for p in layer.params if p in graph.params)
-                    for layer in graph.layers], dtype=float)
+    local = lambda p: est.local_numel(p, cfg.tp, cfg.ep)  # noqa: E731
+    own = np.array([sum(local(p) for p in layer.params if p in graph.params) for layer in graph.layers], dtype=float)
+    experts = _run_sum(np.array([sum(local(p) for p in layer.params if p in est.experts)
+                                 for layer in graph.layers], dtype=float))
     out = _run_sum(own)
     owner = {p: layer.index for layer in graph.layers for p in layer.params}
     users: dict[str, list[int]] = {}
@@ -133,12 +136,12 @@ def _run_params(est: Estimator, cfg: ParallelConfig, n: int) -> np.ndarray:
             if p in graph.params:
                 users.setdefault(p, []).append(layer.index)
     for p, used in users.items():
-        numel = est.local_numel(p, cfg.tp)
+        numel = local(p)
         for i in range(owner.get(p, -1) + 1, n):
             first = next((u for u in used if u >= i), None)
             if first is not None:
                 out[i, first:] += numel
-    return out
+    return out, experts
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ time beyond its share of a block), which records when every action starts and en
 - forward  = (fwd_time + its share of tp_comm_time + half of p2p_time) / v
 - backward = (recompute_time + bwd_time + the rest of tp_comm and p2p) / v
 
-with ``v`` the chunks per device (virtual_stages). Tensor-parallel collectives are split
+with ``v`` the chunks per device (virtual_stages); context- and expert-parallel communication
+(cp_comm_time, ep_comm_time) counts with tp_comm, drawn as "TP/CP/EP comm". Tensor-parallel collectives are split
 between forward and backward in proportion to their compute (the Stage keeps only their sum);
 p2p in halves, because the activation sent forward and its gradient sent back are the same
 size. Each device's blocks then add up to ``m * stage.work`` exactly, so for balanced stages
@@ -39,7 +40,7 @@ FORWARD = "#1f77b4"
 BACKWARD = "#ff7f0e"
 COLORS = {"tp_comm": "#6a3d9a", "p2p": "#17becf", "dp_comm": "#d62728", "optimizer": "#4d4d4d",
           "idle": "#ececec"}
-LABELS = {"recompute": "recompute", "tp_comm": "TP comm", "p2p": "p2p",
+LABELS = {"recompute": "recompute", "tp_comm": "TP/CP/EP comm", "p2p": "p2p",
           "dp_comm": "DP comm (exposed)", "optimizer": "optimizer", "idle": "idle (bubble)"}
 MAX_LABELS = 4000   # micro-batch numbers written at most (text is the slow part of rendering)
 LABEL_PX = 10       # a typical block narrower than this (pixels) gets no number: zoom on the start
@@ -88,11 +89,12 @@ def action_parts(stage: Any, virtual_stages: int) -> dict[str, tuple[tuple[str, 
     v = virtual_stages
     compute = stage.fwd_time + stage.bwd_time + stage.recompute_time
     fwd_share = stage.fwd_time / compute if compute > 0 else 0.5
+    comm = stage.tp_comm_time + stage.cp_comm_time + stage.ep_comm_time
     return {
-        "F": (("forward", stage.fwd_time / v), ("tp_comm", stage.tp_comm_time * fwd_share / v),
+        "F": (("forward", stage.fwd_time / v), ("tp_comm", comm * fwd_share / v),
               ("p2p", stage.p2p_time / 2 / v)),
         "B": (("recompute", stage.recompute_time / v), ("backward", stage.bwd_time / v),
-              ("tp_comm", stage.tp_comm_time * (1 - fwd_share) / v), ("p2p", stage.p2p_time / 2 / v)),
+              ("tp_comm", comm * (1 - fwd_share) / v), ("p2p", stage.p2p_time / 2 / v)),
     }
 
 
@@ -285,7 +287,7 @@ def _legend(ax: Any, plan: Any, colors: _Colors, truncated: bool, hatched: bool,
         handles.append(Patch(facecolor=colors.fwd[c], label=f"forward{suffix}"))
         handles.append(Patch(facecolor=colors.bwd[c], label=f"backward{suffix}"))
     b = plan.breakdown
-    present = {"recompute": b.recompute, "tp_comm": b.tp_comm, "p2p": b.p2p, "dp_comm": b.dp_comm,
+    present = {"recompute": b.recompute, "tp_comm": b.tp_comm + b.cp_comm + b.ep_comm, "p2p": b.p2p, "dp_comm": b.dp_comm,
                "optimizer": b.optimizer, "idle": b.bubble}
     for kind, amount in present.items():
         if amount > 0:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 from autopar.config import ParallelConfig
-from autopar.cost_model import estimate_plan
+from autopar.cost_model import context_parallel, estimate_plan, expert_parallel
 from autopar.solver.space import divisors, placeable
 
 
@@ -24,21 +24,26 @@ def partitions(n: int, parts: int):
 def configs(graph, devices: int, global_batch: int, modes, valid=lambda cfg: True):
     blocks = sum(1 for layer in graph.layers if layer.is_block)
     n = len(graph.layers)
-    for tp in divisors(devices):
-        for pp in divisors(devices // tp):
+    for tp, cp in itertools.product(divisors(devices), divisors(devices)):
+        if devices % (tp * cp) or context_parallel.unsupported(graph, cp) is not None:
+            continue
+        for pp in divisors(devices // (tp * cp)):
             if pp > n:
                 continue
-            dp = devices // (tp * pp)
+            dp = devices // (tp * cp * pp)
             if global_batch % dp:
                 continue
-            for mb in divisors(global_batch // dp):
-                if not valid(ParallelConfig(dp=dp, tp=tp, pp=pp, micro_batch_size=mb)):
+            for ep, mb in itertools.product(divisors(dp), divisors(global_batch // dp)):
+                if expert_parallel.unsupported(graph, ep) is not None:
+                    continue
+                mesh = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+                if not valid(ParallelConfig(**mesh, micro_batch_size=mb)):
                     continue
                 scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)] + [
                     ("interleaved", v) for v in range(2, 9) if blocks and blocks % (pp * v) == 0]
-                for (sched, v), zero, sp in itertools.product(scheds, [0, 1, 2, 3] if dp > 1 else [0],
+                for (sched, v), zero, sp in itertools.product(scheds, [0, 1, 2, 3] if dp * cp > 1 else [0],
                                                               [False, True] if tp > 1 else [False]):
-                    base = dict(dp=dp, tp=tp, pp=pp, micro_batch_size=mb, schedule=sched, virtual_stages=v,
+                    base = dict(**mesh, micro_batch_size=mb, schedule=sched, virtual_stages=v,
                                 zero=zero, sequence_parallel=sp)
                     if sched == "interleaved":
                         for mode in modes:
