@@ -273,7 +273,18 @@ def _region(g: _Graph, path: str, params: Mapping[str, TensorMeta], fx: Mapping[
         layer=g.node(output).layer, module=path, nodes=tuple(g.nodes[i].name for i in members),
         hidden_input=hidden[0], index_input=index, weight_input=weight[0], output=output,
         gate_up=gate_up, down=down, activation=_activation(g, members, interior, fx), num_experts=e,
-        top_k=top_k, tokens=tokens, hidden=h, ffn=f, router=_router(g, index, e, h, params))
+        top_k=top_k, tokens=tokens, hidden=h, ffn=f, router=_router(g, index, e, h, params),
+        capacity=_capacity(g, up_products, e, tokens))
+
+
+def _capacity(g: _Graph, products: Sequence[str], e: int, tokens: int) -> int | None:
+    """Slots per expert of a capacity dispatch: its gate_up product is a batch of ``E`` GEMMs of ``C``
+    rows each; ``C < T`` drops what overflows (``C = T`` cannot: no expert gets a token twice)."""
+    for name in products:
+        gemm = g.node(name).gemm
+        if gemm is not None and gemm.batch == e and gemm.m < tokens:
+            return gemm.m
+    return None
 
 
 def _roles(g: _Graph, values: Sequence[str], h: int, e: int) -> tuple[list[str], str, list[str]] | None:

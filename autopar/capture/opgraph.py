@@ -183,6 +183,8 @@ class MoERegion:
     hidden: int                  # h
     ffn: int                     # f, each expert's intermediate size
     router: str | None           # the router's weight parameter, when found
+    capacity: int | None = None  # slots per expert when the experts drop assignments beyond them (a
+                                 # capacity buffer of E x C < E x T rows), None when nothing is dropped
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ exactly balanced ``1/c`` of the attention.
 
 Compute and memory. Every other op is token-wise along the sequence (projections, norms,
 MLPs, the loss of each token), so on a rank it costs what ``1/c`` of the tokens cost, as a
-micro-batch ``c`` times smaller would; the attention of ``S/c`` queries against all ``S`` keys
+micro-batch ``c`` times smaller would (batch-independent constants a layer saves, such as rotary
+tables, are counted whole: the runtime slices them, so this slightly overestimates); the attention of ``S/c`` queries against all ``S`` keys
 is ``1/c`` of the whole too (balanced above). Activations divide by ``c`` likewise. The cost
 model therefore prices a layer under context parallelism at the micro-batch scale divided
 by ``c`` (layer_cost.py), and adds the ring's communication here.

@@ -114,7 +114,7 @@ class LayerCostModel:
     _cache: dict[tuple, LayerCost] = field(default_factory=dict)
     _owner: Mapping[str, int] | None = None
     _fused: frozenset[str] | None = None
-    expert_imbalance: float = expert_parallel.DEFAULT_IMBALANCE
+    expert_load_cv: float = expert_parallel.DEFAULT_LOAD_CV   # spread of the experts' shares of the rows
 
     def layout(self, tp: int) -> TPLayout:
         if tp not in self._layouts:
@@ -148,7 +148,7 @@ class LayerCostModel:
         scale = micro_batch / (self.graph.batch_size * split.cp)   # a rank holds 1/cp of each sequence
         model = ComputeModel(self.graph, self.cluster.device, self.precision.compute, self.measured)
         experts = expert_parallel.region_nodes(self.graph, layer.index) if split.ep > 1 else frozenset()
-        imbalance = self.expert_imbalance if split.ep > 1 else 1.0
+        imbalance = expert_parallel.imbalance(self.graph, layer.index, split.ep, self.expert_load_cv)
         fwd = bwd = core_fwd = flops = fwd_flops = core_flops = 0.0
         cp_fwd = cp_bwd = 0.0
         ops = grad_ops = 0

@@ -58,8 +58,52 @@ def _memory(plan: Plan) -> str:
 
 def _choices(plan: Plan) -> str:
     lines = ["The choices:"]
-    lines += [f"  - {line}" for line in (_tp(plan), _pp(plan), _dp(plan), _micro(plan), _recompute(plan))]
+    parts = [_tp(plan), _cp(plan), _pp(plan), _dp(plan), _ep(plan), _micro(plan), _recompute(plan)]
+    lines += [f"  - {line}" for line in parts if line]
     return "\n".join(lines)
+
+
+def _without(plan: Plan, field: str) -> str:
+    """What the search says of plans with ``field`` = 1: the best evaluated one, else the fastest bound
+    of one that does not fit, else that the bound ruled them all out."""
+    plain = [a for a in plan.alternatives if getattr(a.config, field) == 1]
+    fitting = [a for a in plain if a.fits]
+    if fitting:
+        best = min(fitting, key=lambda a: a.step_time)
+        return (f"the best plan without it, {best.config.short()}, takes {seconds(best.step_time)} "
+                f"({(best.step_time / plan.step_time - 1) * 100:.0f}% slower)")
+    if plain:
+        return f"without it the fastest candidates do not fit ({plain[0].reason})"
+    if plan.optimal is None:
+        return ""
+    return ("no plan without it could be faster: each either does not fit or has a lower bound on step time "
+            "above this plan's")
+
+
+def _cp(plan: Plan) -> str:
+    c, b = plan.config, plan.breakdown
+    if c.cp == 1:
+        return ""
+    tokens = plan.extra.get("sequence_length")
+    seq = f"each sequence ({tokens} tokens)" if tokens else "each sequence"
+    why = _without(plan, "cp")
+    return (f"context parallel {c.cp}: {seq} is cut into {2 * c.cp} chunks, device r of {c.cp} holding chunks r and "
+            f"{2 * c.cp - 1}-r, so every device does the same share of the causal attention and holds 1/{c.cp} of "
+            f"the activations; keys and values travel around a ring under the attention compute, and what it does "
+            f"not hide costs {seconds(b.cp_comm)} ({percent(b.cp_comm / plan.step_time)})" + (f"; {why}." if why else "."))
+
+
+def _ep(plan: Plan) -> str:
+    c, b = plan.config, plan.breakdown
+    if c.ep == 1:
+        return ""
+    experts = max((s.expert_param_count for s in plan.stages), default=0)
+    why = _without(plan, "ep")
+    return (f"expert parallel {c.ep}: the experts of each MoE layer are split over {c.ep} data-parallel replicas, "
+            f"so a device holds 1/{c.ep} of them ({experts / 1e9:.3g}B expert parameters) and runs its experts on "
+            f"{c.ep}x larger GEMMs (every replica's tokens for them); the dispatch and combine all-to-alls cost "
+            f"{seconds(b.ep_comm)} ({percent(b.ep_comm / plan.step_time)}), and the expert weights synchronise "
+            f"only over the {c.expert_replicas} replicas holding the same experts" + (f"; {why}." if why else "."))
 
 
 def _tp(plan: Plan) -> str:
@@ -98,12 +142,14 @@ def _pp(plan: Plan) -> str:
 
 def _dp(plan: Plan) -> str:
     c, b = plan.config, plan.breakdown
-    if c.dp == 1:
+    if c.grad_replicas == 1:
         return "data parallel 1: one model replica, so no gradient reduction."
+    n = c.grad_replicas
+    over = f"{n} replicas" if c.cp == 1 else f"{n} data- and context-parallel devices"
     zero = {0: "every replica keeps its full optimizer state",
-            1: f"ZeRO-1 shards the optimizer state over the {c.dp} replicas",
-            2: f"ZeRO-2 shards optimizer state and gradients over the {c.dp} replicas",
-            3: f"ZeRO-3 shards optimizer state, gradients and parameters over the {c.dp} replicas "
+            1: f"ZeRO-1 shards the optimizer state over the {over}",
+            2: f"ZeRO-2 shards optimizer state and gradients over the {over}",
+            3: f"ZeRO-3 shards optimizer state, gradients and parameters over the {over} "
                "(parameters are gathered layer by layer)"}[c.zero]
     what = "the pipeline" if c.pp > 1 else ("the tensor-parallel group" if c.tp > 1 else "the model")
     return (f"data parallel {c.dp}: {c.dp} replicas of {what}, each taking "

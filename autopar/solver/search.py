@@ -293,6 +293,18 @@ def alternatives(best: Plan, seen: list[tuple[float, Candidate, Plan | float]], 
         out.append(Alternative(config=c.config(), step_time=lb, peak_memory=need, fits=False,
                                reason=f"does not fit: needs {(need - memory) / 1e9:.1f} GB more per device "
                                       f"(at least {need / 1e9:.1f} GB; step time bound {lb:.3g} s)"))
+    shown = {a.config for a in out}
+    for field, label in (("cp", "context"), ("ep", "expert")):
+        if getattr(best.config, field) == 1:
+            continue
+        without = [pl for pl in distinct.values() if getattr(pl.config, field) == 1]
+        if without:   # the counterfactual plan.explain() cites, when the search evaluated one
+            pl = min(without, key=lambda p: (p.step_time, p.peak_memory, _cfg_key(p.config)))
+            if pl.config not in shown:
+                slower = (pl.step_time / best.step_time - 1) * 100
+                out.append(Alternative(config=pl.config, step_time=pl.step_time, peak_memory=pl.peak_memory,
+                                       fits=True, reason=f"slower by {slower:.1f}% (the best without {label} "
+                                                         "parallelism)", breakdown=pl.breakdown))
     return tuple(out)
 
 
