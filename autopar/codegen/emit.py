@@ -67,8 +67,10 @@ def render(plan: Plan, model_factory: str, batch_factory: str | None, loss_fn: s
         ''')
     imports = _imports(model_factory, batch_factory, loss_fn)
     constants = "\n".join([
-        "# The device mesh: rank = tp_rank + TP * (dp_rank + DP * pp_rank) (tp innermost, as planned).",
-        f"DP, TP, PP = {cfg.dp}, {cfg.tp}, {cfg.pp}",
+        "# The device mesh: rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank)) (tp innermost, as",
+        "# planned). CP ranks share each sample's sequence (ring attention); EP consecutive dp ranks split",
+        "# each mixture-of-experts layer's experts (all-to-all dispatch); devices = DP * CP * TP * PP.",
+        f"DP, CP, TP, PP, EP = {cfg.dp}, {cfg.cp}, {cfg.tp}, {cfg.pp}, {cfg.ep}",
         f"MICRO_BATCH_SIZE, MICRO_BATCHES, GLOBAL_BATCH = {cfg.micro_batch_size}, {plan.micro_batches}, "
         f"{plan.global_batch_size}",
         f"ZERO, RECOMPUTE, SEQUENCE_PARALLEL = {cfg.zero}, {cfg.recompute!r}, {cfg.sequence_parallel}",
@@ -149,7 +151,8 @@ def main() -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     rank = dist.get_rank()
-    tp_rank, dp_rank, pp_rank = rank % TP, (rank // TP) % DP, rank // (TP * DP)
+    tp_rank, cp_rank = rank % TP, (rank // TP) % CP
+    dp_rank, pp_rank = (rank // (TP * CP)) % DP, rank // (TP * CP * DP)
 
     plan = autopar.load_plan(os.path.join(os.path.dirname(os.path.abspath(__file__)), "{plan_file}"))
     torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -162,7 +165,8 @@ def main() -> None:
     assert [[layer.name for layer in program.split.chunks[c].layers] for c in mine] == \\
         [CHUNK_LAYERS[c] for c in mine], "the program's chunks are not the plan's"
     assert " ".join(str(a) for a in program.actions) == SCHEDULE[pp_rank], "the program's schedule is not the plan's"
-    print(f"rank {{rank}} (pp {{pp_rank}}, dp {{dp_rank}}, tp {{tp_rank}}): chunks {{mine}}, "
+    print(f"rank {{rank}} (pp {{pp_rank}}, dp {{dp_rank}} (ep {{dp_rank % EP}}), cp {{cp_rank}}, tp {{tp_rank}}): "
+          f"chunks {{mine}}, "
           f"{{sum(getattr(p, '_local_tensor', p).numel() for p in program.parameters())}} parameter elements held", flush=True)
 
     for step in range(args.steps):

@@ -71,6 +71,11 @@ def unsupported(graph: OpGraph, cp: int) -> str | None:
         return (f"context parallelism needs fused attention (F.scaled_dot_product_attention), but the model "
                 f"computes attention with explicit ops ({eager.name} in {eager.module_path or 'the model'}): "
                 "switch it to SDPA (Hugging Face: attn_implementation='sdpa') or use cp=1")
+    dropping = next((r for r in graph.moe if r.capacity is not None), None)
+    if dropping is not None:
+        return (f"context parallelism cannot run {dropping.module}: its experts drop what overflows a capacity of "
+                f"{dropping.capacity} slots, which depends on the whole sequence, not on one rank's part: use cp=1 "
+                "or a dropless MoE (capacity_factor=None)")
     seq = sequence_length(graph)
     if seq is None:
         return "context parallelism splits the sequence attention runs over, but the model has no attention: use cp=1"

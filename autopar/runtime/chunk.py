@@ -12,7 +12,12 @@ layer is a small module that runs its slice of the exported graph node by node:
   plan's output spec. DTensor's own sharding propagation then runs each op on its shards and
   its autograd supplies the backward collectives (the all-reduce of a column-parallel input's
   gradient, Megatron's ``f``). An op DTensor has no rule for runs on gathered (replicated)
-  inputs: slower, never wrong, and listed in ``NodeRunner.fallbacks``.
+  inputs: slower, never wrong, and listed in ``NodeRunner.fallbacks``;
+- with ``cp > 1`` (``tp == 1``) on this rank's tokens of each sequence: ``NodeRunner.context``
+  (context_runner.py) converts inputs and runs each node as context.py decided (locally, whole after a
+  gather, or as ring attention);
+- an MoE region with ``ep > 1`` or ``cp > 1`` as one call of the layer's ``ExpertsModule``
+  (experts.py) at the region's output node, its other nodes skipped.
 
 Each layer is its own module so FSDP2 can gather its parameters just in time (ZeRO-3) and
 ``torch.utils.checkpoint`` can recompute it (recompute ``full``); ``selective`` recomputes only
@@ -57,6 +62,9 @@ class NodeRunner:
         self.specs = specs
         self.local_ops = local_ops    # attention: run on local shards (see _run_local)
         self.fallbacks: set[str] = set()
+        self.context = None           # a context.ContextRunner when cp > 1: runs every node on local tokens
+        self.moe_outputs: dict[str, Any] = {}   # MoE region output node -> region, run as one call (experts.py)
+        self.moe_skip: frozenset[str] = frozenset()   # the regions' other nodes, not run
         self.loss_parallel = False    # the loss ran vocabulary-parallel: its backward must too
         # what each node is, decided once rather than from str(target) on every call
         targets = {name: str(n.target) for name, n in self.nodes.items()}
@@ -73,12 +81,19 @@ class NodeRunner:
 
     def run(self, name: str, env: dict[str, Any]) -> Any:
         node = self.nodes[name]
-        if name in self.skipped:
+        if name in self.skipped or name in self.moe_skip:
             return None
 
         def load(n: torch.fx.Node) -> Any:
             return getattr(self.module, n.target) if n.op == "get_attr" else env[n.name]
 
+        region = self.moe_outputs.get(name)
+        if self.context is not None:
+            compute = None if region is None else (lambda *values: self._moe(region, env, *values))
+            return self.context.run(node, env, load, compute)
+        if region is not None:
+            return self._moe(region, env, env[region.hidden_input], env[region.index_input],
+                             env[region.weight_input])
         args = torch.fx.node.map_arg(node.args, load)
         kwargs = torch.fx.node.map_arg(node.kwargs, load)
         if self.mesh is None or node.target is operator.getitem:
@@ -86,6 +101,17 @@ class NodeRunner:
         if name in self.context_hops:
             return _run_context_hop(self.context_hops[name], args, kwargs)
         return self._run_dtensor(node, args, kwargs)
+
+    def _moe(self, region: Any, env: dict[str, Any], hidden: Any, index: Any, weights: Any) -> Any:
+        """An MoE region's output from its inputs by this layer's ExpertsModule (experts.py): on whole
+        local tensors, handed on as a replicated DTensor under tensor parallelism."""
+        module = env[("experts", region.output)]
+        if self.mesh is None:
+            return module(hidden, index, weights)
+        out = module(_full(hidden), _full(index), _full(weights))
+        out = DTensor.from_local(out, self.mesh, [Replicate()], run_check=False)
+        spec = self.specs.get(region.output)
+        return self.to_spec(out, spec.output) if spec is not None else out
 
     def _run_dtensor(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
         spec = self.specs.get(node.name)
@@ -200,9 +226,14 @@ class LayerModule(nn.Module):
     """One layer: ``forward(*inputs, *shared_params) -> outputs`` over its slice of the graph."""
 
     def __init__(self, spec: LayerSpec, runner: NodeRunner, own: Sequence[str], shared: Sequence[str],
-                 param_of: Mapping[str, str], buffers: Mapping[str, torch.Tensor], recompute: str) -> None:
+                 param_of: Mapping[str, str], buffers: Mapping[str, torch.Tensor], recompute: str,
+                 experts: Mapping[str, nn.Module] | None = None) -> None:
         super().__init__()
         self.spec = spec
+        # MoE regions of this layer run by their ExpertsModule (its own module, so that FSDP2 can
+        # shard expert weights over another mesh), keyed by the region's output node
+        self.experts = nn.ModuleDict({attr_name(out): m for out, m in (experts or {}).items()})
+        self.expert_outputs = tuple((experts or {}).keys())
         self.runner = runner
         self.own = tuple(own)
         self.shared = tuple(shared)
@@ -226,6 +257,8 @@ class LayerModule(nn.Module):
             env[self.placeholder_of[fqn]] = getattr(self, attr_name(fqn))
         for name in self.buffer_names:
             env[name] = self.runner.wrap(getattr(self, attr_name(name)))
+        for out in self.expert_outputs:
+            env[("experts", out)] = self.experts[attr_name(out)]
         if self.recompute == "selective" and self.spec.attention_core and torch.is_grad_enabled():
             self._run_selective(env)
         else:
@@ -278,21 +311,25 @@ class ChunkModule(nn.Module):
     """One chunk: ``forward(*graph_inputs, *received) -> values sent on`` (the loss for the last)."""
 
     def __init__(self, spec: ChunkSpec, split: SplitGraph, runner: NodeRunner,
-                 params: Mapping[str, nn.Parameter], recompute: str) -> None:
+                 params: Mapping[str, nn.Parameter], recompute: str,
+                 experts: Mapping[str, nn.Module] | None = None) -> None:
         super().__init__()
         self.spec = spec
+        experts = experts or {}
+        held = {fqn for m in experts.values() for fqn in m.named_model_parameters()}  # by ExpertsModules
         use_count: dict[str, int] = {}
         for layer in spec.layers:
             for p in layer.params:
                 use_count[p] = use_count.get(p, 0) + 1
-        self.shared_params = tuple(p for p in spec.params if use_count[p] > 1)
+        self.shared_params = tuple(p for p in spec.params if use_count[p] > 1 and p not in held)
         for fqn in self.shared_params:
             self.register_parameter(attr_name(fqn), params[fqn])
         self.layers = nn.ModuleList()
         for layer in spec.layers:
-            own = [p for p in layer.params if use_count[p] == 1]
-            shared = [p for p in layer.params if use_count[p] > 1]
-            module = LayerModule(layer, runner, own, shared, split.param_of, split.buffer_value, recompute)
+            own = [p for p in layer.params if use_count[p] == 1 and p not in held]
+            shared = [p for p in layer.params if use_count[p] > 1 and p not in held]
+            mine = {out: m for out, m in experts.items() if out in layer.nodes}
+            module = LayerModule(layer, runner, own, shared, split.param_of, split.buffer_value, recompute, mine)
             for fqn in own:
                 module.register_parameter(attr_name(fqn), params[fqn])
             self.layers.append(module)
@@ -311,5 +348,7 @@ class ChunkModule(nn.Module):
         out = {fqn: getattr(self, attr_name(fqn)) for fqn in self.shared_params}
         for layer in self.layers:
             out.update({fqn: getattr(layer, attr_name(fqn)) for fqn in layer.own})
+            for m in layer.experts.values():
+                out.update(m.named_model_parameters())
         return out
 

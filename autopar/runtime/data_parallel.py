@@ -12,8 +12,15 @@ are done here rather than by ``DistributedDataParallel`` / ``ZeroRedundancyOptim
 :class:`GradReducer` puts parameters into buckets of ``bucket_bytes`` in reverse registration
 order (about the order backward finishes them, as DDP does) and starts one asynchronous
 all-reduce (sum) per bucket as soon as the last gradient of the bucket is accumulated during
-the chunk's final backward; :meth:`GradReducer.finish` waits, divides by the data-parallel
-degree and writes the means back.
+the chunk's final backward; :meth:`GradReducer.finish` waits, divides by ``divisor`` and
+writes the means back. The divisor is the number of ranks whose losses the gradient averages
+(``dp * cp``), which is the group's size for dense weights; expert weights are summed over
+their expert replicas only (``dp * cp / ep`` ranks, or none) and still divided by ``dp * cp``
+(expert_parallel.py explains why).
+
+:class:`Zero1Optimizer` partitions each group of parameters over the ranks that reduce its
+gradients (dense weights over ``dp * cp``, expert weights over their expert replicas) and runs
+the user's optimizer once over this rank's share of all groups.
 """
 
 from __future__ import annotations
@@ -44,12 +51,13 @@ class _Bucket:
 
 
 class GradReducer:
-    """Bucketed all-reduce of the gradients of some chunks' parameters over ``group``."""
+    """Bucketed all-reduce (sum) of the gradients of some chunks' parameters over ``group``, then a
+    division by ``divisor``; ``group`` None (a parameter held by one rank only) just divides."""
 
-    def __init__(self, chunks: Sequence[Sequence[nn.Parameter]], group, size: int, timeout: float,
+    def __init__(self, chunks: Sequence[Sequence[nn.Parameter]], group, divisor: int, timeout: float,
                  bucket_bytes: int = BUCKET_BYTES) -> None:
         self.group = group
-        self.size = size
+        self.size = divisor
         self.timeout = timeout
         self.active: set[int] = set()
         self.buckets: list[list[_Bucket]] = []
@@ -81,7 +89,8 @@ class GradReducer:
                 p.grad = torch.zeros_like(p)
             grads.append(local(p.grad).reshape(-1))
         bucket.flat = torch.cat(grads)
-        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True) if self.group is not None \
+            else _Done()
 
     def finish(self) -> None:
         """Wait for every bucket (starting those not started), write the mean gradients back."""
@@ -101,6 +110,13 @@ class GradReducer:
         self.active.clear()
 
 
+class _Done:
+    """The work of a reduction over one rank: nothing to wait for."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
 def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
     buckets: list[list[nn.Parameter]] = [[]]
     size = 0
@@ -115,25 +131,35 @@ def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket
 
 
 class Zero1Optimizer:
-    """ZeRO stage 1: each data-parallel rank keeps optimizer state for its share of the parameters
-    (whole tensors, greedily balanced by size, as ZeroRedundancyOptimizer partitions), steps only
-    those, then every owner broadcasts its updated parameters to the others."""
+    """ZeRO stage 1: each rank keeps optimizer state for its share of the parameters (whole tensors,
+    greedily balanced by size, as ZeroRedundancyOptimizer partitions), steps only those, then every
+    owner broadcasts its updated parameters to the others.
 
-    def __init__(self, params: Sequence[nn.Parameter], factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-                 group, ranks: Sequence[int], rank: int, timeout: float) -> None:
-        self.params = list(params)
-        self.group = group
-        self.ranks = list(ranks)      # global ranks of the data-parallel group, by dp rank
+    ``partitions`` is a list of ``(params, group, ranks)``: the parameters reduced over one group
+    (``ranks``: its global ranks by group rank; a group of one rank, or None, owns everything).
+    The optimizer factory is called once, over this rank's share of every partition."""
+
+    def __init__(self, partitions: Sequence[tuple[Sequence[nn.Parameter], object, Sequence[int]]],
+                 factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], rank: int,
+                 timeout: float) -> None:
         self.timeout = timeout
-        load = [0] * len(self.ranks)
-        self.owner: list[int] = []
-        for p in sorted(range(len(self.params)), key=lambda i: -local(self.params[i]).numel()):
-            k = min(range(len(load)), key=lambda j: (load[j], j))
-            load[k] += local(self.params[p]).numel()
-            self.owner.append((p, k))
-        self.owner = [k for _, k in sorted(self.owner)]
-        me = self.ranks.index(rank)
-        self.mine = [p for p, k in zip(self.params, self.owner) if k == me]
+        self.params: list[nn.Parameter] = []
+        self.sources: list[tuple[nn.Parameter, int, object]] = []   # (param, owner's global rank, group)
+        self.mine: list[nn.Parameter] = []
+        for params, group, ranks in partitions:
+            ranks = list(ranks)
+            load = [0] * len(ranks)
+            owner: dict[int, int] = {}
+            for i in sorted(range(len(params)), key=lambda i: -local(params[i]).numel()):
+                k = min(range(len(load)), key=lambda j: (load[j], j))
+                load[k] += local(params[i]).numel()
+                owner[i] = k
+            for i, p in enumerate(params):
+                self.params.append(p)
+                if ranks[owner[i]] == rank:
+                    self.mine.append(p)
+                if len(ranks) > 1:
+                    self.sources.append((p, ranks[owner[i]], group))
         self.inner = factory(self.mine) if self.mine else None
 
     @property
@@ -149,11 +175,10 @@ class Zero1Optimizer:
             self.inner.step()
         works = []
         with torch.no_grad():
-            for p, k in zip(self.params, self.owner):
-                works.append(dist.broadcast(local(p.data), src=self.ranks[k], group=self.group, async_op=True))
-        for w in works:
-            wait_or_fail(w, self.timeout, "broadcast of ZeRO-1 updated parameters", self.group)
+            for p, src, group in self.sources:
+                works.append((dist.broadcast(local(p.data), src=src, group=group, async_op=True), group))
+        for w, group in works:
+            wait_or_fail(w, self.timeout, "broadcast of ZeRO-1 updated parameters", group)
 
     def state_dict(self):
         return self.inner.state_dict() if self.inner is not None else {}
-

@@ -204,11 +204,28 @@ class _Route:
     counts: torch.Tensor   # [E] int64 rows per expert
 
 
-def _route(top_k_index: torch.Tensor, num_experts: int) -> _Route:
+def _route(top_k_index: torch.Tensor, num_experts: int, kept: torch.Tensor | None = None) -> _Route:
+    """Assignments sorted by expert (stable); dropped ones (``kept`` False) get the sentinel id E,
+    sort last and are not sent."""
     flat = top_k_index.reshape(-1)
+    if kept is not None:
+        flat = torch.where(kept.reshape(-1), flat, torch.full_like(flat, num_experts))
     order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    order = order[:int(counts.sum())]
     k = max(top_k_index.shape[1], 1)
-    return _Route(order, order // k, torch.bincount(flat, minlength=num_experts))
+    return _Route(order, order // k, counts)
+
+
+def capacity_kept(top_k_index: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """[T, k] bool: the assignments a capacity dispatch keeps, GShard/Switch priority: ordered
+    choice-major (every token's first choice, then every second choice), each expert keeps its
+    first ``capacity`` (autopar.models.moe computes the same, on the same local tokens)."""
+    tokens, k = top_k_index.shape
+    expert_of = top_k_index.t().reshape(-1)
+    onehot = (expert_of.unsqueeze(-1) == torch.arange(num_experts, device=expert_of.device)).to(torch.long)
+    position = (torch.cumsum(onehot, dim=0) * onehot).sum(dim=-1) - 1
+    return (position < capacity).view(k, tokens).t()
 
 
 def _expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act) -> torch.Tensor:
@@ -238,14 +255,17 @@ def _check_timeout(timeout: float | None) -> None:
 
 def expert_parallel_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                         gate_up_local: torch.Tensor, down_local: torch.Tensor, *, num_experts: int,
-                        activation: str, group: Any = None, timeout: float | None = None) -> torch.Tensor:
+                        activation: str, group: Any = None, timeout: float | None = None,
+                        capacity: int | None = None) -> torch.Tensor:
     """This rank's MoE experts output [T, h] with the experts split over ``group`` (see the module doc).
 
     ``hidden`` [T, h] are this rank's tokens, ``top_k_index`` [T, k] global expert ids,
     ``top_k_weights`` [T, k]; ``gate_up_local`` [E/ep, 2f, h] and ``down_local`` [E/ep, h, f]
     are this rank's experts (:func:`shard_experts`). ``group`` None (or of size 1) runs all E
     experts here without communication. ``timeout`` (seconds) bounds every all-to-all; None
-    uses blocking collectives under the process group's timeout. Every rank of ``group`` must
+    uses blocking collectives under the process group's timeout. ``capacity`` (slots per expert,
+    of this rank's tokens) drops the assignments a capacity dispatch would (:func:`capacity_kept`):
+    they contribute nothing, as in the model. Every rank of ``group`` must
     call this the same number of times in the same order; differentiable w.r.t. ``hidden``,
     ``top_k_weights`` and the local expert weights.
     """
@@ -255,7 +275,8 @@ def expert_parallel_moe(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_w
     _check_degree(num_experts, ep)
     _check_inputs(hidden, top_k_index, top_k_weights, gate_up_local, down_local, num_experts, ep)
     _check_ids(top_k_index.reshape(-1), num_experts)
-    route = _route(top_k_index, num_experts)
+    kept = capacity_kept(top_k_index, num_experts, capacity) if capacity is not None else None
+    route = _route(top_k_index, num_experts, kept)
     x_send = hidden[route.tokens]
     if ep == 1:
         y_back = _local_experts(x_send, route.counts.view(1, -1), gate_up_local, down_local, act)

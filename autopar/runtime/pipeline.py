@@ -14,7 +14,8 @@ For every action of this rank, in order:
   backpropagate through the chunk (from the loss, scaled by ``1 / micro_batches``, for the
   last chunk), and send the gradients of the received values back.
 
-Sends between two ranks are matched by tag (gloo) = one per (value, micro-batch, reading
+Under context parallelism a value crosses a cut as this rank's tokens (context.py's local
+shape). Sends between two ranks are matched by tag (gloo) = one per (value, micro-batch, reading
 chunk, direction), so their order does not matter; values between two chunks of the same
 rank (interleaved) stay in memory.
 """
@@ -171,6 +172,9 @@ class PipelineRunner:
 
     def _local_shape(self, v: str) -> tuple[int, ...]:
         shape = list(self._meta(v).shape)
+        context = self.runner.context
+        if context is not None:   # context parallelism: this rank's tokens of a sequence-split value
+            shape = list(context.plan.local_shape(v, shape))
         d = split_dim(self.spec[v])
         if d is not None and shape:
             shape[d % len(shape)] //= self.tp_degree()

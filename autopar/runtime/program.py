@@ -1,9 +1,9 @@
 """``autopar.parallelize``: a plan turned into the program one rank runs.
 
 Every rank calls ``parallelize(model, plan, optimizer=...)`` inside an initialised process
-group of ``plan.devices`` ranks and gets a :class:`Program`. Ranks form a ``(pp, dp, tp)``
-device mesh, tp innermost (``rank = tp_rank + tp (dp_rank + dp pp_rank)``, the layout the
-cost model priced). The rank:
+group of ``plan.devices`` ranks and gets a :class:`Program`. Ranks form a ``(pp, dp, cp, tp)``
+device mesh, tp innermost (``rank = tp_rank + tp (cp_rank + cp (dp_rank + dp pp_rank))``, the
+layout the cost model priced). The rank:
 
 1. exports the model at one micro-batch and checks its fingerprint against the plan's;
 2. cuts the graph into the plan's chunks and builds the ones of its pipeline stage
@@ -14,9 +14,20 @@ cost model priced). The rank:
    (ZeRO-2: ``reshard_after_forward=False``, ZeRO-3: ``True``);
 4. runs the plan's schedule (schedules.py, checked before the first send) on each global batch.
 
+Context parallelism (``cp > 1``, context.py): the ``cp`` ranks of a group take the same samples
+and each runs the graph on its tokens of every sequence (ring attention, gathers where an op mixes
+positions); the loss each reports is its share, and the group's mean is the micro-batch's loss.
+Expert parallelism (``ep > 1``, experts.py): each MoE region runs as one all-to-all dispatch over
+``ep`` consecutive data-parallel ranks holding ``E / ep`` experts each. Dense weights' gradients
+are averaged over the ``dp * cp`` ranks holding them (ZeRO shards over them too); expert weights'
+are summed over their ``dp * cp / ep`` expert replicas and divided by ``dp * cp``. Context with
+tensor parallelism (``cp > 1`` and ``tp > 1``) is refused: re-plan with ``tp=1`` or ``cp=1``.
+
 Gradients are those of the mean loss over the global batch: each micro-batch's loss is
 scaled by ``1 / micro_batches`` and the data-parallel reduction averages. A parameter held by
 two stages (tied embedding and head) gets the sum of both stages' gradients on both.
+Full gradients and parameters (``full_grads``, ``full_state_dict``) are gathered whole on every
+rank (tensor-parallel shards, FSDP shards, experts of every ep rank).
 
 What differs from one device, by design:
 
@@ -46,7 +57,11 @@ from ..errors import ConfigError, PlanMismatchError
 from ..plan import Plan
 from . import schedules
 from .chunk import ChunkModule, NodeRunner
+from .context import analyse
+from .context_runner import ContextRunner
 from .data_parallel import GradReducer, Zero1Optimizer, local
+from .expert_parallel import shard_experts
+from .experts import ExpertsModule, check_regions, expert_groups, skipped_nodes
 from .failures import wait_or_fail
 from .graph import flatten_batch, plan_chunks, split_graph
 from .inputs import check_batch, describe_inputs, example_at, slice_batch
@@ -82,14 +97,16 @@ class Program:
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         cfg = plan.config
-        if cfg.cp > 1 or cfg.ep > 1:
-            raise ConfigError(f"this autopar cannot run context or expert parallelism yet ({cfg.short()}): "
-                              "re-plan with fixed={'cp': 1, 'ep': 1}")
+        if cfg.cp > 1 and cfg.tp > 1:
+            raise ConfigError(f"this autopar cannot run context parallelism together with tensor parallelism "
+                              f"({cfg.short()}): re-plan with fixed={{'tp': 1}} or fixed={{'cp': 1}}")
         self.plan, self.cfg, self.timeout = plan, cfg, float(timeout)
         self.rank = dist.get_rank()
         self.tp_rank = self.rank % cfg.tp
-        self.dp_rank = (self.rank // cfg.tp) % cfg.dp
-        self.pp_rank = self.rank // (cfg.tp * cfg.dp)
+        self.cp_rank = (self.rank // cfg.tp) % cfg.cp
+        self.dp_rank = (self.rank // (cfg.tp * cfg.cp)) % cfg.dp
+        self.pp_rank = self.rank // (cfg.tp * cfg.cp * cfg.dp)
+        self.ep_rank = self.dp_rank % cfg.ep
         self.micro_batches = plan.micro_batches
         per_replica = plan.global_batch_size // cfg.dp
         if per_replica != cfg.micro_batch_size * self.micro_batches:
@@ -100,6 +117,7 @@ class Program:
         self._export(model, loss_fn, example_inputs)
         self.aliases = param_aliases(model)
         self._mesh()
+        self._expert_groups()
         self._build_chunks(model)
         self._data_parallel()
         self._tied_groups()
@@ -137,9 +155,12 @@ class Program:
 
     def _mesh(self) -> None:
         cfg = self.cfg
-        self.mesh = init_device_mesh(self.device.type, (cfg.pp, cfg.dp, cfg.tp), mesh_dim_names=("pp", "dp", "tp"))
+        self.mesh = init_device_mesh(self.device.type, (cfg.pp, cfg.dp, cfg.cp, cfg.tp),
+                                     mesh_dim_names=("pp", "dp", "cp", "tp"))
         self.tp_mesh = self.mesh["tp"] if cfg.tp > 1 else None
-        self.dp_mesh = self.mesh["dp"]
+        self.cp_group = self.mesh["cp"].get_group() if cfg.cp > 1 else None
+        # the dense weights' gradient (and ZeRO) group: the dp * cp ranks of this (pp, tp) position
+        self.dp_mesh = self.mesh["dp"] if cfg.cp == 1 else self.mesh["dp", "cp"]._flatten("dp_cp")
         self.dp_group = self.dp_mesh.get_group()
         self.specs: dict = {}
         self.param_dims: dict = {}
@@ -153,10 +174,33 @@ class Program:
             if cfg.sequence_parallel:
                 self.specs = sequence_parallel(self.specs, self.graph, cfg.tp)
 
+    def _expert_groups(self) -> None:
+        """Expert parallelism's groups (experts.py), when MoE regions run as one call (ep > 1 or cp > 1)."""
+        cfg = self.cfg
+        self.regions = self.graph.moe if (cfg.ep > 1 or cfg.cp > 1) else ()
+        self.expert_fqns = frozenset(p for r in self.regions for p in (r.gate_up, r.down))
+        self.ep_group = self.expert_group = self.expert_mesh = None
+        self.expert_ranks = [self.rank]
+        if self.regions:
+            groups = expert_groups(cfg, self.rank, self.global_rank, self.device.type)
+            self.ep_group, self.expert_group, self.expert_ranks, self.expert_mesh = groups
+
     def _build_chunks(self, model: nn.Module) -> None:
         cfg = self.cfg
         attention = frozenset(n.name for n in self.graph.nodes if n.kind is OpKind.ATTENTION)
         self.node_runner = NodeRunner(self.split, self.tp_mesh, self.specs, attention)
+        if self.regions:
+            layer_of = {name: layer.index for chunk in self.split.chunks for layer in chunk.layers
+                        for name in layer.nodes}
+            check_regions(self.regions, self.split.node_map, layer_of, self.split.param_of, cfg.ep, cfg.cp,
+                          self.node_runner.skipped)
+            self.node_runner.moe_outputs = {r.output: r for r in self.regions}
+            self.node_runner.moe_skip = skipped_nodes(self.regions)
+        if cfg.cp > 1:
+            plan = analyse(self.split.program, cfg.cp, attention,
+                           {r.output: (r.hidden_input, r.index_input, r.weight_input) for r in self.regions},
+                           self.node_runner.skipped | self.node_runner.moe_skip)
+            self.node_runner.context = ContextRunner(plan, self.cp_group, self.cp_rank, self.timeout)
         # DTensor's convolution rule handles a batch split only: a channel-split convolution (the
         # plan's column / row) would get mismatched shards, so it runs on gathered inputs instead.
         self.node_runner.fallbacks.update(
@@ -171,10 +215,16 @@ class Program:
                     self.params[fqn] = self._distribute(fqn, full[fqn])
         self.split = dataclasses.replace(
             self.split, buffer_value={k: v.to(self.device) for k, v in self.split.buffer_value.items()})
+        experts = {r.output: ExpertsModule(r, self.params[r.gate_up], self.params[r.down], self.ep_group,
+                                           self.timeout)
+                   for r in self.regions if r.gate_up in self.params}
         self.chunks = {c: ChunkModule(self.split.chunks[c], self.split, self.node_runner, self.params,
-                                      cfg.stage_mode(self.pp_rank)) for c in self.my_chunks}
+                                      cfg.stage_mode(self.pp_rank), experts) for c in self.my_chunks}
 
     def _distribute(self, fqn: str, value: torch.Tensor) -> nn.Parameter:
+        if fqn in self.expert_fqns:   # this rank's experts, a plain tensor even under tensor parallelism
+            data = shard_experts(value.detach(), self.cfg.ep, self.ep_rank).to(self.device).clone()
+            return nn.Parameter(data, requires_grad=value.requires_grad)
         data = value.detach().to(self.device).clone()
         if self.tp_mesh is None:
             return nn.Parameter(data, requires_grad=value.requires_grad)
@@ -184,8 +234,9 @@ class Program:
 
     def _data_parallel(self) -> None:
         cfg = self.cfg
-        self.zero = cfg.zero if cfg.dp > 1 else 0
-        self.reducer = None
+        replicas = cfg.grad_replicas
+        self.zero = cfg.zero if replicas > 1 else 0
+        self.reducers: list[GradReducer] = []
         self.fsdp = self.zero >= 2
         if self.fsdp:
             from torch.distributed.fsdp import fully_shard
@@ -194,14 +245,27 @@ class Program:
             mesh = self.dp_mesh
             for chunk in self.chunks.values():
                 for layer in chunk.layers:
+                    for experts in layer.experts.values():
+                        # expert weights: sharded over their own replicas, averaged like the dense ones
+                        fully_shard(experts, mesh=self.expert_mesh, reshard_after_forward=self.zero == 3)
+                        experts.set_gradient_divide_factor(float(replicas))
+                        if dist.get_backend() != "nccl" and len(self.expert_ranks) > 1:
+                            # gloo has no pre-multiplied sum: sum, then divide (FSDP2 divides a one-rank
+                            # mesh's gradient by the factor itself, and would divide twice with this set)
+                            experts.set_force_sum_reduction_for_comms(True)
+                for layer in chunk.layers:
                     if any(True for _ in layer.parameters(recurse=False)):
                         fully_shard(layer, mesh=mesh, reshard_after_forward=self.zero == 3)
                 fully_shard(chunk, mesh=mesh, reshard_after_forward=self.zero == 3)
             self.params = {fqn: p for chunk in self.chunks.values()
                            for fqn, p in chunk.named_model_parameters().items()}
-        elif cfg.dp > 1:
-            per_chunk = [list(self.chunks[c].named_model_parameters().values()) for c in self.my_chunks]
-            self.reducer = GradReducer(_dedupe(per_chunk), self.dp_group, cfg.dp, self.timeout)
+        elif replicas > 1:
+            named = [self.chunks[c].named_model_parameters() for c in self.my_chunks]
+            dense = [[p for fqn, p in ps.items() if fqn not in self.expert_fqns] for ps in named]
+            self.reducers.append(GradReducer(_dedupe(dense), self.dp_group, replicas, self.timeout))
+            if self.expert_fqns:
+                expert = [[p for fqn, p in ps.items() if fqn in self.expert_fqns] for ps in named]
+                self.reducers.append(GradReducer(expert, self.expert_group, replicas, self.timeout))
 
     def _tied_groups(self) -> None:
         """A process group per parameter held by several pipeline stages, over those stages' ranks."""
@@ -216,22 +280,24 @@ class Program:
         groups = {}
         for h in sets:  # every rank creates every group, in the same order (new_group is collective)
             for dp_r in range(cfg.dp):
-                for tp_r in range(cfg.tp):
-                    ranks = [self.global_rank(s, dp_r, tp_r) for s in h]
-                    g = dist.new_group(ranks)
-                    if self.rank in ranks:
-                        groups[h] = g
+                for cp_r in range(cfg.cp):
+                    for tp_r in range(cfg.tp):
+                        ranks = [self.global_rank(s, dp_r, tp_r, cp_r) for s in h]
+                        g = dist.new_group(ranks)
+                        if self.rank in ranks:
+                            groups[h] = g
         for fqn, h in sorted(holders.items()):
             if h in groups and fqn in self.params:
                 self.tied.append((fqn, groups[h]))
 
-    def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        """The rank at those mesh coordinates (tp innermost, pp outermost)."""
-        return tp_rank + self.cfg.tp * (dp_rank + self.cfg.dp * pp_rank)
+    def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
+        """The rank at those mesh coordinates (tp innermost, then cp, dp, pp outermost)."""
+        cfg = self.cfg
+        return tp_rank + cfg.tp * (cp_rank + cfg.cp * (dp_rank + cfg.dp * pp_rank))
 
     def _topology(self) -> Topology:
         cfg = self.cfg
-        ranks = [self.global_rank(s, self.dp_rank, self.tp_rank) for s in range(cfg.pp)]
+        ranks = [self.global_rank(s, self.dp_rank, self.tp_rank, self.cp_rank) for s in range(cfg.pp)]
         return Topology(cfg.pp, ranks, self.pp_rank)
 
     def _requires_grad(self, value: str) -> bool:
@@ -242,8 +308,12 @@ class Program:
             return None
         params = list(self.parameters())
         if self.zero == 1:
-            ranks = [self.global_rank(self.pp_rank, d, self.tp_rank) for d in range(self.cfg.dp)]
-            return Zero1Optimizer(params, factory, self.dp_group, ranks, self.rank, self.timeout)
+            experts = {id(self.params[f]) for f in self.expert_fqns if f in self.params}
+            partitions = [([p for p in params if id(p) not in experts], self.dp_group,
+                           dist.get_process_group_ranks(self.dp_group))]
+            if experts:
+                partitions.append(([p for p in params if id(p) in experts], self.expert_group, self.expert_ranks))
+            return Zero1Optimizer(partitions, factory, self.rank, self.timeout)
         return factory(params)
 
     # --- training -----------------------------------------------------------------------------
@@ -254,8 +324,9 @@ class Program:
     def _before_backward(self, chunk: int, last: bool) -> None:
         if self.fsdp:
             self.chunks[chunk].set_requires_gradient_sync(last)
-        elif self.reducer is not None and last:
-            self.reducer.start(self.my_chunks.index(chunk))
+        elif last:
+            for reducer in self.reducers:
+                reducer.start(self.my_chunks.index(chunk))
 
     def forward_backward(self, batch: Any) -> torch.Tensor:
         """Gradients of the mean loss over ``batch`` (the whole global batch, the same on every rank)
@@ -271,7 +342,10 @@ class Program:
             part = slice_batch(batch, start, start + mbs, self.plan.global_batch_size)
             leaves = [t.to(self.device) if isinstance(t, torch.Tensor) else t
                       for t in flatten_batch(part, self.split.in_spec)]
-            micro.append(dict(zip(self.split.user_inputs, leaves)))
+            inputs = dict(zip(self.split.user_inputs, leaves))
+            if self.node_runner.context is not None:   # this rank's tokens of the sequences
+                inputs = {k: self.node_runner.context.shard_input(k, v) for k, v in inputs.items()}
+            micro.append(inputs)
         with torch.autograd.set_grad_enabled(True):
             losses = self.runner.run(self.actions, micro, 1.0 / self.micro_batches)
         self._finish_grads()
@@ -287,8 +361,8 @@ class Program:
         return loss
 
     def _finish_grads(self) -> None:
-        if self.reducer is not None:
-            self.reducer.finish()
+        for reducer in self.reducers:
+            reducer.finish()
         for fqn, p in self.params.items():
             if isinstance(p.grad, DTensor) and p.grad.placements != p.placements and not self.fsdp:
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
@@ -308,7 +382,7 @@ class Program:
         total = total.detach().clone().reshape(1)
         work = dist.all_reduce(total, async_op=True)
         wait_or_fail(work, self.timeout, "all_reduce of the step's loss")
-        return (total / cfg.dp).reshape(())
+        return (total / cfg.grad_replicas).reshape(())  # each cp rank reports its share (context.py)
 
     # --- full tensors on every rank -------------------------------------------------------------
     def full_grads(self) -> dict[str, torch.Tensor]:
@@ -332,6 +406,11 @@ class Program:
                 value = pick(self.params[fqn])
                 value = value.full_tensor() if isinstance(value, DTensor) else value
                 buf = value.detach().clone().contiguous()
+                if fqn in self.expert_fqns and self.ep_group is not None:   # every ep rank's experts
+                    parts = [torch.empty_like(buf) for _ in range(self.cfg.ep)]
+                    work = dist.all_gather(parts, buf, group=self.ep_group, async_op=True)
+                    wait_or_fail(work, self.timeout, f"all_gather of experts {fqn}", self.ep_group)
+                    buf = torch.cat(parts)
             else:
                 buf = torch.empty(meta.shape, dtype=getattr(torch, str(meta.dtype).removeprefix("torch.")),
                                   device=self.device)

@@ -7,7 +7,8 @@ topology by :func:`autopar.cost_model.estimator.mesh_groups`:
 devices is tried, including ones that span nodes), micro-batch size, schedule (1F1B, GPipe,
 interleaved 1F1B with each virtual-stage count that divides the blocks), ZeRO stage and
 sequence parallelism. Context parallelism is tried at every degree the model's fused attention
-and sequence length allow (cost_model/context_parallel.py), expert parallelism at every degree
+and sequence length allow (cost_model/context_parallel.py), with tp = 1 (the runtime does not
+combine the two yet; :func:`autopar.estimate` still prices cp x tp), expert parallelism at every degree
 dividing both dp and the expert count of its mixture-of-experts layers. Recompute is chosen per stage by the stage DP (stages.py), so it is
 not a dimension here except for the interleaved schedule.
 
@@ -135,6 +136,8 @@ def _meshes(graph: OpGraph, n_dev: int, n_layers: int, fixed: Mapping[str, Any])
         for cp in (d for d in divisors(n_dev // tp) if d <= MAX_CP and ok("cp", d)):
             if context_parallel.unsupported(graph, cp) is not None:
                 continue
+            if cp > 1 and tp > 1:
+                continue  # the runtime does not combine context and tensor parallelism yet (runtime/context.py)
             for pp in (d for d in divisors(n_dev // (tp * cp)) if d <= n_layers and ok("pp", d)):
                 dp = n_dev // (tp * cp * pp)
                 if ok("dp", dp):

@@ -8,6 +8,7 @@ that world size. Rank 0 writes its results; every rank checks that its loss equa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -32,6 +33,7 @@ class Case:
     fixed: dict | None            # ParallelConfig fields pinned; None: the planner's free choice
     world: int
     global_batch: int = 4
+    edit: dict | None = None      # a hand-edited plan: the planned config with these fields replaced
 
 
 def _mlp():
@@ -53,13 +55,35 @@ def _gpt():
     return model
 
 
-def _hf(builder):
+def _gpt_sdpa():
+    """The GPT with fused attention (F.scaled_dot_product_attention): what context parallelism splits."""
+    from autopar.models import GPTConfig, build_gpt
+    torch.manual_seed(0)
+    model, _ = build_gpt(GPTConfig(vocab_size=64, hidden=32, heads=4, layers=4, seq_len=8, dropout=0.0,
+                                   attention="sdpa"), batch_size=1)
+    return model
+
+
+def _hf(builder, **sizes):
     def make():
         import autopar.models.hf as hf
         torch.manual_seed(0)
-        model, _ = getattr(hf, builder)(layers=4, hidden=32, heads=4, vocab=64, seq_len=8, dropout=0.0,
-                                        batch_size=1)
+        model, _ = getattr(hf, builder)(**{**dict(layers=4, hidden=32, heads=4, vocab=64, seq_len=8, dropout=0.0,
+                                                  batch_size=1), **sizes})
         return model.float()
+    return make
+
+
+def _moe(capacity_factor: float | None = None):
+    """The hand-written Mixtral (autopar.models.moe), tiny, by default dropping nothing
+    (``capacity_factor=None``: with a capacity the tokens an expert drops depend on how the batch is split)."""
+    def make():
+        import dataclasses
+        from autopar.models import Mixtral
+        from autopar.models.registry import spec
+        torch.manual_seed(0)
+        return Mixtral(dataclasses.replace(spec("mixtral-tiny").config, vocab_size=64, seq_len=8, layers=2,
+                                           capacity_factor=capacity_factor))
     return make
 
 
@@ -69,9 +93,49 @@ def _cnn():
     return build_resnet("small", batch_size=1, image_size=16)[0]
 
 
+class CrossAttention(torch.nn.Module):
+    """Decoder tokens (8) attending causally to themselves, then to memory tokens (4): SDPA with a
+    query length other than the key length, as an encoder-decoder's cross attention has. No biases on
+    the projections: a key bias has an exactly zero gradient (softmax ignores a score shift shared by
+    a row), so its computed gradient is rounding noise that AdamW would scale up to lr-sized steps."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.memory = torch.nn.Embedding(vocab, hidden)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=False)
+        self.q = torch.nn.Linear(hidden, hidden, bias=False)
+        self.kv = torch.nn.Linear(hidden, 2 * hidden, bias=False)
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def _split(self, t: torch.Tensor) -> torch.Tensor:
+        b, s, h = t.shape
+        return t.view(b, s, self.heads, h // self.heads).transpose(1, 2)
+
+    def _attend(self, q, k, v) -> torch.Tensor:
+        out = torch.nn.functional.scaled_dot_product_attention(self._split(q), self._split(k), self._split(v),
+                                                               is_causal=True)
+        return out.transpose(1, 2).flatten(2)
+
+    def forward(self, input_ids, memory_ids, labels):
+        x, m = self.embed(input_ids), self.memory(memory_ids)
+        x = x + self._attend(*self.qkv(x).chunk(3, dim=-1))
+        x = x + self._attend(self.q(x), *self.kv(m).chunk(2, dim=-1))
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _xattn():
+    torch.manual_seed(0)
+    return CrossAttention()
+
+
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "mlp": _mlp, "gpt": _gpt, "llama": _hf("build_hf_llama"), "gpt2": _hf("build_hf_gpt2"),
-    "bert": _hf("build_hf_bert"), "cnn": _cnn,
+    "bert": _hf("build_hf_bert"), "cnn": _cnn, "gpt-sdpa": _gpt_sdpa,
+    "mixtral": _hf("build_hf_mixtral", layers=2, ffn_hidden=64, num_experts=4, top_k=2), "moe": _moe(),
+    "moe-capacity": _moe(1.0), "xattn": _xattn,
 }
 
 
@@ -88,6 +152,9 @@ def batches(model_name: str, n: int, global_batch: int) -> list[Any]:
             batch = {"input_ids": ids, "labels": torch.randint(0, 64, (global_batch, 8), generator=g)}
             if model_name == "bert":
                 batch["attention_mask"] = torch.ones_like(ids)
+            if model_name == "xattn":
+                batch = {"input_ids": ids, "memory_ids": torch.randint(0, 64, (global_batch, 4), generator=g),
+                         "labels": batch["labels"]}
             out.append(batch)
     return out
 
@@ -144,6 +211,8 @@ def make_plan(case: Case):
         _GRAPHS[case.model] = capture(MODELS[case.model](), example, loss_fn_of(case.model))
     plan, _ = solve(_GRAPHS[case.model], test_cluster(case.world), case.global_batch,
                     fixed=None if case.fixed is None else dict(case.fixed))
+    if case.edit:
+        plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, **case.edit))
     return with_inputs(plan, example)
 
 

@@ -318,3 +318,22 @@ def test_argument_errors() -> None:
         expert_parallel_moe(x.double(), idx, w, gu, dn, **call)
     with pytest.raises(ConfigError, match=r"timeout must be None or a positive number"):
         expert_parallel_moe(x, idx, w, gu, dn, timeout=0, **call)
+
+
+def test_capacity_drops_what_the_capacity_dispatch_drops():
+    """ep=1 with a capacity equals autopar.models.moe's Experts (static capacity dispatch) exactly."""
+    from autopar.models.moe import Experts, MixtralConfig
+    from autopar.runtime.expert_parallel import expert_parallel_moe
+    torch.manual_seed(0)
+    cfg = MixtralConfig(vocab_size=16, hidden=8, heads=2, kv_heads=2, layers=1, ffn_hidden=12, seq_len=4,
+                        num_experts=4, top_k=2, capacity_factor=0.5)
+    experts = Experts(cfg).double()
+    hidden = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
+    index = torch.randint(0, 4, (10, 2))
+    index[:, 1] = (index[:, 0] + 1) % 4
+    weights = torch.rand(10, 2, dtype=torch.float64)
+    expected = experts(hidden, index, weights)
+    got = expert_parallel_moe(hidden, index, weights, experts.gate_up_proj, experts.down_proj, num_experts=4,
+                              activation="silu", capacity=cfg.capacity(10))
+    assert 4 * cfg.capacity(10) < 10 * 2                            # fewer slots than assignments: drops
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)

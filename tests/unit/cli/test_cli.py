@@ -67,7 +67,7 @@ def test_plan_show_codegen(tmp_path, model, cluster, batch):
         assert (tmp_path / "out" / name).is_file(), gen
     script = (tmp_path / "out" / "train.py").read_text()
     cfg = plan.config
-    assert f"DP, TP, PP = {cfg.dp}, {cfg.tp}, {cfg.pp}" in script
+    assert f"DP, CP, TP, PP, EP = {cfg.dp}, {cfg.cp}, {cfg.tp}, {cfg.pp}, {cfg.ep}" in script
     assert f"registry.build({model!r}" in (tmp_path / "out" / "planned_model.py").read_text()
     assert autopar.load_plan(tmp_path / "out" / "plan.json").to_dict() == plan.to_dict()
     assert f"--nproc-per-node {min(plan.devices, 8)}" in gen

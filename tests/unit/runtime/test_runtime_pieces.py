@@ -104,7 +104,7 @@ def test_emitted_script_spells_out_the_plan(gpt, tmp_path):
     text = open(path).read()
     compile(text, path, "exec")
     assert "from mypkg.models import build as model_factory" in text
-    assert "DP, TP, PP = 1, 1, 2" in text and "'F0.0 F0.1 B0.0 B0.1'" in text and "lr\", type=float, default=0.0003" in text
+    assert "DP, CP, TP, PP, EP = 1, 1, 1, 2, 1" in text and "'F0.0 F0.1 B0.0 B0.1'" in text and "lr\", type=float, default=0.0003" in text
     assert autopar.load_plan(tmp_path / "plan.json").config == plan.config
     with pytest.raises(ConfigError, match="package.module:function"):
         autopar.codegen.emit(plan, tmp_path, "no_colon")
