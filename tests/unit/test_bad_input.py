@@ -79,7 +79,7 @@ def test_cluster_negative_override(override) -> None:
 
 # --- estimate: config against cluster and batch ------------------------------------------------
 def test_device_count_mismatch(plan_graph) -> None:
-    with raises(ConfigError, "dp*tp*pp", "= 4 devices", "has 8"):
+    with raises(ConfigError, "dp*cp*tp*pp", "= 4 devices", "has 8"):
         estimate_plan(plan_graph, ONE_NODE, ParallelConfig(dp=2, tp=2), 64)
 
 
