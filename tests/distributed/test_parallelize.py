@@ -45,8 +45,9 @@ FOUR = {
     "planner": None,
 }
 MODELS = ("mlp", "gpt", "llama", "gpt2", "bert")
-# The schedule and ZeRO-stage variants exercise the runtime's pipeline and data-parallel machinery,
-# which does not depend on the architecture: three models suffice (the core cases run on all five).
+# The schedule and ZeRO-stage variants, and the 4-rank meshes, exercise the runtime's pipeline,
+# tensor- and data-parallel machinery, which does not depend on the architecture: three models
+# suffice (the 2-rank core cases and the planner's own choice run on all five).
 VARIANTS_ON = ("mlp", "gpt", "llama")
 VARIANTS = ("pp2_gpipe", "pp2_interleaved", "zero1", "zero2")
 # A ResNet's batch norm normalises over what one rank sees of one micro-batch (as DDP without
@@ -58,7 +59,8 @@ SELECTIVE = [Case("gpt-recompute_selective", "gpt", {**BASE, "tp": 2, "micro_bat
 CASES = {2: [Case(f"{m}-{k}", m, None if v is None else {**BASE, **v}, 2) for m in MODELS for k, v in TWO.items()
              if k not in VARIANTS or m in VARIANTS_ON]
          + CNN + SELECTIVE,
-         4: [Case(f"{m}-{k}", m, None if v is None else {**BASE, **v}, 4) for m in MODELS for k, v in FOUR.items()]}
+         4: [Case(f"{m}-{k}", m, None if v is None else {**BASE, **v}, 4) for m in MODELS for k, v in FOUR.items()
+             if k == "planner" or m in VARIANTS_ON]}
 
 
 @pytest.fixture(scope="module")
