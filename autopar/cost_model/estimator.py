@@ -52,7 +52,7 @@ from . import context_parallel, expert_parallel
 from .comm import Collective, GroupPlacement, collective_affine, collective_time, place_axes
 from .layer_cost import LayerCost, LayerCostModel, SplitGroups
 from .memory import MemoryBreakdown, in_flight, model_state_bytes
-from .schedule import even_partition, pipeline_time
+from .schedule import even_partition
 
 DP_BUCKET_BYTES = 25e6  # PyTorch DDP's default bucket size
 # Tensor ops per parameter of torch's single-tensor AdamW (the CPU default): weight decay, the two

@@ -294,10 +294,10 @@ def alternatives(best: Plan, seen: list[tuple[float, Candidate, Plan | float]], 
                                reason=f"does not fit: needs {(need - memory) / 1e9:.1f} GB more per device "
                                       f"(at least {need / 1e9:.1f} GB; step time bound {lb:.3g} s)"))
     shown = {a.config for a in out}
-    for field, label in (("cp", "context"), ("ep", "expert")):
-        if getattr(best.config, field) == 1:
+    for degree, label in (("cp", "context"), ("ep", "expert")):
+        if getattr(best.config, degree) == 1:
             continue
-        without = [pl for pl in distinct.values() if getattr(pl.config, field) == 1]
+        without = [pl for pl in distinct.values() if getattr(pl.config, degree) == 1]
         if without:   # the counterfactual plan.explain() cites, when the search evaluated one
             pl = min(without, key=lambda p: (p.step_time, p.peak_memory, _cfg_key(p.config)))
             if pl.config not in shown:

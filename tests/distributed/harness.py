@@ -255,6 +255,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_matches(got: dict, ref: dict, rank: int) -> None:
+    """One rank's results against the reference, at test_parallelize.py's tolerances: loss relative
+    1e-5, gradients 1e-4 of the largest, parameters after the steps 1e-4."""
+    import math
+    assert "error" not in got, got.get("error")
+    assert math.isclose(got["loss"], ref["loss"], rel_tol=1e-5), (rank, got["loss"], ref["loss"])
+    largest = max(g.abs().max().item() for g in ref["grads"].values())
+    assert set(got["grads"]) == set(ref["grads"])
+    for name, g in ref["grads"].items():
+        diff = (got["grads"][name] - g).abs().max().item()
+        assert diff <= 1e-4 * largest, (rank, name, diff, largest)
+    for name, p in ref["params"].items():
+        diff = (got["params"][name] - p).abs().max().item()
+        assert diff <= 1e-4, (rank, name, diff)
+
+
 def run_cases(cases: list[Case], world: int) -> list[dict[str, Any]]:
     """Per rank: case name -> {"loss", "grads", "params"} or {"error"}."""
     jobs = [(c, make_plan(c).to_dict()) for c in cases]

@@ -26,14 +26,13 @@ near zero moves it by a fraction of lr; observed <= 1e-5).
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import Case, make_plan, reference, run_cases  # noqa: E402
+from harness import Case, check_matches, make_plan, reference, run_cases  # noqa: E402
 
 BASE = dict(dp=1, tp=1, pp=1, cp=1, ep=1, micro_batch_size=1, zero=0, recompute="none", schedule="1f1b",
             virtual_stages=1, sequence_parallel=False)
@@ -80,26 +79,13 @@ def results():
     return {world: run_cases(cases, world) for world, cases in CASES.items()}
 
 
-def _check(got: dict, ref: dict, rank: int) -> None:
-    assert "error" not in got, got.get("error")
-    assert math.isclose(got["loss"], ref["loss"], rel_tol=1e-5), (rank, got["loss"], ref["loss"])
-    largest = max(g.abs().max().item() for g in ref["grads"].values())
-    assert set(got["grads"]) == set(ref["grads"])
-    for name, g in ref["grads"].items():
-        diff = (got["grads"][name] - g).abs().max().item()
-        assert diff <= 1e-4 * largest, (rank, name, diff, largest)
-    for name, p in ref["params"].items():
-        diff = (got["params"][name] - p).abs().max().item()
-        assert diff <= 1e-4, (rank, name, diff)
-
-
 @pytest.mark.parametrize("case", [c for cases in CASES.values() for c in cases if c.name not in OTHERS],
                          ids=lambda c: f"{c.world}x-{c.name}")
 def test_matches_single_process(results, case):
     ref = reference(case)
     per_rank = [r[case.name] for r in results[case.world]]
     for rank, got in enumerate(per_rank):
-        _check(got, ref, rank)
+        check_matches(got, ref, rank)
     if case.fixed["ep"] > 1 or case.fixed["zero"] >= 2:
         total = sum(p.numel() for p in ref["params"].values())
         assert per_rank[0]["local_numel"] < total, "the rank holds every parameter whole: nothing was split"
@@ -109,7 +95,7 @@ def test_matches_single_process(results, case):
 def test_capacity_drops_as_without_expert_parallelism(results, case, same):
     for rank, per_rank in enumerate(results[case.world]):
         assert "error" not in per_rank[same.name], per_rank[same.name].get("error")
-        _check(per_rank[case.name], per_rank[same.name], rank)
+        check_matches(per_rank[case.name], per_rank[same.name], rank)
 
 
 @pytest.mark.parametrize("case,words", REFUSED, ids=lambda x: getattr(x, "name", ""))

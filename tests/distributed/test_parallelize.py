@@ -15,14 +15,13 @@ single-process references). Tolerances, all fp32:
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import Case, reference, run_cases  # noqa: E402
+from harness import Case, check_matches, reference, run_cases  # noqa: E402
 
 BASE = dict(dp=1, tp=1, pp=1, micro_batch_size=1, zero=0, recompute="none", schedule="1f1b", virtual_stages=1,
             sequence_parallel=False)
@@ -73,16 +72,7 @@ def test_matches_single_process(results, case):
     ref = reference(case)
     per_rank = [r[case.name] for r in results[case.world]]
     for rank, got in enumerate(per_rank):
-        assert "error" not in got, got.get("error")
-        assert math.isclose(got["loss"], ref["loss"], rel_tol=1e-5), (rank, got["loss"], ref["loss"])
-        largest = max(g.abs().max().item() for g in ref["grads"].values())
-        assert set(got["grads"]) == set(ref["grads"])
-        for name, g in ref["grads"].items():
-            diff = (got["grads"][name] - g).abs().max().item()
-            assert diff <= 1e-4 * largest, (rank, name, diff, largest)
-        for name, p in ref["params"].items():
-            diff = (got["params"][name] - p).abs().max().item()
-            assert diff <= 1e-4, (rank, name, diff)
+        check_matches(got, ref, rank)
     total = sum(p.numel() for p in ref["params"].values())
     if case.fixed and (case.fixed["tp"] > 1 or case.fixed["pp"] > 1 or case.fixed["zero"] == 3):
         assert per_rank[0]["local_numel"] < total, "the rank holds every parameter whole: nothing was split"
