@@ -1,7 +1,7 @@
 """Context parallelism (cp): the exported graph run on this rank's share of every sequence.
 
 This module decides, once per graph, the state of every value and how every node runs
-(:func:`analyse`); context_runner.py runs the nodes accordingly.
+(:func:`analyse`, giving a context_state.ContextPlan); context_runner.py runs the nodes accordingly.
 
 The ``cp`` ranks of a context-parallel group get the same micro-batch; each works on the tokens
 :func:`.ring_attention.local_indices` gives it (chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``).
@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -77,51 +76,7 @@ from torch.export.graph_signature import InputKind
 from ..capture.dims import bound_args, broadcast_map, op_dims, shape_of
 from ..capture.rules import op_name
 from ..errors import ConfigError
-
-
-@dataclass(frozen=True)
-class Local:
-    """Dim ``dim`` holds this rank's tokens of a sequence of ``seq``, merged as ``(outer, seq, inner)``."""
-
-    dim: int
-    seq: int
-    outer: int = 1
-    inner: int = 1
-
-    def full_size(self) -> int:
-        return self.outer * self.seq * self.inner
-
-    def local_size(self, cp: int) -> int:
-        return self.outer * (self.seq // cp) * self.inner
-
-    def at(self, dim: int) -> "Local":
-        return Local(dim, self.seq, self.outer, self.inner)
-
-
-class _Partial:
-    def __repr__(self) -> str:
-        return "PARTIAL"
-
-
-PARTIAL = _Partial()
-FULL = None
-State = Any   # Local | PARTIAL | None (FULL)
-
-# A conversion of one input before an op: a chain of ("gather", layout) / ("slice", layout) / ("resolve", None).
-Conv = tuple
-
-
-@dataclass(frozen=True)
-class Step:
-    """How one node runs: ``mode``, its tensor inputs (value names, argument order) with the
-    conversion each needs, its output state, top-level argument rewrites and an output scale."""
-
-    mode: str
-    inputs: tuple[str, ...]
-    convert: tuple[Conv, ...]
-    out: State
-    rewrite: tuple[tuple[int, Any], ...] = ()
-    scale: float = 1.0
+from .context_state import FULL, PARTIAL, ContextPlan, Conv, Local, State, Step, holds_tensor
 
 
 _VIEWS = frozenset("view _unsafe_view reshape flatten unflatten squeeze unsqueeze".split())
@@ -137,24 +92,6 @@ _SDPA = "aten.scaled_dot_product_attention.default"
 
 
 # ------------------------------------------------------------------------------------ analysis
-
-@dataclass
-class ContextPlan:
-    """The state of every value and the step of every node, for one exported program and ``cp``."""
-
-    cp: int
-    states: dict[str, State]
-    steps: dict[str, Step]
-    inputs: dict[str, Local]          # graph inputs sharded before the first chunk
-
-    def local_shape(self, value: str, shape: Sequence[int]) -> tuple[int, ...]:
-        """The local shape of ``value`` whose full shape is ``shape``."""
-        state = self.states.get(value)
-        out = list(shape)
-        if isinstance(state, Local) and out:
-            out[state.dim] = state.local_size(self.cp)
-        return tuple(out)
-
 
 def analyse(program: ExportedProgram, cp: int, attention: frozenset[str],
             regions: Mapping[str, tuple[str, str, str]] = {}, skipped: frozenset[str] = frozenset()) -> ContextPlan:
@@ -233,15 +170,9 @@ def tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     found = []
     for arg in list(node.args) + list(node.kwargs.values()):
         for leaf in (arg if isinstance(arg, (list, tuple)) else [arg]):
-            if isinstance(leaf, torch.fx.Node) and _holds_tensor(leaf.meta.get("val")):
+            if isinstance(leaf, torch.fx.Node) and holds_tensor(leaf.meta.get("val")):
                 found.append(leaf)
     return found
-
-
-def _holds_tensor(value: Any) -> bool:
-    if isinstance(value, (list, tuple)):
-        return any(isinstance(v, torch.Tensor) for v in value)
-    return isinstance(value, torch.Tensor)
 
 
 def _out_shapes(node: torch.fx.Node) -> list[tuple[int, ...]]:

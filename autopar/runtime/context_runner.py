@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .context import Conv, ContextPlan, Local, _holds_tensor
+from .context_state import Conv, ContextPlan, Local, holds_tensor
 from .failures import wait_or_fail
 from .ring_attention import gather_sequence, local_indices, ring_attention, shard_sequence
 
@@ -140,7 +140,7 @@ def _substitute(node: torch.fx.Node, values: Sequence[Any], load: Callable[[torc
 
     def leaf(arg: Any) -> Any:
         if isinstance(arg, torch.fx.Node):
-            return next(it) if _holds_tensor(arg.meta.get("val")) else load(arg)
+            return next(it) if holds_tensor(arg.meta.get("val")) else load(arg)
         return arg
 
     def one(arg: Any) -> Any:   # lists one level deep, as tensor_args flattens them
