@@ -32,7 +32,7 @@ def attention_share(graph) -> float:
     return sum(n.flops_fwd for n in graph.nodes if n.kind is OpKind.ATTENTION) / total
 
 
-def row(label: str, plan, seq: int) -> str:
+def row(label: str, plan) -> str:
     if plan is None:
         return f"  {label:<10} does not fit"
     b = plan.breakdown
@@ -57,8 +57,8 @@ def main() -> None:
         gain = f"{plain.step_time / best.step_time:.2f}x" if plain is not None else "only cp fits"
         print(f"seq {seq:>6} (global batch {gbs:>3}): attention {attention_share(graph):5.1%} of forward FLOPs; "
               f"cp gain {gain} [{time.perf_counter() - t0:.0f} s]")
-        print(row("best", best, seq))
-        print(row("no cp", plain, seq))
+        print(row("best", best))
+        print(row("no cp", plain))
 
 
 if __name__ == "__main__":
