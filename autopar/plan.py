@@ -110,6 +110,7 @@ class Plan:
     fits: bool                         # peak_memory <= device memory
     notes: tuple[str, ...] = ()
     optimal: bool | None = None        # set by the solver; None for an estimate
+    gap: float | None = None           # when not optimal: (step_time - lower bound) / step_time, if known
     alternatives: tuple[Alternative, ...] = ()   # the solver's runners-up, best first
     sharding: tuple[Mapping[str, Any], ...] = ()  # per layer group: each op's tensor-parallel strategy
     schema_version: int = SCHEMA_VERSION
