@@ -17,19 +17,24 @@ from .errors import ConfigError
 from .plan import Plan
 from .runtime.inputs import with_inputs
 from .solver import solve
+from .solver.sharding import SOLVE_TIME_LIMIT
 
 
 def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *, global_batch_size: int,
          fixed: Mapping[str, Any] | None = None, time_limit: float | None = None, loss_fn: LossFn | None = None,
          precision: Precision | None = None, profile: bool = False,
-         profile_db: str | os.PathLike | None = None, verbose: bool = True) -> Plan:
+         profile_db: str | os.PathLike | None = None, verbose: bool = True,
+         ilp_time_limit: float = SOLVE_TIME_LIMIT, ilp_node_limit: int | None = None) -> Plan:
     """The fastest parallel plan for ``model`` on ``cluster`` that fits in memory.
 
     Searches data x tensor x pipeline degrees, micro-batch size, schedule, ZeRO stage,
     recompute (per stage) and sequence parallelism; partitions the layers into stages
     exactly (DP) and shards each layer's ops by ILP. ``fixed`` pins ParallelConfig fields,
     e.g. ``{"tp": 8, "pp": 8}``. With ``time_limit`` (seconds) the search returns the best
-    plan found by then (``plan.optimal`` is False if it stopped early). Raises
+    plan found by then (``plan.optimal`` is False if it stopped early, and ``plan.gap`` says by at
+    most how much it could be beaten). ``ilp_time_limit`` (seconds) and ``ilp_node_limit``
+    (branch-and-bound nodes) bound each sharding ILP solve; a solver that fails falls back to the
+    next, then to greedy sharding, and the plan's notes say so. Raises
     :class:`autopar.InfeasiblePlanError` when nothing fits, saying what would.
     ``profile=True`` times the model's own ops on this machine (``cluster`` must be
     :meth:`Cluster.local`), cached in ``profile_db`` (default ``~/.cache/autopar/profile.json``).
@@ -39,7 +44,7 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *, global_batc
     graph = capture(model, example_inputs, loss_fn)
     measured = _profiler(model, example_inputs, loss_fn, graph, cluster, profile_db) if profile else None
     best, _ = solve(graph, cluster, global_batch_size, precision=precision, fixed=fixed, time_limit=time_limit,
-                    measured=measured, progress=verbose)
+                    measured=measured, progress=verbose, ilp_time_limit=ilp_time_limit, ilp_node_limit=ilp_node_limit)
     return with_inputs(_profiled(best, measured), example_inputs)
 
 

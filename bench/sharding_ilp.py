@@ -22,12 +22,12 @@ from autopar.cluster import Cluster
 from autopar.config import Precision
 from autopar.cost_model.tensor_parallel import propagate
 from autopar.models import GPTConfig, build_gpt, build_llama, registry
-from autopar.solver.sharding import ShardingSolver, evaluate_layout, lp_solver
+from autopar.solver.sharding import ShardingSolver, evaluate_layout, lp_solvers
 
 
 def main() -> int:
     cluster = Cluster.from_spec("1x8xA100-80GB")
-    print(f"solver: {type(lp_solver()).__name__}; cluster {cluster.describe()}")
+    print(f"solver: {lp_solvers()[0][0]}; cluster {cluster.describe()}")
     print(f"{'model':>11} {'tp':>2} {'variant':>7} {'group':>9} {'ops':>4} {'vars':>5} {'cons':>5} "
           f"{'ILP s':>6} {'ILP us':>9} {'rules us':>9}  layout")
     total, solves = 0.0, 0

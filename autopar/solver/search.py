@@ -60,14 +60,17 @@ class SearchStats:
     search_seconds: float = 0.0
     ilp_seconds: float = 0.0
     ilp_solves: int = 0
-    ilp_timed_out: int = 0
+    ilp_stopped_early: int = 0      # group ILPs stopped at a time or node limit, or sharded greedily
+    ilp_greedy: int = 0             # groups sharded greedily because time_limit had passed
+    ilp_fallbacks: tuple[str, ...] = ()   # ILP solver failures and what replaced them
+    gap: float | None = None        # when stopped at time_limit: (best - least remaining bound) / best
 
     def counts(self) -> dict[str, Any]:
         return {"candidates": self.candidates, "evaluated": self.evaluated, "pruned_by_bound": self.pruned_bound,
                 "pruned_by_memory": self.pruned_memory, "dominated": self.dominated,
                 "did_not_fit": self.infeasible,
-                "ilp_solves": self.ilp_solves, "ilp_at_time_limit": self.ilp_timed_out,
-                "stopped_at_time_limit": self.timed_out}
+                "ilp_solves": self.ilp_solves, "ilp_stopped_early": self.ilp_stopped_early,
+                "ilp_sharded_greedily": self.ilp_greedy, "stopped_at_time_limit": self.timed_out}
 
 
 @dataclass
@@ -212,7 +215,9 @@ class Search:
                 self.stats.pruned_bound += len(queue) - pos
                 break
             if self.time_limit is not None and best is not None and time.perf_counter() - t0 > self.time_limit:
+                # every candidate left has a bound >= this one's (the queue is in bound order)
                 self.stats.timed_out = True
+                self.stats.gap = max(0.0, (best.step_time - lb_t) / best.step_time)
                 self.stats.pruned_bound += len(queue) - pos
                 break
             result = self.evaluate(c)
@@ -310,14 +315,19 @@ def alternatives(best: Plan, seen: list[tuple[float, Candidate, Plan | float]], 
 
 def with_search_results(best: Plan, stats: SearchStats, alts: tuple[Alternative, ...],
                         sharding: tuple[Mapping[str, Any], ...], variant: str) -> Plan:
-    optimal = not stats.timed_out
+    """The best plan with what the search did: optimal (and the gap when it stopped early), notes,
+    alternatives, the per-op sharding and the search's counts."""
+    optimal = not stats.timed_out and not stats.ilp_stopped_early
     notes = best.notes
     if stats.timed_out:
-        notes += ("the search stopped at time_limit: this is the best plan found so far and may not be optimal",)
-    if stats.ilp_timed_out:
-        notes += (f"{stats.ilp_timed_out} sharding ILP(s) stopped at their time limit: those layouts are the best "
-                  "found, not proven optimal",)
+        gap = "" if stats.gap is None else f" (no plan is more than {100 * stats.gap:.1f}% faster under the cost model)"
+        notes += (f"the search stopped at time_limit: this is the best plan found so far and may not be optimal{gap}",)
+    if stats.ilp_stopped_early:
+        notes += (f"{stats.ilp_stopped_early} sharding ILP(s) stopped at their time or node limit or were sharded "
+                  "greedily: those layouts are the best found, not proven optimal",)
+    notes += tuple(f"sharding ILP fallback: {line}" for line in stats.ilp_fallbacks)
     extra = dict(best.extra)
     extra["layout"] = variant
     extra["search"] = stats.counts()
-    return replace(best, optimal=optimal, notes=notes, alternatives=alts, sharding=sharding, extra=extra)
+    return replace(best, optimal=optimal, gap=stats.gap if stats.timed_out else None, notes=notes,
+                   alternatives=alts, sharding=sharding, extra=extra)

@@ -58,14 +58,21 @@ ties by strategy order, so that the layout does not depend on the solver.
 - ``add_time``: ``time <= T* (1 + 1e-6)`` (the fast variant's second solve).
 
 Solver: HiGHS (``highspy``, the ``highs`` extra) when installed, else CBC through pulp; both
-single-threaded and deterministic, and stopped at ``SOLVE_TIME_LIMIT`` seconds per call (the
-best integer solution is then used and counted in ``ShardingSolver.timed_out``; the plan says
-so in its notes). Layouts are cached per (tp, variant) in the
-:class:`ShardingSolver`, which also counts the ILP seconds and solves.
+single-threaded and deterministic, and stopped at :class:`ILPLimits` (``SOLVE_TIME_LIMIT``
+seconds per call by default, optionally a branch-and-bound node limit): the best integer
+solution is then used and counted in ``ShardingSolver.stopped_early``; the plan says so in its
+notes and is not marked optimal. A solver that fails (raises, or ends without a solution) is
+followed by the next one in :func:`lp_solvers`, then by :func:`greedy_choice` (each op in graph
+order takes its cheapest strategy compatible with the ops already chosen); every fallback is
+recorded in ``ShardingSolver.fallbacks`` and becomes a plan note. Past the search's deadline
+(``time_limit``) no ILP is started: the remaining groups are sharded greedily. Layouts are
+cached per (tp, variant) in the :class:`ShardingSolver`, which also counts the ILP seconds and
+solves.
 """
 
 from __future__ import annotations
 
+import math
 import time as _time
 import warnings
 from dataclasses import dataclass, field
@@ -79,7 +86,7 @@ from ..config import Precision
 from ..cost_model.comm import GroupPlacement, place_axes
 from ..cost_model.compute import fused_away
 from ..cost_model.tensor_parallel import TPLayout, propagate
-from ..errors import AutoparError, ConfigError
+from ..errors import AutoparError, ConfigError, InfeasiblePlanError
 from .sharding_layout import (GroupSolution, LayerGroup, assemble, consumers_of, evaluate_layout, layer_groups,
                               totals)
 from .sharding_problem import Boundary, GroupProblem, Pricing, Realised, build_problem, realise
@@ -92,17 +99,39 @@ _TIME_SLACK, _MEMORY_SLACK = 1e-6, 0.01
 SOLVE_TIME_LIMIT = 5.0          # seconds per solver call; past it the best integer solution found is used
 
 
-def lp_solver() -> Any:
-    """HiGHS when ``highspy`` imports, else CBC (bundled with pulp); both stop at SOLVE_TIME_LIMIT
-    (almost every group solves in well under a second; a rare hard one would otherwise stall the
-    search: one Llama-like lean instance took CBC 10 s)."""
+@dataclass(frozen=True)
+class ILPLimits:
+    """Limits on every sharding ILP solver call: ``time`` seconds, ``nodes`` branch-and-bound
+    nodes (None: no limit). Past either the best integer solution found is used."""
+
+    time: float = SOLVE_TIME_LIMIT
+    nodes: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.time, bool) or not isinstance(self.time, (int, float)) or not self.time > 0:
+            raise ConfigError(f"ilp_time_limit={self.time!r} must be a positive number of seconds")
+        if self.nodes is not None and (isinstance(self.nodes, bool) or not isinstance(self.nodes, int)
+                                       or self.nodes < 1):
+            raise ConfigError(f"ilp_node_limit={self.nodes!r} must be a positive integer (or None for no limit)")
+
+
+def lp_solvers(limits: ILPLimits = ILPLimits()) -> list[tuple[str, Any]]:
+    """The solvers to try, in order, as (name, pulp solver): HiGHS when ``highspy`` imports, then
+    CBC (bundled with pulp). Almost every group solves in well under a second; the limits stop a
+    rare hard one from stalling the search (one Llama-like lean instance took CBC 10 s)."""
+    out: list[tuple[str, Any]] = []
     try:
         import highspy  # noqa: F401
-        return pulp.HiGHS(msg=False, threads=1, timeLimit=SOLVE_TIME_LIMIT)
+        nodes = {} if limits.nodes is None else {"mip_max_nodes": limits.nodes}
+        out.append(("HiGHS", pulp.HiGHS(msg=False, threads=1, timeLimit=limits.time, **nodes)))
     except ImportError:
-        with warnings.catch_warnings():  # PuLP 3.3 announces its bundled CBC will move to an extra in 4.0
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return pulp.PULP_CBC_CMD(msg=False, threads=1, timeLimit=SOLVE_TIME_LIMIT)
+        pass
+    with warnings.catch_warnings():  # PuLP 3.3 announces its bundled CBC will move to an extra in 4.0
+        warnings.simplefilter("ignore", DeprecationWarning)
+        cbc = pulp.PULP_CBC_CMD(msg=False, threads=1, timeLimit=limits.time, maxNodes=limits.nodes)
+    if cbc.available():
+        out.append(("CBC", cbc))
+    return out
 
 
 def _var(prob: pulp.LpProblem, name: str, low: float, up: float, cat: str = pulp.LpContinuous) -> pulp.LpVariable:
@@ -194,10 +223,12 @@ def add_time(m: _Model, bound: float) -> None:
 
 
 def solve_group(gp: GroupProblem, variant: str, budget: float | None = None,
-                stats: dict[str, Any] | None = None) -> Realised:
+                stats: dict[str, Any] | None = None, limits: ILPLimits = ILPLimits()) -> Realised:
     """The variant's two solves on one group; the chosen strategies with their exact totals.
 
-    ``stats``, when given, receives the model's size (``variables``, ``constraints``)."""
+    ``stats``, when given, receives the model's size (``variables``, ``constraints``), whether a
+    solve stopped at a limit (``stopped_early``) and the fallbacks taken (``fallbacks``: one
+    line each)."""
     prob = pulp.LpProblem("sharding", pulp.LpMinimize)
     m = add_one_hot(prob, gp)
     add_resharding(m, gp)
@@ -205,31 +236,90 @@ def solve_group(gp: GroupProblem, variant: str, budget: float | None = None,
     add_param_consistency(m, gp)
     if budget is not None:
         add_memory(m, budget)
-    if stats is not None:
-        stats.update(variables=prob.numVariables(), constraints=prob.numConstraints())
+    stats = {} if stats is None else stats
+    stats.update(variables=prob.numVariables(), constraints=prob.numConstraints())
+    fallbacks: list[str] = stats.setdefault("fallbacks", [])
     first, second = (m.time, m.memory) if variant == "fast" else (m.memory, m.time)
-    best = _run(m, gp, first, "first")
+    best = _run(m, gp, first, "first", limits, fallbacks)
+    if best is None and budget is not None:   # greedy would ignore the budget: say the budget is the problem
+        raise InfeasiblePlanError(f"{fallbacks.pop()}: a memory budget of {budget / 1e9:.3g} GB per device is below "
+                                  "the least this group can reach (or the solver failed); raise the budget")
+    if best is None:
+        best = realise(gp, greedy_choice(gp, variant))
+        fallbacks.append(f"{_where(gp)}: every ILP solver failed, sharded greedily")
+        stats["stopped_early"] = True
+        return best
     if variant == "fast":
         add_time(m, (best.time + best.step) * (1 + _TIME_SLACK) + 1e-12)
     else:
         add_memory(m, best.memory * (1 + _MEMORY_SLACK) + 1.0)
-    result = _run(m, gp, second + m.tie, "second")
-    if stats is not None:
-        stats["timed_out"] = m.timed_out
-    return result
+    result = _run(m, gp, second + m.tie, "second", limits, fallbacks)
+    stats["stopped_early"] = m.timed_out or result is None
+    return best if result is None else result   # the second solve only breaks the first's ties
 
 
-def _run(m: _Model, gp: GroupProblem, objective: pulp.LpAffineExpression, stage: str) -> Realised:
+def _where(gp: GroupProblem) -> str:
+    return f"the sharding ILP of the {len(gp.nodes)} ops from {gp.nodes[0].name}"
+
+
+def _run(m: _Model, gp: GroupProblem, objective: pulp.LpAffineExpression, stage: str, limits: ILPLimits,
+         fallbacks: list[str]) -> Realised | None:
+    """Solve with the first solver of :func:`lp_solvers` that succeeds; None when none does (each
+    failure is described in ``fallbacks``)."""
     m.prob.setObjective(objective)
-    status = m.prob.solve(lp_solver())
-    if m.prob.sol_status == pulp.LpSolutionIntegerFeasible:  # stopped at SOLVE_TIME_LIMIT with a solution
-        m.timed_out = True
-    elif pulp.LpStatus[status] != "Optimal":
-        raise AutoparError(f"the sharding ILP ({stage} solve, {len(gp.nodes)} ops from {gp.nodes[0].name}) "
-                           f"ended {pulp.LpStatus[status]}: a memory budget below the least possible makes it "
-                           "infeasible; otherwise this is a bug, please report it with the model")
-    choice = [max(range(len(vs)), key=lambda j: (vs[j].varValue or 0.0, -j)) for vs in m.s]
-    return realise(gp, choice)
+    failed: list[str] = []
+    for name, solver in lp_solvers(limits):
+        try:
+            status = m.prob.solve(solver)
+        except Exception as exc:  # noqa: BLE001 - a solver crash (pulp.PulpSolverError, OSError, ...) moves on
+            failed.append(f"{name} raised {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
+            continue
+        if m.prob.sol_status == pulp.LpSolutionIntegerFeasible:  # stopped at a limit with a solution
+            m.timed_out = True
+        elif pulp.LpStatus[status] != "Optimal":
+            failed.append(f"{name} ended {pulp.LpStatus[status]}")
+            continue
+        if failed:
+            fallbacks.append(f"{_where(gp)} ({stage} solve): {'; '.join(failed)}; {name} solved it")
+        choice = [max(range(len(vs)), key=lambda j: (vs[j].varValue or 0.0, -j)) for vs in m.s]
+        return realise(gp, choice)
+    fallbacks.append(f"{_where(gp)} ({stage} solve): {'; '.join(failed) or 'no ILP solver is installed'}")
+    return None
+
+
+def greedy_choice(gp: GroupProblem, variant: str = "fast") -> list[int]:
+    """One strategy per op, in graph order, each the cheapest (time, or memory for ``lean``) among
+    those compatible with the ops already chosen: every incoming edge can be joined (a key of its
+    costs) and every shared parameter keeps the split dim its first reader chose. The fallback when
+    no ILP solver works; raises AutoparError in the (never observed) case of a dead end."""
+    choice: list[int] = []
+    incoming: dict[int, list] = {}
+    for e in gp.edges:
+        incoming.setdefault(e.v, []).append(e)
+    dims_of: dict[tuple[int, int], list[tuple[str, int | None]]] = {}
+    for p, users in gp.shared.items():
+        for k, j, d in users:
+            dims_of.setdefault((k, j), []).append((p, d))
+    shared_dim: dict[str, int | None] = {}
+    for k, options in enumerate(gp.strategies):
+        best, best_cost = None, math.inf
+        for j, s in enumerate(options):
+            keys = [(gp.strategies[e.u][choice[e.u]].output, s.inputs[e.i]) for e in incoming.get(k, ())]
+            if any(key not in e.costs for key, e in zip(keys, incoming.get(k, ()))):
+                continue
+            if any(p in shared_dim and shared_dim[p] != d for p, d in dims_of.get((k, j), ())):
+                continue
+            cost = (gp.time[k][j] + gp.step[k][j] + sum(e.costs[key] for key, e in zip(keys, incoming.get(k, ())))
+                    if variant == "fast" else gp.memory[k][j])
+            if cost < best_cost:
+                best, best_cost = j, cost
+        if best is None:
+            raise AutoparError(f"{_where(gp)}: no ILP solver worked and greedy sharding found no strategy for op "
+                               f"{gp.nodes[k].name} compatible with its producers; plan with fixed={{'tp': 1}}")
+        choice.append(best)
+        for p, d in dims_of.get((k, best), ()):
+            shared_dim.setdefault(p, d)
+    return choice
 
 
 # ---------------------------------------------------------------- the public object
@@ -239,14 +329,19 @@ class ShardingSolver:
     """Per-op sharding ILPs for one graph, cluster and precision; layouts cached per (tp, variant).
 
     ``seconds`` and ``solves`` count the time spent building and solving ILPs and the number of
-    group ILPs solved (each has two solver calls)."""
+    group ILPs solved (each has two solver calls). ``deadline`` (a ``time.perf_counter()`` value,
+    the search's time limit): groups reached after it are sharded greedily, without an ILP."""
 
     graph: OpGraph
     cluster: Cluster
     precision: Precision
+    limits: ILPLimits = ILPLimits()
+    deadline: float | None = None
     seconds: float = 0.0
     solves: int = 0
-    timed_out: int = 0      # group ILPs that stopped at SOLVE_TIME_LIMIT (their layout is the best found)
+    stopped_early: int = 0  # group ILPs that stopped at a limit or fell back to greedy (not proven optimal)
+    greedy_after_deadline: int = 0   # groups sharded greedily because the deadline had passed
+    fallbacks: list[str] = field(default_factory=list)   # solver failures and what replaced them
     _layouts: dict[tuple[int, str], TPLayout] = field(default_factory=dict, repr=False)
     _solutions: dict[tuple[int, str], list[GroupSolution]] = field(default_factory=dict, repr=False)
 
@@ -338,10 +433,16 @@ class ShardingSolver:
             start = _time.perf_counter()
             problem = build_problem(ctx, pricing, nodes, consumers, decided, boundary)
             stats: dict[str, Any] = {"ops": len(nodes)}
-            result = solve_group(problem, variant, stats=stats)
+            if self.deadline is not None and start > self.deadline:
+                result = realise(problem, greedy_choice(problem, variant))
+                self.greedy_after_deadline += 1
+                stats["stopped_early"] = True
+            else:
+                result = solve_group(problem, variant, stats=stats, limits=self.limits)
+                self.solves += 1
+                self.fallbacks += stats["fallbacks"]
             stats["seconds"] = _time.perf_counter() - start
-            self.solves += 1
-            self.timed_out += bool(stats.get("timed_out"))
+            self.stopped_early += bool(stats.get("stopped_early"))
             for k, j in enumerate(result.choice):
                 for p, d in problem.strategies[k][j].params:
                     decided.setdefault(p, d)
@@ -381,4 +482,4 @@ def tp_group(cluster: Cluster, tp: int) -> GroupPlacement:
 
 __all__ = ["ShardingSolver", "LayerGroup", "GroupSolution", "VARIANTS", "add_one_hot", "add_resharding",
            "add_partial_gradients", "add_param_consistency", "add_memory", "add_time", "solve_group",
-           "layer_groups", "assemble", "lp_solver", "tp_group", "totals", "evaluate_layout"]
+           "layer_groups", "assemble", "lp_solvers", "ILPLimits", "greedy_choice", "tp_group", "totals", "evaluate_layout"]

@@ -50,7 +50,9 @@ def test_plans_for_every_family_and_cluster(graphs, name, spec):
     assert plan.fits and plan.peak_memory <= cluster.device.memory
     assert plan.config.devices == cluster.devices
     assert plan.global_batch_size == gbs and plan.step_time > 0
-    assert plan.optimal is True
+    # optimal unless a sharding ILP hit its wall-clock limit (it can on a loaded machine: then the
+    # plan must say so rather than claim optimality)
+    assert plan.optimal is (stats.ilp_stopped_early == 0) and plan.gap is None
     # every layer lands on exactly one stage, in order
     layers = [name for s in plan.stages for name in s.layers]
     assert sorted(layers) == sorted(layer.name for layer in graph.layers)
