@@ -162,9 +162,10 @@ def main() -> None:
     program = autopar.parallelize(model, plan, optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
                                   loss_fn={loss_fn}, timeout=args.timeout)
     mine = [c for c in CHUNK_LAYERS if c % PP == pp_rank]
-    assert [[layer.name for layer in program.split.chunks[c].layers] for c in mine] == \\
-        [CHUNK_LAYERS[c] for c in mine], "the program's chunks are not the plan's"
-    assert " ".join(str(a) for a in program.actions) == SCHEDULE[pp_rank], "the program's schedule is not the plan's"
+    if [[layer.name for layer in program.split.chunks[c].layers] for c in mine] != [CHUNK_LAYERS[c] for c in mine]:
+        raise autopar.PlanMismatchError(f"rank {{rank}}: the program's chunks are not the plan's: re-emit the script")
+    if " ".join(str(a) for a in program.actions) != SCHEDULE[pp_rank]:
+        raise autopar.PlanMismatchError(f"rank {{rank}}: the program's schedule is not the plan's: re-emit the script")
     print(f"rank {{rank}} (pp {{pp_rank}}, dp {{dp_rank}} (ep {{dp_rank % EP}}), cp {{cp_rank}}, tp {{tp_rank}}): "
           f"chunks {{mine}}, "
           f"{{sum(getattr(p, '_local_tensor', p).numel() for p in program.parameters())}} parameter elements held", flush=True)

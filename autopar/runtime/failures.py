@@ -4,17 +4,51 @@ Every asynchronous send, receive and collective the program starts itself is wai
 ``Work.wait(timeout)``; when the deadline passes (or the peer's connection breaks) the rank
 raises :class:`autopar.RuntimeFailure` naming itself, the collective and the peer rank(s),
 instead of hanging. Collectives that DTensor and FSDP2 run inside an op use the process
-group's own timeout (``init_process_group(timeout=...)``).
+group's own timeout (``init_process_group(timeout=...)``); :func:`at_step` turns what they raise
+(and anything else a step raises) into a RuntimeFailure naming the rank and the step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch.distributed as dist
 
-from ..errors import RuntimeFailure
+from ..errors import AutoparError, RuntimeFailure
+
+_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar("autopar_step", default=None)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _who_am_i() -> str:
+    step = _STEP.get()
+    return f"rank {_rank()}" + ("" if step is None else f", step {step}")
+
+
+@contextlib.contextmanager
+def at_step(step: int, what: str) -> Iterator[None]:
+    """Inside, RuntimeFailures name the step; any other exception (a collective inside DTensor or
+    FSDP2 breaking because a peer died, or this rank's own error) becomes a RuntimeFailure naming
+    this rank, the step and ``what`` was running, with the original as its ``__cause__``.
+    AutoparErrors (a bad batch, a non-finite loss) pass through unchanged."""
+    token = _STEP.set(step)
+    try:
+        yield
+    except AutoparError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised as RuntimeFailure, the original chained
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise RuntimeFailure(f"{_who_am_i()}: {what} failed with {type(exc).__name__}: {first}; if it names a "
+                             "peer or a closed connection, that rank died or stopped answering: check its log for "
+                             "the first error") from exc
+    finally:
+        _STEP.reset(token)
 
 
 def wait_or_fail(work: Any, timeout: float, what: str, group: Any = None, peers: Sequence[int] | None = None) -> None:
@@ -28,14 +62,15 @@ def wait_or_fail(work: Any, timeout: float, what: str, group: Any = None, peers:
 
 
 def _message(what: str, timeout: float, group: Any, peers: Sequence[int] | None, exc: Exception | None) -> str:
-    me = dist.get_rank() if dist.is_initialized() else 0
-    if peers is None and group is not None and dist.is_initialized():
+    me = _rank()
+    if peers is None and dist.is_initialized():
         try:
-            peers = [r for r in dist.get_process_group_ranks(group) if r != me]
+            ranks = range(dist.get_world_size()) if group is None else dist.get_process_group_ranks(group)
+            peers = [r for r in ranks if r != me]
         except (RuntimeError, ValueError):
             peers = None
     who = f"rank {peers[0]}" if peers and len(peers) == 1 else f"ranks {list(peers)}" if peers else "a peer"
     cause = f" ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})" if exc is not None else ""
-    return (f"rank {me}: {what} with {who} failed or did not complete within {timeout:g} s{cause}: {who} died or stopped "
-            "answering; check that rank's log for the first error (raise autopar.parallelize(..., timeout=) if "
+    return (f"{_who_am_i()}: {what} with {who} failed or did not complete within {timeout:g} s{cause}: {who} died "
+            "or stopped answering; check that rank's log for the first error (raise autopar.parallelize(..., timeout=) if "
             "it is only slow)")

@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from ..capture import graph_of, param_aliases
 from ..capture.export import LossFn, run_export
 from ..capture.opgraph import OpKind
-from ..errors import ConfigError, PlanMismatchError
+from ..errors import ConfigError, PlanMismatchError, RuntimeFailure
 from ..plan import Plan
 from . import schedules
 from .chunk import ChunkModule, NodeRunner
@@ -62,7 +62,7 @@ from .context_runner import ContextRunner
 from .data_parallel import GradReducer, Zero1Optimizer, local
 from .expert_parallel import shard_experts
 from .experts import ExpertsModule, check_regions, expert_groups, skipped_nodes
-from .failures import wait_or_fail
+from .failures import at_step, wait_or_fail
 from .graph import flatten_batch, plan_chunks, split_graph
 from .inputs import check_batch, describe_inputs, example_at, slice_batch
 from .pipeline import PipelineRunner, Topology
@@ -116,6 +116,12 @@ class Program:
         self.inputs_record = plan.extra.get("inputs")
         self._export(model, loss_fn, example_inputs)
         self.aliases = param_aliases(model)
+        self.state_keys = list(model.state_dict())
+        self.buffers = {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k not in self.aliases}
+        # parameters no op reads (never updated): kept as they are for full_state_dict
+        self.unused = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if n not in self.graph.params}
+        self.steps = 0                      # forward_backward calls so far (the step failures name)
+        self.micro_losses: torch.Tensor | None = None
         self._mesh()
         self._expert_groups()
         self._build_chunks(model)
@@ -330,8 +336,15 @@ class Program:
 
     def forward_backward(self, batch: Any) -> torch.Tensor:
         """Gradients of the mean loss over ``batch`` (the whole global batch, the same on every rank)
-        into this rank's parameters (previous gradients are dropped); returns that loss."""
+        into this rank's parameters (previous gradients are dropped); returns that loss. Every
+        rank also gets each micro-batch's loss in ``micro_losses`` (``dp * micro_batches`` values,
+        replica-major). A failure raises RuntimeFailure naming this rank and the step."""
         check_batch(batch, self.inputs_record, self.plan.global_batch_size)
+        step, self.steps = self.steps, self.steps + 1
+        with at_step(step, "forward_backward"):
+            return self._forward_backward(batch)
+
+    def _forward_backward(self, batch: Any) -> torch.Tensor:
         for p in self.parameters():
             p.grad = None
         per = self.plan.global_batch_size // self.cfg.dp
@@ -352,13 +365,32 @@ class Program:
         return self._share_loss(losses)
 
     def train_step(self, batch: Any) -> torch.Tensor:
-        """``forward_backward`` then one optimizer step; returns the loss."""
+        """``forward_backward`` then one optimizer step; returns the loss. A micro-batch whose loss is
+        not finite stops the step before the optimizer runs (the parameters are unchanged) with a
+        RuntimeFailure, raised on every rank, naming the micro-batch and its samples."""
         if self.optimizer is None:
             raise ConfigError("train_step needs an optimizer: parallelize(model, plan, optimizer=lambda params: "
                               "torch.optim.AdamW(params, lr=...))")
         loss = self.forward_backward(batch)
-        self.optimizer.step()
+        self._check_finite(self.steps - 1)
+        with at_step(self.steps - 1, "the optimizer step"):
+            self.optimizer.step()
         return loss
+
+    def _check_finite(self, step: int) -> None:
+        """Every rank holds the same micro-batch losses (all-reduced), so every rank raises alike."""
+        bad = (~torch.isfinite(self.micro_losses)).nonzero().flatten().tolist()
+        if not bad:
+            return
+        m, mbs = self.micro_batches, self.cfg.micro_batch_size
+        replica, i = divmod(bad[0], m)
+        first = replica * (self.plan.global_batch_size // self.cfg.dp) + i * mbs
+        more = f" (and {len(bad) - 1} more micro-batch(es))" if len(bad) > 1 else ""
+        raise RuntimeFailure(
+            f"rank {self.rank}, step {step}: the loss of micro-batch {i} of data-parallel replica {replica} (samples "
+            f"{first}..{first + mbs - 1} of the global batch) is {self.micro_losses[bad[0]].item()}{more}: the "
+            "optimizer step was skipped, so the parameters are unchanged; check those samples, lower the learning "
+            "rate, or clip gradients")
 
     def _finish_grads(self) -> None:
         for reducer in self.reducers:
@@ -376,23 +408,33 @@ class Program:
             wait_or_fail(work, self.timeout, f"all_reduce of tied parameter {fqn}'s gradient", group)
 
     def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        cfg = self.cfg
+        """Every replica's micro-batch losses on every rank (``micro_losses``); returns their mean."""
+        cfg, m = self.cfg, self.micro_batches
         owner = self.pp_rank == cfg.pp - 1 and self.tp_rank == 0
-        total = torch.stack(losses).mean().float() if owner else torch.zeros((), device=self.device)
-        total = total.detach().clone().reshape(1)
-        work = dist.all_reduce(total, async_op=True)
-        wait_or_fail(work, self.timeout, "all_reduce of the step's loss")
-        return (total / cfg.grad_replicas).reshape(())  # each cp rank reports its share (context.py)
+        per = torch.zeros(cfg.dp * m, device=self.device)
+        if owner:
+            per[self.dp_rank * m:(self.dp_rank + 1) * m] = torch.stack(losses).detach().float().reshape(m)
+        work = dist.all_reduce(per, async_op=True)
+        wait_or_fail(work, self.timeout, "all_reduce of the step's losses")
+        self.micro_losses = (per / cfg.cp).cpu()   # each cp rank reports its share (context.py)
+        return self.micro_losses.mean().to(self.device)
 
     # --- full tensors on every rank -------------------------------------------------------------
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every parameter's full gradient under the model's own names, on every rank."""
-        return self._gather(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+        with at_step(self.steps - 1, "full_grads"):
+            return self._gather(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter (all names of tied ones) as a full tensor, on every rank."""
-        canonical = self._gather(lambda p: p.detach())
-        return {alias: canonical[name] for alias, name in self.aliases.items() if name in canonical}
+        """The trained model's ``state_dict`` on every rank, as full CPU tensors under its own keys
+        (every name of a tied parameter; buffers as the model had them, since the forward does not
+        update them): ``torch.save`` it, and ``model.load_state_dict(torch.load(path))`` restores
+        the single-device model."""
+        with at_step(self.steps - 1, "full_state_dict"):
+            canonical = {**self.unused, **self._gather(lambda p: p.detach())}
+        params = {alias: canonical[name] for alias, name in self.aliases.items() if name in canonical}
+        return {k: params[k] if k in params else self.buffers[k] for k in self.state_keys
+                if k in params or k in self.buffers}
 
     def _gather(self, pick: Callable[[nn.Parameter], torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}

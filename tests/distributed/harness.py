@@ -236,7 +236,7 @@ def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
             grads = program.full_grads()
             for b in data:
                 program.train_step(b)
-            params = program.full_state_dict()
+            params = round_trip(program.full_state_dict(), MODELS[case.model]())
             from autopar.runtime.data_parallel import local
             results[case.name] = {"loss": loss.item(), "grads": grads, "params": params,
                                   "local_numel": sum(local(p).numel() for p in program.parameters())}
@@ -247,6 +247,17 @@ def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()  # no rank tears its connections down while a peer still uses them
     dist.destroy_process_group()
+
+
+def round_trip(state: dict, fresh: torch.nn.Module) -> dict:
+    """``state`` through torch.save / torch.load into a fresh single-device model (strict: every key of
+    its state_dict, nothing else); returns that model's parameters."""
+    import io
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    fresh.load_state_dict(torch.load(buf), strict=True)
+    return {n: p.detach().clone() for n, p in fresh.named_parameters()}
 
 
 def free_port() -> int:
@@ -326,6 +337,64 @@ def dataclass_replace_devices(plan):
 def _other_gpt():
     from autopar.models import GPTConfig, build_gpt
     return build_gpt(GPTConfig(vocab_size=64, hidden=48, heads=4, layers=4, seq_len=8, dropout=0.0), batch_size=1)[0]
+
+
+def _kill_worker(rank: int, world: int, port: int, plan_dict: dict, out_dir: str) -> None:
+    """Every rank trains the MLP: step 0 normally, step 1 on a batch whose sample 3 is NaN (every
+    rank must refuse the step, naming its micro-batch, with the parameters unchanged), step 2 with
+    rank 3 killed by os._exit in the middle of its first backward. The survivors record what they
+    raised and how soon; each then exits at once, as a crashed training script would."""
+    import time
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import autopar
+    program = autopar.parallelize(MODELS["mlp"](), autopar.Plan.from_dict(plan_dict),
+                                  lambda ps: torch.optim.AdamW(ps, lr=LR), loss_fn=mlp_loss, timeout=FAILURE_TIMEOUT)
+    data = batches("mlp", 2, 4)
+    out: dict[str, Any] = {"rank": rank}
+    program.train_step(data[0])
+    before = program.full_state_dict()
+    poisoned = (data[1][0].clone(),)
+    poisoned[0][3, 5] = float("nan")
+    try:
+        program.train_step(poisoned)
+        out["nan"] = "no error"
+    except autopar.AutoparError as exc:
+        out["nan"] = f"{type(exc).__name__}: {exc}"
+    after = program.full_state_dict()
+    out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+    if rank == 3:
+        backward = program.runner._backward
+
+        def die(*args, **kwargs):
+            os._exit(1)
+        program.runner._backward = die
+        del backward
+    start = time.perf_counter()
+    try:
+        program.train_step(data[1])
+        out["kill"] = "no error"
+    except Exception as exc:  # noqa: BLE001 - the test asserts it is a RuntimeFailure
+        out["kill"] = f"{type(exc).__name__}: {exc}"
+    out["seconds"] = time.perf_counter() - start
+    torch.save(out, os.path.join(out_dir, f"kill{rank}.pt"))
+    os._exit(0)
+
+
+def run_kill(plan) -> list[dict[str, Any]]:
+    """The survivors' records from _kill_worker on 4 ranks (rank 3 dies and writes none)."""
+    with tempfile.TemporaryDirectory() as out:
+        ctx = mp.start_processes(_kill_worker, args=(4, free_port(), plan.to_dict(), out), nprocs=4, join=False,
+                                 start_method="spawn")
+        for process in ctx.processes:   # not ctx.join(): rank 3's exit code 1 is the point, not a failure
+            process.join(timeout=120)
+        codes = [process.exitcode for process in ctx.processes]
+        for process in ctx.processes:
+            if process.is_alive():
+                process.kill()
+        assert codes == [0, 0, 0, 1], f"exit codes {codes}: a survivor crashed or hung (see its stderr)"
+        return [torch.load(os.path.join(out, f"kill{r}.pt")) for r in range(3)]
 
 
 def run_failure(plan, mode: str) -> dict[str, Any]:
