@@ -9,6 +9,7 @@ family at the top so that calibration can find and revise them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field, fields
@@ -397,17 +398,21 @@ class Cluster:
     @classmethod
     def from_spec(cls, spec: str, *, intra_node_bandwidth: float | None = None,
                   inter_node_bandwidth: float | None = None, intra_node_latency: float | None = None,
-                  inter_node_latency: float | None = None) -> "Cluster":
+                  inter_node_latency: float | None = None, device_memory: float | None = None) -> "Cluster":
         """Build a cluster from "NODESxDEVICES_PER_NODExDEVICE" (e.g. "128x8xA100-80GB", "1x2xcpu").
 
         "8xA100-80GB" means one node. The device name is case-insensitive. Links come
         from the device family's presets. The keyword overrides are per device and per
         direction, in bytes/s and seconds; an overridden bandwidth is taken as the
         achievable number and so gets ``efficiency=1.0`` (an overridden latency keeps
-        the preset efficiency).
+        the preset efficiency). ``device_memory`` (bytes) replaces the preset's memory per device,
+        e.g. to keep a reserve for the framework: ``device_memory=70e9`` on an 80 GB part.
         """
         nodes, per_node, device_name = _parse_spec(spec)
         device = device_preset(device_name)
+        if device_memory is not None:
+            _check_number("Cluster.from_spec", "device_memory", device_memory)
+            device = dataclasses.replace(device, memory=float(device_memory))
         intra, inter = link_presets(device.name)
         intra = _override(intra, "intra_node", intra_node_bandwidth, intra_node_latency)
         inter = _override(inter, "inter_node", inter_node_bandwidth, inter_node_latency)

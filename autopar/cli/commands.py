@@ -19,7 +19,8 @@ def run_plan(args: argparse.Namespace) -> int:
     loaded = _model(args, cluster)
     fixed = parse_fields(args.fixed, "--fixed") if args.fixed else None
     plan = autopar.plan(loaded.model, cluster, loaded.inputs, global_batch_size=args.global_batch, fixed=fixed,
-                        time_limit=args.time_limit, profile=args.profile, verbose=not args.quiet)
+                        time_limit=args.time_limit, profile=args.profile, verbose=not args.quiet,
+                        ilp_node_limit=args.ilp_node_limit)
     return _report(_named(plan, loaded), args)
 
 
@@ -35,11 +36,15 @@ def run_estimate(args: argparse.Namespace) -> int:
 
 def _cluster(args: argparse.Namespace):
     from ..cluster import Cluster
+    memory = None if args.device_memory is None else args.device_memory * 1e9
     if args.cluster == "local":
-        return Cluster.local(progress=not args.quiet)
+        cluster = Cluster.local(progress=not args.quiet)
+        if memory is None:
+            return cluster
+        return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory=memory))
     if args.profile:
         raise ConfigError("--profile times ops on this machine: use --cluster local")
-    return Cluster.from_spec(args.cluster)
+    return Cluster.from_spec(args.cluster, device_memory=memory)
 
 
 def _model(args: argparse.Namespace, cluster) -> LoadedModel:
@@ -157,6 +162,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                       help="pin ParallelConfig fields, e.g. tp=8,pp=4 (aliases mbs, v, sp)")
     plan.add_argument("--time-limit", type=float, default=None, metavar="S",
                       help="stop the search after S seconds with the best plan so far")
+    plan.add_argument("--ilp-node-limit", type=int, default=None, metavar="N",
+                      help="branch-and-bound nodes per sharding ILP solve (default: no limit)")
     _output_args(plan)
     plan.set_defaults(run=run_plan)
 
@@ -206,6 +213,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", required=True, metavar="SPEC",
                    help="NODESxDEVICESxPRESET, e.g. 128x8xA100-80GB or 1x2xcpu; or 'local' (this machine, measured)")
     p.add_argument("--global-batch", type=int, required=True, metavar="N", help="samples per optimizer step")
+    p.add_argument("--device-memory", type=float, default=None, metavar="GB",
+                   help="memory per device in GB, replacing the preset's (e.g. to keep a reserve)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length of a built-in transformer")
     p.add_argument("--dtype", default=None, choices=("fp32", "bf16", "fp16"),
                    help="model dtype (default bf16 on accelerators, fp32 on CPUs)")

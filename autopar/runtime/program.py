@@ -118,8 +118,6 @@ class Program:
         self.aliases = param_aliases(model)
         self.state_keys = list(model.state_dict())
         self.buffers = {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k not in self.aliases}
-        # parameters no op reads (never updated): kept as they are for full_state_dict
-        self.unused = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if n not in self.graph.params}
         self.steps = 0                      # forward_backward calls so far (the step failures name)
         self.micro_losses: torch.Tensor | None = None
         self._mesh()
@@ -127,6 +125,8 @@ class Program:
         self._build_chunks(model)
         self._data_parallel()
         self._tied_groups()
+        # parameters no chunk holds (no op reads them, so they never change): kept for full_state_dict
+        self.unused = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if n not in self.holders}
         self.schedule = schedules.build(cfg.schedule, cfg.pp, self.micro_batches, cfg.virtual_stages)
         schedules.check(self.schedule, self.micro_batches, cfg.virtual_stages)
         self.actions = self.schedule[self.pp_rank]

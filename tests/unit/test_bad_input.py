@@ -6,14 +6,15 @@ import copy
 import inspect
 import json
 import re
+import sys
 
 import pytest
 import torch
 from torch import nn
 
 import autopar
-from autopar import (AutoparError, CaptureError, Cluster, ConfigError, ParallelConfig, PlanFormatError,
-                     load_plan)
+from autopar import (AutoparError, CaptureError, Cluster, ConfigError, InfeasiblePlanError, ParallelConfig,
+                     PlanFormatError, PlanMismatchError, RuntimeFailure, load_plan)
 from autopar.capture import capture
 from autopar.cost_model import estimate_plan
 from autopar.models import build_mlp
@@ -32,6 +33,15 @@ def line_of(func, marker: str) -> str:
     lines, start = inspect.getsourcelines(func)
     offset = next(i for i, text in enumerate(lines) if marker in text)
     return f"{inspect.getsourcefile(func)}:{start + offset}"
+
+
+# --- the hierarchy -----------------------------------------------------------------------------
+def test_error_hierarchy() -> None:
+    kinds = (ConfigError, CaptureError, InfeasiblePlanError, PlanFormatError, PlanMismatchError, RuntimeFailure)
+    for kind in kinds:
+        assert issubclass(kind, AutoparError) and getattr(autopar, kind.__name__) is kind
+    assert issubclass(ConfigError, ValueError)   # callers that catch ValueError keep working
+    assert autopar.AutoparError is AutoparError
 
 
 # --- ParallelConfig ----------------------------------------------------------------------------
@@ -75,6 +85,24 @@ def test_cluster_spec(spec, fragments) -> None:
 def test_cluster_negative_override(override) -> None:
     with raises(ConfigError, override, "-1"):
         Cluster.from_spec("2x8xA100-80GB", **{override: -1.0})
+
+
+@pytest.mark.parametrize("memory", [0, -8e9, float("nan"), "80GB"])
+def test_cluster_bad_device_memory(memory) -> None:
+    with raises(ConfigError, "device_memory", repr(memory)):
+        Cluster.from_spec("1x8xA100-80GB", device_memory=memory)
+
+
+def test_tensor_parallel_degree_that_does_not_divide_heads() -> None:
+    """3 heads and hidden 45 on tp=2: the plan keeps those weights whole and says which."""
+    from autopar.models import GPTConfig, build_gpt
+    model, inputs = build_gpt(GPTConfig(vocab_size=63, hidden=45, heads=3, layers=2, seq_len=8), batch_size=1,
+                              device="meta")
+    plan = autopar.plan(model, Cluster.from_spec("1x2xA100-80GB"), inputs, global_batch_size=4, fixed={"tp": 2},
+                        verbose=False)
+    assert plan.config.tp == 2 and plan.fits
+    whole = [n for n in plan.notes if "left" in n and "whole" in n]
+    assert any("blocks.0.attn.qkv.weight" in n and "tp=2 does not divide" in n for n in whole), plan.notes
 
 
 # --- estimate: config against cluster and batch ------------------------------------------------
@@ -276,3 +304,42 @@ def test_plan_missing_file(tmp_path) -> None:
 def test_valid_plan_file_loads(tmp_path, plan_dict) -> None:
     # The corrupted files above start from this one, which does load.
     assert load_plan(_write(tmp_path, json.dumps(plan_dict))).to_dict() == plan_dict
+
+
+@pytest.mark.parametrize("edit, fragments", [
+    (lambda d: d.update(fits="false"), ("fits", "'false'", "true or false")),
+    (lambda d: d.update(step_time=-1.0), ("step_time", "-1.0", ">= 0")),
+    (lambda d: d.update(step_time=float("nan")), ("step_time", "nan", "finite")),
+    (lambda d: d.update(micro_batches=2.5), ("micro_batches", "2.5", "integer")),
+    (lambda d: d.update(notes="a note"), ("notes", "list of strings")),
+    (lambda d: d.update(optimal="yes"), ("optimal", "'yes'", "or null")),
+    (lambda d: d["stages"][1].update(layers="blocks.0"), ("stages[1].layers", "list of strings")),
+    (lambda d: d["stages"][0]["memory"].update(params=None), ("stages[0].memory.params", "None")),
+    (lambda d: d["config"].update(dp=4), ("dp*cp*tp*pp = 16", "has 8")),          # devices != cluster's
+    (lambda d: d.update(global_batch_size=60), ("global_batch_size=60", "dp=2")),   # batch != dp x mbs x m
+    (lambda d: d.update(stages=d["stages"][:3]), ("3 stages", "pp=4")),
+    (lambda d: d["stages"][2].update(index=5), ("stages[2].index", "expected 2")),
+    (lambda d: d.update(schema_version=0), ("schema_version 0", "re-create the plan")),
+], ids=["fits-string", "negative", "nan", "float-count", "notes-string", "optimal-string", "layers-string",
+        "memory-null", "devices", "batch", "stage-count", "stage-index", "old-version"])
+def test_plan_hand_edited(tmp_path, plan_dict, edit, fragments) -> None:
+    data = copy.deepcopy(plan_dict)
+    edit(data)
+    with raises(PlanFormatError, *fragments):
+        load_plan(_write(tmp_path, json.dumps(data)))
+
+
+def test_plan_save_is_atomic(tmp_path, plan_dict, monkeypatch) -> None:
+    """A crash between writing and renaming leaves the previous plan whole and no temporary file."""
+    path = tmp_path / "plan.json"
+    first = autopar.Plan.from_dict(plan_dict)
+    first.save(path)
+    second = autopar.Plan.from_dict({**plan_dict, "step_time": plan_dict["step_time"] * 2})
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("killed mid-save")
+    monkeypatch.setattr(sys.modules["autopar.plan"].os, "replace", crash)
+    with pytest.raises(KeyboardInterrupt):
+        second.save(path)
+    assert load_plan(path) == first
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]

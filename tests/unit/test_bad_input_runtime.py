@@ -1,0 +1,152 @@
+"""The runtime's guarantees on one gloo rank in this process (the multi-rank ones, a dead or silent
+peer, are in tests/distributed/test_failures.py): a non-finite loss stops the step naming its
+micro-batch, an error inside a step becomes a RuntimeFailure naming the rank and the step,
+full_state_dict round-trips through torch.save into the single-device model, and mismatched plans,
+batches and arguments are refused naming the culprit."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import autopar
+from autopar import Cluster, ConfigError, PlanMismatchError, RuntimeFailure
+
+ONE = Cluster.from_spec("1x1xcpu")
+BATCH = 4
+
+
+class Tied(nn.Module):
+    """Two linears sharing one weight, a persistent and a non-persistent buffer, and a parameter no
+    op reads: everything a state_dict round trip can get wrong."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.register_buffer("scratch", torch.zeros(1), persistent=False)
+        self.unused = nn.Parameter(torch.ones(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)) * self.scale)
+
+
+def loss_fn(out, inputs):
+    return out.pow(2).mean()
+
+
+def make_model() -> Tied:
+    torch.manual_seed(0)
+    return Tied()
+
+
+def batch(seed: int = 0) -> tuple[torch.Tensor]:
+    return (torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(seed)),)
+
+
+@pytest.fixture(scope="module")
+def world():
+    """A one-rank gloo process group in this process."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return autopar.plan(make_model(), ONE, batch(), global_batch_size=BATCH, fixed={"micro_batch_size": 1},
+                        loss_fn=loss_fn, verbose=False)
+
+
+def program(plan, model=None, **kwargs):
+    return autopar.parallelize(model or make_model(), plan, lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                               loss_fn=loss_fn, **kwargs)
+
+
+def test_full_state_dict_round_trips_through_torch_save(world, plan, tmp_path) -> None:
+    prog = program(plan)
+    for seed in range(2):
+        prog.train_step(batch(seed))
+    path = tmp_path / "model.pt"
+    torch.save(prog.full_state_dict(), path)
+    restored = make_model()
+    restored.load_state_dict(torch.load(path), strict=True)   # every key, tied names and buffers included
+    reference = make_model()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for seed in range(2):
+        opt.zero_grad()
+        loss_fn(reference(*batch(seed)), None).backward()
+        opt.step()
+    for (name, p), (_, q) in zip(reference.state_dict().items(), restored.state_dict().items()):
+        assert torch.allclose(p, q, atol=1e-6), name
+    assert restored.b.weight is restored.a.weight   # still tied after the load
+
+
+def test_non_finite_loss_names_the_micro_batch(world, plan) -> None:
+    prog = program(plan)
+    prog.train_step(batch(0))
+    before = copy.deepcopy(prog.full_state_dict())
+    bad = batch(1)[0].clone()
+    bad[2, 3] = float("nan")
+    with pytest.raises(RuntimeFailure, match=r"rank 0, step 1: the loss of micro-batch 2 of data-parallel "
+                                             r"replica 0 \(samples 2\.\.2 of the global batch\) is nan"):
+        prog.train_step((bad,))
+    after = prog.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "a step with a non-finite loss changed weights"
+    prog.train_step(batch(2))   # the program goes on with good data
+    assert torch.isfinite(prog.micro_losses).all()
+
+
+def test_error_inside_a_step_names_rank_and_step(world, plan, monkeypatch) -> None:
+    prog = program(plan)
+    prog.train_step(batch(0))
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom in a collective")
+    monkeypatch.setattr(prog.runner, "run", boom)
+    with pytest.raises(RuntimeFailure, match=r"^rank 0, step 1: forward_backward failed with RuntimeError: boom") \
+            as info:
+        prog.train_step(batch(1))
+    assert isinstance(info.value.__cause__, RuntimeError)   # the original, with its traceback
+
+
+def test_plan_for_another_model(world, plan) -> None:
+    class Wider(Tied):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8, bias=False)
+    with pytest.raises(PlanMismatchError, match="fingerprint.*Wider.*re-plan"):
+        program(plan, Wider())
+
+
+def test_plan_for_more_devices(world, plan) -> None:
+    two = dataclasses.replace(plan, config=dataclasses.replace(plan.config, dp=2))
+    with pytest.raises(PlanMismatchError, match=r"2 devices.*1 ranks.*--nproc-per-node 2"):
+        program(two)
+
+
+def test_batch_of_the_wrong_size(world, plan) -> None:
+    prog = program(plan)
+    with pytest.raises(ConfigError, match=str(BATCH)):
+        prog.train_step((torch.randn(BATCH + 1, 8),))
+
+
+@pytest.mark.parametrize("timeout", [0, -5, "1s"])
+def test_bad_timeout(world, plan, timeout) -> None:
+    with pytest.raises(ConfigError, match=f"timeout.*{timeout!r}"):
+        program(plan, timeout=timeout)
+
+
+def test_train_step_without_optimizer(world, plan) -> None:
+    prog = autopar.parallelize(make_model(), plan, loss_fn=loss_fn)
+    with pytest.raises(ConfigError, match="train_step needs an optimizer"):
+        prog.train_step(batch())

@@ -1,0 +1,102 @@
+"""Solver limits and failures: time and node limits are honoured, an ILP solver that fails falls
+back to the next one and then to greedy sharding, and the plan says what happened."""
+
+from __future__ import annotations
+
+import pulp
+import pytest
+
+from autopar import Cluster, ConfigError
+from autopar.capture import capture
+from autopar.models import GPTConfig, build_gpt
+from autopar.solver import plan_search, sharding, solve
+from autopar.solver.sharding import ILPLimits, greedy_choice, lp_solvers
+
+TWO = Cluster.from_spec("1x2xA100-80GB")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, inputs = build_gpt(GPTConfig(vocab_size=64, hidden=64, heads=4, layers=2, seq_len=16), batch_size=1,
+                              device="meta")
+    return capture(model, inputs)
+
+
+class Broken:
+    """A pulp solver that crashes the way a missing or broken binary does."""
+
+    def actualSolve(self, lp, **kwargs):   # noqa: N802 - pulp's name
+        raise pulp.PulpSolverError("Pulp: Error while executing broken-solver")
+
+
+class GivesUp:
+    """A pulp solver that ends without a solution."""
+
+    def actualSolve(self, lp, **kwargs):   # noqa: N802 - pulp's name
+        lp.assignStatus(pulp.LpStatusNotSolved)
+        return pulp.LpStatusNotSolved
+
+
+@pytest.mark.parametrize("kwargs, fragments", [
+    (dict(time=0), ("ilp_time_limit=0", "positive")),
+    (dict(nodes=0), ("ilp_node_limit=0", "positive integer")),
+    (dict(nodes=2.5), ("ilp_node_limit=2.5",)),
+])
+def test_limits_validated(kwargs, fragments) -> None:
+    with pytest.raises(ConfigError) as info:
+        ILPLimits(**kwargs)
+    assert all(f in str(info.value) for f in fragments), str(info.value)
+
+
+def test_node_limit_reaches_the_solver(tiny) -> None:
+    """The node limit is passed to CBC (maxNodes) and the plan still comes out whole."""
+    (name, cbc), = [s for s in lp_solvers(ILPLimits(time=3.0, nodes=1)) if s[0] == "CBC"]
+    assert "maxNodes 1" in cbc.getOptions() and cbc.timeLimit == 3.0   # CBC's command line
+    plan, _ = solve(tiny, TWO, 4, fixed={"tp": 2}, ilp_node_limit=1)
+    assert plan.config.tp == 2 and plan.fits and plan.sharding
+
+
+def test_broken_solver_falls_back_to_the_next(tiny, monkeypatch) -> None:
+    real = lp_solvers
+    monkeypatch.setattr(sharding, "lp_solvers", lambda limits=ILPLimits(): [("Broken", Broken())] + real(limits))
+    plan, stats = solve(tiny, TWO, 4, fixed={"tp": 2})
+    fallbacks = [n for n in plan.notes if n.startswith("sharding ILP fallback:")]
+    assert fallbacks and all("Broken raised PulpSolverError" in n and "CBC solved it" in n for n in fallbacks)
+    assert plan.optimal is True   # CBC proved its solutions optimal
+    reference, _ = solve(tiny, TWO, 4, fixed={"tp": 2})
+    assert plan.step_time == pytest.approx(reference.step_time, rel=1e-12)
+
+
+@pytest.mark.parametrize("solver", [Broken(), GivesUp()], ids=["raises", "no-solution"])
+def test_every_solver_failing_falls_back_to_greedy(tiny, monkeypatch, solver) -> None:
+    monkeypatch.setattr(sharding, "lp_solvers", lambda limits=ILPLimits(): [("Only", solver)])
+    plan, stats = solve(tiny, TWO, 4, fixed={"tp": 2})
+    assert plan.fits and plan.config.tp == 2 and plan.sharding
+    assert plan.optimal is False and stats.ilp_stopped_early > 0
+    assert any("every ILP solver failed, sharded greedily" in n for n in plan.notes), plan.notes
+    assert any("not proven optimal" in n for n in plan.notes)
+
+
+def test_greedy_choice_is_a_valid_layout(tiny) -> None:
+    """Greedy picks one strategy per op that every edge can join; never cheaper than the ILP."""
+    solver = sharding.ShardingSolver(tiny, TWO, plan_search.Precision())
+    for sol in solver.solutions(2, "fast"):
+        choice = greedy_choice(sol.problem, "fast")
+        greedy = sharding.realise(sol.problem, choice)
+        ilp = sol.result
+        assert greedy.time + greedy.step >= (ilp.time + ilp.step) * (1 - 1e-9)
+
+
+def test_time_limit_gives_the_gap(tiny) -> None:
+    """Stopped early: not optimal, a gap in [0, 1), greedy layouts once the limit passed, and notes."""
+    plan, stats = solve(tiny, Cluster.from_spec("1x8xA100-80GB"), 64, time_limit=1e-9)
+    assert stats.timed_out and plan.optimal is False
+    assert plan.gap is not None and 0.0 <= plan.gap < 1.0
+    assert stats.ilp_greedy > 0 and plan.extra["search"]["ilp_sharded_greedily"] == stats.ilp_greedy
+    assert any("time_limit" in n and "faster under the cost model" in n for n in plan.notes), plan.notes
+
+
+@pytest.mark.parametrize("limit", [0, -1.0, "10s", True])
+def test_time_limit_validated(tiny, limit) -> None:
+    with pytest.raises(ConfigError, match=f"time_limit={limit!r}"):
+        solve(tiny, TWO, 4, time_limit=limit)
