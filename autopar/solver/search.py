@@ -318,10 +318,14 @@ def with_search_results(best: Plan, stats: SearchStats, alts: tuple[Alternative,
     """The best plan with what the search did: optimal (and the gap when it stopped early), notes,
     alternatives, the per-op sharding and the search's counts."""
     optimal = not stats.timed_out and not stats.ilp_stopped_early
+    # the bounds behind the gap hold for the layouts the search had: only when every one is an
+    # ILP optimum is the gap a bound over all plans
+    gap = stats.gap if stats.timed_out and not stats.ilp_stopped_early else None
     notes = best.notes
     if stats.timed_out:
-        gap = "" if stats.gap is None else f" (no plan is more than {100 * stats.gap:.1f}% faster under the cost model)"
-        notes += (f"the search stopped at time_limit: this is the best plan found so far and may not be optimal{gap}",)
+        gap_note = "" if gap is None else f" (no plan is more than {100 * gap:.1f}% faster under the cost model)"
+        notes += ("the search stopped at time_limit: this is the best plan found so far and may not be "
+                  f"optimal{gap_note}",)
     if stats.ilp_stopped_early:
         notes += (f"{stats.ilp_stopped_early} sharding ILP(s) stopped at their time or node limit or were sharded "
                   "greedily: those layouts are the best found, not proven optimal",)
@@ -329,5 +333,5 @@ def with_search_results(best: Plan, stats: SearchStats, alts: tuple[Alternative,
     extra = dict(best.extra)
     extra["layout"] = variant
     extra["search"] = stats.counts()
-    return replace(best, optimal=optimal, gap=stats.gap if stats.timed_out else None, notes=notes,
+    return replace(best, optimal=optimal, gap=gap, notes=notes,
                    alternatives=alts, sharding=sharding, extra=extra)

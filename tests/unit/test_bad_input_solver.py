@@ -87,13 +87,25 @@ def test_greedy_choice_is_a_valid_layout(tiny) -> None:
         assert greedy.time + greedy.step >= (ilp.time + ilp.step) * (1 - 1e-9)
 
 
-def test_time_limit_gives_the_gap(tiny) -> None:
-    """Stopped early: not optimal, a gap in [0, 1), greedy layouts once the limit passed, and notes."""
+def test_time_limit_with_greedy_layouts(tiny) -> None:
+    """Stopped at once: not optimal, greedy layouts past the limit, so no gap can be claimed."""
     plan, stats = solve(tiny, Cluster.from_spec("1x8xA100-80GB"), 64, time_limit=1e-9)
-    assert stats.timed_out and plan.optimal is False
-    assert plan.gap is not None and 0.0 <= plan.gap < 1.0
+    assert stats.timed_out and plan.optimal is False and plan.gap is None
     assert stats.ilp_greedy > 0 and plan.extra["search"]["ilp_sharded_greedily"] == stats.ilp_greedy
-    assert any("time_limit" in n and "faster under the cost model" in n for n in plan.notes), plan.notes
+    assert any("stopped at time_limit" in n for n in plan.notes), plan.notes
+
+
+def test_time_limit_gives_the_gap(tiny, monkeypatch) -> None:
+    """With every layout an ILP optimum, a search stopped early bounds how far it is from optimal."""
+    monkeypatch.setattr(plan_search, "ShardingSolver",
+                        lambda *args, deadline=None, **kwargs: sharding.ShardingSolver(*args, **kwargs))
+    cluster = Cluster.from_spec("1x8xA100-80GB")
+    quick, stats = solve(tiny, cluster, 64, time_limit=1e-9)
+    full, _ = solve(tiny, cluster, 64)
+    assert stats.timed_out and stats.evaluated == 1 and quick.optimal is False
+    assert quick.gap is not None and 0.0 <= quick.gap < 1.0
+    assert full.step_time >= quick.step_time * (1 - quick.gap) * (1 - 1e-9)   # the gap is a true bound
+    assert any("faster under the cost model" in n for n in quick.notes), quick.notes
 
 
 @pytest.mark.parametrize("limit", [0, -1.0, "10s", True])
