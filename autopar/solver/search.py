@@ -64,6 +64,7 @@ class SearchStats:
     ilp_greedy: int = 0             # groups sharded greedily because time_limit had passed
     ilp_fallbacks: tuple[str, ...] = ()   # ILP solver failures and what replaced them
     gap: float | None = None        # when stopped at time_limit: (best - least remaining bound) / best
+    unbounded: bool = False         # time_limit passed before every candidate had its bound
 
     def counts(self) -> dict[str, Any]:
         return {"candidates": self.candidates, "evaluated": self.evaluated, "pruned_by_bound": self.pruned_bound,
@@ -195,8 +196,14 @@ class Search:
         """Best plan and its candidate, and every evaluated candidate with its result (for the
         alternatives)."""
         t0 = time.perf_counter()
+        deadline = None if self.time_limit is None else t0 + self.time_limit
         queue = []
         for c in self._usable():
+            if deadline is not None and queue and time.perf_counter() > deadline:
+                # past the limit with something to evaluate: the candidates not yet bounded are
+                # left out, so no gap can be claimed for them
+                self.stats.timed_out, self.stats.unbounded = True, True
+                break
             self.stats.candidates += 1
             if self._duplicate(c) or (c.schedule == "gpipe" and "schedule" not in self.fixed):
                 self.stats.dominated += 1
@@ -217,7 +224,8 @@ class Search:
             if self.time_limit is not None and best is not None and time.perf_counter() - t0 > self.time_limit:
                 # every candidate left has a bound >= this one's (the queue is in bound order)
                 self.stats.timed_out = True
-                self.stats.gap = max(0.0, (best.step_time - lb_t) / best.step_time)
+                if not self.stats.unbounded:
+                    self.stats.gap = max(0.0, (best.step_time - lb_t) / best.step_time)
                 self.stats.pruned_bound += len(queue) - pos
                 break
             result = self.evaluate(c)

@@ -437,8 +437,10 @@ class ShardingSolver:
                 result = realise(problem, greedy_choice(problem, variant))
                 self.greedy_after_deadline += 1
                 stats["stopped_early"] = True
-            else:
-                result = solve_group(problem, variant, stats=stats, limits=self.limits)
+            else:   # an ILP started before the deadline stops at it (or at its own limit)
+                limits = self.limits if self.deadline is None else ILPLimits(
+                    min(self.limits.time, max(self.deadline - start, 0.05)), self.limits.nodes)
+                result = solve_group(problem, variant, stats=stats, limits=limits)
                 self.solves += 1
                 self.fallbacks += stats["fallbacks"]
             stats["seconds"] = _time.perf_counter() - start

@@ -88,24 +88,63 @@ def test_greedy_choice_is_a_valid_layout(tiny) -> None:
 
 
 def test_time_limit_with_greedy_layouts(tiny) -> None:
-    """Stopped at once: not optimal, greedy layouts past the limit, so no gap can be claimed."""
-    plan, stats = solve(tiny, Cluster.from_spec("1x8xA100-80GB"), 64, time_limit=1e-9)
+    """Stopped at once: not optimal, the layouts greedy (the ILPs had no time), no gap claimed."""
+    plan, stats = solve(tiny, Cluster.from_spec("1x8xA100-80GB"), 64, fixed={"tp": 2}, time_limit=1e-9)
     assert stats.timed_out and plan.optimal is False and plan.gap is None
     assert stats.ilp_greedy > 0 and plan.extra["search"]["ilp_sharded_greedily"] == stats.ilp_greedy
+    assert plan.config.tp == 2 and plan.fits
     assert any("stopped at time_limit" in n for n in plan.notes), plan.notes
 
 
+class Clock:
+    """search.py's clock, advanced one second by each candidate evaluation only."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
 def test_time_limit_gives_the_gap(tiny, monkeypatch) -> None:
-    """With every layout an ILP optimum, a search stopped early bounds how far it is from optimal."""
+    """Every candidate bounded and every layout an ILP optimum, the search stopped after one
+    evaluation: the gap bounds how far the plan is from the optimum."""
+    from autopar.solver import search
+    clock = Clock()
+    monkeypatch.setattr(search, "time", clock)
+    evaluate = search.Search.evaluate
+
+    def timed(self, c):
+        clock.now += 1.0
+        return evaluate(self, c)
+    monkeypatch.setattr(search.Search, "evaluate", timed)
     monkeypatch.setattr(plan_search, "ShardingSolver",
                         lambda *args, deadline=None, **kwargs: sharding.ShardingSolver(*args, **kwargs))
     cluster = Cluster.from_spec("1x8xA100-80GB")
-    quick, stats = solve(tiny, cluster, 64, time_limit=1e-9)
-    full, _ = solve(tiny, cluster, 64)
-    assert stats.timed_out and stats.evaluated == 1 and quick.optimal is False
+    quick, stats = solve(tiny, cluster, 64, time_limit=0.5)
+    monkeypatch.undo()
+    full, full_stats = solve(tiny, cluster, 64)
+    assert full_stats.evaluated > 1   # else stopping after one evaluation cuts nothing short
+    assert stats.timed_out and stats.evaluated == 1 and not stats.unbounded and quick.optimal is False
     assert quick.gap is not None and 0.0 <= quick.gap < 1.0
     assert full.step_time >= quick.step_time * (1 - quick.gap) * (1 - 1e-9)   # the gap is a true bound
     assert any("faster under the cost model" in n for n in quick.notes), quick.notes
+
+
+def test_time_limit_while_bounding(tiny, monkeypatch) -> None:
+    """The limit passing before every candidate has its bound: the rest are left out, no gap."""
+    from autopar.solver import search
+    clock = Clock()
+    monkeypatch.setattr(search, "time", clock)
+    bounds = search.Search.bounds
+
+    def timed(self, c):
+        clock.now += 1.0
+        return bounds(self, c)
+    monkeypatch.setattr(search.Search, "bounds", timed)
+    plan, stats = solve(tiny, Cluster.from_spec("1x8xA100-80GB"), 64, time_limit=2.5)
+    assert stats.unbounded and stats.timed_out and plan.optimal is False and plan.gap is None
+    assert clock.now == 3.0 and plan.fits   # three bounds: the third passed the limit, the rest left out
 
 
 @pytest.mark.parametrize("limit", [0, -1.0, "10s", True])
