@@ -2,7 +2,8 @@
 
 For every call_function node we derive, from the fake-tensor metadata export leaves on
 it: output shapes, which inputs are parameters, whether the output needs a gradient
-(some input does) and scales with the batch (some input does), the storage it aliases
+(some input does) and scales with the batch (some input does, or a size argument is the batch
+size: ``GraphWalk._sized_by_batch``), the storage it aliases
 (views resolve to their base, so a tensor saved through three views counts once),
 what autograd saves for backward (rules.py), FLOPs (flops.py) and bytes moved.
 """
@@ -122,7 +123,7 @@ class GraphWalk:
             srcs = [replace(srcs[0], meta=outputs[0] if outputs else None)] if srcs else []
         metas = [s.meta for s in srcs]
         rg = any(s.requires_grad for s in srcs) and any(o.is_float for o in outputs)
-        bd = any(s.batch_dependent for s in srcs)
+        bd = any(s.batch_dependent for s in srcs) or self._sized_by_batch(node, metas, outputs)
         if name == "getitem":
             kind = OpKind.VIEW
         root = self._root(node, name, kind, targs, outputs)
@@ -144,6 +145,22 @@ class GraphWalk:
             layer=-1, gemm=gemm_shape(name, kind, [m for m in metas if m], outputs[0],
                                       [s.batch_dependent for s in srcs]),
             source=_source_line(node), dims=dims, reduced=reduced)
+
+    def _sized_by_batch(self, node: torch.fx.Node, metas: list, outputs: tuple) -> bool:
+        """An op that reads nothing batch-dependent yet takes the batch size as a size argument:
+        torch.export bakes ``x.shape[0]`` into the graph as a number, so ``cls.expand(x.shape[0], 1, -1)``
+        (a learned token prepended to every sequence) or ``torch.zeros(x.shape[0], n)`` reads no
+        batch-dependent tensor. Left batch-independent, its output shape would enter the graph's
+        fingerprint, and the model captured at another batch size (parallelize exports it at the
+        micro-batch size) would not match its own plan. Recognised by a size argument that starts
+        with the batch size, where the output's dim 0 is the batch and no tensor input's dim 0 is."""
+        batch = batch_size_of(self.inputs)
+        if batch <= 1 or not outputs or not outputs[0].shape or outputs[0].shape[0] != batch:
+            return False
+        if any(m is not None and m.shape and m.shape[0] == batch for m in metas):
+            return False
+        sizes = [a for a in node.args if isinstance(a, (list, tuple)) and a and all(type(v) is int for v in a)]
+        return any(a[0] == batch for a in sizes)
 
     def _root(self, node: torch.fx.Node, name: str, kind: OpKind, targs: list, outputs: tuple) -> str:
         if kind is OpKind.VIEW and targs:

@@ -89,6 +89,20 @@ def _signature(nodes: Sequence[OpNode], params: Mapping[str, TensorMeta]) -> str
     return h.hexdigest()[:12]
 
 
+def unique_names(names: Sequence[str]) -> list[str]:
+    """``names`` with the second, third... occurrence of a name suffixed ``#2``, ``#3``...
+
+    A module called at two places of the forward (one Linear applied before and after the blocks,
+    one block module standing twice in a ModuleList) gives two segments of one module path; plans
+    name their stages' layers, and the runtime finds them, by name, so names must be unique."""
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name}#{seen[name]}")
+    return out
+
+
 def build_layers(nodes: Sequence[OpNode], stacks: Mapping[str, Sequence[str]],
                  params: Mapping[str, TensorMeta]) -> tuple[tuple[OpNode, ...], tuple[Layer, ...]]:
     """Assign every node a layer; return (nodes with ``layer`` set, layers)."""
@@ -99,9 +113,10 @@ def build_layers(nodes: Sequence[OpNode], stacks: Mapping[str, Sequence[str]],
             owner[nodes[i].name] = li
     signatures = [_signature([nodes[i] for i in idx], params) for _, _, idx in segments]
     family = {s: signatures.count(s) for s in signatures}
+    names = unique_names([name for name, _, _ in segments])
     seen_params: set[str] = set()
     layers: list[Layer] = []
-    for li, (name, is_block, idx) in enumerate(segments):
+    for li, ((_, is_block, idx), name) in enumerate(zip(segments, names)):
         used = list(dict.fromkeys(p for i in idx for p in nodes[i].params))
         own = tuple(p for p in used if p not in seen_params)
         shared = tuple(p for p in used if p in seen_params)

@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
@@ -134,8 +134,24 @@ class NodeRunner:
             local_args, local_kwargs = _map_tensors((args, kwargs), _full)
             out = node.target(*local_args, **local_kwargs)
         out = _map_tensors(out, self.wrap)
+        out = self._settle_masked_partial(node, out)
         if spec is not None and isinstance(out, DTensor):
             out = self.to_spec(out, spec.output)
+        return out
+
+    def _settle_masked_partial(self, node: torch.fx.Node, out: Any) -> Any:
+        """A vocabulary-parallel embedding's output is a masked partial (DTensor's ``_MaskPartial``): its
+        mask is applied, and freed, by the first reduction, so redistributing the same value a second
+        time (a token embedding read by a block and by its residual add) fails with a bare AssertionError
+        inside DTensor (found by tests/distributed/test_fuzz.py). Such an output read by several ops is
+        reduced once here, to Replicate, and each reader takes its own placement from that. The readers'
+        gradients then sum to a partial one, which DTensor cannot turn back into a masked partial: a
+        hook makes it replicated first."""
+        if (isinstance(out, DTensor) and len(node.users) > 1
+                and any(p.is_partial() and type(p) is not Partial for p in out.placements)):
+            out = out.redistribute(self.mesh, [Replicate()] * len(out.placements))
+            if out.requires_grad:
+                out.register_hook(_replicated_grad)
         return out
 
     def _run_local(self, node: torch.fx.Node, args: tuple, kwargs: dict, spec: OpSpec | None) -> Any:
@@ -208,6 +224,12 @@ class _Body(torch.fx.Interpreter):
         if str(target) in SKIPPED_TARGETS:
             return None
         return super().call_function(target, args, kwargs)
+
+
+def _replicated_grad(grad: torch.Tensor) -> torch.Tensor:
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        return grad.redistribute(grad.device_mesh, [Replicate()] * len(grad.placements))
+    return grad
 
 
 def _contiguous(grad: torch.Tensor) -> torch.Tensor:
