@@ -68,8 +68,11 @@ def _infeasible(search: Search, fixed: Mapping[str, Any]) -> InfeasiblePlanError
     if search.stats.candidates == 0:
         return InfeasiblePlanError(
             f"no configuration of {cluster.devices} devices matches global_batch_size={search.global_batch_size}"
-            f"{' and fixed=' + repr(dict(fixed)) if fixed else ''}: dp must divide the global batch and "
-            "dp * cp * tp * pp must equal the device count; change the global batch or what is fixed")
+            f"{' and fixed=' + repr(dict(fixed)) if fixed else ''}: dp must divide the global batch, "
+            "dp * cp * tp * pp must equal the device count, pp must not exceed the layers "
+            f"({len(search.graph.layers)} here), an interleaved schedule needs pp * virtual_stages to divide the "
+            "repeated blocks, and a layout that splits the batch needs micro_batch_size divisible by tp; "
+            "change the global batch or what is fixed")
     need, arg = search.least_memory_overall()
     have = cluster.device.memory
     scaled = math.ceil(cluster.devices * need / have)
