@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) bench/cli_plan_time.py
 	$(PY) bench/long_context.py
 	$(PY) bench/moe.py
+	$(PY) bench/time_limit.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

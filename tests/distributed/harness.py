@@ -226,8 +226,8 @@ def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
     torch.autograd.set_detect_anomaly(bool(os.environ.get("AUTOPAR_TEST_ANOMALY")))
     results = {}
     for case, plan_dict in jobs:
-        plan = autopar.Plan.from_dict(plan_dict)
         try:
+            plan = autopar.Plan.from_dict(plan_dict)
             model = MODELS[case.model]()
             data = batches(case.model, STEPS, case.global_batch)
             program = autopar.parallelize(model, plan, lambda ps: torch.optim.AdamW(ps, lr=LR),

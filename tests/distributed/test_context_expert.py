@@ -66,7 +66,8 @@ PAIRS = [
 REFUSED = [
     (Case("moe-capacity-cp2", "moe-capacity", {**BASE, "dp": 2}, 2, edit={"dp": 1, "cp": 2, "micro_batch_size": 2}),
      "capacity"),
-    (Case("gpt-cp2-tp2", "gpt-sdpa", {**BASE, "dp": 2, "tp": 2}, 4, edit={"dp": 1, "cp": 2}), "fixed={'tp': 1}"),
+    (Case("gpt-cp2-tp2", "gpt-sdpa", {**BASE, "dp": 2, "tp": 2}, 4, edit={"dp": 1, "cp": 2, "micro_batch_size": 2}),
+     "fixed={'tp': 1}"),
 ]
 CASES = {2: [Case(n, m, {**BASE, **f}, 2) for n, m, f in TWO], 4: [Case(n, m, {**BASE, **f}, 4) for n, m, f in FOUR]}
 for case in [c for pair in PAIRS for c in pair] + [c for c, _ in REFUSED]:
