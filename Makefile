@@ -1,8 +1,6 @@
 # make demo: plan a built-in GPT on a built-in cluster preset.  make test: the test suite.
 # Both create .venv and install what they need. torch==2.13.0 is installed first when no torch is
 # importable (a CPU build is available locally; asking pip for plain `torch` would pull CUDA wheels).
-# The tests run on two xdist workers (the machine's two cores): unit-test modules spread over both,
-# the distributed tests one after another on one (tests/conftest.py groups them).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -20,7 +18,7 @@ demo: $(STAMP)
 	$(PY) -m autopar.demo
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -n 2 --dist loadgroup tests
+	HF_HUB_OFFLINE=1 $(PY) -m pytest tests
 
 bench: $(STAMP)
 	$(PY) bench/megatron_table1.py

@@ -31,13 +31,3 @@ def plan_gpt():
 def plan_graph(plan_gpt) -> OpGraph:
     return plan_gpt[2]
 
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """Groups for ``pytest -n 2 --dist loadgroup`` (make test): each unit-test module stays on one
-    worker (its module fixtures, such as captured graphs, are built once), and every distributed
-    test shares one group, so at most one spawn of gloo ranks runs at a time (the failure tests
-    time how soon a dead peer is noticed). Without xdist the marks do nothing."""
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        group = "distributed" if path.startswith("tests/distributed/") else path
-        item.add_marker(pytest.mark.xdist_group(group))
