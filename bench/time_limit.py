@@ -16,7 +16,8 @@ import json
 import subprocess
 import sys
 
-CASES = [("GPT-3 175B", "gpt3-175b", "128x8xA100-80GB", 1536), ("Llama-3 405B", "llama3-405b", "2048x8xH100-SXM", 16384)]
+CASES = [("GPT-3 175B", "gpt3-175b", "128x8xA100-80GB", 1536),
+         ("Llama-3 405B", "llama3-405b", "2048x8xH100-SXM", 16384)]
 LIMITS = [None, 0.5, 1.0, 2.0, 5.0, 10.0]
 
 CHILD = r"""
@@ -44,7 +45,8 @@ def run(name: str, spec: str, gbs: int, limit: float | None) -> dict:
 
 
 def main() -> None:
-    print("| model | cluster | time_limit | solve s | step time s | vs unlimited | optimal | gap | greedy groups | plan |")
+    print("| model | cluster | time_limit | solve s | step time s | vs unlimited | optimal | gap | greedy groups "
+          "| plan |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for label, name, spec, gbs in CASES:
         best = None

@@ -72,5 +72,5 @@ def _message(what: str, timeout: float, group: Any, peers: Sequence[int] | None,
     who = f"rank {peers[0]}" if peers and len(peers) == 1 else f"ranks {list(peers)}" if peers else "a peer"
     cause = f" ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})" if exc is not None else ""
     return (f"{_who_am_i()}: {what} with {who} failed or did not complete within {timeout:g} s{cause}: {who} died "
-            "or stopped answering; check that rank's log for the first error (raise autopar.parallelize(..., timeout=) if "
-            "it is only slow)")
+            "or stopped answering; check that rank's log for the first error (raise "
+            "autopar.parallelize(..., timeout=) if it is only slow)")

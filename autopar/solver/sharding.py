@@ -484,4 +484,5 @@ def tp_group(cluster: Cluster, tp: int) -> GroupPlacement:
 
 __all__ = ["ShardingSolver", "LayerGroup", "GroupSolution", "VARIANTS", "add_one_hot", "add_resharding",
            "add_partial_gradients", "add_param_consistency", "add_memory", "add_time", "solve_group",
-           "layer_groups", "assemble", "lp_solvers", "ILPLimits", "greedy_choice", "tp_group", "totals", "evaluate_layout"]
+           "layer_groups", "assemble", "lp_solvers", "ILPLimits", "greedy_choice", "tp_group", "totals",
+           "evaluate_layout"]
