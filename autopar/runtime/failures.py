@@ -15,6 +15,7 @@ import contextvars
 import datetime
 from typing import Any, Iterator, Sequence
 
+import torch
 import torch.distributed as dist
 
 from ..errors import AutoparError, RuntimeFailure
@@ -74,3 +75,21 @@ def _message(what: str, timeout: float, group: Any, peers: Sequence[int] | None,
     return (f"{_who_am_i()}: {what} with {who} failed or did not complete within {timeout:g} s{cause}: {who} died "
             "or stopped answering; check that rank's log for the first error (raise "
             "autopar.parallelize(..., timeout=) if it is only slow)")
+
+
+def non_finite_loss(losses: torch.Tensor, rank: int, step: int, micro_batches: int, micro_batch_size: int,
+                    per_replica: int) -> RuntimeFailure | None:
+    """The failure for the first non-finite entry of ``losses`` (``dp * micro_batches`` values,
+    replica-major), naming its micro-batch, replica and samples of the global batch; None if all
+    are finite."""
+    bad = (~torch.isfinite(losses)).nonzero().flatten().tolist()
+    if not bad:
+        return None
+    replica, i = divmod(bad[0], micro_batches)
+    first = replica * per_replica + i * micro_batch_size
+    more = f" (and {len(bad) - 1} more micro-batch(es))" if len(bad) > 1 else ""
+    return RuntimeFailure(
+        f"rank {rank}, step {step}: the loss of micro-batch {i} of data-parallel replica {replica} (samples "
+        f"{first}..{first + micro_batch_size - 1} of the global batch) is {losses[bad[0]].item()}{more}: the "
+        "optimizer step was skipped, so the parameters are unchanged; check those samples, lower the learning "
+        "rate, or clip gradients")

@@ -53,7 +53,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from ..capture import graph_of, param_aliases
 from ..capture.export import LossFn, run_export
 from ..capture.opgraph import OpKind
-from ..errors import ConfigError, PlanMismatchError, RuntimeFailure
+from ..errors import ConfigError, PlanMismatchError
 from ..plan import Plan
 from . import schedules
 from .chunk import ChunkModule, NodeRunner
@@ -62,7 +62,8 @@ from .context_runner import ContextRunner
 from .data_parallel import GradReducer, Zero1Optimizer, local
 from .expert_parallel import shard_experts
 from .experts import ExpertsModule, check_regions, expert_groups, skipped_nodes
-from .failures import at_step, wait_or_fail
+from .checks import check_model, check_world
+from .failures import at_step, non_finite_loss, wait_or_fail
 from .graph import flatten_batch, plan_chunks, split_graph
 from .inputs import check_batch, describe_inputs, example_at, slice_batch
 from .pipeline import PipelineRunner, Topology
@@ -92,8 +93,8 @@ class Program:
 
     def __init__(self, model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None, *,
                  loss_fn: LossFn | None, example_inputs: Any, timeout: float) -> None:
-        _check_model(model)
-        _check_world(plan)
+        check_model(model)
+        check_world(plan)
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         cfg = plan.config
@@ -379,18 +380,10 @@ class Program:
 
     def _check_finite(self, step: int) -> None:
         """Every rank holds the same micro-batch losses (all-reduced), so every rank raises alike."""
-        bad = (~torch.isfinite(self.micro_losses)).nonzero().flatten().tolist()
-        if not bad:
-            return
-        m, mbs = self.micro_batches, self.cfg.micro_batch_size
-        replica, i = divmod(bad[0], m)
-        first = replica * (self.plan.global_batch_size // self.cfg.dp) + i * mbs
-        more = f" (and {len(bad) - 1} more micro-batch(es))" if len(bad) > 1 else ""
-        raise RuntimeFailure(
-            f"rank {self.rank}, step {step}: the loss of micro-batch {i} of data-parallel replica {replica} (samples "
-            f"{first}..{first + mbs - 1} of the global batch) is {self.micro_losses[bad[0]].item()}{more}: the "
-            "optimizer step was skipped, so the parameters are unchanged; check those samples, lower the learning "
-            "rate, or clip gradients")
+        failure = non_finite_loss(self.micro_losses, self.rank, step, self.micro_batches, self.cfg.micro_batch_size,
+                                  self.plan.global_batch_size // self.cfg.dp)
+        if failure is not None:
+            raise failure
 
     def _finish_grads(self) -> None:
         for reducer in self.reducers:
@@ -460,30 +453,6 @@ class Program:
             wait_or_fail(work, self.timeout, f"broadcast of {fqn}")
             out[fqn] = buf.cpu()
         return out
-
-
-def _check_model(model: Any) -> None:
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    meta = [name for name, p in model.named_parameters() if p.is_meta]
-    if meta:
-        raise ConfigError(f"parallelize needs the model's weights, but {meta[0]} (and {len(meta) - 1} more) live on "
-                          "the meta device: build the model on the CPU with the same seed on every rank (a meta "
-                          "model is enough for autopar.plan, not for training)")
-
-
-def _check_world(plan: Plan) -> None:
-    if not isinstance(plan, Plan):
-        raise ConfigError(f"plan must be an autopar.Plan (from autopar.plan or autopar.load_plan), "
-                          f"got {type(plan).__name__}")
-    if not dist.is_available() or not dist.is_initialized():
-        raise ConfigError("parallelize needs an initialised process group: run under torchrun and call "
-                          "torch.distributed.init_process_group() first")
-    world = dist.get_world_size()
-    if world != plan.devices:
-        raise PlanMismatchError(f"the plan is for {plan.devices} devices ({plan.config.short()}) but the process "
-                                f"group has {world} ranks: launch {plan.devices} ranks (torchrun --nproc-per-node "
-                                f"{plan.devices}) or re-plan for a {world}-device cluster")
 
 
 def _record_batch(record: Mapping[str, Any]) -> int | None:

@@ -97,10 +97,18 @@ def test_time_limit_with_greedy_layouts(tiny) -> None:
 
 
 class Clock:
-    """search.py's clock, advanced one second by each candidate evaluation only."""
+    """search.py's clock, advanced one second by each call of one Search method only."""
 
-    def __init__(self) -> None:
+    def __init__(self, monkeypatch, method: str) -> None:
+        from autopar.solver import search
         self.now = 0.0
+        monkeypatch.setattr(search, "time", self)
+        real = getattr(search.Search, method)
+
+        def ticking(searcher, c):
+            self.now += 1.0
+            return real(searcher, c)
+        monkeypatch.setattr(search.Search, method, ticking)
 
     def perf_counter(self) -> float:
         return self.now
@@ -109,15 +117,7 @@ class Clock:
 def test_time_limit_gives_the_gap(tiny, monkeypatch) -> None:
     """Every candidate bounded and every layout an ILP optimum, the search stopped after one
     evaluation: the gap bounds how far the plan is from the optimum."""
-    from autopar.solver import search
-    clock = Clock()
-    monkeypatch.setattr(search, "time", clock)
-    evaluate = search.Search.evaluate
-
-    def timed(self, c):
-        clock.now += 1.0
-        return evaluate(self, c)
-    monkeypatch.setattr(search.Search, "evaluate", timed)
+    Clock(monkeypatch, "evaluate")
     monkeypatch.setattr(plan_search, "ShardingSolver",
                         lambda *args, deadline=None, **kwargs: sharding.ShardingSolver(*args, **kwargs))
     cluster = Cluster.from_spec("1x8xA100-80GB")
@@ -133,15 +133,7 @@ def test_time_limit_gives_the_gap(tiny, monkeypatch) -> None:
 
 def test_time_limit_while_bounding(tiny, monkeypatch) -> None:
     """The limit passing before every candidate has its bound: the rest are left out, no gap."""
-    from autopar.solver import search
-    clock = Clock()
-    monkeypatch.setattr(search, "time", clock)
-    bounds = search.Search.bounds
-
-    def timed(self, c):
-        clock.now += 1.0
-        return bounds(self, c)
-    monkeypatch.setattr(search.Search, "bounds", timed)
+    clock = Clock(monkeypatch, "bounds")
     plan, stats = solve(tiny, Cluster.from_spec("1x8xA100-80GB"), 64, time_limit=2.5)
     assert stats.unbounded and stats.timed_out and plan.optimal is False and plan.gap is None
     assert clock.now == 3.0 and plan.fits   # three bounds: the third passed the limit, the rest left out
