@@ -117,8 +117,9 @@ class Program:
         self.inputs_record = plan.extra.get("inputs")
         self._export(model, loss_fn, example_inputs)
         self.aliases = param_aliases(model)
-        self.state_keys = list(model.state_dict())
-        self.buffers = {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k not in self.aliases}
+        state = model.state_dict()
+        self.state_keys = list(state)
+        self.buffers = {k: v.detach().cpu().clone() for k, v in state.items() if k not in self.aliases}
         self.steps = 0                      # forward_backward calls so far (the step failures name)
         self.micro_losses: torch.Tensor | None = None
         self._mesh()
