@@ -12,6 +12,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Mapping
 
+from .capture.structure import ModelStructure
 from .cluster import Cluster
 from .config import ParallelConfig, Precision
 from .cost_model.memory import MemoryBreakdown
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 
     from .report import PlanComparison
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class Plan:
     """A parallel plan and its predicted cost. Made by :func:`autopar.estimate` / :func:`autopar.plan`."""
 
     model_name: str
-    fingerprint: str
+    fingerprint: str                   # the model's structure's fingerprint (capture/structure.py)
     cluster: Cluster
     config: ParallelConfig
     precision: Precision
@@ -113,6 +114,8 @@ class Plan:
     gap: float | None = None           # when not optimal: (step_time - lower bound) / step_time, if known
     alternatives: tuple[Alternative, ...] = ()   # the solver's runners-up, best first
     sharding: tuple[Mapping[str, Any], ...] = ()  # per layer group: each op's tensor-parallel strategy
+    structure: ModelStructure | None = None    # the layers, ops and parameters the plan relies on (None in
+                                               # plans of schema 1, which parallelize refuses)
     schema_version: int = SCHEMA_VERSION
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -150,6 +153,7 @@ class Plan:
                           for s in self.stages]
         data["alternatives"] = [a.to_dict() for a in self.alternatives]
         data["sharding"] = [dict(g) for g in self.sharding]
+        data["structure"] = None if self.structure is None else self.structure.to_dict()
         data["extra"] = dict(self.extra)
         return _json_native(data)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from .capture.structure import ModelStructure
 from .cluster import Cluster
 from .config import ParallelConfig, Precision
 from .cost_model.memory import MemoryBreakdown
@@ -125,7 +126,18 @@ def _plan(data: Mapping[str, Any], version: int) -> Plan:
         optimal=_bool(data, "optimal", "", optional=True), gap=gap, schema_version=version,
         extra=_object(data.get("extra", {}), "", "extra"),
         alternatives=tuple(_alternative(a, i) for i, a in enumerate(_list(data, "alternatives", ""))),
-        sharding=tuple(_object(g, "", f"sharding[{i}]") for i, g in enumerate(_list(data, "sharding", ""))))
+        sharding=tuple(_object(g, "", f"sharding[{i}]") for i, g in enumerate(_list(data, "sharding", ""))),
+        structure=_structure(data, version))
+
+
+def _structure(data: Mapping[str, Any], version: int) -> ModelStructure | None:
+    """Required from schema 2 on; a plan of schema 1 has none (its fingerprint hashed the exported graph)."""
+    if version < 2:
+        return None
+    try:
+        return ModelStructure.from_dict(_require(data, "structure", ""))
+    except ValueError as exc:
+        raise PlanFormatError(f"plan field {exc}: {_FIX}") from None
 
 
 def _check_consistent(plan: Plan) -> None:
@@ -137,6 +149,9 @@ def _check_consistent(plan: Plan) -> None:
     if cfg.dp * cfg.micro_batch_size * plan.micro_batches != plan.global_batch_size:
         raise PlanFormatError(f"plan global_batch_size={plan.global_batch_size} is not dp={cfg.dp} x "
                               f"micro_batch_size={cfg.micro_batch_size} x micro_batches={plan.micro_batches}: {_FIX}")
+    if plan.structure is not None and plan.structure.fingerprint != plan.fingerprint:
+        raise PlanFormatError(f"plan fingerprint {plan.fingerprint} is not its structure's "
+                              f"({plan.structure.fingerprint}): {_FIX}")
     if len(plan.stages) != cfg.pp:
         raise PlanFormatError(f"plan has {len(plan.stages)} stages but its config has pp={cfg.pp}: {_FIX}")
     for i, stage in enumerate(plan.stages):

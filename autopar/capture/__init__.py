@@ -6,15 +6,16 @@ from typing import Any
 
 from torch import nn
 
-from .build import GraphWalk, batch_size_of, graph_fingerprint, node_stacks
+from .build import GraphWalk, batch_size_of, node_stacks
 from .export import LossFn, run_export
 from .layers import build_layers
 from .moe import count_routed_flops, eager_warning, find_regions
 from .opgraph import (FLOAT_DTYPES, Gemm, GraphInput, Layer, MoERegion, OpGraph, OpKind, OpNode, SavedTensor,
                       TensorMeta)
+from .structure import ModelStructure, first_difference, structure_of
 
 __all__ = ["capture", "OpGraph", "OpNode", "Layer", "OpKind", "TensorMeta", "SavedTensor", "Gemm",
-           "GraphInput", "MoERegion", "FLOAT_DTYPES"]
+           "GraphInput", "MoERegion", "FLOAT_DTYPES", "ModelStructure", "first_difference"]
 
 
 def param_aliases(model: nn.Module) -> dict[str, str]:
@@ -48,4 +49,4 @@ def graph_of(model: nn.Module, program) -> OpGraph:
     warnings += tuple(w for w in (eager_warning(model),) if w)
     return OpGraph(model_name=type(model).__name__, nodes=nodes_t, layers=layers, params=dict(walk.params),
                    buffers=dict(walk.buffers), inputs=tuple(walk.inputs), batch_size=batch_size_of(walk.inputs),
-                   fingerprint=graph_fingerprint(list(nodes_t), walk.params), warnings=warnings, moe=moe)
+                   structure=structure_of(nodes_t, layers, walk.params), warnings=warnings, moe=moe)

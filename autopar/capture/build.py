@@ -150,10 +150,10 @@ class GraphWalk:
         """An op that reads nothing batch-dependent yet takes the batch size as a size argument:
         torch.export bakes ``x.shape[0]`` into the graph as a number, so ``cls.expand(x.shape[0], 1, -1)``
         (a learned token prepended to every sequence) or ``torch.zeros(x.shape[0], n)`` reads no
-        batch-dependent tensor. Left batch-independent, its output shape would enter the graph's
-        fingerprint, and the model captured at another batch size (parallelize exports it at the
-        micro-batch size) would not match its own plan. Recognised by a size argument that starts
-        with the batch size, where the output's dim 0 is the batch and no tensor input's dim 0 is."""
+        batch-dependent tensor. Left batch-independent, its size would not scale with the micro-batch
+        in the cost model, and the sharding solver would take it for a constant. Recognised by a size
+        argument that starts with the batch size, where the output's dim 0 is the batch and no tensor
+        input's dim 0 is."""
         batch = batch_size_of(self.inputs)
         if batch <= 1 or not outputs or not outputs[0].shape or outputs[0].shape[0] != batch:
             return False
@@ -270,20 +270,6 @@ def _source_line(node: torch.fx.Node) -> str:
         if not any(part in path for part in INTERNAL_PATHS):
             return f"{path}:{line}"
     return f"{found[-1][0]}:{found[-1][1]}" if found else ""
-
-
-def graph_fingerprint(nodes: list[OpNode], params: Mapping[str, TensorMeta]) -> str:
-    """A hash of the graph's ops, the parameters they use, the shapes that do not depend on the
-    batch, and the parameter shapes: the same model captured at another example batch size has
-    the same fingerprint (plan/model matching)."""
-    import hashlib
-    h = hashlib.sha256()
-    for n in nodes:
-        shapes = "" if n.batch_dependent else [o.shape for o in n.outputs]
-        h.update(f"{n.target}|{shapes}|{n.params};".encode())
-    for fqn in sorted(params):
-        h.update(f"{fqn}:{params[fqn].shape}:{params[fqn].dtype};".encode())
-    return h.hexdigest()[:16]
 
 
 def batch_size_of(inputs: list[GraphInput]) -> int:

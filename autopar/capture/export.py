@@ -128,7 +128,7 @@ def user_frame(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def train_mode(model: nn.Module):
+def training(model: nn.Module):
     """Capture the training graph (dropout on), restoring each submodule's mode afterwards."""
     modes = {m: m.training for m in model.modules()}
     model.train()
@@ -139,13 +139,17 @@ def train_mode(model: nn.Module):
             m.training = mode
 
 
-def run_export(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None) -> torch.export.ExportedProgram:
-    """torch.export (non-strict) of model + loss; every failure becomes a CaptureError."""
+def run_export(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None, *,
+               train_mode: bool = True) -> torch.export.ExportedProgram:
+    """torch.export (non-strict) of model + loss; every failure becomes a CaptureError.
+
+    ``train_mode``: export the training graph (dropout on) whatever mode the model is in, as planning
+    does; False exports each module in the mode it is in, as a rank's program runs it."""
     check_model(model)
     args, kwargs = normalize_inputs(example_inputs)
     check_inputs_signature(model, args, kwargs)
     wrapper = LossWrapper(model, loss_fn, example_inputs)
-    with train_mode(model), static_experts(model):
+    with (training(model) if train_mode else contextlib.nullcontext()), static_experts(model):
         try:
             return torch.export.export(wrapper, args, kwargs, strict=False)
         except CaptureError:

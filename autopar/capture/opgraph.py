@@ -12,7 +12,10 @@ import enum
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Iterator, Mapping
+from typing import TYPE_CHECKING, Iterator, Mapping
+
+if TYPE_CHECKING:
+    from .structure import ModelStructure
 
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
@@ -198,13 +201,33 @@ class OpGraph:
     buffers: Mapping[str, TensorMeta]
     inputs: tuple[GraphInput, ...]
     batch_size: int
-    fingerprint: str
+    structure: "ModelStructure"           # what a plan relies on (capture/structure.py)
     warnings: tuple[str, ...] = field(default=())
     moe: tuple[MoERegion, ...] = field(default=())   # mixture-of-experts regions, in graph order
 
     @cached_property
     def node_index(self) -> Mapping[str, int]:
         return {n.name: i for i, n in enumerate(self.nodes)}
+
+    @property
+    def fingerprint(self) -> str:
+        """The model's identity for plans: the same on any device, at any batch size, in train or eval
+        mode, and different when a layer, an op the plan relies on or a parameter shape differs."""
+        return self.structure.fingerprint
+
+    @cached_property
+    def content_hash(self) -> str:
+        """16 hex digits of a SHA-256 over every op, the shapes that do not depend on the batch and the
+        parameters' names, shapes and dtypes: a key for what was measured of exactly this graph
+        (profiler caches), unlike :attr:`fingerprint`, which ignores what plans do not rely on."""
+        import hashlib
+        h = hashlib.sha256()
+        for n in self.nodes:
+            shapes = "" if n.batch_dependent else [o.shape for o in n.outputs]
+            h.update(f"{n.target}|{shapes}|{n.params};".encode())
+        for fqn in sorted(self.params):
+            h.update(f"{fqn}:{self.params[fqn].shape}:{self.params[fqn].dtype};".encode())
+        return h.hexdigest()[:16]
 
     def node(self, name: str) -> OpNode:
         return self.nodes[self.node_index[name]]

@@ -48,6 +48,7 @@ from torch import nn
 from ..capture import graph_of, param_aliases
 from ..capture.export import LossFn, LossWrapper, normalize_inputs, run_export
 from ..capture.opgraph import Gemm, OpGraph, OpKind, OpNode
+from ..capture.structure import align
 from ..errors import ConfigError
 from .database import ProfileDB
 from ..progress import progress_bar
@@ -279,7 +280,7 @@ class OpProfiler:
         device: single-tensor on a CPU, multi-tensor on CUDA) on tensors shaped like the model's
         trainable parameters, random gradients."""
         if self._optimizer is None:
-            key = f"adamw {self.graph.fingerprint}"
+            key = f"adamw {self.graph.content_hash}"
             record = self.db.get(self.device_name, "ops", key)
             if record is None:
                 params = [torch.randn_like(p).requires_grad_() for p in self.model.parameters() if p.requires_grad]
@@ -302,8 +303,6 @@ class OpProfiler:
         return self._by_batch[micro_batch]
 
     def _profile(self, micro_batch: int) -> dict[str, OpTiming]:
-        from ..runtime.specs import align
-
         inputs = tile_inputs(self.example_inputs, self.graph.batch_size, micro_batch)
         program = run_export(self.model, inputs, self.loss_fn)
         running = graph_of(self.model, program)
@@ -330,22 +329,21 @@ class OpProfiler:
 
         with torch_threads(self.threads):
             walk.run(visit)
-            whole = self._whole_pass(inputs, micro_batch, running.fingerprint)
+            whole = self._whole_pass(inputs, micro_batch, running.content_hash)
         self.db.save()
         fwd_sum = sum(t.fwd_seconds for t in by_running.values())
         bwd_sum = sum(t.bwd_seconds for t in by_running.values())
         rf = whole.fwd_seconds / fwd_sum if fwd_sum > 0 else 1.0
         rb = whole.bwd_seconds / bwd_sum if bwd_sum > 0 else 1.0
         self.in_context[micro_batch] = (rf, rb)
-        names = align(self.graph, running) if running.fingerprint != self.graph.fingerprint else {
-            n.name: n.name for n in self.graph.nodes}
+        names = align(self.graph, running)
         return {planned: OpTiming(by_running[name].fwd_seconds * rf, by_running[name].bwd_seconds * rb)
                 for planned, name in names.items() if name in by_running}
 
-    def _whole_pass(self, inputs: Any, micro_batch: int, fingerprint: str) -> OpTiming:
+    def _whole_pass(self, inputs: Any, micro_batch: int, graph_key: str) -> OpTiming:
         """Seconds of the model's whole forward (to the loss) and backward at this micro-batch, run as
         the user's module would run (eager, autograd)."""
-        key = f"pass {fingerprint} b{micro_batch}"
+        key = f"pass {graph_key} b{micro_batch}"
         record = self.db.get(self.device_name, "ops", key)
         if record is not None:
             return OpTiming(record["fwd_seconds"], record["bwd_seconds"])

@@ -85,3 +85,14 @@ def check_batch(batch: Any, record: Mapping[str, Any] | None, global_batch: int)
             got = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
             raise ConfigError(f"the batch has keys {got}, the plan's inputs are {sorted(record['kwargs'])}: "
                               "pass the same keys as the example inputs")
+        pairs = [(repr(k), batch[k], spec) for k, spec in record["kwargs"].items()]
+    elif record.get("kind") in ("args", "tensor"):
+        pairs = [(f"input {i}", t, spec) for i, (t, spec) in enumerate(zip(leaves, record.get("args") or []))]
+    else:
+        return
+    for name, tensor, spec in pairs:
+        # the program was exported at the plan's sizes: only the batch dim may differ from the example's
+        if isinstance(tensor, torch.Tensor) and spec and tensor.dim() and list(tensor.shape[1:]) != spec["shape"][1:]:
+            raise ConfigError(f"the batch's {name} is {list(tensor.shape)}, but the plan was made for "
+                              f"[batch, {', '.join(map(str, spec['shape'][1:]))}]: pass inputs of the plan's sizes "
+                              "(sequence length, image size...) or re-plan with example inputs of these")

@@ -5,7 +5,9 @@ group of ``plan.devices`` ranks and gets a :class:`Program`. Ranks form a ``(pp,
 device mesh, tp innermost (``rank = tp_rank + tp (cp_rank + cp (dp_rank + dp pp_rank))``, the
 layout the cost model priced). The rank:
 
-1. exports the model at one micro-batch and checks its fingerprint against the plan's;
+1. exports the model at one micro-batch, in the mode it is in (``model.train()`` / ``model.eval()``, per
+   module, as DDP and FSDP respect it), and checks it is the plan's model (its structure:
+   capture/structure.py), whatever device and example batch the plan was made on and from;
 2. cuts the graph into the plan's chunks and builds the ones of its pipeline stage
    (chunk ``c`` runs on stage ``c mod pp``), with parameters copied from the model,
    tensor-parallel ones distributed with the plan's split dims;
@@ -34,15 +36,20 @@ What differs from one device, by design:
 - the loss is the mean of the micro-batches' losses, which is the global mean when every
   micro-batch has as many loss terms (fixed-length batches; with ``ignore_index`` padding
   it weights micro-batches equally, as Megatron-LM does);
-- batch norm normalises over what one rank sees of one micro-batch (as DDP without
+- batch norm in train mode normalises over what one rank sees of one micro-batch (as DDP without
   SyncBatchNorm does), and buffers the forward mutates (running statistics) are not updated;
-- dropout draws its own random numbers on every rank.
+- dropout in train mode draws its own random numbers on every rank.
+
+The program runs each module in the mode it is in when ``parallelize`` is called, as DDP and FSDP
+do: after ``model.eval()`` dropout is off and batch norm uses its running statistics, and the
+program computes what the model computes in eval mode. (The plan prices the training graph
+either way; changing the mode later does not change the program.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -62,12 +69,12 @@ from .context_runner import ContextRunner
 from .data_parallel import GradReducer, Zero1Optimizer, local
 from .expert_parallel import shard_experts
 from .experts import ExpertsModule, check_regions, expert_groups, skipped_nodes
-from .checks import check_model, check_world
+from .checks import check_model, check_structure, check_world
 from .failures import at_step, non_finite_loss, wait_or_fail
 from .graph import flatten_batch, plan_chunks, split_graph
 from .inputs import check_batch, describe_inputs, example_at, slice_batch
 from .pipeline import PipelineRunner, Topology
-from .specs import align, node_specs, sequence_parallel, translate
+from .specs import node_specs, sequence_parallel
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits on a peer before failing
 
@@ -138,27 +145,17 @@ class Program:
 
     # --- construction -------------------------------------------------------------------------
     def _export(self, model: nn.Module, loss_fn: LossFn | None, example_inputs: Any) -> None:
+        """Export the model at one micro-batch, in the mode it is in (as DDP and FSDP run it), and check it
+        is the plan's model."""
         if example_inputs is not None:
             self.inputs_record = describe_inputs(example_inputs)
         if self.inputs_record is None:
             raise ConfigError("the plan does not record its example inputs: pass parallelize(..., example_inputs=) "
                               "shaped like the inputs the plan was made with")
-        mbs = self.cfg.micro_batch_size
-        program = run_export(model, example_at(self.inputs_record, mbs, self.device), loss_fn)
+        inputs = example_at(self.inputs_record, self.cfg.micro_batch_size, self.device)
+        program = run_export(model, inputs, loss_fn, train_mode=False)
         self.graph = graph_of(model, program)
-        planned = self.graph
-        captured = _record_batch(self.inputs_record)
-        if captured is not None and (captured == 1) != (mbs == 1):
-            # torch.export specialises size 1 (only), so a graph at batch 1 and one at a larger batch
-            # can differ by ops that are no-ops at size 1: check the plan against its own batch size
-            planned = graph_of(model, run_export(model, example_at(self.inputs_record, captured, self.device),
-                                                 loss_fn))
-        if planned.fingerprint != self.plan.fingerprint:
-            raise PlanMismatchError(
-                f"the plan was made for a model with fingerprint {self.plan.fingerprint} ({self.plan.model_name}), "
-                f"but {type(model).__name__} here has {planned.fingerprint}: its ops or parameter shapes differ "
-                "(another config, or another loss_fn?); re-plan with autopar.plan on this model")
-        self.planned_graph = planned
+        check_structure(self.plan, self.graph)
         self.split = split_graph(program, self.graph, plan_chunks(self.plan), param_aliases(model))
 
     def _mesh(self) -> None:
@@ -176,9 +173,7 @@ class Program:
             if not self.plan.sharding:
                 raise PlanMismatchError("the plan has tp > 1 but no per-op sharding (autopar.estimate plans do not "
                                         "solve it): make the plan with autopar.plan(..., fixed={...}) instead")
-            self.specs, self.param_dims = node_specs(self.plan.sharding, self.planned_graph)
-            if self.planned_graph is not self.graph:
-                self.specs = translate(self.specs, align(self.planned_graph, self.graph))
+            self.specs, self.param_dims = node_specs(self.plan.sharding, self.graph)
             if cfg.sequence_parallel:
                 self.specs = sequence_parallel(self.specs, self.graph, cfg.tp)
 
@@ -454,12 +449,6 @@ class Program:
             wait_or_fail(work, self.timeout, f"broadcast of {fqn}")
             out[fqn] = buf.cpu()
         return out
-
-
-def _record_batch(record: Mapping[str, Any]) -> int | None:
-    """The batch size the plan's example inputs had (dim 0 of the first tensor with dims)."""
-    leaves = list(record.get("args") or []) + list((record.get("kwargs") or {}).values())
-    return next((leaf["shape"][0] for leaf in leaves if leaf and leaf["shape"]), None)
 
 
 def _device() -> torch.device:

@@ -361,9 +361,9 @@ class ShardingSolver:
         _check(2, variant)
 
         def fn(graph: OpGraph, tp: int) -> TPLayout:
-            if graph is not self.graph and graph.fingerprint != self.graph.fingerprint:
+            if graph is not self.graph and graph.content_hash != self.graph.content_hash:
                 raise ConfigError(f"this ShardingSolver was built for {self.graph.model_name} "
-                                  f"({self.graph.fingerprint}), not {graph.model_name} ({graph.fingerprint}): "
+                                  f"({self.graph.content_hash}), not {graph.model_name} ({graph.content_hash}): "
                                   "make one ShardingSolver per graph")
             return self.layout(tp, variant)
         return fn

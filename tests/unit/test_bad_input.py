@@ -320,8 +320,10 @@ def test_valid_plan_file_loads(tmp_path, plan_dict) -> None:
     (lambda d: d.update(stages=d["stages"][:3]), ("3 stages", "pp=4")),
     (lambda d: d["stages"][2].update(index=5), ("stages[2].index", "expected 2")),
     (lambda d: d.update(schema_version=0), ("schema_version 0", "re-create the plan")),
+    (lambda d: d.update(fingerprint="0123456789abcdef"), ("fingerprint 0123456789abcdef", "structure's")),
+    (lambda d: d["structure"]["layers"][0].append(1), ("structure.layers[0]", "[layer name, index of a body]")),
 ], ids=["fits-string", "negative", "nan", "float-count", "notes-string", "optimal-string", "layers-string",
-        "memory-null", "devices", "batch", "stage-count", "stage-index", "old-version"])
+        "memory-null", "devices", "batch", "stage-count", "stage-index", "old-version", "fingerprint", "structure"])
 def test_plan_hand_edited(tmp_path, plan_dict, edit, fragments) -> None:
     data = copy.deepcopy(plan_dict)
     edit(data)

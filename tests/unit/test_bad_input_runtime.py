@@ -124,8 +124,20 @@ def test_plan_for_another_model(world, plan) -> None:
         def __init__(self) -> None:
             super().__init__()
             self.a = nn.Linear(8, 8, bias=False)
-    with pytest.raises(PlanMismatchError, match="fingerprint.*Wider.*re-plan"):
+    with pytest.raises(PlanMismatchError,
+                       match=r"fingerprint.*Wider.*parameter a\.bias \[8\] is not read here.*re-plan"):
         program(plan, Wider())
+
+
+def test_plan_made_by_an_older_autopar(world, plan) -> None:
+    """A plan of schema 1 loads (to show or compare it) but its fingerprint hashed the exported graph,
+    which this autopar does not compute: parallelize refuses it, saying to re-plan."""
+    data = {**plan.to_dict(), "schema_version": 1}
+    del data["structure"]
+    old = autopar.Plan.from_dict(data)
+    assert old.structure is None
+    with pytest.raises(PlanMismatchError, match=r"schema 1.*older autopar.*re-plan"):
+        program(old)
 
 
 def test_plan_for_more_devices(world, plan) -> None:
@@ -138,6 +150,8 @@ def test_batch_of_the_wrong_size(world, plan) -> None:
     prog = program(plan)
     with pytest.raises(ConfigError, match=str(BATCH)):
         prog.train_step((torch.randn(BATCH + 1, 8),))
+    with pytest.raises(ConfigError, match=r"input 0 is \[4, 9\], but the plan was made for \[batch, 8\]"):
+        prog.train_step((torch.randn(BATCH, 9),))
 
 
 @pytest.mark.parametrize("timeout", [0, -5, "1s"])

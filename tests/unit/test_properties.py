@@ -32,7 +32,8 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar import Cluster, InfeasiblePlanError, ParallelConfig, Plan
-from autopar.capture import capture
+from autopar.capture import OpKind, capture
+from autopar.capture.structure import Anchor, ModelStructure
 from autopar.cluster import COLLECTIVE_NAMES, DEVICE_PRESETS, CollectiveFit, Device, Link
 from autopar.config import RECOMPUTE_MODES, Precision
 from autopar.cost_model import context_parallel, estimate_plan, expert_parallel
@@ -376,6 +377,17 @@ sharding_groups = st.fixed_dictionaries(
      "boundary": st.sampled_from(["R", "S(0)"]), "ops": st.lists(sharding_ops, max_size=3)},
     optional={"note": json_values})
 
+anchors = st.builds(Anchor, kind=st.sampled_from([k.value for k in OpKind]), op=texts, module=texts,
+                    params=st.lists(st.tuples(names, st.lists(st.integers(0, 10 ** 6), max_size=3).map(tuple)),
+                                    max_size=2).map(tuple))
+
+
+@st.composite
+def structures(draw) -> ModelStructure:
+    bodies = tuple(tuple(draw(st.lists(anchors, max_size=3))) for _ in range(draw(st.integers(1, 3))))
+    layers = tuple((draw(names), draw(st.integers(0, len(bodies) - 1))) for _ in range(draw(st.integers(1, 4))))
+    return ModelStructure(layers, bodies)
+
 
 @st.composite
 def stages(draw, index: int, virtual_stages: int, micro_batches: int) -> Stage:
@@ -420,7 +432,8 @@ def plans(draw) -> Plan:
     # ``gap`` (being added): a fraction when the search stopped early (optimal false), else null
     optional = {"gap": draw(st.none() | st.floats(0.0, 1.0)) if optimal is False else None} \
         if "gap" in PLAN_FIELDS else {}
-    return Plan(model_name=draw(names), fingerprint=draw(st.text("0123456789abcdef", min_size=16, max_size=16)),
+    structure = draw(structures())
+    return Plan(model_name=draw(names), fingerprint=structure.fingerprint, structure=structure,
                 cluster=cluster, config=cfg,
                 precision=draw(st.builds(Precision, compute=st.sampled_from(["fp32", "bf16", "fp16"]),
                                          grads=st.sampled_from(["fp32", "bf16", "fp16"]), master_weights=st.booleans(),

@@ -84,7 +84,7 @@ def test_whole_pass_scales_the_op_times(gpt, tmp_path) -> None:
     timings = prof.timings(1)
     rf, rb = prof.in_context[1]
     assert rf > 0 and rb > 0
-    record = prof.db.get(prof.device_name, "ops", f"pass {prof.graph.fingerprint} b1")
+    record = prof.db.get(prof.device_name, "ops", f"pass {prof.graph.content_hash} b1")
     assert record is not None
     assert sum(t.fwd_seconds for t in timings.values()) == pytest.approx(record["fwd_seconds"], rel=1e-9)
 

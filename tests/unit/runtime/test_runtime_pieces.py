@@ -13,7 +13,8 @@ from autopar.capture.export import run_export
 from autopar.models import GPTConfig, build_gpt
 from autopar.runtime.graph import flatten_batch, split_graph
 from autopar.runtime.inputs import check_batch, describe_inputs, example_at, slice_batch
-from autopar.runtime.specs import align, node_specs, sequence_parallel
+from autopar.capture.structure import align
+from autopar.runtime.specs import node_specs, sequence_parallel
 
 CFG = GPTConfig(vocab_size=64, hidden=32, heads=4, layers=4, seq_len=8, dropout=0.0)
 

@@ -62,7 +62,7 @@ _REFERENCE: dict = {}
 
 def _reference(graph, spec: str, gbs: int):
     """Every plan's (step, peak, config) for this instance, enumerated once."""
-    key = (graph.fingerprint, spec, gbs)
+    key = (graph.content_hash, spec, gbs)
     if key not in _REFERENCE:
         cluster = Cluster.from_spec(spec)
         precision = Precision.for_device(cluster.device.name)

@@ -1,0 +1,221 @@
+"""What a plan relies on of a model: comparable across devices, batch sizes and train/eval mode.
+
+A plan is made from one export of the model, often on the meta device, from batch-1 example
+inputs, in train mode; every rank exports the model again on its own device, at the plan's
+micro-batch size, in the mode the model is in. Both are the same model, yet not the same graph:
+torch.export specialises a batch of 1 (Hugging Face's mask code takes another branch there, and
+ops that do nothing at that size vanish), a meta kernel reports other strides than a CPU kernel
+(a ``contiguous`` appears or goes), dropout is gone in eval mode and batch norm is another aten
+op. The plan relies on none of that. It relies on:
+
+- the layers, by name and in order: pipeline stages are cut between them, and the per-op
+  sharding is given per layer;
+- in each layer, its *anchor* ops in order: those that read parameters, and the matmuls,
+  attention, convolutions, embeddings, norms and losses (the ops whose split the plan decides and
+  whose costs it prices), each with its kind and the names and shapes of the parameters it reads;
+- so the parameters' names and shapes (not their dtype: the plan's precision is its own field).
+
+:class:`ModelStructure` records exactly that (each distinct layer body once, parameters named
+relative to their layer, ``*.self_attn.q_proj.weight``); its :attr:`~ModelStructure.fingerprint`
+is what plans carry, and :func:`first_difference` names the first layer, op or parameter where
+two structures differ. :func:`align` pairs the ops of two exports of one model (the plan's and a
+rank's) by the op each node calls, for what the plan says per op.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Mapping, Sequence
+
+from .opgraph import Layer, OpGraph, OpKind, OpNode, TensorMeta
+
+# Kinds of op a plan decides a split for, or prices as more than moving bytes, even without parameters.
+ANCHOR_KINDS = frozenset({OpKind.MATMUL, OpKind.ATTENTION, OpKind.CONV, OpKind.EMBEDDING, OpKind.NORM,
+                          OpKind.LOSS})
+LAYER = "*"   # stands for the layer's own name at the start of a parameter or module name
+
+
+def is_anchor(node: OpNode) -> bool:
+    """Whether ``node`` is one of the ops the plan relies on (module docstring)."""
+    return bool(node.params) or node.kind in ANCHOR_KINDS
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """One op the plan relies on. ``kind`` and ``params`` are compared; ``op`` and ``module`` (the aten
+    op and the module that called it) only name it in messages."""
+
+    kind: str                                       # an OpKind value
+    params: tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape) of each parameter it reads
+    op: str = ""                                    # e.g. "linear"
+    module: str = ""                                # e.g. "*.self_attn.q_proj"
+
+    @property
+    def key(self) -> tuple:
+        return self.kind, self.params
+
+    def describe(self, layer: str) -> str:
+        where = _absolute(self.module, layer) or "the model's top level"
+        params = ", ".join(f"{_absolute(p, layer)} {list(s)}" for p, s in self.params)
+        return f"{self.op or self.kind} in {where}" + (f" reading {params}" if params else "")
+
+
+@dataclass(frozen=True)
+class ModelStructure:
+    """The layers in order, each with its anchors (stored once per distinct layer body)."""
+
+    layers: tuple[tuple[str, int], ...]            # (layer name, index into ``bodies``)
+    bodies: tuple[tuple[Anchor, ...], ...]
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """16 hex digits of a SHA-256 over the layer names and their anchors' kinds and parameters."""
+        h = hashlib.sha256()
+        for name, body in self.layers:
+            h.update(f"{name}{{".encode())
+            for anchor in self.bodies[body]:
+                h.update(f"{anchor.kind}{list(anchor.params)};".encode())
+            h.update(b"}")
+        return h.hexdigest()[:16]
+
+    def anchors(self, layer: int) -> tuple[Anchor, ...]:
+        return self.bodies[self.layers[layer][1]]
+
+    # --- JSON (the plan file's ``structure``: docs/plan-format.md) ---------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"layers": [[name, body] for name, body in self.layers],
+                "bodies": [[[a.kind, a.op, a.module, [[p, list(s)] for p, s in a.params]] for a in body]
+                           for body in self.bodies]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelStructure":
+        """Strict: a malformed value raises ValueError naming it (plan_io turns it into PlanFormatError)."""
+        if not isinstance(data, Mapping) or set(data) != {"layers", "bodies"}:
+            raise ValueError("structure must be an object with exactly 'layers' and 'bodies'")
+        bodies = tuple(tuple(_anchor(a, f"structure.bodies[{b}][{i}]") for i, a in enumerate(_list(body, b)))
+                       for b, body in enumerate(_list(data["bodies"], "structure.bodies")))
+        layers = []
+        for i, entry in enumerate(_list(data["layers"], "structure.layers")):
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
+                    and type(entry[1]) is int and 0 <= entry[1] < len(bodies)):
+                raise ValueError(f"structure.layers[{i}] = {entry!r} must be [layer name, index of a body]")
+            layers.append((entry[0], entry[1]))
+        return cls(tuple(layers), bodies)
+
+
+def structure_of(nodes: Sequence[OpNode], layers: Sequence[Layer], params: Mapping[str, TensorMeta]
+                 ) -> ModelStructure:
+    """The structure of a captured graph (its nodes with layers assigned, its layers, its parameters)."""
+    bodies: dict[tuple[Anchor, ...], int] = {}
+    out = []
+    for layer in layers:
+        body = tuple(_anchor_of(nodes[i], layer.name, params) for i in layer.nodes if is_anchor(nodes[i]))
+        out.append((layer.name, bodies.setdefault(body, len(bodies))))
+    return ModelStructure(tuple(out), tuple(bodies))
+
+
+def first_difference(planned: ModelStructure, running: ModelStructure) -> str | None:
+    """The first layer, op or parameter where ``running`` (the model here) differs from ``planned``
+    (the plan's), in words; None when they agree."""
+    names_p = [name for name, _ in planned.layers]
+    names_r = [name for name, _ in running.layers]
+    for i in range(max(len(names_p), len(names_r))):
+        if i >= len(names_p):
+            return f"the model here has a layer {names_r[i]} after the plan's last layer {names_p[-1]}"
+        if i >= len(names_r):
+            return f"the plan's layer {names_p[i]} is missing here (the model here ends at {names_r[-1]})"
+        if names_p[i] != names_r[i]:
+            return f"layer {i} is {names_r[i]} here but {names_p[i]} in the plan"
+        name, a, b = names_p[i], planned.anchors(i), running.anchors(i)
+        for k in range(max(len(a), len(b))):
+            if k >= len(a):
+                return f"layer {name}: op {b[k].describe(name)} here is not in the plan"
+            if k >= len(b):
+                return f"layer {name}: the plan's op {a[k].describe(name)} is missing here"
+            if a[k].key != b[k].key:
+                return _op_difference(name, a[k], b[k])
+    return None
+
+
+def op_of(node_name: str) -> str:
+    """The op a graph node calls, from its name: torch.fx names the nodes calling ``aten.linear``
+    ``linear``, ``linear_1``, ``linear_2``... (a plan's sharding keeps only node names)."""
+    return _NUMBERED.sub("", node_name)
+
+
+_NUMBERED = re.compile(r"_\d+$")
+
+
+def align_ops(planned: Sequence[str], running: Sequence[str]) -> dict[int, int]:
+    """Position in ``planned`` -> position in ``running`` of the same op, for two node-name sequences of
+    one stretch of the model exported twice: the longest runs of the same ops in the same order
+    (difflib), so an op only one export has (a ``contiguous``, an ``expand`` a batch of 1 drops, a
+    dropout gone in eval mode) is left unpaired and everything around it still pairs."""
+    matcher = difflib.SequenceMatcher(None, [op_of(n) for n in planned], [op_of(n) for n in running],
+                                      autojunk=False)
+    return {block.a + k: block.b + k for block in matcher.get_matching_blocks() for k in range(block.size)}
+
+
+def align(planned: OpGraph, running: OpGraph) -> dict[str, str]:
+    """Node of ``planned`` -> the same op in ``running`` (two exports of one model), layer by layer
+    (layers are matched by name; :func:`first_difference` says why when they do not match), and
+    each graph input to itself."""
+    by_name = {layer.name: layer for layer in running.layers}
+    out: dict[str, str] = {}
+    for layer in planned.layers:
+        other = by_name.get(layer.name)
+        if other is None:
+            continue
+        a = [planned.nodes[i].name for i in layer.nodes]
+        b = [running.nodes[i].name for i in other.nodes]
+        out.update({a[i]: b[j] for i, j in align_ops(a, b).items()})
+    for gi in planned.inputs:
+        out[gi.name] = gi.name
+    return out
+
+
+def _op_difference(layer: str, planned: Anchor, running: Anchor) -> str:
+    mine = dict(running.params)
+    for p, shape in planned.params:
+        if p not in mine:
+            return f"layer {layer}: the plan's parameter {_absolute(p, layer)} {list(shape)} is not read here"
+        if tuple(mine[p]) != tuple(shape):
+            return (f"parameter {_absolute(p, layer)} is {list(mine[p])} here but {list(shape)} in the plan "
+                    "(another model size?)")
+    return f"layer {layer}: op {running.describe(layer)} here, {planned.describe(layer)} in the plan"
+
+
+def _anchor_of(node: OpNode, layer: str, params: Mapping[str, TensorMeta]) -> Anchor:
+    return Anchor(kind=node.kind.value, op=node.target.split(".")[1] if node.target.count(".") >= 2 else node.target,
+                  module=_relative(node.module_path, layer),
+                  params=tuple((_relative(p, layer), tuple(params[p].shape)) for p in node.params if p in params))
+
+
+def _relative(name: str, layer: str) -> str:
+    if name == layer:
+        return LAYER
+    return LAYER + name[len(layer):] if name.startswith(layer + ".") else name
+
+
+def _absolute(name: str, layer: str) -> str:
+    return layer + name[len(LAYER):] if name == LAYER or name.startswith(LAYER + ".") else name
+
+
+def _list(value: Any, where: Any) -> list:
+    if not isinstance(value, list):
+        raise ValueError(f"{where} must be a list")
+    return value
+
+
+def _anchor(value: Any, where: str) -> Anchor:
+    ok = (isinstance(value, list) and len(value) == 4 and all(isinstance(v, str) for v in value[:3])
+          and isinstance(value[3], list)
+          and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], list)
+                  and all(type(d) is int and d >= 0 for d in p[1]) for p in value[3]))
+    if not ok:
+        raise ValueError(f"{where} = {value!r} must be [kind, op, module, [[parameter, shape], ...]]")
+    return Anchor(kind=value[0], op=value[1], module=value[2], params=tuple((p, tuple(s)) for p, s in value[3]))

@@ -1,0 +1,118 @@
+"""ModelStructure: what a plan relies on of a model, the same across devices, example batches and modes,
+and the first difference named when two models differ."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar import PlanFormatError
+from autopar.capture import capture, first_difference
+from autopar.capture.structure import ModelStructure, align
+from autopar.models import hf
+
+
+def _llama(device: str, batch: int, hidden: int = 32, layers: int = 2, train: bool = True):
+    model, inputs = hf.build_hf_llama(layers=layers, hidden=hidden, heads=4, kv_heads=2, ffn_hidden=64, vocab=64,
+                                      seq_len=8, batch_size=batch, device=device)
+    return capture(model if train else model.eval(), inputs)
+
+
+@pytest.fixture(scope="module")
+def planned():
+    """As the README plans: on the meta device, from batch-1 inputs."""
+    return _llama("meta", 1)
+
+
+def test_same_model_same_fingerprint_on_any_device_batch_and_mode(planned):
+    # a batch of 1 drops ops (Hugging Face's packed-sequence check, expands), the meta SDPA kernel's
+    # strides add a contiguous: other graphs, the same model
+    running = _llama("cpu", 8, train=False)
+    assert [n.target for n in running.nodes] != [n.target for n in planned.nodes]
+    assert running.fingerprint == planned.fingerprint
+    assert running.structure == planned.structure
+    assert first_difference(planned.structure, running.structure) is None
+    assert running.content_hash != planned.content_hash   # what profiler caches key on: exactly this graph
+
+
+def test_the_first_difference_is_named(planned):
+    wider = _llama("meta", 1, hidden=48)
+    assert wider.fingerprint != planned.fingerprint
+    assert first_difference(planned.structure, wider.structure) == (
+        "parameter model.embed_tokens.weight is [64, 48] here but [64, 32] in the plan (another model size?)")
+    deeper = _llama("meta", 1, layers=3)
+    assert first_difference(planned.structure, deeper.structure) == \
+        "layer 3 is model.layers.2 here but model.norm in the plan"
+    assert first_difference(deeper.structure, planned.structure) == \
+        "layer 3 is model.norm here but model.layers.2 in the plan"
+
+
+def test_an_op_that_differs_is_named():
+    class Net(nn.Module):
+        def __init__(self, attend: bool) -> None:
+            super().__init__()
+            self.attend = attend
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return torch.softmax(y @ y.transpose(-1, -2), -1) @ y if self.attend else y
+
+    x = (torch.randn(2, 4, 8),)
+    attending, plain = capture(Net(True), x), capture(Net(False), x)
+    assert first_difference(attending.structure, plain.structure) == \
+        "layer lin: the plan's op matmul in the model's top level is missing here"
+    assert first_difference(plain.structure, attending.structure) == \
+        "layer lin: op matmul in the model's top level here is not in the plan"
+
+
+def test_anchors_are_stored_once_per_layer_body(planned):
+    s = planned.structure
+    assert len(s.layers) == len(planned.layers) and len(s.bodies) < len(s.layers)   # the blocks share one body
+    block = s.anchors([name for name, _ in s.layers].index("model.layers.1"))
+    assert ("*.self_attn.q_proj.weight", (32, 32)) in [p for a in block for p in a.params]
+
+
+def test_json_round_trip_and_strict_loading(planned):
+    s = planned.structure
+    data = json.loads(json.dumps(s.to_dict()))
+    assert ModelStructure.from_dict(data) == s
+    assert ModelStructure.from_dict(data).fingerprint == s.fingerprint
+    broken = {**data, "layers": [[data["layers"][0][0], 99]] + data["layers"][1:]}
+    with pytest.raises(ValueError, match=r"structure\.layers\[0\]"):
+        ModelStructure.from_dict(broken)
+    bad_anchor = {**data, "bodies": [[["matmul", "mm", "", [["w", [-1]]]]]] + data["bodies"][1:]}
+    with pytest.raises(ValueError, match=r"structure\.bodies\[0\]\[0\]"):
+        ModelStructure.from_dict(bad_anchor)
+
+
+def test_plan_files_carry_the_structure(planned, tmp_path):
+    model, inputs = hf.build_hf_llama(layers=2, hidden=32, heads=4, kv_heads=2, ffn_hidden=64, vocab=64, seq_len=8,
+                                      batch_size=1, device="meta")
+    plan = autopar.estimate(model, autopar.Cluster.from_spec("1x2xcpu"), inputs, autopar.ParallelConfig(dp=2),
+                            global_batch_size=4)
+    assert plan.structure == planned.structure and plan.fingerprint == planned.fingerprint
+    plan.save(tmp_path / "p.json")
+    assert autopar.load_plan(tmp_path / "p.json") == plan
+    data = plan.to_dict()
+    del data["structure"]
+    with pytest.raises(PlanFormatError, match="missing field 'structure'"):
+        autopar.Plan.from_dict(data)
+    with pytest.raises(PlanFormatError, match=r"plan field structure\.layers\[0\]"):
+        autopar.Plan.from_dict({**plan.to_dict(), "structure": {"layers": [["x", 5]], "bodies": []}})
+
+
+def test_align_pairs_the_same_ops_across_exports(planned):
+    running = _llama("cpu", 8, train=False)
+    names = align(planned, running)
+    ops = [n for n in planned.nodes if n.name in names]
+    assert len(ops) >= len(planned.nodes) - 8
+    assert all(planned.node(a).target == running.node(b).target for a, b in names.items() if a in planned.node_index)
+    assert {names[n.name] for n in planned.nodes if n.params and n.name in names} == {
+        n.name for n in running.nodes if n.params}   # every op reading parameters is paired
+    assert dataclasses.replace(planned, nodes=planned.nodes).fingerprint == planned.fingerprint
