@@ -1,4 +1,6 @@
-"""The script codegen.emit writes runs under torchrun on 2 CPU ranks and trains like one process."""
+"""The script codegen.emit writes runs under torchrun on 2 CPU ranks and trains like one process, and so
+does the command-line flow ``autopar plan`` -> ``autopar codegen`` -> ``torchrun`` on a Hugging Face
+factory that takes ``device`` (planned on the meta device from batch-1 inputs, run on real weights)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,18 @@ from harness import LR, MODELS, Case, batches, call_loss, free_port, make_plan  
 import autopar.codegen  # noqa: E402
 
 STEPS = 2
+HERE = os.path.dirname(os.path.abspath(__file__))
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(os.path.dirname(HERE))]),
+       "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _torchrun(script, losses, *args: str) -> list[float]:
+    """Rank 0's losses of ``STEPS`` steps of ``script`` on 2 ranks."""
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), str(script), "--steps", str(STEPS), "--loss-file",
+                          str(losses), "--timeout", "120", *args], env=ENV, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return [float(x) for x in losses.read_text().split()]
 
 
 def test_emitted_script_trains_like_one_process(tmp_path):
@@ -25,16 +39,7 @@ def test_emitted_script_trains_like_one_process(tmp_path):
                                   lr=LR)
     text = open(script).read()
     assert "CHUNK_LAYERS" in text and "SCHEDULE" in text and "F0.0" in text
-    here = os.path.dirname(os.path.abspath(__file__))
-    root = os.path.dirname(os.path.dirname(here))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, root]), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    losses = tmp_path / "losses.txt"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(free_port()), script, "--steps", str(STEPS), "--loss-file", str(losses),
-                          "--timeout", "120"],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    got = [float(x) for x in losses.read_text().split()]
+    got = _torchrun(script, tmp_path / "losses.txt")
 
     model = MODELS["gpt2"]()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -42,6 +47,37 @@ def test_emitted_script_trains_like_one_process(tmp_path):
     for step in range(STEPS):
         opt.zero_grad()
         loss = call_loss(model, batches("gpt2", step + 1, case.global_batch)[step], None)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    assert len(got) == STEPS
+    for g, w in zip(got, want):
+        assert math.isclose(g, w, rel_tol=1e-5), (got, want)  # fp32, additions reordered only
+
+
+def test_cli_plan_codegen_torchrun_on_a_hugging_face_factory(tmp_path):
+    """The README's command-line flow on a factory that builds HF Llama from its config on ``device``:
+    ``autopar plan`` plans it on the meta device from batch-1 inputs; ``autopar codegen`` writes
+    ``planned_model.py``, which builds it on the CPU; tensor parallelism over both ranks."""
+    import new_users
+
+    def autopar_cli(*args: str) -> None:
+        command = os.path.join(os.path.dirname(sys.executable), "autopar")   # the installed console script
+        run = subprocess.run([command, *args], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    autopar_cli("plan", "factories:llama_from_config", "--cluster", "1x2xcpu", "--global-batch", "4",
+                "--fixed", "dp=1,tp=2,pp=1,mbs=2,zero=0,recompute=none", "-q", "-o", "plan.json")
+    autopar_cli("codegen", "plan.json", "-o", "run", "--batch-factory", "factories:llama_batch", "--lr", str(LR))
+    got = _torchrun(tmp_path / "run" / "train.py", tmp_path / "losses.txt")
+
+    model = new_users.build("llama", "cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    want = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        batch = new_users.batches("llama", step + 1, 4)[step]
+        loss = sum(new_users.loss_of(model, "llama", new_users.rows(batch, i, i + 2)) for i in (0, 2)) / 2
         loss.backward()
         opt.step()
         want.append(loss.item())

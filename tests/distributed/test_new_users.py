@@ -1,0 +1,174 @@
+"""Plans made the way a new user makes them run on the model they were made for, equal to one process.
+
+Seven models a user brings (tests/distributed/new_users.py: Hugging Face Llama, Qwen2, GPT-2, BERT
+and ViT with a classification head, T5, and a small U-Net with batch norm and skip connections),
+each planned two ways:
+
+- ``meta-b1``: on the meta device from batch-1 example inputs, as the README quickstart does;
+- ``cpu-b8``: on the CPU from an example batch of 8, larger than every micro-batch below;
+
+and run with real weights on 2 gloo ranks (one spawn for every case) at dp=2, tp=2, pp=2 1F1B
+(micro-batch 2), dp=2 ZeRO-1 (two micro-batches per replica) and dp=2 ZeRO-3, global batch 8.
+A second set puts models with dropout 0.1 in ``eval()`` first: the program runs in the mode the
+model is in (as DDP does), so it computes the eval-mode loss.
+
+The reference is one process accumulating gradients over the same micro-batches (the mean of
+their losses): that is what the program computes by design, and the same as the whole batch's
+loss except where an op mixes samples (the U-Net's batch norm in train mode normalises over what
+one micro-batch holds, as with DDP). Tolerances are the harness's (tests/distributed/harness.py
+``check_matches``), all fp32, for the reasons test_parallelize.py gives: loss relative 1e-5,
+gradients 1e-4 of the largest, parameters after three AdamW steps 1e-4.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(__file__))
+import new_users  # noqa: E402
+import harness  # noqa: E402
+from harness import LR, STEPS, check_matches, free_port, round_trip  # noqa: E402
+
+GLOBAL_BATCH = 8
+BASE = dict(dp=1, tp=1, pp=1, micro_batch_size=1, zero=0, recompute="none", schedule="1f1b", virtual_stages=1,
+            sequence_parallel=False)
+CONFIGS = {
+    "dp2": dict(dp=2, micro_batch_size=4),
+    "tp2": dict(tp=2, micro_batch_size=4),
+    "pp2_1f1b": dict(pp=2, micro_batch_size=2),
+    "dp2_zero1": dict(dp=2, zero=1, micro_batch_size=2),
+    "dp2_zero3": dict(dp=2, zero=3, micro_batch_size=2),
+}
+SOURCES = {"meta-b1": ("meta", 1), "cpu-b8": ("cpu", 8)}
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    source: str          # key of SOURCES: where and from what batch the plan was made
+    config: str          # key of CONFIGS
+    dropout: float = 0.0
+    eval: bool = False   # model.eval() before parallelize (and in the reference)
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}-{self.source}-{self.config}" + ("-eval" if self.eval else "")
+
+
+CASES = [Case(m, s, c) for m in new_users.BUILDERS for s in SOURCES for c in CONFIGS] \
+    + [Case(m, "meta-b1", c, dropout=0.1, eval=True) for m in ("t5", "unet") for c in CONFIGS]
+
+_GRAPHS: dict = {}
+
+
+def make_plan(case: Case):
+    """autopar's plan with every field pinned, from the case's source (each model captured once per source)."""
+    from autopar.capture import capture
+    from autopar.runtime.inputs import with_inputs
+    from autopar.solver import solve
+    device, batch = SOURCES[case.source]
+    example = new_users.rows(new_users.batches(case.model, 1, GLOBAL_BATCH, device)[0], 0, batch)
+    key = (case.model, case.source, case.dropout)
+    if key not in _GRAPHS:
+        model = new_users.build(case.model, device, case.dropout)
+        _GRAPHS[key] = capture(model, example, new_users.LOSS_FNS.get(case.model))
+    plan, _ = solve(_GRAPHS[key], harness.test_cluster(2), GLOBAL_BATCH, fixed={**BASE, **CONFIGS[case.config]})
+    return with_inputs(plan, example)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(model_name: str, micro_batch_size: int, dropout: float = 0.0, eval_mode: bool = False) -> dict:
+    """One process: loss and gradients of step 1, parameters after STEPS AdamW steps, each step the mean
+    of the micro-batches' losses (the same for every case of this model, micro-batch size and mode)."""
+    model = new_users.build(model_name, "cpu", dropout)
+    if eval_mode:
+        model.eval()
+    data = new_users.batches(model_name, STEPS, GLOBAL_BATCH)
+
+    def step_loss(batch) -> torch.Tensor:
+        parts = [new_users.rows(batch, i, i + micro_batch_size) for i in range(0, GLOBAL_BATCH, micro_batch_size)]
+        return sum(new_users.loss_of(model, model_name, p) for p in parts) / len(parts)
+
+    loss = step_loss(data[0])
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for batch in data:
+        opt.zero_grad()
+        step_loss(batch).backward()
+        opt.step()
+    return {"loss": loss.item(), "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import autopar
+    from autopar.runtime.data_parallel import local
+    results = {}
+    for case, plan_dict in jobs:
+        try:
+            model = new_users.build(case.model, "cpu", case.dropout)
+            if case.eval:
+                model.eval()
+            program = autopar.parallelize(model, autopar.Plan.from_dict(plan_dict),
+                                          lambda ps: torch.optim.AdamW(ps, lr=LR),
+                                          loss_fn=new_users.LOSS_FNS.get(case.model), timeout=60)
+            data = new_users.batches(case.model, STEPS, GLOBAL_BATCH)
+            loss = program.forward_backward(data[0])
+            grads = program.full_grads()
+            program.optimizer.step()   # train_step(data[0]) is this forward_backward and this step
+            for batch in data[1:]:
+                program.train_step(batch)
+            params = round_trip(program.full_state_dict(), new_users.build(case.model, "cpu", case.dropout))
+            results[case.name] = {"loss": loss.item(), "grads": grads, "params": params,
+                                  "local_numel": sum(local(p).numel() for p in program.parameters())}
+        except Exception as exc:  # noqa: BLE001 - reported per case to the parent
+            import traceback
+            results[case.name] = {"error": f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def plans():
+    return {case.name: make_plan(case) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def results(plans):
+    """Per rank: case name -> result, from one spawn of 2 ranks for every case."""
+    jobs = [(case, plans[case.name].to_dict()) for case in CASES]
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_worker, args=(2, free_port(), jobs, out), nprocs=2, join=True, start_method="spawn")
+        return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_runs_equal_to_one_process(plans, results, case):
+    plan = plans[case.name]
+    ref = reference(case.model, plan.config.micro_batch_size, case.dropout, case.eval)
+    for rank, per_rank in enumerate(results):
+        check_matches(per_rank[case.name], ref, rank)
+    if plan.config.tp > 1 or plan.config.pp > 1 or plan.config.zero == 3:
+        total = sum(p.numel() for p in ref["params"].values())
+        assert results[0][case.name]["local_numel"] < total, "the rank holds every parameter whole: nothing was split"
+
+
+def test_eval_mode_is_the_eval_loss(plans, results):
+    """With dropout 0.1, the eval-mode loss is not the train-mode one (so the cases above could tell)."""
+    case = Case("t5", "meta-b1", "dp2", dropout=0.1, eval=True)
+    train = reference(case.model, plans[case.name].config.micro_batch_size, case.dropout, eval_mode=False)
+    assert abs(results[0][case.name]["loss"] - train["loss"]) > 1e-3
