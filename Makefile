@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) bench/long_context.py
 	$(PY) bench/moe.py
 	$(PY) bench/time_limit.py
+	AUTOPAR_FUZZ_SEEDS=400 HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/distributed/test_fuzz.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,4 @@
-"""Fuzz: 200 random small models through capture -> plan -> parallelize on 2 gloo ranks.
+"""Fuzz: random small models through capture -> plan -> parallelize on 2 gloo ranks (100 in the suite).
 
 Every seed (random_models.py: random depth, widths, branches, residuals, norms, attention, tied
 weights, dense or token front ends; then a few regression models that found bugs under an earlier
@@ -28,7 +28,7 @@ are tiny and their widths few, so DTensor's and torch.export's per-shape caches 
 most seeds. After every seed the ranks tell each other their outcome through the store (not a
 collective, so a rank that failed in the middle of a collective cannot desynchronise it) and
 re-create the process group on a fresh PrefixStore, so one failure does not poison the seeds
-after it. The whole test takes about 80 s here (75 s of it the spawn and the 201 seeds).
+after it. The whole test takes about 45 s here (40 s of it the spawn and the 101 seeds).
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ import random_models as rm  # noqa: E402
 from harness import call_loss, check_matches  # noqa: E402
 from harness import test_cluster as cluster_of  # noqa: E402 - not a test here
 
-N_SEEDS = 200
-SEEDS = list(range(N_SEEDS)) + sorted(rm.REGRESSIONS)   # 200 random models, then the regressions
+# The suite runs 100 random models (about 40 s); AUTOPAR_FUZZ_SEEDS=1000 runs more (make bench runs 400).
+N_SEEDS = int(os.environ.get("AUTOPAR_FUZZ_SEEDS", "100"))
+SEEDS = list(range(N_SEEDS)) + sorted(rm.REGRESSIONS)   # the random models, then the regressions
 WORLD = 2
 STEPS = 2                # AdamW steps; the second after a forward_backward of a second batch
 LR = 1e-3
@@ -68,9 +69,11 @@ LR = 1e-3
 EPS = 1e-4
 PEER_TIMEOUT = 20.0      # seconds: parallelize(timeout=) and the process group's own collective timeout
 STORE_TIMEOUT = 300.0    # seconds a rank waits for the plan of a seed, or for its peer's outcome
-# Random seeds that must really run and match. Observed: 192 of 200 (96%) run and match; the 8 refused
-# are pinned to the interleaved schedule on models whose repeated blocks do not divide by pp * v = 4
-# (seeds 200-999: 742 of 800, the 58 refused all of that kind).
+# Random seeds that must really run and match. Observed (example batches 1, the micro-batch or the
+# global batch): 93 of the first 100 run and match, 369 of 400; every refusal is a pinned
+# configuration the model does not allow: the interleaved schedule on repeated blocks that do not
+# divide by pp * v = 4, or tp=2 with micro-batch 1 where the sharding ILP, solved at an example batch
+# of 4, split the batch.
 MIN_MATCH_RATE = 0.90
 
 BASE = dict(dp=1, tp=1, pp=1, micro_batch_size=1, zero=0, recompute="none", schedule="1f1b", virtual_stages=1,
@@ -106,15 +109,13 @@ def draw_fixed(seed: int) -> dict | None:
 
 
 def capture_batch(seed: int, fixed: dict | None) -> int:
-    """The example batch size the seed is captured at. parallelize exports the model at the micro-batch
-    size, and a second time at the captured size when exactly one of the two is 1 (export specialises
-    size 1), so capturing at the micro-batch size saves that export; one seed in eight captures at 1
-    all the same, to exercise the plan-to-runtime graph translation (runtime/specs.py align)."""
+    """The example batch size the seed is captured at, drawn as a user's would be: 1 (where
+    torch.export specialises the batch), the micro-batch size, or the whole global batch (larger than
+    the micro-batch). parallelize exports at the micro-batch size and pairs the plan's ops with its
+    own (capture/structure.py align_ops)."""
     if seed in REGRESSIONS:
         return REGRESSIONS[seed][1]
-    if random.Random(31 * seed + 5).random() < 0.125:
-        return 1
-    return fixed["micro_batch_size"] if fixed else 2
+    return random.Random(31 * seed + 5).choice((1, fixed["micro_batch_size"] if fixed else 2, rm.GLOBAL_BATCH))
 
 
 def _traceback(exc: BaseException) -> str:

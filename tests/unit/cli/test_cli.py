@@ -1,7 +1,10 @@
 """The ``autopar`` command, run as a subprocess from a temporary directory (as a user would).
 
-One subprocess per command run: each pays the torch import (about 2 s), so the cases are few
-and each checks a lot. Argument errors are checked in-process (argparse and our parsing).
+A subprocess pays the torch import (about 2 s), so the cases are few and each checks a lot: the
+commands that plan run as subprocesses, and the ones that read what they wrote (``show``,
+``codegen``, ``compare``) run in-process through ``autopar.cli.main`` (the same code from argv on).
+Argument errors are checked in-process too (argparse and our parsing). The emitted script of a
+factory model running under torchrun is tests/distributed/test_emit.py's.
 """
 
 from __future__ import annotations
@@ -34,6 +37,19 @@ def autopar_cmd(cwd, *args: str, check: bool = True, timeout: float = 120) -> su
     return proc
 
 
+def autopar_main(capsys, cwd, *args: str) -> str:
+    """``autopar ARGS`` in this process from ``cwd``: its standard output (exit status 0 asserted)."""
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        code = main(list(args))
+    finally:
+        os.chdir(here)
+    out = capsys.readouterr()
+    assert code == 0, f"autopar {' '.join(args)} exited {code}:\n{out.out}\n{out.err}"
+    return out.out
+
+
 def _config_line(summary: str) -> str:
     match = re.search(r"^  configuration  (.+)$", summary, re.M)
     assert match, summary
@@ -42,7 +58,7 @@ def _config_line(summary: str) -> str:
 
 @pytest.mark.parametrize("model, cluster, batch", [("gpt3-175b", "128x8xA100-80GB", "1536"),
                                                    ("llama3-8b", "1x8xH100-SXM", "64")])
-def test_plan_show_codegen(tmp_path, model, cluster, batch):
+def test_plan_show_codegen(tmp_path, capsys, model, cluster, batch):
     plan_out = autopar_cmd(tmp_path, "plan", model, "--cluster", cluster, "--global-batch", batch, "-o", "p.json",
                            "--explain").stdout
     plan = autopar.load_plan(tmp_path / "p.json")
@@ -54,14 +70,14 @@ def test_plan_show_codegen(tmp_path, model, cluster, batch):
     assert _config_line(plan_out) == plan.config.short()
     assert "Runners-up and why each lost:" in plan_out and "The choices:" in plan_out
 
-    show = autopar_cmd(tmp_path, "show", "p.json", "--timeline", "t.png", "--memory", "m.png").stdout
+    show = autopar_main(capsys, tmp_path, "show", "p.json", "--timeline", "t.png", "--memory", "m.png")
     assert show.startswith(summary)
     for png in ("t.png", "m.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    as_json = json.loads(autopar_cmd(tmp_path, "show", "p.json", "--json").stdout)
+    as_json = json.loads(autopar_main(capsys, tmp_path, "show", "p.json", "--json"))
     assert as_json == plan.to_dict()
 
-    gen = autopar_cmd(tmp_path, "codegen", "p.json", "-o", "out").stdout
+    gen = autopar_main(capsys, tmp_path, "codegen", "p.json", "-o", "out")
     for name in ("train.py", "plan.json", "planned_model.py"):
         py_compile.compile(str(tmp_path / "out" / name), doraise=True) if name.endswith(".py") else None
         assert (tmp_path / "out" / name).is_file(), gen
@@ -73,9 +89,9 @@ def test_plan_show_codegen(tmp_path, model, cluster, batch):
     assert f"--nproc-per-node {min(plan.devices, 8)}" in gen
 
 
-def test_estimate_compare_and_a_factory_model(tmp_path):
-    """estimate with --config; a user's package.module:factory; compare; and the codegen'd program
-    of a tiny model run under torchrun on 2 gloo ranks (planned_model.py builds it)."""
+def test_estimate_compare_and_a_factory_model(tmp_path, capsys):
+    """estimate with --config; a user's package.module:factory; compare; and codegen's planned_model.py,
+    which builds the factory's model on the CPU."""
     (tmp_path / "mymodels.py").write_text(textwrap.dedent("""\
         from autopar.models import GPTConfig, build_gpt
 
@@ -89,7 +105,7 @@ def test_estimate_compare_and_a_factory_model(tmp_path):
     best, estimate = autopar.load_plan(tmp_path / "best.json"), autopar.load_plan(tmp_path / "est.json")
     assert best.model_name == "mymodels:tiny" and estimate.optimal is None
 
-    cmp_ = autopar_cmd(tmp_path, "compare", "best.json", "est.json").stdout
+    cmp_ = autopar_main(capsys, tmp_path, "compare", "best.json", "est.json")
     marked = {line[2:].split("  ")[0].strip() for line in cmp_.splitlines() if line.startswith("* ")}
     names = {f.name for f in dataclasses.fields(autopar.ParallelConfig)}
     differing = {n for n in names if getattr(best.config, n) != getattr(estimate.config, n)}
@@ -98,13 +114,17 @@ def test_estimate_compare_and_a_factory_model(tmp_path):
     faster = "A" if best.step_time < estimate.step_time else "B"
     assert f"{faster} is faster" in cmp_
 
-    autopar_cmd(tmp_path, "codegen", "best.json", "-o", "run")
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(best.devices),
-                          "train.py", "--steps", "2"], cwd=tmp_path / "run", env={**ENV, "PYTHONPATH": os.pathsep.join(
-                              [str(tmp_path), ENV["PYTHONPATH"]])}, capture_output=True, text=True, timeout=180)
-    assert run.returncode == 0, run.stdout + run.stderr
-    losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", run.stdout)]
-    assert len(losses) == 2 and all(0 < x < 10 for x in losses), run.stdout
+    autopar_main(capsys, tmp_path, "codegen", "best.json", "-o", "run")
+    sys.path.insert(0, str(tmp_path / "run"))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import planned_model
+        model = planned_model.build()
+    finally:
+        del sys.path[:2]
+        sys.modules.pop("planned_model", None)
+        sys.modules.pop("mymodels", None)
+    assert type(model).__name__ == "GPT" and next(model.parameters()).device.type == "cpu"
 
 
 def test_user_errors_exit_2_with_one_line(tmp_path):
