@@ -31,6 +31,22 @@ def _torchrun(script, losses, *args: str) -> list[float]:
     return [float(x) for x in losses.read_text().split()]
 
 
+def _assert_trains_like_one_process(got: list[float], model, step_loss) -> None:
+    """``got`` are the losses of STEPS AdamW steps of ``model`` in one process, ``step_loss(model, step)``
+    each (fp32, additions reordered only: relative 1e-5)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    want = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = step_loss(model, step)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    assert len(got) == STEPS
+    for g, w in zip(got, want):
+        assert math.isclose(g, w, rel_tol=1e-5), (got, want)
+
+
 def test_emitted_script_trains_like_one_process(tmp_path):
     case = Case("emit", "gpt2", dict(dp=1, tp=1, pp=2, micro_batch_size=1, zero=0, recompute="none",
                                      schedule="1f1b", virtual_stages=1, sequence_parallel=False), 2)
@@ -40,19 +56,8 @@ def test_emitted_script_trains_like_one_process(tmp_path):
     text = open(script).read()
     assert "CHUNK_LAYERS" in text and "SCHEDULE" in text and "F0.0" in text
     got = _torchrun(script, tmp_path / "losses.txt")
-
-    model = MODELS["gpt2"]()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    want = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        loss = call_loss(model, batches("gpt2", step + 1, case.global_batch)[step], None)
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
-    assert len(got) == STEPS
-    for g, w in zip(got, want):
-        assert math.isclose(g, w, rel_tol=1e-5), (got, want)  # fp32, additions reordered only
+    _assert_trains_like_one_process(got, MODELS["gpt2"](), lambda model, step: call_loss(
+        model, batches("gpt2", step + 1, case.global_batch)[step], None))
 
 
 def test_cli_plan_codegen_torchrun_on_a_hugging_face_factory(tmp_path):
@@ -71,16 +76,7 @@ def test_cli_plan_codegen_torchrun_on_a_hugging_face_factory(tmp_path):
     autopar_cli("codegen", "plan.json", "-o", "run", "--batch-factory", "factories:llama_batch", "--lr", str(LR))
     got = _torchrun(tmp_path / "run" / "train.py", tmp_path / "losses.txt")
 
-    model = new_users.build("llama", "cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    want = []
-    for step in range(STEPS):
-        opt.zero_grad()
+    def step_loss(model, step):   # the mean of the plan's two micro-batches of 2
         batch = new_users.batches("llama", step + 1, 4)[step]
-        loss = sum(new_users.loss_of(model, "llama", new_users.rows(batch, i, i + 2)) for i in (0, 2)) / 2
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
-    assert len(got) == STEPS
-    for g, w in zip(got, want):
-        assert math.isclose(g, w, rel_tol=1e-5), (got, want)  # fp32, additions reordered only
+        return sum(new_users.loss_of(model, "llama", new_users.rows(batch, i, i + 2)) for i in (0, 2)) / 2
+    _assert_trains_like_one_process(got, new_users.build("llama", "cpu"), step_loss)
