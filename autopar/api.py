@@ -12,11 +12,10 @@ from .capture import capture
 from .capture.export import LossFn
 from .cluster import Cluster
 from .config import ParallelConfig, Precision
-from .cost_model import estimate_plan
 from .errors import ConfigError
 from .plan import Plan
 from .runtime.inputs import with_inputs
-from .solver import solve
+from .solver import price, solve
 from .solver.sharding import SOLVE_TIME_LIMIT
 
 
@@ -59,8 +58,13 @@ def estimate(model: nn.Module, cluster: Cluster, example_inputs: Any, config: Pa
              profile: bool = False, profile_db: str | os.PathLike | None = None) -> Plan:
     """Predict what ``config`` costs for ``model`` on ``cluster``: step time, memory, per-stage breakdown.
 
-    ``example_inputs`` (tuple or dict of tensors, batch on dim 0, any batch size) are only
-    traced, never computed on; the model may live on the meta device. ``precision``
+    The same pricing as :func:`plan` with every field of ``config`` pinned (the sharding ILP's
+    per-op layout, the stage DP's partition): ``estimate(..., config)`` and ``plan(..., fixed=<every
+    field of config>)`` have the same step time, memory and sharding, and ``parallelize`` runs
+    either. An estimate is not a search (``optimal`` None, no runners-up), and a configuration that
+    fits nowhere is priced anyway (``fits`` False). ``example_inputs`` (tuple or dict of tensors,
+    batch on dim 0, any batch size) are only traced, never computed on; the model may live on the
+    meta device. ``precision``
     defaults to bf16 mixed precision with Adam (fp32 on a CPU cluster). ``profile=True``
     times the model's ops on this machine instead (real weights; ``cluster`` from
     :meth:`Cluster.local`), cached in ``profile_db``.
@@ -70,7 +74,7 @@ def estimate(model: nn.Module, cluster: Cluster, example_inputs: Any, config: Pa
         raise ConfigError(f"config must be an autopar.ParallelConfig, got {type(config).__name__}")
     graph = capture(model, example_inputs, loss_fn)
     measured = _profiler(model, example_inputs, loss_fn, graph, cluster, profile_db) if profile else None
-    plan_ = estimate_plan(graph, cluster, config, global_batch_size, precision, measured=measured)
+    plan_ = price(graph, cluster, config, global_batch_size, precision=precision, measured=measured)
     return with_inputs(_profiled(plan_, measured), example_inputs)
 
 

@@ -14,9 +14,8 @@ import torch
 
 import autopar
 from autopar.capture import capture
-from autopar.cost_model import estimate_plan
 from autopar.models import registry
-from autopar.solver import solve
+from autopar.solver import price, solve
 
 
 def main() -> None:
@@ -33,7 +32,7 @@ def main() -> None:
           f"({stats.ilp_seconds:.1f} s); capture {t1 - t0:.1f} s, search {t2 - t1:.1f} s")
     megatron = autopar.ParallelConfig(dp=16, tp=8, pp=8, micro_batch_size=1, schedule="interleaved",
                                       virtual_stages=2, recompute="full")
-    ref = estimate_plan(graph, cluster, megatron, 1536)
+    ref = price(graph, cluster, megatron, 1536)
     print(f"Megatron-LM's configuration ({megatron.short()}): {ref.step_time:.2f} s per step; "
           f"the plan: {plan.step_time:.2f} s ({(ref.step_time / plan.step_time - 1) * 100:+.0f}% throughput)")
 

@@ -20,7 +20,7 @@ import torch
 from autopar.capture import capture
 from autopar.cluster import Cluster
 from autopar.config import Precision
-from autopar.cost_model.tensor_parallel import propagate
+from autopar.cost_model.tensor_parallel import megatron_layout
 from autopar.models import GPTConfig, build_gpt, build_llama, registry
 from autopar.solver.sharding import ShardingSolver, evaluate_layout, lp_solvers
 
@@ -38,7 +38,7 @@ def main() -> int:
         graph = capture(model, inputs)
         solver = ShardingSolver(graph, cluster, Precision())
         for tp in (2, 4, 8):
-            rules = propagate(graph, tp)
+            rules = megatron_layout(graph, tp)
             for variant in ("fast", "lean"):
                 start = time.perf_counter()
                 solver.layout(tp, variant)

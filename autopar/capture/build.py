@@ -134,6 +134,9 @@ class GraphWalk:
         fwd, bwd = self._flops(node, name, kind, targs, srcs, outputs[0], rg)
         dims, reduced = node_dims(name, node, targs, [s.kind in ("op", "input") for s in srcs],
                                   outputs[0].shape)
+        param_dims = ()
+        if kind is OpKind.VIEW and srcs and all(s.kind == "param" and s.requires_grad for s in srcs):  # W.t()
+            param_dims, _ = node_dims(name, node, targs, [True] * len(srcs), outputs[0].shape)
         moved = 0.0 if kind in (OpKind.VIEW, OpKind.CREATION) else float(
             sum(m.nbytes for m in metas if m) + sum(o.nbytes for o in outputs))
         return OpNode(
@@ -144,7 +147,7 @@ class GraphWalk:
             batch_dependent=bd, saved=saved, module_path=_module_path(node), module_type=_module_type(node),
             layer=-1, gemm=gemm_shape(name, kind, [m for m in metas if m], outputs[0],
                                       [s.batch_dependent for s in srcs]),
-            source=_source_line(node), dims=dims, reduced=reduced)
+            source=_source_line(node), dims=dims, reduced=reduced, param_dims=param_dims)
 
     def _sized_by_batch(self, node: torch.fx.Node, metas: list, outputs: tuple) -> bool:
         """An op that reads nothing batch-dependent yet takes the batch size as a size argument:

@@ -127,6 +127,9 @@ class OpNode:
     # none (new, broadcast, merged-inner or contracted dims); ``()`` when capture does not know the op.
     dims: tuple[tuple[int, ...], ...] = ()
     reduced: tuple[int, ...] = ()     # dims of the first input the op reduces or normalises over
+    # A view of parameters (``W.t()`` read by a matmul): per parameter (``params`` order), for each output
+    # dim, the parameter dim it comes from (-1 for none); ``()`` for any other op.
+    param_dims: tuple[tuple[int, ...], ...] = ()
 
     @property
     def output_bytes(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 from ..capture.opgraph import OpGraph
@@ -54,8 +55,7 @@ def estimate_plan(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_
     peak = max(d.memory.total for d in devices)
     scale = global_batch_size / graph.batch_size
     model_flops, recompute_flops = _flops(est, cfg, scale, devices)
-    notes = tuple(f"tensor parallelism left {w} whole: tp={cfg.tp} does not divide its split dimension"
-                  for w in est.layers.layout(cfg.tp).replicated_weights) + tuple(graph.warnings)
+    notes = _layout_notes(graph, est.layers.layout(cfg.tp)) + tuple(graph.warnings)
     return Plan(model_name=graph.model_name, fingerprint=graph.fingerprint, structure=graph.structure,
                 cluster=cluster, config=cfg,
                 precision=precision, global_batch_size=global_batch_size, micro_batches=m, step_time=step,
@@ -63,6 +63,30 @@ def estimate_plan(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_
                 hardware_flops=model_flops + recompute_flops, breakdown=breakdown, stages=stages,
                 fits=peak <= cluster.device.memory, notes=notes,
                 extra={"sequence_length": context_parallel.sequence_length(graph)} if cfg.cp > 1 else {})
+
+
+def _layout_notes(graph: OpGraph, layout) -> tuple[str, ...]:
+    """What tensor parallelism keeps whole, by weight family (``layers.*.attn.qkv.weight``): weights no
+    split of which divides by tp, and weights the sharding ILP keeps whole by choice."""
+    out = []
+    if layout.replicated_weights:
+        out.append(f"tensor parallelism left {weight_families(layout.replicated_weights)} whole: tp={layout.tp} does "
+                   "not divide its split dimension")
+    if layout.kept_whole:
+        share = sum(graph.params[w].numel for w in layout.kept_whole if w in graph.params) / max(1, graph.param_numel)
+        out.append(f"the sharding ILP keeps {weight_families(layout.kept_whole)} whole at tp={layout.tp} "
+                   f"({share:.0%} of the parameters): replicating their ops costs less than splitting them at "
+                   "this size, under the cost model")
+    return tuple(out)
+
+
+def weight_families(names: Sequence[str]) -> str:
+    """Parameter names grouped by family, the layer index a ``*``: ``layers.*.mlp.up.weight (32 layers)``."""
+    families: dict[str, int] = {}
+    for name in names:
+        family = re.sub(r"(^|\.)\d+(\.|$)", r"\1*\2", name)
+        families[family] = families.get(family, 0) + 1
+    return ", ".join(f"{f} ({n} layers)" if n > 1 else f for f, n in families.items())
 
 
 def _flops(est: Estimator, cfg: ParallelConfig, scale: float, devices) -> tuple[float, float]:

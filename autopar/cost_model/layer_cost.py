@@ -21,7 +21,7 @@ from . import context_parallel, expert_parallel
 from .comm import Collective, GroupPlacement, collective_time
 from .compute import ComputeModel, MeasuredTimes, fused_away
 from .memory import ActivationModel, saved_owner
-from .tensor_parallel import S, TPLayout, propagate, sequence_gathers
+from .tensor_parallel import S, TPLayout, sequence_gathers, single_rank_layout
 
 
 @dataclass(frozen=True)
@@ -102,14 +102,14 @@ class LayerCostModel:
     """Layer costs for one graph, cluster and precision; caches by (signature, tp, sp, mb, recompute,
     context- and expert-parallel groups).
 
-    ``layout_fn`` decides the tensor-parallel layout per degree: Megatron's rules
-    (:func:`propagate`) for :func:`autopar.estimate`, the sharding ILP for the solver."""
+    ``layout_fn`` gives the tensor-parallel layout per degree: the sharding ILP's
+    (``ShardingSolver.layout_fn``) for every pricing; the default knows only ``tp = 1``."""
 
     graph: OpGraph
     cluster: Cluster
     precision: Precision
     measured: MeasuredTimes | None = None
-    layout_fn: Callable[[OpGraph, int], TPLayout] = propagate
+    layout_fn: Callable[[OpGraph, int], TPLayout] = single_rank_layout
     _layouts: dict[int, TPLayout] = field(default_factory=dict)
     _cache: dict[tuple, LayerCost] = field(default_factory=dict)
     _owner: Mapping[str, int] | None = None

@@ -1,6 +1,14 @@
-"""Layer-level Megatron tensor parallelism on an OpGraph: which ops are split, which collectives run.
+"""Tensor-parallel layouts as the cost model reads them, and Megatron's rules as a reference.
 
-Each activation gets a state, propagated in graph order:
+A :class:`TPLayout` says, for one tensor-parallel degree, which ops are split and which
+collectives run. Every layout the cost model prices for ``tp > 1`` comes from the per-op sharding
+ILP (solver/sharding.py): :func:`autopar.plan` and :func:`autopar.estimate` alike. ``tp = 1`` is
+:func:`replicated_layout`.
+
+:func:`megatron_layout` hard-codes Megatron-LM's rules (below). No estimate uses it: it is the
+reference the sharding ILP is checked against (it must price Megatron's layout no cheaper than
+its own optimum: tests/unit/solver/test_sharding.py, bench/sharding_ilp.py). Each activation gets
+a state, propagated in graph order:
 
 - ``R`` replicated: every tensor-parallel rank holds all of it (the residual stream);
 - ``S`` split: each rank holds ``1/t`` (attention heads, MLP hidden, vocabulary);
@@ -39,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..capture.opgraph import OpGraph, OpKind, OpNode
+from ..errors import ConfigError
 
 R, S, C = "R", "S", "C"
 
@@ -72,6 +81,7 @@ class TPLayout:
     gemm_split: Mapping[str, str] = field(default_factory=dict)  # node -> GEMM dim split: "n" | "k" | "batch"
     strategy: Mapping[str, str] = field(default_factory=dict)    # node -> strategy name (solver layouts)
     sequence_split: frozenset[str] = frozenset()  # R nodes sequence parallelism splits (splits_along_sequence)
+    kept_whole: tuple[str, ...] = ()  # matmul / conv / embedding weights that could split but are kept whole
 
     def shard(self, name: str, sequence_parallel: bool) -> int:
         """Divisor of a node's compute and activations."""
@@ -120,8 +130,29 @@ def _weight_split_dim(node: OpNode, graph: OpGraph, column: bool) -> int | None:
     return weight.shape[-1] if column else weight.shape[-2]
 
 
-def propagate(graph: OpGraph, tp: int) -> TPLayout:
-    """Propagate R/S/C states for tensor-parallel degree ``tp`` (``tp == 1``: everything R/C)."""
+def replicated_layout(graph: OpGraph) -> TPLayout:
+    """The layout of one tensor-parallel rank: every batch-dependent value (and whatever reads one) R,
+    the rest C."""
+    state: dict[str, str] = {gi.name: R for gi in graph.inputs}
+    for node in graph.nodes:
+        ins = [state.get(i, C) for i in node.inputs]
+        state[node.name] = R if (ins and any(s != C for s in ins)) or node.batch_dependent else C
+    return TPLayout(1, state, frozenset(), {}, ())
+
+
+def single_rank_layout(graph: OpGraph, tp: int) -> TPLayout:
+    """A ``layout_fn`` that knows only ``tp == 1``: tensor-parallel layouts come from the sharding ILP
+    (``autopar.solver.ShardingSolver.layout_fn``, as ``autopar.solver.price`` and ``solve`` use it)."""
+    if tp != 1:
+        raise ConfigError(f"tp={tp} needs the sharding ILP's layout: price the configuration with "
+                          "autopar.solver.price (or autopar.estimate), or pass LayerCostModel(layout_fn=...)")
+    return replicated_layout(graph)
+
+
+def megatron_layout(graph: OpGraph, tp: int) -> TPLayout:
+    """Megatron-LM's layout for ``tp`` by its rules (module docstring): the sharding ILP's reference."""
+    if tp == 1:
+        return replicated_layout(graph)
     state: dict[str, str] = {gi.name: R for gi in graph.inputs}
     split: set[str] = set()
     replicated: list[str] = []
@@ -140,9 +171,6 @@ def propagate(graph: OpGraph, tp: int) -> TPLayout:
         act_r = [i for i in node.inputs if state.get(i) == R]
         has_s = S in ins
         out_numel = node.outputs[0].numel
-        if tp == 1:
-            state[node.name] = R if (ins and any(s != C for s in ins)) or node.batch_dependent else C
-            continue
         if node.kind is OpKind.MATMUL and node.params:
             column = not has_s
             dim = _weight_split_dim(node, graph, column)

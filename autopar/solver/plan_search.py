@@ -4,23 +4,26 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import fields, replace
 from typing import Any, Mapping
 
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
-from ..config import Precision
+from ..config import ParallelConfig, Precision
+from ..cost_model import check_config
 from ..cost_model.compute import MeasuredTimes
 from ..errors import ConfigError, InfeasiblePlanError
 from ..plan import Plan
 from .search import Search, SearchStats, alternatives, with_search_results
-from .sharding import SOLVE_TIME_LIMIT, VARIANTS, ILPLimits, ShardingSolver
-from .space import check_fixed
+from .sharding import SOLVE_TIME_LIMIT, VARIANTS, WHOLE_BATCH, ILPLimits, ShardingSolver
+from .space import PIN_RULES, check_fixed, nearest
 
 
 def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision: Precision | None = None,
           fixed: Mapping[str, Any] | None = None, time_limit: float | None = None,
           measured: MeasuredTimes | None = None, progress: bool = False,
-          ilp_time_limit: float = SOLVE_TIME_LIMIT, ilp_node_limit: int | None = None) -> tuple[Plan, SearchStats]:
+          ilp_time_limit: float = SOLVE_TIME_LIMIT, ilp_node_limit: int | None = None,
+          sharding: ShardingSolver | None = None) -> tuple[Plan, SearchStats]:
     """The fastest plan that fits, and what the search did. Raises InfeasiblePlanError when none fits.
 
     Wiring: the sharding ILP (sharding.py) gives each tensor-parallel degree its layouts, the
@@ -32,7 +35,44 @@ def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision
     Limits: ``time_limit`` (seconds) stops the search once it has a plan (then ``plan.optimal`` is
     False and ``plan.gap`` bounds how far from optimal it is); ILPs not started by then are replaced
     by greedy sharding. ``ilp_time_limit`` (seconds) and ``ilp_node_limit`` (branch-and-bound
-    nodes) bound each sharding ILP solver call (sharding.py)."""
+    nodes) bound each sharding ILP solver call (sharding.py). ``sharding``: a ShardingSolver of this
+    graph, cluster and precision to reuse (its layouts are cached), e.g. across several solves."""
+    search, sharding = _search(graph, cluster, global_batch_size, precision, fixed, time_limit, measured, progress,
+                               ilp_time_limit, ilp_node_limit, sharding)
+    return _run(search, sharding, must_fit=True)
+
+
+def price(graph: OpGraph, cluster: Cluster, config: ParallelConfig, global_batch_size: int, *,
+          precision: Precision | None = None, measured: MeasuredTimes | None = None,
+          ilp_time_limit: float = SOLVE_TIME_LIMIT, ilp_node_limit: int | None = None,
+          sharding: ShardingSolver | None = None) -> Plan:
+    """``config`` priced: what :func:`solve` with every field of ``config`` pinned returns (the same
+    sharding ILP layout, stage partition, step time and memory), as an estimate: ``optimal`` None, no
+    alternatives, no search counts. When no stage partition of ``config`` fits in memory, the fastest
+    partition regardless of memory, with ``fits`` False (``solve`` would raise). A configuration the
+    model or cluster rule out raises InfeasiblePlanError naming the rule (as ``solve`` does)."""
+    if not isinstance(config, ParallelConfig):
+        raise ConfigError(f"config must be an autopar.ParallelConfig, got {type(config).__name__}")
+    check_config(graph, cluster, config, global_batch_size)   # the rules, each named (ConfigError)
+    fixed = {f.name: getattr(config, f.name) for f in fields(ParallelConfig)}
+    search, sharding = _search(graph, cluster, global_batch_size, precision, fixed, None, measured, False,
+                               ilp_time_limit, ilp_node_limit, sharding)
+    try:
+        plan, _ = _run(search, sharding, must_fit=True)
+    except InfeasiblePlanError:
+        if search.stats.candidates == 0:
+            raise
+        search.stats = SearchStats()
+        plan, _ = _run(search, sharding, must_fit=False)
+    extra = {k: v for k, v in plan.extra.items() if k != "search"}
+    return replace(plan, optimal=None, gap=None, alternatives=(), extra=extra)
+
+
+def _search(graph: OpGraph, cluster: Cluster, global_batch_size: int, precision: Precision | None,
+            fixed: Mapping[str, Any] | None, time_limit: float | None, measured: MeasuredTimes | None,
+            progress: bool, ilp_time_limit: float, ilp_node_limit: int | None,
+            sharding: ShardingSolver | None) -> tuple[Search, ShardingSolver]:
+    """The Search (and its ShardingSolver) of one solve, after checking the arguments."""
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
         raise ConfigError(f"global_batch_size={global_batch_size!r} must be a positive integer")
     if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float))
@@ -42,16 +82,26 @@ def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision
     precision = precision or Precision.for_device(cluster.device.name)
     limits = ILPLimits(ilp_time_limit, ilp_node_limit)
     deadline = None if time_limit is None else time.perf_counter() + time_limit
-    sharding = ShardingSolver(graph, cluster, precision, limits=limits, deadline=deadline)
+    if sharding is None:
+        sharding = ShardingSolver(graph, cluster, precision, limits=limits, deadline=deadline)
+    elif (sharding.graph is not graph or sharding.cluster != cluster or sharding.precision != precision
+          or sharding.limits != limits or deadline is not None):
+        raise ConfigError("sharding= must be a ShardingSolver of the same graph, cluster, precision and ILP limits, "
+                          "and is not taken with time_limit: pass none to make one")
     search = Search(graph, cluster, global_batch_size, precision, layouts_for(sharding), fixed, time_limit,
                     splits_batch=sharding.splits_batch, measured=measured, progress=progress)
+    return search, sharding
+
+
+def _run(search: Search, sharding: ShardingSolver, must_fit: bool) -> tuple[Plan, SearchStats]:
+    search.must_fit = must_fit
     best, best_c, seen = search.run()
     search.stats.ilp_seconds, search.stats.ilp_solves = sharding.seconds, sharding.solves
     search.stats.ilp_stopped_early, search.stats.ilp_greedy = sharding.stopped_early, sharding.greedy_after_deadline
     search.stats.ilp_fallbacks = tuple(sharding.fallbacks)
     if best is None:
-        raise _infeasible(search, fixed)
-    alts = alternatives(best, seen, cluster.device.memory)
+        raise _infeasible(search, search.fixed)
+    alts = alternatives(best, seen, search.cluster.device.memory)
     described = tuple(sharding.describe(best.config.tp, best_c.variant)) if best.config.tp > 1 else ()
     plan = with_search_results(best, search.stats, alts, described, f"ilp-{best_c.variant}")
     return plan, search.stats
@@ -59,8 +109,10 @@ def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision
 
 def layouts_for(sharding: ShardingSolver) -> dict:
     """The tensor-parallel layout variants the search compares: name -> layout_fn(graph, tp): the
-    sharding ILP's fastest layout and its leanest (the global step time decides between them)."""
-    return {variant: sharding.layout_fn(variant) for variant in VARIANTS}
+    sharding ILP's fastest layout and its leanest (the global step time decides between them), and
+    each solved without batch splits, for micro-batches that do not divide by tp."""
+    return {variant: sharding.layout_fn(variant) for base in ("", WHOLE_BATCH) for variant in
+            (v + base for v in VARIANTS)}
 
 
 def _infeasible(search: Search, fixed: Mapping[str, Any]) -> InfeasiblePlanError:
@@ -68,10 +120,7 @@ def _infeasible(search: Search, fixed: Mapping[str, Any]) -> InfeasiblePlanError
     if search.stats.candidates == 0:
         return InfeasiblePlanError(
             f"no configuration of {cluster.devices} devices matches global_batch_size={search.global_batch_size}"
-            f"{' and fixed=' + repr(dict(fixed)) if fixed else ''}: dp must divide the global batch, "
-            "dp * cp * tp * pp must equal the device count, pp must not exceed the layers "
-            f"({len(search.graph.layers)} here), an interleaved schedule needs pp * virtual_stages to divide the "
-            "repeated blocks, and a layout that splits the batch needs micro_batch_size divisible by tp; "
+            f"{' and fixed=' + repr(dict(fixed)) if fixed else ''}: {_pin_conflicts(search, fixed)}; "
             "change the global batch or what is fixed")
     need, arg = search.least_memory_overall()
     have = cluster.device.memory
@@ -87,6 +136,20 @@ def _infeasible(search: Search, fixed: Mapping[str, Any]) -> InfeasiblePlanError
         f"no plan fits on {cluster.describe()}: the leanest plan needs {_gb(need)} per device"
         f"{where}, but each {cluster.device.name} has {_gb(have)}. "
         f"Use {', or '.join(hints)}.")
+
+
+def _pin_conflicts(search: Search, fixed: Mapping[str, Any]) -> str:
+    """Each pinned field no configuration allows with the other pins while another value would: its
+    rule and the nearest values that work (those the search's candidates take with that pin dropped)."""
+    out = []
+    for name in (f for f in PIN_RULES if f in fixed):
+        values = search.pin_values(name)
+        if values and fixed[name] not in values:
+            out.append(f"{name}={fixed[name]!r} breaks the rule that {PIN_RULES[name]} "
+                       f"({len(search.graph.layers)} layers, {search.blocks} repeated blocks; nearest valid: "
+                       f"{nearest(values, fixed[name])})")
+    return "; ".join(out) or ("each pinned value is possible alone but not all of them together: "
+                              f"{'; '.join(f'{k}: {v}' for k, v in PIN_RULES.items() if k in fixed)}")
 
 
 def _gb(nbytes: float) -> str:

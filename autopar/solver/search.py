@@ -40,6 +40,7 @@ from ..cost_model.layer_cost import LayerCostModel
 from ..cost_model.tensor_parallel import TPLayout
 from ..plan import Alternative, Plan
 from ..progress import progress_bar
+from .sharding import WHOLE_BATCH
 from .space import Candidate, candidates, placeable, recompute_modes
 from .stages import least_memory, partition, run_tables
 
@@ -88,6 +89,7 @@ class Search:
     splits_batch: Callable[[int, str], bool] | None = None   # (tp, variant) -> the layout splits the batch
     measured: MeasuredTimes | None = None                    # profiled op times (profile=True)
     progress: bool = False                                   # a progress bar once the search takes over 1 s
+    must_fit: bool = True      # False: the fastest plan whatever its memory (an estimate of a config that fits nowhere)
     stats: SearchStats = field(default_factory=SearchStats)
     _estimators: dict[str, Estimator] = field(default_factory=dict)
     _work: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
@@ -106,17 +108,36 @@ class Search:
         return recompute_modes(self.graph, self.fixed)
 
     def _usable(self):
-        """The space's candidates whose mesh places uniformly on the topology and whose layout can
-        split their micro-batch."""
-        for c in candidates(self.graph, self.cluster, self.global_batch_size, tuple(self.layouts), self.fixed):
+        """The space's candidates whose mesh places uniformly on the topology, each with a layout that
+        can run its micro-batch: a variant whose layout splits the batch gives a micro-batch that
+        does not divide by tp its WHOLE_BATCH sibling (solved only when needed)."""
+        base = tuple(v for v in self.layouts if not v.endswith(WHOLE_BATCH))
+        for c in candidates(self.graph, self.cluster, self.global_batch_size, base, self.fixed):
             mesh = (c.tp, c.cp, c.dp, c.ep, c.pp)
             if mesh not in self._mesh_ok:
                 self._mesh_ok[mesh] = placeable(self.cluster, c.config())
             if not self._mesh_ok[mesh]:
                 continue
             if c.micro_batch_size % c.tp and self._facts(c)[1]:
-                continue
+                c = replace(c, variant=c.variant + WHOLE_BATCH)
             yield c
+
+    @property
+    def blocks(self) -> int:
+        return sum(1 for layer in self.graph.layers if layer.is_block)
+
+    def pin_values(self, name: str) -> set:
+        """The values field ``name`` takes over the usable candidates with its pin dropped (the other
+        pins kept): what it could be pinned to."""
+        others = {k: v for k, v in self.fixed.items() if k != name}
+        values = set()
+        for c in candidates(self.graph, self.cluster, self.global_batch_size, tuple(self.layouts)[:1], others):
+            mesh = (c.tp, c.cp, c.dp, c.ep, c.pp)
+            if mesh not in self._mesh_ok:
+                self._mesh_ok[mesh] = placeable(self.cluster, c.config())
+            if self._mesh_ok[mesh]:
+                values.add(getattr(c, name))
+        return values
 
     def _duplicate(self, c: Candidate) -> bool:
         return self._facts(c)[0]
@@ -171,19 +192,24 @@ class Search:
         fits, the least peak memory per device it could reach (bytes)."""
         est = self.estimator(c.variant)
         m = c.micro_batches(self.global_batch_size)
-        memory = self.cluster.device.memory
+        memory = self.cluster.device.memory if self.must_fit else math.inf
         if c.schedule == "interleaved":
             plans = self._interleaved(c)
-            fitting = [pl for pl in plans if pl.fits]
+            fitting = [pl for pl in plans if pl.fits or not self.must_fit]
             if not fitting:
                 return min(pl.peak_memory for pl in plans)
             return min(fitting, key=lambda pl: pl.step_time)
-        tables = run_tables(est, c.config(), m, self.modes)
-        part = partition(tables, c.config(), m, memory)
+        cfg = self._config(c)
+        tables = run_tables(est, cfg, m, self.modes)
+        part = partition(tables, cfg, m, memory)
         if part is None:
-            return least_memory(tables, c.config(), m)[0]
+            return least_memory(tables, cfg, m)[0]
         return estimate_plan(self.graph, self.cluster, c.with_modes(part.modes), self.global_batch_size,
                              self.precision, est, chunks=part.chunks)
+
+    def _config(self, c: Candidate) -> ParallelConfig:
+        """The candidate's config for the stage DP, with the recompute mode of each stage when pinned."""
+        return c.config(self.fixed.get("recompute", "none"), tuple(self.fixed.get("stage_recompute") or ()))
 
     def _interleaved(self, c: Candidate) -> list[Plan]:
         """An interleaved candidate keeps Megatron's even split (stages.py): one estimate per mode."""
@@ -209,7 +235,7 @@ class Search:
                 self.stats.dominated += 1
                 continue
             lb_t, lb_m = self.bounds(c)
-            if lb_m > self.cluster.device.memory:
+            if lb_m > self.cluster.device.memory and self.must_fit:
                 self.stats.pruned_memory += 1
                 continue
             queue.append((lb_t, c.sort_key(), c))
@@ -265,7 +291,8 @@ class Search:
         if c.schedule == "interleaved":
             lean = min(self._interleaved(c), key=lambda pl: pl.peak_memory)
             return lean.peak_memory, lean.config
-        mem, modes = least_memory(run_tables(est, c.config(), m, self.modes), c.config(), m)
+        cfg = self._config(c)
+        mem, modes = least_memory(run_tables(est, cfg, m, self.modes), cfg, m)
         return mem, c.with_modes(modes)
 
 

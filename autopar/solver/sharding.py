@@ -1,7 +1,8 @@
 r"""The per-op sharding ILP: which tensor-parallel strategy every op runs (Alpa, Zheng et al. OSDI'22, sec. 4).
 
-It discovers the layout Megatron's rules (cost_model/tensor_parallel.py) hard-code, and
-returns the same :class:`TPLayout`, so the cost model prices it unchanged.
+It discovers the layout Megatron's rules (cost_model/tensor_parallel.py ``megatron_layout``, its
+reference) hard-code, and returns a :class:`TPLayout`, which the cost model prices: every
+tensor-parallel layout of a plan or an estimate comes from here.
 
 **Groups.** One ILP per layer group: one per distinct block signature (solved on its first
 layer and copied by node position to the others, after checking they match op for op),
@@ -39,6 +40,9 @@ output is split).
 
 - ``variant="fast"``: minimise time; then minimise memory with ``time <= T* (1 + 1e-6)``.
 - ``variant="lean"``: minimise memory; then minimise time with ``memory <= 1.01 M*``.
+- ``fast-whole-batch`` / ``lean-whole-batch``: the same, with no strategy (nor boundary) that splits
+  a batch dim: the layouts for micro-batches that do not divide by ``t`` when the plain variant's
+  layout splits the batch (:meth:`ShardingSolver.splits_batch`).
 
 The second solve adds ``1e-4 * (strategy index)`` per op (0.1 ns or 100 bytes) to break exact
 ties by strategy order, so that the layout does not depend on the solver.
@@ -85,14 +89,15 @@ from ..cluster import Cluster
 from ..config import Precision
 from ..cost_model.comm import GroupPlacement, place_axes
 from ..cost_model.compute import fused_away
-from ..cost_model.tensor_parallel import TPLayout, propagate
+from ..cost_model.tensor_parallel import TPLayout, replicated_layout
 from ..errors import AutoparError, ConfigError, InfeasiblePlanError
 from .sharding_layout import (GroupSolution, LayerGroup, assemble, consumers_of, evaluate_layout, layer_groups,
                               totals)
 from .sharding_problem import Boundary, GroupProblem, Pricing, Realised, build_problem, realise
-from .strategies import OpContext, R, S
+from .strategies import OpContext, R, S, spec_dim
 
 VARIANTS: tuple[str, ...] = ("fast", "lean")
+WHOLE_BATCH = "-whole-batch"    # suffix of a variant solved without splitting any batch dim (strategies.py)
 _US, _MB = 1e6, 1e-6            # the model's units: microseconds, megabytes
 _TIE = 1e-4                     # per strategy index, in the second objective's units
 _TIME_SLACK, _MEMORY_SLACK = 1e-6, 0.01
@@ -344,6 +349,7 @@ class ShardingSolver:
     fallbacks: list[str] = field(default_factory=list)   # solver failures and what replaced them
     _layouts: dict[tuple[int, str], TPLayout] = field(default_factory=dict, repr=False)
     _solutions: dict[tuple[int, str], list[GroupSolution]] = field(default_factory=dict, repr=False)
+    _contexts: dict[bool, OpContext] = field(default_factory=dict, repr=False)
 
     def layout(self, tp: int, variant: str = "fast") -> TPLayout:
         """The layout the ILP chooses for tensor-parallel degree ``tp`` (1: everything R/C)."""
@@ -351,7 +357,7 @@ class ShardingSolver:
         key = (tp, variant)
         if key not in self._layouts:
             if tp == 1:
-                self._layouts[key] = propagate(self.graph, 1)
+                self._layouts[key] = replicated_layout(self.graph)
             else:
                 self._layouts[key] = assemble(self.graph, tp, self.solutions(tp, variant))
         return self._layouts[key]
@@ -399,20 +405,31 @@ class ShardingSolver:
         return out
 
     def splits_batch(self, tp: int, variant: str) -> bool:
-        """Whether the layout splits the batch dim (data parallelism inside the tensor-parallel group):
-        then every micro-batch must hold a multiple of ``tp`` samples. The cost model does not check it."""
-        if tp == 1:
+        """Whether the layout splits a batch dim (data parallelism inside the tensor-parallel group): then
+        every micro-batch must hold a multiple of ``tp`` samples (the search gives the others the
+        variant's ``WHOLE_BATCH`` layout). The cost model does not check it."""
+        if tp == 1 or variant.endswith(WHOLE_BATCH):
             return False
-        b = self.graph.batch_size
-        return any(sol.boundary != R or any(
-            s.output == S(0) and node.batch_dependent and node.outputs[0].shape[:1] == (b,)
-            for node, s in zip(sol.problem.nodes, (sol.problem.strategies[k][j]
-                                                   for k, j in enumerate(sol.result.choice))))
-            for sol in self.solutions(tp, variant))
+        batch_dims = self._context(True).batch_dims
+        for sol in self.solutions(tp, variant):
+            if sol.boundary != R:
+                return True
+            for k, node in enumerate(sol.problem.nodes):
+                s = sol.problem.strategies[k][sol.result.choice[k]]
+                specs = [(node.name, s.output)] + list(zip(node.inputs, s.inputs))
+                if any(spec_dim(spec) in batch_dims.get(name, ()) for name, spec in specs):
+                    return True
+        return False
+
+    def _context(self, batch_split: bool) -> OpContext:
+        if batch_split not in self._contexts:
+            self._contexts[batch_split] = OpContext(self.graph, batch_split=batch_split)
+        return self._contexts[batch_split]
 
     def _solve_all(self, tp: int, variant: str) -> list[GroupSolution]:
         graph = self.graph
-        ctx = OpContext(graph)
+        ctx = self._context(not variant.endswith(WHOLE_BATCH))
+        variant = variant.removesuffix(WHOLE_BATCH)
         pricing = Pricing(graph, self.cluster, self.precision, tp, tp_group(self.cluster, tp), fused_away(graph))
         consumers = consumers_of(graph)
         groups = layer_groups(graph)
@@ -469,8 +486,9 @@ def _pick(options: Sequence[Sequence[GroupSolution]], variant: str) -> int:
 def _check(tp: int, variant: str) -> None:
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigError(f"tp={tp!r} must be an integer >= 1")
-    if variant not in VARIANTS:
-        raise ConfigError(f"variant={variant!r} is not one of {', '.join(map(repr, VARIANTS))}")
+    if variant.removesuffix(WHOLE_BATCH) not in VARIANTS:
+        raise ConfigError(f"variant={variant!r} is not one of {', '.join(map(repr, VARIANTS))} (or one of them "
+                          f"+ {WHOLE_BATCH!r})")
 
 
 def tp_group(cluster: Cluster, tp: int) -> GroupPlacement:
@@ -482,7 +500,7 @@ def tp_group(cluster: Cluster, tp: int) -> GroupPlacement:
     return place_axes(cluster, axes)["tp"]
 
 
-__all__ = ["ShardingSolver", "LayerGroup", "GroupSolution", "VARIANTS", "add_one_hot", "add_resharding",
+__all__ = ["ShardingSolver", "LayerGroup", "GroupSolution", "VARIANTS", "WHOLE_BATCH", "add_one_hot", "add_resharding",
            "add_partial_gradients", "add_param_consistency", "add_memory", "add_time", "solve_group",
            "layer_groups", "assemble", "lp_solvers", "ILPLimits", "greedy_choice", "tp_group", "totals",
            "evaluate_layout"]

@@ -145,6 +145,7 @@ def assemble(graph: OpGraph, tp: int, solutions: Sequence[GroupSolution]) -> TPL
     state: dict[str, str] = {gi.name: "R" for gi in graph.inputs}
     split: set[str] = set()
     replicated: list[str] = []
+    whole: list[str] = []
     comms: dict[int, list[TPComm]] = {}
     gemm: dict[str, str] = {}
     names: dict[str, str] = {}
@@ -160,16 +161,22 @@ def assemble(graph: OpGraph, tp: int, solutions: Sequence[GroupSolution]) -> TPL
                 if s.gemm and target.gemm is not None:
                     gemm[name] = s.gemm
                 split.update(pmap.get(p, p) for p, d in s.params if d is not None)
-                if node.params and target.kind.value in ("matmul", "conv", "embedding") and not any(
-                        d is not None for o in sol.problem.strategies[k] for p, d in o.params if p == node.params[0]):
-                    replicated.append(pmap.get(node.params[0], node.params[0]))  # no split of it divides by tp
+                if node.params and target.kind.value in ("matmul", "conv", "embedding", "view"):
+                    weight = max(node.params, key=lambda p: len(graph.params[p].shape) if p in graph.params else 0)
+                    if weight not in graph.params or len(graph.params[weight].shape) < 2:
+                        continue
+                    splittable = any(d is not None for o in sol.problem.strategies[k] for p, d in o.params
+                                     if p == weight)
+                    # no split of it divides by tp, or the ILP keeps it whole (replicating the op is cheaper)
+                    (whole if splittable else replicated).append(pmap.get(weight, weight))
             for owner, c in sol.result.comms:
                 name = nmap.get(owner, owner)
                 layer = graph.node(name).layer
                 comms.setdefault(layer, []).append(_tp_comm(name, c))
     replicated = [p for p in dict.fromkeys(replicated) if p not in split]
+    whole = [p for p in dict.fromkeys(whole) if p not in split and p not in replicated]
     return TPLayout(tp, state, frozenset(split), {k: tuple(v) for k, v in sorted(comms.items())},
-                    tuple(replicated), gemm, names, sequence_split_nodes(graph, state, tp))
+                    tuple(replicated), gemm, names, sequence_split_nodes(graph, state, tp), tuple(whole))
 
 
 def _tp_comm(name: str, c: Comm | tuple[str, int]) -> TPComm:

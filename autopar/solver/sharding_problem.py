@@ -115,7 +115,8 @@ def layout_state(node: OpNode, s: Strategy) -> str:
 @dataclass(frozen=True)
 class Boundary:
     """The spec of tensors that cross between layer groups: ``R``, or ``S(0)`` (split along dim 0, the
-    batch: data parallelism between groups) for batch-dependent tensors whose dim 0 divides by ``t``.
+    batch: data parallelism between groups) for batch-dependent tensors whose dim 0 may split ``t``
+    ways (strategies.OpContext.splittable).
     Graph inputs are always ``R`` (every rank has the batch; slicing it is free) and constants ``C``."""
 
     spec: str = R
@@ -127,8 +128,7 @@ class Boundary:
             return R
         node = ctx.graph.node(name)
         d = spec_dim(self.spec)
-        shape = node.outputs[0].shape
-        return self.spec if node.batch_dependent and d is not None and len(shape) > d and shape[d] % tp == 0 else R
+        return self.spec if node.batch_dependent and d is not None and ctx.splittable(name, d, tp) else R
 
 
 @dataclass(frozen=True)

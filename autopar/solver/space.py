@@ -12,8 +12,12 @@ combine the two yet; :func:`autopar.estimate` still prices cp x tp), expert para
 dividing both dp and the expert count of its mixture-of-experts layers. Recompute is chosen per stage by the stage DP (stages.py), so it is
 not a dimension here except for the interleaved schedule.
 
-``fixed`` pins any ParallelConfig field; a pinned value that cannot be used raises
-ConfigError saying why.
+``fixed`` pins any ParallelConfig field. The caps below (MAX_TP, MAX_CP, MAX_VIRTUAL_STAGES, no
+context with tensor parallelism, ZeRO only with data-parallel replicas) bound what the search
+explores on its own and never a pinned value; what the model and cluster rule out (a degree that
+does not divide the devices or place uniformly on the nodes, more stages than layers, chunks that
+do not divide the blocks...) is refused, naming the rule and the nearest values that work
+(:func:`pin_conflicts`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from ..errors import ConfigError
 MAX_TP = 64               # beyond 64-way tensor parallelism every layer of a real model is communication bound
 MAX_CP = 32               # the ring's per-step block (S / cp tokens) stops hiding its transfer long before
 MAX_VIRTUAL_STAGES = 8    # Megatron-LM's interleaving rarely pays beyond a few chunks per device
-_FIXABLE = tuple(f.name for f in fields(ParallelConfig) if f.name != "stage_recompute")
+_FIXABLE = tuple(f.name for f in fields(ParallelConfig))
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,10 @@ def check_fixed(fixed: Mapping[str, Any] | None) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"fixed has unknown field(s) {unknown}; it can pin: {', '.join(_FIXABLE)}")
     probe = dict(fixed)
+    if "stage_recompute" in probe:
+        probe["stage_recompute"] = tuple(probe["stage_recompute"])
+        if probe["stage_recompute"] and "pp" not in probe:
+            probe["pp"] = len(probe["stage_recompute"])
     if probe.get("schedule") == "interleaved" and "pp" not in probe:
         probe["pp"] = 2
     if probe.get("sequence_parallel") and "tp" not in probe:
@@ -87,7 +95,10 @@ def check_fixed(fixed: Mapping[str, Any] | None) -> dict[str, Any]:
     if "ep" in probe and "dp" not in probe:
         probe["dp"] = probe["ep"]
     ParallelConfig(**probe)  # raises ConfigError naming a bad value
-    return dict(fixed)
+    out = dict(fixed)
+    if "stage_recompute" in out:
+        out["stage_recompute"] = tuple(out["stage_recompute"])
+    return out
 
 
 def divisors(n: int) -> list[int]:
@@ -95,7 +106,10 @@ def divisors(n: int) -> list[int]:
 
 
 def recompute_modes(graph: OpGraph, fixed: Mapping[str, Any]) -> tuple[str, ...]:
-    """Modes worth trying: "selective" only when the graph has an unfused attention core."""
+    """Modes worth trying: "selective" only when the graph has an unfused attention core; the pinned
+    ones when ``stage_recompute`` or ``recompute`` is pinned."""
+    if fixed.get("stage_recompute"):
+        return tuple(dict.fromkeys(fixed["stage_recompute"]))
     if "recompute" in fixed:
         return (fixed["recompute"],)
     has_core = any(n.attention_core for n in graph.nodes)
@@ -121,7 +135,7 @@ def candidates(graph: OpGraph, cluster: Cluster, global_batch_size: int, variant
                 for schedule, v in _schedules(pp, blocks, fixed):
                     if schedule == "interleaved" and m % pp:
                         continue  # Megatron's interleaved order needs m to be a multiple of pp
-                    for zero in allowed("zero", [0, 1, 2, 3] if dp * cp > 1 else [0]):
+                    for zero in allowed("zero", [0, 1, 2, 3] if dp * cp > 1 or "zero" in fixed else [0]):
                         for sp in allowed("sequence_parallel", [False, True] if tp > 1 else [False]):
                             for variant in variants:
                                 yield Candidate(variant, dp, tp, pp, mb, schedule, v, zero, sp, cp, ep)
@@ -132,13 +146,15 @@ def _meshes(graph: OpGraph, n_dev: int, n_layers: int, fixed: Mapping[str, Any])
     def ok(name: str, value: int) -> bool:
         return name not in fixed or fixed[name] == value
 
-    for tp in (d for d in divisors(n_dev) if d <= MAX_TP and ok("tp", d)):
-        for cp in (d for d in divisors(n_dev // tp) if d <= MAX_CP and ok("cp", d)):
+    stages = len(fixed.get("stage_recompute") or ()) or None
+    for tp in (d for d in divisors(n_dev) if (d <= MAX_TP or "tp" in fixed) and ok("tp", d)):
+        for cp in (d for d in divisors(n_dev // tp) if (d <= MAX_CP or "cp" in fixed) and ok("cp", d)):
             if context_parallel.unsupported(graph, cp) is not None:
                 continue
-            if cp > 1 and tp > 1:
+            if cp > 1 and tp > 1 and not ("cp" in fixed and "tp" in fixed):
                 continue  # the runtime does not combine context and tensor parallelism yet (runtime/context.py)
-            for pp in (d for d in divisors(n_dev // (tp * cp)) if d <= n_layers and ok("pp", d)):
+            for pp in (d for d in divisors(n_dev // (tp * cp))
+                       if d <= n_layers and ok("pp", d) and stages in (None, d)):
                 dp = n_dev // (tp * cp * pp)
                 if ok("dp", dp):
                     yield tp, cp, pp, dp
@@ -160,5 +176,34 @@ def _schedules(pp: int, blocks: int, fixed: Mapping[str, Any]) -> list[tuple[str
         out = [("1f1b", 1)]
     else:
         out = [("1f1b", 1), ("gpipe", 1)]
-        out += [("interleaved", v) for v in range(2, MAX_VIRTUAL_STAGES + 1) if blocks and blocks % (pp * v) == 0]
+        most = max(MAX_VIRTUAL_STAGES, fixed.get("virtual_stages", 1))   # a pinned count is not capped
+        out += [("interleaved", v) for v in range(2, most + 1) if blocks and blocks % (pp * v) == 0]
     return [(s, v) for s, v in out if fixed.get("schedule", s) == s and fixed.get("virtual_stages", v) == v]
+
+
+# The rule behind each pinnable field, for the message when a pin matches no configuration.
+PIN_RULES = {
+    "dp": "dp * cp * tp * pp is the device count, dp divides the global batch",
+    "tp": "dp * cp * tp * pp is the device count and every mesh axis lands evenly on the nodes",
+    "pp": "dp * cp * tp * pp is the device count, pp is at most the model's layers",
+    "cp": "dp * cp * tp * pp is the device count and the model's fused attention and sequence split cp ways",
+    "ep": "ep divides dp and the experts of every mixture-of-experts layer",
+    "micro_batch_size": "dp x micro_batch_size divides the global batch (interleaved: the micro-batches per "
+                        "pipeline are a multiple of pp)",
+    "virtual_stages": "pp x virtual_stages divides the repeated blocks",
+    "schedule": "interleaved needs pp > 1 and pp x virtual_stages dividing the repeated blocks",
+    "zero": "any stage 0-3",
+    "sequence_parallel": "sequence parallelism needs tp > 1",
+}
+
+
+def nearest(values: set, pinned: Any) -> str:
+    """The valid values nearest a pinned one: the closest below and above (numbers), or all of them."""
+    if not values:
+        return "none with the other pins"
+    if isinstance(pinned, bool) or not isinstance(pinned, (int, float)):
+        return ", ".join(map(str, sorted(values, key=str)))
+    below = [v for v in values if v < pinned]
+    above = [v for v in values if v > pinned]
+    picks = ([max(below)] if below else []) + ([min(above)] if above else [])
+    return " or ".join(str(v) for v in picks)

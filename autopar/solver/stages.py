@@ -179,28 +179,30 @@ def _longest_run(tables: RunTables, flights: Sequence[int], memory: float) -> in
     return int((j - i).max()) + 1
 
 
-def _min_sum(b: Band, flights: Sequence[int], memory: float, x_bound: float,
-             y_bound: float) -> tuple[float, list[tuple[int, int, int]] | None]:
+def _min_sum(b: Band, flights: Sequence[int], memory: float, x_bound: float, y_bound: float,
+             pinned: Sequence[int] | None = None) -> tuple[float, list[tuple[int, int, int]] | None]:
     """min sum_k x_k under the bounds: ``(value, [(start, end, mode) per stage])`` or ``(inf, None)``."""
-    return _dp(b, lambda k: b.work, flights, memory, x_bound, y_bound, np.add)
+    return _dp(b, lambda k: b.work, flights, memory, x_bound, y_bound, np.add, pinned)
 
 
 def _min_max(b: Band, value: np.ndarray, flights: Sequence[int], memory: float,
-             x_bound: float = INF, y_bound: float = INF) -> float:
+             x_bound: float = INF, y_bound: float = INF, pinned: Sequence[int] | None = None) -> float:
     """min over partitions of max_k value_k (bottleneck DP), within memory and the bounds."""
-    return _dp(b, lambda k: value, flights, memory, x_bound, y_bound, np.maximum)[0]
+    return _dp(b, lambda k: value, flights, memory, x_bound, y_bound, np.maximum, pinned)[0]
 
 
 def _dp(b: Band, value_of, flights: Sequence[int], memory: float, x_bound: float, y_bound: float,
-        combine) -> tuple[float, list[tuple[int, int, int]] | None]:
+        combine, pinned: Sequence[int] | None = None) -> tuple[float, list[tuple[int, int, int]] | None]:
     """The DP of the module docstring with ``combine`` (np.add: min-sum; np.maximum: bottleneck);
-    ``value_of(k)`` gives stage ``k``'s (R, n, L) values."""
+    ``value_of(k)`` gives stage ``k``'s (R, n, L) values; ``pinned[k]``, when given, is the only
+    recompute mode (index into the tables' modes) stage ``k`` may use."""
     p, n = len(flights), b.work.shape[1]
     within = (b.work <= x_bound) & (b.tail <= y_bound) if np.isfinite(x_bound) or np.isfinite(y_bound) else None
     fits: dict[int, np.ndarray] = {}
     best = np.full(n + 1, INF)
     best[0] = 0.0 if combine is np.add else -INF
     rows = np.arange(n)
+    modes = np.arange(b.work.shape[0])[:, None, None]
     choice = []
     for k in range(p):
         f = flights[k]
@@ -208,7 +210,8 @@ def _dp(b: Band, value_of, flights: Sequence[int], memory: float, x_bound: float
             fits[f] = b.fixed_mem + f * b.act <= memory
             if within is not None:
                 fits[f] &= within
-        masked = np.where(fits[f], value_of(k), INF)
+        allowed = fits[f] if pinned is None else fits[f] & (modes == pinned[k])
+        masked = np.where(allowed, value_of(k), INF)
         mode = np.argmin(masked, axis=0)                                  # (n, L)
         cost = np.take_along_axis(masked, mode[None], axis=0)[0]
         prev = np.where(b.valid, best[b.start], INF)                      # stages 0..k-1 end before j - l
@@ -239,19 +242,28 @@ def step_of(tables: RunTables, runs: Sequence[tuple[int, int, int]], micro_batch
     return (micro_batches - 1) * max(x) + sum(x) + max(y)
 
 
+def pinned_modes(tables: RunTables, cfg: ParallelConfig) -> tuple[int, ...] | None:
+    """The tables' mode index each stage must use when ``cfg`` pins ``stage_recompute``, else None."""
+    if not cfg.stage_recompute:
+        return None
+    return tuple(tables.modes.index(mode) for mode in cfg.stage_recompute)
+
+
 def partition(tables: RunTables, cfg: ParallelConfig, micro_batches: int, memory: float) -> Partition | None:
-    """The exact optimum of the module docstring's problem, or None when no partition fits.
+    """The exact optimum of the module docstring's problem, or None when no partition fits. When
+    ``cfg.stage_recompute`` is set, stage ``k`` uses its mode ``cfg.stage_recompute[k]`` (pinned).
 
     With ``G(X) = min {sum x + max y : max x <= X}`` the step time is ``min_X (m - 1) X + G(X)``
     over the run works ``X``, and ``G(X) = min_Y S(X, Y) + Y`` over the run tails ``Y``. Both ``G``
     and ``S`` are non-increasing step functions, which :func:`_step_min` minimises by bisection."""
     flights = flights_of(cfg, micro_batches)
+    pinned = pinned_modes(tables, cfg)
     m = micro_batches
     longest = _longest_run(tables, flights, memory)
     if longest == 0:
         return None
     b = band(tables, longest)
-    x_min = _min_max(b, b.work, flights, memory)
+    x_min = _min_max(b, b.work, flights, memory, pinned=pinned)
     if not np.isfinite(x_min):
         return None
     works = np.unique(b.work[np.isfinite(b.work)])
@@ -259,10 +271,10 @@ def partition(tables: RunTables, cfg: ParallelConfig, micro_batches: int, memory
 
     def inner(x_bound: float):
         """G(X) by bisection over Y: (G, max work of its partition, its runs)."""
-        y_lo = _min_max(b, b.tail, flights, memory, x_bound)
+        y_lo = _min_max(b, b.tail, flights, memory, x_bound, pinned=pinned)
 
         def solve_y(y: float):
-            s_val, runs = _min_sum(b, flights, memory, x_bound, y)
+            s_val, runs = _min_sum(b, flights, memory, x_bound, y, pinned)
             y_used = max(tables.tail[r, i, j] for i, j, r in runs)
             return s_val, y_used, runs
         return _step_min(tails, y_lo, solve_y, slope=1.0)
@@ -331,9 +343,10 @@ def _below(values: np.ndarray, limit: float, inclusive: bool) -> float:
 
 
 def least_memory(tables: RunTables, cfg: ParallelConfig, micro_batches: int) -> tuple[float, tuple[str, ...]]:
-    """The smallest peak memory per device any partition (and per-stage recompute) of ``cfg``
-    reaches, and the recompute mode of each stage that reaches it."""
+    """The smallest peak memory per device any partition (and per-stage recompute, unless pinned) of
+    ``cfg`` reaches, and the recompute mode of each stage that reaches it."""
     flights = flights_of(cfg, micro_batches)
     b = band(tables, tables.work.shape[-1])
-    value, runs = _dp(b, lambda k: b.fixed_mem + flights[k] * b.act, flights, INF, INF, INF, np.maximum)
+    value, runs = _dp(b, lambda k: b.fixed_mem + flights[k] * b.act, flights, INF, INF, INF, np.maximum,
+                      pinned_modes(tables, cfg))
     return value, tuple(tables.modes[r] for _, _, r in runs) if runs else ()

@@ -1,8 +1,13 @@
 """Per-op sharding strategies on a 1-D tensor-parallel group of ``t`` ranks (Alpa, Zheng et al. 2022, sec. 4).
 
 A tensor's *spec*: ``R`` replicated, ``S(d)`` split along dim ``d`` in ``t`` contiguous
-blocks (offered only when ``shape[d] % t == 0``), ``P`` partial sums awaiting a reduction,
-``C`` a batch-independent constant (masks, rotary tables) that every rank has or makes.
+blocks, ``P`` partial sums awaiting a reduction, ``C`` a batch-independent constant (masks,
+rotary tables) that every rank has or makes. ``S(d)`` is offered when ``shape[d] % t == 0``,
+except on a *batch dim* (one whose size scales with the batch: dim 0 of the inputs, carried
+through the ops' dims maps), whose size at run time is the micro-batch's, not the example's:
+there it is offered exactly when the :class:`OpContext` allows batch splits. A layout that
+splits a batch dim runs only micro-batches that divide by ``t`` (the search knows); one solved
+without batch splits runs any. Either way the layout does not depend on the example's batch size.
 
 A :class:`Strategy` of an op fixes the spec it needs of each activation input, the spec of
 its output, the split dim of each parameter (``None``: whole), the GEMM dim the split
@@ -28,7 +33,9 @@ group). The rules by op class:
   source dims are not reduced (batch norm may split its batch dim: per-rank statistics, as
   DDP without SyncBatchNorm does); sum/mean/amax/amin also split a reduced dim and
   all-reduce their output (``split_reduce(d)``);
-- views: the producer's spec carried through the dims map (``P`` passes through);
+- views: the producer's spec carried through the dims map (``P`` passes through); a view of a
+  parameter (``W.t()``): whole, or split along a dim whose parameter dim divides (the parameter
+  split with it);
 - ops without a dims map: replicate only.
 """
 
@@ -96,13 +103,42 @@ class Strategy:
 
 @dataclass
 class OpContext:
-    """Shapes and gradient flags of every tensor of one graph, for strategy generation."""
+    """Shapes, gradient flags and batch dims of every tensor of one graph, for strategy generation.
+    ``batch_split``: whether a strategy may split a batch dim (module docstring)."""
 
     graph: OpGraph
+    batch_split: bool = True
     _inputs: dict[str, TensorMeta] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._inputs = {gi.name: gi.meta for gi in self.graph.inputs}
+
+    @cached_property
+    def batch_dims(self) -> Mapping[str, frozenset[int]]:
+        """Tensor name -> its dims whose size scales with the batch: dim 0 of a batched graph input,
+        then each op's output dims its dims maps take from an input's batch dim (a batch-dependent op
+        without a map, or whose map loses the batch, is taken to keep it in dim 0)."""
+        out = {gi.name: frozenset({0}) if gi.batch_dependent and gi.meta.shape else frozenset()
+               for gi in self.graph.inputs}
+        for node in self.graph.nodes:
+            dims: set[int] = set()
+            if node.batch_dependent and node.outputs[0].shape:
+                for i, src in enumerate(node.inputs[:len(node.dims)]):
+                    source = out.get(src, frozenset())
+                    dims.update(o for o, e in enumerate(node.dims[i]) if e in source)
+                if not dims:
+                    dims = {0}
+            out[node.name] = frozenset(dims)
+        return out
+
+    def splittable(self, name: str, dim: int, t: int) -> bool:
+        """Whether tensor ``name`` may be split ``t`` ways along ``dim`` (module docstring)."""
+        shape = self.meta(name).shape
+        if not 0 <= dim < len(shape):
+            return False
+        if dim in self.batch_dims.get(name, ()):
+            return self.batch_split
+        return shape[dim] % t == 0
 
     def meta(self, name: str) -> TensorMeta:
         if name in self.graph.node_index:
@@ -130,6 +166,8 @@ def replicate(node: OpNode) -> Strategy:
 
 def node_strategies(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     """Every strategy of ``node`` on ``t`` ranks, replicate first (a constant node has one: ``const``)."""
+    if not node.inputs and node.param_dims and t > 1 and not ctx.is_const(node.name):
+        return _param_view(ctx, node, t)
     if not node.inputs or ctx.is_const(node.name):
         return [Strategy("const", tuple(C for _ in node.inputs), C, tuple((p, None) for p in node.params))]
     if t == 1 or not node.dims:
@@ -160,11 +198,6 @@ def node_strategies(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     return out
 
 
-def _divisible(ctx: OpContext, name: str, dim: int, t: int) -> bool:
-    shape = ctx.meta(name).shape
-    return 0 <= dim < len(shape) and shape[dim] % t == 0
-
-
 def _partial(ctx: OpContext, node: OpNode, specs: tuple[str, ...], out_dim: int) -> tuple[int, ...]:
     """Inputs kept whole (R) while the output splits along ``out_dim``: their gradient sums over it."""
     return tuple(i for i, name in enumerate(node.inputs)
@@ -184,8 +217,7 @@ def _param_dim(ctx: OpContext, node: OpNode, fqn: str, out_dim: int) -> int | No
 def _split_along(ctx: OpContext, node: OpNode, t: int, d: int, allow_reduced: bool = False
                  ) -> tuple[str, ...] | None:
     """Required input specs for an output split along ``d``, or None when not possible."""
-    out = node.outputs[0].shape
-    if out[d] % t:
+    if not ctx.splittable(node.name, d, t):
         return None
     specs, mapped = [], False
     for i, name in enumerate(node.inputs):
@@ -193,7 +225,7 @@ def _split_along(ctx: OpContext, node: OpNode, t: int, d: int, allow_reduced: bo
         if e < 0 or ctx.is_const(name) and ctx.meta(name).shape[e] % t:
             specs.append(R)
             continue
-        if not _divisible(ctx, name, e, t) or (i == 0 and e in node.reduced and not allow_reduced):
+        if not ctx.splittable(name, e, t) or (i == 0 and e in node.reduced and not allow_reduced):
             return None
         specs.append(S(e))
         mapped = True
@@ -232,12 +264,25 @@ def _view(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     src = ctx.meta(node.inputs[0]).shape
     dims = node.dims[0]
     for e in range(len(src)):
-        if src[e] % t:
+        if not ctx.splittable(node.inputs[0], e, t):
             continue
         d = next((d for d, m in enumerate(dims) if m == e), None)
-        if d is None or node.outputs[0].shape[d] % t:
+        if d is None or not ctx.splittable(node.name, d, t):
             continue
         out.append(Strategy("view", (S(e),) + rest, S(d), ()))
+    return out
+
+
+def _param_view(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
+    """A view of a parameter (``W.t()`` that a matmul reads, as Falcon's and many hand-written linears
+    do): whole (its gradient gathered whole when a consumer splits it), or split along an output dim
+    whose parameter dim divides by ``t`` (the parameter split with it, as a column or row split of
+    the matmul it feeds)."""
+    out = [Strategy("replicate", (), R, tuple((p, None) for p in node.params))]
+    for d in range(len(node.outputs[0].shape)):
+        dims = [m[d] for m in node.param_dims]
+        if all(e >= 0 and ctx.param_meta[p].shape[e] % t == 0 for p, e in zip(node.params, dims)):
+            out.append(Strategy(f"split({d})", (), S(d), tuple(zip(node.params, dims))))
     return out
 
 
@@ -257,7 +302,7 @@ def _linear(ctx: OpContext, node: OpNode, t: int, weight: str) -> list[Strategy]
             ctx.param_meta[p].shape[0] % t == 0 for p in node.params if p != weight):
         res.append(Strategy("column", (R,), S(len(out) - 1), dims(n_dim, True), "n",
                             partial=(0,) if ctx.requires_grad(x) else ()))
-    if w[k_dim] % t == 0 and _divisible(ctx, x, xk, t):
+    if w[k_dim] % t == 0 and ctx.splittable(x, xk, t):
         res.append(Strategy("row", (S(xk),), P, dims(k_dim, False), "k"))
     step = sum(ctx.param_meta[p].numel for p in node.params)
     for d in range(len(out) - 1):
@@ -270,7 +315,7 @@ def _linear(ctx: OpContext, node: OpNode, t: int, weight: str) -> list[Strategy]
 def _contract(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     """Both operands split along the contracted dim: partial output."""
     a, b = (ctx.meta(n).shape for n in node.inputs)
-    if len(a) < 2 or len(b) < 2 or a[-1] % t:
+    if len(a) < 2 or len(b) < 2 or not ctx.splittable(node.inputs[0], len(a) - 1, t):
         return []
     return [Strategy("contract", (S(len(a) - 1), S(len(b) - 2)), P, (), "k")]
 
@@ -295,7 +340,7 @@ def _conv(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     out = node.outputs[0].shape
     res = [replicate(node)]
     step = sum(ctx.param_meta[p].numel for p in node.params)
-    if out[0] % t == 0 and xs[0] % t == 0:
+    if ctx.splittable(node.name, 0, t) and ctx.splittable(x, 0, t):
         res.append(Strategy("split(0)", (S(0),), S(0), tuple((p, None) for p in node.params), "m", step=step))
     plain = len(w) >= 3 and out[1] == w[0] and xs[1] == w[1]   # groups == 1, not transposed
     if plain and w[0] % t == 0:
@@ -334,19 +379,19 @@ def _loss(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     base = op_base(node)
     rest = tuple(R for _ in node.inputs[1:])
     rows = out.numel if out.shape else max(1, logits.numel // max(1, logits.shape[cls]))
-    if base in _VOCAB_LOSSES and len(node.reduced) == 1 and logits.shape[cls] % t == 0:
+    if base in _VOCAB_LOSSES and len(node.reduced) == 1 and ctx.splittable(node.inputs[0], cls, t):
         res.append(Strategy("vocab", (S(cls),) + rest, R, (),
                             comms=(Comm("all_reduce", "fwd", _VOCAB_LOSSES[base] * rows, node.batch_dependent),)))
     if out.shape:
         return res + [s for s in _generic(ctx, node, t)[1:]]
     for d in range(len(logits.shape)):
-        if d in node.reduced and base in _VOCAB_LOSSES or logits.shape[d] % t:
+        if d in node.reduced and base in _VOCAB_LOSSES or not ctx.splittable(node.inputs[0], d, t):
             continue
         specs = [S(d)]
         for name in node.inputs[1:]:
             shape = ctx.meta(name).shape
             e = d if len(shape) == len(logits.shape) else (d if d < cls else d - 1)
-            if not (0 <= e < len(shape)) or shape[e] % t:
+            if not ctx.splittable(name, e, t):
                 specs = None
                 break
             specs.append(S(e))
@@ -361,7 +406,7 @@ def _reduce_split(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     x = node.inputs[0]
     res = []
     for e in node.reduced:
-        if _divisible(ctx, x, e, t):
+        if ctx.splittable(x, e, t):
             res.append(Strategy(f"split_reduce({e})", (S(e),) + tuple(R for _ in node.inputs[1:]), R, (),
                                 comms=(Comm("all_reduce", "fwd", max(1, node.outputs[0].numel),
                                             node.batch_dependent),)))

@@ -1,6 +1,6 @@
 """Property-based checks (hypothesis) of the cost model, the solver and the plan file format.
 
-Cost model (``estimate_plan``), on three small graphs captured once per module: a GPT with
+Cost model (``estimate_plan``, with the sharding ILP's layouts), on three small graphs captured once per module: a GPT with
 eager attention (selective recomputation has an attention core to drop), a Mixtral-style MoE
 with fused attention (context and expert parallelism apply) and a plain MLP (no attention, every
 layer recomputable). Configurations are drawn valid by construction (``configs`` below): any
@@ -36,11 +36,12 @@ from autopar.capture import OpKind, capture
 from autopar.capture.structure import Anchor, ModelStructure
 from autopar.cluster import COLLECTIVE_NAMES, DEVICE_PRESETS, CollectiveFit, Device, Link
 from autopar.config import RECOMPUTE_MODES, Precision
-from autopar.cost_model import context_parallel, estimate_plan, expert_parallel
+from autopar.cost_model import Estimator, context_parallel, estimate_plan, expert_parallel
+from autopar.cost_model.layer_cost import LayerCostModel
 from autopar.cost_model.memory import MemoryBreakdown
 from autopar.models import GPTConfig, MixtralConfig, build_gpt, build_mixtral, build_mlp
 from autopar.plan import Alternative, Stage, TimeBreakdown
-from autopar.solver import solve
+from autopar.solver import ShardingSolver, solve
 
 GPT = GPTConfig(vocab_size=256, hidden=128, heads=4, layers=4, seq_len=64, dropout=0.0)   # eager attention
 MOE = MixtralConfig(vocab_size=256, hidden=64, heads=4, kv_heads=2, layers=2, ffn_hidden=128, seq_len=32,
@@ -113,6 +114,23 @@ def configs(draw, graph, devices: int, micro_batch_multiple: int = 1, zero: int 
     return cfg, dp * mbs * m
 
 
+_SOLVERS: dict = {}
+
+
+def _estimate(graph, cluster: Cluster, cfg: ParallelConfig, gbs: int, chunks=None, layouts_from: Cluster | None = None):
+    """``estimate_plan`` with the sharding ILP's layout (its ``fast-whole-batch`` variant, which runs any
+    micro-batch) solved on ``layouts_from`` (default ``cluster``): comparisons between two clusters
+    price the same layout, so that they test the cost model, not the ILP's choice."""
+    source = layouts_from or cluster
+    key = (id(graph), source)
+    if key not in _SOLVERS:
+        _SOLVERS[key] = ShardingSolver(graph, source, Precision.for_device(source.device.name))
+    precision = Precision.for_device(cluster.device.name)
+    layers = LayerCostModel(graph, cluster, precision, layout_fn=_SOLVERS[key].layout_fn("fast-whole-batch"))
+    return estimate_plan(graph, cluster, cfg, gbs, precision, Estimator(graph, cluster, precision, layers),
+                         chunks=chunks)
+
+
 def _chunks(plan: Plan, graph) -> list[list[int]]:
     """The plan's layer partition as ``estimate_plan(chunks=...)`` takes it: model chunk ``c`` is
     chunk ``c // pp`` of pipeline device ``c % pp``."""
@@ -149,8 +167,9 @@ def test_more_bandwidth_is_never_slower(graphs, data, shape, model, intra, inter
         return dataclasses.replace(cl, intra_node=dataclasses.replace(cl.intra_node, overlap=overlap),
                                    inter_node=dataclasses.replace(cl.inter_node, overlap=overlap))
 
-    slow = estimate_plan(graph, cluster(intra, inter), cfg, gbs)
-    fast = estimate_plan(graph, cluster(intra * more_intra, inter * more_inter), cfg, gbs)
+    slow = _estimate(graph, cluster(intra, inter), cfg, gbs)
+    fast = _estimate(graph, cluster(intra * more_intra, inter * more_inter), cfg, gbs,
+                     layouts_from=cluster(intra, inter))
     assert fast.step_time <= slow.step_time * (1 + 1e-9), (cfg.short(), slow.breakdown, fast.breakdown)
 
 
@@ -162,8 +181,9 @@ def test_uneven_mesh_is_priced(graphs):
     valid configuration. It is now priced, and no cheaper than the same configuration inside one
     node of 12 (every hop over NVLink)."""
     cfg = ParallelConfig(dp=3, tp=4)
-    two_nodes = estimate_plan(graphs["gpt"], Cluster.from_spec("2x6xA100-80GB"), cfg, 3)
-    one_node = estimate_plan(graphs["gpt"], Cluster.from_spec("1x12xA100-80GB"), cfg, 3)
+    two_nodes = _estimate(graphs["gpt"], Cluster.from_spec("2x6xA100-80GB"), cfg, 3)
+    one_node = _estimate(graphs["gpt"], Cluster.from_spec("1x12xA100-80GB"), cfg, 3,
+                         layouts_from=Cluster.from_spec("2x6xA100-80GB"))
     assert two_nodes.breakdown.dp_comm > one_node.breakdown.dp_comm > 0
     assert two_nodes.step_time > one_node.step_time
 
@@ -198,9 +218,9 @@ def test_more_devices_never_more_memory_per_device(graphs, data, shape, model, g
                          label="config")
     small = Cluster.from_spec(_spec(nodes, per_node, device))
     big = Cluster.from_spec(_spec(2 * nodes, per_node, device) if grow_nodes else _spec(nodes, 2 * per_node, device))
-    a = estimate_plan(graph, small, cfg, gbs)
-    b = estimate_plan(graph, big, dataclasses.replace(cfg, dp=2 * cfg.dp), 2 * gbs if scale_batch else gbs,
-                      chunks=_chunks(a, graph))
+    a = _estimate(graph, small, cfg, gbs)
+    b = _estimate(graph, big, dataclasses.replace(cfg, dp=2 * cfg.dp), 2 * gbs if scale_batch else gbs,
+                  chunks=_chunks(a, graph), layouts_from=small)
     assert b.micro_batches == (a.micro_batches if scale_batch else a.micro_batches // 2)
     assert [s.layers for s in b.stages] == [s.layers for s in a.stages]
     for sa, sb in zip(a.stages, b.stages):
@@ -246,7 +266,7 @@ def test_higher_zero_stage_never_more_memory(graphs, data, shape, model):
     graph = graphs[model]
     cfg, gbs = data.draw(configs(graph, nodes * per_node, zero=0), label="config")
     cluster = Cluster.from_spec(_spec(nodes, per_node, device))
-    plans = [estimate_plan(graph, cluster, dataclasses.replace(cfg, zero=k), gbs) for k in range(4)]
+    plans = [_estimate(graph, cluster, dataclasses.replace(cfg, zero=k), gbs) for k in range(4)]
     w = plans[0].precision.weight_bytes
     for k in range(3):
         for lo, hi in zip(plans[k].stages, plans[k + 1].stages):
@@ -488,5 +508,5 @@ def test_estimated_plan_json_round_trip(graphs, plan_dir, data, shape, model):
     ``load_plan``, and written back as the same text."""
     nodes, per_node, device = shape
     cfg, gbs = data.draw(configs(graphs[model], nodes * per_node), label="config")
-    plan = estimate_plan(graphs[model], Cluster.from_spec(_spec(nodes, per_node, device)), cfg, gbs)
+    plan = _estimate(graphs[model], Cluster.from_spec(_spec(nodes, per_node, device)), cfg, gbs)
     _check_round_trip(plan, plan_dir)

@@ -9,7 +9,7 @@ from torch import nn
 from autopar.capture import OpGraph, OpKind, capture
 from autopar.config import Precision
 from autopar.cost_model.memory import ActivationModel, saved_owner
-from autopar.cost_model.tensor_parallel import propagate
+from autopar.cost_model.tensor_parallel import replicated_layout
 from autopar.models import (GPTConfig, LlamaConfig, build_gpt, build_hf_bert, build_hf_gpt2, build_hf_llama,
                             build_llama, build_mlp, build_resnet)
 
@@ -208,7 +208,7 @@ def test_conv_flops(zoo) -> None:
 def test_gpt_block_activations_match_korthikanti(gpt_eager) -> None:
     _, graph = gpt_eager
     owner = saved_owner(graph)
-    acts = ActivationModel(graph, propagate(graph, 1), Precision())
+    acts = ActivationModel(graph, replicated_layout(graph), Precision())
     sbh = S * B * H
     korthikanti = sbh * (34 + 5 * A * S / H)  # bytes, 16-bit activations, 1-byte dropout masks
     blocks = [layer for layer in graph.layers if layer.is_block]

@@ -15,7 +15,7 @@ tf = pytest.importorskip("transformers")
 
 import autopar  # noqa: E402
 from autopar.capture import capture  # noqa: E402
-from autopar.cost_model import estimate_plan  # noqa: E402
+from autopar.solver import price  # noqa: E402
 from autopar.solver import solve  # noqa: E402
 
 COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -44,7 +44,7 @@ def test_decoder_captures_with_cache_on(arch: str) -> None:
     assert graph.param_numel == sum(p.numel() for p in model.parameters())
     assert len(graph.layers) >= 3  # embedding, the two decoder layers (one each, or one family), head
     assert graph.flops_fwd > 0 and graph.flops_bwd > 0
-    plan = estimate_plan(graph, autopar.Cluster.from_spec("1x2xA100-80GB"), autopar.ParallelConfig(tp=2), 4)
+    plan = price(graph, autopar.Cluster.from_spec("1x2xA100-80GB"), autopar.ParallelConfig(tp=2), 4)
     assert plan.step_time > 0 and plan.fits
     # the solver (sharding ILP included) plans every family, free and with tensor parallelism pinned
     for fixed in (None, {"tp": 2, "pp": 2}):

@@ -44,7 +44,7 @@ def test_summary_table(pipelined):
         if name in OPTIONAL_BREAKDOWN and not value:   # context/expert parallel parts: only when present
             assert BREAKDOWN_LABELS[name] not in text
             continue
-        row = re.search(rf"^  {re.escape(BREAKDOWN_LABELS[name])} +(\S+ ?\S*) +([0-9.]+)%", text, re.M)
+        row = re.search(rf"^  {re.escape(BREAKDOWN_LABELS[name])} +(\S+(?: [a-zA-Z]+)?) +([0-9.]+)%", text, re.M)
         assert row and row.group(1) == seconds(value)
         assert float(row.group(2)) == pytest.approx(value / pipelined.step_time * 100, abs=0.051)
     stage_rows = [line for line in text.splitlines() if re.match(r"^ +\d+ +[0-9.]+ +[0-9.]+", line)]

@@ -11,6 +11,7 @@ import itertools
 
 from autopar.config import ParallelConfig
 from autopar.cost_model import context_parallel, estimate_plan, expert_parallel
+from autopar.solver.sharding import WHOLE_BATCH
 from autopar.solver.space import divisors, placeable
 
 
@@ -64,9 +65,11 @@ def all_plans(search):
         est = search.estimator(variant)
 
         def valid(cfg, variant=variant):
-            """The space's rules: uniform placement; a batch-splitting layout needs mb % tp == 0."""
-            return placeable(cluster, cfg) and not (cfg.micro_batch_size % cfg.tp
-                                                    and search.splits_batch(cfg.tp, variant))
+            """The space's rules: uniform placement; a layout that splits the batch runs micro-batches
+            that divide by tp, and its WHOLE_BATCH sibling the ones that do not."""
+            base = variant.removesuffix(WHOLE_BATCH)
+            uneven = cfg.micro_batch_size % cfg.tp and search.splits_batch(cfg.tp, base)
+            return placeable(cluster, cfg) and bool(uneven) == (variant != base)
         for cfg, chunks in configs(graph, cluster.devices, gbs, search.modes, valid):
             plan = estimate_plan(graph, cluster, cfg, gbs, search.precision, est, chunks=chunks)
             out.append((plan.step_time, plan.peak_memory, cfg))

@@ -17,7 +17,7 @@ from autopar.capture import capture
 from autopar.cluster import Cluster
 from autopar.config import Precision
 from autopar.cost_model.layer_cost import LayerCostModel
-from autopar.cost_model.tensor_parallel import propagate
+from autopar.cost_model.tensor_parallel import megatron_layout, replicated_layout
 from autopar.errors import AutoparError, ConfigError
 from autopar.models import GPTConfig, LlamaConfig, build_gpt, build_llama, registry
 from autopar.solver.sharding import ShardingSolver, evaluate_layout, solve_group, tp_group
@@ -161,7 +161,7 @@ def test_llama_70b_beats_megatron_only_around_the_rms_norm():
         ["column", "column", "row"]
     assert _one(graph, ops, "layers.0.attn.o_proj")["strategy"] == "row"
     assert next(ops[n.name] for n in graph.nodes if n.kind.value == "attention")["strategy"] == "split(1)"
-    megatron = propagate(graph, 8)
+    megatron = megatron_layout(graph, 8)
     block = solver.solutions(8, "fast")[1]
     rules = evaluate_layout(block, megatron)
     assert block.result.time < rules.time * 0.99
@@ -186,7 +186,7 @@ def test_resnet50_is_data_parallel(tp):
 def test_ilp_never_worse_than_megatron(gpt, llama):
     """Megatron's layout priced by the same group ILPs costs at least the ILP's optimum."""
     for graph, solver in (gpt, llama):
-        megatron = propagate(graph, 8)
+        megatron = megatron_layout(graph, 8)
         for sol in solver.solutions(8, "fast"):
             rules = evaluate_layout(sol, megatron)
             ilp = sol.result
@@ -200,7 +200,7 @@ def test_block_time_equals_cost_model(gpt):
     graph, solver = gpt
     cluster = Cluster.from_spec(A100x8)
     group = tp_group(cluster, 8)
-    for fn in (solver.layout_fn("fast"), propagate):
+    for fn in (solver.layout_fn("fast"), megatron_layout):
         costs = LayerCostModel(graph, cluster, Precision(), layout_fn=fn)
         for sol in solver.solutions(8, "fast"):
             layers = list(sol.group.solved) + [c[0] for c in sol.group.copies]
@@ -233,7 +233,7 @@ def test_lean_uses_no_more_memory(gpt):
 
 def test_api_contract(gpt):
     graph, solver = gpt
-    assert solver.layout(1) == propagate(graph, 1)
+    assert solver.layout(1) == replicated_layout(graph)
     assert not solver.splits_batch(8, "fast")                            # one sample: nothing to split
     assert solver.layout(8, "fast") is solver.layout(8, "fast")           # cached
     assert solver.solves >= 2 and solver.seconds > 0
