@@ -40,6 +40,16 @@ H100_MATMUL_HALF_DIM = 64.0
 H100_MEMORY_EFFICIENCY = 0.8
 H100_KERNEL_OVERHEAD = 5e-6
 
+# overlap_slowdown: compute lost per second of a collective running beside it. NCCL runs one thread
+# block per channel, each holding an SM for the collective's duration; FSDP's all-gather on an H100
+# launches 24 (a public Nsight trace, NVIDIA developer forums 2025), so compute beside it loses
+# 24 of the SMs: 24/80 (V100), 24/108 (A100), 24/132 (H100). Not fitted (the public step times
+# barely depend on it); BENCHMARKS.md lists it among what stays unmeasured.
+NCCL_BLOCKS = 24
+V100_OVERLAP_SLOWDOWN = NCCL_BLOCKS / 80
+A100_OVERLAP_SLOWDOWN = NCCL_BLOCKS / 108
+H100_OVERLAP_SLOWDOWN = NCCL_BLOCKS / 132
+
 CPU_MATMUL_EFFICIENCY = 0.5  # placeholders until Cluster.local() profiles this machine
 CPU_MATMUL_HALF_DIM = 32.0
 CPU_MEMORY_EFFICIENCY = 0.5
@@ -101,6 +111,11 @@ class Device:
     """The same per op of the backward pass (measured; 0 for presets)."""
     threads: int = 0
     """CPU threads per rank the measured figures hold for (profiler, CPU only); 0 when not measured."""
+    overlap_slowdown: float = 0.0
+    """Seconds of compute lost per second of a collective it overlaps, in [0, 1): communication
+    kernels take SMs and memory bandwidth from the compute beside them, so a hidden collective still
+    costs this share of its time (cost_model/estimator.py). 0: the overlap is free (CPU ranks, whose
+    measured ``Link.overlap`` already says what gloo's threads take)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -122,6 +137,9 @@ class Device:
             _check_number("Device", name, getattr(self, name), at_most_one=True)
         for name in ("matmul_half_dim", "kernel_overhead", "dispatch_overhead", "dispatch_overhead_backward"):
             _check_number("Device", name, getattr(self, name), allow_zero=True)
+        _check_number("Device", "overlap_slowdown", self.overlap_slowdown, allow_zero=True, at_most_one=True)
+        if self.overlap_slowdown >= 1:
+            raise ConfigError(f"Device.overlap_slowdown={self.overlap_slowdown!r} is out of range: it must be in [0, 1)")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
             raise ConfigError(f"Device.threads={self.threads!r} is out of range: it must be an integer >= 0")
         if not isinstance(self.source, str):
@@ -130,7 +148,8 @@ class Device:
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory, self.memory_bandwidth,
                      self.source, self.matmul_efficiency, self.matmul_half_dim, self.memory_efficiency,
-                     self.kernel_overhead, self.dispatch_overhead, self.dispatch_overhead_backward, self.threads))
+                     self.kernel_overhead, self.dispatch_overhead, self.dispatch_overhead_backward, self.threads,
+                     self.overlap_slowdown))
 
     @property
     def is_cpu(self) -> bool:
@@ -173,6 +192,29 @@ class CollectiveFit:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Protocol:
+    """One of a collective library's ways of moving a ring's data over a link (NCCL's LL, LL128 and
+    Simple): seconds a call costs before any byte moves, seconds each ring step adds, and the share
+    of the link's achievable bandwidth it reaches. The cost model prices every call with the
+    fastest protocol, as NCCL's tuner does (cost_model/comm.py)."""
+
+    name: str
+    base_latency: float
+    """Seconds per call."""
+    step_latency: float
+    """Seconds per ring step (per tree level for a tree)."""
+    bandwidth_fraction: float
+    """Share of the link's achievable bandwidth, in (0, 1]."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"Protocol.name={self.name!r} must be a non-empty string")
+        _check_number("Protocol", "base_latency", self.base_latency, allow_zero=True)
+        _check_number("Protocol", "step_latency", self.step_latency, allow_zero=True)
+        _check_number("Protocol", "bandwidth_fraction", self.bandwidth_fraction, at_most_one=True)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Link:
     """A communication path, per device and per direction."""
 
@@ -196,6 +238,15 @@ class Link:
     collectives: Mapping[str, CollectiveFit] = field(default_factory=dict)
     """Measured fits per collective (keys from COLLECTIVE_NAMES) that replace ``latency`` and
     ``bandwidth * efficiency`` for that collective; empty for presets. Stored read-only."""
+    protocols: tuple[Protocol, ...] = ()
+    """The ring protocols of the link's collective library (GPU presets: NCCL's LL, LL128, Simple);
+    empty: one protocol of ``latency`` per step at the full achievable bandwidth (gloo, measured
+    links, a user's alpha-beta). A collective with a measured fit uses the fit."""
+    sharp_bandwidth: float = 0.0
+    """All-reduce bus bandwidth (bytes/s, achieved) of in-switch reduction inside one node (NVLink
+    SHARP, NCCL's NVLS); 0 when the link has none."""
+    sharp_latency: float = 0.0
+    """Seconds per in-switch all-reduce call beyond its bandwidth term."""
 
     def __post_init__(self) -> None:
         _check_number("Link", "bandwidth", self.bandwidth)
@@ -216,11 +267,22 @@ class Link:
             if not isinstance(fits[kind], CollectiveFit):
                 raise ConfigError(f"Link.collectives[{kind!r}]={fit!r} must be a CollectiveFit")
         object.__setattr__(self, "collectives", MappingProxyType(fits))
+        if not isinstance(self.protocols, (tuple, list)):
+            raise ConfigError(f"Link.protocols={self.protocols!r} must be a sequence of Protocol")
+        protocols = tuple(Protocol(**p) if isinstance(p, Mapping) else p for p in self.protocols)
+        if not all(isinstance(p, Protocol) for p in protocols):
+            raise ConfigError(f"Link.protocols={self.protocols!r} must be a sequence of Protocol")
+        if len({p.name for p in protocols}) != len(protocols):
+            raise ConfigError(f"Link.protocols {[p.name for p in protocols]} repeat a name: give each protocol once")
+        object.__setattr__(self, "protocols", protocols)
+        _check_number("Link", "sharp_bandwidth", self.sharp_bandwidth, allow_zero=True)
+        _check_number("Link", "sharp_latency", self.sharp_latency, allow_zero=True)
 
     def __hash__(self) -> int:
         return hash((self.bandwidth, self.latency, self.efficiency, self.overlap, self.context_latency,
                      self.context_latency_p2p, self.name, tuple(sorted(
-            (k, v.latency, v.bandwidth) for k, v in self.collectives.items()))))
+            (k, v.latency, v.bandwidth) for k, v in self.collectives.items())), self.protocols,
+            self.sharp_bandwidth, self.sharp_latency))
 
     @property
     def effective_bandwidth(self) -> float:
@@ -237,10 +299,20 @@ class Link:
         fit = self.collectives.get(collective)
         return fit.latency if fit is not None else self.latency
 
+    def ring_protocols(self, collective: str) -> tuple[Protocol, ...]:
+        """The protocols a ring ``collective`` may run with on this link: the measured fit's, else
+        ``protocols``, else one of ``latency`` per step at the full achievable bandwidth."""
+        fit = self.collectives.get(collective)
+        if fit is not None or not self.protocols:
+            return (Protocol(name="ring", base_latency=0.0, step_latency=self.step_latency(collective),
+                             bandwidth_fraction=1.0),)
+        return self.protocols
+
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["collectives"] = {k: {"latency": v.latency, "bandwidth": v.bandwidth}
                                for k, v in self.collectives.items()}
+        data["protocols"] = [dataclasses.asdict(p) for p in self.protocols]
         return data
 
     @classmethod
@@ -251,15 +323,19 @@ class Link:
 # --- Device presets (calibration.md section 6, vendor datasheets) -----------------------------
 def _gpu(name: str, *, bf16: float, fp32: float, tf32: float | None, memory: float, hbm: float, source: str,
          family: str) -> Device:
-    consts = {"V100": (V100_MATMUL_EFFICIENCY, V100_MATMUL_HALF_DIM, V100_MEMORY_EFFICIENCY, V100_KERNEL_OVERHEAD),
-              "A100": (A100_MATMUL_EFFICIENCY, A100_MATMUL_HALF_DIM, A100_MEMORY_EFFICIENCY, A100_KERNEL_OVERHEAD),
-              "H100": (H100_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD)}
-    mm, half, mem, overhead = consts[family]
+    consts = {"V100": (V100_MATMUL_EFFICIENCY, V100_MATMUL_HALF_DIM, V100_MEMORY_EFFICIENCY, V100_KERNEL_OVERHEAD,
+                       V100_OVERLAP_SLOWDOWN),
+              "A100": (A100_MATMUL_EFFICIENCY, A100_MATMUL_HALF_DIM, A100_MEMORY_EFFICIENCY, A100_KERNEL_OVERHEAD,
+                       A100_OVERLAP_SLOWDOWN),
+              "H100": (H100_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD,
+                       H100_OVERLAP_SLOWDOWN)}
+    mm, half, mem, overhead, slowdown = consts[family]
     peaks = {"fp32": fp32, "bf16": bf16, "fp16": bf16}
     if tf32 is not None:
         peaks["tf32"] = tf32
     return Device(name=name, peak_flops=peaks, memory=memory, memory_bandwidth=hbm, source=source,
-                  matmul_efficiency=mm, matmul_half_dim=half, memory_efficiency=mem, kernel_overhead=overhead)
+                  matmul_efficiency=mm, matmul_half_dim=half, memory_efficiency=mem, kernel_overhead=overhead,
+                  overlap_slowdown=slowdown)
 
 
 _V100_SRC = ("NVIDIA V100 SXM2 datasheet: 125 TFLOP/s fp16 tensor core, 15.7 fp32, 900 GB/s HBM2; V100 has no "
@@ -290,28 +366,52 @@ DEVICE_PRESETS: Mapping[str, Device] = MappingProxyType({
 })
 
 # --- Link presets per device family (DGX-class nodes of 8 devices) ----------------------------
-# NVLink latency: 1 us per ring step. The 8-byte all-reduce on 8 H100s takes 13.67 us for
-# 2(n-1) = 14 ring steps (calibration.md section 5), i.e. about 1 us each; the same NCCL
-# protocol is assumed on earlier NVLink generations. Inter-node: 10 us per message (IB RDMA plus
-# NCCL proxy), 5 us of wire latency being the floor.
+# NCCL's three ring protocols (its tuning model, src/graph/tuning.cc, documents per-step latencies
+# by link type; the values below are ours, checked against calibration.md section 5 by
+# bench/fidelity_published.py). LL moves 8-byte flag+data words: low latency, a fraction of the
+# bandwidth; LL128 128-byte lines; Simple whole chunks at full bandwidth with the most latency.
+# - NVLink: per-step 0.6 us (LL), 1.9 us (LL128), 3.4 us (Simple); per call 14 us (LL128) and
+#   8.4 us (Simple), from NCCL's model. LL's call latency (5.27 us) and bandwidth share (0.363) are
+#   fitted on the 8-byte and 1 MiB rows of the 8 x H100 all-reduce table (13.67 and 27.37 us).
+#   The same protocols are assumed on every NVLink generation.
+# - InfiniBand: per-step 2.7 us (LL), 4 us (LL128), 9.6 us (Simple), from NCCL's model.
+# ``latency`` (one message) is what p2p and the pairwise all-to-all pay per message.
+_NVLINK_PROTOCOLS = (
+    Protocol(name="LL", base_latency=5.27e-6, step_latency=0.6e-6, bandwidth_fraction=0.363),
+    Protocol(name="LL128", base_latency=14e-6, step_latency=1.9e-6, bandwidth_fraction=0.92),
+    Protocol(name="Simple", base_latency=8.4e-6, step_latency=3.4e-6, bandwidth_fraction=1.0),
+)
+_IB_PROTOCOLS = (
+    Protocol(name="LL", base_latency=5.27e-6, step_latency=2.7e-6, bandwidth_fraction=0.363),
+    Protocol(name="LL128", base_latency=14e-6, step_latency=4e-6, bandwidth_fraction=0.92),
+    Protocol(name="Simple", base_latency=8.4e-6, step_latency=9.6e-6, bandwidth_fraction=1.0),
+)
+
+
+def _nvlink(bandwidth: float, efficiency: float, **sharp: float) -> Link:
+    return Link(bandwidth=bandwidth, latency=1e-6, efficiency=efficiency, name="NVLink", protocols=_NVLINK_PROTOCOLS,
+                **sharp)
+
+
+def _ib(bandwidth: float, efficiency: float) -> Link:
+    # 10 us per message (IB RDMA plus NCCL proxy), 5 us of wire latency being the floor
+    return Link(bandwidth=bandwidth, latency=1e-5, efficiency=efficiency, name="IB", protocols=_IB_PROTOCOLS)
+
+
 _LINKS: Mapping[str, tuple[Link, Link]] = MappingProxyType({
     # V100 NVLink2: 300 GB/s both ways per GPU (section 6) = 150e9 per direction; 0.8 achieved
     # (assumed, no public busbw in the calibration set). Inter-node: one 100 Gb/s NIC per NODE
     # = 12.5e9 B/s shared by 8 GPUs; 0.92 achieved as for EDR InfiniBand (assumed).
-    "V100": (Link(bandwidth=150e9, latency=1e-6, efficiency=0.8, name="NVLink"),
-             Link(bandwidth=12.5e9 / 8, latency=1e-5, efficiency=0.92, name="IB")),
+    "V100": (_nvlink(150e9, 0.8), _ib(12.5e9 / 8, 0.92)),
     # A100 NVLink3: 600 GB/s both ways (section 6) = 300e9 per direction; NCCL all-reduce busbw
     # about 230 GB/s (section 5): 230/300. Inter-node: 8 x HDR 200 Gb/s per DGX node = 25e9 B/s
     # per GPU, about 24 GB/s achieved per NIC (section 5): 24/25.
-    "A100": (Link(bandwidth=300e9, latency=1e-6, efficiency=230 / 300, name="NVLink"),
-             Link(bandwidth=25e9, latency=1e-5, efficiency=24 / 25, name="IB")),
-    # H100/H200 NVLink4: 900 GB/s both ways = 450e9 per direction. Ring busbw is about 370 GB/s
-    # (0.82, NCCL maintainers); the measured table of section 5, which NCCL runs with NVLink
-    # SHARP, reaches 466 GB/s at 1 GiB. We take 0.85 (383 GB/s): close to ring, since a plan
-    # should not count on NVLS, and within 25% of that table for large messages.
-    # Inter-node: 8 x NDR 400 Gb/s = 50e9 B/s per GPU, about 48 GB/s achieved (section 5): 48/50.
-    "H100": (Link(bandwidth=450e9, latency=1e-6, efficiency=0.85, name="NVLink"),
-             Link(bandwidth=50e9, latency=1e-5, efficiency=48 / 50, name="IB")),
+    "A100": (_nvlink(300e9, 230 / 300), _ib(25e9, 24 / 25)),
+    # H100/H200 NVLink4: 900 GB/s both ways = 450e9 per direction. Ring busbw about 370 GB/s
+    # (NCCL maintainers, section 5): 0.82. NVLink SHARP all-reduce about 480 GB/s busbw (the 8 GiB
+    # row of the 8 x H100 table: 480.16), 70 us per call beyond that (fitted on its 16 MiB - 1 GiB
+    # rows). Inter-node: 8 x NDR 400 Gb/s = 50e9 B/s per GPU, about 48 GB/s achieved: 48/50.
+    "H100": (_nvlink(450e9, 0.82, sharp_bandwidth=480e9, sharp_latency=70e-6), _ib(50e9, 48 / 50)),
     # CPU ranks under gloo: shared memory between local processes, 10 GbE between machines
     # (1.25e9 B/s). Placeholders until the profiler measures them.
     "cpu": (Link(bandwidth=5e9, latency=2e-5, efficiency=1.0, name="shm"),

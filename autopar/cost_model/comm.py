@@ -49,6 +49,23 @@ so the latency of one pass is ``L = (n - N) a_intra + (N - 1) a_inter``:
 Since ``B_eff <= B_intra`` and the presets have ``a_inter >= a_intra``, a group spread over
 nodes never costs less than the same group inside one (hypothetically large) node.
 
+**Protocols and algorithms, as NCCL chooses them.** A link of a GPU preset lists its collective
+library's ring protocols (``Link.protocols``; NCCL's LL, LL128 and Simple): protocol ``p`` adds a
+call latency ``c_p``, has per-step latencies ``a_p`` (per link level) and reaches a share ``f_p`` of the
+bandwidth. Every formula above is priced per protocol, with ``a`` the protocol's step latency, ``B``
+scaled by ``f_p`` and ``c_p`` added, and a call takes the fastest (NCCL's tuner does the same from its
+own table): LL wins for small messages, Simple for large ones. So the ring's latency grows with
+the number of ranks, ``2(n-1)`` steps per all-reduce. Two more ways for an all-reduce:
+
+* across nodes, NCCL's double binary tree: ``t = c_p + 2((r-1) a_intra + ceil(log2 N) a_inter) + 2 S / B_eff``
+  (each byte goes up and down the tree once), which beats the ring's ``2(n-1)`` steps of latency
+  at thousands of ranks;
+* inside one node with in-switch reduction (``Link.sharp_bandwidth``: NVLink SHARP, NCCL's NVLS on
+  H100 nodes): ``t = c_sharp + 2(n-1)/n * S / B_sharp``.
+
+A collective with a measured fit (``Link.collectives``, the profiler's gloo links) or a link
+without protocols is the plain ring above with ``latency`` per step.
+
 **Point to point**: ``t = S / B + a`` over the intra-node link, or over the inter-node
 link (one device's NIC) when the two ranks sit on different nodes.
 
@@ -68,7 +85,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..cluster import Cluster, Link
+from ..cluster import Cluster, Link, Protocol
 from ..errors import ConfigError
 
 
@@ -214,39 +231,62 @@ def collective_time(kind: Collective, nbytes: float, group: GroupPlacement, clus
         return 0.0
     if kind is Collective.P2P:
         return p2p_time(nbytes, cluster, across_nodes=group.nodes > 1)
+    if group.size == 1:
+        return 0.0
+    return min(alpha + beta * nbytes for alpha, beta in collective_lines(kind, group, cluster))
+
+
+def collective_lines(kind: Collective, group: GroupPlacement, cluster: Cluster) -> tuple[tuple[float, float], ...]:
+    """``(alpha, beta)`` of every way ``kind`` may run over ``group`` (protocol x algorithm): one call of
+    ``S > 0`` bytes takes ``min(alpha + beta * S)`` seconds, the form vectorised code (data-parallel
+    buckets and ZeRO gathers in the stage partition DP) evaluates on arrays. Not for p2p."""
+    kind = Collective(kind)
+    _check(0.0, group, cluster)
     n, r, N = group.size, group.ranks_per_node, group.nodes
     if n == 1:
-        return 0.0
+        return ((0.0, 0.0),)
     intra, inter = cluster.intra_node, cluster.inter_node
     b_intra = intra.achievable(kind.value)
-    a_intra, a_inter = intra.step_latency(kind.value), inter.step_latency(kind.value)
-    if kind is Collective.ALL_TO_ALL:
-        t_bw = (r - 1) / n * nbytes / b_intra
-        if N > 1:
-            t_bw += (n - r) / n * nbytes / _rank_nic_bandwidth(group, cluster, kind)
-        return t_bw + (r - 1) * a_intra + (n - r) * a_inter + _context(group, cluster)
-    if N == 1:
-        b_eff = b_intra
-    elif r == 1:
-        b_eff = _rank_nic_bandwidth(group, cluster, kind)
-    else:
-        b_eff = min(b_intra, r * _rank_nic_bandwidth(group, cluster, kind))
-    ring_pass_latency = (n - N) * a_intra + (N - 1) * a_inter
     context = _context(group, cluster)
-    if kind is Collective.ALL_REDUCE:
-        return 2 * (n - 1) / n * nbytes / b_eff + 2 * ring_pass_latency + context
-    if kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
-        return (n - 1) / n * nbytes / b_eff + ring_pass_latency + context
-    return nbytes / b_eff + ring_pass_latency + context  # BROADCAST
+    if kind is Collective.ALL_TO_ALL:
+        beta = (r - 1) / n / b_intra
+        if N > 1:
+            beta += (n - r) / n / _rank_nic_bandwidth(group, cluster, kind)
+        a_intra, a_inter = intra.step_latency(kind.value), inter.step_latency(kind.value)
+        return ((context + (r - 1) * a_intra + (n - r) * a_inter, beta),)
+    volume = {Collective.ALL_REDUCE: 2 * (n - 1) / n, Collective.BROADCAST: 1.0}.get(kind, (n - 1) / n)
+    passes = 2 if kind is Collective.ALL_REDUCE else 1
+    b_nic = _rank_nic_bandwidth(group, cluster, kind) if N > 1 else 0.0
+    lines = []
+    for p_intra, p_inter in _protocol_pairs(intra, inter, kind, N):
+        if N == 1:
+            b_eff, base = b_intra * p_intra.bandwidth_fraction, p_intra.base_latency
+        else:
+            nic = b_nic * p_inter.bandwidth_fraction
+            b_eff = nic if r == 1 else min(b_intra * p_intra.bandwidth_fraction, r * nic)
+            base = max(p_intra.base_latency, p_inter.base_latency)
+        ring_pass = (n - N) * p_intra.step_latency + (N - 1) * p_inter.step_latency
+        lines.append((context + base + passes * ring_pass, volume / b_eff))
+        if kind is Collective.ALL_REDUCE and N > 1:   # double binary tree: up and down, log2 N levels
+            depth = (r - 1) * p_intra.step_latency + math.ceil(math.log2(N)) * p_inter.step_latency
+            lines.append((context + base + 2 * depth, 2 / b_eff))
+    if kind is Collective.ALL_REDUCE and N == 1 and intra.sharp_bandwidth > 0 and kind.value not in intra.collectives:
+        lines.append((context + intra.sharp_latency, volume / intra.sharp_bandwidth))
+    return tuple(lines)
 
 
-def collective_affine(kind: Collective, group: GroupPlacement, cluster: Cluster) -> tuple[float, float]:
-    """``(alpha, beta)`` with ``collective_time(kind, S) = alpha + beta * S`` for every ``S > 0`` (it is 0
-    at ``S = 0``): the form vectorised code (the stage partition DP) evaluates on arrays."""
-    big = 1e9
-    t1, t2 = collective_time(kind, big, group, cluster), collective_time(kind, 2 * big, group, cluster)
-    beta = (t2 - t1) / big
-    return t1 - beta * big, beta
+def _protocol_pairs(intra: Link, inter: Link, kind: Collective, nodes: int) -> list[tuple[Protocol, Protocol]]:
+    """(intra-node, inter-node) protocol of each way a ring may run: one protocol runs over both
+    levels (paired by name); a link without that protocol lends its own fastest-bandwidth one."""
+    mine = intra.ring_protocols(kind.value)
+    if nodes == 1:
+        return [(p, p) for p in mine]
+    theirs = {p.name: p for p in inter.ring_protocols(kind.value)}
+    widest_intra = max(mine, key=lambda p: p.bandwidth_fraction)
+    widest_inter = max(theirs.values(), key=lambda p: p.bandwidth_fraction)
+    pairs = [(p, theirs.get(p.name, widest_inter)) for p in mine]
+    pairs += [(widest_intra, q) for name, q in theirs.items() if name not in {p.name for p in mine}]
+    return pairs
 
 
 def p2p_time(nbytes: float, cluster: Cluster, *, across_nodes: bool) -> float:

@@ -18,11 +18,12 @@ Ring (Liu et al. 2023, Ring Attention; Megatron-Core's ``cp_comm_type="p2p"``): 
 runs in ``c`` steps; at each, the rank computes its queries against the key/value block in
 hand (``A / c`` of the op's time ``A``) while it sends that block on and receives the next
 (``K`` bytes: ``k`` and ``v`` of ``S/c`` tokens). ``c - 1`` transfers, each hidden behind one
-block's compute up to the link's overlap ``o`` (1 for NCCL's copy engines, measured for
-gloo, whose threads share the cores)::
+block's compute up to the link's overlap ``o`` (1 for NCCL, measured for gloo, whose threads
+share the cores); the hidden part still slows that compute by ``k`` per second
+(``Device.overlap_slowdown``)::
 
-    exposed_fwd = (c - 1) max(0, t(K) - o A_f / c)
-    exposed_bwd = (c - 1) max(0, t(2K) - o A_b / c)
+    exposed_fwd = (c - 1) (t(K) - (1 - k) min(t(K), o A_f / c))
+    exposed_bwd = (c - 1) (t(2K) - (1 - k) min(t(2K), o A_b / c))
 
 The backward passes the blocks again together with their accumulating gradients (twice the
 bytes) under the backward's attention work ``A_b``.
@@ -105,11 +106,13 @@ def ring_exposed(kv_bytes: float, attn_fwd: float, attn_bwd: float, cp: int, gro
     if cp == 1 or kv_bytes <= 0:
         return 0.0, 0.0
     link = cluster.intra_node if group.nodes == 1 else cluster.inter_node
-    o = link.overlap
+    o, kept = link.overlap, 1.0 - cluster.device.overlap_slowdown
     fwd = collective_time(Collective.P2P, kv_bytes, group, cluster)
     bwd = collective_time(Collective.P2P, 2 * kv_bytes, group, cluster)
     steps = cp - 1
-    return steps * max(0.0, fwd - o * attn_fwd / cp), steps * max(0.0, bwd - o * attn_bwd / cp)
+    # the hidden share of each transfer still slows the attention beside it by overlap_slowdown
+    return (steps * (fwd - kept * min(fwd, o * attn_fwd / cp)),
+            steps * (bwd - kept * min(bwd, o * attn_bwd / cp)))
 
 
 def ring_attention_time(model: ComputeModel, node: OpNode, batch_scale: float, shard: int, split_dim: str,

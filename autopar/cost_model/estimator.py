@@ -16,7 +16,9 @@ same experts (expert_parallel.py); ZeRO shards over the same groups. Gradients (
 then the updated weights all-gathered) in buckets of 25 MB (one collective, one latency
 each) that overlap the backward pass of the last micro-batch. With ``o`` the fraction of a
 collective's time that compute issued meanwhile hides (``Link.overlap``: 1 for NCCL, measured
-for gloo, whose threads share the CPU cores), what is exposed is
+for gloo, whose threads share the CPU cores) times ``1 - k``, where ``k`` is the compute the
+overlapped collective slows down per second of it (``Device.overlap_slowdown``: its kernels take
+SMs and memory bandwidth), what is exposed is
 ``T_dp - o * min(B_last, T_dp - T_dp / n_buckets)`` (the last bucket never hides; with
 ``o = 1`` this is ``max(T_dp - B_last, T_dp / n_buckets)``).
 ZeRO 3 gathers each layer's weights in forward and again in backward and
@@ -49,7 +51,7 @@ from ..cluster import Cluster
 from ..config import ParallelConfig, Precision
 from ..errors import ConfigError
 from . import context_parallel, expert_parallel
-from .comm import Collective, GroupPlacement, collective_affine, collective_time, place_axes
+from .comm import Collective, GroupPlacement, collective_lines, collective_time, place_axes
 from .layer_cost import LayerCost, LayerCostModel, SplitGroups
 from .memory import MemoryBreakdown, in_flight, model_state_bytes
 from .schedule import even_partition
@@ -143,7 +145,7 @@ class Estimator:
     cluster: Cluster
     precision: Precision
     layers: LayerCostModel | None = None
-    _affine: dict = field(default_factory=dict)
+    _lines: dict = field(default_factory=dict)
     _cuts: dict = field(default_factory=dict)
     _numel: dict = field(default_factory=dict)
 
@@ -272,14 +274,14 @@ class Estimator:
         return self._numel[key]
 
     def _ct(self, kind: Collective, nbytes, group: GroupPlacement, calls=1):
-        """collective_time on floats or arrays, for ``nbytes`` moved in ``calls`` equal collectives
-        (affine in the bytes: ``calls * alpha + beta * nbytes``; 0 for 0 bytes)."""
+        """collective_time on floats or arrays, for ``nbytes`` moved in ``calls`` equal collectives:
+        ``min(calls * alpha + beta * nbytes)`` over the collective's lines; 0 for 0 bytes."""
         key = (kind, group)
-        if key not in self._affine:
-            self._affine[key] = collective_affine(kind, group, self.cluster)
-        alpha, beta = self._affine[key]
+        if key not in self._lines:
+            self._lines[key] = collective_lines(kind, group, self.cluster)
         nbytes = np.asarray(nbytes, dtype=float)
-        return np.where(nbytes > 0, calls * alpha + beta * nbytes, 0.0)
+        best = np.min([calls * alpha + beta * nbytes for alpha, beta in self._lines[key]], axis=0)
+        return np.where(nbytes > 0, best, 0.0)
 
     def dp_exposed(self, cfg: ParallelConfig, dev: DeviceCost, micro_batches: int,
                    groups: dict[str, GroupPlacement]) -> float:
@@ -333,10 +335,12 @@ class Estimator:
         return total - o * np.minimum(hidden, total - total / buckets)
 
     def _overlap(self, group: GroupPlacement | None) -> float:
-        """The fraction of a collective's time compute can hide on the links ``group`` uses."""
+        """The fraction of a collective's time compute hides on the links ``group`` uses, net of the
+        compute the overlap slows down (``Device.overlap_slowdown``)."""
+        kept = 1.0 - self.cluster.device.overlap_slowdown
         if group is None:
-            return 1.0
-        return (self.cluster.intra_node if group.nodes == 1 else self.cluster.inter_node).overlap
+            return kept
+        return kept * (self.cluster.intra_node if group.nodes == 1 else self.cluster.inter_node).overlap
 
     def loss_share_time(self) -> float:
         """The step's loss, one float, all-reduced over every device once per step (the runtime's

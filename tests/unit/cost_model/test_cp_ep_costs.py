@@ -47,10 +47,14 @@ def test_cp_divides_activations_and_attention_and_hides_its_ring(long_graph):
     assert a1 / 4 < a4 < 1.15 * a1 / 4
     # the same tokens per device: compute within what smaller attention blocks and merges cost
     assert one.breakdown.compute <= cp.breakdown.compute <= 1.15 * one.breakdown.compute
-    assert cp.breakdown.cp_comm == 0.0                     # NVLink keeps up with an 8k-token block
+    # NVLink keeps up with an 8k-token block: the ring is hidden, and costs only the compute its kernels
+    # slow down (Device.overlap_slowdown of its time; none on a device without that slowdown)
+    free = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, overlap_slowdown=0.0))
+    assert estimate_plan(long_graph, free, ParallelConfig(dp=2, cp=4, micro_batch_size=4), 8).breakdown.cp_comm == 0
+    assert 0 < cp.breakdown.cp_comm < cluster.device.overlap_slowdown * cp.breakdown.compute
     slow = dataclasses.replace(cluster, intra_node=dataclasses.replace(cluster.intra_node, bandwidth=1e8))
     exposed = estimate_plan(long_graph, slow, ParallelConfig(dp=2, cp=4, micro_batch_size=4), 8).breakdown.cp_comm
-    assert exposed > 0 and cp.breakdown.cp_comm == 0.0
+    assert exposed > 10 * cp.breakdown.cp_comm
 
 
 def test_cp_and_ep_are_refused_where_they_cannot_run(long_graph, moe_graph):
