@@ -146,11 +146,11 @@ def main() -> int:
         if args.save:
             with open(args.save, "w") as fh:
                 json.dump(profile.to_record(), fh, indent=1)
-    report(profile, detail=args.detail)
+    ok = report(profile, detail=args.detail)
     if args.compare:
         with open(args.compare) as fh:
             repeatability(profile, LinkProfile.from_record(json.load(fh)))
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
