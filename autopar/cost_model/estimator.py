@@ -105,10 +105,10 @@ def check_config(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_b
                           f"{per_step}, or change dp / micro_batch_size")
     chunks = cfg.pp * cfg.virtual_stages
     blocks = sum(1 for layer in graph.layers if layer.is_block)
-    if cfg.schedule == "interleaved" and blocks % chunks:
+    if cfg.schedule == "interleaved" and chunks > blocks:
         raise ConfigError(f"interleaved schedule with pp={cfg.pp} x virtual_stages={cfg.virtual_stages} = {chunks} "
-                          f"chunks, but the model's {blocks} repeated layers do not divide by {chunks}: pick "
-                          "virtual_stages so that pp * virtual_stages divides the layer count")
+                          f"chunks, but the model has only {blocks} repeated layers: pick virtual_stages of at most "
+                          f"{max(1, blocks // cfg.pp)} so that every chunk holds one")
     m = global_batch_size // per_step
     if cfg.schedule == "interleaved" and m % cfg.pp:
         raise ConfigError(f"the interleaved schedule needs the micro-batches per pipeline ({m}) to be a multiple of "

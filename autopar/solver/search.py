@@ -131,7 +131,8 @@ class Search:
         pins kept): what it could be pinned to."""
         others = {k: v for k, v in self.fixed.items() if k != name}
         values = set()
-        for c in candidates(self.graph, self.cluster, self.global_batch_size, tuple(self.layouts)[:1], others):
+        for c in candidates(self.graph, self.cluster, self.global_batch_size, tuple(self.layouts)[:1], others,
+                            capped=False):
             mesh = (c.tp, c.cp, c.dp, c.ep, c.pp)
             if mesh not in self._mesh_ok:
                 self._mesh_ok[mesh] = placeable(self.cluster, c.config())

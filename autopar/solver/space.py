@@ -5,7 +5,8 @@ A point is a :class:`Candidate`: a tensor-parallel layout variant, the mesh degr
 topology by :func:`autopar.cost_model.estimator.mesh_groups`:
 ``tp`` innermost, so it lands inside a node when it fits, but any degree that divides the
 devices is tried, including ones that span nodes), micro-batch size, schedule (1F1B, GPipe,
-interleaved 1F1B with each virtual-stage count that divides the blocks), ZeRO stage and
+interleaved 1F1B with each virtual-stage count that leaves a block per chunk; chunks the blocks do not
+divide evenly are balanced by cost), ZeRO stage and
 sequence parallelism. Context parallelism is tried at every degree the model's fused attention
 and sequence length allow (cost_model/context_parallel.py), with tp = 1 (the runtime does not
 combine the two yet; :func:`autopar.estimate` still prices cp x tp), expert parallelism at every degree
@@ -15,8 +16,8 @@ not a dimension here except for the interleaved schedule.
 ``fixed`` pins any ParallelConfig field. The caps below (MAX_TP, MAX_CP, MAX_VIRTUAL_STAGES, no
 context with tensor parallelism, ZeRO only with data-parallel replicas) bound what the search
 explores on its own and never a pinned value; what the model and cluster rule out (a degree that
-does not divide the devices or place uniformly on the nodes, more stages than layers, chunks that
-do not divide the blocks...) is refused, naming the rule and the nearest values that work
+does not divide the devices or place uniformly on the nodes, more stages than layers, more chunks
+than blocks...) is refused, naming the rule and the nearest values that work
 (:func:`pin_conflicts`).
 """
 
@@ -117,8 +118,9 @@ def recompute_modes(graph: OpGraph, fixed: Mapping[str, Any]) -> tuple[str, ...]
 
 
 def candidates(graph: OpGraph, cluster: Cluster, global_batch_size: int, variants: tuple[str, ...],
-               fixed: Mapping[str, Any]) -> Iterator[Candidate]:
-    """Every candidate allowed by the devices, the batch, the model's layer count and ``fixed``."""
+               fixed: Mapping[str, Any], capped: bool = True) -> Iterator[Candidate]:
+    """Every candidate allowed by the devices, the batch, the model's layer count and ``fixed``; with
+    ``capped`` False the search's caps on free fields are lifted too (every value a user may pin)."""
     n_dev = cluster.devices
     n_layers = len(graph.layers)
     blocks = sum(1 for layer in graph.layers if layer.is_block)
@@ -126,13 +128,13 @@ def candidates(graph: OpGraph, cluster: Cluster, global_batch_size: int, variant
     def allowed(name: str, values):
         return [v for v in values if name not in fixed or fixed[name] == v]
 
-    for tp, cp, pp, dp in _meshes(graph, n_dev, n_layers, fixed):
+    for tp, cp, pp, dp in _meshes(graph, n_dev, n_layers, fixed, capped):
         if global_batch_size % dp:
             continue
         for ep in allowed("ep", [e for e in divisors(dp) if expert_parallel.unsupported(graph, e) is None]):
             for mb in allowed("micro_batch_size", divisors(global_batch_size // dp)):
                 m = global_batch_size // (dp * mb)
-                for schedule, v in _schedules(pp, blocks, fixed):
+                for schedule, v in _schedules(pp, blocks, fixed, capped):
                     if schedule == "interleaved" and m % pp:
                         continue  # Megatron's interleaved order needs m to be a multiple of pp
                     for zero in allowed("zero", [0, 1, 2, 3] if dp * cp > 1 or "zero" in fixed else [0]):
@@ -141,14 +143,15 @@ def candidates(graph: OpGraph, cluster: Cluster, global_batch_size: int, variant
                                 yield Candidate(variant, dp, tp, pp, mb, schedule, v, zero, sp, cp, ep)
 
 
-def _meshes(graph: OpGraph, n_dev: int, n_layers: int, fixed: Mapping[str, Any]) -> Iterator[tuple[int, ...]]:
+def _meshes(graph: OpGraph, n_dev: int, n_layers: int, fixed: Mapping[str, Any],
+            capped: bool) -> Iterator[tuple[int, ...]]:
     """(tp, cp, pp, dp) with ``tp * cp * pp * dp = n_dev`` that ``fixed`` and the model allow."""
     def ok(name: str, value: int) -> bool:
         return name not in fixed or fixed[name] == value
 
     stages = len(fixed.get("stage_recompute") or ()) or None
-    for tp in (d for d in divisors(n_dev) if (d <= MAX_TP or "tp" in fixed) and ok("tp", d)):
-        for cp in (d for d in divisors(n_dev // tp) if (d <= MAX_CP or "cp" in fixed) and ok("cp", d)):
+    for tp in (d for d in divisors(n_dev) if (d <= MAX_TP or "tp" in fixed or not capped) and ok("tp", d)):
+        for cp in (d for d in divisors(n_dev // tp) if (d <= MAX_CP or "cp" in fixed or not capped) and ok("cp", d)):
             if context_parallel.unsupported(graph, cp) is not None:
                 continue
             if cp > 1 and tp > 1 and not ("cp" in fixed and "tp" in fixed):
@@ -171,13 +174,15 @@ def placeable(cluster: Cluster, cfg: ParallelConfig) -> bool:
     return all(g.ranks_per_node * g.groups_per_node <= dpn and g.nodes <= cluster.nodes for g in groups.values())
 
 
-def _schedules(pp: int, blocks: int, fixed: Mapping[str, Any]) -> list[tuple[str, int]]:
+def _schedules(pp: int, blocks: int, fixed: Mapping[str, Any], capped: bool) -> list[tuple[str, int]]:
     if pp == 1:
         out = [("1f1b", 1)]
     else:
         out = [("1f1b", 1), ("gpipe", 1)]
-        most = max(MAX_VIRTUAL_STAGES, fixed.get("virtual_stages", 1))   # a pinned count is not capped
-        out += [("interleaved", v) for v in range(2, most + 1) if blocks and blocks % (pp * v) == 0]
+        most = max(MAX_VIRTUAL_STAGES, fixed.get("virtual_stages", 1)) if capped else blocks  # a pin is not capped
+        # chunks need not divide the blocks: uneven chunks are balanced by cost (Llama 3 405B ran 126
+        # layers over 16 stages interleaved), which Megatron-LM's own check does not allow
+        out += [("interleaved", v) for v in range(2, most + 1) if pp * v <= blocks]
     return [(s, v) for s, v in out if fixed.get("schedule", s) == s and fixed.get("virtual_stages", v) == v]
 
 
@@ -190,8 +195,8 @@ PIN_RULES = {
     "ep": "ep divides dp and the experts of every mixture-of-experts layer",
     "micro_batch_size": "dp x micro_batch_size divides the global batch (interleaved: the micro-batches per "
                         "pipeline are a multiple of pp)",
-    "virtual_stages": "pp x virtual_stages divides the repeated blocks",
-    "schedule": "interleaved needs pp > 1 and pp x virtual_stages dividing the repeated blocks",
+    "virtual_stages": "pp x virtual_stages is at most the repeated blocks (one per chunk)",
+    "schedule": "interleaved needs pp > 1 and at least one repeated block per chunk (pp x virtual_stages)",
     "zero": "any stage 0-3",
     "sequence_parallel": "sequence parallelism needs tp > 1",
 }

@@ -35,8 +35,9 @@ can hold within memory (:class:`Band`): ``O(p n L)`` per DP, vectorised with num
 ``m = 1`` the ``X`` term vanishes and one ``X`` suffices.
 
 An interleaved schedule puts ``v`` chunks from all over the model on each device, which
-breaks the stage independence above; it keeps Megatron's even split of the blocks
-(:func:`autopar.cost_model.schedule.even_partition`) and one recompute mode.
+breaks the stage independence above; it keeps Megatron's even split of the blocks, balanced by
+cost when they do not divide into the chunks (:func:`autopar.cost_model.schedule.even_partition`),
+and one recompute mode.
 """
 
 from __future__ import annotations

@@ -128,11 +128,14 @@ def test_batch_not_positive_integer(plan_graph, gbs) -> None:
         estimate_plan(plan_graph, ONE_NODE, ParallelConfig(dp=8), gbs)
 
 
-def test_interleaved_stages_do_not_divide_layers(plan_graph) -> None:
-    # 8 blocks over pp=2 x virtual_stages=3 = 6 chunks.
-    cfg = ParallelConfig(dp=4, pp=2, schedule="interleaved", virtual_stages=3)
-    with raises(ConfigError, "pp=2", "virtual_stages=3", "8 repeated layers", "6"):
+def test_interleaved_chunks_need_a_block_each(plan_graph) -> None:
+    # 8 blocks over pp=2 x virtual_stages=6 = 12 chunks; 6 chunks (v=3) are fine, balanced by cost.
+    cfg = ParallelConfig(dp=4, pp=2, schedule="interleaved", virtual_stages=6)
+    with raises(ConfigError, "pp=2", "virtual_stages=6", "only 8 repeated layers", "at most 4"):
         estimate_plan(plan_graph, ONE_NODE, cfg, 64)
+    uneven = estimate_plan(plan_graph, ONE_NODE, ParallelConfig(dp=4, pp=2, schedule="interleaved", virtual_stages=3), 64)
+    sizes = sorted(len(chunk) for stage in uneven.stages for chunk in stage.chunks)
+    assert len(sizes) == 6 and sum(sizes) == len(plan_graph.layers) and sizes[0] < sizes[-1]
 
 
 def test_more_stages_than_layers(plan_graph) -> None:
