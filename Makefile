@@ -21,7 +21,7 @@ test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest tests
 
 bench: $(STAMP)
-	$(PY) bench/megatron_table1.py
+	$(PY) bench/fidelity_published.py
 	$(PY) bench/activation_memory.py
 	$(PY) bench/capture_175b.py
 	$(PY) bench/sharding_ilp.py

@@ -1,8 +1,12 @@
 """Solver quality: for every row of Megatron-LM SC21 Table 1, ``autopar`` plans the same model on
 the same devices with the same global batch, and its predicted step time must be no worse than
-the estimate of the published configuration (TP / PP / DP as published, full recompute, the
-fastest micro-batch size and interleaving that fit, as bench/megatron_table1.py), and the plan
-must fit in 80 GB. Same precision as Megatron (bf16, fp32 main gradients: 18 bytes/parameter).
+its prediction of the published configuration (TP / PP / DP as published, full recompute, the
+fastest micro-batch size and interleaving that fit: bench/published.py), and the plan must fit in
+80 GB. Same precision as Megatron (bf16, fp32 main gradients: 18 bytes/parameter).
+
+Both sides are the cost model's predictions: this compares the cost model with itself (the
+search finds what the model prices fastest), not autopar's plans with measured runs; how far
+the cost model is from measured runs is bench/fidelity_published.py.
 
 Prints both configurations side by side. Run: .venv/bin/python bench/plan_vs_megatron.py [--quick]
 """
@@ -14,7 +18,7 @@ import sys
 import time
 
 from autopar.solver import solve
-from megatron_table1 import PRECISION, TABLE1, published_plan
+from published import TABLE1, cluster_of, graph_of, plan_row
 
 
 def main() -> int:
@@ -26,15 +30,16 @@ def main() -> int:
           f"{'autopar plan':<62} {'step s':>7} {'gain':>6} {'peak GB':>7} {'solve s':>7}")
     ok = True
     t0 = time.perf_counter()
-    for params, heads, hidden, layers, tp, pp, gpus, batch, _ in rows:
-        graph, cluster, published = published_plan(heads, hidden, layers, tp, pp, gpus, batch)
+    for row in rows:
+        published = plan_row(row)
+        params, gpus, batch = row.name.split()[-1], published.cluster.devices, row.global_batch
         t1 = time.perf_counter()
-        plan, _ = solve(graph, cluster, batch, precision=PRECISION)
+        plan, _ = solve(graph_of(row.model), cluster_of(row), batch, precision=row.precision)
         t2 = time.perf_counter()
         gain = published.step_time / plan.step_time - 1
         good = plan.fits and plan.step_time <= published.step_time * (1 + 1e-9)
         ok &= good
-        print(f"{params:>6}B {gpus:>5} {batch:>5} | {published.config.short():<52} {published.step_time:>7.2f} | "
+        print(f"{params:>7} {gpus:>5} {batch:>5} | {published.config.short():<52} {published.step_time:>7.2f} | "
               f"{plan.config.short():<62} {plan.step_time:>7.2f} {gain * 100:>+5.1f}% "
               f"{plan.peak_memory / 1e9:>7.1f} {t2 - t1:>7.1f}{'' if good else '  WORSE'}")
     print(f"every plan fits and is no slower than the published configuration: {ok} "
