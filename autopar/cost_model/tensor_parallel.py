@@ -20,7 +20,8 @@ Rules (Shoeybi et al. 2019, Megatron-LM section 3):
   its input gradient needs one all-reduce in backward per distinct ``R`` input (Megatron's ``f``);
 - a matmul with a weight reading an ``S`` input is *row parallel*: output ``R`` after an
   all-reduce in forward (Megatron's ``g``);
-- an embedding is vocabulary parallel: output ``R`` after a forward all-reduce;
+- an embedding of the batch's tokens is vocabulary parallel: output ``R`` after a forward
+  all-reduce (a table looked up by batch-independent indices, as positions, stays whole);
 - a loss on ``S`` logits is the vocabulary-parallel cross entropy (three all-reduces of
   one value per token);
 - any other op with an ``S`` input is ``S`` (it works on its shard), unless it also reads
@@ -194,7 +195,7 @@ def megatron_layout(graph: OpGraph, tp: int) -> TPLayout:
                 add(node, "all_reduce", "fwd", out_numel)
         elif node.kind is OpKind.EMBEDDING and node.params:
             vocab = graph.params[node.params[0]].shape[0] if node.params[0] in graph.params else 0
-            if vocab % tp == 0:
+            if vocab % tp == 0 and node.batch_dependent:   # Megatron keeps position tables whole
                 split.update(node.params)
                 add(node, "all_reduce", "fwd", out_numel)
             else:

@@ -174,10 +174,13 @@ def add_one_hot(prob: pulp.LpProblem, gp: GroupProblem) -> _Model:
 
 
 def add_resharding(m: _Model, gp: GroupProblem) -> None:
+    """Per edge, one variable per joinable (producer output, consumer input) pair, tied to both ends'
+    one-hot choices: a strategy whose layout no strategy at the other end can join (no key of the
+    edge's costs) is ruled out, since its row or column has no variable to equal it."""
     for n, edge in enumerate(gp.edges):
-        outs = dict.fromkeys(a for a, _ in edge.costs)
-        needs = dict.fromkeys(b for _, b in edge.costs)
-        if len(outs) == 1 and len(needs) == 1:
+        outs = dict.fromkeys(s.output for s in gp.strategies[edge.u])
+        needs = dict.fromkeys(s.inputs[edge.i] for s in gp.strategies[edge.v])
+        if len(outs) == 1 and len(needs) == 1 and len(edge.costs) == 1:
             (key, cost), = edge.costs.items()
             m.time += _US * cost
             continue

@@ -218,7 +218,13 @@ def _allowed(ctx: OpContext, node: OpNode, tp: int, pos: Mapping[str, int], cons
     options = node_strategies(ctx, node, tp)
     leave = _leave_spec(ctx, node.name, pos, consumers, boundary, tp)
     if leave is not None:
+        whole = next(s for s in options if s.output in (R, C))
         options = [s for s in options if s.output in (leave, C, P)]
+        if not any(s.output in (leave, C) for s in options):
+            # nothing leaves in the boundary spec itself (e.g. a mask expanded over the batch from a
+            # batch-1 capture, whose dims map has no batch dim to split): leave whole, which every
+            # boundary spec is reachable from (a split is a local slice); P alone needs a P producer
+            options.append(whole)
     options = [s for s in options if all(decided.get(p, d) == d for p, d in s.params)]
     external = [i for i, name in enumerate(node.inputs) if name not in pos]
     options = [s for s in options if all(s.inputs[i] != P for i in external)]

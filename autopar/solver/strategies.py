@@ -49,7 +49,10 @@ from ..capture.opgraph import OpGraph, OpKind, OpNode, TensorMeta
 
 R, P, C = "R", "P", "C"
 
-_LINEAR_REDUCTIONS = frozenset("sum mean amax amin max min".split())
+# Reductions a rank may take over its shard and all-reduce. Not mean: DTensor gives it a P(avg)
+# output whose backward meets P(sum) gradients, which it cannot redistribute ("from one partial
+# type to another is unsupported"), so the runtime could not run a plan that used it.
+_LINEAR_REDUCTIONS = frozenset("sum amax amin max min".split())
 _BATCH_NORMS = frozenset(("batch_norm native_batch_norm _native_batch_norm_legit "
                           "_native_batch_norm_legit_functional").split())
 _CHANNEL_NORMS = _BATCH_NORMS | {"_native_batch_norm_legit_no_training"}
@@ -356,7 +359,10 @@ def _embedding(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     vocab, hidden = ctx.param_meta[weight].shape[:2]
     out = node.outputs[0].shape
     res = [replicate(node)]
-    if vocab % t == 0:
+    if vocab % t == 0 and node.batch_dependent:
+        # vocabulary parallel only for lookups of the batch's tokens: DTensor's masked partial output of
+        # a table looked up by batch-independent indices (T5's relative position bias, reused by every
+        # layer through views) cannot be run by the runtime, and such a table is small anyway
         res.append(Strategy("vocab", (R,), P, ((weight, 0),)))
     if hidden % t == 0:
         res.append(Strategy("hidden", (R,), S(len(out) - 1), ((weight, 1),)))

@@ -149,12 +149,12 @@ def test_llama_head_and_untied_embedding(llama):
     assert "embed.weight" in solver.layout(8, "lean").split_params
 
 
-def test_llama_70b_beats_megatron_only_around_the_rms_norm():
-    """At Llama-3-70B shapes captured in bf16 the cost model prices the decomposed fp32 RMSNorm (cast,
-    pow, mean, rsqrt, mul, cast, mul: separate memory-bound kernels, where Megatron runs one fused
-    kernel) high enough that sharding it pays: the ILP splits the norm's statistics and makes q/k/v
-    row-parallel with reduce-scatters into the heads, about 3% faster per block under the cost model.
-    The MLP, the attention core and the output projection stay Megatron's."""
+def test_llama_70b_is_megatrons_layout():
+    """At Llama-3-70B shapes in bf16 the ILP lands on Megatron's layout: column/row MLP, row output
+    projection, heads-split attention, and a layer priced no higher than Megatron's. (It used to split
+    the RMSNorm's mean over the hidden dim, about 3% cheaper under the cost model, but a mean over a
+    split dim is a DTensor P(avg) whose backward the runtime cannot run, so the ILP no longer offers
+    it: strategies._LINEAR_REDUCTIONS.)"""
     graph, solver = _llama(8192, 64, 28672, torch.bfloat16)
     ops = _ops(solver, 8, "fast")
     assert [_one(graph, ops, f"layers.0.mlp.{p}")["strategy"] for p in ("gate_proj", "up_proj", "down_proj")] == \
@@ -164,7 +164,7 @@ def test_llama_70b_beats_megatron_only_around_the_rms_norm():
     megatron = megatron_layout(graph, 8)
     block = solver.solutions(8, "fast")[1]
     rules = evaluate_layout(block, megatron)
-    assert block.result.time < rules.time * 0.99
+    assert block.result.time <= rules.time * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
