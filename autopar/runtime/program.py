@@ -171,8 +171,9 @@ class Program:
         self.param_dims: dict = {}
         if cfg.tp > 1:
             if not self.plan.sharding:
-                raise PlanMismatchError("the plan has tp > 1 but no per-op sharding (autopar.estimate plans do not "
-                                        "solve it): make the plan with autopar.plan(..., fixed={...}) instead")
+                raise PlanMismatchError("the plan has tp > 1 but no per-op sharding (a plan file written by an "
+                                        "autopar before estimates had one, or edited): make it again with "
+                                        "autopar.plan or autopar.estimate")
             self.specs, self.param_dims = node_specs(self.plan.sharding, self.graph)
             if cfg.sequence_parallel:
                 self.specs = sequence_parallel(self.specs, self.graph, cfg.tp)

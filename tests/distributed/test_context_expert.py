@@ -62,7 +62,8 @@ PAIRS = [
      Case("moe-capacity-ep1-mb2", "moe-capacity", {**BASE, "dp": 2, "micro_batch_size": 2}, 2)),
 ]
 # What the runtime refuses, and the words its ConfigError must say. The planner never makes these plans
-# (test_the_planner_refuses_them); a hand-edited plan file could.
+# on its own (test_the_planner_refuses_them); a hand-edited plan file could, and a pin of both cp and
+# tp does: it is priced, as published recipes pin it, with a note that the runtime cannot run it.
 REFUSED = [
     (Case("moe-capacity-cp2", "moe-capacity", {**BASE, "dp": 2}, 2, edit={"dp": 1, "cp": 2, "micro_batch_size": 2}),
      "capacity"),
@@ -110,5 +111,9 @@ def test_refused_with_a_config_error(results, case, words):
 def test_the_planner_refuses_them(case, words):
     from autopar import AutoparError
     fixed = {**case.fixed, **case.edit}
+    if fixed["cp"] > 1 and fixed["tp"] > 1:
+        plan = make_plan(Case(case.name, case.model, fixed, case.world))
+        assert any("parallelize refuses this plan" in note for note in plan.notes), plan.notes
+        return
     with pytest.raises(AutoparError):
         make_plan(Case(case.name, case.model, fixed, case.world))

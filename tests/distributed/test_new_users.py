@@ -10,7 +10,9 @@ each planned two ways:
 and run with real weights on 2 gloo ranks (one spawn for every case) at dp=2, tp=2, pp=2 1F1B
 (micro-batch 2), dp=2 ZeRO-1 (two micro-batches per replica) and dp=2 ZeRO-3, global batch 8.
 A second set puts models with dropout 0.1 in ``eval()`` first: the program runs in the mode the
-model is in (as DDP does), so it computes the eval-mode loss.
+model is in (as DDP does), so it computes the eval-mode loss. A third prices configurations with
+``autopar.estimate`` (meta device, batch-1 inputs) instead of planning them, tensor parallelism
+included: an estimate is a plan ``parallelize`` runs.
 
 The reference is one process accumulating gradients over the same micro-batches (the mean of
 their losses): that is what the program computes by design, and the same as the whole batch's
@@ -58,14 +60,17 @@ class Case:
     config: str          # key of CONFIGS
     dropout: float = 0.0
     eval: bool = False   # model.eval() before parallelize (and in the reference)
+    estimate: bool = False   # autopar.estimate of the configuration instead of solve(fixed=...)
 
     @property
     def name(self) -> str:
-        return f"{self.model}-{self.source}-{self.config}" + ("-eval" if self.eval else "")
+        return f"{self.model}-{self.source}-{self.config}" + ("-eval" if self.eval else "") \
+            + ("-estimate" if self.estimate else "")
 
 
 CASES = [Case(m, s, c) for m in new_users.BUILDERS for s in SOURCES for c in CONFIGS] \
-    + [Case(m, "meta-b1", c, dropout=0.1, eval=True) for m in ("t5", "unet") for c in CONFIGS]
+    + [Case(m, "meta-b1", c, dropout=0.1, eval=True) for m in ("t5", "unet") for c in CONFIGS] \
+    + [Case(m, "meta-b1", c, estimate=True) for m in ("llama", "gpt2") for c in ("tp2", "dp2_zero3")]
 
 _GRAPHS: dict = {}
 
@@ -81,6 +86,12 @@ def make_plan(case: Case):
     if key not in _GRAPHS:
         model = new_users.build(case.model, device, case.dropout)
         _GRAPHS[key] = capture(model, example, new_users.LOSS_FNS.get(case.model))
+    if case.estimate:
+        import autopar
+        model = new_users.build(case.model, device, case.dropout)
+        return autopar.estimate(model, harness.test_cluster(2), example,
+                                autopar.ParallelConfig(**{**BASE, **CONFIGS[case.config]}),
+                                global_batch_size=GLOBAL_BATCH, loss_fn=new_users.LOSS_FNS.get(case.model))
     plan, _ = solve(_GRAPHS[key], harness.test_cluster(2), GLOBAL_BATCH, fixed={**BASE, **CONFIGS[case.config]})
     return with_inputs(plan, example)
 
