@@ -65,7 +65,7 @@ CONFIGS = {
 
 
 SHAPE = dict(layers=LAYERS, hidden=HIDDEN, heads=HEADS, vocab=VOCAB, seq_len=SEQ, dropout=0.0)
-# family -> (builder name in autopar.models, extra shape arguments)
+# family -> (builder name in autopar.models.hf, extra shape arguments)
 FAMILIES = {
     "gpt-neox": ("build_hf_gpt_neox", {}),
     "llama": ("build_hf_llama", dict(kv_heads=2, ffn_hidden=688)),
@@ -76,10 +76,10 @@ FAMILIES = {
 
 
 def build(family: str, batch_size: int) -> tuple[torch.nn.Module, dict]:
-    import autopar.models
+    import autopar.models.hf
     name, extra = FAMILIES[family]
     torch.manual_seed(0)
-    return getattr(autopar.models, name)(**SHAPE, **extra, batch_size=batch_size)
+    return getattr(autopar.models.hf, name)(**SHAPE, **extra, batch_size=batch_size)
 
 
 def model(family: str) -> torch.nn.Module:
