@@ -16,14 +16,14 @@ from .errors import ConfigError
 from .plan import Plan
 from .runtime.inputs import with_inputs
 from .solver import price, solve
-from .solver.sharding import SOLVE_TIME_LIMIT
+from .solver.sharding import NODE_LIMIT
 
 
 def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *, global_batch_size: int,
          fixed: Mapping[str, Any] | None = None, time_limit: float | None = None, loss_fn: LossFn | None = None,
          precision: Precision | None = None, profile: bool = False,
          profile_db: str | os.PathLike | None = None, verbose: bool = True,
-         ilp_time_limit: float = SOLVE_TIME_LIMIT, ilp_node_limit: int | None = None) -> Plan:
+         ilp_time_limit: float | None = None, ilp_node_limit: int | None = NODE_LIMIT) -> Plan:
     """The fastest parallel plan for ``model`` on ``cluster`` that fits in memory.
 
     Searches data x tensor x pipeline degrees, micro-batch size, schedule, ZeRO stage,
@@ -31,8 +31,9 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *, global_batc
     exactly (DP) and shards each layer's ops by ILP. ``fixed`` pins ParallelConfig fields,
     e.g. ``{"tp": 8, "pp": 8}``. With ``time_limit`` (seconds) the search returns the best
     plan found by then (``plan.optimal`` is False if it stopped early, and ``plan.gap`` says by at
-    most how much it could be beaten). ``ilp_time_limit`` (seconds) and ``ilp_node_limit``
-    (branch-and-bound nodes) bound each sharding ILP solve; a solver that fails falls back to the
+    most how much it could be beaten). ``ilp_node_limit`` (branch-and-bound nodes; None: none)
+    bounds each sharding ILP solve by work, so the plan does not depend on the machine's load;
+    ``ilp_time_limit`` (seconds) adds a wall-clock bound only when given; a solver that fails falls back to the
     next, then to greedy sharding, and the plan's notes say so. Raises
     :class:`autopar.InfeasiblePlanError` when nothing fits, saying what would.
     ``profile=True`` times the model's own ops on this machine (``cluster`` must be

@@ -18,9 +18,10 @@ def run_plan(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     loaded = _model(args, cluster)
     fixed = parse_fields(args.fixed, "--fixed") if args.fixed else None
+    limits = {} if args.ilp_node_limit is None else {"ilp_node_limit": args.ilp_node_limit or None}
     plan = autopar.plan(loaded.model, cluster, loaded.inputs, global_batch_size=args.global_batch, fixed=fixed,
                         time_limit=args.time_limit, profile=args.profile, verbose=not args.quiet,
-                        ilp_node_limit=args.ilp_node_limit)
+                        ilp_time_limit=args.ilp_time_limit, **limits)
     return _report(_named(plan, loaded), args)
 
 
@@ -163,7 +164,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--time-limit", type=float, default=None, metavar="S",
                       help="stop the search after S seconds with the best plan so far")
     plan.add_argument("--ilp-node-limit", type=int, default=None, metavar="N",
-                      help="branch-and-bound nodes per sharding ILP solve (default: no limit)")
+                      help="branch-and-bound nodes per sharding ILP solve (default: autopar.plan's, 20000; 0: no "
+                           "limit); a node limit keeps the plan independent of the machine's load")
+    plan.add_argument("--ilp-time-limit", type=float, default=None, metavar="S",
+                      help="also stop each sharding ILP solve after S seconds of wall clock (default: no clock "
+                           "limit; a plan made with one may change with the machine's load)")
     _output_args(plan)
     plan.set_defaults(run=run_plan)
 

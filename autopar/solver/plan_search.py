@@ -15,14 +15,14 @@ from ..cost_model.compute import MeasuredTimes
 from ..errors import ConfigError, InfeasiblePlanError
 from ..plan import Plan
 from .search import Search, SearchStats, alternatives, with_search_results
-from .sharding import SOLVE_TIME_LIMIT, VARIANTS, WHOLE_BATCH, ILPLimits, ShardingSolver
+from .sharding import NODE_LIMIT, VARIANTS, WHOLE_BATCH, ILPLimits, ShardingSolver
 from .space import PIN_RULES, check_fixed, nearest
 
 
 def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision: Precision | None = None,
           fixed: Mapping[str, Any] | None = None, time_limit: float | None = None,
           measured: MeasuredTimes | None = None, progress: bool = False,
-          ilp_time_limit: float = SOLVE_TIME_LIMIT, ilp_node_limit: int | None = None,
+          ilp_time_limit: float | None = None, ilp_node_limit: int | None = NODE_LIMIT,
           sharding: ShardingSolver | None = None) -> tuple[Plan, SearchStats]:
     """The fastest plan that fits, and what the search did. Raises InfeasiblePlanError when none fits.
 
@@ -34,8 +34,8 @@ def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision
 
     Limits: ``time_limit`` (seconds) stops the search once it has a plan (then ``plan.optimal`` is
     False and ``plan.gap`` bounds how far from optimal it is); ILPs not started by then are replaced
-    by greedy sharding. ``ilp_time_limit`` (seconds) and ``ilp_node_limit`` (branch-and-bound
-    nodes) bound each sharding ILP solver call (sharding.py). ``sharding``: a ShardingSolver of this
+    by greedy sharding. ``ilp_node_limit`` (branch-and-bound nodes, deterministic) and, only when
+    given, ``ilp_time_limit`` (seconds of wall clock) bound each sharding ILP solver call (sharding.py). ``sharding``: a ShardingSolver of this
     graph, cluster and precision to reuse (its layouts are cached), e.g. across several solves."""
     search, sharding = _search(graph, cluster, global_batch_size, precision, fixed, time_limit, measured, progress,
                                ilp_time_limit, ilp_node_limit, sharding)
@@ -44,7 +44,7 @@ def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision
 
 def price(graph: OpGraph, cluster: Cluster, config: ParallelConfig, global_batch_size: int, *,
           precision: Precision | None = None, measured: MeasuredTimes | None = None,
-          ilp_time_limit: float = SOLVE_TIME_LIMIT, ilp_node_limit: int | None = None,
+          ilp_time_limit: float | None = None, ilp_node_limit: int | None = NODE_LIMIT,
           sharding: ShardingSolver | None = None) -> Plan:
     """``config`` priced: what :func:`solve` with every field of ``config`` pinned returns (the same
     sharding ILP layout, stage partition, step time and memory), as an estimate: ``optimal`` None, no
@@ -70,7 +70,7 @@ def price(graph: OpGraph, cluster: Cluster, config: ParallelConfig, global_batch
 
 def _search(graph: OpGraph, cluster: Cluster, global_batch_size: int, precision: Precision | None,
             fixed: Mapping[str, Any] | None, time_limit: float | None, measured: MeasuredTimes | None,
-            progress: bool, ilp_time_limit: float, ilp_node_limit: int | None,
+            progress: bool, ilp_time_limit: float | None, ilp_node_limit: int | None,
             sharding: ShardingSolver | None) -> tuple[Search, ShardingSolver]:
     """The Search (and its ShardingSolver) of one solve, after checking the arguments."""
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
@@ -80,7 +80,7 @@ def _search(graph: OpGraph, cluster: Cluster, global_batch_size: int, precision:
         raise ConfigError(f"time_limit={time_limit!r} must be a positive number of seconds (or None)")
     fixed = check_fixed(fixed)
     precision = precision or Precision.for_device(cluster.device.name)
-    limits = ILPLimits(ilp_time_limit, ilp_node_limit)
+    limits = ILPLimits(time=ilp_time_limit, nodes=ilp_node_limit)
     deadline = None if time_limit is None else time.perf_counter() + time_limit
     if sharding is None:
         sharding = ShardingSolver(graph, cluster, precision, limits=limits, deadline=deadline)

@@ -61,14 +61,17 @@ ties by strategy order, so that the layout does not depend on the solver.
 - ``add_memory``: ``memory <= budget`` (the lean variant's second solve; optional otherwise);
 - ``add_time``: ``time <= T* (1 + 1e-6)`` (the fast variant's second solve).
 
-Solver: HiGHS (``highspy``, the ``highs`` extra) when installed, else CBC through pulp; both
-single-threaded and deterministic, and stopped at :class:`ILPLimits` (``SOLVE_TIME_LIMIT``
-seconds per call by default, optionally a branch-and-bound node limit): the best integer
-solution is then used and counted in ``ShardingSolver.stopped_early``; the plan says so in its
-notes and is not marked optimal. A solver that fails (raises, or ends without a solution) is
-followed by the next one in :func:`lp_solvers`, then by :func:`greedy_choice` (each op in graph
-order takes its cheapest strategy compatible with the ops already chosen); every fallback is
-recorded in ``ShardingSolver.fallbacks`` and becomes a plan note. Past the search's deadline
+Solver: HiGHS (``highspy``, a dependency; in-process) when it imports, else CBC through pulp;
+both single-threaded and deterministic, with no relative gap (an optimum is exact). Each call is
+bounded by deterministic work, not by the clock: :class:`ILPLimits` ``nodes``
+(``NODE_LIMIT`` branch-and-bound nodes by default), so a plan is the same on an idle machine and
+a busy one. A wall-clock ``time`` limit per call applies only when the user asks for one
+(``ilp_time_limit``). At a limit the best integer solution is used and counted in
+``ShardingSolver.stopped_early``; the plan says so in its notes and is not marked optimal. A
+solver that fails (raises, or ends without a solution) is followed by the next one in
+:func:`lp_solvers`, then by :func:`greedy_choice` (each op in graph order takes its cheapest
+strategy compatible with the ops already chosen); every fallback is recorded in
+``ShardingSolver.fallbacks`` and becomes a plan note. Past the search's deadline
 (``time_limit``) no ILP is started: the remaining groups are sharded greedily. Layouts are
 cached per (tp, variant) in the :class:`ShardingSolver`, which also counts the ILP seconds and
 solves.
@@ -76,7 +79,10 @@ solves.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+import sys
 import time as _time
 import warnings
 from dataclasses import dataclass, field
@@ -101,42 +107,67 @@ WHOLE_BATCH = "-whole-batch"    # suffix of a variant solved without splitting a
 _US, _MB = 1e6, 1e-6            # the model's units: microseconds, megabytes
 _TIE = 1e-4                     # per strategy index, in the second objective's units
 _TIME_SLACK, _MEMORY_SLACK = 1e-6, 0.01
-SOLVE_TIME_LIMIT = 5.0          # seconds per solver call; past it the best integer solution found is used
+NODE_LIMIT = 20_000             # branch-and-bound nodes per solver call by default (deterministic work)
 
 
 @dataclass(frozen=True)
 class ILPLimits:
-    """Limits on every sharding ILP solver call: ``time`` seconds, ``nodes`` branch-and-bound
-    nodes (None: no limit). Past either the best integer solution found is used."""
+    """Limits on every sharding ILP solver call: ``nodes`` branch-and-bound nodes (deterministic:
+    the same plan on any machine; None: no limit) and ``time`` seconds of wall clock (None, the
+    default: no clock limit; set one only when a bounded solve time matters more than a plan that
+    does not depend on how busy the machine is). Past either the best integer solution is used."""
 
-    time: float = SOLVE_TIME_LIMIT
-    nodes: int | None = None
+    time: float | None = None
+    nodes: int | None = NODE_LIMIT
 
     def __post_init__(self) -> None:
-        if isinstance(self.time, bool) or not isinstance(self.time, (int, float)) or not self.time > 0:
-            raise ConfigError(f"ilp_time_limit={self.time!r} must be a positive number of seconds")
+        if self.time is not None and (isinstance(self.time, bool) or not isinstance(self.time, (int, float))
+                                      or not self.time > 0):
+            raise ConfigError(f"ilp_time_limit={self.time!r} must be a positive number of seconds (or None for "
+                              "no wall-clock limit)")
         if self.nodes is not None and (isinstance(self.nodes, bool) or not isinstance(self.nodes, int)
                                        or self.nodes < 1):
             raise ConfigError(f"ilp_node_limit={self.nodes!r} must be a positive integer (or None for no limit)")
 
 
 def lp_solvers(limits: ILPLimits = ILPLimits()) -> list[tuple[str, Any]]:
-    """The solvers to try, in order, as (name, pulp solver): HiGHS when ``highspy`` imports, then
-    CBC (bundled with pulp). Almost every group solves in well under a second; the limits stop a
-    rare hard one from stalling the search (one Llama-like lean instance took CBC 10 s)."""
+    """The solvers to try, in order, as (name, pulp solver): HiGHS when ``highspy`` imports (in
+    process: no solver binary to start, no files), then CBC (bundled with pulp). Both solve to a
+    zero gap, on one thread. Almost every group solves in well under a second; the node limit
+    stops a rare hard one from stalling the search."""
     out: list[tuple[str, Any]] = []
-    try:
-        import highspy  # noqa: F401
+    if _highs_ready():
         nodes = {} if limits.nodes is None else {"mip_max_nodes": limits.nodes}
-        out.append(("HiGHS", pulp.HiGHS(msg=False, threads=1, timeLimit=limits.time, **nodes)))
-    except ImportError:
-        pass
+        out.append(("HiGHS", pulp.HiGHS(msg=False, threads=1, timeLimit=limits.time, gapRel=0.0, gapAbs=0.0,
+                                        **nodes)))
     with warnings.catch_warnings():  # PuLP 3.3 announces its bundled CBC will move to an extra in 4.0
         warnings.simplefilter("ignore", DeprecationWarning)
-        cbc = pulp.PULP_CBC_CMD(msg=False, threads=1, timeLimit=limits.time, maxNodes=limits.nodes)
+        cbc = pulp.PULP_CBC_CMD(msg=False, threads=1, timeLimit=limits.time, maxNodes=limits.nodes, gapRel=0.0,
+                                gapAbs=0.0)
     if cbc.available():
         out.append(("CBC", cbc))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _highs_ready() -> bool:
+    """Whether HiGHS imports. Its first ``Highs()`` prints a banner from C++ to standard output
+    whatever the options; that one is made here with the output file descriptor pointed at
+    /dev/null, so that a plan's output (a CLI summary, a notebook cell) stays the plan's."""
+    try:
+        import highspy
+    except ImportError:
+        return False
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    return True
 
 
 def _var(prob: pulp.LpProblem, name: str, low: float, up: float, cat: str = pulp.LpContinuous) -> pulp.LpVariable:
@@ -157,6 +188,7 @@ class _Model:
     tie: pulp.LpAffineExpression = field(default_factory=pulp.LpAffineExpression)
     bounds: int = 0
     timed_out: bool = False
+    nodes: int = 0      # branch-and-bound nodes of the solves so far (HiGHS reports them; CBC through pulp does not)
 
 
 def add_one_hot(prob: pulp.LpProblem, gp: GroupProblem) -> _Model:
@@ -235,8 +267,8 @@ def solve_group(gp: GroupProblem, variant: str, budget: float | None = None,
     """The variant's two solves on one group; the chosen strategies with their exact totals.
 
     ``stats``, when given, receives the model's size (``variables``, ``constraints``), whether a
-    solve stopped at a limit (``stopped_early``) and the fallbacks taken (``fallbacks``: one
-    line each)."""
+    solve stopped at a limit (``stopped_early``), the branch-and-bound ``nodes`` of both solves
+    (HiGHS; 0 under CBC) and the fallbacks taken (``fallbacks``: one line each)."""
     prob = pulp.LpProblem("sharding", pulp.LpMinimize)
     m = add_one_hot(prob, gp)
     add_resharding(m, gp)
@@ -263,6 +295,7 @@ def solve_group(gp: GroupProblem, variant: str, budget: float | None = None,
         add_memory(m, best.memory * (1 + _MEMORY_SLACK) + 1.0)
     result = _run(m, gp, second + m.tie, "second", limits, fallbacks)
     stats["stopped_early"] = m.timed_out or result is None
+    stats["nodes"] = m.nodes
     return best if result is None else result   # the second solve only breaks the first's ties
 
 
@@ -282,6 +315,9 @@ def _run(m: _Model, gp: GroupProblem, objective: pulp.LpAffineExpression, stage:
         except Exception as exc:  # noqa: BLE001 - a solver crash (pulp.PulpSolverError, OSError, ...) moves on
             failed.append(f"{name} raised {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
             continue
+        highs = getattr(m.prob, "solverModel", None)
+        if name == "HiGHS" and highs is not None:
+            m.nodes += int(highs.getInfo().mip_node_count)
         if m.prob.sol_status == pulp.LpSolutionIntegerFeasible:  # stopped at a limit with a solution
             m.timed_out = True
         elif pulp.LpStatus[status] != "Optimal":
@@ -459,7 +495,8 @@ class ShardingSolver:
                 stats["stopped_early"] = True
             else:   # an ILP started before the deadline stops at it (or at its own limit)
                 limits = self.limits if self.deadline is None else ILPLimits(
-                    min(self.limits.time, max(self.deadline - start, 0.05)), self.limits.nodes)
+                    time=min(self.limits.time or math.inf, max(self.deadline - start, 0.05)),
+                    nodes=self.limits.nodes)
                 result = solve_group(problem, variant, stats=stats, limits=limits)
                 self.solves += 1
                 self.fallbacks += stats["fallbacks"]
@@ -505,5 +542,5 @@ def tp_group(cluster: Cluster, tp: int) -> GroupPlacement:
 
 __all__ = ["ShardingSolver", "LayerGroup", "GroupSolution", "VARIANTS", "WHOLE_BATCH", "add_one_hot", "add_resharding",
            "add_partial_gradients", "add_param_consistency", "add_memory", "add_time", "solve_group",
-           "layer_groups", "assemble", "lp_solvers", "ILPLimits", "greedy_choice", "tp_group", "totals",
+           "layer_groups", "assemble", "lp_solvers", "ILPLimits", "NODE_LIMIT", "greedy_choice", "tp_group", "totals",
            "evaluate_layout"]
