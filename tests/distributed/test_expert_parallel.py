@@ -220,7 +220,8 @@ def test_silent_peer_raises_within_timeout() -> None:
     silent = results(2)[0]["_silent"]
     assert silent["outcome"].startswith("RuntimeFailure: rank 0: expert-parallel count all-to-all with rank 1"), \
         silent["outcome"]
-    assert silent["seconds"] < SILENT_TIMEOUT + 1.0, f"took {silent['seconds']:.1f} s for a {SILENT_TIMEOUT} s timeout"
+    # about the timeout on an idle machine; 20 s of room for a loaded one, far below no deadline at all
+    assert silent["seconds"] < SILENT_TIMEOUT + 20.0, f"took {silent['seconds']:.1f} s for a {SILENT_TIMEOUT} s timeout"
 
 
 def test_imbalanced_case_is_imbalanced() -> None:

