@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) bench/moe.py
 	$(PY) bench/time_limit.py
 	AUTOPAR_FUZZ_SEEDS=400 HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/distributed/test_fuzz.py
+	AUTOPAR_EXHAUSTIVE_EXAMPLES=100 $(PY) -m pytest -q tests/unit/solver/test_search.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -11,6 +11,7 @@ the two step times of the same partition differ only by rounding.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import pytest
@@ -102,7 +103,9 @@ def _check_against_exhaustive(graph, spec: str, gbs: int, fraction: float):
 FRACTIONS = [-0.5, 0.001, 0.05, 0.2, 0.5, 0.8, 0.999, 2.0]
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# 12 instances in the suite (the same 12 every run); make bench draws 100
+@settings(max_examples=int(os.environ.get("AUTOPAR_EXHAUSTIVE_EXAMPLES", "12")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=st.sampled_from(["1x2xA100-80GB", "1x4xA100-80GB", "2x2xA100-80GB", "1x8xA100-80GB",
                              "2x4xH100-SXM", "4x2xV100-32GB", "1x4xcpu"]),
        fraction=st.sampled_from(FRACTIONS), gbs=st.sampled_from([4, 8, 12]))
