@@ -56,11 +56,14 @@ def _config_line(summary: str) -> str:
     return match.group(1)
 
 
-@pytest.mark.parametrize("model, cluster, batch", [("gpt3-175b", "128x8xA100-80GB", "1536"),
-                                                   ("llama3-8b", "1x8xH100-SXM", "64")])
-def test_plan_show_codegen(tmp_path, capsys, model, cluster, batch):
+# GPT-3 175B with tp and pp pinned (a pipelined plan to draw; the search over the rest takes seconds,
+# the whole 128-node search a half minute: bench/cli_plan_time.py times that one), Llama-3 8B free
+@pytest.mark.parametrize("model, cluster, batch, fixed", [("gpt3-175b", "16x8xA100-80GB", "128", "tp=8,pp=8"),
+                                                          ("llama3-8b", "1x8xH100-SXM", "64", None)])
+def test_plan_show_codegen(tmp_path, capsys, model, cluster, batch, fixed):
+    pins = ("--fixed", fixed) if fixed else ()
     plan_out = autopar_cmd(tmp_path, "plan", model, "--cluster", cluster, "--global-batch", batch, "-o", "p.json",
-                           "--explain").stdout
+                           "--explain", *pins).stdout
     plan = autopar.load_plan(tmp_path / "p.json")
     assert plan.model_name == model and plan.global_batch_size == int(batch) and plan.fits and plan.optimal
     assert plan.extra["model"] == {"model": model, "seq_len": None, "dtype": "bf16"}

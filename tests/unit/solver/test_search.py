@@ -119,14 +119,15 @@ def cp_graph():
     return capture(model, inputs)
 
 
+# nothing fitting (a negative fraction) is checked by the randomised test above; here memory binds or not
 @pytest.mark.parametrize("spec,gbs", [("1x4xA100-80GB", 8), ("2x4xH100-SXM", 4)])
-@pytest.mark.parametrize("fraction", [-0.5, 0.05, 0.5, 2.0])
+@pytest.mark.parametrize("fraction", [0.05, 0.5, 2.0])
 def test_plan_equals_exhaustive_with_cp(cp_graph, spec, gbs, fraction):
     _check_against_exhaustive(cp_graph, spec, gbs, fraction)
 
 
 @pytest.mark.parametrize("spec,gbs", [("1x4xA100-80GB", 8), ("2x2xH100-SXM", 4)])
-@pytest.mark.parametrize("fraction", [-0.5, 0.05, 0.5, 2.0])
+@pytest.mark.parametrize("fraction", [0.05, 0.5, 2.0])
 def test_plan_equals_exhaustive_with_selective_recompute(gpt_graph, spec, gbs, fraction):
     _check_against_exhaustive(gpt_graph, spec, gbs, fraction)
 
