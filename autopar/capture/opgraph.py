@@ -238,7 +238,7 @@ class OpGraph:
     def layer_nodes(self, layer: Layer) -> Iterator[OpNode]:
         return (self.nodes[i] for i in layer.nodes)
 
-    @property
+    @cached_property
     def param_numel(self) -> int:
         return sum(t.numel for t in self.params.values())
 

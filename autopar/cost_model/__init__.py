@@ -91,12 +91,14 @@ def weight_families(names: Sequence[str]) -> str:
 
 def _flops(est: Estimator, cfg: ParallelConfig, scale: float, devices) -> tuple[float, float]:
     """(model FLOPs, recomputation FLOPs) per step over the global batch."""
-    graph = est.graph
-    model = sum((n.flops_fwd + n.flops_bwd) * (scale if n.batch_dependent else 1.0) for n in graph.nodes)
+    graph, per_layer = est.graph, est.layer_flops
+    model = sum(f[0] * scale + f[1] for f in per_layer)
     mode = {i: cfg.stage_mode(d) for d, dev in enumerate(devices) for c in dev.chunks for i in c}
     rec = 0.0
-    for n in graph.nodes:
-        m = mode.get(n.layer, "none")
-        if (m == "full" and recomputable(graph, graph.layers[n.layer])) or (m == "selective" and n.attention_core):
-            rec += n.flops_fwd * (scale if n.batch_dependent else 1.0)
+    for i, f in enumerate(per_layer):
+        m = mode.get(i, "none")
+        if m == "full" and recomputable(graph, graph.layers[i]):
+            rec += f[2] * scale + f[3]
+        elif m == "selective":
+            rec += f[4] * scale + f[5]
     return model, rec

@@ -148,15 +148,15 @@ class Estimator:
     _lines: dict = field(default_factory=dict)
     _cuts: dict = field(default_factory=dict)
     _numel: dict = field(default_factory=dict)
+    _device_params: dict = field(default_factory=dict)
+    experts: frozenset[str] = field(init=False)   # the expert parameters (divided by ep)
+    layer_flops: tuple[tuple[float, ...], ...] = field(init=False)   # _layer_flops
 
     def __post_init__(self) -> None:
         if self.layers is None:
             self.layers = LayerCostModel(self.graph, self.cluster, self.precision)
-
-    @property
-    def experts(self) -> frozenset[str]:
-        """The expert parameters (divided by ep)."""
-        return expert_parallel.expert_params(self.graph)
+        self.experts = expert_parallel.expert_params(self.graph)
+        self.layer_flops = _layer_flops(self.graph)
 
     def placements(self, cfg: ParallelConfig) -> dict[str, GroupPlacement]:
         return mesh_groups(self.cluster, cfg)
@@ -212,10 +212,7 @@ class Estimator:
     def _device(self, cfg: ParallelConfig, d: int, chunks: list[tuple[int, ...]], p2p: float,
                 costs: list[LayerCost], micro_batches: int) -> DeviceCost:
         idx = [i for chunk in chunks for i in chunk]
-        # each parameter once per device, tied ones included (a pipeline stage may hold a copy)
-        names = dict.fromkeys(n for i in idx for n in self._layer_param_names(i) if n in self.graph.params)
-        params = self._local_params(names, cfg)
-        experts = self._local_params([n for n in names if n in self.experts], cfg)
+        names, params, experts = self._held(tuple(idx), cfg)
         w, g, k = self.state_bytes(cfg, params, experts)
         per_chunk = [sum(costs[i].activations for i in chunk) for chunk in chunks]
         acts = max(per_chunk) if cfg.schedule == "interleaved" else sum(per_chunk)
@@ -232,6 +229,17 @@ class Estimator:
             tp_grad_bytes=sum(self.layers.step_comm_bytes(self.graph.layers[i], cfg.tp) for i in idx),
             param_tensors=len(names), cp_comm=sum(costs[i].cp_fwd + costs[i].cp_bwd for i in idx),
             ep_comm=sum(costs[i].ep_fwd + costs[i].ep_bwd for i in idx), expert_params=experts)
+
+    def _held(self, idx: tuple[int, ...], cfg: ParallelConfig) -> tuple[dict, int, int]:
+        """(names, local parameters, local expert parameters) of a device holding layers ``idx``: each
+        parameter once, tied ones included (a pipeline stage may hold a copy). Cached: the search
+        asks for the same runs of layers many times."""
+        key = (idx, cfg.tp, cfg.ep)
+        if key not in self._device_params:
+            names = dict.fromkeys(n for i in idx for n in self._layer_param_names(i) if n in self.graph.params)
+            self._device_params[key] = (names, self._local_params(names, cfg),
+                                        self._local_params([n for n in names if n in self.experts], cfg))
+        return self._device_params[key]
 
     def state_bytes(self, cfg: ParallelConfig, params, experts=0.0):
         """(weights, gradients, optimizer state) bytes of ``params`` parameters on one device, ``experts``
@@ -374,3 +382,17 @@ class Estimator:
 def _buckets(nbytes):
     """Gradient buckets of DP_BUCKET_BYTES (at least one)."""
     return np.maximum(1.0, np.ceil(np.asarray(nbytes, dtype=float) / DP_BUCKET_BYTES))
+
+
+def _layer_flops(graph: OpGraph) -> tuple[tuple[float, ...], ...]:
+    """Per layer, FLOPs at the captured batch, each split into (batch-dependent ops, the others): forward
+    + backward of every op, forward of every op, forward of the attention core's ops. Whoever totals
+    them scales the batch-dependent half to the micro-batch."""
+    out = [[0.0] * 6 for _ in graph.layers]
+    for n in graph.nodes:
+        row, half = out[n.layer], 0 if n.batch_dependent else 1
+        row[half] += n.flops_fwd + n.flops_bwd
+        row[2 + half] += n.flops_fwd
+        if n.attention_core:
+            row[4 + half] += n.flops_fwd
+    return tuple(tuple(r) for r in out)
