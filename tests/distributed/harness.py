@@ -1,9 +1,10 @@
 """Run many parallelize cases in one spawn of gloo ranks, against single-process references.
 
-The parent plans each case (autopar.plan with every ParallelConfig field pinned, or free),
-computes the single-process reference (loss and gradients of step 1, parameters after three
-AdamW steps on three batches), spawns ``world`` ranks once, and every rank runs every case of
-that world size. Rank 0 writes its results; every rank checks that its loss equals rank 0's.
+The parent plans each case (autopar.plan with every ParallelConfig field pinned, or free) and
+hands it to the session's world of ``world`` ranks (worlds.py) at once, so the ranks run a case
+while the parent plans the next; then it computes the single-process reference (loss and
+gradients of step 1, parameters after three AdamW steps on three batches) to compare every
+rank's results with.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -216,37 +216,24 @@ def make_plan(case: Case):
     return with_inputs(plan, example)
 
 
-def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
-    import faulthandler
-    faulthandler.dump_traceback_later(float(os.environ.get("AUTOPAR_TEST_HANG_DUMP", "600")), exit=True, file=sys.stderr)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def run_case(rank: int, world: int, case: Case, plan_dict: dict) -> dict[str, Any]:
+    """One case on one rank of a worlds.World: loss and full gradients of a forward_backward, the
+    parameters after STEPS train_steps (through a torch.save round trip into a fresh model)."""
     import autopar
+    from autopar.runtime.data_parallel import local
     torch.autograd.set_detect_anomaly(bool(os.environ.get("AUTOPAR_TEST_ANOMALY")))
-    results = {}
-    for case, plan_dict in jobs:
-        try:
-            plan = autopar.Plan.from_dict(plan_dict)
-            model = MODELS[case.model]()
-            data = batches(case.model, STEPS, case.global_batch)
-            program = autopar.parallelize(model, plan, lambda ps: torch.optim.AdamW(ps, lr=LR),
-                                          loss_fn=loss_fn_of(case.model), timeout=60)
-            loss = program.forward_backward(data[0])
-            grads = program.full_grads()
-            for b in data:
-                program.train_step(b)
-            params = round_trip(program.full_state_dict(), MODELS[case.model]())
-            from autopar.runtime.data_parallel import local
-            results[case.name] = {"loss": loss.item(), "grads": grads, "params": params,
-                                  "local_numel": sum(local(p).numel() for p in program.parameters())}
-        except Exception as exc:  # noqa: BLE001 - reported per case to the parent
-            import traceback
-            results[case.name] = {"error": f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
-            print(results[case.name]["error"], file=sys.stderr, flush=True)
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()  # no rank tears its connections down while a peer still uses them
-    dist.destroy_process_group()
+    plan = autopar.Plan.from_dict(plan_dict)
+    model = MODELS[case.model]()
+    data = batches(case.model, STEPS, case.global_batch)
+    program = autopar.parallelize(model, plan, lambda ps: torch.optim.AdamW(ps, lr=LR),
+                                  loss_fn=loss_fn_of(case.model), timeout=60)
+    loss = program.forward_backward(data[0])
+    grads = program.full_grads()
+    for b in data:
+        program.train_step(b)
+    params = round_trip(program.full_state_dict(), MODELS[case.model]())
+    return {"loss": loss.item(), "grads": grads, "params": params,
+            "local_numel": sum(local(p).numel() for p in program.parameters())}
 
 
 def round_trip(state: dict, fresh: torch.nn.Module) -> dict:
@@ -282,13 +269,19 @@ def check_matches(got: dict, ref: dict, rank: int) -> None:
         assert diff <= 1e-4, (rank, name, diff)
 
 
-def run_cases(cases: list[Case], world: int) -> list[dict[str, Any]]:
-    """Per rank: case name -> {"loss", "grads", "params"} or {"error"}."""
-    jobs = [(c, make_plan(c).to_dict()) for c in cases]
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_worker, args=(world, free_port(), jobs, out), nprocs=world, join=True,
-                           start_method="spawn")
-        return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
+def run_cases(cases: list[Case], world: int, function: str = "harness:run_case",
+              plan: Callable[[Case], Any] | None = None) -> list[dict[str, Any]]:
+    """Per rank: case name -> {"loss", "grads", "params"} or {"error"}. Each case goes to the session's
+    world (worlds.py) as soon as it is planned, so this process plans the next case while the ranks
+    run this one; ``function`` runs a case on a rank, ``plan`` (default make_plan) plans it."""
+    import worlds
+    w = worlds.world(world)
+    jobs = [(c, w.submit(function, c, (plan or make_plan)(c).to_dict())) for c in cases]
+    out: list[dict[str, Any]] = [{} for _ in range(world)]
+    for case, k in jobs:
+        for rank, got in enumerate(w.result(k)):
+            out[rank][case.name] = got
+    return out
 
 
 def _failure_worker(rank: int, world: int, port: int, plan_dict: dict, mode: str, out_dir: str) -> None:

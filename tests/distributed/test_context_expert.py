@@ -1,6 +1,6 @@
 """Context parallelism (cp) and expert parallelism (ep) compute what one process computes, on 2 and 4 gloo ranks.
 
-One spawn per world size runs every case (tests/distributed/harness.py: the parent plans each
+The session's world of each size runs every case (tests/distributed/harness.py: the parent plans each
 case with every ParallelConfig field pinned and computes the single-process reference; loss and
 gradients of step 1, parameters after three AdamW steps). Models (harness.MODELS), all with
 8-token sequences, a multiple of 2 cp = 4:

@@ -20,33 +20,26 @@ harness.make_plan pins its cases) to dp=2 (ZeRO 0..3), tp=2 (with or without seq
 parallelism), pp=2 (1F1B, GPipe, interleaved), with several micro-batch sizes and recompute modes,
 on harness.test_cluster(2), whose links make tensor parallelism pay for these tiny models.
 
-Speed (the suite has 10 minutes on 2 cores): ONE spawn of 2 ranks runs every seed, while this
-process captures and plans the seeds one after the other and hands each plan to the ranks through
-the TCPStore it serves (the ranks rarely wait for it: planning a seed costs less than running
-it, and it fills the time the ranks wait on each other), then computes the references. Models
-are tiny and their widths few, so DTensor's and torch.export's per-shape caches are shared by
-most seeds. After every seed the ranks tell each other their outcome through the store (not a
-collective, so a rank that failed in the middle of a collective cannot desynchronise it) and
-re-create the process group on a fresh PrefixStore, so one failure does not poison the seeds
-after it. The whole test takes about 45 s here (40 s of it the spawn and the 101 seeds).
+Speed (the suite has 10 minutes on 2 cores): the session's 2-rank world (worlds.py) runs every
+seed, while this process captures and plans the seeds one after the other and hands each plan to
+the ranks as soon as it is made (the ranks rarely wait for it: planning a seed costs less than
+running it, and it fills the time the ranks wait on each other), then computes the references.
+Models are tiny and their widths few, so DTensor's and torch.export's per-shape caches are shared
+by most seeds. Between seeds the world re-creates the process group, so one failure does not
+poison the seeds after it.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
-import pickle
 import random
 import sys
-import tempfile
 import time
 import traceback
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 import random_models as rm  # noqa: E402
@@ -67,8 +60,7 @@ LR = 1e-3
 # tolerance. With eps=1e-4 such noise moves a parameter by at most lr * 1e-7 / eps = 1e-6, and the
 # gradients above ~1e-3 (nearly all) keep AdamW's normalised update.
 EPS = 1e-4
-PEER_TIMEOUT = 20.0      # seconds: parallelize(timeout=) and the process group's own collective timeout
-STORE_TIMEOUT = 300.0    # seconds a rank waits for the plan of a seed, or for its peer's outcome
+PEER_TIMEOUT = 20.0      # seconds: parallelize(timeout=)
 # Random seeds that must really run and match. Observed (example batches 1, the micro-batch or the
 # global batch): 93 of the first 100 run and match, 369 of 400; every refusal is a pinned
 # configuration the model does not allow: the interleaved schedule on repeated blocks that do not
@@ -167,8 +159,9 @@ def reference(seed: int) -> dict[str, Any]:
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def run_seed(seed: int, plan_dict: dict) -> dict[str, Any]:
-    """This rank's run of the seed's plan, as reference() computes it in one process."""
+def run_seed(rank: int, world: int, seed: int, plan_dict: dict) -> dict[str, Any]:
+    """This rank's run of the seed's plan, as reference() computes it in one process (a job of the
+    session's 2-rank world, worlds.py)."""
     import autopar
     model, spec = rm.build(seed)
     data = rm.batches(spec, STEPS)
@@ -197,80 +190,34 @@ def run_seed(seed: int, plan_dict: dict) -> dict[str, Any]:
             registry.clear()
 
 
-def _init_group(store: dist.Store, rank: int, generation: int) -> None:
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{generation}", store), rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=PEER_TIMEOUT))
-
-
-def _worker(rank: int, port: int, seeds: list[int], out_dir: str) -> None:
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    torch.set_num_threads(1)
-    import faulthandler
-    faulthandler.dump_traceback_later(float(os.environ.get("AUTOPAR_TEST_HANG_DUMP", "600")), exit=True,
-                                      file=sys.stderr)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT))
-    generation = 0
-    _init_group(store, rank, generation)
-    start = time.perf_counter()
-    results: dict[int, dict[str, Any]] = {}
-    for seed in seeds:
-        planned = pickle.loads(store.get(f"plan/{seed}"))   # waits until the parent has planned the seed
-        if planned["outcome"] != "planned":
-            continue
-        results[seed] = run_seed(seed, planned["plan"])
-        # Wait for the peer to finish the seed too (through the store: a rank that raised in the middle
-        # of a collective would leave a collective here unpaired), then start the next seed on a fresh
-        # process group. Besides resynchronising after a failure, this shuts down the program's own
-        # groups (its mesh's, its tied weights'), which c10d keeps registered until then: a rank's gloo
-        # threads stay near 100 instead of growing by about 12 a seed. No gc.collect() here (the
-        # programs' reference cycles go with Python's own collections): with DTensor's and export's
-        # caches on the heap, one a seed took a third of the ranks' time.
-        store.set(f"outcome/{seed}/{rank}", results[seed]["outcome"])
-        for r in range(WORLD):
-            store.get(f"outcome/{seed}/{r}")
-        dist.destroy_process_group()
-        generation += 1
-        _init_group(store, rank, generation)
-    torch.save({"results": results, "seconds": time.perf_counter() - start, "cpu": time.process_time()},
-               os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()  # no rank tears its connections down while a peer still uses them
-    dist.destroy_process_group()
-
-
 def run_fuzz(seeds: list[int]) -> dict[str, Any]:
-    """Spawn the ranks, plan every seed here while they run the planned ones (each plan reaches them
-    through the TCPStore this process serves), then compute the single-process references."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=STORE_TIMEOUT))
+    """Plan every seed here and hand each planned one to the session's 2-rank world at once (the
+    ranks run it while this process plans the next), then compute the single-process references
+    and collect the ranks' results."""
+    import worlds
+    w = worlds.world(WORLD)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # the two ranks have a core each already
     plans: dict[int, dict[str, Any]] = {}
     refs: dict[int, dict[str, Any]] = {}
+    jobs: dict[int, int] = {}
     try:
-        with tempfile.TemporaryDirectory() as out:
-            ranks = mp.start_processes(_worker, args=(store.port, seeds, out), nprocs=WORLD, join=False,
-                                       start_method="spawn")
+        for seed in seeds:
+            plans[seed] = plan_seed(seed)
+            if plans[seed]["outcome"] == "planned":
+                jobs[seed] = w.submit("test_fuzz:run_seed", seed, plans[seed]["plan"])
+        for seed in jobs:
             try:
-                for seed in seeds:
-                    plans[seed] = plan_seed(seed)
-                    store.set(f"plan/{seed}", pickle.dumps(plans[seed]))
-                for seed in seeds:
-                    if plans[seed]["outcome"] == "planned":
-                        try:
-                            refs[seed] = reference(seed)
-                        except Exception as exc:  # noqa: BLE001 - the generated model itself fails: a test bug
-                            refs[seed] = {"error": _traceback(exc)}
-            except BaseException:
-                for process in ranks.processes:   # else they would wait STORE_TIMEOUT for the next plan
-                    process.terminate()
-                raise
-            while not ranks.join():
-                pass
-            per_rank = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+                refs[seed] = reference(seed)
+            except Exception as exc:  # noqa: BLE001 - the generated model itself fails: a test bug
+                refs[seed] = {"error": _traceback(exc)}
+        per_rank: list[dict[int, Any]] = [{} for _ in range(WORLD)]
+        for seed, k in jobs.items():
+            for rank, got in enumerate(w.result(k)):
+                per_rank[rank][seed] = got
     finally:
         torch.set_num_threads(threads)
-    return {"plans": plans, "refs": refs, "results": [r["results"] for r in per_rank],
-            "rank_seconds": [(round(r["seconds"], 1), round(r["cpu"], 1)) for r in per_rank]}
+    return {"plans": plans, "refs": refs, "results": per_rank}
 
 
 @pytest.fixture(scope="module")
@@ -318,8 +265,7 @@ def test_match_rate(fuzz):
     outcomes = {seed: outcome_of(fuzz, seed) for seed in SEEDS[:N_SEEDS]}
     kinds = [kind for kind, _ in outcomes.values()]
     print(f"\nfuzz: {kinds.count('matched')} matched, {kinds.count('refused')} refused, {kinds.count('failed')} "
-          f"failed of {N_SEEDS} random seeds; {len(SEEDS)} seeds in {fuzz['wall']:.1f} s "
-          f"(ranks' wall and CPU s: {fuzz['rank_seconds']})")
+          f"failed of {N_SEEDS} random seeds; {len(SEEDS)} seeds in {fuzz['wall']:.1f} s")
     refusals = [detail.splitlines()[-1] for kind, detail in outcomes.values() if kind == "refused"]
     assert kinds.count("matched") >= MIN_MATCH_RATE * N_SEEDS, (
         f"only {kinds.count('matched')} of {N_SEEDS} seeds ran and matched; refusals:\n" + "\n".join(refusals))

@@ -7,7 +7,7 @@ each planned two ways:
 - ``meta-b1``: on the meta device from batch-1 example inputs, as the README quickstart does;
 - ``cpu-b8``: on the CPU from an example batch of 8, larger than every micro-batch below;
 
-and run with real weights on 2 gloo ranks (one spawn for every case) at dp=2, tp=2, pp=2 1F1B
+and run with real weights on 2 gloo ranks (the session's 2-rank world, worlds.py) at dp=2, tp=2, pp=2 1F1B
 (micro-batch 2), dp=2 ZeRO-1 (two micro-batches per replica) and dp=2 ZeRO-3, global batch 8.
 A second set puts models with dropout 0.1 in ``eval()`` first: the program runs in the mode the
 model is in (as DDP does), so it computes the eval-mode loss. A third prices configurations with
@@ -27,18 +27,15 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 import new_users  # noqa: E402
 import harness  # noqa: E402
-from harness import LR, STEPS, check_matches, free_port, round_trip  # noqa: E402
+from harness import LR, STEPS, check_matches, round_trip  # noqa: E402
 
 GLOBAL_BATCH = 8
 BASE = dict(dp=1, tp=1, pp=1, micro_batch_size=1, zero=0, recompute="none", schedule="1f1b", virtual_stages=1,
@@ -121,50 +118,39 @@ def reference(model_name: str, micro_batch_size: int, dropout: float = 0.0, eval
     return {"loss": loss.item(), "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def run_case(rank: int, world: int, case: Case, plan_dict: dict) -> dict:
+    """One case on one rank of the session's 2-rank world (worlds.py)."""
     import autopar
     from autopar.runtime.data_parallel import local
-    results = {}
-    for case, plan_dict in jobs:
-        try:
-            model = new_users.build(case.model, "cpu", case.dropout)
-            if case.eval:
-                model.eval()
-            program = autopar.parallelize(model, autopar.Plan.from_dict(plan_dict),
-                                          lambda ps: torch.optim.AdamW(ps, lr=LR),
-                                          loss_fn=new_users.LOSS_FNS.get(case.model), timeout=60)
-            data = new_users.batches(case.model, STEPS, GLOBAL_BATCH)
-            loss = program.forward_backward(data[0])
-            grads = program.full_grads()
-            program.optimizer.step()   # train_step(data[0]) is this forward_backward and this step
-            for batch in data[1:]:
-                program.train_step(batch)
-            params = round_trip(program.full_state_dict(), new_users.build(case.model, "cpu", case.dropout))
-            results[case.name] = {"loss": loss.item(), "grads": grads, "params": params,
-                                  "local_numel": sum(local(p).numel() for p in program.parameters())}
-        except Exception as exc:  # noqa: BLE001 - reported per case to the parent
-            import traceback
-            results[case.name] = {"error": f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    model = new_users.build(case.model, "cpu", case.dropout)
+    if case.eval:
+        model.eval()
+    program = autopar.parallelize(model, autopar.Plan.from_dict(plan_dict), lambda ps: torch.optim.AdamW(ps, lr=LR),
+                                  loss_fn=new_users.LOSS_FNS.get(case.model), timeout=60)
+    data = new_users.batches(case.model, STEPS, GLOBAL_BATCH)
+    loss = program.forward_backward(data[0])
+    grads = program.full_grads()
+    program.optimizer.step()   # train_step(data[0]) is this forward_backward and this step
+    for batch in data[1:]:
+        program.train_step(batch)
+    params = round_trip(program.full_state_dict(), new_users.build(case.model, "cpu", case.dropout))
+    return {"loss": loss.item(), "grads": grads, "params": params,
+            "local_numel": sum(local(p).numel() for p in program.parameters())}
 
 
 @pytest.fixture(scope="module")
 def plans():
-    return {case.name: make_plan(case) for case in CASES}
+    return {}
 
 
 @pytest.fixture(scope="module")
 def results(plans):
-    """Per rank: case name -> result, from one spawn of 2 ranks for every case."""
-    jobs = [(case, plans[case.name].to_dict()) for case in CASES]
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_worker, args=(2, free_port(), jobs, out), nprocs=2, join=True, start_method="spawn")
-        return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
+    """Per rank: case name -> result; each case planned here and handed to the session's 2-rank world
+    at once (the ranks run it while this process plans the next)."""
+    def plan(case):
+        plans[case.name] = make_plan(case)
+        return plans[case.name]
+    return harness.run_cases(CASES, 2, function="test_new_users:run_case", plan=plan)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -1,7 +1,7 @@
 """parallelize(model, plan) computes what one process computes, on 2 and 4 gloo ranks.
 
-One spawn per world size runs every case (the parent plans them and computes the
-single-process references). Tolerances, all fp32:
+The session's world of each size (worlds.py) runs every case (the parent plans them and computes
+the single-process references). Tolerances, all fp32:
 
 - loss: relative error <= 1e-5. Only the order of additions differs (micro-batch means
   averaged, all-reduces, partial sums of split matmuls): observed <= 2e-7.

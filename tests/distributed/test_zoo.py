@@ -5,7 +5,7 @@ The models are the registry's bert-tiny, t5-tiny and mixtral-tiny, shrunk furthe
 ``capacity_factor=None``: with a capacity the tokens an expert drops depend on how many tokens one
 forward call sees, so any split of the batch (data, pipeline micro-batches) changes the loss.
 
-All cases run on 2 gloo ranks in one spawn (4 ranks would oversubscribe a 2-core machine): pinned
+All cases run on the session's 2 gloo ranks (worlds.py; 4 would oversubscribe a 2-core machine): pinned
 layouts per model, and one plan per model that ``autopar.plan`` picks freely for
 ``Cluster.from_spec("1x2xcpu")``. Each case is compared with one process by the harness
 (tests/distributed/harness.py): loss and gradients of step 1, parameters after three AdamW steps.
@@ -33,15 +33,13 @@ import dataclasses
 import math
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 import harness  # noqa: E402
-from harness import Case, free_port, reference  # noqa: E402
+from harness import Case, reference  # noqa: E402
 
 LOSS_RTOL = 1e-5
 GRAD_TOL = 1e-4      # of the largest reference gradient
@@ -130,9 +128,10 @@ def make_plan(case: Case):
                         global_batch_size=case.global_batch, verbose=False)
 
 
-def _worker(rank: int, world: int, port: int, jobs: list, out_dir: str) -> None:
+def run_case(rank: int, world: int, case: Case, plan_dict: dict) -> dict:
+    """The harness's case on a rank that knows the zoo models."""
     register()
-    harness._worker(rank, world, port, jobs, out_dir)
+    return harness.run_case(rank, world, case, plan_dict)
 
 
 @pytest.fixture(scope="module")
@@ -144,16 +143,17 @@ def zoo():
 
 @pytest.fixture(scope="module")
 def plans(zoo):
-    return {c.name: make_plan(c) for c in CASES}
+    return {}
 
 
 @pytest.fixture(scope="module")
 def results(zoo, plans):
-    """Per rank: case name -> the harness's result, from one spawn of 2 ranks."""
-    jobs = [(c, plans[c.name].to_dict()) for c in CASES]
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_worker, args=(2, free_port(), jobs, out), nprocs=2, join=True, start_method="spawn")
-        return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
+    """Per rank: case name -> the harness's result, from the session's 2-rank world (each case sent as
+    soon as it is planned)."""
+    def plan(case):
+        plans[case.name] = make_plan(case)
+        return plans[case.name]
+    return harness.run_cases(CASES, 2, function="test_zoo:run_case", plan=plan)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

@@ -1,0 +1,157 @@
+"""Gloo worlds spawned once per test session, running the jobs the test process streams to them.
+
+Spawning ranks costs seconds (each imports torch, autopar and transformers), and a test file's
+parent has its own work to do (capture, plan, single-process references). So every distributed
+test that needs ranks which live through its cases uses the session's :class:`World` of its
+size: ``submit`` hands a job to every rank (a file, announced through the TCPStore this process
+serves) and returns at once (the parent plans the next case while the ranks run this one), ``result`` waits for
+every rank's answer.
+
+A job is ``(function, args)``: ``function`` is ``"module:name"`` of a module in this folder,
+called on every rank as ``function(rank, world, *args)`` with the default process group up. What
+it returns (anything ``torch.save`` takes) comes back per rank; an exception comes back as
+``{"error": traceback}``. After every job the ranks meet through the store (not a collective: a
+rank that failed in the middle of one cannot desynchronise it) and re-create the process group on
+a fresh PrefixStore, so one job's failure or leftover groups do not reach the next.
+
+A rank that dies (a crash in C++, an ``os._exit``) fails the job being waited on, naming the rank
+and its exit code (its stderr is in the test's captured output); the next ``World`` use starts a
+fresh one. Tests that kill ranks on purpose (test_failures.py) or run torchrun (test_emit.py)
+spawn their own.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import shutil
+import os
+import pickle
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+IDLE_TIMEOUT = 3600.0    # seconds a rank waits for the next job (the session ends it sooner)
+GROUP_TIMEOUT = 120.0    # the process group's own timeout (collectives inside DTensor / FSDP2)
+JOB_TIMEOUT = 900.0      # seconds a job may take on a rank before the test gives up on it
+
+
+def _serve(rank: int, size: int, port: int, folder: str) -> None:
+    """One rank: run jobs in order until the parent sends None."""
+    sys.path.insert(0, HERE)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    torch.set_num_threads(1)
+    import faulthandler
+    faulthandler.enable(file=sys.stderr)   # a C++ crash prints this rank's Python stack
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=IDLE_TIMEOUT))
+    k = 0
+    while True:
+        store.get(f"job/{k}")    # waits until the parent has written the job's file
+        with open(os.path.join(folder, f"job{k}.pkl"), "rb") as f:
+            job = pickle.load(f)
+        if job is None:
+            break
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"job{k}", store), rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=GROUP_TIMEOUT))
+        name, args = job
+        try:
+            module, function = name.split(":")
+            out = getattr(importlib.import_module(module), function)(rank, size, *args)
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            out = {"error": f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
+        torch.save(out, os.path.join(folder, f"result{k}.{rank}.pt"))   # the store takes values up to 8 MB
+        store.set(f"result/{k}/{rank}", b"1")
+        store.set(f"done/{k}/{rank}", b"1")   # every rank is done with this job's group before it goes
+        store.wait([f"done/{k}/{r}" for r in range(size)])
+        dist.destroy_process_group()
+        k += 1
+
+
+class World:
+    """``size`` gloo ranks serving jobs; see the module docstring."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=IDLE_TIMEOUT))
+        self.folder = tempfile.mkdtemp(prefix=f"autopar-world{size}-")
+        self.ranks = mp.start_processes(_serve, args=(size, self.store.port, self.folder), nprocs=size, join=False,
+                                        start_method="spawn")
+        self.next = 0
+        self.broken: str | None = None
+
+    def submit(self, function: str, *args: Any) -> int:
+        """Start ``function(rank, size, *args)`` on every rank after the jobs before it; its number."""
+        if self.broken:
+            raise RuntimeError(self.broken)
+        k = self.next
+        self._post(k, (function, args))
+        self.next += 1
+        return k
+
+    def _post(self, k: int, job: Any) -> None:
+        with open(os.path.join(self.folder, f"job{k}.pkl"), "wb") as f:
+            pickle.dump(job, f)
+        self.store.set(f"job/{k}", b"1")
+
+    def result(self, k: int, timeout: float = JOB_TIMEOUT) -> list[Any]:
+        """What job ``k`` returned on each rank (waits for it)."""
+        keys = [f"result/{k}/{r}" for r in range(self.size)]
+        deadline = time.monotonic() + timeout
+        while not self.store.check(keys):   # polled: a blocking wait would not notice a dead rank
+            if self.broken:
+                raise RuntimeError(self.broken)
+            dead = [(r, p.exitcode) for r, p in enumerate(self.ranks.processes) if not p.is_alive()]
+            if dead:
+                self.broken = (f"rank(s) {', '.join(f'{r} (exit code {c})' for r, c in dead)} of the "
+                               f"{self.size}-rank test world died during job {k}; their stderr is above")
+                raise RuntimeError(self.broken)
+            if time.monotonic() > deadline:
+                self.broken = f"job {k} of the {self.size}-rank test world took over {timeout:.0f} s"
+                raise RuntimeError(self.broken)
+            time.sleep(0.02)
+        out = []
+        for r in range(self.size):
+            path = os.path.join(self.folder, f"result{k}.{r}.pt")
+            out.append(torch.load(path, weights_only=False))
+            os.remove(path)
+        return out
+
+    def run(self, function: str, *args: Any) -> list[Any]:
+        return self.result(self.submit(function, *args))
+
+    def close(self) -> None:
+        if not self.broken:
+            self._post(self.next, None)
+            for p in self.ranks.processes:
+                p.join(timeout=60)
+        for p in self.ranks.processes:
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+_WORLDS: dict[int, World] = {}
+
+
+def world(size: int) -> World:
+    """The session's world of ``size`` ranks (a fresh one if the last one broke)."""
+    w = _WORLDS.get(size)
+    if w is None or w.broken:
+        if w is not None:
+            w.close()
+        w = _WORLDS[size] = World(size)
+    return w
+
+
+def close_all() -> None:
+    for w in _WORLDS.values():
+        w.close()
+    _WORLDS.clear()
