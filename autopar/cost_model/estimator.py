@@ -53,7 +53,7 @@ from ..errors import ConfigError
 from . import context_parallel, expert_parallel
 from .comm import Collective, GroupPlacement, collective_lines, collective_time, place_axes
 from .layer_cost import LayerCost, LayerCostModel, SplitGroups
-from .memory import MemoryBreakdown, in_flight, model_state_bytes
+from .memory import MemoryBreakdown, in_flight, interleaved_peak, model_state_bytes
 from .schedule import even_partition
 
 DP_BUCKET_BYTES = 25e6  # PyTorch DDP's default bucket size
@@ -217,10 +217,12 @@ class Estimator:
         per_chunk = [sum(costs[i].activations for i in chunk) for chunk in chunks]
         acts = max(per_chunk) if cfg.schedule == "interleaved" else sum(per_chunk)
         flights = in_flight(cfg, d, micro_batches)
+        held = (interleaved_peak(cfg, d, micro_batches, per_chunk) if cfg.schedule == "interleaved"
+                else acts * flights)
         buffers = self.buffer_bytes(cfg, cfg.stage_mode(d), max(costs[i].largest_tensor for i in idx),
                                     max(costs[i].activations_full for i in idx),
                                     max(self._layer_params(i, cfg) for i in idx))
-        memory = MemoryBreakdown(params=w, grads=g, optimizer=k, activations=acts * flights, buffers=buffers)
+        memory = MemoryBreakdown(params=w, grads=g, optimizer=k, activations=held, buffers=buffers)
         return DeviceCost(
             chunks=tuple(chunks), fwd=sum(costs[i].fwd for i in idx), bwd=sum(costs[i].bwd for i in idx),
             recompute=sum(costs[i].recompute for i in idx),

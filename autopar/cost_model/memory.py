@@ -21,12 +21,16 @@ In-flight micro-batches per pipeline device ``i`` of ``p`` with ``m`` micro-batc
 GPipe ``m``; 1F1B ``min(m, p - i)``; interleaved 1F1B with ``v`` chunks per device
 ``min(m v, 2(p - i - 1) + (v - 1) p + 1)`` chunk-passes (Megatron's warm-up count),
 which for ``i = 0`` is Korthikanti's factor ``1 + (p - 1)/(p v)`` times ``L/p`` layers.
+Interleaved chunks of one device differ in size (the last device's last chunk holds the head
+and the loss, whose logits can outweigh every block), so its peak is not that count times the
+largest chunk: :func:`interleaved_peak` walks the device's own order (Megatron's, as
+runtime/schedules.py runs it) and takes the most its in-flight passes hold at once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 from ..capture.opgraph import Layer, OpGraph, SavedTensor
 from ..config import ParallelConfig, Precision
@@ -150,3 +154,25 @@ def in_flight(cfg: ParallelConfig, stage: int, micro_batches: int) -> int:
     if cfg.schedule == "1f1b":
         return min(m, p - stage)
     return min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
+
+
+def interleaved_peak(cfg: ParallelConfig, stage: int, micro_batches: int, chunk_bytes: Sequence[float]) -> float:
+    """Peak activation bytes of pipeline device ``stage`` under interleaved 1F1B, its ``v`` chunks
+    leaving ``chunk_bytes[j]`` per micro-batch pass. Megatron's order (runtime/schedules.py):
+    forward step ``k`` runs local chunk ``(k // p) mod v``, backward step ``k`` chunk
+    ``v - 1 - (k // p) mod v``; ``min(m v, 2 (p - d - 1) + (v - 1) p)`` warm-up forwards, then
+    one forward and one backward alternately, then the remaining backwards. The peak is
+    reached right after a forward; with equal chunks it is :func:`in_flight` passes of one chunk."""
+    p, m, v = cfg.pp, micro_batches, len(chunk_bytes)
+    total = m * v
+    warmup = min(total, 2 * (p - stage - 1) + (v - 1) * p)
+    held = peak = 0.0
+    forwards = backwards = 0
+    while forwards < total:
+        held += chunk_bytes[(forwards // p) % v]
+        forwards += 1
+        peak = max(peak, held)
+        if forwards > warmup:
+            held -= chunk_bytes[v - 1 - (backwards // p) % v]
+            backwards += 1
+    return peak

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar import ConfigError, ParallelConfig
-from autopar.cost_model.memory import in_flight
+from autopar.cost_model.memory import in_flight, interleaved_peak
 from autopar.cost_model.schedule import pipeline_time
 from autopar.runtime.schedules import Action, build, check, format_schedule, simulate
 
@@ -26,6 +26,24 @@ def test_complete_deadlock_free_and_matches_cost_model(kind, p, m, v):
     assert sim.makespan == pytest.approx(pipeline_time([3.0] * p, m, kind, v).total, rel=1e-12)
     cfg = ParallelConfig(pp=p, schedule=kind, virtual_stages=v)
     assert list(sim.peak_in_flight) == [in_flight(cfg, d, m) for d in range(p)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(2, 6), groups=st.integers(1, 3), v=st.integers(2, 4),
+       sizes=st.lists(st.floats(0.0, 10.0), min_size=4, max_size=4))
+def test_interleaved_peak_is_the_runtime_orders_peak(p, groups, v, sizes):
+    """The cost model's interleaved activation peak, for chunks of unequal sizes (the head's chunk
+    holds the logits), is the most the runtime's action order holds at once on every device."""
+    m, sizes = groups * p, sizes[:v]
+    cfg = ParallelConfig(pp=p, schedule="interleaved", virtual_stages=v)
+    for d, actions in enumerate(build("interleaved", p, m, v)):
+        held = peak = 0.0
+        for a in actions:
+            held += sizes[a.stage // p] if a.kind == "F" else -sizes[a.stage // p]
+            peak = max(peak, held)
+        assert interleaved_peak(cfg, d, m, sizes) == pytest.approx(peak, rel=1e-12, abs=1e-12)
+        if len(set(sizes)) == 1:   # equal chunks: in_flight passes of one chunk
+            assert interleaved_peak(cfg, d, m, sizes) == pytest.approx(in_flight(cfg, d, m) * sizes[0])
 
 
 @settings(max_examples=60, deadline=None)
@@ -75,6 +93,24 @@ def test_printable():
     text = format_schedule(build("1f1b", 2, 3))
     assert text.splitlines()[0] == "device 0: F0.0 F0.1 B0.0 F0.2 B0.1 B0.2"
     assert text.splitlines()[1] == "device 1: F1.0 B1.0 F1.1 B1.1 F1.2 B1.2"
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(2, 6), groups=st.integers(1, 3), v=st.integers(2, 4),
+       sizes=st.lists(st.floats(0.0, 10.0), min_size=4, max_size=4))
+def test_interleaved_peak_is_the_runtime_orders_peak(p, groups, v, sizes):
+    """The cost model's interleaved activation peak, for chunks of unequal sizes (the head's chunk
+    holds the logits), is the most the runtime's action order holds at once on every device."""
+    m, sizes = groups * p, sizes[:v]
+    cfg = ParallelConfig(pp=p, schedule="interleaved", virtual_stages=v)
+    for d, actions in enumerate(build("interleaved", p, m, v)):
+        held = peak = 0.0
+        for a in actions:
+            held += sizes[a.stage // p] if a.kind == "F" else -sizes[a.stage // p]
+            peak = max(peak, held)
+        assert interleaved_peak(cfg, d, m, sizes) == pytest.approx(peak, rel=1e-12, abs=1e-12)
+        if len(set(sizes)) == 1:   # equal chunks: in_flight passes of one chunk
+            assert interleaved_peak(cfg, d, m, sizes) == pytest.approx(in_flight(cfg, d, m) * sizes[0])
 
 
 @settings(max_examples=60, deadline=None)
