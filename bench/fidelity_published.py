@@ -35,7 +35,7 @@ import autopar
 from autopar.cost_model.comm import Collective, GroupPlacement, bus_bandwidth, collective_time
 from published import ROWS, Row, cluster_of, plan_row
 
-GRID = np.round(np.arange(0.40, 0.851, 0.075), 3)
+GRID = np.round(np.arange(0.40, 0.951, 0.05), 3)
 FINE = np.round(np.arange(GRID[0], GRID[-1] + 1e-9, 0.0025), 4)
 STEP_MEDIAN, STEP_WORST, COMM_WORST = 0.05, 0.12, 0.15
 

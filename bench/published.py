@@ -79,8 +79,9 @@ class Row:
 
     @property
     def family(self) -> str:
-        """The device family whose constants price this row."""
-        return autopar.Cluster.from_spec(self.cluster).device.name.split("-")[0]
+        """The device family whose constants price this row (autopar/cluster.py groups them)."""
+        name = autopar.Cluster.from_spec(self.cluster).device.name
+        return CONSTANT_FAMILIES.get(name, name.split("-")[0])
 
     def flops_per_step(self) -> float:
         m, b = self.model, self.global_batch
@@ -148,9 +149,9 @@ LLAMA3 = "Llama 3 405B, arXiv 2407.21783 Table 4 (calibration.md section 8)"
 MEGASCALE = "MegaScale NSDI'24: 55.2% MFU, Megatron-LM 1.34x slower (calibration.md section 8)"
 TORCHTITAN = "torchtitan llama3_h100_202412 benchmark, eager (calibration.md section 8)"
 SHOEYBI = "Shoeybi et al. 2019, Megatron-LM on V100 (calibration.md section 8)"
-# Meta's Grand Teton H100 (calibration.md section 8): 96 GB HBM2e at 2.4 TB/s. Its 500 W power cap
-# is not modelled (the constants are the H100 family's).
-GRAND_TETON = dict(memory=96e9, memory_bandwidth=2.4e12)
+# Meta's Grand Teton H100 (calibration.md section 8: 96 GB HBM2e at 2.4 TB/s, 500 W) is its own preset
+# with its own constants: the power cap lowers what a GEMM sustains.
+CONSTANT_FAMILIES = {"H100-96GB-500W": "H100-500W"}
 
 SECTION8 = [
     # Llama 3 405B: published TP / CP / PP / DP, sequence and batch; the rest (micro-batch, schedule,
@@ -171,9 +172,9 @@ SECTION8 = [
     # (every other matmul output saved, the rest recomputed), which neither of autopar's modes is
     # (Korthikanti's selective keeps every matmul output: 143 GB here, over the 96 GB): recomputation
     # is left to the planner.
-    *[Row(f"torchtitan 8B {g} GPUs", TORCHTITAN, _llama(4096, 32, 8, 32, 14336, 8192), f"{g // 8}x8xH100-SXM",
+    *[Row(f"torchtitan 8B {g} GPUs", TORCHTITAN, _llama(4096, 32, 8, 32, 14336, 8192), f"{g // 8}x8xH100-96GB-500W",
           2 * g, dict(tp=1, pp=1, cp=1, ep=1, dp=g, zero=3, micro_batch_size=2),
-          "tokens", tps, flops="palm", precision=LLAMA_BF16, device=GRAND_TETON)
+          "tokens", tps, flops="palm", precision=LLAMA_BF16)
       for g, tps in [(8, 5762), (128, 5605)]],
     # Megatron-LM 2019 on V100 32 GB, fp16. The 1.2B shape (hidden 1536, 40 layers, 16 heads) and the
     # batch of 8 per replica are Shoeybi et al.'s Table 1 and section 5.1. Recomputation is not given

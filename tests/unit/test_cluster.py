@@ -20,6 +20,7 @@ GB = 1e9
     ("A100-80GB", 312e12, 19.5e12, 156e12, 80 * GB, 2039 * GB),
     ("H100-SXM", 989e12, 66.9e12, 494e12, 80 * GB, 3350 * GB),
     ("H200", 989e12, 66.9e12, 494e12, 141 * GB, 4800 * GB),
+    ("H100-96GB-500W", 989e12, 66.9e12, 494e12, 96 * GB, 2400 * GB),
 ])
 def test_gpu_presets(name, bf16, fp32, tf32, memory, hbm):
     d = device_preset(name)
@@ -46,7 +47,7 @@ def test_efficiency_constants_are_one_set_per_family():
         return (d.matmul_efficiency, d.matmul_half_dim, d.memory_efficiency, d.kernel_overhead, d.overlap_slowdown)
     for family in (("V100-16GB", "V100-32GB"), ("A100-40GB", "A100-80GB"), ("H100-SXM", "H200")):
         assert len({constants(name) for name in family}) == 1, family
-    for name in ("V100-16GB", "A100-40GB", "H100-SXM", "H200"):
+    for name in ("V100-16GB", "A100-40GB", "H100-SXM", "H200", "H100-96GB-500W"):
         d = device_preset(name)
         assert (d.matmul_half_dim, d.memory_efficiency, d.kernel_overhead) == (64, 0.8, 5e-6)
     cpu = device_preset("cpu")
