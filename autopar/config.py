@@ -80,12 +80,21 @@ class ParallelConfig:
     """Recompute mode per pipeline stage (length ``pp``), overriding ``recompute``; empty: ``recompute``
     everywhere. The first stages of a 1F1B pipeline hold the most micro-batches, so they may
     recompute while the last ones do not."""
+    recompute_layers: int = 0
+    """With ``recompute="full"``: recompute only the first ``recompute_layers`` layers of each model
+    chunk and keep the activations of the rest (Megatron-LM's ``--recompute-method block
+    --recompute-num-layers``); 0: every layer. Between no recomputation and full, for memory that
+    holds some layers' activations but not all."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stage_recompute, list):
             object.__setattr__(self, "stage_recompute", tuple(self.stage_recompute))
         for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch_size", "virtual_stages"):
             check_int(name, getattr(self, name), 1)
+        check_int("recompute_layers", self.recompute_layers, 0)
+        if self.recompute_layers and (self.recompute != "full" or self.stage_recompute):
+            raise ConfigError(f"recompute_layers={self.recompute_layers} recomputes part of each chunk in full: it "
+                              "needs recompute='full' and no stage_recompute (or recompute_layers=0)")
         check_int("zero", self.zero, 0, 3)
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("recompute", self.recompute, RECOMPUTE_MODES)
@@ -115,8 +124,14 @@ class ParallelConfig:
                                   "chunks from every part of the model): use recompute= instead")
 
     def stage_mode(self, stage: int) -> str:
-        """The recompute mode of pipeline stage ``stage``."""
+        """The recompute mode of pipeline stage ``stage`` (with ``recompute_layers``, of its first layers
+        in each chunk: :meth:`layer_mode`)."""
         return self.stage_recompute[stage] if self.stage_recompute else self.recompute
+
+    def layer_mode(self, stage: int, position: int) -> str:
+        """The recompute mode of the layer at ``position`` (from 0) of a model chunk on stage ``stage``."""
+        mode = self.stage_mode(stage)
+        return "none" if self.recompute_layers and position >= self.recompute_layers else mode
 
     @property
     def devices(self) -> int:
@@ -159,6 +174,8 @@ class ParallelConfig:
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         ep = f" ep={self.ep}" if self.ep > 1 else ""
         rec = f"[{','.join(self.stage_recompute)}]" if self.stage_recompute else self.recompute
+        if self.recompute_layers:
+            rec += f"({self.recompute_layers} layers per chunk)"
         return (f"dp={self.dp}{ep} tp={self.tp}{sp}{cp} pp={self.pp} mb={self.micro_batch_size} {sched} "
                 f"zero={self.zero} recompute={rec}")
 

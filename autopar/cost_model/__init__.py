@@ -93,7 +93,7 @@ def _flops(est: Estimator, cfg: ParallelConfig, scale: float, devices) -> tuple[
     """(model FLOPs, recomputation FLOPs) per step over the global batch."""
     graph, per_layer = est.graph, est.layer_flops
     model = sum(f[0] * scale + f[1] for f in per_layer)
-    mode = {i: cfg.stage_mode(d) for d, dev in enumerate(devices) for c in dev.chunks for i in c}
+    mode = {i: cfg.layer_mode(d, k) for d, dev in enumerate(devices) for c in dev.chunks for k, i in enumerate(c)}
     rec = 0.0
     for i, f in enumerate(per_layer):
         m = mode.get(i, "none")

@@ -42,7 +42,7 @@ each of the update's ADAM_OPS_PER_TENSOR ops on each parameter tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -177,7 +177,7 @@ class Estimator:
         """Per pipeline device costs. ``chunks`` (``pp * virtual_stages`` contiguous runs of layer
         indices, device ``d`` holding chunks ``d, d + pp, ...``) defaults to Megatron's even split."""
         groups = self.placements(cfg)
-        modes = sorted({cfg.stage_mode(d) for d in range(cfg.pp)})
+        modes = sorted({cfg.stage_mode(d) for d in range(cfg.pp)} | ({"none"} if cfg.recompute_layers else set()))
         costs = {mode: self.layer_costs(cfg, groups["tp"], mode, groups) for mode in modes}
         if chunks is None:
             uniform = costs[cfg.stage_mode(0)]
@@ -189,8 +189,9 @@ class Estimator:
             mine = [c for c in range(len(chunks)) if c % cfg.pp == d]
             p2p = sum((cuts[chunks[c][-1]] if c < len(chunks) - 1 else 0.0)
                       + (cuts[chunks[c][0] - 1] if c > 0 else 0.0) for c in mine)
-            out.append(self._device(cfg, d, [tuple(chunks[c]) for c in mine], p2p, costs[cfg.stage_mode(d)],
-                                    micro_batches))
+            # each layer at its own mode: with recompute_layers only a chunk's first layers recompute
+            held = {i: costs[cfg.layer_mode(d, k)][i] for c in mine for k, i in enumerate(chunks[c])}
+            out.append(self._device(cfg, d, [tuple(chunks[c]) for c in mine], p2p, held, micro_batches))
         return out
 
     def p2p_cut_times(self, cfg: ParallelConfig, group: GroupPlacement) -> list[float]:
@@ -210,7 +211,7 @@ class Estimator:
         return self._cuts[key]
 
     def _device(self, cfg: ParallelConfig, d: int, chunks: list[tuple[int, ...]], p2p: float,
-                costs: list[LayerCost], micro_batches: int) -> DeviceCost:
+                costs: Mapping[int, LayerCost], micro_batches: int) -> DeviceCost:
         idx = [i for chunk in chunks for i in chunk]
         names, params, experts = self._held(tuple(idx), cfg)
         w, g, k = self.state_bytes(cfg, params, experts)

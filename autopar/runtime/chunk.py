@@ -333,8 +333,9 @@ class ChunkModule(nn.Module):
     """One chunk: ``forward(*graph_inputs, *received) -> values sent on`` (the loss for the last)."""
 
     def __init__(self, spec: ChunkSpec, split: SplitGraph, runner: NodeRunner,
-                 params: Mapping[str, nn.Parameter], recompute: str,
+                 params: Mapping[str, nn.Parameter], recompute: Sequence[str],
                  experts: Mapping[str, nn.Module] | None = None) -> None:
+        """``recompute``: the recompute mode of each of the chunk's layers (ParallelConfig.layer_mode)."""
         super().__init__()
         self.spec = spec
         experts = experts or {}
@@ -347,11 +348,11 @@ class ChunkModule(nn.Module):
         for fqn in self.shared_params:
             self.register_parameter(attr_name(fqn), params[fqn])
         self.layers = nn.ModuleList()
-        for layer in spec.layers:
+        for layer, mode in zip(spec.layers, recompute, strict=True):
             own = [p for p in layer.params if use_count[p] == 1 and p not in held]
             shared = [p for p in layer.params if use_count[p] > 1 and p not in held]
             mine = {out: m for out, m in experts.items() if out in layer.nodes}
-            module = LayerModule(layer, runner, own, shared, split.param_of, split.buffer_value, recompute, mine)
+            module = LayerModule(layer, runner, own, shared, split.param_of, split.buffer_value, mode, mine)
             for fqn in own:
                 module.register_parameter(attr_name(fqn), params[fqn])
             self.layers.append(module)

@@ -222,8 +222,10 @@ class Program:
         experts = {r.output: ExpertsModule(r, self.params[r.gate_up], self.params[r.down], self.ep_group,
                                            self.timeout)
                    for r in self.regions if r.gate_up in self.params}
-        self.chunks = {c: ChunkModule(self.split.chunks[c], self.split, self.node_runner, self.params,
-                                      cfg.stage_mode(self.pp_rank), experts) for c in self.my_chunks}
+        modes = {c: [cfg.layer_mode(self.pp_rank, k) for k in range(len(self.split.chunks[c].layers))]
+                 for c in self.my_chunks}
+        self.chunks = {c: ChunkModule(self.split.chunks[c], self.split, self.node_runner, self.params, modes[c],
+                                      experts) for c in self.my_chunks}
 
     def _distribute(self, fqn: str, value: torch.Tensor) -> nn.Parameter:
         if fqn in self.expert_fqns:   # this rank's experts, a plain tensor even under tensor parallelism

@@ -194,8 +194,8 @@ class Search:
         est = self.estimator(c.variant)
         m = c.micro_batches(self.global_batch_size)
         memory = self.cluster.device.memory if self.must_fit else math.inf
-        if c.schedule == "interleaved":
-            plans = self._interleaved(c)
+        if c.schedule == "interleaved" or self.fixed.get("recompute_layers"):
+            plans = self._even(c)
             fitting = [pl for pl in plans if pl.fits or not self.must_fit]
             if not fitting:
                 return min(pl.peak_memory for pl in plans)
@@ -212,11 +212,42 @@ class Search:
         """The candidate's config for the stage DP, with the recompute mode of each stage when pinned."""
         return c.config(self.fixed.get("recompute", "none"), tuple(self.fixed.get("stage_recompute") or ()))
 
-    def _interleaved(self, c: Candidate) -> list[Plan]:
-        """An interleaved candidate keeps Megatron's even split (stages.py): one estimate per mode."""
+    def _even(self, c: Candidate) -> list[Plan]:
+        """Megatron's even split (stages.py: an interleaved candidate, or a pinned ``recompute_layers``,
+        which the stage DP does not price): one estimate per recompute mode, and for "full" also the
+        fastest partial recomputation that fits (:meth:`_partial`)."""
         est = self.estimator(c.variant)
-        return [estimate_plan(self.graph, self.cluster, c.config(mode), self.global_batch_size, self.precision, est)
-                for mode in self.modes]
+        plans = []
+        for mode in self.modes:
+            if mode == "full":
+                plans += self._partial(c, est)
+            else:
+                plans.append(estimate_plan(self.graph, self.cluster, c.config(mode), self.global_batch_size,
+                                           self.precision, est))
+        return plans
+
+    def _partial(self, c: Candidate, est: Estimator) -> list[Plan]:
+        """Full recomputation of every layer, and of only the first ``k`` layers of each chunk
+        (``recompute_layers``) for the least ``k`` that fits: memory falls and time rises as ``k``
+        grows, so that ``k`` is the fastest partial plan, found by bisection. A pinned
+        ``recompute_layers`` is the only one tried."""
+        def plan(k: int) -> Plan:
+            return estimate_plan(self.graph, self.cluster, c.config("full", recompute_layers=k),
+                                 self.global_batch_size, self.precision, est)
+        if "recompute_layers" in self.fixed:
+            return [plan(self.fixed["recompute_layers"])]
+        full = plan(0)
+        longest = max(len(ch) for s in full.stages for ch in s.chunks)
+        if not full.fits or longest < 2:
+            return [full]
+        low, high = 1, longest   # recompute_layers = longest recomputes every layer, as full does
+        while low < high:
+            mid = (low + high) // 2
+            if plan(mid).fits:
+                high = mid
+            else:
+                low = mid + 1
+        return [full] if low >= longest else [full, plan(low)]
 
     # --- the loop ----------------------------------------------------------------------------
     def run(self) -> tuple[Plan | None, Candidate | None, list[tuple[float, Candidate, Plan | float]]]:
@@ -290,7 +321,7 @@ class Search:
         est = self.estimator(c.variant)
         m = c.micro_batches(self.global_batch_size)
         if c.schedule == "interleaved":
-            lean = min(self._interleaved(c), key=lambda pl: pl.peak_memory)
+            lean = min(self._even(c), key=lambda pl: pl.peak_memory)
             return lean.peak_memory, lean.config
         cfg = self._config(c)
         mem, modes = least_memory(run_tables(est, cfg, m, self.modes), cfg, m)

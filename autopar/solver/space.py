@@ -55,11 +55,13 @@ class Candidate:
     cp: int = 1
     ep: int = 1
 
-    def config(self, recompute: str = "none", stage_recompute: tuple[str, ...] = ()) -> ParallelConfig:
+    def config(self, recompute: str = "none", stage_recompute: tuple[str, ...] = (),
+               recompute_layers: int = 0) -> ParallelConfig:
         return ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
                               micro_batch_size=self.micro_batch_size, schedule=self.schedule,
                               virtual_stages=self.virtual_stages, zero=self.zero, recompute=recompute,
-                              sequence_parallel=self.sequence_parallel, stage_recompute=stage_recompute)
+                              sequence_parallel=self.sequence_parallel, stage_recompute=stage_recompute,
+                              recompute_layers=recompute_layers)
 
     def with_modes(self, modes: tuple[str, ...]) -> ParallelConfig:
         """The config with one recompute mode per stage (a single ``recompute`` when they agree)."""
@@ -95,6 +97,8 @@ def check_fixed(fixed: Mapping[str, Any] | None) -> dict[str, Any]:
         probe["tp"] = 2
     if "ep" in probe and "dp" not in probe:
         probe["dp"] = probe["ep"]
+    if probe.get("recompute_layers") and "recompute" not in probe:
+        probe["recompute"] = "full"
     ParallelConfig(**probe)  # raises ConfigError naming a bad value
     out = dict(fixed)
     if "stage_recompute" in out:
@@ -111,6 +115,8 @@ def recompute_modes(graph: OpGraph, fixed: Mapping[str, Any]) -> tuple[str, ...]
     ones when ``stage_recompute`` or ``recompute`` is pinned."""
     if fixed.get("stage_recompute"):
         return tuple(dict.fromkeys(fixed["stage_recompute"]))
+    if fixed.get("recompute_layers"):
+        return ("full",)
     if "recompute" in fixed:
         return (fixed["recompute"],)
     has_core = any(n.attention_core for n in graph.nodes)

@@ -58,9 +58,15 @@ HF_ELSEWHERE = ({"llama", "gpt2", "bert"}, {"dp2", "tp2", "pp2_1f1b", "zero1", "
 CNN = [Case("cnn-tp2", "cnn", {**BASE, "tp": 2, "micro_batch_size": 4}, 2)]
 # The hand-written GPT's attention is unfused, so selective recomputation has a core to drop.
 SELECTIVE = [Case("gpt-recompute_selective", "gpt", {**BASE, "tp": 2, "micro_batch_size": 2, "recompute": "selective"}, 2)]
+# Recomputing only the first layers of each chunk (recompute_layers): interleaved chunks, and one
+# whole-model chunk with data parallelism.
+PARTIAL = [Case("gpt-recompute_layers_interleaved", "gpt", {**BASE, "pp": 2, "schedule": "interleaved",
+                                                            "virtual_stages": 2, "recompute": "full",
+                                                            "recompute_layers": 1}, 2),
+           Case("llama-recompute_layers_dp2", "llama", {**BASE, "dp": 2, "recompute": "full", "recompute_layers": 3}, 2)]
 CASES = {2: [Case(f"{m}-{k}", m, None if v is None else {**BASE, **v}, 2) for m in MODELS for k, v in TWO.items()
              if (k not in VARIANTS or m in VARIANTS_ON) and not (m in HF_ELSEWHERE[0] and k in HF_ELSEWHERE[1])]
-         + CNN + SELECTIVE,
+         + CNN + SELECTIVE + PARTIAL,
          4: [Case(f"{m}-{k}", m, None if v is None else {**BASE, **v}, 4) for m in MODELS for k, v in FOUR.items()
              if k == "planner" or m in VARIANTS_ON]}
 

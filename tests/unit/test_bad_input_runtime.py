@@ -164,3 +164,18 @@ def test_train_step_without_optimizer(world, plan) -> None:
     prog = autopar.parallelize(make_model(), plan, loss_fn=loss_fn)
     with pytest.raises(ConfigError, match="train_step needs an optimizer"):
         prog.train_step(batch())
+
+
+def test_recompute_layers_checkpoints_the_first_layers_of_each_chunk(world) -> None:
+    """recompute_layers=1: the program recomputes the chunk's first layer only, and trains as one
+    process does (recomputation changes no number)."""
+    plan = autopar.plan(make_model(), ONE, batch(), global_batch_size=BATCH, loss_fn=loss_fn, verbose=False,
+                        fixed={"micro_batch_size": 1, "recompute": "full", "recompute_layers": 1})
+    assert plan.config.recompute_layers == 1
+    prog = program(plan)
+    (chunk,) = prog.chunks.values()
+    assert len(chunk.layers) > 1 and [m.recompute for m in chunk.layers] == ["full"] + ["none"] * (len(chunk.layers) - 1)
+    loss = prog.forward_backward(batch(0))
+    reference = make_model()
+    want = sum(loss_fn(reference(x[None]), None) for x in batch(0)[0]) / BATCH
+    assert torch.allclose(loss, want, atol=1e-6)

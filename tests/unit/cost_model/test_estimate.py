@@ -189,3 +189,46 @@ def test_estimate_is_deterministic(plan_gpt) -> None:
     first = autopar.estimate(model, ONE_NODE, inputs, cfg, global_batch_size=32)
     second = autopar.estimate(model, ONE_NODE, inputs, cfg, global_batch_size=32)
     assert first.to_json().encode() == second.to_json().encode()
+
+
+INTERLEAVED = dict(dp=4, pp=2, schedule="interleaved", virtual_stages=2, micro_batch_size=4)
+
+
+def test_partial_recompute_lies_between_none_and_full(plan_graph) -> None:
+    """Recomputing the first k layers of each chunk (recompute_layers): memory falls and time rises
+    with k towards full (every layer); the hardware FLOPs count what runs. (One recomputed layer can
+    hold more than none: the layer recomputed in backward needs its working set.)"""
+    none = est(plan_graph, **INTERLEAVED)
+    full = est(plan_graph, **INTERLEAVED, recompute="full")
+    partial = [est(plan_graph, **INTERLEAVED, recompute="full", recompute_layers=k) for k in (1, 2, 3)]
+    peaks = [p.peak_memory for p in partial] + [full.peak_memory]
+    steps = [none.step_time] + [p.step_time for p in partial] + [full.step_time]
+    assert all(a >= b for a, b in zip(peaks, peaks[1:])) and none.peak_memory > full.peak_memory
+    assert all(a <= b * (1 + 1e-12) for a, b in zip(steps, steps[1:])) and steps[0] < steps[-1]
+    recomputed = [p.hardware_flops - p.model_flops for p in partial]
+    assert 0 < recomputed[0] < recomputed[1] < recomputed[2] < full.hardware_flops - full.model_flops
+    assert partial[0].config.short().endswith("recompute=full(1 layers per chunk)")
+
+
+def test_search_recomputes_only_the_layers_memory_needs(plan_graph) -> None:
+    """With memory between what full recomputation and none need, the planner keeps the activations of
+    some layers: the least recompute_layers that fits, faster than recomputing everything."""
+    import dataclasses
+    from autopar.solver import solve
+    none = est(plan_graph, **INTERLEAVED)
+    full = est(plan_graph, **INTERLEAVED, recompute="full")
+    memory = (none.peak_memory + full.peak_memory) / 2
+    cluster = dataclasses.replace(ONE_NODE, device=dataclasses.replace(ONE_NODE.device, memory=memory))
+    plan, _ = solve(plan_graph, cluster, GBS, fixed={**INTERLEAVED, "zero": 0, "tp": 1, "sequence_parallel": False})
+    assert plan.fits and plan.config.recompute == "full" and plan.config.recompute_layers > 0
+    assert plan.step_time < full.step_time
+    fewer = est(plan_graph, **INTERLEAVED, recompute="full", recompute_layers=plan.config.recompute_layers - 1) \
+        if plan.config.recompute_layers > 1 else none
+    assert fewer.peak_memory > memory   # one layer fewer recomputed would not fit
+
+
+def test_recompute_layers_needs_full_recompute() -> None:
+    with pytest.raises(autopar.ConfigError, match="recompute_layers=2 .* needs recompute='full'"):
+        ParallelConfig(recompute_layers=2)
+    with pytest.raises(autopar.ConfigError, match="recompute_layers"):
+        ParallelConfig(recompute="full", recompute_layers=-1)
