@@ -117,8 +117,9 @@ def _llama(hidden: int, heads: int, kv: int, layers: int, ffn: int, seq: int) ->
 
 
 def _megatron(tp: int, pp: int, dp: int) -> dict[str, Any]:
-    # Megatron-LM 2021: no sequence parallelism, no distributed optimizer, full recomputation
-    return dict(tp=tp, pp=pp, dp=dp, cp=1, ep=1, zero=0, recompute="full", sequence_parallel=False)
+    # Megatron-LM 2021: no sequence parallelism, no distributed optimizer, full recomputation of every layer
+    return dict(tp=tp, pp=pp, dp=dp, cp=1, ep=1, zero=0, recompute="full", recompute_layers=0,
+                sequence_parallel=False)
 
 
 SC21 = "Narayanan et al. SC21 Table 1 (calibration.md section 1)"
