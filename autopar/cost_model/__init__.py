@@ -8,7 +8,6 @@ from typing import Sequence
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
 from ..config import ParallelConfig, Precision
-from . import context_parallel
 from .estimator import Estimator, check_config
 from .compute import MeasuredTimes
 from .layer_cost import LayerCostModel, recomputable
@@ -62,7 +61,7 @@ def estimate_plan(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_
                 peak_memory=peak, throughput=global_batch_size / step, model_flops=model_flops,
                 hardware_flops=model_flops + recompute_flops, breakdown=breakdown, stages=stages,
                 fits=peak <= cluster.device.memory, notes=notes,
-                extra={"sequence_length": context_parallel.sequence_length(graph)} if cfg.cp > 1 else {})
+                extra={"sequence_length": est.sequence_length} if cfg.cp > 1 else {})
 
 
 def _layout_notes(graph: OpGraph, layout) -> tuple[str, ...]:

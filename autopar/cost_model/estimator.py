@@ -151,12 +151,14 @@ class Estimator:
     _device_params: dict = field(default_factory=dict)
     experts: frozenset[str] = field(init=False)   # the expert parameters (divided by ep)
     layer_flops: tuple[tuple[float, ...], ...] = field(init=False)   # _layer_flops
+    sequence_length: int | None = field(init=False)   # what fused attention runs over (context_parallel.py)
 
     def __post_init__(self) -> None:
         if self.layers is None:
             self.layers = LayerCostModel(self.graph, self.cluster, self.precision)
         self.experts = expert_parallel.expert_params(self.graph)
         self.layer_flops = _layer_flops(self.graph)
+        self.sequence_length = context_parallel.sequence_length(self.graph)
 
     def placements(self, cfg: ParallelConfig) -> dict[str, GroupPlacement]:
         return mesh_groups(self.cluster, cfg)

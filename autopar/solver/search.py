@@ -25,6 +25,7 @@ per-layer objective, decides between them.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import time
@@ -103,7 +104,7 @@ class Search:
             self._estimators[variant] = Estimator(self.graph, self.cluster, self.precision, layers)
         return self._estimators[variant]
 
-    @property
+    @functools.cached_property
     def modes(self) -> tuple[str, ...]:
         return recompute_modes(self.graph, self.fixed)
 
@@ -217,19 +218,19 @@ class Search:
         which the stage DP does not price): one estimate per recompute mode, and for "full" also the
         fastest partial recomputation that fits (:meth:`_partial`)."""
         est = self.estimator(c.variant)
-        plans = []
-        for mode in self.modes:
-            if mode == "full":
-                plans += self._partial(c, est)
-            else:
-                plans.append(estimate_plan(self.graph, self.cluster, c.config(mode), self.global_batch_size,
-                                           self.precision, est))
+        plans = [estimate_plan(self.graph, self.cluster, c.config(mode), self.global_batch_size, self.precision, est)
+                 for mode in self.modes if mode != "full"]
+        if "full" in self.modes:
+            # partial recomputation only pays when keeping every activation does not fit
+            keeps_all = any(p.fits and p.config.recompute == "none" for p in plans)
+            plans += self._partial(c, est, bisect=not keeps_all)
         return plans
 
-    def _partial(self, c: Candidate, est: Estimator) -> list[Plan]:
+    def _partial(self, c: Candidate, est: Estimator, bisect: bool = True) -> list[Plan]:
         """Full recomputation of every layer, and of only the first ``k`` layers of each chunk
         (``recompute_layers``) for the least ``k`` that fits: memory falls and time rises as ``k``
-        grows, so that ``k`` is the fastest partial plan, found by bisection. A pinned
+        grows, so that ``k`` is the fastest partial plan, found by bisection (skipped, ``bisect``
+        False, when no recomputation at all fits: that plan is faster). A pinned
         ``recompute_layers`` is the only one tried."""
         def plan(k: int) -> Plan:
             return estimate_plan(self.graph, self.cluster, c.config("full", recompute_layers=k),
@@ -238,7 +239,7 @@ class Search:
             return [plan(self.fixed["recompute_layers"])]
         full = plan(0)
         longest = max(len(ch) for s in full.stages for ch in s.chunks)
-        if not full.fits or longest < 2:
+        if not bisect or not full.fits or longest < 2:
             return [full]
         low, high = 1, longest   # recompute_layers = longest recomputes every layer, as full does
         while low < high:
