@@ -28,6 +28,7 @@ from autopar.cost_model import estimate_plan
 from autopar.cost_model.comm import place_axes
 from autopar.cost_model.layer_cost import LayerCostModel
 from autopar.cost_model.memory import model_state_bytes
+from autopar.cost_model.tensor_parallel import megatron_layout
 from autopar.models import GPTConfig, build_gpt
 
 MODELS = [("22B", 64, 6144), ("175B", 96, 12288)]
@@ -64,7 +65,8 @@ def activation_table() -> float:
         block = next(layer for layer in graph.layers if layer.is_block)
         for case, t, sp, recompute in CASES:
             cluster = autopar.Cluster.from_spec(f"1x{t}xA100-80GB")
-            costs = LayerCostModel(graph, cluster, precision)
+            # Korthikanti's formulas are Megatron's layout: price that one (the ILP may choose another)
+            costs = LayerCostModel(graph, cluster, precision, layout_fn=megatron_layout)
             group = place_axes(cluster, [("tp", t)])["tp"]
             one = costs.cost(block, t, sp, 1, recompute, group).activations
             two = costs.cost(block, t, sp, 2, recompute, group).activations
