@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Sequence
 
@@ -81,6 +82,11 @@ def _layout_notes(graph: OpGraph, layout) -> tuple[str, ...]:
 
 def weight_families(names: Sequence[str]) -> str:
     """Parameter names grouped by family, the layer index a ``*``: ``layers.*.mlp.up.weight (32 layers)``."""
+    return _families(tuple(names))
+
+
+@functools.lru_cache(maxsize=256)
+def _families(names: tuple[str, ...]) -> str:
     families: dict[str, int] = {}
     for name in names:
         family = re.sub(r"(^|\.)\d+(\.|$)", r"\1*\2", name)

@@ -149,6 +149,7 @@ class Estimator:
     _cuts: dict = field(default_factory=dict)
     _numel: dict = field(default_factory=dict)
     _device_params: dict = field(default_factory=dict)
+    _costs: dict = field(default_factory=dict)
     experts: frozenset[str] = field(init=False)   # the expert parameters (divided by ep)
     layer_flops: tuple[tuple[float, ...], ...] = field(init=False)   # _layer_flops
     sequence_length: int | None = field(init=False)   # what fused attention runs over (context_parallel.py)
@@ -168,11 +169,22 @@ class Estimator:
                            ep=cfg.ep, ep_group=groups["ep"] if cfg.ep > 1 else None)
 
     def layer_costs(self, cfg: ParallelConfig, tp_group: GroupPlacement, recompute: str | None = None,
-                    groups: dict[str, GroupPlacement] | None = None) -> list[LayerCost]:
+                    groups: dict[str, GroupPlacement] | None = None) -> tuple[LayerCost, ...]:
+        """Every layer's cost in one recompute mode (cached: the search prices the same layers under
+        many meshes and partitions)."""
         mode = cfg.recompute if recompute is None else recompute
         split = self.split_groups(cfg, groups if groups is not None else self.placements(cfg))
-        return [self.layers.cost(layer, cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, mode, tp_group, split)
-                for layer in self.graph.layers]
+        key = (cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, mode, tp_group, split)
+        if key not in self._costs:
+            self._costs[key] = tuple(self.layers.cost(layer, cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size,
+                                                      mode, tp_group, split) for layer in self.graph.layers)
+        return self._costs[key]
+
+    def peak_memory(self, cfg: ParallelConfig, micro_batches: int,
+                    chunks: Sequence[Sequence[int]] | None = None) -> float:
+        """The largest per-device memory of ``cfg`` (what :func:`estimate_plan` reports as peak),
+        without pricing its time."""
+        return max(d.memory.total for d in self.devices(cfg, micro_batches, chunks))
 
     def devices(self, cfg: ParallelConfig, micro_batches: int,
                 chunks: Sequence[Sequence[int]] | None = None) -> list[DeviceCost]:
@@ -346,6 +358,29 @@ class Estimator:
         buckets = np.maximum(1.0, buckets)
         total = total + tp_sync
         return total - o * np.minimum(hidden, total - total / buckets)
+
+    def dp_floor(self, cfg: ParallelConfig, micro_batches: int, groups: dict[str, GroupPlacement],
+                 params: float, experts: float = 0.0) -> float:
+        """A lower bound on :meth:`dp_time` of any device holding at least ``params`` parameters
+        (``experts`` of the total expert ones, for the mix of groups), whatever its compute: the
+        part of each collective compute never hides, ``(1 - o)``, with one call each. Collective
+        times are subadditive in bytes (``min`` of ``alpha + beta n`` lines, 0 at 0 bytes), so the
+        dense and expert parts together take at least the cheaper group's time for their sum."""
+        if cfg.grad_replicas == 1 or params <= 0:
+            return 0.0
+        spans = [groups["dp"]] + ([groups["edp"]] if experts > 0 else [])
+
+        def least(kind: Collective, nbytes: float) -> float:
+            return min(float(self._ct(kind, nbytes, g)) for g in spans)
+        o = self._overlap(groups["dp"])
+        g_b, w_b = self.precision.grad_bytes * params, self.precision.weight_bytes * params
+        if cfg.zero == 3:
+            o_fwd = 0.0 if self.cluster.device.is_cpu else o
+            ag, rs = least(Collective.ALL_GATHER, w_b), least(Collective.REDUCE_SCATTER, g_b)
+            return micro_batches * ((1 - o_fwd) * ag + (1 - o) * (ag + rs))
+        if cfg.zero == 0:
+            return (1 - o) * least(Collective.ALL_REDUCE, g_b)
+        return (1 - o) * (least(Collective.REDUCE_SCATTER, g_b) + least(Collective.ALL_GATHER, w_b))
 
     def _overlap(self, group: GroupPlacement | None) -> float:
         """The fraction of a collective's time compute hides on the links ``group`` uses, net of the

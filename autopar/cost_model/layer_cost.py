@@ -112,6 +112,7 @@ class LayerCostModel:
     layout_fn: Callable[[OpGraph, int], TPLayout] = single_rank_layout
     _layouts: dict[int, TPLayout] = field(default_factory=dict)
     _cache: dict[tuple, LayerCost] = field(default_factory=dict)
+    _step_bytes: dict[tuple[int, int], float] = field(default_factory=dict)
     _owner: Mapping[str, int] | None = None
     _fused: frozenset[str] | None = None
     expert_load_cv: float = expert_parallel.DEFAULT_LOAD_CV   # spread of the experts' shares of the rows
@@ -221,8 +222,11 @@ class LayerCostModel:
 
     def step_comm_bytes(self, layer: Layer, tp: int) -> float:
         """Gradient bytes this layer all-reduces inside its tensor-parallel group once per step."""
-        return sum(c.numel for c in self.layout(tp).comms.get(layer.index, ()) if c.phase == "step"
-                   ) * self.precision.grad_bytes
+        key = (layer.index, tp)
+        if key not in self._step_bytes:
+            self._step_bytes[key] = sum(c.numel for c in self.layout(tp).comms.get(layer.index, ())
+                                        if c.phase == "step") * self.precision.grad_bytes
+        return self._step_bytes[key]
 
     def crossing_numel(self, cut_after: int) -> tuple[int, int]:
         """(batch-dependent, constant) elements produced at or before layer ``cut_after`` and used after it.

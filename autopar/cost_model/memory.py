@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
+import numpy as np
+
 from ..capture.opgraph import Layer, OpGraph, SavedTensor
 from ..config import ParallelConfig, Precision
 from .tensor_parallel import TPLayout
@@ -166,13 +168,9 @@ def interleaved_peak(cfg: ParallelConfig, stage: int, micro_batches: int, chunk_
     p, m, v = cfg.pp, micro_batches, len(chunk_bytes)
     total = m * v
     warmup = min(total, 2 * (p - stage - 1) + (v - 1) * p)
-    held = peak = 0.0
-    forwards = backwards = 0
-    while forwards < total:
-        held += chunk_bytes[(forwards // p) % v]
-        forwards += 1
-        peak = max(peak, held)
-        if forwards > warmup:
-            held -= chunk_bytes[v - 1 - (backwards // p) % v]
-            backwards += 1
-    return peak
+    size = np.asarray(chunk_bytes, dtype=float)
+    steps = np.arange(total)
+    added = np.cumsum(size[(steps // p) % v])                 # held after forward k, before any backward
+    backwards = np.arange(total - warmup)                     # backward b follows forward warmup + b
+    freed = np.concatenate([np.zeros(warmup + 1), np.cumsum(size[v - 1 - (backwards // p) % v])])[:total]
+    return float((added - freed).max())

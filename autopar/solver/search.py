@@ -18,6 +18,25 @@ step time found (every remaining candidate is pruned by the bound). GPipe is nev
 unless pinned: under this cost model it takes the same time as 1F1B and holds more
 micro-batches (dominated).
 
+Where activations do not fit, the cheapest mode is not reachable and ``W`` is loose (a 405B
+model at sequence 8192 recomputes on every plan: a third more work). When a candidate reaches
+the head of the queue its ``W`` is tightened by memory (:meth:`Search.refine`) and it goes back
+into the queue with the new bound. Every pipeline device holds at least one micro-batch pass of
+each of its layers at its peak (1F1B and GPipe: ``f_k >= 1``; interleaved with ``m`` a multiple
+of ``p``: the first backward follows a forward of every chunk), so with ``a_l^r`` the activation
+bytes of layer ``l`` in mode ``r``, any plan's modes satisfy
+``sum_l a_l^{r_l} <= B = p (M - states(P / p))``. Its work is then at least the Lagrangian bound
+of that multiple-choice knapsack::
+
+    W_M = max_{lambda >= 0}  sum_l min_r (c_l^r + lambda a_l^r) - lambda B
+
+(concave and piecewise linear in ``lambda``: its maximum is at 0 or a breakpoint where a layer's
+cheapest mode changes), and ``W_M`` replaces ``W`` above. When even ``sum_l min_r a_l^r > B``
+the candidate cannot fit (pruned by memory). The refined bound also adds the data-parallel
+communication of ``P / p`` parameters that no overlap hides (``Estimator.dp_floor``: the
+device with the most parameters pays at least that much after its pipeline) and the loss's
+all-reduce.
+
 The layout variants (the sharding ILP's "fast" and "lean" solutions, sharding.py) are
 separate candidates with their own layer costs, so the global step time, not the ILP's
 per-layer objective, decides between them.
@@ -31,6 +50,8 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
+
+import numpy as np
 
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
@@ -46,6 +67,20 @@ from .space import Candidate, candidates, placeable, recompute_modes
 from .stages import least_memory, partition, run_tables
 
 TOP_ALTERNATIVES = 5
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """What a candidate's bounds need from its layers (one micro-batch), by layout, tensor,
+    sequence, context and expert parallelism and micro-batch size."""
+
+    total: float        # W: every layer in its cheapest mode
+    largest: float      # w_max
+    params: float       # P: parameters per device after tensor and expert parallelism
+    experts: float      # of which expert weights
+    work: np.ndarray    # (distinct layers, modes) seconds
+    acts: np.ndarray    # (distinct layers, modes) activation bytes
+    counts: np.ndarray  # layers of each distinct row
 
 
 @dataclass
@@ -93,7 +128,7 @@ class Search:
     must_fit: bool = True      # False: the fastest plan whatever its memory (an estimate of a config that fits nowhere)
     stats: SearchStats = field(default_factory=SearchStats)
     _estimators: dict[str, Estimator] = field(default_factory=dict)
-    _work: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)
+    _work: dict[tuple, LayerWork] = field(default_factory=dict)
     _mesh_ok: dict[tuple, bool] = field(default_factory=dict)       # (tp, cp, dp, ep, pp) -> placeable
     _layout_facts: dict[tuple, tuple[bool, bool]] = field(default_factory=dict)  # (variant, tp) -> facts
 
@@ -158,35 +193,69 @@ class Search:
         return self._layout_facts[key]
 
     # --- bounds ------------------------------------------------------------------------------
-    def _layer_work(self, c: Candidate) -> tuple[float, float, float]:
-        """(W, w_max, P, P_e): summed and largest per-layer work in the cheapest mode, parameters after
-        tensor and expert parallelism, and the expert ones among them."""
+    def _layer_work(self, c: Candidate) -> LayerWork:
+        """Per-layer work and activations in every mode, parameters after tensor and expert
+        parallelism, and the expert ones among them (cached: the same for every mesh around them)."""
         key = (c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep)
         if key not in self._work:
             est = self.estimator(c.variant)
             cfg = c.config()
             groups = est.placements(cfg)
-            per_mode = [[x.work for x in est.layer_costs(cfg, groups["tp"], m, groups)] for m in self.modes]
-            work = [min(col) for col in zip(*per_mode)]
-            params = est._local_params(self.graph.params, cfg)
-            experts = est._local_params(est.experts, cfg)
-            self._work[key] = (sum(work), max(work), float(params), float(experts))
+            costs = [est.layer_costs(cfg, groups["tp"], m, groups) for m in self.modes]
+            work = np.array([[x.work for x in col] for col in costs]).T            # (layers, modes)
+            acts = np.array([[x.activations for x in col] for col in costs]).T
+            rows, counts = np.unique(np.concatenate([work, acts], axis=1), axis=0, return_counts=True)
+            cheapest = work.min(axis=1)
+            self._work[key] = LayerWork(
+                total=float(cheapest.sum()), largest=float(cheapest.max()),
+                params=float(est._local_params(self.graph.params, cfg)),
+                experts=float(est._local_params(est.experts, cfg)),
+                work=rows[:, :len(self.modes)], acts=rows[:, len(self.modes):], counts=counts.astype(float))
         return self._work[key]
 
     def bounds(self, c: Candidate) -> tuple[float, float]:
         """(LB_T, LB_M) of the module docstring."""
-        total, largest, params, experts = self._layer_work(c)
+        return self._bounds(c, self._layer_work(c).total)
+
+    def _bounds(self, c: Candidate, total: float) -> tuple[float, float]:
+        """(LB_T, LB_M) with ``total`` for ``W``."""
+        lw = self._layer_work(c)
         m, p = c.micro_batches(self.global_batch_size), c.pp
         est = self.estimator(c.variant)
         cfg = c.config()
-        x = max(total / p, largest)
+        x = max(total / p, lw.largest)
         if c.schedule == "interleaved":
             pipe = (m + (p - 1) / c.virtual_stages) * x
         else:
             pipe = (m - 1) * x + total
-        lb_t = pipe + est.optimizer_time(cfg, params / p, experts / p)
-        lb_m = sum(est.state_bytes(cfg, params / p, experts / p))
+        lb_t = pipe + est.optimizer_time(cfg, lw.params / p, lw.experts / p)
+        lb_m = sum(est.state_bytes(cfg, lw.params / p, lw.experts / p))
         return lb_t, lb_m
+
+    def refine(self, c: Candidate, lb_t: float, lb_m: float) -> float | None:
+        """``LB_T`` with ``W_M``, the work the activations' memory forces, plus the data-parallel
+        communication no overlap hides (module docstring); None when the activations cannot fit
+        in any mode."""
+        m = c.micro_batches(self.global_batch_size)
+        lw = self._layer_work(c)
+        total = lw.total
+        # the memory argument needs every layer's activations held at once: not for an
+        # interleaved order with m not a multiple of p (which the space never offers)
+        if self.must_fit and not (c.schedule == "interleaved" and m % c.pp):
+            budget = c.pp * (self.cluster.device.memory - lb_m)
+            if float(lw.acts.min(axis=1) @ lw.counts) > budget:
+                return None
+            # breakpoints: where a layer's modes r and s (a_r > a_s, c_s > c_r) cost the same
+            dc = lw.work[:, None, :] - lw.work[:, :, None]       # [l, r, s] = c_s - c_r
+            da = lw.acts[:, :, None] - lw.acts[:, None, :]       # [l, r, s] = a_r - a_s
+            ok = (da > 0) & (dc > 0)
+            lam = np.unique(np.concatenate([[0.0], dc[ok] / da[ok]]))
+            g = (lw.work[None] + lam[:, None, None] * lw.acts[None]).min(axis=2) @ lw.counts - lam * budget
+            total = max(total, float(g.max()))
+        est = self.estimator(c.variant)
+        cfg = c.config()
+        floor = est.dp_floor(cfg, m, est.placements(cfg), lw.params / c.pp, lw.experts / c.pp)
+        return max(lb_t, self._bounds(c, total)[0] + floor + est.loss_share_time())
 
     # --- evaluation --------------------------------------------------------------------------
     def evaluate(self, c: Candidate) -> Plan | float:
@@ -235,6 +304,10 @@ class Search:
         def plan(k: int) -> Plan:
             return estimate_plan(self.graph, self.cluster, c.config("full", recompute_layers=k),
                                  self.global_batch_size, self.precision, est)
+
+        def fits(k: int) -> bool:
+            m = c.micro_batches(self.global_batch_size)
+            return est.peak_memory(c.config("full", recompute_layers=k), m) <= self.cluster.device.memory
         if "recompute_layers" in self.fixed:
             return [plan(self.fixed["recompute_layers"])]
         full = plan(0)
@@ -244,7 +317,7 @@ class Search:
         low, high = 1, longest   # recompute_layers = longest recomputes every layer, as full does
         while low < high:
             mid = (low + high) // 2
-            if plan(mid).fits:
+            if fits(mid):
                 high = mid
             else:
                 low = mid + 1
@@ -271,21 +344,36 @@ class Search:
             if lb_m > self.cluster.device.memory and self.must_fit:
                 self.stats.pruned_memory += 1
                 continue
-            queue.append((lb_t, c.sort_key(), c))
-        queue.sort(key=lambda e: (e[0], e[1]))
+            queue.append((lb_t, c.sort_key(), len(queue), lb_m, c))   # the index keeps ties ordered
+        heapq.heapify(queue)
         best: Plan | None = None
         best_c: Candidate | None = None
         seen: list[tuple[float, Candidate, Plan | float]] = []
-        for pos, (lb_t, _, c) in enumerate(progress_bar(queue, "autopar: searching", enabled=self.progress)):
+
+        def final():
+            """Candidates in increasing bound, each refined by memory once before it is evaluated."""
+            while queue:
+                lb_t, key, index, lb_m, c = heapq.heappop(queue)
+                if lb_m is not None and (best is None or lb_t < best.step_time):
+                    tighter = self.refine(c, lb_t, lb_m)
+                    if tighter is None:
+                        self.stats.pruned_memory += 1
+                        continue
+                    if tighter > lb_t:
+                        heapq.heappush(queue, (tighter, key, index, None, c))   # refined: no lb_m needed
+                        continue
+                yield lb_t, c
+
+        for lb_t, c in progress_bar(final(), "autopar: searching", total=len(queue), enabled=self.progress):
             if best is not None and lb_t >= best.step_time:
-                self.stats.pruned_bound += len(queue) - pos
+                self.stats.pruned_bound += len(queue) + 1
                 break
             if self.time_limit is not None and best is not None and time.perf_counter() - t0 > self.time_limit:
                 # every candidate left has a bound >= this one's (the queue is in bound order)
                 self.stats.timed_out = True
                 if not self.stats.unbounded:
                     self.stats.gap = max(0.0, (best.step_time - lb_t) / best.step_time)
-                self.stats.pruned_bound += len(queue) - pos
+                self.stats.pruned_bound += len(queue) + 1
                 break
             result = self.evaluate(c)
             self.stats.evaluated += 1

@@ -42,7 +42,8 @@ and one recompute mode.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -157,6 +158,15 @@ class Band:
     act: np.ndarray
     start: np.ndarray    # (n, L) int: j - l, clipped at 0
     valid: np.ndarray    # (n, L) bool: j - l >= 0
+    _masks: dict = field(default_factory=dict, compare=False)
+
+    def memory_mask(self, flights: int, memory: float) -> np.ndarray:
+        """(R, n, L): 0 where a stage holding ``flights`` micro-batches of the run fits ``memory``,
+        inf where it does not."""
+        key = (flights, memory)
+        if key not in self._masks:
+            self._masks[key] = np.where(self.fixed_mem + flights * self.act <= memory, 0.0, INF)
+        return self._masks[key]
 
 
 def band(tables: RunTables, length: int) -> Band:
@@ -196,39 +206,44 @@ def _dp(b: Band, value_of, flights: Sequence[int], memory: float, x_bound: float
         combine, pinned: Sequence[int] | None = None) -> tuple[float, list[tuple[int, int, int]] | None]:
     """The DP of the module docstring with ``combine`` (np.add: min-sum; np.maximum: bottleneck);
     ``value_of(k)`` gives stage ``k``'s (R, n, L) values; ``pinned[k]``, when given, is the only
-    recompute mode (index into the tables' modes) stage ``k`` may use."""
+    recompute mode (index into the tables' modes) stage ``k`` may use.
+
+    Masks are additive (0 where allowed, inf where not) and the memory one is kept on the band per
+    in-flight count: the partition's many DPs share them, and a stage's best mode per run is an
+    elementwise minimum over the modes (``np.where`` and ``argmin`` over the mode axis cost ten
+    times more); the mode of each chosen run is recovered at the end."""
     p, n = len(flights), b.work.shape[1]
-    within = (b.work <= x_bound) & (b.tail <= y_bound) if np.isfinite(x_bound) or np.isfinite(y_bound) else None
-    fits: dict[int, np.ndarray] = {}
-    best = np.full(n + 1, INF)
+    bounded = np.isfinite(x_bound) or np.isfinite(y_bound)
+    within = np.where((b.work <= x_bound) & (b.tail <= y_bound), 0.0, INF) if bounded else None
+    values: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # id -> (the values, kept alive; within bounds)
+
+    def masked(k: int) -> np.ndarray:
+        value = value_of(k)
+        if id(value) not in values:
+            values[id(value)] = (value, value if within is None else value + within)
+        return values[id(value)][1] + b.memory_mask(flights[k], memory)
+
+    best = np.full(n + 2, INF)      # index n + 1: where a run that would start before layer 0 looks
     best[0] = 0.0 if combine is np.add else -INF
+    start = np.where(b.valid, b.start, n + 1)
     rows = np.arange(n)
-    modes = np.arange(b.work.shape[0])[:, None, None]
     choice = []
     for k in range(p):
-        f = flights[k]
-        if f not in fits:
-            fits[f] = b.fixed_mem + f * b.act <= memory
-            if within is not None:
-                fits[f] &= within
-        allowed = fits[f] if pinned is None else fits[f] & (modes == pinned[k])
-        masked = np.where(allowed, value_of(k), INF)
-        mode = np.argmin(masked, axis=0)                                  # (n, L)
-        cost = np.take_along_axis(masked, mode[None], axis=0)[0]
-        prev = np.where(b.valid, best[b.start], INF)                      # stages 0..k-1 end before j - l
-        total = combine(prev, cost)
+        per_mode = masked(k)
+        cost = per_mode[pinned[k]] if pinned is not None else functools.reduce(np.minimum, per_mode)
+        total = combine(best[start], cost)                              # stages 0..k-1 end before j - l
         ell = np.argmin(total, axis=1)
-        new = np.full(n + 1, INF)
-        new[1:] = total[rows, ell]
-        choice.append((ell, mode))
-        best = new
+        best = np.full(n + 2, INF)
+        best[1:n + 1] = total[rows, ell]
+        choice.append(ell)
     if not np.isfinite(best[n]):
         return INF, None
     runs, j = [], n - 1
     for k in range(p - 1, -1, -1):
-        ell, mode = choice[k]
-        i = j - int(ell[j])
-        runs.append((i, j, int(mode[j, ell[j]])))
+        ell = int(choice[k][j])
+        i = j - ell
+        mode = pinned[k] if pinned is not None else int(np.argmin(masked(k)[:, j, ell]))
+        runs.append((i, j, mode))
         j = i - 1
     return float(best[n]), runs[::-1]
 

@@ -109,9 +109,9 @@ class Clock:
         monkeypatch.setattr(search, "time", self)
         real = getattr(search.Search, method)
 
-        def ticking(searcher, c):
+        def ticking(searcher, *args):
             self.now += 1.0
-            return real(searcher, c)
+            return real(searcher, *args)
         monkeypatch.setattr(search.Search, method, ticking)
 
     def perf_counter(self) -> float:

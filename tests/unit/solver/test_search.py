@@ -24,6 +24,7 @@ from autopar.config import Precision
 from autopar.models import GPTConfig, build_gpt
 from autopar.models.llama import LlamaConfig, build_llama
 from autopar.solver import solve
+from autopar.plan import Plan
 from autopar.solver.search import Search
 from autopar.solver.plan_search import layouts_for
 from autopar.solver.sharding import ShardingSolver
@@ -160,3 +161,36 @@ def test_interleaved_only_with_micro_batches_a_multiple_of_pp(plan_graph):
     with pytest.raises(ConfigError, match="multiple of pp=2"):
         estimate_plan(plan_graph, cluster, ParallelConfig(dp=2, pp=2, micro_batch_size=2, schedule="interleaved",
                                                           virtual_stages=2), 4)
+
+
+@pytest.mark.parametrize("fraction", [0.05, 0.3])
+def test_memory_bound_is_below_every_plan_and_tightens_some(gpt_graph, fraction):
+    """The bound a candidate gets at the head of the queue (Search.refine: the work its activations'
+    memory forces) is below the step time of each plan of that candidate that fits, refuses only
+    candidates nothing of which fits, and is tighter than the plain bound somewhere (memory binds)."""
+    spec, gbs = "1x4xA100-80GB", 8
+    plans = _reference(gpt_graph, spec, gbs)
+    least = min(peak for _, peak, _ in plans)
+    fastest = min(plans, key=lambda p: (p[0], p[1]))
+    cluster = _cluster(spec, least + fraction * (fastest[1] - least))
+    precision = Precision.for_device(cluster.device.name)
+    sharding = ShardingSolver(gpt_graph, cluster, precision)
+    search = Search(gpt_graph, cluster, gbs, precision, layouts_for(sharding), splits_batch=sharding.splits_batch)
+    tightened = refused = 0
+    for c in search._usable():
+        if c.schedule == "gpipe":
+            continue
+        lb_t, lb_m = search.bounds(c)
+        if lb_m > cluster.device.memory:
+            continue
+        refined = search.refine(c, lb_t, lb_m)
+        result = search.evaluate(c)
+        if refined is None:
+            refused += 1
+            assert not isinstance(result, Plan), c
+            continue
+        assert refined >= lb_t
+        tightened += refined > lb_t * (1 + 1e-9)
+        if isinstance(result, Plan):
+            assert refined <= result.step_time * (1 + 1e-9), (c, refined, result.step_time)
+    assert tightened > 0
