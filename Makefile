@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) bench/long_context.py
 	$(PY) bench/moe.py
 	$(PY) bench/time_limit.py
+	$(PY) bench/hf_coverage.py
 	AUTOPAR_FUZZ_SEEDS=400 HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/distributed/test_fuzz.py
 	AUTOPAR_EXHAUSTIVE_EXAMPLES=100 $(PY) -m pytest -q tests/unit/solver/test_search.py
 

@@ -1,0 +1,206 @@
+"""Any Hugging Face architecture at a test size: its own config class's defaults, shrunk.
+
+``shrink(config)`` rewrites the size fields transformers' configs use (layers, widths, heads,
+key/value heads, feed-forward widths, head dimensions, vocabulary, positions, experts and their
+top-k, MLA / LoRA ranks, convolution and state sizes) to small values, in the config and every
+sub-config (``text_config``, ``vision_config``, ``encoder``/``decoder``), and cuts per-layer
+lists (``layer_types``, ``mlp_only_layers``...) to the new layer count. Only fields the config
+has are touched, and only downwards: a default already smaller is kept. Ratios the
+architectures check are kept true by construction (heads divide the width, key/value heads
+divide the heads, ``head_dim = hidden / heads`` where the config derives it).
+
+``build(name)`` finds the architecture's class in transformers' auto registries, builds it from
+its shrunk default config with random weights on the CPU (or meta), and returns it with example
+inputs (``input_ids`` and ``labels``) whose loss is ``model(**inputs).loss``. What cannot be built
+raises :class:`ShrinkError` naming the architecture and the cause, so a sweep can report it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+LAYERS = 2
+HIDDEN = 64
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = HIDDEN // HEADS
+FFN = 128
+VOCAB = 256
+POSITIONS = 128
+EXPERTS = 4
+TOP_K = 2
+SEQ = 16
+CLASSES = 3
+
+# field -> value; the first group sets layer counts (per-layer lists are cut to them)
+_LAYER_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers",
+                 "num_encoder_layers", "decoder_layers", "encoder_layers", "num_blocks")
+_SIZES: dict[str, int] = {
+    **{f: LAYERS for f in _LAYER_FIELDS},
+    **{f: HIDDEN for f in ("hidden_size", "n_embd", "n_embed", "d_model", "dim", "embed_dim", "model_dim",
+                           "word_embed_proj_dim", "embedding_size", "hidden_dim")},
+    **{f: HEADS for f in ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
+                          "decoder_attention_heads")},
+    **{f: KV_HEADS for f in ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num",
+                             "num_kv_heads_per_layer")},
+    **{f: FFN for f in ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size", "encoder_ffn_dim",
+                        "decoder_ffn_dim", "inner_hidden_size", "mlp_dim", "ffn_config_hidden")},
+    **{f: FFN // 2 for f in ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
+                             "moe_ffn_hidden_size")},
+    **{f: HEAD_DIM for f in ("head_dim", "d_kv", "kv_channels", "attention_head_dim", "v_head_dim")},
+    **{f: VOCAB for f in ("vocab_size",)},
+    **{f: POSITIONS for f in ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len",
+                              "max_sequence_length", "seq_length")},
+    **{f: EXPERTS for f in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")},
+    **{f: TOP_K for f in ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts")},
+    **{f: 1 for f in ("n_shared_experts", "num_shared_experts")},
+    **{f: 32 for f in ("q_lora_rank",)},
+    **{f: 16 for f in ("kv_lora_rank",)},
+    **{f: 8 for f in ("qk_rope_head_dim", "qk_nope_head_dim")},
+    **{f: 16 for f in ("state_size", "ssm_state_size", "d_state", "conv_kernel", "d_conv")},
+    **{f: 16 for f in ("sliding_window", "attention_window", "local_attention")},
+    **{f: 8 for f in ("num_buckets", "relative_attention_num_buckets")},
+    **{f: 16 for f in ("relative_attention_max_distance",)},
+}
+# per-layer lists and tuples cut to the layer count
+_PER_LAYER = ("layer_types", "mlp_only_layers", "block_types", "attn_layer_indices", "attention_layers",
+              "layers_block_type", "no_rope_layers", "sliding_window_pattern_layers")
+
+
+class ShrinkError(ConfigError):
+    """An architecture that cannot be built at the test size (the sweep reports the cause)."""
+
+
+def _is_config(value: Any) -> bool:
+    from transformers import PretrainedConfig
+    return isinstance(value, PretrainedConfig)
+
+
+def shrink(config: Any) -> Any:
+    """``config`` (a transformers PretrainedConfig) with its size fields small, in place; returned."""
+    for name, small in _SIZES.items():
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > small:
+            setattr(config, name, small)
+    layers = min((getattr(config, f) for f in _LAYER_FIELDS
+                  if isinstance(getattr(config, f, None), int) and not isinstance(getattr(config, f), bool)),
+                 default=None)
+    if layers is not None:
+        for name in _PER_LAYER:
+            value = getattr(config, name, None)
+            if isinstance(value, (list, tuple)) and len(value) > layers:
+                setattr(config, name, type(value)(value[:layers]))
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv:
+        config.num_key_value_heads = 1
+    rope = getattr(config, "qk_rope_head_dim", None)
+    if isinstance(rope, int) and hasattr(config, "head_dim"):
+        config.head_dim = rope   # multi-head latent attention ropes qk_rope_head_dim dims, its "head_dim"
+    head = getattr(config, "head_dim", None) or HEAD_DIM
+    if isinstance(getattr(config, "rotary_dim", None), int) and config.rotary_dim > head // 2:
+        config.rotary_dim = head // 2
+    for name in [n for n in vars(config) if n.endswith("_token_id")]:
+        value = getattr(config, name)
+        if isinstance(value, int) and value >= VOCAB:
+            setattr(config, name, VOCAB - 1)   # embeddings index their padding token
+    if isinstance(getattr(config, "first_k_dense_replace", None), int):
+        config.first_k_dense_replace = min(config.first_k_dense_replace, 1)
+    if hasattr(config, "use_cache"):
+        config.use_cache = False
+    for name, value in list(vars(config).items()):
+        if _is_config(value):
+            shrink(value)
+    return config
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One entry of transformers' auto registries: the model class and the task its loss is for."""
+
+    name: str         # the model class's name, e.g. "LlamaForCausalLM"
+    model_type: str   # the config's model_type, e.g. "llama"
+    task: str         # "causal-lm", "masked-lm", "seq2seq" or "classification"
+
+
+REGISTRIES = {"causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+              "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+              "classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"}
+
+
+def architectures() -> list[Architecture]:
+    """Every model class of the four registries, once (the first task that lists it), in registry order."""
+    from transformers.models.auto import modeling_auto
+    seen, out = set(), []
+    for task, registry in REGISTRIES.items():
+        for model_type, names in getattr(modeling_auto, registry).items():
+            for name in (names,) if isinstance(names, str) else tuple(names):
+                if name not in seen:
+                    seen.add(name)
+                    out.append(Architecture(name, model_type, task))
+    return out
+
+
+def _config(arch: Architecture) -> Any:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    config = CONFIG_MAPPING[arch.model_type]()
+    shrink(config)
+    if arch.task == "classification":
+        config.num_labels = CLASSES
+        for c in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
+            if getattr(c, "pad_token_id", None) is None:
+                c.pad_token_id = 0   # batches of more than one sequence need it to find each last token
+    if getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
+        config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0   # labels shift right onto it
+    return config
+
+
+def _set_dropout(config: Any, p: float) -> None:
+    """Every dropout probability of ``config`` and its sub-configs set to ``p``."""
+    for name, value in list(vars(config).items()):
+        if _is_config(value):
+            _set_dropout(value, p)
+        elif ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
+            setattr(config, name, p)
+
+
+def build(arch: Architecture, device: str = "cpu", seed: int = 0, dropout: float | None = None) -> torch.nn.Module:
+    """The architecture at the test size with random weights (the same ones for the same seed);
+    ``dropout``, when given, replaces every dropout probability of its config."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+    cls = getattr(transformers, arch.name, None)
+    if cls is None:
+        raise ShrinkError(f"{arch.name}: transformers {transformers.__version__} lists it but does not export it")
+    try:
+        config = _config(arch)
+        if dropout is not None:
+            _set_dropout(config, dropout)
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = cls(config)
+    except Exception as exc:   # a sweep reports every cause, whatever transformers raises
+        raise ShrinkError(f"{arch.name} does not build at the test size: {type(exc).__name__}: {exc}") from exc
+    if arch.name.startswith("GPT2") and arch.task == "causal-lm":
+        model.loss_type = "ForCausalLM"
+    return model
+
+
+def example(arch: Architecture, model: torch.nn.Module, batch: int, seed: int = 0,
+            device: str = "cpu") -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``labels`` for ``batch`` sequences of SEQ tokens (labels: the tokens for
+    language models, a class per sequence for classification)."""
+    vocab = getattr(model.config, "vocab_size", None) or getattr(model.config.get_text_config(), "vocab_size", VOCAB)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, min(vocab, VOCAB), (batch, SEQ), generator=g)
+    eos = getattr(model.config, "eos_token_id", None)
+    if isinstance(eos, int) and 0 <= eos < vocab:
+        ids[:, -1] = eos   # sequence classifiers of encoder-decoders pool at the end-of-sequence token
+    labels = torch.randint(0, CLASSES, (batch,), generator=g) if arch.task == "classification" else ids.clone()
+    return {"input_ids": ids.to(device), "labels": labels.to(device)}

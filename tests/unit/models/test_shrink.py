@@ -1,0 +1,66 @@
+"""autopar.models.shrink: any registered Hugging Face architecture at a test size."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+from autopar.models import shrink  # noqa: E402
+
+
+def test_registries_listed_once_each():
+    archs = shrink.architectures()
+    names = [a.name for a in archs]
+    assert len(names) == len(set(names)) > 300
+    assert {a.task for a in archs} == set(shrink.REGISTRIES)
+    by_name = {a.name: a for a in archs}
+    assert by_name["LlamaForCausalLM"].task == "causal-lm"
+    assert by_name["BertForMaskedLM"].task == "masked-lm"
+    assert by_name["T5ForConditionalGeneration"].task == "seq2seq"
+    assert by_name["GPT2ForSequenceClassification"].task == "classification"
+
+
+def test_shrink_sizes_sub_configs_and_per_layer_lists():
+    config = transformers.Gemma2Config()          # 26 layers with a layer_types list, hidden 2304
+    assert len(config.layer_types) > shrink.LAYERS
+    shrink.shrink(config)
+    assert config.num_hidden_layers == shrink.LAYERS and len(config.layer_types) == shrink.LAYERS
+    assert config.hidden_size == shrink.HIDDEN and config.vocab_size == shrink.VOCAB
+    assert config.num_attention_heads % config.num_key_value_heads == 0
+    t5 = transformers.T5Config(num_layers=12, num_decoder_layers=12, d_model=768)
+    shrink.shrink(t5)
+    assert (t5.num_layers, t5.num_decoder_layers, t5.d_model) == (shrink.LAYERS, shrink.LAYERS, shrink.HIDDEN)
+    small = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1)
+    shrink.shrink(small)
+    assert (small.hidden_size, small.num_hidden_layers) == (32, 1)   # only downwards
+
+
+def test_multi_head_latent_attention_ropes_its_own_head_dim():
+    config = shrink.shrink(transformers.DeepseekV3Config())
+    assert config.head_dim == config.qk_rope_head_dim
+    assert config.n_routed_experts == shrink.EXPERTS and config.num_experts_per_tok == shrink.TOP_K
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "BertForMaskedLM", "T5ForConditionalGeneration",
+                                  "BartForSequenceClassification"])
+def test_build_gives_a_small_model_with_a_loss(name):
+    arch = next(a for a in shrink.architectures() if a.name == name)
+    model = shrink.build(arch, dropout=0.0)
+    assert sum(p.numel() for p in model.parameters()) < 500_000
+    assert not any(isinstance(v, float) and v > 0 for k, v in vars(model.config).items() if "dropout" in k)
+    batch = shrink.example(arch, model, 2)
+    loss = model(**batch).loss
+    assert loss.ndim == 0 and loss.isfinite()
+    again = shrink.build(arch, dropout=0.0)
+    first = next(iter(model.state_dict().values()))
+    assert first.equal(next(iter(again.state_dict().values())))   # same seed, same weights
+
+
+def test_what_cannot_be_built_says_which_and_why():
+    fake = shrink.Architecture("NoSuchModelForCausalLM", "llama", "causal-lm")
+    with pytest.raises(shrink.ShrinkError, match="NoSuchModelForCausalLM: transformers .* does not export it"):
+        shrink.build(fake)
