@@ -138,8 +138,11 @@ def lp_solvers(limits: ILPLimits = ILPLimits()) -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     if _highs_ready():
         nodes = {} if limits.nodes is None else {"mip_max_nodes": limits.nodes}
+        # no MIP restarts: HiGHS 1.16's restart after root presolve can loop without end and without
+        # checking its time limit (found on a hybrid attention/Mamba layer's group by the Hugging
+        # Face sweep, bench/hf_coverage.py); without them the node limit bounds every solve
         out.append(("HiGHS", pulp.HiGHS(msg=False, threads=1, timeLimit=limits.time, gapRel=0.0, gapAbs=0.0,
-                                        **nodes)))
+                                        mip_allow_restart=False, **nodes)))
     with warnings.catch_warnings():  # PuLP 3.3 announces its bundled CBC will move to an extra in 4.0
         warnings.simplefilter("ignore", DeprecationWarning)
         cbc = pulp.PULP_CBC_CMD(msg=False, threads=1, timeLimit=limits.time, maxNodes=limits.nodes, gapRel=0.0,
