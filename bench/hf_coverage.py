@@ -152,17 +152,16 @@ def main() -> int:
     def progress(arch, row) -> None:
         cells = " ".join(f"{c}={v.status}" for c, v in row.items())
         print(f"[{time.perf_counter() - t0:7.1f} s] {arch.name}: {cells}", flush=True)
-        if not args.only:   # one line per architecture as it ends: a stopped sweep keeps what it did
-            with open(RESULTS, "a") as f:
-                f.write(json.dumps({"name": arch.name, "task": arch.task, "seconds": time.perf_counter() - t0,
-                                    "row": {c: dataclasses.asdict(v) for c, v in row.items()}}) + "\n")
+        # one line per architecture as it ends (a stopped sweep keeps what it did); a later line
+        # for the same architecture (--only) replaces the earlier one
+        with open(RESULTS, "a") as f:
+            f.write(json.dumps({"name": arch.name, "task": arch.task, "seconds": time.perf_counter() - t0,
+                                "row": {c: dataclasses.asdict(v) for c, v in row.items()}}) + "\n")
     if todo:
         try:
             hf_sweep.sweep(todo, progress)
         finally:
             worlds.close_all()
-    if args.only:
-        return 0
     entries = load(RESULTS)
     rows = {n: e["row"] for n, e in entries.items()}
     tasks = {n: e["task"] for n, e in entries.items()}

@@ -90,7 +90,9 @@ def reference(arch, micro_batch_size: int) -> dict[str, Any]:
 
     loss = step_loss(batches[0])
     loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    # a parameter no op of the loss reads gets a zero gradient, as the program reports it
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+             for n, p in model.named_parameters()}
     model.zero_grad()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for batch in batches:
