@@ -96,24 +96,6 @@ def test_printable():
 
 
 @settings(max_examples=60, deadline=None)
-@given(p=st.integers(2, 6), groups=st.integers(1, 3), v=st.integers(2, 4),
-       sizes=st.lists(st.floats(0.0, 10.0), min_size=4, max_size=4))
-def test_interleaved_peak_is_the_runtime_orders_peak(p, groups, v, sizes):
-    """The cost model's interleaved activation peak, for chunks of unequal sizes (the head's chunk
-    holds the logits), is the most the runtime's action order holds at once on every device."""
-    m, sizes = groups * p, sizes[:v]
-    cfg = ParallelConfig(pp=p, schedule="interleaved", virtual_stages=v)
-    for d, actions in enumerate(build("interleaved", p, m, v)):
-        held = peak = 0.0
-        for a in actions:
-            held += sizes[a.stage // p] if a.kind == "F" else -sizes[a.stage // p]
-            peak = max(peak, held)
-        assert interleaved_peak(cfg, d, m, sizes) == pytest.approx(peak, rel=1e-12, abs=1e-12)
-        if len(set(sizes)) == 1:   # equal chunks: in_flight passes of one chunk
-            assert interleaved_peak(cfg, d, m, sizes) == pytest.approx(in_flight(cfg, d, m) * sizes[0])
-
-
-@settings(max_examples=60, deadline=None)
 @given(kind=st.sampled_from(["gpipe", "1f1b"]), p=st.integers(2, 6), m=st.integers(1, 12),
        work=st.lists(st.floats(0.1, 5.0), min_size=6, max_size=6))
 def test_formula_is_exact_when_the_slowest_stage_is_last(kind, p, m, work):
