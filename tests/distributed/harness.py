@@ -174,21 +174,28 @@ def call_loss(model, batch, loss_fn):
     return LossWrapper(model, loss_fn, batch)(*args, **kwargs)
 
 
-def reference(case: Case) -> dict[str, Any]:
-    model = MODELS[case.model]()
-    data = batches(case.model, STEPS, case.global_batch)
-    loss_fn = loss_fn_of(case.model)
-    loss = call_loss(model, data[0], loss_fn)
+def one_process(model: torch.nn.Module, data: list[Any], step_loss: Callable[[Any], torch.Tensor]) -> dict[str, Any]:
+    """The single-process reference: the loss and gradients of ``step_loss(data[0])`` (a parameter no
+    op of the loss reads gets a zero gradient, as the programs report it), and the parameters after
+    one AdamW step per batch of ``data``."""
+    loss = step_loss(data[0])
     loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+             for n, p in model.named_parameters()}
     model.zero_grad()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for b in data:
         opt.zero_grad()
-        call_loss(model, b, loss_fn).backward()
+        step_loss(b).backward()
         opt.step()
     return {"loss": loss.item(), "grads": grads,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def reference(case: Case) -> dict[str, Any]:
+    model = MODELS[case.model]()
+    loss_fn = loss_fn_of(case.model)
+    return one_process(model, batches(case.model, STEPS, case.global_batch), lambda b: call_loss(model, b, loss_fn))
 
 
 def test_cluster(world: int):

@@ -31,7 +31,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from harness import LR, STEPS, check_matches, round_trip, test_cluster  # noqa: E402
+from harness import LR, STEPS, check_matches, one_process, round_trip, test_cluster  # noqa: E402
 
 GLOBAL_BATCH = 8
 BASE = dict(dp=1, tp=1, pp=1, micro_batch_size=1, zero=0, recompute="none", schedule="1f1b", virtual_stages=1)
@@ -88,18 +88,7 @@ def reference(arch, micro_batch_size: int) -> dict[str, Any]:
         parts = [rows(batch, i, i + micro_batch_size) for i in range(0, GLOBAL_BATCH, micro_batch_size)]
         return sum(model(**p).loss for p in parts) / len(parts)
 
-    loss = step_loss(batches[0])
-    loss.backward()
-    # a parameter no op of the loss reads gets a zero gradient, as the program reports it
-    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
-             for n, p in model.named_parameters()}
-    model.zero_grad()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    for batch in batches:
-        opt.zero_grad()
-        step_loss(batch).backward()
-        opt.step()
-    return {"loss": loss.item(), "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return one_process(model, batches, step_loss)
 
 
 def prepare(arch) -> tuple[dict[str, Cell], dict[str, dict]]:

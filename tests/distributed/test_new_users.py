@@ -106,16 +106,7 @@ def reference(model_name: str, micro_batch_size: int, dropout: float = 0.0, eval
         parts = [new_users.rows(batch, i, i + micro_batch_size) for i in range(0, GLOBAL_BATCH, micro_batch_size)]
         return sum(new_users.loss_of(model, model_name, p) for p in parts) / len(parts)
 
-    loss = step_loss(data[0])
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    model.zero_grad()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    for batch in data:
-        opt.zero_grad()
-        step_loss(batch).backward()
-        opt.step()
-    return {"loss": loss.item(), "grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return harness.one_process(model, data, step_loss)
 
 
 def run_case(rank: int, world: int, case: Case, plan_dict: dict) -> dict:
