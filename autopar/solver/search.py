@@ -264,7 +264,7 @@ class Search:
         est = self.estimator(c.variant)
         m = c.micro_batches(self.global_batch_size)
         memory = self.cluster.device.memory if self.must_fit else math.inf
-        if c.schedule == "interleaved" or self.fixed.get("recompute_layers"):
+        if self._even_split(c):
             plans = self._even(c)
             fitting = [pl for pl in plans if pl.fits or not self.must_fit]
             if not fitting:
@@ -281,6 +281,10 @@ class Search:
     def _config(self, c: Candidate) -> ParallelConfig:
         """The candidate's config for the stage DP, with the recompute mode of each stage when pinned."""
         return c.config(self.fixed.get("recompute", "none"), tuple(self.fixed.get("stage_recompute") or ()))
+
+    def _even_split(self, c: Candidate) -> bool:
+        """Whether ``c`` takes Megatron's even split (:meth:`_even`) rather than the stage DP."""
+        return c.schedule == "interleaved" or bool(self.fixed.get("recompute_layers"))
 
     def _even(self, c: Candidate) -> list[Plan]:
         """Megatron's even split (stages.py: an interleaved candidate, or a pinned ``recompute_layers``,
@@ -409,7 +413,7 @@ class Search:
         """The least peak memory of one candidate over partitions and recompute modes."""
         est = self.estimator(c.variant)
         m = c.micro_batches(self.global_batch_size)
-        if c.schedule == "interleaved":
+        if self._even_split(c):
             lean = min(self._even(c), key=lambda pl: pl.peak_memory)
             return lean.peak_memory, lean.config
         cfg = self._config(c)
