@@ -20,10 +20,25 @@ def is_cpu_device(device_name: str) -> bool:
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Recompute = Literal["none", "selective", "full"]
 DType = Literal["fp32", "bf16", "fp16"]
+Kernels = Literal["eager", "fused", "compiled"]
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
 DTYPE_BYTES: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+KERNELS: tuple[str, ...] = ("eager", "fused", "compiled")
+
+
+DDP_BUCKET_BYTES = 25 * 2 ** 20       # PyTorch DDP's default bucket_cap_mb
+BUCKET_ELEMENTS_PER_RANK = 1_000_000   # Megatron-Core's growth of its buckets with the group
+
+
+def dp_bucket_bytes(ranks: int, element_bytes: int) -> int:
+    """Bytes of gradients per data-parallel bucket (one collective each) over a group of ``ranks``:
+    DDP's 25 MB, grown with the group as Megatron-Core grows its buckets (1M elements per rank,
+    ``DistributedDataParallelConfig.bucket_size``) so that each collective of a large group stays
+    bound by bandwidth rather than by its ring's ``ranks - 1`` step latencies. The runtime's
+    GradReducer and the cost model's Estimator.dp_time both use it."""
+    return max(DDP_BUCKET_BYTES, BUCKET_ELEMENTS_PER_RANK * ranks * element_bytes)
 
 
 def check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -182,7 +197,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class Precision:
-    """Mixed-precision and optimizer policy: the bytes each parameter costs.
+    """Numerics policy: the bytes each parameter costs, and the kernels the ops run as.
 
     The default is bf16 mixed precision with fp32 master weights and Adam, i.e.
     2 (weights) + 2 (gradients) + 12 (fp32 master, momentum, variance) = 16 bytes
@@ -198,11 +213,20 @@ class Precision:
     """Keep an fp32 master copy of the weights (only meaningful when compute is 16-bit)."""
     optimizer: Literal["adam", "sgd"] = "adam"
     """Adam keeps two fp32 states per parameter (momentum, variance); SGD with momentum one."""
+    kernels: Kernels = "eager"
+    """How the ops run, which decides the bytes they move and keep for backward: "eager" (PyTorch
+    eager, what ``parallelize`` runs: one kernel per op, autograd keeping what each op's backward
+    reads); "fused" (element-wise chains as single kernels that keep what the ops they fuse would
+    keep: Megatron-LM's and Apex's hand-written fused kernels, whose activations Korthikanti et al.
+    count); "compiled" (torch.compile: fused chains that keep only a minimum cut of each layer's
+    values and recompute the rest inside the backward kernels; capture/fusion.py). Not searched:
+    it is how the program is built, as the dtypes are."""
 
     def __post_init__(self) -> None:
         check_choice("compute", self.compute, tuple(DTYPE_BYTES))
         check_choice("grads", self.grads, tuple(DTYPE_BYTES))
         check_choice("optimizer", self.optimizer, ("adam", "sgd"))
+        check_choice("kernels", self.kernels, KERNELS)
 
     @property
     def weight_bytes(self) -> int:

@@ -21,7 +21,7 @@ from torch.export.graph_signature import InputKind
 
 from .dims import node_dims
 from .export import INTERNAL_PATHS
-from .flops import FlopCache, attention_flops, count_matmul_flops, gemm_shape, grouped_mm_flops
+from .flops import FlopCache, attention_flops, count_matmul_flops, gemm_shape, grouped_mm_flops, is_causal
 from .opgraph import GraphInput, OpKind, OpNode, SavedTensor, TensorMeta
 from .rules import GROUPED_MM, ArgInfo, op_kind, op_name, saved_spec
 
@@ -146,7 +146,8 @@ class GraphWalk:
             outputs=outputs, flops_fwd=fwd, flops_bwd=bwd, bytes_fwd=moved, requires_grad=rg,
             batch_dependent=bd, saved=saved, module_path=_module_path(node), module_type=_module_type(node),
             layer=-1, gemm=gemm_shape(name, kind, [m for m in metas if m], outputs[0],
-                                      [s.batch_dependent for s in srcs]),
+                                      [s.batch_dependent for s in srcs],
+                                      kind is OpKind.ATTENTION and is_causal(node.target, node.args, node.kwargs)),
             source=_source_line(node), dims=dims, reduced=reduced, param_dims=param_dims)
 
     def _sized_by_batch(self, node: torch.fx.Node, metas: list, outputs: tuple) -> bool:

@@ -304,13 +304,26 @@ def _reduction(args: dict, x: tuple[int, ...], out: tuple[int, ...], n: int):
 
 
 def _attention(shapes: list, out: tuple[int, ...]) -> list[Map | None]:
-    """q (..., Lq, E), k (..., Lk, E), v (..., Lk, Ev) -> (..., Lq, Ev); a mask broadcasts to (..., Lq, Lk)."""
+    """q (..., Lq, E), k (..., Lk, E), v (..., Lk, Ev) -> (..., Lq, Ev); a mask broadcasts to (..., Lq, Lk).
+
+    Grouped-query attention (``enable_gqa``: k and v with ``h_kv`` heads dividing q's ``h``): the
+    output's heads dim maps to k's and v's heads dim too, since query head ``i`` reads key head
+    ``i // (h / h_kv)``: the same contiguous split of both (``h_kv`` divisible by the split) keeps
+    every group's query heads with their key head."""
     q, k, v = shapes[0], shapes[1], shapes[2]
     nb = len(out) - 2
+
+    def kv_map(t: Sequence[int]) -> Map:
+        m = list(broadcast_map(t[:-2], out[:nb]))
+        heads = len(t) - 3
+        if nb >= 1 and heads >= 0 and m[nb - 1] < 0 and 1 < t[heads] < out[nb - 1] and out[nb - 1] % t[heads] == 0:
+            m[nb - 1] = heads
+        return tuple(m)
+
     maps: list[Map | None] = [
         broadcast_map(q[:-2], out[:nb]) + (len(q) - 2, -1),
-        broadcast_map(k[:-2], out[:nb]) + (-1, -1),
-        broadcast_map(v[:-2], out[:nb]) + (-1, len(v) - 1),
+        kv_map(k) + (-1, -1),
+        kv_map(v) + (-1, len(v) - 1),
     ]
     for mask in shapes[3:]:
         scores = out[:-1] + (k[-2],)

@@ -9,7 +9,8 @@ cost one count.
 
 Attention is counted by formula, because FlopCounterMode counts the CPU SDPA kernel
 as 0: forward ``4 b h s_q s_k d`` (QK^T and PV, causal masking not discounted, as in
-Megatron-LM's accounting), backward twice that.
+Megatron-LM's accounting), backward twice that. What a causal kernel skips is its GEMM's
+``density`` (:func:`causal_density`), which prices the time, not the count.
 
 Grouped GEMMs (``grouped_mm``, transformers' ``grouped_mm_fallback``) are counted by formula
 too (FlopCounterMode does not know the custom op): ``x`` [S, k] times the weight of each
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch.utils._pytree import tree_map
@@ -98,6 +99,28 @@ def attention_flops(q: TensorMeta, k: TensorMeta, v: TensorMeta, needs_grad: boo
     return fwd, (2.0 * fwd if needs_grad else 0.0)
 
 
+def causal_density(s_q: int, s_k: int) -> float:
+    """Share of the ``s_q x s_k`` (query, key) pairs a causal mask keeps, with SDPA's alignment
+    (query ``i`` sees keys ``0..i``): ``s(s + 1) / 2`` of ``s^2`` when the lengths match."""
+    if s_q <= 0 or s_k <= 0:
+        return 1.0
+    kept = s_q * (s_q + 1) / 2 if s_q <= s_k else s_k * (s_k + 1) / 2 + (s_q - s_k) * s_k
+    return kept / (s_q * s_k)
+
+
+def is_causal(target: Any, args: tuple, kwargs: Mapping[str, Any]) -> bool:
+    """Whether an attention op's call passes ``is_causal=True`` (by position or name, per its schema)."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return bool(kwargs.get("is_causal", False))
+    names = [a.name for a in schema.arguments]
+    if "is_causal" not in names:
+        return False
+    pos = names.index("is_causal")
+    value = args[pos] if pos < len(args) else kwargs.get("is_causal", False)
+    return value is True
+
+
 def grouped_mm_flops(x: TensorMeta, w: TensorMeta, out: TensorMeta, grads: tuple[bool, bool]
                      ) -> tuple[float, float]:
     """Grouped GEMM: ``x`` [S, k] @ per-group ``w`` [G, k, n] -> [S, n] is ``2 S k n``; the batched
@@ -111,14 +134,16 @@ def grouped_mm_flops(x: TensorMeta, w: TensorMeta, out: TensorMeta, grads: tuple
 
 
 def gemm_shape(name: str, kind: OpKind, tensors: list[TensorMeta], out: TensorMeta | None,
-               batch_dependent: list[bool]) -> Gemm | None:
-    """The GEMM an op performs, for the matmul efficiency model; None when it is not one."""
+               batch_dependent: list[bool], causal: bool = False) -> Gemm | None:
+    """The GEMM an op performs, for the matmul efficiency model; None when it is not one.
+    ``causal``: an attention op under ``is_causal`` (its GEMM's ``density``)."""
     if out is None or len(tensors) < 2:
         return None
     if kind is OpKind.ATTENTION:
         q, k = tensors[0], tensors[1]
+        density = causal_density(q.shape[-2], k.shape[-2]) if causal else 1.0
         return Gemm(math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1],
-                    "batch" if batch_dependent[0] else "")
+                    "batch" if batch_dependent[0] else "", density)
     if kind is OpKind.CONV:
         x, w = tensors[0], tensors[1]
         if len(out.shape) < 3 or len(w.shape) < 3:

@@ -79,10 +79,14 @@ class SavedTensor:
     dtype: str
     batch_dependent: bool
 
-    def nbytes(self, float_bytes: int | None = None) -> int:
+    def nbytes(self, float_bytes: int | None = None, model_dtype: str | None = None) -> int:
         """Bytes; floating tensors are counted at ``float_bytes`` per element when given (the
-        training precision), other dtypes (masks, indices) at their own size."""
-        per = float_bytes if (float_bytes is not None and self.dtype in FLOAT_DTYPES) else dtype_bytes(self.dtype)
+        training precision), other dtypes (masks, indices) at their own size. With ``model_dtype``
+        (``OpGraph.float_dtype``) only tensors of that dtype take the training precision: one the
+        model casts to another float dtype on purpose (an RMSNorm's float32 copy of a bf16 input)
+        keeps its own size."""
+        at_training = self.dtype in FLOAT_DTYPES and (model_dtype is None or self.dtype == model_dtype)
+        per = float_bytes if (float_bytes is not None and at_training) else dtype_bytes(self.dtype)
         return self.numel * per
 
 
@@ -91,7 +95,12 @@ class Gemm:
     """A matrix multiply as ``batch`` independent (m x k) @ (k x n) products.
 
     ``scaled`` names the dimension that grows with the micro-batch: "batch" or "m" (or
-    "" when none does, e.g. a weight-only product).
+    "" when none does, e.g. a weight-only product). ``density`` is the fraction of the ``m x n``
+    products the kernel computes: 1 for a dense product; for attention under ``is_causal`` the
+    share of (query, key) pairs the causal mask keeps, since fused attention kernels skip the
+    masked tiles (FlashAttention, and the CPU flash kernel); an explicit mask tensor is read
+    whole, so it keeps 1. FLOP counts stay dense (Megatron's and PaLM's accounting); only the
+    time the kernel takes scales by ``density``.
     """
 
     batch: int
@@ -99,6 +108,7 @@ class Gemm:
     n: int
     k: int
     scaled: str = "m"
+    density: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -207,6 +217,7 @@ class OpGraph:
     structure: "ModelStructure"           # what a plan relies on (capture/structure.py)
     warnings: tuple[str, ...] = field(default=())
     moe: tuple[MoERegion, ...] = field(default=())   # mixture-of-experts regions, in graph order
+    saves: str = "autograd"               # what ``saved`` holds: autograd's saves, or a compiled program's cut
 
     @cached_property
     def node_index(self) -> Mapping[str, int]:
@@ -235,8 +246,34 @@ class OpGraph:
     def node(self, name: str) -> OpNode:
         return self.nodes[self.node_index[name]]
 
+    def for_kernels(self, kernels: str) -> "OpGraph":
+        """This graph as a program running ``kernels`` (``Precision.kernels``) keeps it for backward:
+        itself for eager and hand-fused kernels (autograd's saves), and for ``"compiled"`` each op's
+        ``saved`` replaced by what a compiled program keeps (capture/fusion.py; computed once)."""
+        saves = "compiled" if kernels == "compiled" else "autograd"
+        if saves == self.saves:
+            return self
+        if saves != "compiled":
+            raise ValueError(f"a graph of {self.saves} saves has no {kernels!r} form: capture the model again")
+        return self._compiled
+
+    @cached_property
+    def _compiled(self) -> "OpGraph":
+        from .fusion import compiled_saves   # fusion builds on this module
+        return compiled_saves(self)
+
     def layer_nodes(self, layer: Layer) -> Iterator[OpNode]:
         return (self.nodes[i] for i in layer.nodes)
+
+    @cached_property
+    def float_dtype(self) -> str:
+        """The dtype most parameter elements have (float32 without float parameters): the precision
+        the model was captured in, which training replaces by its own (``SavedTensor.nbytes``)."""
+        counts: dict[str, int] = {}
+        for meta in self.params.values():
+            if meta.is_float:
+                counts[meta.dtype] = counts.get(meta.dtype, 0) + meta.numel
+        return max(sorted(counts), key=counts.__getitem__) if counts else "float32"
 
     @cached_property
     def param_numel(self) -> int:

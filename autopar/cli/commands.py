@@ -21,7 +21,7 @@ def run_plan(args: argparse.Namespace) -> int:
     limits = {} if args.ilp_node_limit is None else {"ilp_node_limit": args.ilp_node_limit or None}
     plan = autopar.plan(loaded.model, cluster, loaded.inputs, global_batch_size=args.global_batch, fixed=fixed,
                         time_limit=args.time_limit, profile=args.profile, verbose=not args.quiet,
-                        ilp_time_limit=args.ilp_time_limit, **limits)
+                        ilp_time_limit=args.ilp_time_limit, precision=_precision(args, cluster), **limits)
     return _report(_named(plan, loaded), args)
 
 
@@ -31,8 +31,14 @@ def run_estimate(args: argparse.Namespace) -> int:
     loaded = _model(args, cluster)
     config = autopar.ParallelConfig(**parse_fields(args.config, "--config"))
     plan = autopar.estimate(loaded.model, cluster, loaded.inputs, config, global_batch_size=args.global_batch,
-                            profile=args.profile)
+                            profile=args.profile, precision=_precision(args, cluster))
     return _report(_named(plan, loaded), args)
+
+
+def _precision(args: argparse.Namespace, cluster):
+    """The device's default precision, with ``--kernels``."""
+    from ..config import Precision
+    return dataclasses.replace(Precision.for_device(cluster.device.name), kernels=args.kernels)
 
 
 def _cluster(args: argparse.Namespace):
@@ -225,6 +231,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="model dtype (default bf16 on accelerators, fp32 on CPUs)")
     p.add_argument("--profile", action="store_true",
                    help="time the model's own ops on this machine (needs --cluster local; builds real weights)")
+    p.add_argument("--kernels", default="eager", choices=("eager", "fused", "compiled"),
+                   help="the kernels to price: eager (default: what parallelize runs), fused (Megatron-LM's "
+                        "hand-fused kernels: fewer bytes moved) or compiled (torch.compile: fewer bytes moved "
+                        "and kept)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
 
 

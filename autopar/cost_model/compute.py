@@ -3,18 +3,24 @@
 For an op with ``F`` FLOPs moving ``Q`` bytes on a device with peak ``P`` (for the
 training dtype) and memory bandwidth ``W``::
 
-    t = max(F / (P * e_mm(m, n, k)), Q / (W * e_mem)) + t_launch        (matmul, conv, attention)
+    t = max(rho F / (P * e_mm(m, n, k)), Q / (W * e_mem)) + t_launch    (matmul, conv, attention)
     t = Q / (W * e_mem) + t_launch                                      (everything else)
     e_mm(m, n, k) = e_max * g(m) * g(n) * g(k),   g(d) = d / (d + d_half)
 
-``e_max``, ``d_half``, ``e_mem`` and ``t_launch`` are the device's constants (one set per
-device, in cluster.py). ``g`` captures that thin GEMMs (small hidden per tensor-parallel
+``rho`` is the GEMM's density (``Gemm.density``: a causal attention kernel skips the masked
+half of its tiles). A fused attention kernel keeps no score matrix, so its backward recomputes
+the scores and probabilities from q, k and the log-sum-exp before the four products of the
+gradients: five ``s_q x s_k`` products where autograd's count has four, ``FUSED_ATTENTION_BACKWARD``
+times the counted backward FLOPs (FlashAttention, Dao et al. 2022, section 3.1; the memory-efficient
+and cuDNN kernels do the same). ``e_max``, ``d_half``, ``e_mem`` and ``t_launch`` are the device's constants
+(one set per device, in cluster.py). ``g`` captures that thin GEMMs (small hidden per tensor-parallel
 rank, a micro-batch of one short sequence) cannot fill the tensor cores.
 
-Element-wise chains (softmax included) are assumed fused, as Megatron-LM's fused kernels and
-torch.compile do: an element-wise op whose only consumer is another element-wise op
-of the same size writes nothing to memory, and its consumer does not read it back,
-unless autograd saves it.
+Element-wise chains (softmax included) run fused under ``Precision.kernels`` "fused" and
+"compiled", as Megatron-LM's fused kernels and torch.compile run them: an element-wise op whose
+only consumer is another element-wise op of the same size writes nothing to memory, and its
+consumer does not read it back, unless the program keeps it for backward (:func:`fused_ops`).
+Eager kernels (the default) write and read back every op's output.
 Backward moves about twice the forward bytes (read the output gradient and the saved
 tensors, write the input gradient). Views cost nothing.
 
@@ -34,6 +40,7 @@ from ..cluster import Device
 _GEMM_KINDS = (OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION)
 _FUSABLE = (OpKind.ELEMENTWISE, OpKind.DROPOUT, OpKind.SOFTMAX)
 _FREE = (OpKind.VIEW,)
+FUSED_ATTENTION_BACKWARD = 5 / 4   # products a fused attention backward runs / those its FLOPs count
 
 
 class MeasuredTimes(Protocol):
@@ -91,6 +98,12 @@ def fused_away(graph: OpGraph) -> frozenset[str]:
     return frozenset(fused)
 
 
+def fused_ops(graph: OpGraph, kernels: str) -> frozenset[str]:
+    """The ops a program running ``kernels`` fuses into their consumer: none eager; otherwise
+    :func:`fused_away` of the graph as that program keeps it (``OpGraph.for_kernels``)."""
+    return frozenset() if kernels == "eager" else fused_away(graph.for_kernels(kernels))
+
+
 @dataclass(frozen=True)
 class ComputeModel:
     """Times ops of one graph on one device in one dtype. ``split_dims`` maps a node to the
@@ -128,16 +141,20 @@ class ComputeModel:
         if node.kind in _GEMM_KINDS and node.gemm is not None:
             eff = gemm_efficiency(self.device, scaled_gemm(node.gemm, batch_scale if node.batch_dependent else 1.0,
                                                            split_dim, shard))
-            fwd = max(node.flops_fwd * scale / (self.peak * eff), mem_fwd)
-            bwd = max(node.flops_bwd * scale / (self.peak * eff), mem_bwd) if node.flops_bwd else 0.0
+            work = scale * node.gemm.density / (self.peak * eff)
+            fwd = max(node.flops_fwd * work, mem_fwd)
+            redo = FUSED_ATTENTION_BACKWARD if node.kind is OpKind.ATTENTION else 1.0
+            bwd = max(node.flops_bwd * work * redo, mem_bwd) if node.flops_bwd else 0.0
         else:
             fwd, bwd = mem_fwd, (mem_bwd if node.requires_grad else 0.0)
         fused_launch = 0.0 if node.name in fused else launch
         return OpTime(fwd + fused_launch, bwd + (fused_launch * 2 if node.requires_grad else 0.0))
 
     def _byte_ratio(self, node: OpNode) -> float:
-        """Captured bytes -> training-dtype bytes for floating tensors (a fp32 capture trained in bf16)."""
+        """Captured bytes -> training-dtype bytes for an op whose output has the model's dtype (a fp32
+        capture trained in bf16); an op computing in a dtype the model casts to on purpose (an
+        RMSNorm's float32 statistics of a bf16 model) keeps its own."""
         out = node.outputs[0].dtype
-        if out in FLOAT_DTYPES:
+        if out in FLOAT_DTYPES and out == self.graph.float_dtype:
             return {"bf16": 2, "fp16": 2, "fp32": 4}[self.dtype] / dtype_bytes(out)
         return 1.0

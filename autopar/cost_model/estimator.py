@@ -12,9 +12,11 @@ tensor parallelism the Megatron scatter/gather optimisation sends ``1/t`` of the
 Data parallelism runs over the ``dp * cp`` ranks holding the same dense weights (context-
 parallel ranks see different tokens of the same sequences, so their gradients are reduced
 together, as Megatron-Core does), expert weights over the ``dp * cp / ep`` ranks holding the
-same experts (expert_parallel.py); ZeRO shards over the same groups. Gradients (ZeRO 0-2) are all-reduced (ZeRO 1/2: reduce-scattered,
-then the updated weights all-gathered) in buckets of 25 MB (one collective, one latency
-each) that overlap the backward pass of the last micro-batch. With ``o`` the fraction of a
+same experts (expert_parallel.py); ZeRO shards over the same groups. Gradients (ZeRO 0-1) are
+all-reduced (ZeRO 1: reduce-scattered, then the updated weights all-gathered) once per step in
+buckets (``config.dp_bucket_bytes``: DDP's 25 MB, grown with the group as Megatron-Core grows
+them, one collective and one ring latency each) that overlap the backward pass of the last
+micro-batch. With ``o`` the fraction of a
 collective's time that compute issued meanwhile hides (``Link.overlap``: 1 for NCCL, measured
 for gloo, whose threads share the CPU cores) times ``1 - k``, where ``k`` is the compute the
 overlapped collective slows down per second of it (``Device.overlap_slowdown``: its kernels take
@@ -25,6 +27,10 @@ ZeRO 3 gathers each layer's weights in forward and again in backward and
 reduce-scatters its gradients (one collective per layer), for every micro-batch,
 prefetched under compute: exposed ``T_ag - o_f min(T_ag, F) + T_ag + T_rs - o min(T_ag + T_rs, B)``
 per micro-batch, plus the hidden share of the first layer's gather, which nothing hides.
+ZeRO 2 (FSDP2 without resharding after forward, and none between the step's micro-batches, as
+the runtime runs it) gathers each layer's weights once per step, under the first forward, and
+reduce-scatters its gradients after every backward, so that only a shard of them is ever held:
+``T_ag - o_f min(T_ag, F)`` plus ``T_rs - o min(T_rs, B)`` per micro-batch, plus the first gather.
 Forward prefetch (``o_f = o``) needs a host that runs ahead of its device, as with GPU
 streams; on a CPU the compute runs on the thread that would issue the next gather
 (FSDP2 prefetches explicitly only in backward), so ``o_f = 0`` there.
@@ -48,7 +54,7 @@ import numpy as np
 
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
-from ..config import ParallelConfig, Precision
+from ..config import ParallelConfig, Precision, dp_bucket_bytes
 from ..errors import ConfigError
 from . import context_parallel, expert_parallel
 from .comm import Collective, GroupPlacement, collective_lines, collective_time, place_axes
@@ -56,7 +62,6 @@ from .layer_cost import LayerCost, LayerCostModel, SplitGroups
 from .memory import MemoryBreakdown, in_flight, interleaved_peak, model_state_bytes
 from .schedule import even_partition
 
-DP_BUCKET_BYTES = 25e6  # PyTorch DDP's default bucket size
 # Tensor ops per parameter of torch's single-tensor AdamW (the CPU default): weight decay, the two
 # moment updates (lerp_, mul_ + addcmul_), sqrt, div, add_ (eps) and addcdiv_ (torch/optim/adam.py)
 ADAM_OPS_PER_TENSOR = 8
@@ -155,6 +160,7 @@ class Estimator:
     sequence_length: int | None = field(init=False)   # what fused attention runs over (context_parallel.py)
 
     def __post_init__(self) -> None:
+        self.graph = self.graph.for_kernels(self.precision.kernels)   # what the program's kernels keep
         if self.layers is None:
             self.layers = LayerCostModel(self.graph, self.cluster, self.precision)
         self.experts = expert_parallel.expert_params(self.graph)
@@ -320,8 +326,8 @@ class Estimator:
                 params, fwd, bwd, recompute, tp_comm, tp_grad_bytes, layers_held, experts=0.0):
         """:meth:`dp_exposed` on floats or numpy arrays (the stage DP evaluates every layer run at once).
 
-        Gradients go in DP_BUCKET_BYTES buckets (one collective each); ZeRO-3 gathers and
-        reduce-scatters layer by layer (one collective per layer held). Dense weights synchronise
+        Gradients go in ``dp_bucket_bytes`` buckets (one collective each); ZeRO-2 and 3 gather and
+        reduce-scatter layer by layer (one collective per layer held). Dense weights synchronise
         over ``groups["dp"]`` (dp * cp ranks), the ``experts`` of ``params`` over ``groups["edp"]``."""
         group, tp_group = groups["dp"], groups["tp"] if cfg.tp > 1 else None
         params = np.asarray(params, dtype=float)
@@ -329,26 +335,28 @@ class Estimator:
         hidden = bwd + recompute
         parts = [(params - experts, group), (experts, groups["edp"])]
         tp_bytes = np.asarray(tp_grad_bytes, dtype=float)
-        tp_sync = (self._ct(Collective.ALL_REDUCE, tp_bytes, tp_group, _buckets(tp_bytes))
-                   if tp_group is not None else 0.0)
+        g_b, w_b = self.precision.grad_bytes, self.precision.weight_bytes
+        tp_buckets = _buckets(tp_bytes, cfg.tp, g_b)
+        tp_sync = (self._ct(Collective.ALL_REDUCE, tp_bytes, tp_group, tp_buckets) if tp_group is not None else 0.0)
         if cfg.grad_replicas == 1:
             total = tp_sync + 0.0 * params
-            return total - self._overlap(tp_group) * np.minimum(hidden, total - total / _buckets(tp_bytes))
+            return total - self._overlap(tp_group) * np.minimum(hidden, total - total / tp_buckets)
         o = self._overlap(group)
-        g_b, w_b = self.precision.grad_bytes, self.precision.weight_bytes
-        if cfg.zero == 3:
+        if cfg.zero >= 2:
             ag = sum(self._ct(Collective.ALL_GATHER, n * w_b, grp, layers_held) for n, grp in parts)
             rs = sum(self._ct(Collective.REDUCE_SCATTER, n * g_b, grp, layers_held) for n, grp in parts)
             fwd_c, bwd_c = fwd + tp_comm / 2, hidden + tp_comm / 2
             # forward prefetch needs a host that runs ahead of its device (GPU streams); a CPU rank
             # computes on the thread that would issue the next gather, so forward hides nothing there
             o_fwd = 0.0 if self.cluster.device.is_cpu else o
-            per_mb = (ag - o_fwd * np.minimum(ag, fwd_c)) + (ag + rs - o * np.minimum(ag + rs, bwd_c))
+            gather = ag - o_fwd * np.minimum(ag, fwd_c)
             first = o_fwd * ag / np.maximum(1, layers_held)  # the first layer's gather is never hidden
-            return micro_batches * per_mb + first + tp_sync
+            if cfg.zero == 3:   # gathered again for backward, every micro-batch
+                return micro_batches * (gather + ag + rs - o * np.minimum(ag + rs, bwd_c)) + first + tp_sync
+            return gather + first + micro_batches * (rs - o * np.minimum(rs, bwd_c)) + tp_sync
         total, buckets = 0.0, 0.0
         for n, grp in parts:
-            nb = _buckets(n * g_b)
+            nb = _buckets(n * g_b, grp.size, g_b)
             buckets = buckets + np.where(n > 0, nb, 0.0)
             if cfg.zero == 0:
                 total = total + self._ct(Collective.ALL_REDUCE, n * g_b, grp, nb)
@@ -374,9 +382,11 @@ class Estimator:
             return min(float(self._ct(kind, nbytes, g)) for g in spans)
         o = self._overlap(groups["dp"])
         g_b, w_b = self.precision.grad_bytes * params, self.precision.weight_bytes * params
-        if cfg.zero == 3:
+        if cfg.zero >= 2:
             o_fwd = 0.0 if self.cluster.device.is_cpu else o
             ag, rs = least(Collective.ALL_GATHER, w_b), least(Collective.REDUCE_SCATTER, g_b)
+            if cfg.zero == 2:
+                return (1 - o_fwd) * ag + micro_batches * (1 - o) * rs
             return micro_batches * ((1 - o_fwd) * ag + (1 - o) * (ag + rs))
         if cfg.zero == 0:
             return (1 - o) * least(Collective.ALL_REDUCE, g_b)
@@ -419,9 +429,9 @@ class Estimator:
         return float(out) if out.ndim == 0 else out
 
 
-def _buckets(nbytes):
-    """Gradient buckets of DP_BUCKET_BYTES (at least one)."""
-    return np.maximum(1.0, np.ceil(np.asarray(nbytes, dtype=float) / DP_BUCKET_BYTES))
+def _buckets(nbytes, ranks: int, element_bytes: int):
+    """Gradient buckets of ``dp_bucket_bytes(ranks, element_bytes)`` (at least one)."""
+    return np.maximum(1.0, np.ceil(np.asarray(nbytes, dtype=float) / dp_bucket_bytes(ranks, element_bytes)))
 
 
 def _layer_flops(graph: OpGraph) -> tuple[tuple[float, ...], ...]:

@@ -19,7 +19,7 @@ from ..cluster import Cluster
 from ..config import Precision
 from . import context_parallel, expert_parallel
 from .comm import Collective, GroupPlacement, collective_time
-from .compute import ComputeModel, MeasuredTimes, fused_away
+from .compute import ComputeModel, MeasuredTimes, fused_ops
 from .memory import ActivationModel, saved_owner
 from .tensor_parallel import S, TPLayout, sequence_gathers, single_rank_layout
 
@@ -117,6 +117,9 @@ class LayerCostModel:
     _fused: frozenset[str] | None = None
     expert_load_cv: float = expert_parallel.DEFAULT_LOAD_CV   # spread of the experts' shares of the rows
 
+    def __post_init__(self) -> None:
+        self.graph = self.graph.for_kernels(self.precision.kernels)   # what the program's kernels keep
+
     def layout(self, tp: int) -> TPLayout:
         if tp not in self._layouts:
             self._layouts[tp] = self.layout_fn(self.graph, tp)
@@ -131,7 +134,7 @@ class LayerCostModel:
     @property
     def fused(self) -> frozenset[str]:
         if self._fused is None:
-            self._fused = fused_away(self.graph)
+            self._fused = fused_ops(self.graph, self.precision.kernels)
         return self._fused
 
     def cost(self, layer: Layer, tp: int, sp: bool, micro_batch: int, recompute: str,

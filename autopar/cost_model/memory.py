@@ -9,9 +9,10 @@ mixed-precision Adam)::
     zero 1:  (w + g) Psi + K Psi/N_d  zero 3:  (w + g + K) Psi / N_d
 
 Activations of one layer for one micro-batch are the bytes of the tensors autograd
-saves (capture/rules.py), each storage counted once and charged to the first layer
-that saves it, at the training precision (floating tensors at 2 bytes in bf16; masks
-1 byte). Tensor parallelism divides a tensor in the split region by ``t``; sequence
+saves (capture/rules.py; compiled, what a compiled program keeps: capture/fusion.py),
+each storage counted once and charged to the first layer that saves it, at the training
+precision (floating tensors of the model's dtype at 2 bytes in bf16, a float32 copy the model
+makes on purpose at 4; masks 1 byte). Tensor parallelism divides a tensor in the split region by ``t``; sequence
 parallelism divides the replicated region by ``t`` as well. Selective recomputation
 drops the attention core's tensors; full recomputation keeps only the tensors that
 enter the layer from outside. For the Megatron GPT layer this reproduces
@@ -98,7 +99,8 @@ class ActivationModel:
 
     def _bytes(self, st: SavedTensor, batch_scale: float) -> float:
         scale = batch_scale if st.batch_dependent else 1.0
-        return st.nbytes(self.precision.activation_bytes) * scale / self.layout.shard(st.root, self.sequence_parallel)
+        return (st.nbytes(self.precision.activation_bytes, self.graph.float_dtype) * scale
+                / self.layout.shard(st.root, self.sequence_parallel))
 
     def layer_bytes(self, layer: Layer, recompute: str, batch_scale: float, owner: Mapping[str, int]) -> float:
         """Activation bytes one micro-batch leaves in ``layer`` until its backward."""
@@ -126,7 +128,8 @@ class ActivationModel:
                 meta, bd = gi.meta, gi.batch_dependent
             per = self.precision.activation_bytes if meta.is_float else None
             st = SavedTensor(name, meta.numel, meta.dtype, bd)
-            total += st.nbytes(per) * (batch_scale if bd else 1.0) / self.layout.shard(name, self.sequence_parallel)
+            total += (st.nbytes(per, graph.float_dtype) * (batch_scale if bd else 1.0)
+                      / self.layout.shard(name, self.sequence_parallel))
         return total
 
     def _in_core(self, root: str) -> bool:
@@ -141,7 +144,7 @@ class ActivationModel:
                 meta = node.outputs[0]
                 per = self.precision.activation_bytes if meta.is_float else None
                 st = SavedTensor(node.name, meta.numel, meta.dtype, node.batch_dependent)
-                best = max(best, st.nbytes(per) * (batch_scale if node.batch_dependent else 1.0)
+                best = max(best, st.nbytes(per, self.graph.float_dtype) * (batch_scale if node.batch_dependent else 1.0)
                            / self.layout.shard(node.name, self.sequence_parallel))
         return best
 

@@ -15,7 +15,8 @@ Module tree::
 
 Rotary embeddings are computed inside ``forward`` from the positions (no buffers),
 so a model built on "meta" has nothing to materialise but its parameters.
-Keys and values are repeated to all heads before F.scaled_dot_product_attention.
+Grouped-query attention runs in F.scaled_dot_product_attention (``enable_gqa``): keys and values
+keep their ``kv_heads`` heads, never repeated to all of them.
 """
 
 from __future__ import annotations
@@ -138,11 +139,7 @@ class LlamaAttention(nn.Module):
         k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = rotary(q, self.theta), rotary(k, self.theta)
-        groups = self.heads // self.kv_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads < self.heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 

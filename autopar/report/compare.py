@@ -105,7 +105,8 @@ def _setting_rows(a: Plan, b: Plan) -> list[Row]:
     return [_text_row("model", a.model_name, b.model_name),
             _text_row("cluster", cluster_spec(a), cluster_spec(b)),
             _text_row("global batch", a.global_batch_size, b.global_batch_size),
-            _text_row("precision", a.precision.compute, b.precision.compute)]
+            _text_row("precision", a.precision.compute, b.precision.compute),
+            _text_row("kernels", a.precision.kernels, b.precision.kernels)]
 
 
 def _config_rows(a: ParallelConfig, b: ParallelConfig) -> list[Row]:

@@ -27,7 +27,7 @@ def _header(plan: Plan) -> list[str]:
         f"autopar plan for {plan.model_name} on {plan.cluster.describe()}",
         f"  configuration  {c.short()}",
         f"  batch          global {plan.global_batch_size} = dp {c.dp} x {plan.micro_batches} micro-batches x "
-        f"{c.micro_batch_size} per micro-batch; precision {plan.precision.compute}",
+        f"{c.micro_batch_size} per micro-batch; precision {plan.precision.compute}, {plan.precision.kernels} kernels",
         f"  step time      {seconds(plan.step_time)}   throughput {plan.throughput:.4g} samples/s   "
         f"{plan.tflops_per_device:.1f} TFLOP/s per device   MFU {percent(plan.mfu)}",
         f"  peak memory    {gigabytes(plan.peak_memory)} of {gigabytes(device.memory)} per device "

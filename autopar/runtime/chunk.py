@@ -157,13 +157,17 @@ class NodeRunner:
     def _run_local(self, node: torch.fx.Node, args: tuple, kwargs: dict, spec: OpSpec | None) -> Any:
         """Attention split along a batch or head dim ``d`` (or whole): every slice is independent, so
         the op runs on this rank's slices of q, k, v (and of a mask that has dim ``d``) and the
-        output is that slice. Written out because DTensor has no rule for CPU attention's backward."""
+        output is that slice. Written out because DTensor has no rule for CPU attention's backward.
+        Keys and values with fewer heads than the queries (grouped-query attention, ``enable_gqa``)
+        are split along the heads too when the plan's spec split them: query head ``i`` reads key
+        head ``i // groups``, and contiguous splits of both keep every group on one rank."""
         d = split_dim(spec.output) if spec is not None else None
         first = next(a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor))
         place = Shard(d % first.dim()) if d is not None else Replicate()
 
         def prep(t: DTensor) -> torch.Tensor:
-            whole = d is None or t.dim() != first.dim() or t.shape[place.dim] != first.shape[place.dim]
+            whole = d is None or t.dim() != first.dim() or (t.shape[place.dim] != first.shape[place.dim]
+                                                             and t.placements[0] != place)
             target = Replicate() if whole else place
             return (t if t.placements[0] == target else t.redistribute(self.mesh, [target])).to_local()
 

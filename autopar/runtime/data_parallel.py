@@ -9,7 +9,9 @@ are done here rather than by ``DistributedDataParallel`` / ``ZeroRedundancyOptim
 - ``ZeroRedundancyOptimizer`` wants an optimizer class and keyword arguments and broadcasts
   whole tensors, not DTensor shards; ours takes the user's optimizer factory.
 
-:class:`GradReducer` puts parameters into buckets of ``bucket_bytes`` in reverse registration
+:class:`GradReducer` puts parameters into buckets of ``config.dp_bucket_bytes`` (DDP's 25 MB,
+grown with the group's size as Megatron-Core grows its buckets; the cost model prices the same
+buckets) in reverse registration
 order (about the order backward finishes them, as DDP does) and starts one asynchronous
 all-reduce (sum) per bucket as soon as the last gradient of the bucket is accumulated during
 the chunk's final backward; :meth:`GradReducer.finish` waits, divides by ``divisor`` and
@@ -32,9 +34,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..config import dp_bucket_bytes
 from .failures import wait_or_fail
-
-BUCKET_BYTES = 25 * 2 ** 20   # DDP's default bucket_cap_mb
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -55,7 +56,7 @@ class GradReducer:
     division by ``divisor``; ``group`` None (a parameter held by one rank only) just divides."""
 
     def __init__(self, chunks: Sequence[Sequence[nn.Parameter]], group, divisor: int, timeout: float,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:
+                 bucket_bytes: int | None = None) -> None:
         self.group = group
         self.size = divisor
         self.timeout = timeout
@@ -63,6 +64,10 @@ class GradReducer:
         self.buckets: list[list[_Bucket]] = []
         self._where: dict[int, tuple[int, _Bucket]] = {}
         self._handles = []
+        if bucket_bytes is None:
+            first = next((p for ps in chunks for p in ps), None)
+            ranks = dist.get_world_size(group) if group is not None else 1
+            bucket_bytes = dp_bucket_bytes(ranks, local(first).element_size() if first is not None else 4)
         for c, params in enumerate(chunks):
             buckets = _make_buckets([p for p in reversed(list(params)) if p.requires_grad], bucket_bytes)
             self.buckets.append(buckets)

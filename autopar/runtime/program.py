@@ -13,7 +13,9 @@ layout the cost model priced). The rank:
    tensor-parallel ones distributed with the plan's split dims;
 3. sets up data parallelism: the bucketed all-reduce of data_parallel.py (ZeRO 0 and 1, the
    latter with its partitioned optimizer), or FSDP2 ``fully_shard`` on every layer and chunk
-   (ZeRO-2: ``reshard_after_forward=False``, ZeRO-3: ``True``);
+   (ZeRO-2: ``reshard_after_forward=False`` and no resharding between the step's micro-batches,
+   ZeRO-3: ``True``; both reduce-scatter the gradients after every backward, as the cost model
+   prices them);
 4. runs the plan's schedule (schedules.py, checked before the first send) on each global batch.
 
 Context parallelism (``cp > 1``, context.py): the ``cp`` ranks of a group take the same samples
@@ -100,6 +102,10 @@ class Program:
 
     def __init__(self, model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None, *,
                  loss_fn: LossFn | None, example_inputs: Any, timeout: float) -> None:
+        if plan.precision.kernels != "eager":
+            raise ConfigError(f"this plan prices {plan.precision.kernels} kernels (Precision(kernels="
+                              f"{plan.precision.kernels!r})), which this autopar's runtime does not run: it runs eager "
+                              "kernels; re-plan with the default Precision(kernels='eager')")
         check_model(model)
         check_world(plan)
         if not (isinstance(timeout, (int, float)) and timeout > 0):
@@ -329,7 +335,10 @@ class Program:
 
     def _before_backward(self, chunk: int, last: bool) -> None:
         if self.fsdp:
-            self.chunks[chunk].set_requires_gradient_sync(last)
+            # ZeRO-2 and 3 reduce-scatter every backward (only a shard of the gradients is ever held);
+            # ZeRO-2 keeps the weights gathered until the step's last backward (one gather per step)
+            if self.zero == 2:
+                self.chunks[chunk].set_reshard_after_backward(last)
         elif last:
             for reducer in self.reducers:
                 reducer.start(self.my_chunks.index(chunk))

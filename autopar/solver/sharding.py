@@ -94,7 +94,7 @@ from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
 from ..config import Precision
 from ..cost_model.comm import GroupPlacement, place_axes
-from ..cost_model.compute import fused_away
+from ..cost_model.compute import fused_ops
 from ..cost_model.tensor_parallel import TPLayout, replicated_layout
 from ..errors import AutoparError, ConfigError, InfeasiblePlanError
 from .sharding_layout import (GroupSolution, LayerGroup, assemble, consumers_of, evaluate_layout, layer_groups,
@@ -393,6 +393,9 @@ class ShardingSolver:
     _solutions: dict[tuple[int, str], list[GroupSolution]] = field(default_factory=dict, repr=False)
     _contexts: dict[bool, OpContext] = field(default_factory=dict, repr=False)
 
+    def __post_init__(self) -> None:
+        self.graph = self.graph.for_kernels(self.precision.kernels)   # the activations its kernels keep
+
     def layout(self, tp: int, variant: str = "fast") -> TPLayout:
         """The layout the ILP chooses for tensor-parallel degree ``tp`` (1: everything R/C)."""
         _check(tp, variant)
@@ -472,7 +475,8 @@ class ShardingSolver:
         graph = self.graph
         ctx = self._context(not variant.endswith(WHOLE_BATCH))
         variant = variant.removesuffix(WHOLE_BATCH)
-        pricing = Pricing(graph, self.cluster, self.precision, tp, tp_group(self.cluster, tp), fused_away(graph))
+        pricing = Pricing(graph, self.cluster, self.precision, tp, tp_group(self.cluster, tp),
+                          fused_ops(graph, self.precision.kernels))
         consumers = consumers_of(graph)
         groups = layer_groups(graph)
         candidates = [Boundary(R)]

@@ -188,7 +188,7 @@ def build_problem(ctx: OpContext, pricing: Pricing, nodes: Sequence[OpNode], con
     for node in nodes:
         for st in node.saved:
             if owner.get(st.root) in layers and st.root not in roots:
-                roots[st.root] = st.nbytes(pricing.precision.activation_bytes) * (
+                roots[st.root] = st.nbytes(pricing.precision.activation_bytes, graph.float_dtype) * (
                     pricing.scale if st.batch_dependent else 1.0)
     by_node: dict[str, float] = {}
     const_memory = 0.0

@@ -92,10 +92,27 @@ def test_llama_rms_norm_rotary_gqa():
     assert mean.dims == ((0, 1, -1),) and mean.reduced == (2,)
     cat = next(n for n in graph.nodes if n.target == "aten.cat.default" and len(n.outputs[0].shape) == 4)
     assert cat.dims == ((0, 1, 2, -1), (0, 1, 2, -1))  # rotate_half: the concatenated dim has no single source
-    rep = _first(graph, "aten.repeat_interleave.self_int")
-    assert rep.dims == ((0, 1, 2, 3),)
+    sdpa = _first(graph, "aten.scaled_dot_product_attention.default")   # enable_gqa: k, v keep 2 heads of 4
+    assert sdpa.inputs[1] != sdpa.inputs[0] and [graph.node(i).outputs[0].shape[1] for i in sdpa.inputs] == [4, 2, 2]
+    assert sdpa.dims == ((0, 1, 2, -1), (0, 1, -1, -1), (0, 1, -1, 3))   # the heads split together, by group
+    assert sdpa.gemm.density == (16 + 1) / (2 * 16)                        # is_causal: the kept (query, key) pairs
+
+
+def test_repeated_key_heads():
+    """Keys repeated to every head before attention (Hugging Face's repeat_kv on some paths)."""
+    class Repeat(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, q, k):
+            k = self.proj(k).repeat_interleave(2, dim=1)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, k)
+
+    graph = capture(Repeat(), (torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16)), lambda out, inputs: out.mean())
+    assert _first(graph, "aten.repeat_interleave.self_int").dims == ((0, 1, 2, 3),)
     sdpa = _first(graph, "aten.scaled_dot_product_attention.default")
-    assert sdpa.dims == ((0, 1, 2, -1), (0, 1, -1, -1), (0, 1, -1, 3))
+    assert sdpa.gemm.density == 1.0                                        # no causal mask: every pair
 
 
 def test_conv_batch_norm_pool_reduction():

@@ -1,0 +1,116 @@
+r"""What a compiled program keeps for backward: a minimum cut of each layer's forward values.
+
+Eager autograd keeps, for every op, the tensors its backward formula reads (``OpNode.saved``,
+rules.py): the float32 copy an RMSNorm makes of its input, the normalised output, SiLU's input and
+output, the product SwiGLU feeds its down projection. Hand-fused kernels (Megatron-LM's, Apex's)
+keep what the ops they fuse would. A compiled program keeps less: a value that cheap element-wise
+ops compute from other kept values is recomputed inside the fused backward kernel instead of
+stored, which is what torch.compile's AOTAutograd partitioner
+(``min_cut_rematerialization_partition``) decides, and what Transformer Engine's newer fused
+kernels do by hand (a fused RMSNorm keeps its input and the per-row statistics).
+
+The cut (AOTAutograd's formulation, on the OpGraph, one layer at a time). ``B`` is what eager
+autograd saves in the layer (the roots of its ops' ``saved``: what backward reads). A value is
+*recomputable* when an element-wise, view, creation, norm or dropout op produces it (a norm from
+its input and its kept row statistics, dropout from its input and its kept mask; those op-internal
+extras stay kept as they are); the outputs of GEMMs, attention, reductions, softmax, embeddings,
+losses and unknown ops, and the values entering the layer, are computed once in forward. Flow
+network::
+
+    source -> v_in            (infinite)  v not recomputable, or entering the layer
+    v_in   -> v_out           (bytes of v)
+    u_out  -> v_in            (infinite)  u an input of recomputable v
+    v_out  -> sink            (infinite)  v in B
+
+A finite cut separates what forward computes from what backward needs; the values whose
+``v_in -> v_out`` edge it cuts are the ones kept, and a minimum cut keeps the fewest bytes
+(each value at its own dtype, so an fp32 copy costs twice the bf16 value it was cast from).
+Every op then saves, instead of its eager roots, the kept values its eager roots are recomputed
+from (the op-internal extras unchanged), so the memory model (memory.py) and the fusion rule of
+the compute model (compute.py) read the compiled program as they read the eager one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+import networkx as nx
+
+from .opgraph import OpGraph, OpKind, OpNode, SavedTensor
+
+RECOMPUTABLE = frozenset((OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.CREATION, OpKind.NORM, OpKind.DROPOUT))
+_SOURCE, _SINK = "source", "sink"
+
+
+def compiled_saves(graph: OpGraph) -> OpGraph:
+    """``graph`` with each op's ``saved`` as a compiled program keeps it (module docstring)."""
+    saved: dict[str, tuple[SavedTensor, ...]] = {}
+    for layer in graph.layers:
+        saved.update(_layer(graph, [graph.nodes[i] for i in layer.nodes]))
+    return replace(graph, saves="compiled", nodes=tuple(replace(n, saved=saved[n.name]) if n.name in saved else n
+                                                        for n in graph.nodes))
+
+
+def _extra(st: SavedTensor) -> bool:
+    """An op-internal tensor (statistics, masks, log-sum-exp): kept as eager keeps it."""
+    return ":" in st.root
+
+
+def _layer(graph: OpGraph, nodes: list[OpNode]) -> dict[str, tuple[SavedTensor, ...]]:
+    inside = {n.name: n for n in nodes}
+    needed = {st.root for n in nodes for st in n.saved if not _extra(st)}
+    if not needed:
+        return {}
+    flow = nx.DiGraph()
+    values: dict[str, SavedTensor] = {}
+
+    def add(name: str) -> None:
+        if name in values:
+            return
+        values[name] = _value(graph, name)
+        flow.add_edge(f"{name}/in", f"{name}/out", capacity=values[name].nbytes())
+        node = inside.get(name)
+        if node is None or node.kind not in RECOMPUTABLE:
+            flow.add_edge(_SOURCE, f"{name}/in")
+        else:
+            for src in node.inputs:
+                add(src)
+                flow.add_edge(f"{src}/out", f"{name}/in")
+
+    for n in nodes:
+        add(n.name)
+    for root in sorted(needed):
+        add(root)
+        flow.add_edge(f"{root}/out", _SINK)
+    _, (computed, _) = nx.minimum_cut(flow, _SOURCE, _SINK)
+    kept = {v for v in values if f"{v}/in" in computed and f"{v}/out" not in computed}
+
+    memo: dict[str, frozenset[str]] = {}
+
+    def reads(name: str) -> frozenset[str]:
+        """The kept values ``name`` is recomputed from (itself when kept)."""
+        if name not in memo:
+            node = inside.get(name)
+            if name in kept or node is None or node.kind not in RECOMPUTABLE:
+                memo[name] = frozenset((name,))
+            else:
+                memo[name] = frozenset().union(*(reads(src) for src in node.inputs))
+        return memo[name]
+
+    out = {}
+    for n in nodes:
+        roots = sorted(frozenset().union(*(reads(st.root) for st in n.saved if not _extra(st))))
+        out[n.name] = tuple(values[r] for r in roots) + tuple(st for st in n.saved if _extra(st))
+    return out
+
+
+def _value(graph: OpGraph, name: str) -> SavedTensor:
+    """``name`` (a node or a graph input) as a saved tensor: its storage root, size and dtype."""
+    if name in graph.node_index:
+        node = graph.node(name)
+        while node.kind is OpKind.VIEW and node.inputs and node.inputs[0] in graph.node_index:
+            node = graph.node(node.inputs[0])       # a view is kept as the storage it views
+        meta = node.outputs[0]
+        return SavedTensor(node.name, meta.numel, meta.dtype, node.batch_dependent)
+    gi = next(g for g in graph.inputs if g.name == name)
+    return SavedTensor(name, gi.meta.numel, gi.meta.dtype, gi.batch_dependent)
+

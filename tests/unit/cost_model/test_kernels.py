@@ -1,0 +1,147 @@
+"""What the kernels a program runs change in its price: eager, hand-fused and compiled kernels
+(Precision.kernels; the minimum cut of capture/fusion.py), causal attention's skipped tiles, the fused
+attention backward's recomputation, and activations counted at the dtype the model keeps them in."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import autopar
+from autopar import Cluster, ParallelConfig, Precision
+from autopar.capture import capture
+from autopar.capture.fusion import RECOMPUTABLE
+from autopar.capture.opgraph import OpKind
+from autopar.cost_model.compute import FUSED_ATTENTION_BACKWARD, ComputeModel, fused_ops
+from autopar.cost_model.memory import saved_owner
+from autopar.models import GPTConfig, LlamaConfig, build_gpt, build_llama
+from autopar.solver import price
+
+H100 = Cluster.from_spec("1x8xH100-SXM")
+EAGER, FUSED, COMPILED = Precision(), Precision(kernels="fused"), Precision(kernels="compiled")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """A bf16 Llama layer stack at 1024 tokens: RMSNorm's float32 copies, rotary, GQA, SwiGLU."""
+    cfg = LlamaConfig(vocab_size=512, hidden=256, heads=8, kv_heads=2, layers=2, ffn_hidden=768, seq_len=1024)
+    model, inputs = build_llama(cfg, batch_size=1, device="meta", dtype=torch.bfloat16)
+    return capture(model, inputs)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    cfg = GPTConfig(vocab_size=512, hidden=256, heads=4, layers=2, seq_len=512)
+    model, inputs = build_gpt(cfg, batch_size=1, device="meta", dtype=torch.bfloat16)
+    return capture(model, inputs)
+
+
+def _layer_saves(graph, index):
+    """{root: SavedTensor} the layer owns (each storage once, charged to the first layer saving it)."""
+    owner, layer = saved_owner(graph), graph.layers[index]
+    return {st.root: st for n in graph.layer_nodes(layer) for st in n.saved if owner.get(st.root) == layer.index}
+
+
+def _block(graph):
+    return next(i for i, layer in enumerate(graph.layers) if layer.is_block)
+
+
+def test_compiled_llama_layer_keeps_a_minimum_cut(llama):
+    """Per token of a block, in units of the hidden size h = 256 (bytes / h): eager keeps the float32
+    copies RMSNorm makes (4 bytes each), the normalised outputs, SiLU's input and output and the
+    SwiGLU product; a compiled program keeps the two residual-stream inputs of the norms, q after rotary
+    (or q before it), k and v, the attention output, and the gate and up projections, besides what
+    eager keeps too: the two float32 rotary tables (s x d/2 each), the norms' 1/rms per token and
+    attention's log-sum-exp per head and token."""
+    eager = _layer_saves(llama, _block(llama))
+    fused = _layer_saves(llama.for_kernels("compiled"), _block(llama))
+    per_token = lambda saves: sum(st.nbytes(2, llama.float_dtype) for st in saves.values()) / (1024 * 256)
+    h, kv, ffn = 256, 64, 768
+    tables, stats = 2 * 4 * 16 / h, (2 * 4 + 8 * 4) / h
+    assert per_token(fused) == pytest.approx((2 * h + 2 * h + 2 * h + 2 * 2 * kv + 2 * h + 2 * 2 * ffn) / h
+                                             + tables + stats, rel=1e-9)
+    assert per_token(eager) > 1.8 * per_token(fused)
+    # float32 copies count 4 bytes a value in eager (the model makes them on purpose)
+    assert any(st.dtype == "float32" and st.nbytes(2, llama.float_dtype) == 4 * st.numel for st in eager.values())
+
+
+def test_compiled_cut_recomputes_only_from_what_it_keeps(llama, gpt):
+    """Every value eager autograd saves is, compiled, kept or recomputable by element-wise, view,
+    creation, norm or dropout ops from values the compiled program keeps (or op-internal extras)."""
+    for graph in (llama, gpt):
+        fused = graph.for_kernels("compiled")
+        kept = {st.root for n in fused.nodes for st in n.saved}
+        for node in graph.nodes:
+            for st in node.saved:
+                if ":" in st.root:
+                    assert st.root in kept
+                    continue
+                todo, seen = [st.root], set()
+                while todo:
+                    name = todo.pop()
+                    if name in kept or name in seen:
+                        continue
+                    seen.add(name)
+                    producer = graph.node(name)       # not kept: recomputed from its inputs
+                    assert producer.kind in RECOMPUTABLE, (graph.model_name, name, producer.kind)
+                    todo.extend(producer.inputs)
+        assert fused.for_kernels("compiled") is fused and graph.for_kernels("compiled") is fused
+        assert graph.for_kernels("eager") is graph.for_kernels("fused") is graph   # autograd's saves
+        with pytest.raises(ValueError):
+            fused.for_kernels("eager")
+
+
+def test_gpt_compiled_drops_what_compiled_kernels_recompute(gpt):
+    """Megatron's layer, eager attention: the attention dropout's output (a copy of the softmax with
+    its 1-byte mask), GeLU's output and the LayerNorm outputs are recomputed; the masks, softmax and
+    GEMM outputs stay."""
+    block = _block(gpt)
+    eager, fused = _layer_saves(gpt, block), _layer_saves(gpt.for_kernels("compiled"), block)
+    kinds = lambda saves: sorted(gpt.node(r).kind.value for r in saves    # made inside the block
+                                 if ":" not in r and gpt.node(r).layer == gpt.layers[block].index)
+    assert kinds(fused).count("dropout") == 0 < kinds(eager).count("dropout")
+    assert kinds(fused).count("norm") == 0 < kinds(eager).count("norm")
+    assert {r for r in fused if ":" in r} == {r for r in eager if ":" in r}   # masks and statistics kept
+    assert "softmax" in kinds(fused)
+
+
+def test_eager_kernels_fuse_nothing_and_cost_more(llama, tmp_path):
+    """Eager kernels fuse nothing; hand-fused ones fuse element-wise chains but keep what eager keeps;
+    compiled ones fuse more (the cut keeps fewer of the chains' values) and keep less."""
+    assert fused_ops(llama, "eager") == frozenset() and fused_ops(llama, "fused") and fused_ops(llama, "compiled")
+    cfg = ParallelConfig(dp=8)
+    eager, fused, compiled = (price(llama, H100, cfg, 8, precision=p) for p in (EAGER, FUSED, COMPILED))
+    assert eager.breakdown.compute > fused.breakdown.compute > compiled.breakdown.compute
+    assert eager.peak_memory == fused.peak_memory > compiled.peak_memory
+    assert [p.precision.kernels for p in (eager, fused, compiled)] == ["eager", "fused", "compiled"]
+    assert "eager kernels" in eager.summary() and "compiled kernels" in compiled.summary()
+    compiled.save(tmp_path / "plan.json")
+    assert autopar.load_plan(tmp_path / "plan.json").precision.kernels == "compiled"
+
+
+def test_kernels_is_validated():
+    with pytest.raises(autopar.ConfigError, match="kernels"):
+        Precision(kernels="inductor")
+
+
+def test_causal_attention_costs_what_its_kept_pairs_cost(llama):
+    """is_causal: the kernel skips the masked tiles, so forward and backward take the kept share
+    (s + 1) / 2s of a dense attention's time; the backward recomputes the scores (5/4 the count)."""
+    node = next(n for n in llama.nodes if n.kind is OpKind.ATTENTION)
+    assert node.gemm.density == pytest.approx(1025 / 2048)
+    model = ComputeModel(llama, H100.device, "bf16")
+    causal = model.op_time(node, 1.0, 1, "")
+    dense = model.op_time(dataclasses.replace(node, gemm=dataclasses.replace(node.gemm, density=1.0)), 1.0, 1, "")
+    launch = H100.device.kernel_overhead
+    assert causal.fwd - launch == pytest.approx((dense.fwd - launch) * node.gemm.density, rel=1e-9)
+    assert (dense.bwd - 2 * launch) / (dense.fwd - launch) == pytest.approx(2 * FUSED_ATTENTION_BACKWARD, rel=1e-9)
+
+
+@pytest.mark.parametrize("precision", [FUSED, COMPILED], ids=["fused", "compiled"])
+def test_parallelize_refuses_kernels_it_does_not_run(llama, precision):
+    plan = price(llama, Cluster.from_spec("1x1xH100-SXM"), ParallelConfig(), 1, precision=precision)
+    from autopar.runtime.program import Program
+    with pytest.raises(autopar.ConfigError, match=f"{precision.kernels} kernels"):
+        Program(None, plan, None, loss_fn=None, example_inputs=None, timeout=1.0)
