@@ -60,7 +60,7 @@ def test_a_pin_that_breaks_a_rule_names_it_and_the_nearest_values(gpt3):
         and "nearest valid: 12)" in message, message
 
 
-@pytest.mark.parametrize("name", ["SC21 529.6B", "torchtitan 8B 128 GPUs"])
+@pytest.mark.parametrize("name", ["SC21 529.6B", "torchtitan 8B 128 GPUs eager"])
 def test_published_runs_plan_with_what_they_publish_pinned(published, name):
     row = next(r for r in published.ROWS if r.name == name)
     plan = published.plan_row(row)
