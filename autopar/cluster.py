@@ -121,6 +121,11 @@ class Device:
     """The same per op of the backward pass (measured; 0 for presets)."""
     threads: int = 0
     """CPU threads per rank the measured figures hold for (profiler, CPU only); 0 when not measured."""
+    concurrency_slowdown: float = 1.0
+    """How much longer a rank's compute takes when every rank of the machine computes at once than
+    when it computes alone (>= 1): ranks that share cores, caches and memory bandwidth slow each
+    other down, and a step waits for the slowest. Measured by ``Cluster.local`` (profiler/
+    link_timing.py); 1 for the GPU presets, whose ranks have a device each."""
     overlap_slowdown: float = 0.0
     """Seconds of compute lost per second of a collective it overlaps, in [0, 1): communication
     kernels take SMs and memory bandwidth from the compute beside them, so a hidden collective still
@@ -148,6 +153,10 @@ class Device:
         for name in ("matmul_half_dim", "kernel_overhead", "dispatch_overhead", "dispatch_overhead_backward"):
             _check_number("Device", name, getattr(self, name), allow_zero=True)
         _check_number("Device", "overlap_slowdown", self.overlap_slowdown, allow_zero=True, at_most_one=True)
+        _check_number("Device", "concurrency_slowdown", self.concurrency_slowdown)
+        if self.concurrency_slowdown < 1:
+            raise ConfigError(f"Device.concurrency_slowdown={self.concurrency_slowdown!r} is out of range: it must be "
+                              ">= 1 (1: ranks do not slow each other down)")
         if self.overlap_slowdown >= 1:
             raise ConfigError(f"Device.overlap_slowdown={self.overlap_slowdown!r} is out of range: it must be in [0, 1)")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
@@ -159,7 +168,7 @@ class Device:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory, self.memory_bandwidth,
                      self.source, self.matmul_efficiency, self.matmul_half_dim, self.memory_efficiency,
                      self.kernel_overhead, self.dispatch_overhead, self.dispatch_overhead_backward, self.threads,
-                     self.overlap_slowdown))
+                     self.overlap_slowdown, self.concurrency_slowdown))
 
     @property
     def is_cpu(self) -> bool:

@@ -24,6 +24,10 @@ Eager kernels (the default) write and read back every op's output.
 Backward moves about twice the forward bytes (read the output gradient and the saved
 tensors, write the input gradient). Views cost nothing.
 
+Every time is a rank's while all ranks of its machine compute at once: the device's
+``concurrency_slowdown`` (CPU ranks sharing cores and caches, measured by ``Cluster.local``; 1 for
+a GPU) times the op's time alone.
+
 The batch and tensor-parallel scaling: costs of batch-dependent ops scale by
 ``micro_batch / captured_batch``; split ops divide by the tensor-parallel degree, with
 the split GEMM dimension divided before the efficiency is taken.
@@ -124,7 +128,14 @@ class ComputeModel:
 
     def op_time(self, node: OpNode, batch_scale: float, shard: int, split_dim: str,
                 fused: frozenset[str] | Mapping[str, bool] = frozenset()) -> OpTime:
-        """Forward and backward seconds of ``node`` for one micro-batch."""
+        """Forward and backward seconds of ``node`` for one micro-batch, on a rank computing while every
+        other rank of its machine does (``Device.concurrency_slowdown``; 1 on GPUs)."""
+        t = self._alone(node, batch_scale, shard, split_dim, fused)
+        slow = self.device.concurrency_slowdown
+        return t if slow == 1.0 else OpTime(t.fwd * slow, t.bwd * slow)
+
+    def _alone(self, node: OpNode, batch_scale: float, shard: int, split_dim: str,
+               fused: frozenset[str] | Mapping[str, bool]) -> OpTime:
         if node.kind in _FREE:
             return OpTime(0.0, 0.0)
         if self.measured is not None:

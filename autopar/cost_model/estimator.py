@@ -426,6 +426,7 @@ class Estimator:
             per_param = 2 * p.optimizer_bytes + p.grad_bytes + p.weight_bytes
             bandwidth = self.cluster.device.memory_bandwidth * self.cluster.device.memory_efficiency
             out = local * per_param / bandwidth
+        out = out * self.cluster.device.concurrency_slowdown   # every rank steps at once (compute.py)
         return float(out) if out.ndim == 0 else out
 
 

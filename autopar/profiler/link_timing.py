@@ -175,10 +175,12 @@ def _rank_main(rank: int, nprocs: int, port: int, threads: int, sizes: list[int]
         fwd, bwd = _dispatch_overhead(device, nprocs)
         overlap = _overlap(device)
         context = _in_context(device, rank)
+        concurrency = _concurrency(device, rank, nprocs)
         if rank == 0:
             record = LinkProfile(backend=backend, nprocs=nprocs, threads_per_rank=threads, samples=samples,
                                  dispatch_fwd_seconds=fwd, dispatch_bwd_seconds=bwd,
-                                 overlap_fraction=overlap, context_seconds=context).to_record()
+                                 overlap_fraction=overlap, context_seconds=context,
+                                 concurrency_slowdown=concurrency).to_record()
             with open(out_path, "w") as fh:
                 json.dump(record, fh)
         dist.barrier()  # no rank tears its connections down while a peer still uses them
@@ -281,6 +283,55 @@ def _in_context(device: torch.device, rank: int) -> dict[str, float]:
             extra.append(loop(lambda: (compute(), op())) - loop(compute) - loop(op))
         out[kind] = max(0.0, statistics.fmean(extra))
     return out
+
+
+CONCURRENCY_TRIALS = 9
+
+
+class _Training(torch.nn.Module):
+    """A training step's op mix at the size of a small model's layer: two linears with a GELU between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(256, 1024)
+        self.down = torch.nn.Linear(1024, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(x))).pow(2).mean()
+
+
+def _concurrency(device: torch.device, rank: int, nprocs: int) -> float:
+    """How much longer a rank's compute takes when every rank computes at once than when it computes
+    alone (the step's compute is the slowest rank's): ``median_t max_r T_together / median T_alone``
+    over CONCURRENCY_TRIALS rounds of a forward and backward of :class:`_Training` (each round: every
+    rank alone in turn, the others waiting at a barrier, then all at once), at least 1. Ranks that
+    share cores, caches or memory bandwidth (CPU ranks) slow each other down, and the ranks of one
+    step drift apart by the machine's noise, which the slowest sets; GPUs of one node barely do."""
+    import torch.distributed as dist
+    model = _Training().to(device)
+    x = torch.randn(1024, 256, device=device)
+
+    def step() -> float:
+        _sync(device)
+        start = time.perf_counter()
+        model(x).backward()
+        _sync(device)
+        return time.perf_counter() - start
+
+    for _ in range(3):
+        step()
+    alone, together = [], []
+    for _ in range(CONCURRENCY_TRIALS):
+        for r in range(nprocs):
+            dist.barrier()
+            if rank == r:
+                alone.append(step())
+            dist.barrier()
+        dist.barrier()
+        together.append(step())
+    alone = _max_over_ranks([statistics.median(alone)], device)[0]   # every rank's median alone, the largest
+    together = _max_over_ranks(together, device)
+    return max(1.0, statistics.median(together) / alone)
 
 
 class _Buffers:

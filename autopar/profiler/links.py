@@ -92,6 +92,8 @@ class LinkProfile:
     context_seconds: Mapping[str, float]
     """Extra seconds per call of a collective issued right after compute, over back-to-back calls
     ("all_reduce" for the ring collectives, "p2p"); stored read-only."""
+    concurrency_slowdown: float = 1.0
+    """How much longer a rank computes when every rank computes at once than alone (>= 1)."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
@@ -119,11 +121,14 @@ class LinkProfile:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"LinkProfile.{name}={value!r} must be a finite number of seconds >= 0")
+        value = self.concurrency_slowdown
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1:
+            raise ConfigError(f"LinkProfile.concurrency_slowdown={value!r} must be a finite number >= 1")
 
     def __hash__(self) -> int:
         return hash((self.backend, self.nprocs, self.threads_per_rank, tuple(sorted(self.samples.items())),
                      self.dispatch_fwd_seconds, self.dispatch_bwd_seconds, self.overlap_fraction,
-                     tuple(sorted(self.context_seconds.items()))))
+                     tuple(sorted(self.context_seconds.items())), self.concurrency_slowdown))
 
     @property
     def key(self) -> str:
@@ -137,13 +142,13 @@ class LinkProfile:
                                 for kind, pairs in self.samples.items()},
                 "dispatch_fwd_seconds": self.dispatch_fwd_seconds,
                 "dispatch_bwd_seconds": self.dispatch_bwd_seconds, "overlap_fraction": self.overlap_fraction,
-                "context_seconds": dict(self.context_seconds)}
+                "context_seconds": dict(self.context_seconds), "concurrency_slowdown": self.concurrency_slowdown}
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> "LinkProfile":
         """The profile :meth:`to_record` wrote; ConfigError when a field is missing or malformed."""
         needed = ("backend", "nprocs", "threads_per_rank", "collectives", "dispatch_fwd_seconds",
-                  "dispatch_bwd_seconds", "overlap_fraction", "context_seconds")
+                  "dispatch_bwd_seconds", "overlap_fraction", "context_seconds", "concurrency_slowdown")
         missing = [k for k in needed if k not in record]
         if missing:
             raise ConfigError(f"link profile record lacks {missing}: measure the links again (measure_links)")
@@ -161,7 +166,8 @@ class LinkProfile:
         return cls(backend=record["backend"], nprocs=record["nprocs"], threads_per_rank=record["threads_per_rank"],
                    samples=samples, dispatch_fwd_seconds=record["dispatch_fwd_seconds"],
                    dispatch_bwd_seconds=record["dispatch_bwd_seconds"],
-                   overlap_fraction=record["overlap_fraction"], context_seconds=record["context_seconds"])
+                   overlap_fraction=record["overlap_fraction"], context_seconds=record["context_seconds"],
+                   concurrency_slowdown=record["concurrency_slowdown"])
 
 
 def links_key(backend: str, nprocs: int) -> str:

@@ -79,7 +79,8 @@ def local_profile(nprocs: int | None = None, threads_per_rank: int | None = None
     dispatch = links.dispatch_fwd_seconds if links is not None else 0.0
     fitted, report = fit_device(curves, memory=_memory_per_rank(curves, nprocs), dispatch_overhead=dispatch)
     fitted = replace(fitted, name=name, threads=threads if device.type == "cpu" else 0,
-                     dispatch_overhead_backward=links.dispatch_bwd_seconds if links is not None else 0.0)
+                     dispatch_overhead_backward=links.dispatch_bwd_seconds if links is not None else 0.0,
+                     concurrency_slowdown=links.concurrency_slowdown if links is not None else 1.0)
     preset_intra, preset_inter = _preset_links(device)
     fits = fit_profile(links) if links is not None else {}
     intra = replace(to_link(fits, nprocs, name="shm" if device.type == "cpu" else "NVLink"),
@@ -107,7 +108,10 @@ def _links(db: ProfileDB, name: str, device: torch.device, nprocs: int, threads:
     key = links_key(backend, nprocs)
     record = None if refresh else db.get(name, "links", key)
     if record is not None:
-        return LinkProfile.from_record(record)
+        try:
+            return LinkProfile.from_record(record)
+        except ConfigError:
+            pass        # a record of an older autopar, without what this one measures: measure again
     profile = measure_links(nprocs, threads, backend=backend, progress=progress)
     db.put(name, "links", key, profile.to_record())
     return profile

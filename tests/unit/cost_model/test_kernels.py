@@ -145,3 +145,17 @@ def test_parallelize_refuses_kernels_it_does_not_run(llama, precision):
     from autopar.runtime.program import Program
     with pytest.raises(autopar.ConfigError, match=f"{precision.kernels} kernels"):
         Program(None, plan, None, loss_fn=None, example_inputs=None, timeout=1.0)
+
+
+def test_ranks_sharing_a_machine_compute_slower(llama):
+    """Device.concurrency_slowdown (measured by Cluster.local on CPU ranks) stretches every op and the
+    optimizer step; it is 1 on the GPU presets and refused below 1."""
+    cpu = Cluster.from_spec("1x2xcpu")
+    slow = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, concurrency_slowdown=1.5))
+    cfg = ParallelConfig(dp=2)
+    base, slowed = (price(llama, c, cfg, 4, precision=Precision.for_device("cpu")) for c in (cpu, slow))
+    assert slowed.breakdown.compute == pytest.approx(1.5 * base.breakdown.compute, rel=1e-9)
+    assert slowed.breakdown.optimizer == pytest.approx(1.5 * base.breakdown.optimizer, rel=1e-9)
+    assert H100.device.concurrency_slowdown == 1.0
+    with pytest.raises(autopar.ConfigError, match="concurrency_slowdown"):
+        dataclasses.replace(cpu.device, concurrency_slowdown=0.8)

@@ -146,6 +146,10 @@ def test_record_errors_say_what_is_wrong():
         LinkProfile(backend="gloo", nprocs=2, threads_per_rank=1, samples={"p2p": [(4096, -1.0)]},
                     dispatch_fwd_seconds=0.0, dispatch_bwd_seconds=0.0, overlap_fraction=1.0,
                     context_seconds={"all_reduce": 0.0, "p2p": 0.0})
+    with pytest.raises(ConfigError, match="concurrency_slowdown"):
+        LinkProfile(backend="gloo", nprocs=2, threads_per_rank=1, samples={"p2p": [(4096, 1.0)]},
+                    dispatch_fwd_seconds=0.0, dispatch_bwd_seconds=0.0, overlap_fraction=1.0,
+                    context_seconds={"all_reduce": 0.0, "p2p": 0.0}, concurrency_slowdown=0.9)
     with pytest.raises(ConfigError, match="overlap_fraction"):
         LinkProfile(backend="gloo", nprocs=2, threads_per_rank=1, samples={"p2p": [(4096, 1.0)]},
                     dispatch_fwd_seconds=0.0, dispatch_bwd_seconds=0.0, overlap_fraction=1.5,
@@ -237,5 +241,6 @@ def test_measure_links_on_two_gloo_ranks():
     assert profile.dispatch_fwd_seconds >= 0 and profile.dispatch_bwd_seconds >= 0
     assert 0 <= profile.overlap_fraction <= 1
     assert set(profile.context_seconds) == {"all_reduce", "p2p"} and min(profile.context_seconds.values()) >= 0
+    assert profile.concurrency_slowdown >= 1
     link = to_link(profile, 2)
     assert link.bandwidth > 0

@@ -23,7 +23,7 @@ def _synthetic_links(nprocs: int, threads: int, **_) -> LinkProfile:
     samples = {kind: tuple((s, 5e-5 + s / (4e9 if kind == "p2p" else 2e9)) for s in SIZES) for kind in COLLECTIVES}
     return LinkProfile(backend="gloo", nprocs=nprocs, threads_per_rank=threads, samples=samples,
                        dispatch_fwd_seconds=2e-5, dispatch_bwd_seconds=3e-5, overlap_fraction=0.25,
-                       context_seconds={"all_reduce": 2e-3, "p2p": 1e-3})
+                       context_seconds={"all_reduce": 2e-3, "p2p": 1e-3}, concurrency_slowdown=1.25)
 
 
 @pytest.fixture()
@@ -52,6 +52,7 @@ def test_local_cluster_is_this_machine_measured_and_cached(measured, tmp_path) -
     assert cluster.device.name == device_name(torch.device("cpu"), 1) and cluster.device.threads == 1
     assert cluster.device.dispatch_overhead == pytest.approx(2e-5)
     assert cluster.device.dispatch_overhead_backward == pytest.approx(3e-5)
+    assert cluster.device.concurrency_slowdown == 1.25
     assert cluster.intra_node.overlap == 0.25
     assert set(cluster.intra_node.collectives) == set(COLLECTIVES)
     assert "not measured" in cluster.inter_node.name
@@ -95,3 +96,17 @@ def test_profile_command_prints_the_cached_measurement(measured, tmp_path, capsy
     assert measured == {"device": 1, "links": 1}
     assert main(["profile", "--nprocs", "0", "--db", db]) == 2
     assert "nprocs" in capsys.readouterr().err
+
+
+def test_a_link_record_of_an_older_autopar_is_measured_again(measured, tmp_path) -> None:
+    """A cached link profile without a field this autopar measures (concurrency_slowdown) is a miss."""
+    db = tmp_path / "profile.json"
+    Cluster.local(nprocs=2, threads_per_rank=1, profile_db=str(db), progress=False)
+    data = json.loads(db.read_text())
+    for device in data["machines"].values():
+        for record in device.get("links", {}).values():
+            del record["concurrency_slowdown"]
+    db.write_text(json.dumps(data))
+    cluster = Cluster.local(nprocs=2, threads_per_rank=1, profile_db=str(db), progress=False)
+    assert measured["links"] == 2 and cluster.device.concurrency_slowdown == 1.25
+
