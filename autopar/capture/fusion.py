@@ -33,6 +33,7 @@ the compute model (compute.py) read the compiled program as they read the eager 
 from __future__ import annotations
 
 from dataclasses import replace
+
 import networkx as nx
 
 from .opgraph import OpGraph, OpKind, OpNode, SavedTensor
@@ -56,6 +57,7 @@ def _extra(st: SavedTensor) -> bool:
 
 
 def _layer(graph: OpGraph, nodes: list[OpNode]) -> dict[str, tuple[SavedTensor, ...]]:
+    """The saves of one layer's ops (``nodes``, in graph order: every input precedes its consumer)."""
     inside = {n.name: n for n in nodes}
     needed = {st.root for n in nodes for st in n.saved if not _extra(st)}
     if not needed:
@@ -64,41 +66,44 @@ def _layer(graph: OpGraph, nodes: list[OpNode]) -> dict[str, tuple[SavedTensor, 
     values: dict[str, SavedTensor] = {}
 
     def add(name: str) -> None:
-        if name in values:
-            return
         values[name] = _value(graph, name)
         flow.add_edge(f"{name}/in", f"{name}/out", capacity=values[name].nbytes())
-        node = inside.get(name)
-        if node is None or node.kind not in RECOMPUTABLE:
-            flow.add_edge(_SOURCE, f"{name}/in")
-        else:
-            for src in node.inputs:
-                add(src)
-                flow.add_edge(f"{src}/out", f"{name}/in")
 
-    for n in nodes:
+    def recomputable(name: str) -> bool:
+        return name in inside and inside[name].kind in RECOMPUTABLE
+
+    for n in nodes:                            # graph order: an input is added before its consumer
+        for src in n.inputs:
+            if src not in values:              # a value entering the layer
+                add(src)
+                flow.add_edge(_SOURCE, f"{src}/in")
         add(n.name)
+        if recomputable(n.name):
+            for src in n.inputs:
+                flow.add_edge(f"{src}/out", f"{n.name}/in")
+        else:
+            flow.add_edge(_SOURCE, f"{n.name}/in")
     for root in sorted(needed):
-        add(root)
+        if root not in values:                 # kept by an op here, made before the layer's inputs
+            add(root)
+            flow.add_edge(_SOURCE, f"{root}/in")
         flow.add_edge(f"{root}/out", _SINK)
     _, (computed, _) = nx.minimum_cut(flow, _SOURCE, _SINK)
     kept = {v for v in values if f"{v}/in" in computed and f"{v}/out" not in computed}
 
-    memo: dict[str, frozenset[str]] = {}
-
-    def reads(name: str) -> frozenset[str]:
-        """The kept values ``name`` is recomputed from (itself when kept)."""
-        if name not in memo:
-            node = inside.get(name)
-            if name in kept or node is None or node.kind not in RECOMPUTABLE:
-                memo[name] = frozenset((name,))
-            else:
-                memo[name] = frozenset().union(*(reads(src) for src in node.inputs))
-        return memo[name]
+    reads: dict[str, frozenset[str]] = {}     # value -> the kept values it is recomputed from
+    for name in values:
+        if name not in inside:
+            reads[name] = frozenset((name,))
+    for n in nodes:                            # graph order: its inputs' entries are there already
+        if n.name in kept or not recomputable(n.name):
+            reads[n.name] = frozenset((n.name,))
+        else:
+            reads[n.name] = frozenset().union(*(reads[src] for src in n.inputs))
 
     out = {}
     for n in nodes:
-        roots = sorted(frozenset().union(*(reads(st.root) for st in n.saved if not _extra(st))))
+        roots = sorted(frozenset().union(*(reads[st.root] for st in n.saved if not _extra(st))))
         out[n.name] = tuple(values[r] for r in roots) + tuple(st for st in n.saved if _extra(st))
     return out
 
