@@ -1,7 +1,8 @@
 """autopar: plan how to train a PyTorch model on a cluster, and run that plan."""
 
 from .api import estimate, plan
-from .cluster import Cluster, Device, Link
+from .cluster import Cluster
+from .hardware import Device, Link
 from .config import ParallelConfig, Precision
 from .errors import (AutoparError, CaptureError, ConfigError, InfeasiblePlanError, PlanFormatError,
                      PlanMismatchError, RuntimeFailure)

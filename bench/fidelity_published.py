@@ -12,7 +12,7 @@ plans every row at a grid of values, interpolates log(step time) in log(efficien
 points (compute time goes as 1/efficiency, so the interpolation is close to exact), and takes
 the value minimising the mean squared log error of the published metric over the family's rows
 (in sample). Out of sample is leave-one-row-out: each row is predicted with the value fitted on
-the family's other rows. The preset in autopar/cluster.py must be the in-sample value (to the
+the family's other rows. The preset in autopar/presets.py must be the in-sample value (to the
 grid's resolution): the bench fails otherwise, so the constants and this fit cannot drift apart.
 
 Targets (issue 18): out of sample, median |error| <= 5% and worst <= 12% over all rows; the
@@ -80,7 +80,7 @@ def step_rows(quick: bool) -> bool:
         preset = autopar.Cluster.from_spec(mine[0].cluster).device.matmul_efficiency
         if abs(preset - e_in) > 0.0025 + 1e-9:
             print(f"{family}: the preset matmul_efficiency {preset} is not the fitted {e_in}: "
-                  f"update autopar/cluster.py")
+                  f"update autopar/presets.py")
             ok = False
         for row in mine:
             others = [r for r in mine if r is not row]

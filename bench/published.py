@@ -86,7 +86,7 @@ class Row:
 
     @property
     def family(self) -> str:
-        """The device family whose constants price this row (autopar/cluster.py groups them)."""
+        """The device family whose constants price this row (autopar/presets.py groups them)."""
         name = autopar.Cluster.from_spec(self.cluster).device.name
         return CONSTANT_FAMILIES.get(name, name.split("-")[0])
 

@@ -24,7 +24,9 @@ from autopar.cluster import Cluster
 from autopar.config import Precision
 from autopar.cost_model.tensor_parallel import megatron_layout
 from autopar.models import GPTConfig, build_gpt, build_llama, registry
-from autopar.solver.sharding import ShardingSolver, evaluate_layout, lp_solvers
+from autopar.solver.sharding import lp_solvers
+from autopar.solver.sharding_layout import evaluate_layout
+from autopar.solver.sharding_solver import ShardingSolver
 
 
 def main() -> int:

@@ -85,7 +85,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ..cluster import Cluster, Link, Protocol
+from ..cluster import Cluster
+from ..hardware import Link, Protocol
 from ..errors import ConfigError
 
 

@@ -13,7 +13,7 @@ the scores and probabilities from q, k and the log-sum-exp before the four produ
 gradients: five ``s_q x s_k`` products where autograd's count has four, ``FUSED_ATTENTION_BACKWARD``
 times the counted backward FLOPs (FlashAttention, Dao et al. 2022, section 3.1; the memory-efficient
 and cuDNN kernels do the same). ``e_max``, ``d_half``, ``e_mem`` and ``t_launch`` are the device's constants
-(one set per device, in cluster.py). ``g`` captures that thin GEMMs (small hidden per tensor-parallel
+(one set per device family, in presets.py). ``g`` captures that thin GEMMs (small hidden per tensor-parallel
 rank, a micro-batch of one short sequence) cannot fill the tensor cores.
 
 Element-wise chains (softmax included) run fused under ``Precision.kernels`` "fused" and
@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Protocol
 
 from ..capture.opgraph import FLOAT_DTYPES, Gemm, OpGraph, OpKind, OpNode, dtype_bytes
-from ..cluster import Device
+from ..hardware import Device
 
 _GEMM_KINDS = (OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION)
 _FUSABLE = (OpKind.ELEMENTWISE, OpKind.DROPOUT, OpKind.SOFTMAX)

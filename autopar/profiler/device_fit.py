@@ -33,7 +33,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..cluster import REQUIRED_DTYPES, Device
+from ..hardware import REQUIRED_DTYPES, Device
 from ..errors import ConfigError
 from .device_profile import DeviceProfile
 

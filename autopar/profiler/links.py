@@ -54,12 +54,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..cluster import CollectiveFit, Link
+from ..hardware import CollectiveFit, Link
 from ..errors import ConfigError
 from .host import check_threads
 
 COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
-"""The collectives :func:`measure_links` times, named as in ``autopar.cluster.COLLECTIVE_NAMES``."""
+"""The collectives :func:`measure_links` times, named as in ``autopar.hardware.COLLECTIVE_NAMES``."""
 MIN_SEGMENT = 3
 """Sizes each segment of a two-segment fit needs at least."""
 PIECEWISE_GAIN = 2.0

@@ -16,7 +16,8 @@ from typing import Mapping
 
 import torch
 
-from ..cluster import Cluster, link_presets
+from ..cluster import Cluster
+from ..presets import link_presets
 from ..errors import ConfigError
 from .database import ProfileDB
 from .device import measure_device

@@ -10,6 +10,6 @@
 from __future__ import annotations
 
 from .plan_search import price, solve
-from .sharding import ShardingSolver
+from .sharding_solver import ShardingSolver
 
 __all__ = ["solve", "price", "ShardingSolver"]

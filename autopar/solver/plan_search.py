@@ -15,7 +15,8 @@ from ..cost_model.compute import MeasuredTimes
 from ..errors import ConfigError, InfeasiblePlanError
 from ..plan import Plan
 from .search import Search, SearchStats, alternatives, with_search_results
-from .sharding import NODE_LIMIT, VARIANTS, WHOLE_BATCH, ILPLimits, ShardingSolver
+from .sharding import NODE_LIMIT, VARIANTS, WHOLE_BATCH, ILPLimits
+from .sharding_solver import ShardingSolver
 from .space import PIN_RULES, check_fixed, nearest
 
 

@@ -99,7 +99,8 @@ def prepare(arch) -> tuple[dict[str, Cell], dict[str, dict]]:
     from autopar.models.shrink import ShrinkError, example
     from autopar.runtime.inputs import with_inputs
     from autopar.solver import solve
-    from autopar.solver.sharding import ILPLimits, ShardingSolver
+    from autopar.solver.sharding import ILPLimits
+    from autopar.solver.sharding_solver import ShardingSolver
     model = build(arch)
     try:
         loss = model(**example(arch, model, 2)).loss

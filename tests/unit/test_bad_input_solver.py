@@ -9,7 +9,7 @@ import pytest
 from autopar import Cluster, ConfigError
 from autopar.capture import capture
 from autopar.models import GPTConfig, build_gpt
-from autopar.solver import plan_search, sharding, solve
+from autopar.solver import plan_search, sharding, sharding_solver, solve
 from autopar.solver.sharding import ILPLimits, greedy_choice, lp_solvers
 
 TWO = Cluster.from_spec("1x2xA100-80GB")
@@ -83,7 +83,7 @@ def test_every_solver_failing_falls_back_to_greedy(tiny, monkeypatch, solver) ->
 
 def test_greedy_choice_is_a_valid_layout(tiny) -> None:
     """Greedy picks one strategy per op that every edge can join; never cheaper than the ILP."""
-    solver = sharding.ShardingSolver(tiny, TWO, plan_search.Precision())
+    solver = sharding_solver.ShardingSolver(tiny, TWO, plan_search.Precision())
     for sol in solver.solutions(2, "fast"):
         choice = greedy_choice(sol.problem, "fast")
         greedy = sharding.realise(sol.problem, choice)
@@ -123,7 +123,7 @@ def test_time_limit_gives_the_gap(tiny, monkeypatch) -> None:
     evaluation: the gap bounds how far the plan is from the optimum."""
     Clock(monkeypatch, "evaluate")
     monkeypatch.setattr(plan_search, "ShardingSolver",
-                        lambda *args, deadline=None, **kwargs: sharding.ShardingSolver(*args, **kwargs))
+                        lambda *args, deadline=None, **kwargs: sharding_solver.ShardingSolver(*args, **kwargs))
     cluster = Cluster.from_spec("1x8xA100-80GB")
     quick, stats = solve(tiny, cluster, 64, time_limit=0.5)
     monkeypatch.undo()

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from autopar.cluster import DEVICE_PRESETS, Cluster, Device, Link, device_preset
+from autopar.cluster import Cluster
+from autopar.hardware import Device, Link
+from autopar.presets import DEVICE_PRESETS, device_preset
 from autopar.errors import ConfigError
 
 GB = 1e9

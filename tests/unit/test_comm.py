@@ -8,7 +8,8 @@ from collections import defaultdict
 
 import pytest
 
-from autopar.cluster import Cluster, Protocol
+from autopar.cluster import Cluster
+from autopar.hardware import Protocol
 from autopar.cost_model.comm import (Collective, GroupPlacement, _placement_by_enumeration,
                                      _placement_by_formula, bus_bandwidth, collective_time, p2p_time,
                                      place_axes)

@@ -23,7 +23,7 @@ import pytest
 
 import autopar
 from autopar import Cluster, ParallelConfig, Plan
-from autopar.cluster import CollectiveFit
+from autopar.hardware import CollectiveFit
 from autopar.errors import PlanFormatError
 from autopar.models import build_mlp, registry
 from autopar.plan import SCHEMA_VERSION

@@ -34,7 +34,8 @@ import autopar
 from autopar import Cluster, InfeasiblePlanError, ParallelConfig, Plan
 from autopar.capture import OpKind, capture
 from autopar.capture.structure import Anchor, ModelStructure
-from autopar.cluster import COLLECTIVE_NAMES, DEVICE_PRESETS, CollectiveFit, Device, Link
+from autopar.hardware import COLLECTIVE_NAMES, CollectiveFit, Device, Link
+from autopar.presets import DEVICE_PRESETS
 from autopar.config import RECOMPUTE_MODES, Precision
 from autopar.cost_model import Estimator, context_parallel, estimate_plan, expert_parallel
 from autopar.cost_model.layer_cost import LayerCostModel

@@ -18,7 +18,7 @@ from autopar.capture import capture  # noqa: E402
 from autopar.solver import price  # noqa: E402
 from autopar.solver import solve  # noqa: E402
 from autopar.config import Precision  # noqa: E402
-from autopar.solver.sharding import ShardingSolver  # noqa: E402
+from autopar.solver.sharding_solver import ShardingSolver  # noqa: E402
 
 COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=128, max_position_embeddings=64)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from autopar.capture.opgraph import Gemm
-from autopar.cluster import Device
+from autopar.hardware import Device
 from autopar.cost_model.compute import gemm_efficiency
 from autopar.errors import ConfigError
 from autopar.profiler import device as dev

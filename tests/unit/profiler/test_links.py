@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from autopar.cluster import Cluster, device_preset, link_presets
+from autopar.cluster import Cluster
+from autopar.presets import device_preset, link_presets
 from autopar.cost_model.comm import Collective, GroupPlacement, collective_time
 from autopar.errors import ConfigError
 from autopar.profiler.database import ProfileDB

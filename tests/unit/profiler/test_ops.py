@@ -10,7 +10,7 @@ import torch
 import autopar
 from autopar import Cluster, ConfigError, ParallelConfig
 from autopar.capture import OpKind, capture
-from autopar.cluster import device_preset
+from autopar.presets import device_preset
 from autopar.models import GPTConfig, build_gpt
 from autopar.profiler.database import ProfileDB
 from autopar.profiler.host import device_name

@@ -27,7 +27,7 @@ from autopar.solver import solve
 from autopar.plan import Plan
 from autopar.solver.search import Search
 from autopar.solver.plan_search import layouts_for
-from autopar.solver.sharding import ShardingSolver
+from autopar.solver.sharding_solver import ShardingSolver
 from exhaustive_ref import all_plans
 
 SMALL_GPT = GPTConfig(vocab_size=512, hidden=256, heads=4, layers=2, seq_len=128, dropout=0.0)

@@ -20,7 +20,9 @@ from autopar.cost_model.layer_cost import LayerCostModel
 from autopar.cost_model.tensor_parallel import megatron_layout, replicated_layout
 from autopar.errors import AutoparError, ConfigError
 from autopar.models import GPTConfig, LlamaConfig, build_gpt, build_llama, registry
-from autopar.solver.sharding import ShardingSolver, evaluate_layout, solve_group, tp_group
+from autopar.solver.sharding import solve_group
+from autopar.solver.sharding_layout import evaluate_layout
+from autopar.solver.sharding_solver import ShardingSolver, tp_group
 from autopar.solver.sharding_problem import reshard_comms
 from autopar.solver.strategies import Comm
 

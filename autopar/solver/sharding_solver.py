@@ -1,0 +1,204 @@
+"""``ShardingSolver``: the sharding ILPs (sharding.py) of one graph, cluster and precision, run over
+every layer group for a tensor-parallel degree and variant, their layouts assembled and cached.
+
+For each degree ``t`` and variant, every layer group is solved once for each candidate boundary
+spec (``R``, and ``S(0)`` where a crossing tensor can take it), groups in graph order so that a
+parameter shared with an earlier group keeps the split that group chose; :func:`_pick` then takes
+the boundary whose whole-model totals the variant prefers (sharding.py's two criteria). Past the
+search's deadline a group is sharded greedily instead. The assembled TPLayout is what the cost model
+prices and the plan's ``sharding`` records.
+"""
+
+from __future__ import annotations
+
+import math
+import time as _time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from ..capture.opgraph import OpGraph
+from ..cluster import Cluster
+from ..config import Precision
+from ..cost_model.comm import GroupPlacement, place_axes
+from ..cost_model.compute import fused_ops
+from ..cost_model.tensor_parallel import TPLayout, replicated_layout
+from ..errors import ConfigError
+from .sharding import MEMORY_SLACK, TIME_SLACK, VARIANTS, WHOLE_BATCH, ILPLimits, greedy_choice, solve_group
+from .sharding_layout import GroupSolution, LayerGroup, assemble, consumers_of, layer_groups, totals
+from .sharding_problem import Boundary, Pricing, build_problem, realise
+from .strategies import OpContext, R, S, spec_dim
+
+@dataclass
+class ShardingSolver:
+    """Per-op sharding ILPs for one graph, cluster and precision; layouts cached per (tp, variant).
+
+    ``seconds`` and ``solves`` count the time spent building and solving ILPs and the number of
+    group ILPs solved (each has two solver calls). ``deadline`` (a ``time.perf_counter()`` value,
+    the search's time limit): groups reached after it are sharded greedily, without an ILP."""
+
+    graph: OpGraph
+    cluster: Cluster
+    precision: Precision
+    limits: ILPLimits = ILPLimits()
+    deadline: float | None = None
+    seconds: float = 0.0
+    solves: int = 0
+    stopped_early: int = 0  # group ILPs that stopped at a limit or fell back to greedy (not proven optimal)
+    greedy_after_deadline: int = 0   # groups sharded greedily because the deadline had passed
+    fallbacks: list[str] = field(default_factory=list)   # solver failures and what replaced them
+    _layouts: dict[tuple[int, str], TPLayout] = field(default_factory=dict, repr=False)
+    _solutions: dict[tuple[int, str], list[GroupSolution]] = field(default_factory=dict, repr=False)
+    _contexts: dict[bool, OpContext] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.graph = self.graph.for_kernels(self.precision.kernels)   # the activations its kernels keep
+
+    def layout(self, tp: int, variant: str = "fast") -> TPLayout:
+        """The layout the ILP chooses for tensor-parallel degree ``tp`` (1: everything R/C)."""
+        _check(tp, variant)
+        key = (tp, variant)
+        if key not in self._layouts:
+            if tp == 1:
+                self._layouts[key] = replicated_layout(self.graph)
+            else:
+                self._layouts[key] = assemble(self.graph, tp, self.solutions(tp, variant))
+        return self._layouts[key]
+
+    def layout_fn(self, variant: str) -> Callable[[OpGraph, int], TPLayout]:
+        """``layout_fn(graph, tp)`` for ``LayerCostModel(layout_fn=...)``."""
+        _check(2, variant)
+
+        def fn(graph: OpGraph, tp: int) -> TPLayout:
+            if graph is not self.graph and graph.content_hash != self.graph.content_hash:
+                raise ConfigError(f"this ShardingSolver was built for {self.graph.model_name} "
+                                  f"({self.graph.content_hash}), not {graph.model_name} ({graph.content_hash}): "
+                                  "make one ShardingSolver per graph")
+            return self.layout(tp, variant)
+        return fn
+
+    def solutions(self, tp: int, variant: str) -> list[GroupSolution]:
+        """The solved groups (tp > 1), in layer order."""
+        _check(tp, variant)
+        key = (tp, variant)
+        if key not in self._solutions:
+            start = _time.perf_counter()
+            self._solutions[key] = self._solve_all(tp, variant)
+            self.seconds += _time.perf_counter() - start
+        return self._solutions[key]
+
+    def describe(self, tp: int, variant: str) -> list[dict]:
+        """Per layer group: its layers (the first ``solved`` were solved, the rest copy the first by
+        node position) and each solved op's strategy, input and output specs and parameter split dims."""
+        if tp == 1:
+            return [{"layers": [layer.name for layer in self.graph.layers], "solved": len(self.graph.layers),
+                     "ops": [{"node": n.name, "module": n.module_path, "strategy": "replicate", "output": "R",
+                              "inputs": ["R" for _ in n.inputs], "params": {p: None for p in n.params}}
+                             for n in self.graph.nodes]}]
+        out = []
+        for sol in self.solutions(tp, variant):
+            layers = list(sol.group.solved) + [c[0] for c in sol.group.copies]
+            ops = []
+            for k, (node, j) in enumerate(zip(sol.problem.nodes, sol.result.choice)):
+                s = sol.problem.strategies[k][j]
+                ops.append({"node": node.name, "module": node.module_path, "strategy": s.name, "output": s.output,
+                        "inputs": list(s.inputs), "params": {p: d for p, d in s.params}})
+            out.append({"layers": [self.graph.layers[i].name for i in layers], "solved": len(sol.group.solved),
+                        "boundary": sol.boundary, "ops": ops})
+        return out
+
+    def splits_batch(self, tp: int, variant: str) -> bool:
+        """Whether the layout splits a batch dim (data parallelism inside the tensor-parallel group): then
+        every micro-batch must hold a multiple of ``tp`` samples (the search gives the others the
+        variant's ``WHOLE_BATCH`` layout). The cost model does not check it."""
+        if tp == 1 or variant.endswith(WHOLE_BATCH):
+            return False
+        batch_dims = self._context(True).batch_dims
+        for sol in self.solutions(tp, variant):
+            if sol.boundary != R:
+                return True
+            for k, node in enumerate(sol.problem.nodes):
+                s = sol.problem.strategies[k][sol.result.choice[k]]
+                specs = [(node.name, s.output)] + list(zip(node.inputs, s.inputs))
+                if any(spec_dim(spec) in batch_dims.get(name, ()) for name, spec in specs):
+                    return True
+        return False
+
+    def _context(self, batch_split: bool) -> OpContext:
+        if batch_split not in self._contexts:
+            self._contexts[batch_split] = OpContext(self.graph, batch_split=batch_split)
+        return self._contexts[batch_split]
+
+    def _solve_all(self, tp: int, variant: str) -> list[GroupSolution]:
+        graph = self.graph
+        ctx = self._context(not variant.endswith(WHOLE_BATCH))
+        variant = variant.removesuffix(WHOLE_BATCH)
+        pricing = Pricing(graph, self.cluster, self.precision, tp, tp_group(self.cluster, tp),
+                          fused_ops(graph, self.precision.kernels))
+        consumers = consumers_of(graph)
+        groups = layer_groups(graph)
+        candidates = [Boundary(R)]
+        crossing = {name for layer in graph.layers for name in layer.inputs if name in graph.node_index}
+        if any(Boundary(S(0)).of(ctx, name, tp) == S(0) for name in sorted(crossing)):
+            candidates.append(Boundary(S(0)))
+        options = [self._solve_groups(ctx, pricing, consumers, groups, variant, b) for b in candidates]
+        return options[_pick(options, variant)]
+
+    def _solve_groups(self, ctx: OpContext, pricing: Pricing, consumers: Mapping[str, list[str]],
+                      groups: Sequence[LayerGroup], variant: str, boundary: Boundary) -> list[GroupSolution]:
+        graph = self.graph
+        decided: dict[str, int | None] = {}
+        out = []
+        for g in groups:
+            nodes = [graph.nodes[i] for li in g.solved for i in graph.layers[li].nodes]
+            start = _time.perf_counter()
+            problem = build_problem(ctx, pricing, nodes, consumers, decided, boundary)
+            stats: dict[str, Any] = {"ops": len(nodes)}
+            if self.deadline is not None and start > self.deadline:
+                result = realise(problem, greedy_choice(problem, variant))
+                self.greedy_after_deadline += 1
+                stats["stopped_early"] = True
+            else:   # an ILP started before the deadline stops at it (or at its own limit)
+                limits = self.limits if self.deadline is None else ILPLimits(
+                    time=min(self.limits.time or math.inf, max(self.deadline - start, 0.05)),
+                    nodes=self.limits.nodes)
+                result = solve_group(problem, variant, stats=stats, limits=limits)
+                self.solves += 1
+                self.fallbacks += stats["fallbacks"]
+            stats["seconds"] = _time.perf_counter() - start
+            self.stopped_early += bool(stats.get("stopped_early"))
+            for k, j in enumerate(result.choice):
+                for p, d in problem.strategies[k][j].params:
+                    decided.setdefault(p, d)
+                    for _, _, pmap in g.copies:
+                        decided.setdefault(pmap.get(p, p), d)
+            out.append(GroupSolution(g, problem, result, boundary.spec, stats))
+        return out
+
+
+def _pick(options: Sequence[Sequence[GroupSolution]], variant: str) -> int:
+    """The boundary candidate the variant prefers (the same two criteria as inside a group)."""
+    tot = [totals(o) for o in options]
+    if variant == "fast":
+        best = min(t for t, _ in tot)
+        near = [i for i, (t, _) in enumerate(tot) if t <= best * (1 + TIME_SLACK)]
+        return min(near, key=lambda i: (tot[i][1], i))
+    least = min(m for _, m in tot)
+    near = [i for i, (_, m) in enumerate(tot) if m <= least * (1 + MEMORY_SLACK)]
+    return min(near, key=lambda i: (tot[i][0], i))
+
+
+def _check(tp: int, variant: str) -> None:
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigError(f"tp={tp!r} must be an integer >= 1")
+    if variant.removesuffix(WHOLE_BATCH) not in VARIANTS:
+        raise ConfigError(f"variant={variant!r} is not one of {', '.join(map(repr, VARIANTS))} (or one of them "
+                          f"+ {WHOLE_BATCH!r})")
+
+
+def tp_group(cluster: Cluster, tp: int) -> GroupPlacement:
+    """Placement of one tensor-parallel group: ``tp`` consecutive ranks (the innermost mesh axis)."""
+    if cluster.devices % tp:
+        raise ConfigError(f"tp={tp} does not divide the {cluster.devices} devices of {cluster.describe()}: "
+                          "choose a tensor-parallel degree that divides the device count")
+    axes = [("tp", tp)] + ([("rest", cluster.devices // tp)] if cluster.devices > tp else [])
+    return place_axes(cluster, axes)["tp"]
