@@ -17,8 +17,10 @@ from typing import Any, Iterator, Mapping
 
 import torch
 from torch.export import ExportedProgram
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.export.graph_signature import InputKind
 
+from ..errors import CaptureError
 from .dims import node_dims
 from .export import INTERNAL_PATHS
 from .flops import FlopCache, attention_flops, count_matmul_flops, gemm_shape, grouped_mm_flops, is_causal
@@ -30,9 +32,16 @@ _WRAPPER_PREFIX = "model."
 _ELEMENT_FLOPS = {OpKind.NORM: 5.0, OpKind.SOFTMAX: 5.0, OpKind.LOSS: 5.0}
 
 
+class DataDependentShape(Exception):
+    """A tensor's size is a symbol torch.export could not fix: it depends on tensor values."""
+
+
 def tensor_meta(value: Any) -> TensorMeta | None:
     if isinstance(value, torch.Tensor):
-        shape = tuple(int(d) for d in value.shape)
+        try:
+            shape = tuple(int(d) for d in value.shape)
+        except GuardOnDataDependentSymNode as exc:
+            raise DataDependentShape(str(tuple(value.shape))) from exc
         return TensorMeta(shape, str(value.dtype).removeprefix("torch."))
     return None
 
@@ -116,7 +125,16 @@ class GraphWalk:
         name = op_name(node.target)
         kind = op_kind(name)
         value = node.meta.get("val")
-        outputs = tuple(m for m in map(tensor_meta, value if isinstance(value, (list, tuple)) else [value]) if m)
+        try:
+            outputs = tuple(m for m in map(tensor_meta, value if isinstance(value, (list, tuple)) else [value]) if m)
+        except DataDependentShape as exc:
+            where = _source_line(node) or _module_path(node) or "the model"
+            raise CaptureError(
+                f"capturing failed at {where}: {node.target} makes a tensor of shape {exc} whose size depends on "
+                f"the values of a tensor (in {_module_path(node) or 'the model'}), which a static graph cannot plan. "
+                "Hint: compute it with static shapes (masks and torch.where instead of selecting rows; a "
+                "mixture-of-experts layer: a grouped or capacity-based dispatch, Hugging Face "
+                "experts_implementation='grouped_mm')") from exc
         targs = self._tensor_args(node)
         srcs = [self.sources[a.name] for _, a in targs]
         if name == "getitem":  # the element of a multi-output op, not the list itself

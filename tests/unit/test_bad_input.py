@@ -178,6 +178,19 @@ class DataDependent(nn.Module):
         return y
 
 
+class DataDependentShape(nn.Module):
+    """Rows picked by their values: export succeeds with a symbolic row count, capture cannot plan it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        rows = torch.nonzero(h[:, 0] > 0).squeeze(1)  # <- picking line
+        return h.index_select(0, rows).sum()
+
+
 class Frozen(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -240,6 +253,14 @@ def test_data_dependent_control_flow() -> None:
     where = line_of(DataDependent.forward, "<- branch line")
     with raises(CaptureError, "DataDependent", where, "data-dependent control flow", "torch.where"):
         capture(DataDependent(), (meta(2, 8),))
+
+
+def test_data_dependent_shape_names_the_op_and_line() -> None:
+    """A tensor sized by tensor values (Hugging Face's JetMoe experts) is a CaptureError, not torch's
+    GuardOnDataDependentSymNode."""
+    where = line_of(DataDependentShape.forward, "<- picking line")
+    with raises(CaptureError, where, "aten.nonzero", "depends on the values of a tensor", "static shapes"):
+        capture(DataDependentShape(), (torch.randn(4, 8),), lambda out, inputs: out)
 
 
 def test_data_dependent_control_flow_through_estimate() -> None:
