@@ -20,7 +20,7 @@ from .hardware import Device, Link, Protocol
 # of HBM bandwidth a streaming kernel reaches; kernel_overhead: fixed seconds per kernel launch.
 # Fitted on the two public V100 rows (Shoeybi et al. 2019: a 1.2B GPT-2 on one V100, 8.3B on 512;
 # bench/fidelity_published.py). Two rows from one source: the least-supported constant set here.
-V100_MATMUL_EFFICIENCY = 0.51
+V100_MATMUL_EFFICIENCY = 0.455
 V100_MATMUL_HALF_DIM = 64.0
 V100_MEMORY_EFFICIENCY = 0.8
 V100_KERNEL_OVERHEAD = 5e-6

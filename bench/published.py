@@ -32,7 +32,9 @@ LLAMA3_VOCAB = 128256
 # hand-fused kernels (layer norm, bias + GeLU, scaled masked softmax; Narayanan et al. section 4.2),
 # which keep the activations Korthikanti et al. count: kernels="fused".
 MEGATRON_BF16 = autopar.Precision(compute="bf16", grads="fp32", kernels="fused")
-MEGATRON_FP16 = autopar.Precision(compute="fp16", grads="fp32", kernels="fused")
+# Megatron-LM 2019 (the V100 rows) all-reduced fp16 gradients: its `--fp32-allreduce` flag, off by
+# default, was what reduced them in fp32 (megatron/arguments.py of that release).
+MEGATRON_2019_FP16 = autopar.Precision(compute="fp16", grads="fp16", kernels="fused")
 # Llama 3: bf16 compute with fp32 gradient reduction, fp32 master weights and Adam, on Meta's
 # production stack, whose kernels are not published: assumed to keep no more for backward than a
 # compiled program's minimum cut (kernels="compiled"), the leanest the planner knows.
@@ -194,12 +196,12 @@ SECTION8 = [
     # FLOPs (no recomputed forward), the count that does not depend on that choice.
     Row("Megatron 1.2B 1xV100", SHOEYBI, _gpt(1536, 16, 40, 1024), "1x1xV100-32GB", 8,
         dict(tp=1, pp=1, dp=1, cp=1, ep=1, zero=0, sequence_parallel=False), "tflops", 39.0,
-        flops="megatron-norecompute", precision=MEGATRON_FP16),
+        flops="megatron-norecompute", precision=MEGATRON_2019_FP16),
     # 8.3B: tp 8 x dp 64 on 32 DGX-2H (16 GPUs on NVSwitch each, 8 x 100 Gb/s InfiniBand per node:
     # 6.25 GB/s per GPU per direction), global batch 512; 15.1 PFLOP/s over 512 GPUs.
     Row("Megatron 8.3B 512xV100", SHOEYBI, _gpt(3072, 32, 72, 1024), "32x16xV100-32GB", 512,
         dict(tp=8, pp=1, dp=64, cp=1, ep=1, zero=0, sequence_parallel=False), "tflops", 15.1e3 / 512,
-        flops="megatron-norecompute", precision=MEGATRON_FP16, inter_node_bandwidth=8 * 12.5e9 / 16),
+        flops="megatron-norecompute", precision=MEGATRON_2019_FP16, inter_node_bandwidth=8 * 12.5e9 / 16),
 ]
 
 ROWS: list[Row] = TABLE1 + README_TP + SECTION8
