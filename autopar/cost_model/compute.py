@@ -10,11 +10,12 @@ training dtype) and memory bandwidth ``W``::
 ``rho`` is the GEMM's density (``Gemm.density``: a causal attention kernel skips the masked
 half of its tiles). A fused attention kernel keeps no score matrix, so its backward recomputes
 the scores and probabilities from q, k and the log-sum-exp before the four products of the
-gradients: five ``s_q x s_k`` products where autograd's count has four, ``FUSED_ATTENTION_BACKWARD``
-times the counted backward FLOPs (FlashAttention, Dao et al. 2022, section 3.1; the memory-efficient
-and cuDNN kernels do the same). ``e_max``, ``d_half``, ``e_mem`` and ``t_launch`` are the device's constants
-(one set per device family, in presets.py). ``g`` captures that thin GEMMs (small hidden per tensor-parallel
-rank, a micro-batch of one short sequence) cannot fill the tensor cores.
+gradients: five ``s_q x s_k`` products where autograd's count has four,
+``FUSED_ATTENTION_BACKWARD`` times the counted backward FLOPs (FlashAttention, Dao et al. 2022,
+section 3.1; the memory-efficient and cuDNN kernels do the same). ``e_max``, ``d_half``,
+``e_mem`` and ``t_launch`` are the device's constants (one set per device family, in presets.py).
+``g`` captures that thin GEMMs (small hidden per tensor-parallel rank, a micro-batch of one
+short sequence) cannot fill the tensor cores.
 
 Element-wise chains (softmax included) run fused under ``Precision.kernels`` "fused" and
 "compiled", as Megatron-LM's fused kernels and torch.compile run them: an element-wise op whose
