@@ -140,8 +140,10 @@ class Program:
         self._build_chunks(model)
         self._data_parallel()
         self._tied_groups()
-        # parameters no chunk holds (no op reads them, so they never change): kept for full_state_dict
-        self.unused = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if n not in self.holders}
+        # parameters that never change, kept for full_state_dict: those no chunk holds (no op reads
+        # them) and frozen ones (requires_grad=False: no gradient, so no optimizer step moves them)
+        self.unused = {n: p.detach().cpu().clone() for n, p in model.named_parameters()
+                       if n not in self.holders or not p.requires_grad}
         self.schedule = schedules.build(cfg.schedule, cfg.pp, self.micro_batches, cfg.virtual_stages)
         schedules.check(self.schedule, self.micro_batches, cfg.virtual_stages)
         self.actions = self.schedule[self.pp_rank]
@@ -422,9 +424,11 @@ class Program:
 
     # --- full tensors on every rank -------------------------------------------------------------
     def full_grads(self) -> dict[str, torch.Tensor]:
-        """Every parameter's full gradient under the model's own names, on every rank."""
+        """Every parameter's full gradient under the model's own names, on every rank (zeros for a
+        frozen parameter or one no op reads, as ``p.grad`` is None for those on one device)."""
         with at_step(self.steps - 1, "full_grads"):
-            return self._gather(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+            grads = self._gather(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+        return {**{n: torch.zeros_like(p) for n, p in self.unused.items()}, **grads}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The trained model's ``state_dict`` on every rank, as full CPU tensors under its own keys

@@ -31,7 +31,7 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from harness import LR, STEPS, check_matches, one_process, round_trip, test_cluster  # noqa: E402
+from harness import STEPS, adamw, check_matches, one_process, round_trip, test_cluster  # noqa: E402
 
 GLOBAL_BATCH = 8
 BASE = dict(dp=1, tp=1, pp=1, micro_batch_size=1, zero=0, recompute="none", schedule="1f1b", virtual_stages=1)
@@ -173,8 +173,7 @@ def run_arch(rank: int, world: int, arch, plans: dict[str, dict]) -> dict[str, A
     for name, plan_dict in plans.items():
         try:
             model = build(arch)
-            program = autopar.parallelize(model, autopar.Plan.from_dict(plan_dict),
-                                          lambda ps: torch.optim.AdamW(ps, lr=LR), timeout=60)
+            program = autopar.parallelize(model, autopar.Plan.from_dict(plan_dict), adamw, timeout=60)
             batches = data(arch, model)
             loss = program.forward_backward(batches[0])
             grads = program.full_grads()

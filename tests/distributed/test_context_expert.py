@@ -19,7 +19,7 @@ gradients of step 1, parameters after three AdamW steps). Models (harness.MODELS
 Tolerances (fp32), those of test_parallelize.py and for the same reasons: loss relative error
 <= 1e-5 and gradients within 1e-4 of the largest (only the order of additions differs: ring
 attention's blockwise softmax, all-reduces, all-to-alls; observed <= 5e-7); parameters after
-three AdamW steps (lr 1e-3) within 1e-4, 3% of what three steps can move one (AdamW normalises
+three AdamW steps (lr 1e-3, eps 1e-4) within 1e-4, 3% of what three steps can move one (AdamW normalises
 each element's update, so a rounding-level gradient difference on an element whose gradient is
 near zero moves it by a fraction of lr; observed <= 1e-5).
 """

@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import random_models as rm  # noqa: E402
-from harness import call_loss, check_matches  # noqa: E402
+from harness import adamw, call_loss, check_matches  # noqa: E402
 from harness import test_cluster as cluster_of  # noqa: E402 - not a test here
 
 # The suite runs 100 random models (about 40 s); AUTOPAR_FUZZ_SEEDS=1000 runs more (make bench runs 400).
@@ -51,15 +51,6 @@ N_SEEDS = int(os.environ.get("AUTOPAR_FUZZ_SEEDS", "100"))
 SEEDS = list(range(N_SEEDS)) + sorted(rm.REGRESSIONS)   # the random models, then the regressions
 WORLD = 2
 STEPS = 2                # AdamW steps; the second after a forward_backward of a second batch
-LR = 1e-3
-# AdamW's eps, above the default 1e-8: AdamW divides each element's update by its gradient's
-# magnitude, so an element whose true gradient is zero (an attention key's bias: softmax ignores a
-# shift shared by a row; a ReLU dead on the whole batch) moves by up to lr on rounding noise alone
-# (~1e-7 here), noise that differs between one process and 2 ranks. With eps=1e-8, seeds 110 and 191
-# end 3e-4 and 6e-4 apart on their key biases after 2 steps, their gradients within check_matches'
-# tolerance. With eps=1e-4 such noise moves a parameter by at most lr * 1e-7 / eps = 1e-6, and the
-# gradients above ~1e-3 (nearly all) keep AdamW's normalised update.
-EPS = 1e-4
 PEER_TIMEOUT = 20.0      # seconds: parallelize(timeout=)
 # Random seeds that must really run and match. Observed (example batches 1, the micro-batch or the
 # global batch): 93 of the first 100 run and match, 369 of 400; every refusal is a pinned
@@ -149,7 +140,7 @@ def reference(seed: int) -> dict[str, Any]:
     loss = call_loss(model, data[0], loss_fn)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    opt = adamw(model.parameters())
     opt.step()
     for b in data[1:]:
         opt.zero_grad()
@@ -167,7 +158,7 @@ def run_seed(rank: int, world: int, seed: int, plan_dict: dict) -> dict[str, Any
     data = rm.batches(spec, STEPS)
     try:
         program = autopar.parallelize(model, autopar.Plan.from_dict(plan_dict),
-                                      lambda ps: torch.optim.AdamW(ps, lr=LR, eps=EPS),
+                                      adamw,
                                       loss_fn=rm.loss_fn_of(spec), timeout=PEER_TIMEOUT)
     except Exception as exc:  # noqa: BLE001
         return _classify(exc, "parallelize")

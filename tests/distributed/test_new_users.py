@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import new_users  # noqa: E402
 import harness  # noqa: E402
-from harness import LR, STEPS, check_matches, round_trip  # noqa: E402
+from harness import STEPS, adamw, check_matches, round_trip  # noqa: E402
 
 GLOBAL_BATCH = 8
 BASE = dict(dp=1, tp=1, pp=1, micro_batch_size=1, zero=0, recompute="none", schedule="1f1b", virtual_stages=1,
@@ -116,7 +116,7 @@ def run_case(rank: int, world: int, case: Case, plan_dict: dict) -> dict:
     model = new_users.build(case.model, "cpu", case.dropout)
     if case.eval:
         model.eval()
-    program = autopar.parallelize(model, autopar.Plan.from_dict(plan_dict), lambda ps: torch.optim.AdamW(ps, lr=LR),
+    program = autopar.parallelize(model, autopar.Plan.from_dict(plan_dict), adamw,
                                   loss_fn=new_users.LOSS_FNS.get(case.model), timeout=60)
     data = new_users.batches(case.model, STEPS, GLOBAL_BATCH)
     loss = program.forward_backward(data[0])

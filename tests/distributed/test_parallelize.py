@@ -7,7 +7,7 @@ the single-process references). Tolerances, all fp32:
   averaged, all-reduces, partial sums of split matmuls): observed <= 2e-7.
 - gradients: max |difference| <= 1e-4 of the largest gradient, for the same reason; observed
   <= 7e-7 of it.
-- parameters after three AdamW steps (lr 1e-3): max |difference| <= 1e-4, i.e. 3% of the
+- parameters after three AdamW steps (lr 1e-3, eps 1e-4: harness.EPS): max |difference| <= 1e-4, i.e. 3% of the
   most three steps can move a parameter (3 lr). AdamW normalises each element's update, so a
   rounding-level gradient difference on an element whose gradient is near zero changes that
   element's update by a fraction of lr; observed <= 2e-5.

@@ -17,7 +17,7 @@ Tolerances, all fp32, the same as test_parallelize.py's and for the same reasons
   <= 2e-7.
 - gradients: max |difference| <= 1e-4 of the largest gradient, for the same reason; observed
   <= 5e-7 of it.
-- parameters after three AdamW steps (lr 1e-3): max |difference| <= 1e-4, i.e. 3% of the most
+- parameters after three AdamW steps (lr 1e-3, eps 1e-4: harness.EPS): max |difference| <= 1e-4, i.e. 3% of the most
   three steps can move a parameter (3 lr); AdamW normalises each element's update, so a
   rounding-level difference on an element whose gradient is near zero moves it by a fraction of lr;
   observed <= 4e-5 (Mixtral tp=2).
