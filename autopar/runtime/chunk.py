@@ -248,6 +248,28 @@ def _map_tensors(tree: Any, fn) -> Any:
     return torch.utils._pytree.tree_map_only(torch.Tensor, fn, tree)
 
 
+def written_inputs(spec: LayerSpec, nodes: Mapping[str, torch.fx.Node]) -> tuple[str, ...]:
+    """The layer's inputs that one of its ops writes in place, directly or through a view of them
+    (an op's schema marks what it writes, ``Tensor(a!)``, and what it returns a view of, ``Tensor(a)``)."""
+    root = {name: name for name in spec.inputs}   # value -> the input it is (a view of)
+    written: set[str] = set()
+    for name in spec.nodes:
+        node = nodes[name]
+        schema = getattr(node.target, "_schema", None)
+        if schema is None:
+            continue
+        for i, arg in enumerate(schema.arguments):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if not isinstance(value, torch.fx.Node) or value.name not in root or arg.alias_info is None:
+                continue
+            if arg.alias_info.is_write:
+                written.add(root[value.name])
+            if any(r.alias_info is not None and r.alias_info.before_set == arg.alias_info.before_set
+                   for r in schema.returns):
+                root[name] = root[value.name]   # the output aliases this input: a view, or the written input itself
+    return tuple(n for n in spec.inputs if n in written)
+
+
 class LayerModule(nn.Module):
     """One layer: ``forward(*inputs, *shared_params) -> outputs`` over its slice of the graph."""
 
@@ -268,6 +290,11 @@ class LayerModule(nn.Module):
         self.buffer_names = tuple(spec.buffers)
         for name in self.buffer_names:
             self.register_buffer(attr_name(name), buffers[name], persistent=False)
+        # inputs an op of this layer writes in place (``x += y`` in the model's code): written on a
+        # copy made inside the layer, which later layers read instead (a second output). FSDP2 hands a
+        # layer its inputs as views made by a custom autograd Function, and autograd refuses to
+        # write in place on those.
+        self.written = written_inputs(spec, runner.nodes)
 
     def forward(self, *values: Any) -> tuple[Any, ...]:
         if self.recompute == "full" and torch.is_grad_enabled():
@@ -285,12 +312,14 @@ class LayerModule(nn.Module):
             env[name] = self.runner.wrap(getattr(self, attr_name(name)))
         for out in self.expert_outputs:
             env[("experts", out)] = self.experts[attr_name(out)]
+        for name in self.written:
+            env[name] = env[name].clone()
         if self.recompute == "selective" and self.spec.attention_core and torch.is_grad_enabled():
             self._run_selective(env)
         else:
             for name in self.spec.nodes:
                 env[name] = self.runner.run(name, env)
-        return tuple(env[name] for name in self.spec.outputs)
+        return tuple(env[name] for name in self.spec.outputs + self.written)
 
     def _run_selective(self, env: dict[str, Any]) -> None:
         """Run the nodes, recomputing each run of attention-core nodes in backward."""
@@ -367,7 +396,7 @@ class ChunkModule(nn.Module):
         shared = {fqn: getattr(self, attr_name(fqn)) for fqn in self.shared_params}
         for layer in self.layers:
             ins = [env[v] for v in layer.spec.inputs] + [shared[p] for p in layer.shared]
-            env.update(zip(layer.spec.outputs, layer(*ins)))
+            env.update(zip(layer.spec.outputs + layer.written, layer(*ins)))
         return tuple(env[v] for v in self.spec.send)
 
     def named_model_parameters(self) -> dict[str, nn.Parameter]:
