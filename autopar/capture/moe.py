@@ -28,8 +28,8 @@ an experts module when:
 The enclosing MoE block (router, shared expert) fails rule 2 (it takes ``[b, s, h]`` and
 makes the ids itself), so only the experts call is a region. The router is the ``[E, h]``
 (or ``[h, E]``) parameter nearest upstream of the ids, when there is one; the activation is
-the first activation op between the two products (a Hugging Face ``hidden_act`` name:
-``silu``, ``gelu``, ``gelu_pytorch_tanh``, ``relu``, ...; ``""`` when none is recognised).
+named (a Hugging Face ``hidden_act`` name: ``silu``, ``gelu``, ``gelu_pytorch_tanh``, ``relu``, ...)
+only when what runs between the two products is exactly ``act(gate) * up``; ``""`` otherwise.
 
 Routed FLOPs (:func:`count_routed_flops`). Implementations compute more than the routed work:
 ``batched_mm`` gathers a weight copy per assignment, a capacity-free static dispatch runs
@@ -74,6 +74,10 @@ STATIC_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")
 _ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh",
                 "mish": "mish", "elu": "elu", "leaky_relu": "leaky_relu", "softplus": "softplus",
                 "relu6": "relu6", "hardswish": "hardswish"}
+# ops that only move or re-type the gate and up halves (a view-kind op needs no listing)
+_GATE_PLUMBING = frozenset({"_to_copy", "to", "clone", "contiguous", "split", "split_with_sizes", "chunk",
+                            "getitem", "slice", "narrow", "unbind", "index_select", "gather"})
+_PARAMETRISED = frozenset({"elu", "leaky_relu", "softplus"})   # named only at their default parameters
 _WEIGHT_PATH_KINDS = (OpKind.VIEW, OpKind.OTHER, OpKind.ELEMENTWISE)
 _INT_DTYPES = frozenset({"int64", "int32", "int16", "int8", "uint8"})
 
@@ -318,16 +322,32 @@ def _output(g: _Graph, members: Sequence[int], names: set[str], tokens: int, h: 
 
 
 def _activation(g: _Graph, members: Sequence[int], interior: set[str], fx: Mapping[str, Any]) -> str:
-    """The Hugging Face name of the first activation op between the two products, "" if none."""
+    """The Hugging Face name of the activation when what runs between the two products is exactly
+    ``act(gate) * up``: one activation op, one product with ``up``, and otherwise only views, splits
+    and dtype casts. "" for anything else (a softcapped or clamped gate, a slope other than the
+    default): no name would be true, and expert parallelism, which recomputes the experts from the
+    name, is then not offered."""
+    acts, muls, other = [], 0, False
     for i in members:
         n = g.nodes[i]
+        if n.name not in interior:
+            continue
         base = _base(n)
-        if n.name in interior and base in _ACTIVATIONS:
-            node = fx.get(n.name)
-            if base == "gelu" and node is not None and node.kwargs.get("approximate", "none") == "tanh":
-                return "gelu_pytorch_tanh"
-            return _ACTIVATIONS[base]
-    return ""
+        if base in _ACTIVATIONS:
+            acts.append(n)
+        elif base == "mul":
+            muls += 1
+        elif n.kind is not OpKind.VIEW and base not in _GATE_PLUMBING:
+            other = True
+    if len(acts) != 1 or muls != 1 or other:
+        return ""
+    n = acts[0]
+    base, node = _base(n), fx.get(n.name)
+    if base == "gelu" and node is not None and node.kwargs.get("approximate", "none") == "tanh":
+        return "gelu_pytorch_tanh"
+    if base in _PARAMETRISED and (node is None or len(node.args) > 1 or node.kwargs):
+        return ""   # a slope / alpha / beta other than the default: not a plain hidden_act name
+    return _ACTIVATIONS[base]
 
 
 def _router(g: _Graph, index: str, e: int, h: int, params: Mapping[str, TensorMeta]) -> str | None:

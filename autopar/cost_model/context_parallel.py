@@ -77,6 +77,11 @@ def unsupported(graph: OpGraph, cp: int) -> str | None:
         return (f"context parallelism cannot run {dropping.module}: its experts drop what overflows a capacity of "
                 f"{dropping.capacity} slots, which depends on the whole sequence, not on one rank's part: use cp=1 "
                 "or a dropless MoE (capacity_factor=None)")
+    unknown = next((r for r in graph.moe if not r.activation), None)
+    if unknown is not None:
+        return (f"context parallelism runs {unknown.module} as one call on each rank's tokens, but capture did not "
+                "recognise the activation between its two products (a Hugging Face hidden_act at its default "
+                "parameters): use cp=1")
     seq = sequence_length(graph)
     if seq is None:
         return "context parallelism splits the sequence attention runs over, but the model has no attention: use cp=1"

@@ -70,6 +70,10 @@ def unsupported(graph: OpGraph, ep: int) -> str | None:
     if not graph.moe:
         return (f"ep={ep} splits the experts of mixture-of-experts layers, but the model has none "
                 "(no experts module taking tokens, top-k ids and top-k weights was found): use ep=1")
+    unknown = next((r for r in graph.moe if not r.activation), None)
+    if unknown is not None:
+        return (f"ep={ep} runs {unknown.module} as one expert-parallel call, but capture did not recognise the "
+                "activation between its two products (a Hugging Face hidden_act at its default parameters): use ep=1")
     counts = sorted({r.num_experts for r in graph.moe})
     bad = [e for e in counts if e % ep]
     if bad:

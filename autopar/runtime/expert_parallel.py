@@ -79,8 +79,17 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
     "relu": F.relu,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+    "mish": F.mish,
+    "elu": F.elu,
+    "leaky_relu": F.leaky_relu,
+    "softplus": F.softplus,
+    "relu6": F.relu6,
+    "hardswish": F.hardswish,
 }
-"""Hugging Face ``hidden_act`` names (ACT2FN) -> the torch function they compute."""
+"""Hugging Face ``hidden_act`` names (ACT2FN) -> the torch function they compute: every name capture
+gives a MoE region (capture/moe.py, at the functions' default parameters)."""
 
 
 def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -204,6 +204,18 @@ class RoutedFFN(nn.Module):
         return torch.einsum("eth,te->th", y, combine)
 
 
+class ActFFN(RoutedFFN):
+    """RoutedFFN with another activation between the two products."""
+
+    act = staticmethod(torch.tanh)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.einsum("th,eoh->eto", x, self.w_in).chunk(2, dim=-1)
+        y = torch.einsum("etf,ehf->eth", self.act(gate) * up, self.w_out)
+        combine = torch.zeros(x.shape[0], self.w_in.shape[0], dtype=x.dtype, device=x.device).scatter(1, ids, wts)
+        return torch.einsum("eth,te->th", y, combine)
+
+
 class LoopFFN(RoutedFFN):
     """The Hugging Face eager pattern in user code: a loop over the experts hit (data-dependent)."""
 
@@ -253,6 +265,24 @@ def test_user_written_moe_is_recognised() -> None:
         assert (r.gate_up, r.down, r.router) == (f"blocks.{i}.ffn.w_in", f"blocks.{i}.ffn.w_out",
                                                  f"blocks.{i}.scorer.proj")
         assert r.activation == "gelu_pytorch_tanh"
+
+
+@pytest.mark.parametrize("act, name", [(torch.tanh, "tanh"), (torch.sigmoid, "sigmoid"), (F.mish, "mish"),
+                                       (F.leaky_relu, "leaky_relu"), (lambda t: F.leaky_relu(t, 0.2), ""),
+                                       (lambda t: F.elu(t, alpha=0.5), "")])
+def test_activation_names_are_what_expert_parallelism_runs(act, name: str) -> None:
+    """Every name capture gives is one the expert-parallel call computes (runtime ACTIVATIONS), and
+    an activation at non-default parameters gets no name: the planner then offers no ep or cp."""
+    from autopar.cost_model import context_parallel, expert_parallel
+    from autopar.runtime.expert_parallel import ACTIVATIONS
+    ffn = type("Act", (ActFFN,), {"act": staticmethod(act)})
+    graph = capture(ToyMoE(ffn), (torch.randint(0, 64, (BATCH, SEQ)),))
+    assert [r.activation for r in graph.moe] == [name] * LAYERS
+    if name:
+        assert name in ACTIVATIONS and expert_parallel.unsupported(graph, 2) is None
+    else:
+        assert "did not recognise the activation" in expert_parallel.unsupported(graph, 2)
+        assert "did not recognise the activation" in context_parallel.unsupported(graph, 2)
 
 
 def test_data_dependent_experts_loop_says_what_to_use() -> None:
