@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..errors import CaptureError, ConfigError
+from . import functions
 from .moe import static_experts
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -149,13 +150,16 @@ def run_export(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None, *,
     args, kwargs = normalize_inputs(example_inputs)
     check_inputs_signature(model, args, kwargs)
     wrapper = LossWrapper(model, loss_fn, example_inputs)
-    with (training(model) if train_mode else contextlib.nullcontext()), static_experts(model):
+    with (training(model) if train_mode else contextlib.nullcontext()), static_experts(model), \
+            functions.recording() as calls:
         try:
-            return torch.export.export(wrapper, args, kwargs, strict=False)
+            program = torch.export.export(wrapper, args, kwargs, strict=False)
         except CaptureError:
             raise
         except Exception as exc:  # noqa: BLE001 - re-raised as CaptureError with the user's source line
             raise _capture_error(model, exc, call="**" if kwargs else "*") from exc
+    functions.check(calls, type(model).__name__)
+    return program
 
 
 def _capture_error(model: nn.Module, exc: BaseException, call: str = "*") -> CaptureError:
