@@ -71,10 +71,11 @@ def write_doc(rows: dict[str, dict], tasks: dict[str, str], version: str, everyt
         "(`autopar/models/shrink.py`: 2 layers, hidden 64, 4 heads, vocabulary 256, dropout off). "
         "`capture`: torch.export on the meta device from a batch-1 example; `plan`: `1x2xcpu`, nothing pinned; "
         "`dp`, `tp`, `pp`, `zero3`: dp=2, tp=2 (sequence parallelism the planner's choice), pp=2 1F1B "
-        "(micro-batch 2) and dp=2 ZeRO-3, each trained 3 AdamW steps on 2 gloo ranks and compared with one "
-        "process (loss 1e-5 relative, gradients 1e-4 of the largest, parameters 1e-4). "
+        "(micro-batch 2) and dp=2 ZeRO-3, each trained 3 AdamW steps (lr 1e-3, eps 1e-4) on 2 gloo ranks and "
+        "compared with one process (loss 1e-5 relative, gradients 1e-4 of the largest, parameters 1e-4). "
         "ok: equal to one process; refused: a clear `AutoparError` (its message below); **FAILED**: a raw "
-        "exception or a result that differs; -: not reached.",
+        "exception, a rank killed, a plan slower than the sweep's limits, or a result that differs; "
+        "-: not reached.",
         "",
         f"- {s['architectures']} architectures; {s['built']} build and compute a loss at the test size "
         f"(the others are listed at the end, with why).",
