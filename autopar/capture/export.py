@@ -87,8 +87,10 @@ def normalize_inputs(example_inputs: Any) -> tuple[tuple, dict]:
                       f"got {type(example_inputs).__name__}")
 
 
-def check_model(model: Any) -> None:
-    """Refuse what cannot be planned: not a module, no trainable parameters, mixed devices."""
+def check_model(model: Any, meta_mix: bool = False) -> None:
+    """Refuse what cannot be planned: not a module, no trainable parameters, mixed devices (but
+    ``meta_mix``: meta and one other device, a model built on meta whose own init made some
+    tensors elsewhere)."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -96,9 +98,38 @@ def check_model(model: Any) -> None:
         raise ConfigError(f"{type(model).__name__} has no trainable parameters: there is nothing to train "
                           "or parallelize (check requires_grad)")
     devices = sorted({str(p.device) for p in params})
-    if len(devices) > 1:
+    if len(devices) > 1 and not (meta_mix and len(devices) == 2 and "meta" in devices):
         raise ConfigError(f"{type(model).__name__} has parameters on several devices {devices}: move the whole "
                           "model to one device (or to 'meta') before planning")
+
+
+@contextlib.contextmanager
+def all_on_meta(model: nn.Module):
+    """While open, a model that is mostly on meta has all of it there: its parameters and buffers on
+    another device (made by its own init despite the meta device: ``torch.FloatTensor(...)``,
+    XLNet's ``mask_emb``) are swapped for meta copies, ties kept, and put back after. Planning needs
+    shapes only; a model wholly on one device is left alone."""
+    tensors = [t for t in (*model.parameters(), *model.buffers())]
+    if not any(t.is_meta for t in tensors) or all(t.is_meta for t in tensors):
+        yield
+        return
+    swapped: list[tuple[nn.Module, str, str, Any]] = []   # (module, "_parameters"/"_buffers", name, original)
+    copies: dict[int, Any] = {}
+    for module in model.modules():
+        for slot in ("_parameters", "_buffers"):
+            for name, t in list(getattr(module, slot).items()):
+                if t is None or t.is_meta:
+                    continue
+                if id(t) not in copies:
+                    meta = t.detach().to("meta")
+                    copies[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if slot == "_parameters" else meta
+                swapped.append((module, slot, name, t))
+                getattr(module, slot)[name] = copies[id(t)]
+    try:
+        yield
+    finally:
+        for module, slot, name, t in swapped:
+            getattr(module, slot)[name] = t
 
 
 def check_inputs_signature(model: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -146,12 +177,12 @@ def run_export(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None, *,
 
     ``train_mode``: export the training graph (dropout on) whatever mode the model is in, as planning
     does; False exports each module in the mode it is in, as a rank's program runs it."""
-    check_model(model)
+    check_model(model, meta_mix=train_mode)
     args, kwargs = normalize_inputs(example_inputs)
     check_inputs_signature(model, args, kwargs)
     wrapper = LossWrapper(model, loss_fn, example_inputs)
     with (training(model) if train_mode else contextlib.nullcontext()), static_experts(model), \
-            functions.recording() as calls:
+            all_on_meta(model), functions.recording() as calls:
         try:
             program = torch.export.export(wrapper, args, kwargs, strict=False)
         except CaptureError:
