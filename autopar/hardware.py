@@ -74,7 +74,7 @@ class Device:
     """How much longer a rank's compute takes when every rank of the machine computes at once than
     when it computes alone (>= 1): ranks that share cores, caches and memory bandwidth slow each
     other down, and a step waits for the slowest. Measured by ``Cluster.local`` (profiler/
-    link_timing.py); 1 for the GPU presets, whose ranks have a device each."""
+    step_conditions.py); 1 for the GPU presets, whose ranks have a device each."""
     overlap_slowdown: float = 0.0
     """Seconds of compute lost per second of a collective it overlaps, in [0, 1): communication
     kernels take SMs and memory bandwidth from the compute beside them, so a hidden collective still
