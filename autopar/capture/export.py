@@ -109,7 +109,7 @@ def all_on_meta(model: nn.Module):
     another device (made by its own init despite the meta device: ``torch.FloatTensor(...)``,
     XLNet's ``mask_emb``) are swapped for meta copies, ties kept, and put back after. Planning needs
     shapes only; a model wholly on one device is left alone."""
-    tensors = [t for t in (*model.parameters(), *model.buffers())]
+    tensors = [*model.parameters(), *model.buffers()]
     if not any(t.is_meta for t in tensors) or all(t.is_meta for t in tensors):
         yield
         return

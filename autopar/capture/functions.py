@@ -32,8 +32,17 @@ TOLERANCE = 1e-6        # relative to the largest gradient element
 
 
 @dataclass(frozen=True)
+class _TensorSpec:
+    """A tensor argument of a recorded call, by what checking it needs."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
 class Call:
-    """A Function's first call: its arguments, tensors replaced by (shape, dtype, requires_grad)."""
+    """A Function's first call: its arguments, tensors replaced by their _TensorSpec."""
 
     function: type
     args: tuple
@@ -46,7 +55,7 @@ def _custom_backward(cls: type) -> bool:
 
 def _spec(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return ("tensor", tuple(x.shape), x.dtype, bool(x.requires_grad))
+        return _TensorSpec(tuple(x.shape), x.dtype, bool(x.requires_grad))
     return x
 
 
@@ -99,26 +108,25 @@ def _forward_through_autograd(cls: type, args: tuple, kwargs: dict) -> Any:
     return cls.forward(_Ctx(args), *args, **kwargs)
 
 
-def _materialise(call: Call, scale: float) -> tuple[tuple, dict, list[torch.Tensor]] | None:
+def _input_numel(call: Call) -> int:
+    return sum(torch.Size(x.shape).numel() for x in (*call.args, *call.kwargs.values()) if isinstance(x, _TensorSpec))
+
+
+def _materialise(call: Call, scale: float) -> tuple[tuple, dict, list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(0)
     leaves: list[torch.Tensor] = []
 
     def make(x: Any) -> Any:
-        if not (isinstance(x, tuple) and len(x) == 4 and x[0] == "tensor"):
+        if not isinstance(x, _TensorSpec):
             return x
-        _, shape, dtype, grad = x
-        if dtype.is_floating_point:
-            t = torch.randn(shape, dtype=torch.float64, generator=gen) * scale
-            if grad:
+        if x.dtype.is_floating_point:
+            t = torch.randn(x.shape, dtype=torch.float64, generator=gen) * scale
+            if x.requires_grad:
                 t.requires_grad_(True)
                 leaves.append(t)
             return t
-        return torch.ones(shape, dtype=dtype)   # masks and lengths: all on
+        return torch.ones(x.shape, dtype=x.dtype)   # masks and lengths: all on
 
-    numel = sum(int(torch.Size(x[1]).numel()) for x in (*call.args, *call.kwargs.values())
-                if isinstance(x, tuple) and len(x) == 4 and x[0] == "tensor")
-    if numel > CHECK_LIMIT:
-        return None
     return tuple(make(a) for a in call.args), {k: make(v) for k, v in call.kwargs.items()}, leaves
 
 
@@ -157,7 +165,7 @@ def check(calls: list[Call], model_name: str) -> None:
     """Refuse (CaptureError) a recorded Function whose backward is not the gradient of its forward."""
     for call in calls:
         name = f"{call.function.__module__}.{call.function.__qualname__}"
-        if _materialise(call, 1.0) is None:
+        if _input_numel(call) > CHECK_LIMIT:
             warnings.warn(f"{model_name} calls {name}, a torch.autograd.Function with its own backward, on inputs "
                           f"too large to check here: autopar trains it with autograd's gradient of its forward, "
                           "which equals its backward only if that backward is the exact gradient", stacklevel=3)

@@ -27,7 +27,7 @@ LR = 1e-3
 # AdamW's eps, above the default 1e-8: AdamW divides each element's update by its gradient's
 # magnitude, so an element whose true gradient is zero (an attention key's bias: softmax ignores a
 # shift shared by a row; a ReLU unit dead on the whole batch) moves by up to lr on rounding noise
-# alone (~1e-9 here), noise that differs between one process and 2 ranks: with eps=1e-8 AdamW is
+# alone (1e-9 to 1e-7 here), noise that differs between one process and 2 ranks: with eps=1e-8 AdamW is
 # lr/eps = 1e5-Lipschitz in the gradient, so gradients that agree to 1e-9 (CTRL at tp=2; fuzz seeds
 # 110 and 191) end up to 6e-4 apart after a few steps, far outside the parameter tolerance. With
 # eps=1e-4 such noise moves a parameter by at most lr * 1e-7 / eps = 1e-6, and gradients above
