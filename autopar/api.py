@@ -16,6 +16,7 @@ from .errors import ConfigError
 from .plan import Plan
 from .runtime.inputs import with_inputs
 from .solver import price, solve
+from .solver.choice import DEFAULT_TIE_TOLERANCE
 from .solver.sharding import NODE_LIMIT
 
 
@@ -23,8 +24,11 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *, global_batc
          fixed: Mapping[str, Any] | None = None, time_limit: float | None = None, loss_fn: LossFn | None = None,
          precision: Precision | None = None, profile: bool = False,
          profile_db: str | os.PathLike | None = None, verbose: bool = True,
-         ilp_time_limit: float | None = None, ilp_node_limit: int | None = NODE_LIMIT) -> Plan:
-    """The fastest parallel plan for ``model`` on ``cluster`` that fits in memory.
+         ilp_time_limit: float | None = None, ilp_node_limit: int | None = NODE_LIMIT,
+         tie_tolerance: float = DEFAULT_TIE_TOLERANCE) -> Plan:
+    """The fastest parallel plan for ``model`` on ``cluster`` that fits in memory; among plans within
+    ``tie_tolerance`` of the fastest (default 1%, under the cost model's own error) the one with the
+    fewest moving parts (lower ZeRO stage, fewer parallel dimensions, no interleaving; 0: the fastest).
 
     Searches data x tensor x pipeline degrees, micro-batch size, schedule, ZeRO stage,
     recompute (per stage) and sequence parallelism; partitions the layers into stages
@@ -44,7 +48,8 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *, global_batc
     graph = capture(model, example_inputs, loss_fn)
     measured = _profiler(model, example_inputs, loss_fn, graph, cluster, profile_db) if profile else None
     best, _ = solve(graph, cluster, global_batch_size, precision=precision, fixed=fixed, time_limit=time_limit,
-                    measured=measured, progress=verbose, ilp_time_limit=ilp_time_limit, ilp_node_limit=ilp_node_limit)
+                    measured=measured, progress=verbose, ilp_time_limit=ilp_time_limit, ilp_node_limit=ilp_node_limit,
+                    tie_tolerance=tie_tolerance)
     return with_inputs(_profiled(best, measured), example_inputs)
 
 

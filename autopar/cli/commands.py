@@ -21,7 +21,8 @@ def run_plan(args: argparse.Namespace) -> int:
     limits = {} if args.ilp_node_limit is None else {"ilp_node_limit": args.ilp_node_limit or None}
     plan = autopar.plan(loaded.model, cluster, loaded.inputs, global_batch_size=args.global_batch, fixed=fixed,
                         time_limit=args.time_limit, profile=args.profile, verbose=not args.quiet,
-                        ilp_time_limit=args.ilp_time_limit, precision=_precision(args, cluster), **limits)
+                        ilp_time_limit=args.ilp_time_limit, precision=_precision(args, cluster),
+                        tie_tolerance=args.tie_tolerance, **limits)
     return _report(_named(plan, loaded), args)
 
 
@@ -169,6 +170,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                       help="pin ParallelConfig fields, e.g. tp=8,pp=4 (aliases mbs, v, sp)")
     plan.add_argument("--time-limit", type=float, default=None, metavar="S",
                       help="stop the search after S seconds with the best plan so far")
+    plan.add_argument("--tie-tolerance", type=float, default=0.01, metavar="F",
+                      help="plans within this fraction of the fastest are ties, and the one with the fewest moving "
+                           "parts (ZeRO stage, parallel dimensions, interleaving) wins (default 0.01; 0: the fastest)")
     plan.add_argument("--ilp-node-limit", type=int, default=None, metavar="N",
                       help="branch-and-bound nodes per sharding ILP solve (default: autopar.plan's, 20000; 0: no "
                            "limit); a node limit keeps the plan independent of the machine's load")

@@ -30,6 +30,10 @@ def _verdict(plan: Plan) -> str:
     s = plan.extra.get("search", {})
     verdict = ("the fastest configuration that fits, under the cost model" if plan.optimal
                else "the best found before the time limit (not proven optimal)")
+    fastest, tolerance = s.get("fastest_step_time"), s.get("tie_tolerance")
+    if plan.optimal and fastest is not None and fastest < plan.step_time:
+        verdict = (f"the configuration with the fewest moving parts among those within {percent(tolerance)} of the "
+                   f"fastest that fits ({seconds(fastest)}: a tie under the cost model's error)")
     return (head + f"\n  It is {verdict}: of {s.get('candidates', '?')} configurations, "
             f"{s.get('pruned_by_memory', '?')} were ruled out because their model states alone exceed device memory, "
             f"{s.get('dominated', '?')} are dominated (GPipe holds more than 1F1B in the same time, or a layout "
@@ -208,6 +212,8 @@ def _why_lost(plan: Plan, alt: Alternative) -> str:
         return f"{alt.reason} ({', '.join(shown)})"
     slower = alt.step_time - plan.step_time
     memory = f"peak memory {gigabytes(alt.peak_memory)} against {gigabytes(plan.peak_memory)}"
+    if slower < 0:
+        return alt.reason
     if slower > 0:
         return f"slower by only {seconds(slower)} ({slower / plan.step_time * 100:.2g}%); {memory}"
     if alt.peak_memory != plan.peak_memory:

@@ -14,7 +14,8 @@ from ..cost_model import check_config
 from ..cost_model.compute import MeasuredTimes
 from ..errors import ConfigError, InfeasiblePlanError
 from ..plan import Plan
-from .search import Search, SearchStats, alternatives, with_search_results
+from .choice import DEFAULT_TIE_TOLERANCE, alternatives, check_tolerance, with_search_results
+from .search import Search, SearchStats
 from .sharding import NODE_LIMIT, VARIANTS, WHOLE_BATCH, ILPLimits
 from .sharding_solver import ShardingSolver
 from .space import PIN_RULES, check_fixed, nearest
@@ -24,8 +25,10 @@ def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision
           fixed: Mapping[str, Any] | None = None, time_limit: float | None = None,
           measured: MeasuredTimes | None = None, progress: bool = False,
           ilp_time_limit: float | None = None, ilp_node_limit: int | None = NODE_LIMIT,
-          sharding: ShardingSolver | None = None) -> tuple[Plan, SearchStats]:
-    """The fastest plan that fits, and what the search did. Raises InfeasiblePlanError when none fits.
+          sharding: ShardingSolver | None = None,
+          tie_tolerance: float = DEFAULT_TIE_TOLERANCE) -> tuple[Plan, SearchStats]:
+    """The plan that fits with the fewest moving parts among those within ``tie_tolerance`` of the
+    fastest (choice.py; 0: the fastest), and what the search did. Raises InfeasiblePlanError when none fits.
 
     Wiring: the sharding ILP (sharding.py) gives each tensor-parallel degree its layouts, the
     outer search (search.py) walks the configurations by bound, the stage DP (stages.py) splits
@@ -40,6 +43,7 @@ def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision
     graph, cluster and precision to reuse (its layouts are cached), e.g. across several solves."""
     search, sharding = _search(graph, cluster, global_batch_size, precision, fixed, time_limit, measured, progress,
                                ilp_time_limit, ilp_node_limit, sharding)
+    search.tie_tolerance = check_tolerance(tie_tolerance)
     return _run(search, sharding, must_fit=True)
 
 
@@ -103,9 +107,10 @@ def _run(search: Search, sharding: ShardingSolver, must_fit: bool) -> tuple[Plan
     search.stats.ilp_fallbacks = tuple(sharding.fallbacks)
     if best is None:
         raise _infeasible(search, search.fixed)
-    alts = alternatives(best, seen, search.cluster.device.memory)
+    alts = alternatives(best, seen, search.cluster.device.memory, search.tie_tolerance)
     described = tuple(sharding.describe(best.config.tp, best_c.variant)) if best.config.tp > 1 else ()
-    plan = with_search_results(best, search.stats, alts, described, f"ilp-{best_c.variant}")
+    plan = with_search_results(best, search.stats, alts, described, f"ilp-{best_c.variant}", seen,
+                               search.tie_tolerance)
     if plan.config.cp > 1 and plan.config.tp > 1:   # only when both are pinned (space.py)
         plan = replace(plan, notes=plan.notes + (
             "context parallelism with tensor parallelism is priced as pinned, but this autopar's runtime does "

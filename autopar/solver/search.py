@@ -37,6 +37,12 @@ communication of ``P / p`` parameters that no overlap hides (``Estimator.dp_floo
 device with the most parameters pays at least that much after its pipeline) and the loss's
 all-reduce.
 
+The search returns the simplest plan within ``tie_tolerance`` of the fastest (choice.py): once the
+fastest is found, the candidates whose bound lies within the tolerance of it are evaluated too when
+their moving parts (counted without recomputation, a lower bound) could come before the choice so
+far; when the choice uses ZeRO, the zero=0 candidates are then visited in bound order up to the best
+of them, a runner-up the user always sees.
+
 The layout variants (the sharding ILP's "fast" and "lean" solutions, sharding.py) are
 separate candidates with their own layer costs, so the global step time, not the ILP's
 per-layer objective, decides between them.
@@ -60,13 +66,12 @@ from ..cost_model import Estimator, estimate_plan
 from ..cost_model.compute import MeasuredTimes
 from ..cost_model.layer_cost import LayerCostModel
 from ..cost_model.tensor_parallel import TPLayout
-from ..plan import Alternative, Plan
+from ..plan import Plan
 from ..progress import progress_bar
+from .choice import TIE, DEFAULT_TIE_TOLERANCE, Seen, choose, could_beat
 from .sharding import WHOLE_BATCH
 from .space import Candidate, candidates, placeable, recompute_modes
 from .stages import least_memory, partition, run_tables
-
-TOP_ALTERNATIVES = 5
 
 
 @dataclass(frozen=True)
@@ -125,6 +130,7 @@ class Search:
     splits_batch: Callable[[int, str], bool] | None = None   # (tp, variant) -> the layout splits the batch
     measured: MeasuredTimes | None = None                    # profiled op times (profile=True)
     progress: bool = False                                   # a progress bar once the search takes over 1 s
+    tie_tolerance: float = DEFAULT_TIE_TOLERANCE   # plans this close to the fastest are ties (choice.py)
     must_fit: bool = True      # False: the fastest plan whatever its memory (an estimate of a config that fits nowhere)
     stats: SearchStats = field(default_factory=SearchStats)
     _estimators: dict[str, Estimator] = field(default_factory=dict)
@@ -328,14 +334,87 @@ class Search:
         return [full] if low >= longest else [full, plan(low)]
 
     # --- the loop ----------------------------------------------------------------------------
-    def run(self) -> tuple[Plan | None, Candidate | None, list[tuple[float, Candidate, Plan | float]]]:
-        """Best plan and its candidate, and every evaluated candidate with its result (for the
-        alternatives)."""
+    def run(self) -> tuple[Plan | None, Candidate | None, Seen]:
+        """The chosen plan and its candidate (choice.py: the simplest within ``tie_tolerance`` of the
+        fastest), and every evaluated candidate with its result (for the alternatives).
+
+        Three passes over one queue ordered by bound: (1) branch and bound to the fastest plan; (2)
+        the candidates whose bound lies within the tolerance of it and that could come before the
+        choice so far (fewer moving parts); (3) when the choice uses ZeRO, the best plain
+        data-parallel plan, for the runners-up."""
         t0 = time.perf_counter()
         deadline = None if self.time_limit is None else t0 + self.time_limit
+        queue = self._queue(deadline)
+        seen: Seen = []
+        fastest: list[Plan] = []      # the fastest plan so far (at most one)
+
+        def evaluate(lb_t: float, c: Candidate) -> None:
+            result = self.evaluate(c)
+            self.stats.evaluated += 1
+            seen.append((lb_t, c, result))
+            if not isinstance(result, Plan):
+                self.stats.infeasible += 1
+            elif not fastest or result.step_time < fastest[0].step_time:
+                fastest[:] = [result]
+
+        bar = progress_bar(iter(lambda: self._next(queue, fastest[0].step_time if fastest else math.inf), None),
+                           "autopar: searching", total=len(queue), enabled=self.progress)
+        for lb_t, _, _, _, c in bar:
+            if self._past(deadline) and fastest:
+                # every candidate left has a bound >= this one's (the queue is in bound order)
+                self.stats.timed_out = True
+                if not self.stats.unbounded:
+                    self.stats.gap = max(0.0, (fastest[0].step_time - lb_t) / fastest[0].step_time)
+                break
+            evaluate(lb_t, c)
+        if fastest and not self.stats.timed_out:
+            band = fastest[0].step_time * (1 + self.tie_tolerance) * (1 + TIE)
+            deferred = []
+            while (entry := self._next(queue, band)) is not None:
+                if self._past(deadline):
+                    self.stats.timed_out = True   # the choice among ties may not be the simplest
+                    deferred.append(entry)
+                    break
+                choice = choose((r for _, _, r in seen if isinstance(r, Plan)), self.tie_tolerance)
+                if could_beat(entry[-1], entry[0], choice):
+                    evaluate(entry[0], entry[-1])
+                else:
+                    deferred.append(entry)
+            queue += deferred
+        plans = [r for _, _, r in seen if isinstance(r, Plan)]
+        best = choose(plans, self.tie_tolerance)
+        if best is not None and best.config.zero and not self._past(deadline):
+            self._plain(queue, seen, evaluate, deadline)
+        self.stats.pruned_bound = self.stats.candidates - self.stats.dominated - self.stats.pruned_memory \
+            - self.stats.evaluated
+        self.stats.search_seconds = time.perf_counter() - t0
+        best_c = next((c for _, c, r in seen if r is best), None)
+        return best, best_c, seen
+
+    def _plain(self, queue: list, seen: Seen, evaluate: Callable[[float, Candidate], None],
+               deadline: float | None) -> None:
+        """Evaluate the zero=0 candidates in bound order up to the fastest zero=0 plan (a runner-up)."""
+        plain = [e for e in queue if e[-1].zero == 0]
+        queue[:] = [e for e in queue if e[-1].zero != 0]
+        heapq.heapify(plain)
+
+        def best_plain() -> float:
+            return min((r.step_time for _, _, r in seen if isinstance(r, Plan) and r.config.zero == 0),
+                       default=math.inf)
+        while not self._past(deadline) and (entry := self._next(plain, best_plain())) is not None:
+            evaluate(entry[0], entry[-1])
+        queue += plain
+
+    @staticmethod
+    def _past(deadline: float | None) -> bool:
+        return deadline is not None and time.perf_counter() > deadline
+
+    def _queue(self, deadline: float | None) -> list:
+        """Every usable candidate not dominated or pruned by memory, as a heap of
+        (bound, sort key, index, memory bound or None once refined, candidate)."""
         queue = []
         for c in self._usable():
-            if deadline is not None and queue and time.perf_counter() > deadline:
+            if queue and self._past(deadline):
                 # past the limit with something to evaluate: the candidates not yet bounded are
                 # left out, so no gap can be claimed for them
                 self.stats.timed_out, self.stats.unbounded = True, True
@@ -350,45 +429,28 @@ class Search:
                 continue
             queue.append((lb_t, c.sort_key(), len(queue), lb_m, c))   # the index keeps ties ordered
         heapq.heapify(queue)
-        best: Plan | None = None
-        best_c: Candidate | None = None
-        seen: list[tuple[float, Candidate, Plan | float]] = []
+        return queue
 
-        def final():
-            """Candidates in increasing bound, each refined by memory once before it is evaluated."""
-            while queue:
-                lb_t, key, index, lb_m, c = heapq.heappop(queue)
-                if lb_m is not None and (best is None or lb_t < best.step_time):
-                    tighter = self.refine(c, lb_t, lb_m)
-                    if tighter is None:
-                        self.stats.pruned_memory += 1
-                        continue
-                    if tighter > lb_t:
-                        heapq.heappush(queue, (tighter, key, index, None, c))   # refined: no lb_m needed
-                        continue
-                yield lb_t, c
-
-        for lb_t, c in progress_bar(final(), "autopar: searching", total=len(queue), enabled=self.progress):
-            if best is not None and lb_t >= best.step_time:
-                self.stats.pruned_bound += len(queue) + 1
-                break
-            if self.time_limit is not None and best is not None and time.perf_counter() - t0 > self.time_limit:
-                # every candidate left has a bound >= this one's (the queue is in bound order)
-                self.stats.timed_out = True
-                if not self.stats.unbounded:
-                    self.stats.gap = max(0.0, (best.step_time - lb_t) / best.step_time)
-                self.stats.pruned_bound += len(queue) + 1
-                break
-            result = self.evaluate(c)
-            self.stats.evaluated += 1
-            seen.append((lb_t, c, result))
-            if isinstance(result, Plan):
-                if best is None or _better(result, best):
-                    best, best_c = result, c
-            else:
-                self.stats.infeasible += 1
-        self.stats.search_seconds = time.perf_counter() - t0
-        return best, best_c, seen
+    def _next(self, queue: list, limit: float) -> tuple | None:
+        """The queue's next entry with a bound below ``limit``, each refined by memory once before it
+        is returned (a refined bound goes back into the queue); None when none is left below it."""
+        while queue:
+            entry = heapq.heappop(queue)
+            lb_t, key, index, lb_m, c = entry
+            if lb_t >= limit:
+                heapq.heappush(queue, entry)
+                return None
+            if lb_m is not None:
+                tighter = self.refine(c, lb_t, lb_m)
+                if tighter is None:
+                    self.stats.pruned_memory += 1
+                    continue
+                if tighter > lb_t:
+                    heapq.heappush(queue, (tighter, key, index, None, c))   # refined: no lb_m needed
+                    continue
+                entry = (lb_t, key, index, None, c)
+            return entry
+        return None
 
     def least_memory_overall(self) -> tuple[float, ParallelConfig | None]:
         """The least peak memory per device over every candidate, and the configuration reaching it
@@ -419,79 +481,3 @@ class Search:
         cfg = self._config(c)
         mem, modes = least_memory(run_tables(est, cfg, m, self.modes), cfg, m)
         return mem, c.with_modes(modes)
-
-
-TIE = 1e-9   # relative: step times closer than this are equal (a communication-bound step sums the same
-             # collectives in another order when the mesh is refolded, e.g. dp=64 vs dp=32 x cp=2)
-
-
-def _better(a: Plan, b: Plan) -> bool:
-    """Faster wins; equal times go to less memory, then to the plainer config (deterministic)."""
-    if not math.isclose(a.step_time, b.step_time, rel_tol=TIE):
-        return a.step_time < b.step_time
-    return (a.peak_memory, _cfg_key(a.config)) < (b.peak_memory, _cfg_key(b.config))
-
-
-def _cfg_key(cfg: ParallelConfig) -> tuple:
-    """Ties go to the plainer config: no context or expert parallelism first, then smaller degrees."""
-    return (cfg.cp, cfg.ep, cfg.dp, cfg.tp, cfg.pp, cfg.micro_batch_size, cfg.schedule, cfg.virtual_stages,
-            cfg.zero, cfg.recompute, cfg.sequence_parallel, cfg.stage_recompute)
-
-
-def alternatives(best: Plan, seen: list[tuple[float, Candidate, Plan | float]], memory: float) -> tuple[Alternative, ...]:
-    """The next-best evaluated configurations and why each lost to ``best``."""
-    plans = [r for _, _, r in seen if isinstance(r, Plan) and r is not best]
-    faster_unfit = sorted(((lb, c, r) for lb, c, r in seen if not isinstance(r, Plan)), key=lambda e: (e[0], e[1].sort_key()))
-    out = []
-    distinct = {}
-    for pl in sorted(plans, key=lambda p: (p.step_time, p.peak_memory, _cfg_key(p.config))):
-        if pl.config != best.config:
-            distinct.setdefault(pl.config, pl)  # the same config with another layout is not an alternative
-    for pl in heapq.nsmallest(TOP_ALTERNATIVES, distinct.values(),
-                              key=lambda p: (p.step_time, p.peak_memory, _cfg_key(p.config))):
-        slower = (pl.step_time / best.step_time - 1) * 100
-        out.append(Alternative(config=pl.config, step_time=pl.step_time, peak_memory=pl.peak_memory, fits=True,
-                               reason=f"slower by {slower:.1f}%", breakdown=pl.breakdown))
-    for lb, c, need in faster_unfit[:3]:
-        if lb >= best.step_time:
-            break
-        out.append(Alternative(config=c.config(), step_time=lb, peak_memory=need, fits=False,
-                               reason=f"does not fit: needs {(need - memory) / 1e9:.1f} GB more per device "
-                                      f"(at least {need / 1e9:.1f} GB; step time bound {lb:.3g} s)"))
-    shown = {a.config for a in out}
-    for degree, label in (("cp", "context"), ("ep", "expert")):
-        if getattr(best.config, degree) == 1:
-            continue
-        without = [pl for pl in distinct.values() if getattr(pl.config, degree) == 1]
-        if without:   # the counterfactual plan.explain() cites, when the search evaluated one
-            pl = min(without, key=lambda p: (p.step_time, p.peak_memory, _cfg_key(p.config)))
-            if pl.config not in shown:
-                slower = (pl.step_time / best.step_time - 1) * 100
-                out.append(Alternative(config=pl.config, step_time=pl.step_time, peak_memory=pl.peak_memory,
-                                       fits=True, reason=f"slower by {slower:.1f}% (the best without {label} "
-                                                         "parallelism)", breakdown=pl.breakdown))
-    return tuple(out)
-
-
-def with_search_results(best: Plan, stats: SearchStats, alts: tuple[Alternative, ...],
-                        sharding: tuple[Mapping[str, Any], ...], variant: str) -> Plan:
-    """The best plan with what the search did: optimal (and the gap when it stopped early), notes,
-    alternatives, the per-op sharding and the search's counts."""
-    optimal = not stats.timed_out and not stats.ilp_stopped_early
-    # the bounds behind the gap hold for the layouts the search had: only when every one is an
-    # ILP optimum is the gap a bound over all plans
-    gap = stats.gap if stats.timed_out and not stats.ilp_stopped_early else None
-    notes = best.notes
-    if stats.timed_out:
-        gap_note = "" if gap is None else f" (no plan is more than {100 * gap:.1f}% faster under the cost model)"
-        notes += ("the search stopped at time_limit: this is the best plan found so far and may not be "
-                  f"optimal{gap_note}",)
-    if stats.ilp_stopped_early:
-        notes += (f"{stats.ilp_stopped_early} sharding ILP(s) stopped at their time or node limit or were sharded "
-                  "greedily: those layouts are the best found, not proven optimal",)
-    notes += tuple(f"sharding ILP fallback: {line}" for line in stats.ilp_fallbacks)
-    extra = dict(best.extra)
-    extra["layout"] = variant
-    extra["search"] = stats.counts()
-    return replace(best, optimal=optimal, gap=gap, notes=notes,
-                   alternatives=alts, sharding=sharding, extra=extra)

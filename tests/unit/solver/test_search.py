@@ -25,6 +25,7 @@ from autopar.models import GPTConfig, build_gpt
 from autopar.models.llama import LlamaConfig, build_llama
 from autopar.solver import solve
 from autopar.plan import Plan
+from autopar.solver.choice import DEFAULT_TIE_TOLERANCE, moving_parts
 from autopar.solver.search import Search
 from autopar.solver.plan_search import layouts_for
 from autopar.solver.sharding_solver import ShardingSolver
@@ -77,7 +78,9 @@ def _reference(graph, spec: str, gbs: int):
 def _check_against_exhaustive(graph, spec: str, gbs: int, fraction: float):
     """Device memory = least + fraction x (peak of the fastest plan - least): above 1 memory does
     not bind, in between the memory limits decide the plan; a negative fraction puts it below
-    the leanest plan's need (least x (1 + fraction / 2)) and nothing fits."""
+    the leanest plan's need (least x (1 + fraction / 2)) and nothing fits. With tie_tolerance=0 the
+    plan is the fastest that fits; with the default (1%), the one with the fewest moving parts among
+    those within 1% of it (choice.py's rule, applied here to the enumeration)."""
     plans = _reference(graph, spec, gbs)
     least = min(peak for _, peak, _ in plans)
     fastest = min(plans, key=lambda p: (p[0], p[1]))
@@ -88,7 +91,7 @@ def _check_against_exhaustive(graph, spec: str, gbs: int, fraction: float):
     cluster = _cluster(spec, memory)
     fitting = [p for p in plans if p[1] <= memory]
     try:
-        plan, _ = solve(graph, cluster, gbs)
+        plan, _ = solve(graph, cluster, gbs, tie_tolerance=0)
     except InfeasiblePlanError as exc:
         assert not fitting, f"solver found nothing, exhaustive found {min(fitting, key=lambda p: p[0])[2].short()}"
         need = float(re.search(r"leanest plan needs ([0-9.e+-]+) GB", str(exc)).group(1)) * 1e9
@@ -99,6 +102,13 @@ def _check_against_exhaustive(graph, spec: str, gbs: int, fraction: float):
     assert plan.fits and plan.peak_memory <= memory
     assert plan.step_time == pytest.approx(ref[0], rel=1e-9), (plan.config.short(), ref[2].short())
     assert plan.optimal is True
+
+    chosen, _ = solve(graph, cluster, gbs)          # the default tie tolerance
+    band = [p for p in fitting if p[0] <= ref[0] * (1 + DEFAULT_TIE_TOLERANCE) * (1 + 1e-9)]
+    simplest = min(band, key=lambda p: (moving_parts(p[2]), p[0]))
+    assert chosen.fits and chosen.peak_memory <= memory and chosen.optimal is True
+    assert moving_parts(chosen.config) == moving_parts(simplest[2]), (chosen.config.short(), simplest[2].short())
+    assert chosen.step_time == pytest.approx(simplest[0], rel=1e-9), (chosen.config.short(), simplest[2].short())
 
 
 FRACTIONS = [-0.5, 0.001, 0.05, 0.2, 0.5, 0.8, 0.999, 2.0]
