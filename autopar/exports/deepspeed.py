@@ -1,0 +1,189 @@
+"""DeepSpeed: the plan as a DeepSpeed config JSON (``deepspeed.initialize(config=...)``).
+
+Keys and meanings are DeepSpeed's configuration reference (https://www.deepspeed.ai/docs/config-json/)
+and its source, release 0.19: ``deepspeed/runtime/config.py`` (``DeepSpeedConfig``: the batch triple
+must satisfy ``train_batch_size == train_micro_batch_size_per_gpu * gradient_accumulation_steps *
+data-parallel world size``), ``deepspeed/runtime/zero/config.py`` (``zero_optimization.stage``),
+``deepspeed/runtime/tensor_parallel/config.py`` (``tensor_parallel.autotp_size``, AutoTP training),
+``deepspeed/module_inject/auto_ep_config.py`` (``expert_parallel.autoep_size``) and
+``get_pipeline_config`` (``pipeline.activation_checkpoint_interval``, read by the pipeline engine).
+
+JSON has no comments: every field's source is in :attr:`Export.fields` (``autopar export --trace``
+prints them) and what DeepSpeed cannot express is in :attr:`Export.warnings`, which the command prints.
+
+What DeepSpeed takes in code rather than in its config, and so is reported, not written: the pipeline
+(``PipelineModule(layers, num_stages=pp, partition_method=...)``: its degree, its partition, which
+``partition_method`` cannot give layer by layer, and its one schedule, 1F1B without interleaving), the
+optimizer (``deepspeed.initialize(optimizer=...)``) and, without a pipeline, which layers are
+checkpointed. Not in DeepSpeed at all: Megatron's sequence parallelism (AutoTP shards the layers
+only), ring-attention context parallelism (DeepSpeed's Ulysses ``sequence_parallel_size`` all-to-alls
+the heads instead, another algorithm: the plan's context-parallel ranks become data-parallel ranks that
+take whole sequences, with the accumulation steps divided to keep the batch), and ZeRO-2/3 with a
+pipeline (``PipelineEngine``: "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"), written
+as ZeRO-1 with the memory that adds.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from .common import Export, Field, base_warnings, chunks_in_order, gb, recompute_mode, unsharded_memory
+
+if TYPE_CHECKING:
+    from ..plan import Plan
+
+CONFIG_JSON = "https://www.deepspeed.ai/docs/config-json/"
+ZERO = "deepspeed/runtime/zero/config.py DeepSpeedZeroConfig.stage"
+AUTOTP = "deepspeed/runtime/tensor_parallel/config.py TPTrainingConfig.autotp_size (AutoTP training tutorial)"
+AUTOEP = "deepspeed/module_inject/auto_ep_config.py parse_autoep_config: autoep_size"
+PIPELINE = ("deepspeed/runtime/config.py get_pipeline_config: activation_checkpoint_interval "
+            "(deepspeed/runtime/pipe/engine.py sets PipelineModule.activation_checkpoint_interval)")
+DTYPES = "deepspeed/runtime/constants.py DATA_TYPES: grad_accum_dtype"
+
+
+def export(plan: "Plan") -> Export:
+    cfg, prec = plan.config, plan.precision
+    fields: list[Field] = []
+    warnings = base_warnings(plan)
+
+    def add(key: str, value: Any, sources: tuple[str, ...], doc: str, note: str = "") -> None:
+        fields.append(Field(key, value, sources, doc, note))
+
+    # DeepSpeed's data-parallel world is every rank outside tensor and pipeline parallelism; without
+    # context parallelism the plan's cp ranks are among them, each taking whole sequences.
+    ranks = cfg.dp * cfg.cp
+    accumulation, global_batch = plan.micro_batches, plan.global_batch_size
+    batch_sources: tuple[str, ...] = ("global_batch_size",)
+    if cfg.cp > 1:
+        if plan.micro_batches % cfg.cp == 0:
+            accumulation //= cfg.cp
+        else:
+            global_batch = cfg.micro_batch_size * accumulation * ranks
+            batch_sources += ("config.cp",)
+        warnings.append(f"config.cp = {cfg.cp} (ring-attention context parallelism): DeepSpeed has none (its Ulysses "
+                        "sequence_parallel_size splits the heads with all-to-alls, another algorithm with other limits); "
+                        f"the {cfg.cp} context-parallel ranks become data-parallel ranks ({ranks}) that each take whole "
+                        f"sequences: {accumulation} accumulation steps"
+                        + (f" and a global batch of {global_batch} instead of {plan.global_batch_size}"
+                           if global_batch != plan.global_batch_size else "")
+                        + f", a plan autopar did not price (price it with --config dp={ranks},cp=1)")
+    add("train_batch_size", global_batch, batch_sources, CONFIG_JSON + " train_batch_size")
+    add("train_micro_batch_size_per_gpu", cfg.micro_batch_size, ("config.micro_batch_size",),
+        CONFIG_JSON + " train_micro_batch_size_per_gpu")
+    add("gradient_accumulation_steps", accumulation, ("micro_batches", "config.cp") if cfg.cp > 1 else ("micro_batches",),
+        CONFIG_JSON + " gradient_accumulation_steps",
+        "the context-parallel ranks take whole sequences" if cfg.cp > 1 else "")
+
+    zero = cfg.zero
+    if cfg.pp > 1 and zero >= 2:
+        peak, fits = unsharded_memory(plan, 1)
+        warnings.append(f"config.zero = {zero} with pp = {cfg.pp}: DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3 "
+                        "(\"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism\", runtime/pipe/engine.py); "
+                        f"written as stage 1, which keeps gradients{' and parameters' if zero == 3 else ''} whole: "
+                        f"about {gb(peak)} per device at the peak instead of {gb(plan.peak_memory)}, which "
+                        f"{'still fits' if fits else 'does not fit'} the {gb(plan.cluster.device.memory)} device")
+        zero = 1
+    sources, note = ("config.zero", "config.pp"), "the pipeline engine's highest stage"
+    if zero == 0 and prec.grads != prec.compute:
+        warnings.append(f"config.zero = 0 with {prec.compute} weights and {prec.grads} gradients: DeepSpeed accumulates "
+                        "gradients in another dtype than the weights only under ZeRO (DeepSpeedEngine."
+                        "_do_optimizer_sanity_check: \"unsupported mix\"); written as stage 1, which also shards the "
+                        "optimizer state: less memory than the plan, the same bytes on the network")
+        zero, sources, note = 1, ("config.zero", "precision.grads", "precision.compute"), \
+            f"ZeRO keeps {prec.grads} gradients of {prec.compute} weights"
+    add("zero_optimization.stage", zero, sources if zero != cfg.zero else ("config.zero",),
+        CONFIG_JSON + " zero_optimization.stage; " + ZERO, "" if zero == cfg.zero else note)
+
+    _precision(plan, add, warnings)
+    if cfg.tp > 1:
+        add("tensor_parallel.autotp_size", cfg.tp, ("config.tp",), AUTOTP)
+        if cfg.pp > 1:
+            warnings.append("config.tp > 1 with a pipeline: AutoTP shards a Hugging Face model's layers, while a "
+                            "PipelineModule takes its tensor parallelism from the model code (Megatron-DeepSpeed's "
+                            "mpu); autotp_size is written for the former")
+        if cfg.sequence_parallel:
+            warnings.append("config.sequence_parallel = true: DeepSpeed's AutoTP shards the linear layers only; the "
+                            "norms and dropout stay whole on every tensor-parallel rank (more activation memory than "
+                            "the plan). Megatron-DeepSpeed's --sequence-parallel is a model-code argument")
+    if cfg.ep > 1:
+        add("expert_parallel.autoep_size", cfg.ep, ("config.ep",), AUTOEP)
+    if cfg.pp > 1:
+        _pipeline(plan, add, warnings)
+    else:
+        _recompute_in_code(plan, warnings)
+    warnings.append(f"precision.optimizer = {prec.optimizer!r}: DeepSpeed takes the optimizer from the code "
+                    f"(deepspeed.initialize(optimizer=torch.optim.{'AdamW' if prec.optimizer == 'adam' else 'SGD'}"
+                    "(...))) or from an \"optimizer\" section with its learning rate, which the plan does not hold")
+    text = json.dumps(_nest(fields), indent=2) + "\n"
+    return Export("DeepSpeed", text, tuple(fields), tuple(warnings), "ds_config.json")
+
+
+def _precision(plan: "Plan", add, warnings: list[str]) -> None:
+    prec = plan.precision
+    add("bf16.enabled", prec.compute == "bf16", ("precision.compute",), CONFIG_JSON + " bf16.enabled")
+    add("fp16.enabled", prec.compute == "fp16", ("precision.compute",), CONFIG_JSON + " fp16.enabled",
+        "dynamic loss scaling" if prec.compute == "fp16" else "")
+    add("data_types.grad_accum_dtype", prec.grads, ("precision.grads",), CONFIG_JSON + " data_types; " + DTYPES)
+    add("communication_data_type", prec.grads, ("precision.grads",), CONFIG_JSON + " communication_data_type")
+    if prec.compute != "fp32" and not prec.master_weights:
+        warnings.append("precision.master_weights = false: DeepSpeed's 16-bit optimizers keep fp32 master weights "
+                        "(4 more bytes per parameter than the plan)")
+    if prec.kernels == "compiled":
+        warnings.append("precision.kernels = 'compiled': DeepSpeed compiles in code (engine.compile()); the config "
+                        "does not say it")
+    elif prec.kernels == "fused":
+        warnings.append("precision.kernels = 'fused' (hand-fused kernels): DeepSpeed runs the model's own kernels "
+                        "(eager unless the model fuses them), which move more bytes: slower than the plan predicts")
+
+
+def _pipeline(plan: "Plan", add, warnings: list[str]) -> None:
+    cfg = plan.config
+    mode, lost = recompute_mode(plan, "DeepSpeed")
+    warnings.extend(lost)
+    interval = 0 if mode == "none" else 1
+    add("pipeline.activation_checkpoint_interval", interval,
+        ("config.stage_recompute",) if cfg.stage_recompute else ("config.recompute",), PIPELINE,
+        "every layer checkpointed" if interval else "no checkpointing")
+    if mode == "selective":
+        warnings.append("config.recompute = 'selective' (attention's core): DeepSpeed's pipeline checkpoints whole "
+                        "layers; written as activation_checkpoint_interval 1 (full), which keeps less and recomputes "
+                        "more")
+    elif cfg.recompute_layers:
+        warnings.append(f"config.recompute_layers = {cfg.recompute_layers} (the first layers of each chunk): DeepSpeed "
+                        "checkpoints every layer or none; written as activation_checkpoint_interval 1 (every layer)")
+    starts = ", ".join(chunk[0] for chunk in chunks_in_order(plan))
+    warnings.append(f"config.pp = {cfg.pp}: DeepSpeed's pipeline is built in code, PipelineModule(layers, "
+                    f"num_stages={cfg.pp}, partition_method=...), and partition_method ('parameters', 'uniform', "
+                    f"'type:regex') cannot give the plan's stage boundaries, which start at: {starts}")
+    if cfg.schedule == "interleaved":
+        warnings.append(f"config.schedule = 'interleaved' ({cfg.virtual_stages} model chunks per device): DeepSpeed's "
+                        "pipeline runs its own 1F1B schedule (TrainSchedule) with one chunk per device, which has a "
+                        "larger bubble than the plan's")
+    elif cfg.schedule == "gpipe":
+        warnings.append("config.schedule = 'gpipe': DeepSpeed's pipeline runs 1F1B (TrainSchedule), which holds fewer "
+                        "micro-batches' activations and has the same bubble")
+
+
+def _recompute_in_code(plan: "Plan", warnings: list[str]) -> None:
+    mode, lost = recompute_mode(plan, "DeepSpeed")
+    if mode == "none":
+        return
+    warnings.extend(lost)
+    what = {"full": "each transformer block" + (f" (the first {plan.config.recompute_layers} of each chunk)"
+                                                  if plan.config.recompute_layers else ""),
+            "selective": "attention's core (selective)"}[mode]
+    warnings.append(f"config.recompute = {mode!r}: without a pipeline DeepSpeed checkpoints what the model code "
+                    f"wraps: {what} in deepspeed.checkpointing.checkpoint, or model.gradient_checkpointing_enable() "
+                    "for a Hugging Face model (every block, full)")
+
+
+def _nest(fields: list[Field]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields:
+        *path, last = f.key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = f.value
+    return out

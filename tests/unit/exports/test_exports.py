@@ -1,0 +1,579 @@
+"""Plan exports (autopar/exports): golden files per stack, every field traced to the plan, each file valid
+for its stack, and what a stack cannot express said rather than dropped.
+
+The goldens are GPT-3 175B on 128 x 8 A100 (Megatron-LM's published recipe) and Llama 3 70B on 8 x 8
+H100 (torchtitan's), made from the two plans stored in data/; regenerate them with
+``python tests/unit/exports/make_goldens.py`` (make_goldens.py says where each recipe comes from).
+Every file is checked against a schema written from its stack's source (export_schemas.py), and,
+where the stack imports, read by the stack's own loader (torchtitan's ConfigManager, accelerate's
+load_config_from_file, DeepSpeed's DeepSpeedConfig). The three stacks are in the dev extras
+(pyproject.toml), so `make test` runs those loaders; in an environment without them those tests skip,
+the schema tests never do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import importlib.util
+import json
+import os
+import sys
+
+try:
+    import tomllib
+except ModuleNotFoundError:   # Python 3.10
+    import tomli as tomllib
+
+import pytest
+
+import autopar
+from autopar import ConfigError
+from autopar.cli import main
+from autopar.exports import STACKS, export
+
+sys.path.insert(0, os.path.dirname(__file__))
+import export_schemas as schemas  # noqa: E402
+from make_goldens import RECIPES, STACK_FILES, golden_path, plan_path  # noqa: E402
+
+PLANS = sorted(RECIPES)
+CONSTANTS = {("accelerate", "compute_environment"), ("accelerate", "fsdp_config.fsdp_version")}
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, autopar.Plan]:
+    return {name: autopar.load_plan(plan_path(name)) for name in PLANS}
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def _resolve(data, path: str) -> list:
+    """The values at a dotted path of Plan.to_dict() ("stages[].chunks", "extra.inputs.kwargs.x.shape[1]")."""
+    values = [data]
+    for part in path.split("."):
+        name, _, index = part.partition("[")
+        nxt = []
+        for v in values:
+            assert isinstance(v, dict) and name in v, f"plan has no field {path!r} (at {name!r})"
+            v = v[name]
+            if index == "]":
+                nxt.extend(v)
+            elif index:
+                nxt.append(v[int(index.rstrip("]"))])
+            else:
+                nxt.append(v)
+        values = nxt
+    return values
+
+
+def _yaml(text: str) -> dict:
+    """The exports' YAML (two levels of `key: scalar`), read without PyYAML; checked against it below."""
+    out: dict = {}
+    section = None
+    for line in text.splitlines():
+        body = line.split("  #", 1)[0].rstrip()
+        if not body or body.startswith("#"):
+            continue
+        key, _, value = body.strip().partition(":")
+        value = value.strip()
+        if not value:
+            section = out.setdefault(key, {})
+            continue
+        scalar = (True if value == "true" else False if value == "false" else int(value) if value.isdigit()
+                  else value.strip("'"))
+        (section if line.startswith("  ") else out)[key] = scalar
+    return out
+
+
+def parsed(result, tmp_path) -> dict:
+    """The exported file read back as its stack reads it, flattened to the exporter's field keys."""
+    if result.stack == "torchtitan":
+        return _flat(tomllib.loads(result.text))
+    if result.stack == "DeepSpeed":
+        return _flat(json.loads(result.text))
+    if result.stack == "accelerate":
+        data = _yaml(result.text)
+        yaml = _optional("yaml")
+        if yaml is not None:
+            assert yaml.safe_load(result.text) == data
+        return _flat(data)
+    path = tmp_path / "args.sh"
+    path.write_text(result.text)
+    arrays = schemas.bash_arrays(str(path))
+    out = {"env CUDA_DEVICE_MAX_CONNECTIONS": arrays["E"][0]} if arrays["E"][0] else {}
+    for prefix, tokens in (("torchrun ", arrays["T"]), ("", arrays["M"])):
+        i = 0
+        while i < len(tokens):
+            if i + 1 < len(tokens) and not tokens[i + 1].startswith("--"):
+                out[prefix + tokens[i]] = tokens[i + 1]
+                i += 2
+            else:
+                out[prefix + tokens[i]] = True
+                i += 1
+    return out
+
+
+def _optional(name: str):
+    return importlib.import_module(name) if importlib.util.find_spec(name) else None
+
+
+# --- goldens ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stack", STACKS)
+@pytest.mark.parametrize("name", PLANS)
+def test_export_matches_golden(plans, name, stack):
+    text = export(plans[name], stack).text
+    golden = golden_path(name, stack).read_text()
+    if text != golden:
+        diff = "".join(difflib.unified_diff(golden.splitlines(True), text.splitlines(True), "golden", "export"))
+        pytest.fail(f"{stack} export of {name} differs from {golden_path(name, stack).name}; if the change is "
+                    f"intended, run python tests/unit/exports/make_goldens.py and review the diff:\n{diff}")
+
+
+def test_stored_plans_are_the_published_recipes(plans):
+    for name, recipe in RECIPES.items():
+        plan = plans[name]
+        assert plan.model_name == recipe["model"] and plan.global_batch_size == recipe["global_batch"]
+        assert plan.cluster.devices == autopar.Cluster.from_spec(recipe["cluster"]).devices
+        for field, value in {**recipe["config"], **recipe["precision"]}.items():
+            assert getattr(plan.config if field in recipe["config"] else plan.precision, field) == value, field
+        assert plan.fits, f"{name} does not fit: the recipe is a published, running one"
+
+
+# --- every field traced -------------------------------------------------------------------------------
+def check_export(plan: autopar.Plan, stack: str, tmp_path) -> "autopar.exports.Export":
+    """The export of ``plan``: each field cites its documentation and resolves to plan fields (or is one
+    of the formats' few constants), the file read back holds exactly the fields, each field's comment
+    is in the file where the format has comments, and the file passes its stack's schema."""
+    result = export(plan, stack)
+    data = plan.to_dict()
+    for f in result.fields:
+        assert f.doc, f"{f.key} cites no documentation"
+        if not f.sources:
+            assert (stack, f.key) in CONSTANTS, f"{stack} {f.key} comes from no plan field"
+        for source in f.sources:
+            assert _resolve(data, source), f"{f.key}: source {source} is empty"
+    keys = [f.key for f in result.fields]
+    assert len(keys) == len(set(keys)), "a key written twice"
+    expected = {f.key: f.value for f in result.fields}
+    if stack == "megatron":   # bash gives strings
+        expected = {k: v if v is True else str(v) for k, v in expected.items()}
+    assert parsed(result, tmp_path) == expected
+    if stack != "deepspeed":   # the formats with comments name each value's source, and what is lost
+        for f in result.fields:
+            assert f.comment() in result.text, f.key
+        flat = " ".join(line.lstrip("# ").strip() for line in result.text.splitlines() if line.startswith("#"))
+        for w in result.warnings:
+            assert " ".join(w.split()) in flat, w
+    if stack == "torchtitan":
+        schemas.check_torchtitan(tomllib.loads(result.text), plan.devices)
+    elif stack == "megatron":
+        result.write(tmp_path / "args.sh")
+        schemas.check_megatron(schemas.bash_arrays(str(tmp_path / "args.sh")), plan.devices)
+    elif stack == "deepspeed":
+        schemas.check_deepspeed(json.loads(result.text), plan.devices, plan.config.pp)
+    else:
+        schemas.check_accelerate(_yaml(result.text))
+    return result
+
+
+@pytest.mark.parametrize("stack", STACKS)
+@pytest.mark.parametrize("name", PLANS)
+def test_every_field_is_traced_and_the_file_holds_exactly_the_fields(plans, name, stack, tmp_path):
+    check_export(plans[name], stack, tmp_path)
+
+
+# What each stack's core fields must be, computed from the plan here, independently of the exporters.
+def _expected(plan: autopar.Plan, stack: str) -> dict:
+    cfg, seq = plan.config, plan.extra["inputs"]["kwargs"]["input_ids"]["shape"][1]
+    if stack == "torchtitan":
+        return {"parallelism.tensor_parallel_degree": cfg.tp, "parallelism.pipeline_parallel_degree": cfg.pp,
+                "parallelism.context_parallel_degree": cfg.cp, "parallelism.data_parallel_shard_degree": cfg.dp,
+                "training.seq_len": seq, "training.global_batch_size": plan.global_batch_size,
+                "training.local_batch_size": cfg.micro_batch_size * (plan.micro_batches if cfg.pp > 1 else 1)}
+    if stack == "megatron":
+        return {"--tensor-model-parallel-size": cfg.tp, "--pipeline-model-parallel-size": cfg.pp,
+                "--micro-batch-size": cfg.micro_batch_size, "--global-batch-size": plan.global_batch_size,
+                "--seq-length": seq, f"--{plan.precision.compute}": True,
+                "--recompute-granularity": cfg.recompute, "torchrun --nnodes": plan.cluster.nodes}
+    if stack == "deepspeed":
+        return {"train_batch_size": plan.global_batch_size, "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+                "gradient_accumulation_steps": plan.micro_batches, "tensor_parallel.autotp_size": cfg.tp,
+                f"{plan.precision.compute}.enabled": True}
+    return {"num_processes": plan.devices, "num_machines": plan.cluster.nodes,
+            "mixed_precision": plan.precision.compute, "parallelism_config.parallelism_config_tp_size": cfg.tp,
+            "fsdp_config.fsdp_activation_checkpointing": cfg.recompute != "none"}
+
+
+@pytest.mark.parametrize("stack", STACKS)
+@pytest.mark.parametrize("name", PLANS)
+def test_core_fields_carry_the_plan_values(plans, name, stack):
+    result = export(plans[name], stack)
+    for key, value in _expected(plans[name], stack).items():
+        assert result.field(key).value == value, key
+
+
+# --- valid for each stack: schema from its documentation, and its own loader where it imports ---------
+@pytest.mark.parametrize("name", PLANS)
+def test_files_follow_the_stacks_schemas(plans, name, tmp_path):
+    plan = plans[name]
+    schemas.check_torchtitan(tomllib.loads(export(plan, "torchtitan").text), plan.devices)
+    export(plan, "megatron", tmp_path / "args.sh")
+    schemas.check_megatron(schemas.bash_arrays(str(tmp_path / "args.sh")), plan.devices)
+    schemas.check_deepspeed(json.loads(export(plan, "deepspeed").text), plan.devices, plan.config.pp)
+    schemas.check_accelerate(_yaml(export(plan, "accelerate").text))
+
+
+def test_schemas_refuse_what_the_stacks_refuse(plans, tmp_path):
+    """The schema checks can fail: a misspelt key, a bad degree product, a bad layout."""
+    plan = plans["gpt3-175b_128x8xA100"]
+    titan = tomllib.loads(export(plan, "torchtitan").text)
+    with pytest.raises(AssertionError, match="unknown key"):
+        schemas.check_torchtitan({**titan, "parallelism": {**titan["parallelism"], "tensor_parallel_degre": 8}},
+                                 plan.devices)
+    with pytest.raises(AssertionError, match="!= 1024"):
+        schemas.check_torchtitan({**titan, "parallelism": {**titan["parallelism"], "tensor_parallel_degree": 4}},
+                                 plan.devices)
+    megatron = {"T": ["--nnodes", "128", "--nproc-per-node", "8"], "E": ["1"],
+                "M": ["--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16", "--num-layers", "96",
+                      "--pipeline-model-parallel-layout", "Et*47|t*49L", "--micro-batch-size", "1",
+                      "--global-batch-size", "1536"]}
+    with pytest.raises(AssertionError, match="not divisible by pp"):
+        schemas.check_megatron(megatron, plan.devices)
+    megatron["M"][-5] = "|".join(["t*6"] * 16) + "L"
+    with pytest.raises(AssertionError, match="the embedding"):
+        schemas.check_megatron(megatron, plan.devices)
+    megatron["M"][-5] = "E" + "|".join(["t*6"] * 16) + "L"
+    schemas.check_megatron(megatron, plan.devices)      # a valid layout passes
+    with pytest.raises(AssertionError, match="CUDA_DEVICE_MAX_CONNECTIONS"):
+        schemas.check_megatron({**megatron, "E": [""]}, plan.devices)
+    ds = json.loads(export(plan, "deepspeed").text)
+    with pytest.raises(AssertionError, match="incompatible|< 2"):
+        schemas.check_deepspeed({**ds, "zero_optimization": {"stage": 3}}, plan.devices, plan.config.pp)
+    with pytest.raises(AssertionError, match="unsupported mix"):
+        schemas.check_deepspeed({**ds, "data_types": {"grad_accum_dtype": "fp32"}}, plan.devices, plan.config.pp)
+    with pytest.raises(AssertionError, match="unknown key"):
+        schemas.check_accelerate({**_yaml(export(plan, "accelerate").text), "fsdp_sharding": 1})
+
+
+# --- other configurations: the same checks on plans the goldens do not cover ----------------------
+def with_partition(plan: autopar.Plan, chunks: list[list[str]], **changes) -> autopar.Plan:
+    """``plan`` with other config fields and its layers cut into ``chunks`` (model order: chunk c on
+    device c % pp), for the cases no stored plan has."""
+    cfg = dataclasses.replace(plan.config, **changes)
+    pp, v = cfg.pp, cfg.virtual_stages
+    assert len(chunks) == pp * v
+    stages = []
+    for d in range(pp):
+        own = tuple(tuple(chunks[k * pp + d]) for k in range(v))
+        stages.append(dataclasses.replace(plan.stages[min(d, len(plan.stages) - 1)], index=d, chunks=own,
+                                          layers=tuple(n for c in own for n in c)))
+    return dataclasses.replace(plan, config=cfg, stages=tuple(stages))
+
+
+def even_chunks(plan: autopar.Plan, n: int, shift: int = 0) -> list[list[str]]:
+    """The plan's layers in ``n`` model chunks: the blocks evenly (``shift`` blocks moved from the first
+    chunk to the last), the layers before them in the first, after them in the last."""
+    layers = autopar.exports.common.layers_of(plan)
+    per = len(layers.blocks) // n
+    sizes = [per - shift] + [per] * (n - 2) + [per + shift] if n > 1 else [per]
+    chunks, i = [], 0
+    for size in sizes:
+        chunks.append(list(layers.blocks[i:i + size]))
+        i += size
+    chunks[0][:0] = layers.pre
+    chunks[-1].extend(layers.post)
+    return chunks
+
+
+VARIANTS = [   # (stored plan, config changes, precision changes, blocks moved from the first chunk to the last)
+    ("llama3-70b_8x8xH100", dict(dp=4, tp=4, pp=4, zero=1, recompute="selective"), {}, 0),
+    ("llama3-70b_8x8xH100", dict(dp=2, tp=8, pp=4, schedule="interleaved", virtual_stages=2, zero=0,
+                                 recompute="full", recompute_layers=5), dict(kernels="compiled"), 0),
+    ("llama3-70b_8x8xH100", dict(dp=8, tp=1, pp=8, schedule="gpipe", zero=2, recompute="none",
+                                 stage_recompute=("full",) * 4 + ("selective", "none", "none", "none"),
+                                 sequence_parallel=False), dict(grads="bf16", optimizer="sgd"), 2),
+    ("llama3-70b_8x8xH100", dict(dp=64, tp=1, zero=0, sequence_parallel=False, micro_batch_size=1,
+                                 recompute="none"), dict(compute="fp32", grads="fp32"), 0),
+    ("llama3-70b_8x8xH100", dict(dp=16, tp=2, cp=2, zero=3, micro_batch_size=1), dict(master_weights=False), 0),
+    ("llama3-70b_8x8xH100", dict(dp=8, tp=8, ep=4, zero=2, micro_batch_size=1), {}, 0),
+    ("gpt3-175b_128x8xA100", dict(dp=16, pp=8, schedule="1f1b", virtual_stages=1, zero=3), dict(compute="bf16"), 3),
+]
+
+
+def variant_plan(plans: dict[str, autopar.Plan], variant: int) -> autopar.Plan:
+    name, changes, precision, shift = VARIANTS[variant]
+    plan = plans[name]
+    cfg = dataclasses.replace(plan.config, **changes)
+    plan = with_partition(plan, even_chunks(plan, cfg.pp * cfg.virtual_stages, shift), **changes)
+    return dataclasses.replace(plan, precision=dataclasses.replace(plan.precision, **precision),
+                               micro_batches=plan.global_batch_size // (cfg.dp * cfg.micro_batch_size))
+
+
+CASES = PLANS + [f"variant {i}" for i in range(len(VARIANTS))]
+
+
+def case_plan(plans: dict[str, autopar.Plan], case: str) -> autopar.Plan:
+    return plans[case] if case in plans else variant_plan(plans, int(case.split()[1]))
+
+
+@pytest.mark.parametrize("stack", STACKS)
+@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+def test_other_configurations_export_traced_and_valid(plans, variant, stack, tmp_path):
+    """Configurations the goldens do not have (every schedule, ZeRO stage, partial and per-stage
+    recomputation, an uneven partition, context and expert parallelism, other precisions): each export
+    is traced, holds its fields and passes its stack's schema."""
+    plan = variant_plan(plans, variant)
+    result = check_export(plan, stack, tmp_path)
+    if plan.config.stage_recompute:
+        assert any("config.stage_recompute" in w for w in result.warnings)
+
+
+def _torchtitan_config_manager():
+    """torchtitan's ConfigManager without running torchtitan/__init__.py (which imports its MoE kernels and
+    so triton, absent on a CPU machine): the config package is plain Python over torch and tyro."""
+    if importlib.util.find_spec("tyro") is None:
+        pytest.skip("torchtitan's config needs tyro, which is not installed")
+    if "torchtitan" not in sys.modules:
+        spec = importlib.util.find_spec("torchtitan")
+        if spec is None:
+            pytest.skip("torchtitan (0.1-0.2, the TOML JobConfig) is not installed")
+        sys.modules["torchtitan"] = importlib.util.module_from_spec(spec)   # the package, its __init__ not run
+    try:
+        from torchtitan.config import ConfigManager
+    except ImportError as exc:
+        pytest.skip(f"torchtitan's TOML JobConfig does not import ({exc}): torchtitan 0.3 has no TOML files")
+    return ConfigManager
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_torchtitan_loads_the_toml(plans, name, tmp_path):
+    ConfigManager = _torchtitan_config_manager()
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    plan = case_plan(plans, name)
+    result = export(plan, "torchtitan", tmp_path / "t.toml")
+    config = ConfigManager().parse_args(["--job.config_file", str(tmp_path / "t.toml")])
+    for f in result.fields:
+        section, key = f.key.split(".", 1)
+        assert getattr(getattr(config, section), key) == f.value, f.key
+    par = config.parallelism
+    ParallelDims(dp_replicate=par.data_parallel_replicate_degree, dp_shard=par.data_parallel_shard_degree,
+                 cp=par.context_parallel_degree, tp=par.tensor_parallel_degree, pp=par.pipeline_parallel_degree,
+                 ep=par.expert_parallel_degree, etp=par.expert_tensor_parallel_degree,
+                 world_size=plan.devices)
+    (tmp_path / "bad.toml").write_text(result.text.replace("tensor_parallel_degree", "tensor_parallel_degre"))
+    with pytest.raises(ValueError, match="Invalid field names"):
+        ConfigManager().parse_args(["--job.config_file", str(tmp_path / "bad.toml")])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_accelerate_loads_the_yaml(plans, name, tmp_path):
+    if importlib.util.find_spec("accelerate") is None:
+        pytest.skip("accelerate is not installed")
+    from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+    plan = case_plan(plans, name)
+    result = export(plan, "accelerate", tmp_path / "a.yaml")
+    config = load_config_from_file(str(tmp_path / "a.yaml"))
+    assert isinstance(config, ClusterConfig)
+    assert config.distributed_type.value == result.field("distributed_type").value
+    assert config.num_processes == plan.devices and config.mixed_precision == result.field("mixed_precision").value
+    # launch copies fsdp_config / parallelism_config entries onto its arguments by name: each must be one
+    dests = {a.dest for a in launch_command_parser()._actions}
+    for key in ("fsdp_config", "parallelism_config", "dynamo_config"):
+        assert set(getattr(config, key)) <= dests, (key, set(getattr(config, key)) - dests)
+    (tmp_path / "bad.yaml").write_text(result.text + "fsdp_sharding: 1\n")
+    with pytest.raises(ValueError, match="unknown keys"):
+        load_config_from_file(str(tmp_path / "bad.yaml"))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_deepspeed_loads_the_json(plans, name, tmp_path, monkeypatch):
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed")
+    import deepspeed.runtime.config as ds_config
+    plan = case_plan(plans, name)
+    result = export(plan, "deepspeed", tmp_path / "ds.json")
+    cfg = plan.config
+    dp = plan.devices // (cfg.tp * cfg.pp)
+
+    class Mpu:   # what DeepSpeedConfig asks of a model-parallel unit: the data-parallel world size
+        def get_data_parallel_world_size(self):
+            return dp
+    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
+    config = ds_config.DeepSpeedConfig(str(tmp_path / "ds.json"), mpu=Mpu())   # batch assertion included
+    assert config.train_batch_size == result.field("train_batch_size").value
+    assert config.gradient_accumulation_steps == result.field("gradient_accumulation_steps").value
+    if cfg.cp == 1:
+        assert (config.train_batch_size, config.gradient_accumulation_steps) == (plan.global_batch_size,
+                                                                                plan.micro_batches)
+    assert config.zero_optimization_stage == result.field("zero_optimization.stage").value
+    assert config.bfloat16_config.enabled == (plan.precision.compute == "bf16")
+    assert config.float16_config.enabled == (plan.precision.compute == "fp16")
+    assert config.tensor_parallel_config.autotp_size == (cfg.tp if cfg.tp > 1 else 0)
+    bad = json.loads(result.text)
+    bad["train_batch_size"] += 1
+    with pytest.raises(AssertionError):
+        ds_config.DeepSpeedConfig(bad, mpu=Mpu())
+
+
+# --- what a stack cannot express is said ------------------------------------------------------------
+def test_uneven_partition_is_a_megatron_layout_and_torchtitan_module_lists(plans, tmp_path):
+    plan = plans["gpt3-175b_128x8xA100"]
+    order = [n for c in autopar.exports.common.chunks_in_order(plan) for n in c]
+    # 8 stages, 1F1B: the first holds the embeddings and 10 blocks, the last 14 blocks and the head
+    sizes = [12, 12, 12, 12, 12, 12, 12, 16]
+    chunks, i = [], 0
+    for size in sizes:
+        chunks.append(order[i:i + size])
+        i += size
+    uneven = with_partition(plan, chunks, dp=16, pp=8, schedule="1f1b", virtual_stages=1)
+    uneven = dataclasses.replace(uneven, micro_batches=96)
+    meg = export(uneven, "megatron", tmp_path / "m.sh")
+    layout = meg.field("--pipeline-model-parallel-layout").value
+    assert layout == "Et*10|" + "|".join(["t*12"] * 6) + "|t*14L"
+    schemas.check_megatron(schemas.bash_arrays(str(tmp_path / "m.sh")), uneven.devices)
+    titan = export(uneven, "torchtitan").field("parallelism.module_fqns_per_model_part").value
+    assert [len(p) for p in titan] == [11, 12, 12, 12, 12, 12, 12, 16]
+    assert titan[0][:2] == ["tok_embeddings", "layers.0"] and titan[-1][-2:] == ["norm", "output"]
+    ds = export(uneven, "deepspeed")
+    assert any("stage boundaries" in w and "blocks.10" in w for w in ds.warnings)
+
+
+def test_per_stage_recompute_is_said_by_every_stack(plans):
+    plan = plans["gpt3-175b_128x8xA100"]
+    order = [n for c in autopar.exports.common.chunks_in_order(plan) for n in c]
+    chunks = [order[i * 25:(i + 1) * 25] for i in range(3)] + [order[75:]]
+    mixed = with_partition(plan, chunks, dp=32, pp=4, schedule="1f1b", virtual_stages=1, recompute="none",
+                           stage_recompute=("full", "full", "selective", "none"))
+    mixed = dataclasses.replace(mixed, micro_batches=48)
+    for stack in STACKS:
+        result = export(mixed, stack)
+        assert any("config.stage_recompute" in w and "'full' everywhere" in w for w in result.warnings), stack
+        if stack != "deepspeed":
+            assert "config.stage_recompute" in result.text    # in the file's comments too
+    assert export(mixed, "megatron").field("--recompute-granularity").value == "full"
+    assert export(mixed, "torchtitan").field("activation_checkpoint.mode").value == "full"
+    assert export(mixed, "deepspeed").field("pipeline.activation_checkpoint_interval").value == 1
+
+
+def test_zero3_with_a_pipeline_falls_back_where_stacks_forbid_it(plans):
+    plan = plans["gpt3-175b_128x8xA100"]
+    zero3 = dataclasses.replace(plan, config=dataclasses.replace(plan.config, zero=3))
+    ds = export(zero3, "deepspeed")
+    assert ds.field("zero_optimization.stage").value == 1
+    [warning] = [w for w in ds.warnings if "config.zero = 3" in w]
+    assert "incompatible with pipeline parallelism" in warning and "GB per device" in warning
+    meg = export(zero3, "megatron")
+    assert meg.field("--use-distributed-optimizer").value is True
+    assert not any(f.key == "--use-megatron-fsdp" for f in meg.fields)
+    assert any("Megatron FSDP" in w for w in meg.warnings)
+    assert export(zero3, "torchtitan").field("parallelism.fsdp_reshard_after_forward").value == "always"
+
+
+def test_context_and_expert_parallelism_where_a_stack_has_none(plans):
+    plan = plans["llama3-70b_8x8xH100"]
+    cp = dataclasses.replace(plan, config=dataclasses.replace(plan.config, dp=4, cp=2))
+    ds = export(cp, "deepspeed")
+    assert any("config.cp = 2" in w and "Ulysses" in w for w in ds.warnings)
+    assert not any("sequence_parallel_size" == f.key for f in ds.fields)
+    assert export(cp, "megatron").field("--context-parallel-size").value == 2
+    assert export(cp, "torchtitan").field("parallelism.context_parallel_degree").value == 2
+    assert export(cp, "accelerate").field("parallelism_config.parallelism_config_cp_size").value == 2
+    ep = dataclasses.replace(plan, config=dataclasses.replace(plan.config, ep=2))
+    assert any("config.ep = 2" in w for w in export(ep, "accelerate").warnings)
+    assert export(ep, "deepspeed").field("expert_parallel.autoep_size").value == 2
+    assert export(ep, "torchtitan").field("parallelism.expert_tensor_parallel_degree").value == 8
+
+
+def test_partial_recompute_maps_to_every_nth_block_in_torchtitan(plans):
+    plan = plans["gpt3-175b_128x8xA100"]
+    order = [n for c in autopar.exports.common.chunks_in_order(plan) for n in c]
+    blocks = [n for n in order if n.startswith("blocks.")]
+    chunks = [order[:2] + blocks[:24]] + [blocks[24 * i:24 * (i + 1)] for i in range(1, 3)] + [blocks[72:] + order[-2:]]
+    part = with_partition(plan, chunks, dp=32, pp=4, schedule="1f1b", virtual_stages=1, recompute="full",
+                          recompute_layers=6)
+    part = dataclasses.replace(part, micro_batches=48)
+    titan = export(part, "torchtitan")
+    assert titan.field("activation_checkpoint.selective_ac_option").value == "4"    # 6 of each 24
+    meg = export(part, "megatron")
+    assert meg.field("--recompute-method").value == "block" and meg.field("--recompute-num-layers").value == 6
+
+
+def test_ddp_without_other_parallelism(plans):
+    plan = plans["llama3-70b_8x8xH100"]
+    ddp = dataclasses.replace(plan, config=dataclasses.replace(plan.config, dp=64, tp=1, zero=0, sequence_parallel=False,
+                                                                micro_batch_size=1), micro_batches=1)
+    titan = export(ddp, "torchtitan")
+    assert titan.field("parallelism.data_parallel_replicate_degree").value == 64
+    assert not any("fsdp" in f.key for f in titan.fields)
+    acc = export(ddp, "accelerate")
+    assert acc.field("distributed_type").value == "MULTI_GPU" and not any("fsdp" in f.key for f in acc.fields)
+    assert any("gradient_checkpointing_enable" in w for w in acc.warnings)
+    schemas.check_accelerate(_yaml(acc.text))
+
+
+# --- API and command line ---------------------------------------------------------------------------
+def test_plan_export_writes_the_file(plans, tmp_path):
+    plan = plans["llama3-70b_8x8xH100"]
+    result = plan.export("torchtitan", tmp_path / "sub" / "t.toml")
+    assert (tmp_path / "sub" / "t.toml").read_text() == result.text == golden_path(
+        "llama3-70b_8x8xH100", "torchtitan").read_text()
+    with pytest.raises(ConfigError, match="one of torchtitan, megatron, deepspeed, accelerate"):
+        plan.export("nemo")
+    with pytest.raises(KeyError, match="has no field"):
+        result.field("parallelism.nope")
+
+
+def test_cli_export(plans, capsys, tmp_path):
+    name = "gpt3-175b_128x8xA100"
+    assert main(["export", str(plan_path(name)), "--to", "megatron", "-o", str(tmp_path / "m.sh"), "--trace"]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "m.sh").read_text() == golden_path(name, "megatron").read_text()
+    assert "wrote" in out and "--tensor-model-parallel-size = 8  <- config.tp" in out
+    assert main(["export", str(plan_path(name)), "--to", "deepspeed"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == golden_path(name, "deepspeed").read_text()       # stdout is the file alone
+    assert "DeepSpeed cannot express" in captured.err and "PipelineModule" in captured.err
+    assert main(["export", str(tmp_path / "missing.json"), "--to", "accelerate"]) == 2
+    assert "cannot read plan file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["export", str(plan_path(name)), "--to", "nemo"])
+    assert set(STACK_FILES) == set(STACKS)
+
+
+def test_a_plan_without_structure_is_read_by_its_layer_names(plans):
+    """Plans of schema 1 have no structure: the blocks, embeddings, norm and head come from the names."""
+    plan = plans["gpt3-175b_128x8xA100"]
+    old = dataclasses.replace(plan, structure=None, schema_version=1)
+    for stack in ("torchtitan", "megatron"):
+        new_fields = {f.key: f.value for f in export(plan, stack).fields}
+        assert {f.key: f.value for f in export(old, stack).fields} == new_fields
+    assert "stages[].layers" in export(old, "megatron").field("--num-layers").sources
+
+
+def test_a_plan_that_does_not_fit_says_so_first(plans):
+    plan = dataclasses.replace(plans["llama3-70b_8x8xH100"], fits=False)
+    for stack in STACKS:
+        assert export(plan, stack).warnings[0].startswith("the plan does not fit")
+
+
+def test_accelerate_folds_a_pipeline_into_ddp_without_tensor_parallelism(plans, tmp_path):
+    plan = plans["gpt3-175b_128x8xA100"]
+    order = [n for c in autopar.exports.common.chunks_in_order(plan) for n in c]
+    chunks = [order[i * 12:(i + 1) * 12] for i in range(7)] + [order[84:]]
+    piped = with_partition(plan, chunks, dp=128, tp=1, pp=8, schedule="1f1b", virtual_stages=1,
+                           sequence_parallel=False)
+    piped = dataclasses.replace(piped, micro_batches=12)
+    result = check_export(piped, "accelerate", tmp_path)
+    assert result.field("distributed_type").value == "MULTI_GPU"
+    [fold] = [w for w in result.warnings if w.startswith("config.pp = 8")]
+    assert "DDP replicas" in fold and "--config dp=1024,tp=1,cp=1,pp=1,zero=0" in fold
