@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(PY) bench/link_fit.py
 	$(PY) bench/fidelity_cpu.py
 	$(PY) bench/cli_plan_time.py
+	$(PY) bench/sweep.py
 	$(PY) bench/long_context.py
 	$(PY) bench/moe.py
 	$(PY) bench/time_limit.py

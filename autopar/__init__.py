@@ -8,8 +8,9 @@ from .errors import (AutoparError, CaptureError, ConfigError, InfeasiblePlanErro
                      PlanMismatchError, RuntimeFailure)
 from .plan import Alternative, Plan, load_plan
 from .runtime.program import Program, parallelize
+from .sweep import Sweep, SweepRow, sweep  # autopar.sweep is the function, as autopar.plan is plan()
 
-__all__ = ["plan", "estimate", "parallelize", "Program", "Cluster", "Device", "Link", "ParallelConfig", "Precision", "Plan", "Alternative", "load_plan",
+__all__ = ["plan", "estimate", "sweep", "Sweep", "SweepRow", "parallelize", "Program", "Cluster", "Device", "Link", "ParallelConfig", "Precision", "Plan", "Alternative", "load_plan",
            "AutoparError", "CaptureError", "ConfigError", "InfeasiblePlanError", "PlanFormatError",
            "PlanMismatchError", "RuntimeFailure"]
 __version__ = "0.1.0"

@@ -21,6 +21,7 @@ from .errors import ConfigError, PlanFormatError
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+    from .exports import Export
     from .report import PlanComparison
 
 SCHEMA_VERSION = 2
@@ -134,6 +135,25 @@ class Plan:
         peak = self.cluster.device.peak(self.precision.compute)
         return self.model_flops / (self.step_time * self.devices * peak)
 
+    @property
+    def hfu(self) -> float:
+        """Hardware FLOPs utilisation: the FLOPs executed (recomputation included) per second over the peak."""
+        peak = self.cluster.device.peak(self.precision.compute)
+        return self.hardware_flops / (self.step_time * self.devices * peak)
+
+    @property
+    def tokens_per_sample(self) -> int | None:
+        """Tokens in one sample of a sequence model (its sequence length), read from the example inputs the
+        plan records (``extra["inputs"]``, see :func:`sequence_tokens`); None for other models and for
+        plans that record no inputs."""
+        return sequence_tokens(self.extra.get("inputs"))
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        """Throughput in tokens/s (``throughput * tokens_per_sample``) for sequence models, else None."""
+        tokens = self.tokens_per_sample
+        return None if tokens is None else self.throughput * tokens
+
     # --- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-native values (dicts, lists, str, numbers, bool, None), schema_version first."""
@@ -212,6 +232,13 @@ class Plan:
         from .viz import plot_partition
         return plot_partition(self, path)
 
+    def export(self, stack: str, path: str | os.PathLike | None = None) -> "Export":
+        """The plan in a training stack's configuration ("torchtitan", "megatron", "deepspeed",
+        "accelerate"): its text, each field traced to this plan, and what the stack cannot express
+        (autopar/exports); written to ``path`` too when given."""
+        from .exports import export
+        return export(self, stack, path)
+
     def _repr_html_(self) -> str:
         from .report import plan_html
         return plan_html(self)
@@ -227,6 +254,35 @@ def _json_native(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_json_native(v) for v in value]
     return value
+
+
+TOKEN_DTYPES = frozenset({"int64", "int32", "int16", "uint16", "uint32", "uint64"})
+"""Dtypes of token-id inputs (a bool or uint8 tensor is a mask; a float one, features or embeddings)."""
+
+
+def sequence_tokens(inputs: Mapping[str, Any] | None) -> int | None:
+    """Tokens per sample of the inputs a plan records (``extra["inputs"]``, runtime/inputs.py), or None.
+
+    Token ids are an integer tensor of shape ``[batch, sequence]``: the keyword input ``input_ids`` when
+    there is one (for an encoder-decoder model, the encoder's sequence, as T5 counts its tokens),
+    else the first such input. A model without one (images, features, embeddings given as floats)
+    has no tokens, and its throughput stays in samples/s.
+    """
+    if not isinstance(inputs, Mapping):
+        return None
+    if inputs.get("kind") == "kwargs" and isinstance(inputs.get("kwargs"), Mapping):
+        named = dict(inputs["kwargs"])
+        leaves = [named.pop("input_ids")] if "input_ids" in named else []
+        leaves += list(named.values())
+    else:
+        leaves = list(inputs.get("args") or ())
+
+    for leaf in leaves:
+        if isinstance(leaf, Mapping) and leaf.get("dtype") in TOKEN_DTYPES:
+            shape = leaf.get("shape")
+            if isinstance(shape, (list, tuple)) and len(shape) == 2 and isinstance(shape[1], int) and shape[1] > 0:
+                return shape[1]
+    return None
 
 
 def load_plan(path: str | os.PathLike) -> Plan:

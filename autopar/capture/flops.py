@@ -145,7 +145,7 @@ def gemm_shape(name: str, kind: OpKind, tensors: list[TensorMeta], out: TensorMe
         return Gemm(math.prod(q.shape[:-2]), q.shape[-2], k.shape[-2], q.shape[-1],
                     "batch" if batch_dependent[0] else "", density)
     if kind is OpKind.CONV:
-        x, w = tensors[0], tensors[1]
+        w = tensors[1]
         if len(out.shape) < 3 or len(w.shape) < 3:
             return None
         return Gemm(1, out.shape[0] * math.prod(out.shape[2:]), w.shape[0], math.prod(w.shape[1:]),

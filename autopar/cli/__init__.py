@@ -1,4 +1,5 @@
-"""The ``autopar`` command (console script): plan, estimate, show, compare, codegen, profile, models, demo.
+"""The ``autopar`` command (console script): plan, estimate, show, compare, codegen, export, profile, sweep,
+models, demo.
 
 Every command has ``--help``. Errors a user can fix (a bad option, an unknown model, a plan
 that does not fit) print one line naming what to change and exit with status 2.
@@ -12,6 +13,8 @@ import sys
 from typing import Sequence
 
 from . import commands, profile
+from . import sweep
+from . import export as export_cmd
 
 
 def parser() -> argparse.ArgumentParser:
@@ -20,6 +23,8 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parsers(sub)
     profile.add_parser(sub)
+    sweep.add_parser(sub)
+    export_cmd.add_parser(sub)
     return top
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 from ..config import ParallelConfig
 from ..plan import Plan, TimeBreakdown
-from .format import BREAKDOWN_LABELS, MEMORY_KINDS, cluster_spec, gigabytes, peak_stage, percent, seconds
+from .format import BREAKDOWN_LABELS, MEMORY_KINDS, cluster_spec, gigabytes, peak_stage, percent, quantity, seconds
 
 RELATIVE_TOLERANCE = 0.005
 """Numbers closer than this (relative) count as equal: the cost model is not that precise."""
@@ -117,6 +117,7 @@ def _number_rows(a: Plan, b: Plan) -> list[Row]:
     rows = [_text_row("micro-batches per pipeline", a.micro_batches, b.micro_batches),
             _number_row("step time", a.step_time, b.step_time, seconds),
             _number_row("throughput (samples/s)", a.throughput, b.throughput, lambda v: f"{v:.4g}"),
+            *_tokens_rows(a, b),
             _number_row("MFU", a.mfu, b.mfu, percent),
             _number_row("TFLOP/s per device", a.tflops_per_device, b.tflops_per_device, lambda v: f"{v:.1f}")]
     rows += [_number_row(f"  {BREAKDOWN_LABELS[k]}", getattr(a.breakdown, k), getattr(b.breakdown, k), seconds)
@@ -127,6 +128,14 @@ def _number_rows(a: Plan, b: Plan) -> list[Row]:
              for kind in MEMORY_KINDS]
     rows.append(_text_row("fits in device memory", a.fits, b.fits))
     return rows
+
+
+def _tokens_rows(a: Plan, b: Plan) -> list[Row]:
+    """Tokens/s when both plans are of sequence models (Plan.tokens_per_second), else none."""
+    ta, tb = a.tokens_per_second, b.tokens_per_second
+    if ta is None or tb is None:
+        return []
+    return [_number_row("throughput (tokens/s)", ta, tb, quantity)]
 
 
 def _verdict(a: Plan, b: Plan) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..plan import Alternative, Plan, TimeBreakdown
 from .compare import config_changes
-from .format import BREAKDOWN_LABELS, gigabytes, peak_stage, percent, seconds
+from .format import BREAKDOWN_LABELS, gigabytes, peak_stage, percent, seconds, throughput
 
 TOP_PARTS = 3
 """How many breakdown parts "where the time goes" names, and how many differences a runner-up shows."""
@@ -23,7 +23,7 @@ def explain(plan: Plan) -> str:
 
 def _verdict(plan: Plan) -> str:
     head = (f"{plan.model_name} on {plan.cluster.describe()}, global batch {plan.global_batch_size}:\n"
-            f"  {plan.config.short()}: {seconds(plan.step_time)} per step, {plan.throughput:.4g} samples/s, "
+            f"  {plan.config.short()}: {seconds(plan.step_time)} per step, {throughput(plan)}, "
             f"MFU {percent(plan.mfu)}")
     if plan.optimal is None:
         return head + "\n  This is an estimate of the configuration you gave; autopar.plan() searches for the best."

@@ -37,6 +37,23 @@ def seconds(value: float) -> str:
     return f"{value * 1e6:.3g} us"
 
 
+def quantity(value: float) -> str:
+    """"13.28", "108.8k", "2.51M", "15T": four significant digits with a k / M / B (billion) / T suffix."""
+    a = abs(value)
+    for size, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if size <= a < 1e3 * size:
+            return f"{value / size:.4g}{suffix}"
+    return f"{value:.4g}"
+
+
+def throughput(plan: Plan) -> str:
+    """"13.28 samples/s (108.8k tokens/s)": samples/s, and tokens/s for a sequence model
+    (Plan.tokens_per_second: its sequence length from the recorded example inputs)."""
+    text = f"{plan.throughput:.4g} samples/s"
+    tokens = plan.tokens_per_second
+    return text if tokens is None else f"{text} ({quantity(tokens)} tokens/s)"
+
+
 def gigabytes(value: float) -> str:
     return f"{value / GB:.2f} GB"
 
