@@ -17,8 +17,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m autopar.demo
 
+# The unit and the distributed tests run side by side (each half is mostly one busy process; the
+# distributed ranks wait on each other): the distributed log follows the unit tests' output.
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest tests
+	@HF_HUB_OFFLINE=1 $(PY) -m pytest -p no:cacheprovider tests/distributed > .distributed-tests.log 2>&1 & \
+	dist=$$!; HF_HUB_OFFLINE=1 $(PY) -m pytest -p no:cacheprovider tests/unit; unit=$$?; \
+	wait $$dist; distributed=$$?; echo "--- tests/distributed:"; cat .distributed-tests.log; \
+	rm -f .distributed-tests.log; test $$unit -eq 0 -a $$distributed -eq 0
 
 bench: $(STAMP)
 	$(PY) bench/fidelity_published.py
@@ -37,6 +42,7 @@ bench: $(STAMP)
 	$(PY) bench/time_limit.py
 	$(PY) bench/hf_coverage.py
 	AUTOPAR_FUZZ_SEEDS=400 HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/distributed/test_fuzz.py
+	AUTOPAR_ALL_CASES=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/distributed/test_new_users.py
 	AUTOPAR_EXHAUSTIVE_EXAMPLES=100 $(PY) -m pytest -q tests/unit/solver/test_search.py
 
 clean:

@@ -1,4 +1,4 @@
-"""Fuzz: random small models through capture -> plan -> parallelize on 2 gloo ranks (100 in the suite).
+"""Fuzz: random small models through capture -> plan -> parallelize on 2 gloo ranks (50 in the suite).
 
 Every seed (random_models.py: random depth, widths, branches, residuals, norms, attention, tied
 weights, dense or token front ends; then a few regression models that found bugs under an earlier
@@ -46,8 +46,8 @@ import random_models as rm  # noqa: E402
 from harness import adamw, call_loss, check_matches  # noqa: E402
 from harness import test_cluster as cluster_of  # noqa: E402 - not a test here
 
-# The suite runs 100 random models (about 40 s); AUTOPAR_FUZZ_SEEDS=1000 runs more (make bench runs 400).
-N_SEEDS = int(os.environ.get("AUTOPAR_FUZZ_SEEDS", "100"))
+# The suite runs 50 random models (about 30 s); AUTOPAR_FUZZ_SEEDS=1000 runs more (make bench runs 400).
+N_SEEDS = int(os.environ.get("AUTOPAR_FUZZ_SEEDS", "50"))
 SEEDS = list(range(N_SEEDS)) + sorted(rm.REGRESSIONS)   # the random models, then the regressions
 WORLD = 2
 STEPS = 2                # AdamW steps; the second after a forward_backward of a second batch

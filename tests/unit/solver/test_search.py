@@ -90,8 +90,9 @@ def _check_against_exhaustive(graph, spec: str, gbs: int, fraction: float):
         memory = least + fraction * (fastest[1] - least)
     cluster = _cluster(spec, memory)
     fitting = [p for p in plans if p[1] <= memory]
+    sharding = ShardingSolver(graph, cluster, Precision.for_device(cluster.device.name))   # both solves share it
     try:
-        plan, _ = solve(graph, cluster, gbs, tie_tolerance=0)
+        plan, _ = solve(graph, cluster, gbs, tie_tolerance=0, sharding=sharding)
     except InfeasiblePlanError as exc:
         assert not fitting, f"solver found nothing, exhaustive found {min(fitting, key=lambda p: p[0])[2].short()}"
         need = float(re.search(r"leanest plan needs ([0-9.e+-]+) GB", str(exc)).group(1)) * 1e9
@@ -103,7 +104,7 @@ def _check_against_exhaustive(graph, spec: str, gbs: int, fraction: float):
     assert plan.step_time == pytest.approx(ref[0], rel=1e-9), (plan.config.short(), ref[2].short())
     assert plan.optimal is True
 
-    chosen, _ = solve(graph, cluster, gbs)          # the default tie tolerance
+    chosen, _ = solve(graph, cluster, gbs, sharding=sharding)          # the default tie tolerance
     band = [p for p in fitting if p[0] <= ref[0] * (1 + DEFAULT_TIE_TOLERANCE) * (1 + 1e-9)]
     simplest = min(band, key=lambda p: (moving_parts(p[2]), p[0]))
     assert chosen.fits and chosen.peak_memory <= memory and chosen.optimal is True
