@@ -126,7 +126,7 @@ def _literal(value: Any) -> str:
 
 
 def _imports(model_factory: str, batch_factory: str | None, loss_fn: str | None) -> str:
-    lines = ["import argparse", "import datetime", "import os", "", "import torch", "import torch.distributed as dist", "",
+    lines = ["import argparse", "import datetime", "import gc", "import os", "", "import torch", "import torch.distributed as dist", "",
              "import autopar", "from autopar.runtime.inputs import example_at"]
     for alias, ref in (("model_factory", model_factory), ("batch_factory", batch_factory), ("loss_fn", loss_fn)):
         if ref:
@@ -179,6 +179,10 @@ def main() -> None:
                 with open(args.loss_file, "a") as fh:
                     fh.write(f"{{loss.item():.9g}}\\n")
     dist.barrier()  # no rank tears its connections down while a peer still uses them
+    # The program's process groups go now, while the interpreter is whole: the program holds reference
+    # cycles, and left to interpreter shutdown gloo's worker threads can abort the process at exit.
+    del program
+    gc.collect()
     dist.destroy_process_group()
 
 
