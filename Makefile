@@ -17,11 +17,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m autopar.demo
 
-# The unit and the distributed tests run side by side (each half is mostly one busy process; the
-# distributed ranks wait on each other): the distributed log follows the unit tests' output.
+# The unit and the distributed tests run side by side, the unit tests in two pytest-xdist workers
+# (each is mostly one busy Python process; the distributed ranks wait on each other): the
+# distributed log follows the unit tests' output.
 test: $(STAMP)
 	@HF_HUB_OFFLINE=1 $(PY) -m pytest -p no:cacheprovider tests/distributed > .distributed-tests.log 2>&1 & \
-	dist=$$!; HF_HUB_OFFLINE=1 $(PY) -m pytest -p no:cacheprovider tests/unit; unit=$$?; \
+	dist=$$!; HF_HUB_OFFLINE=1 $(PY) -m pytest -p no:cacheprovider -n 2 tests/unit; unit=$$?; \
 	wait $$dist; distributed=$$?; echo "--- tests/distributed:"; cat .distributed-tests.log; \
 	rm -f .distributed-tests.log; test $$unit -eq 0 -a $$distributed -eq 0
 
