@@ -17,17 +17,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m autopar.demo
 
-# The tests run in two streams side by side (each process is mostly one busy Python thread; the
-# distributed ranks wait on each other): the unit tests in two pytest-xdist workers, then the
-# distributed files in LATER; beside them the other distributed files, whose log follows.
-LATER := tests/distributed/test_fuzz.py tests/distributed/test_zoo.py tests/distributed/test_emit.py
+# The unit and the distributed tests run side by side, the unit tests in two pytest-xdist workers
+# (each is mostly one busy Python process; the distributed ranks wait on each other): the
+# distributed log follows the unit tests' output.
 test: $(STAMP)
-	@HF_HUB_OFFLINE=1 $(PY) -m pytest -p no:cacheprovider tests/distributed $(LATER:%=--ignore=%) \
-	  > .distributed-tests.log 2>&1 & \
+	@HF_HUB_OFFLINE=1 $(PY) -m pytest -p no:cacheprovider tests/distributed > .distributed-tests.log 2>&1 & \
 	dist=$$!; HF_HUB_OFFLINE=1 $(PY) -m pytest -p no:cacheprovider -n 2 tests/unit; unit=$$?; \
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -p no:cacheprovider $(LATER); later=$$?; \
-	wait $$dist; distributed=$$?; echo "--- the other tests/distributed files:"; cat .distributed-tests.log; \
-	rm -f .distributed-tests.log; test $$unit -eq 0 -a $$later -eq 0 -a $$distributed -eq 0
+	wait $$dist; distributed=$$?; echo "--- tests/distributed:"; cat .distributed-tests.log; \
+	rm -f .distributed-tests.log; test $$unit -eq 0 -a $$distributed -eq 0
 
 bench: $(STAMP)
 	$(PY) bench/fidelity_published.py
