@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .common import Export, Field, base_warnings, header, layers_of, recompute_mode, seq_len
+from .common import Export, Field, Fields, base_warnings, header, layers_of, recompute_mode, seq_len
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -40,11 +40,9 @@ FSDP_GUIDE = "https://huggingface.co/docs/accelerate/usage_guides/fsdp"
 
 def export(plan: "Plan") -> Export:
     cfg, prec = plan.config, plan.precision
-    fields: list[Field] = []
+    fields = Fields()
+    add = fields.add
     warnings = base_warnings(plan)
-
-    def add(key: str, value: Any, sources: tuple[str, ...], doc: str, note: str = "") -> None:
-        fields.append(Field(key, value, sources, doc, note))
 
     ddp = cfg.zero == 0 and cfg.tp == cfg.cp == 1      # (a pipeline is folded into the data parallelism)
     degrees = ("config.zero", "config.tp", "config.pp", "config.cp")

@@ -44,6 +44,13 @@ class Field:
         return f"{origin}{': ' + self.note if self.note else ''}"
 
 
+class Fields(list):
+    """The fields an exporter writes, in the order its file lists them."""
+
+    def add(self, key: str, value: Any, sources: tuple[str, ...], doc: str, note: str = "") -> None:
+        self.append(Field(key, value, sources, doc, note))
+
+
 @dataclass(frozen=True)
 class Export:
     """A plan written for one training stack: its file's text, each field traced, and what the stack

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from .common import Export, Field, base_warnings, chunks_in_order, gb, recompute_mode, unsharded_memory
+from .common import Export, Field, Fields, base_warnings, chunks_in_order, gb, recompute_mode, unsharded_memory
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -44,11 +44,9 @@ DTYPES = "deepspeed/runtime/constants.py DATA_TYPES: grad_accum_dtype"
 
 def export(plan: "Plan") -> Export:
     cfg, prec = plan.config, plan.precision
-    fields: list[Field] = []
+    fields = Fields()
+    add = fields.add
     warnings = base_warnings(plan)
-
-    def add(key: str, value: Any, sources: tuple[str, ...], doc: str, note: str = "") -> None:
-        fields.append(Field(key, value, sources, doc, note))
 
     # DeepSpeed's data-parallel world is every rank outside tensor and pipeline parallelism; without
     # context parallelism the plan's cp ranks are among them, each taking whole sequences.

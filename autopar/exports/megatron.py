@@ -40,9 +40,9 @@ written because the partition and the batch depend on them.
 from __future__ import annotations
 
 import shlex
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from .common import (Export, Field, base_warnings, chunks_in_order, gb, header, layers_of, recompute_mode,
+from .common import (Export, Field, Fields, base_warnings, chunks_in_order, gb, header, layers_of, recompute_mode,
                      seq_len, unsharded_memory)
 
 if TYPE_CHECKING:
@@ -60,11 +60,9 @@ def _doc(group: str, flag: str) -> str:
 
 def export(plan: "Plan") -> Export:
     cfg, prec = plan.config, plan.precision
-    fields: list[Field] = []
+    fields = Fields()
+    add = fields.add
     warnings = base_warnings(plan)
-
-    def add(key: str, value: Any, sources: tuple[str, ...], doc: str, note: str = "") -> None:
-        fields.append(Field(key, value, sources, doc, note))
 
     add("torchrun --nnodes", plan.cluster.nodes, ("cluster.nodes",), TORCHRUN)
     add("torchrun --nproc-per-node", plan.cluster.devices_per_node, ("cluster.devices_per_node",), TORCHRUN)

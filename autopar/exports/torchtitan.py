@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from .common import Export, Field, base_warnings, chunks_in_order, header, layers_of, recompute_mode, seq_len
+from .common import Export, Field, Fields, base_warnings, chunks_in_order, header, layers_of, recompute_mode, seq_len
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -53,11 +53,9 @@ def _doc(name: str) -> str:
 
 def export(plan: "Plan") -> Export:
     cfg, prec = plan.config, plan.precision
-    fields: list[Field] = []
+    fields = Fields()
+    add = fields.add
     warnings = base_warnings(plan)
-
-    def add(key: str, value: Any, sources: tuple[str, ...], doc: str, note: str = "") -> None:
-        fields.append(Field(key, value, sources, doc, note))
 
     model = plan.extra.get("model")
     name = model.get("model") if isinstance(model, dict) else None
