@@ -78,12 +78,14 @@ def _compare(a: Plan, b: Plan) -> int:
     return (ra > rb) - (ra < rb)
 
 
-def choose(plans: Iterable[Plan], tolerance: float) -> Plan | None:
-    """The module docstring's choice among ``plans`` (None when there are none)."""
+def choose(plans: Iterable[Plan], tolerance: float, fastest: float | None = None) -> Plan | None:
+    """The module docstring's choice among ``plans`` (None when there are none), with the band measured
+    from ``fastest`` when given (the fastest of a larger set these are part of), else from theirs."""
     plans = list(plans)
     if not plans:
         return None
-    fastest = min(p.step_time for p in plans)
+    if fastest is None:
+        fastest = min(p.step_time for p in plans)
     band = [p for p in plans if within(p.step_time, fastest, tolerance)]
     return min(band, key=functools.cmp_to_key(_compare))
 

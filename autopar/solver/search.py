@@ -370,14 +370,16 @@ class Search:
         if fastest and not self.stats.timed_out:
             band = fastest[0].step_time * (1 + self.tie_tolerance) * (1 + TIE)
             deferred = []
+            choice = choose((r for _, _, r in seen if isinstance(r, Plan)), self.tie_tolerance)
             while (entry := self._next(queue, band)) is not None:
                 if self._past(deadline):
                     self.stats.timed_out = True   # the choice among ties may not be the simplest
                     deferred.append(entry)
                     break
-                choice = choose((r for _, _, r in seen if isinstance(r, Plan)), self.tie_tolerance)
                 if could_beat(entry[-1], entry[0], choice):
                     evaluate(entry[0], entry[-1])
+                    if isinstance(seen[-1][2], Plan):   # no plan here is faster than fastest[0]
+                        choice = choose((choice, seen[-1][2]), self.tie_tolerance, fastest[0].step_time)
                 else:
                     deferred.append(entry)
             queue += deferred
