@@ -22,25 +22,15 @@ import csv
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
+
+from cli_plan_time import timed   # a fresh `autopar` process, timed
 
 TARGET_SECONDS = 60.0
 TOKENS, PRICE, BATCH, SEQ = 1e12, 2.5, 1024, 8192
 ARGS = ["sweep", "llama3-70b", "--nodes", "1,2,4,8,16", "--device", "H100-SXM", "--global-batch", str(BATCH),
         "--tokens", "1e12", "--price-per-gpu-hour", f"{PRICE:g}", "-q"]
-
-
-def timed(args: list[str], cwd: str) -> tuple[float, str]:
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "autopar.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    seconds = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise SystemExit(f"autopar {' '.join(args)} failed:\n{proc.stderr}")
-    return seconds, proc.stdout
 
 
 def check_arithmetic(path: str) -> int:
