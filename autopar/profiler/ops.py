@@ -352,9 +352,13 @@ class OpProfiler:
         params = [p for p in self.model.parameters() if p.requires_grad]
         with torch.enable_grad():
             fwd = median_time(lambda: wrapper(*args, **kwargs), self.device, warmup=1, repeats=self.repeats)
-            both = median_time(lambda: torch.autograd.grad(wrapper(*args, **kwargs), params, allow_unused=True),
-                               self.device, warmup=1, repeats=self.repeats)
-        timing = OpTiming(fwd, max(both - fwd, 0.0))
+            # the backward is timed on its own (one forward, its graph kept, backward repeated), never as
+            # (forward + backward) - forward: on a busy machine that difference of two medians can be <= 0
+            loss = wrapper(*args, **kwargs)
+            bwd = median_time(lambda: torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True),
+                              self.device, warmup=1, repeats=self.repeats)
+            del loss
+        timing = OpTiming(fwd, bwd)
         self.db.put(self.device_name, "ops", key, timing.to_record())
         return timing
 
