@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(PY) bench/fidelity_cpu.py
 	$(PY) bench/cli_plan_time.py
 	$(PY) bench/sweep.py
+	$(PY) bench/init_memory.py
 	$(PY) bench/long_context.py
 	$(PY) bench/moe.py
 	$(PY) bench/time_limit.py

@@ -44,6 +44,16 @@ def check_probability(name: str, value: Any) -> None:
         raise ConfigError(f"{name}={value!r} is out of range: it must be a float in [0, 1)")
 
 
+def normal_init(module: nn.Module, std: float) -> None:
+    """GPT-2 / Megatron / BERT init of one module: Normal(0, std) Linear and Embedding weights, zero Linear
+    biases (norms keep their own). The models' ``_init_weights(module)`` methods (Hugging Face's
+    convention, which parallelize runs on a meta model's modules) call it."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 def construct(factory: Callable[[], M], device: torch.device | str, dtype: torch.dtype) -> M:
     """Build ``factory()`` directly on ``device`` (no host copy on "meta") and cast floats to ``dtype``.
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import INPUT_SEED, check_int, check_probability, construct, random_tokens
+from ._common import INPUT_SEED, normal_init, check_int, check_probability, construct, random_tokens
 from ..errors import ConfigError
 
 INIT_STD = 0.02
@@ -193,12 +193,11 @@ class BERT(nn.Module):
         self.embed = BERTEmbedding(cfg)
         self.layers = nn.ModuleList(BERTBlock(cfg) for _ in range(cfg.layers))
         self.mlm = MLMHead(cfg)
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
+        self.apply(self._init_weights)
         self.mlm.decoder.weight = self.embed.word.weight
+
+    def _init_weights(self, module: nn.Module) -> None:
+        normal_init(module, INIT_STD)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(input_ids)

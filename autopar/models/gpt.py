@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import (check_bool, check_choice, check_int, check_probability, construct,
+from ._common import (normal_init, check_bool, check_choice, check_int, check_probability, construct,
                       random_tokens)
 from ..errors import ConfigError
 
@@ -191,7 +191,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.final_norm = nn.LayerNorm(cfg.hidden)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
-        self.apply(_init_weights)
+        self.apply(self._init_weights)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.tok.weight
 
@@ -204,13 +204,9 @@ class GPT(nn.Module):
             return logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
-
-def _init_weights(module: nn.Module) -> None:
-    """Normal(0, 0.02) weights and zero biases for Linear/Embedding; LayerNorm keeps (1, 0)."""
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
-    if isinstance(module, nn.Linear) and module.bias is not None:
-        nn.init.zeros_(module.bias)
+    def _init_weights(self, module: nn.Module) -> None:
+        """Normal(0, 0.02) weights and zero biases for Linear/Embedding; LayerNorm keeps (1, 0)."""
+        normal_init(module, INIT_STD)
 
 
 def build_gpt(cfg: GPTConfig, batch_size: int = 1, device: torch.device | str = "cpu",

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._common import check_bool, check_int, construct, random_tokens
+from ._common import normal_init, check_bool, check_int, construct, random_tokens
 from ..errors import ConfigError
 
 INIT_STD = 0.02
@@ -103,6 +103,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -185,11 +188,13 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList((block or LlamaBlock)(cfg) for _ in range(cfg.layers))
         self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+        self.apply(self._init_weights)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """Normal(0, 0.02) Linear and Embedding weights (Llama's Linears have no biases)."""
+        normal_init(module, INIT_STD)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(input_ids)

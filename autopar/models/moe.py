@@ -128,6 +128,9 @@ class Experts(nn.Module):
         e, h, f = cfg.num_experts, cfg.hidden, cfg.ffn_hidden
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * f, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, f))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
         for w in (self.gate_up_proj, self.down_proj):
             nn.init.normal_(w, mean=0.0, std=INIT_STD)
 

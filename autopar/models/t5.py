@@ -324,32 +324,33 @@ class T5(nn.Module):
         self.encoder = T5Encoder(cfg)
         self.decoder = T5Decoder(cfg)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
-        self._init_weights()
+        self.apply(self._init_weights)
         self.decoder.embed.weight = self.encoder.embed.weight
         if cfg.tie_embeddings:
             self.head.weight = self.encoder.embed.weight
 
-    def _init_weights(self) -> None:
-        """Mesh TensorFlow's (and Hugging Face's) T5 init: unit embeddings, fan-in scaled projections.
+    def _init_weights(self, module: nn.Module) -> None:
+        """Mesh TensorFlow's (and Hugging Face's) T5 init of one module: unit embeddings, fan-in scaled
+        projections (a method taking one module, Hugging Face's convention, which parallelize runs on a
+        meta model's modules).
 
         ``q`` is scaled by ``(h * d_kv)**-0.5``, which is where T5 puts attention's 1/sqrt(d_kv).
         """
         cfg, h = self.config, self.config.hidden
-        nn.init.normal_(self.encoder.embed.weight, std=1.0)
-        nn.init.normal_(self.head.weight, std=1.0)
-        for module in self.modules():
-            if isinstance(module, T5Attention):
-                nn.init.normal_(module.q.weight, std=(h * cfg.head_dim) ** -0.5)
-                nn.init.normal_(module.k.weight, std=h ** -0.5)
-                nn.init.normal_(module.v.weight, std=h ** -0.5)
-                nn.init.normal_(module.o.weight, std=(cfg.heads * cfg.head_dim) ** -0.5)
-            elif isinstance(module, T5MLP):
-                for name in ("wi", "wi_0", "wi_1"):
-                    if hasattr(module, name):
-                        nn.init.normal_(getattr(module, name).weight, std=h ** -0.5)
-                nn.init.normal_(module.wo.weight, std=cfg.ffn_hidden ** -0.5)
-            elif isinstance(module, RelativePositionBias):
-                nn.init.normal_(module.embedding.weight, std=h ** -0.5)
+        if module is self.encoder.embed or module is self.head:
+            nn.init.normal_(module.weight, std=1.0)
+        elif isinstance(module, T5Attention):
+            nn.init.normal_(module.q.weight, std=(h * cfg.head_dim) ** -0.5)
+            nn.init.normal_(module.k.weight, std=h ** -0.5)
+            nn.init.normal_(module.v.weight, std=h ** -0.5)
+            nn.init.normal_(module.o.weight, std=(cfg.heads * cfg.head_dim) ** -0.5)
+        elif isinstance(module, T5MLP):
+            for name in ("wi", "wi_0", "wi_1"):
+                if hasattr(module, name):
+                    nn.init.normal_(getattr(module, name).weight, std=h ** -0.5)
+            nn.init.normal_(module.wo.weight, std=cfg.ffn_hidden ** -0.5)
+        elif isinstance(module, RelativePositionBias):
+            nn.init.normal_(module.embedding.weight, std=h ** -0.5)
 
     def forward(self, input_ids: torch.Tensor, decoder_input_ids: torch.Tensor,
                 labels: torch.Tensor | None = None) -> torch.Tensor:

@@ -357,7 +357,6 @@ class OpProfiler:
             loss = wrapper(*args, **kwargs)
             bwd = median_time(lambda: torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True),
                               self.device, warmup=1, repeats=self.repeats)
-            del loss
         timing = OpTiming(fwd, bwd)
         self.db.put(self.device_name, "ops", key, timing.to_record())
         return timing

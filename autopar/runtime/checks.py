@@ -15,11 +15,6 @@ from ..plan import Plan
 def check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    meta = [name for name, p in model.named_parameters() if p.is_meta]
-    if meta:
-        raise ConfigError(f"parallelize needs the model's weights, but {meta[0]} (and {len(meta) - 1} more) live on "
-                          "the meta device: build the model on the CPU with the same seed on every rank (a meta "
-                          "model is enough for autopar.plan, not for training)")
 
 
 def check_world(plan: Plan) -> None:

@@ -142,6 +142,19 @@ def split_graph(program: ExportedProgram, graph: OpGraph, chunk_layers: Sequence
                       loss=loss.name)
 
 
+def on_device(program: ExportedProgram, device: torch.device) -> None:
+    """Point every device argument of the graph's ops at ``device``, the rank's: a graph exported
+    from a model on meta (or on the CPU, and run on a GPU) creates tensors (``arange``, ``zeros``,
+    ``to(device=...)``) on the device its model was on when exported."""
+    def move(a: Any) -> Any:
+        return device if isinstance(a, torch.device) else a
+
+    for node in program.graph.nodes:
+        if node.op == "call_function":
+            node.args = pytree.tree_map(move, node.args)
+            node.kwargs = pytree.tree_map(move, node.kwargs)
+
+
 def placeholders(program: ExportedProgram, aliases: Mapping[str, str]) -> tuple[dict, dict]:
     param_of: dict[str, str] = {}
     buffer_value: dict[str, torch.Tensor] = {}

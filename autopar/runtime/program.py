@@ -73,8 +73,9 @@ from .expert_parallel import shard_experts
 from .experts import ExpertsModule, check_regions, expert_groups, skipped_nodes
 from .checks import check_model, check_structure, check_world
 from .failures import at_step, non_finite_loss, wait_or_fail
-from .graph import flatten_batch, plan_chunks, split_graph
+from .graph import flatten_batch, on_device, plan_chunks, split_graph
 from .inputs import check_batch, describe_inputs, example_at, slice_batch
+from .materialize import InitFn, Materializer, has_meta, local_view, materialize_buffers
 from .pipeline import PipelineRunner, Topology
 from .specs import node_specs, sequence_parallel
 
@@ -85,7 +86,7 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 def parallelize(model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None = None, *,
                 loss_fn: LossFn | None = None, example_inputs: Any = None,
-                timeout: float = DEFAULT_TIMEOUT) -> "Program":
+                timeout: float = DEFAULT_TIMEOUT, init_seed: int = 0, init: InitFn | None = None) -> "Program":
     """This rank's share of ``plan`` for ``model``: a :class:`Program` that trains it.
 
     ``optimizer`` maps parameters to an optimizer (``lambda ps: torch.optim.AdamW(ps, lr=1e-3)``);
@@ -93,15 +94,24 @@ def parallelize(model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None
     plan without recorded inputs (one made before they were recorded). ``timeout`` (seconds)
     bounds every wait on a peer. Raises PlanMismatchError when the plan's device count is not
     the world size or the plan was made for another model.
+
+    A model built on the meta device (``with torch.device("meta"): model = ...``) is materialised
+    shard by shard: each rank initialises only what it holds, with the model's own init seeded by
+    ``init_seed`` and each module's name (materialize.py: every plan, and
+    ``autopar.init_weights(model, init_seed)`` in one process, give the same values). ``init(module)``
+    replaces the model's ``_init_weights`` where a module's own ``reset_parameters`` is not enough.
+    A model on a real device is used as it is (``init_seed`` and ``init`` are ignored).
     """
-    return Program(model, plan, optimizer, loss_fn=loss_fn, example_inputs=example_inputs, timeout=timeout)
+    return Program(model, plan, optimizer, loss_fn=loss_fn, example_inputs=example_inputs, timeout=timeout,
+                   init_seed=init_seed, init=init)
 
 
 class Program:
     """One rank's program: ``forward_backward``, ``train_step``, ``full_grads``, ``full_state_dict``."""
 
     def __init__(self, model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None, *,
-                 loss_fn: LossFn | None, example_inputs: Any, timeout: float) -> None:
+                 loss_fn: LossFn | None, example_inputs: Any, timeout: float, init_seed: int = 0,
+                 init: InitFn | None = None) -> None:
         if plan.precision.kernels != "eager":
             raise ConfigError(f"this plan prices {plan.precision.kernels} kernels (Precision(kernels="
                               f"{plan.precision.kernels!r})), which this autopar's runtime does not run: it runs eager "
@@ -127,12 +137,16 @@ class Program:
             raise PlanMismatchError(f"plan's global batch {plan.global_batch_size} over dp={cfg.dp} is not "
                                     f"{self.micro_batches} micro-batches of {cfg.micro_batch_size}: re-plan")
         self.device = _device()
+        # a model on meta: each rank materialises what it holds (materialize.py); ZeRO-2/3 parameters
+        # only once sharded (after fully_shard), so that no rank ever holds its stage's whole weights
+        self.materializer = Materializer(model, init_seed, init) if has_meta(model) else None
+        self.fsdp = cfg.zero >= 2 and cfg.grad_replicas > 1
         self.inputs_record = plan.extra.get("inputs")
         self._export(model, loss_fn, example_inputs)
         self.aliases = param_aliases(model)
         state = model.state_dict()
         self.state_keys = list(state)
-        self.buffers = {k: v.detach().cpu().clone() for k, v in state.items() if k not in self.aliases}
+        self.buffers = {k: self._value(k, v).cpu().clone() for k, v in state.items() if k not in self.aliases}
         self.steps = 0                      # forward_backward calls so far (the step failures name)
         self.micro_losses: torch.Tensor | None = None
         self._mesh()
@@ -142,14 +156,15 @@ class Program:
         self._tied_groups()
         # parameters that never change, kept for full_state_dict: those no chunk holds (no op reads
         # them) and frozen ones (requires_grad=False: no gradient, so no optimizer step moves them)
-        self.unused = {n: p.detach().cpu().clone() for n, p in model.named_parameters()
-                       if n not in self.holders or not p.requires_grad}
+        self.unused = {n: self._value(n, p).cpu().clone() for n, p in model.named_parameters()
+                       if n not in self.holders or (not p.requires_grad and self.materializer is None)}
         self.schedule = schedules.build(cfg.schedule, cfg.pp, self.micro_batches, cfg.virtual_stages)
         schedules.check(self.schedule, self.micro_batches, cfg.virtual_stages)
         self.actions = self.schedule[self.pp_rank]
         self.runner = PipelineRunner(self.split, self.chunks, self.node_runner, self._topology(), self.specs,
                                      self._requires_grad, self.timeout, self._before_backward, self.device)
         self.optimizer = self._optimizer(optimizer)
+        self.materializer = None   # its last module's values and the meta model are not needed any more
 
     # --- construction -------------------------------------------------------------------------
     def _export(self, model: nn.Module, loss_fn: LossFn | None, example_inputs: Any) -> None:
@@ -160,10 +175,16 @@ class Program:
         if self.inputs_record is None:
             raise ConfigError("the plan does not record its example inputs: pass parallelize(..., example_inputs=) "
                               "shaped like the inputs the plan was made with")
-        inputs = example_at(self.inputs_record, self.cfg.micro_batch_size, self.device)
+        # a meta model is exported on meta inputs (a model that does not move its inputs to its own
+        # device, as Hugging Face's do, would mix devices); on_device points the graph at this rank's
+        where = torch.device("meta") if self.materializer is not None else self.device
+        inputs = example_at(self.inputs_record, self.cfg.micro_batch_size, where)
         program = run_export(model, inputs, loss_fn, train_mode=False)
         self.graph = graph_of(model, program)
         check_structure(self.plan, self.graph)
+        on_device(program, self.device)
+        if self.materializer is not None:
+            materialize_buffers(program, self.materializer)
         self.split = split_graph(program, self.graph, plan_chunks(self.plan), param_aliases(model))
 
     def _mesh(self) -> None:
@@ -235,23 +256,48 @@ class Program:
         self.chunks = {c: ChunkModule(self.split.chunks[c], self.split, self.node_runner, self.params, modes[c],
                                       experts) for c in self.my_chunks}
 
+    def _value(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """A parameter's or buffer's full value: materialised (one module at a time) when on meta."""
+        if value.is_meta and self.materializer is not None:
+            return self.materializer.tensor(name)
+        return value.detach()
+
     def _distribute(self, fqn: str, value: torch.Tensor) -> nn.Parameter:
+        """This rank's parameter: its experts, its tensor-parallel shard, or the whole (a DTensor of
+        the tp mesh when tp > 1). A meta model's parameter is materialised here, except for ZeRO-2/3,
+        whose parameters stay on meta until fully_shard has sharded them (_materialize_sharded)."""
+        requires_grad = value.requires_grad
+        value = value.detach() if (self.fsdp and value.is_meta) else self._value(fqn, value)
         if fqn in self.expert_fqns:   # this rank's experts, a plain tensor even under tensor parallelism
-            data = shard_experts(value.detach(), self.cfg.ep, self.ep_rank).to(self.device).clone()
-            return nn.Parameter(data, requires_grad=value.requires_grad)
-        data = value.detach().to(self.device).clone()
-        if self.tp_mesh is None:
-            return nn.Parameter(data, requires_grad=value.requires_grad)
+            value = shard_experts(value, self.cfg.ep, self.ep_rank)
+        data = value if value.is_meta else value.to(self.device).clone()
+        if self.tp_mesh is None or fqn in self.expert_fqns:
+            return nn.Parameter(data, requires_grad=requires_grad)
         d = self.param_dims.get(fqn)
         place = Shard(d % data.dim()) if d is not None else Replicate()
-        return nn.Parameter(distribute_tensor(data, self.tp_mesh, [place]), requires_grad=value.requires_grad)
+        # a materialised value is the same on every rank, which takes its shard locally (src_data_rank=None);
+        # a user's model is scattered from tp rank 0, in case the ranks built it with different seeds
+        src = None if self.materializer is not None else 0
+        return nn.Parameter(distribute_tensor(data, self.tp_mesh, [place], src_data_rank=src),
+                            requires_grad=requires_grad)
+
+    def _materialize_sharded(self) -> None:
+        """ZeRO-2/3 on a meta model: storage for the (now sharded) parameters, then each filled with
+        its shard of the materialised value, one module's values at a time."""
+        for chunk in self.chunks.values():   # to_empty of the meta tensors only: the buffers hold values
+            chunk._apply(lambda t: torch.empty_like(t, device=self.device) if t.is_meta else t)
+        with torch.no_grad():
+            for fqn, p in self.params.items():
+                full = self.materializer.tensor(fqn)
+                if fqn in self.expert_fqns:
+                    full = shard_experts(full, self.cfg.ep, self.ep_rank)
+                local(p).copy_(local_view(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full)
 
     def _data_parallel(self) -> None:
         cfg = self.cfg
         replicas = cfg.grad_replicas
         self.zero = cfg.zero if replicas > 1 else 0
         self.reducers: list[GradReducer] = []
-        self.fsdp = self.zero >= 2
         if self.fsdp:
             from torch.distributed.fsdp import fully_shard
             # With tp > 1 the parameters are already DTensors of the tp sub-mesh: FSDP2 shards them
@@ -273,6 +319,8 @@ class Program:
                 fully_shard(chunk, mesh=mesh, reshard_after_forward=self.zero == 3)
             self.params = {fqn: p for chunk in self.chunks.values()
                            for fqn, p in chunk.named_model_parameters().items()}
+            if self.materializer is not None:
+                self._materialize_sharded()
         elif replicas > 1:
             named = [self.chunks[c].named_model_parameters() for c in self.my_chunks]
             dense = [[p for fqn, p in ps.items() if fqn not in self.expert_fqns] for ps in named]

@@ -61,11 +61,11 @@ def mlp_loss(out, inputs):
     return torch.nn.functional.mse_loss(out, torch.zeros_like(out) + 0.5)
 
 
-def _gpt():
+def _gpt(device: str = "cpu"):
     from autopar.models import GPTConfig, build_gpt
     torch.manual_seed(0)
     model, _ = build_gpt(GPTConfig(vocab_size=64, hidden=32, heads=4, layers=4, seq_len=8, dropout=0.0),
-                         batch_size=1)
+                         batch_size=1, device=device)
     return model
 
 
@@ -151,6 +151,9 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "mixtral": _hf("build_hf_mixtral", layers=2, ffn_hidden=64, num_experts=4, top_k=2), "moe": _moe(),
     "moe-capacity": _moe(1.0), "xattn": _xattn,
 }
+# Built on the meta device: parallelize materialises each rank's shards, and the single-process
+# reference is autopar.init_weights of the same meta model (runtime/materialize.py).
+MODELS.update({"gpt-meta": lambda: _gpt("meta"), "llama-meta": _hf("build_hf_llama", device="meta")})
 
 
 def batches(model_name: str, n: int, global_batch: int) -> list[Any]:
@@ -207,7 +210,11 @@ def one_process(model: torch.nn.Module, data: list[Any], step_loss: Callable[[An
 
 
 def reference(case: Case) -> dict[str, Any]:
+    from autopar import init_weights
+    from autopar.runtime.materialize import has_meta
     model = MODELS[case.model]()
+    if has_meta(model):
+        init_weights(model)
     loss_fn = loss_fn_of(case.model)
     return one_process(model, batches(case.model, STEPS, case.global_batch), lambda b: call_loss(model, b, loss_fn))
 
@@ -227,9 +234,13 @@ def make_plan(case: Case):
     from autopar.capture import capture
     from autopar.runtime.inputs import slice_batch, with_inputs
     from autopar.solver import solve
+    from torch.utils._pytree import tree_map_only
     example = slice_batch(batches(case.model, 1, case.global_batch)[0], 0, 1, case.global_batch)
     if case.model not in _GRAPHS:
-        _GRAPHS[case.model] = capture(MODELS[case.model](), example, loss_fn_of(case.model))
+        model = MODELS[case.model]()
+        on = next(model.parameters()).device   # a meta model is planned from meta inputs
+        _GRAPHS[case.model] = capture(model, tree_map_only(torch.Tensor, lambda t: t.to(on), example),
+                                      loss_fn_of(case.model))
     plan, _ = solve(_GRAPHS[case.model], test_cluster(case.world), case.global_batch,
                     fixed=None if case.fixed is None else dict(case.fixed))
     if case.edit:
@@ -264,7 +275,7 @@ def round_trip(state: dict, fresh: torch.nn.Module) -> dict:
     buf = io.BytesIO()
     torch.save(state, buf)
     buf.seek(0)
-    fresh.load_state_dict(torch.load(buf), strict=True)
+    fresh.load_state_dict(torch.load(buf), strict=True, assign=any(p.is_meta for p in fresh.parameters()))
     return {n: p.detach().clone() for n, p in fresh.named_parameters()}
 
 
