@@ -30,7 +30,8 @@ def emit(plan: Plan, out_dir: str | os.PathLike, model_factory: str, *, batch_fa
     """Write ``train.py`` and ``plan.json`` into ``out_dir``; return the script's path.
 
     ``model_factory`` ("pkg.module:function") builds the model (or ``(model, example_inputs)``) with real
-    weights; the script seeds torch first (``--seed``), so every rank builds the same weights;
+    weights, the script seeding torch first (``--seed``) so every rank builds the same weights, or on
+    the meta device, each rank then materialising only its shards (``parallelize(..., init_seed=)``);
     ``batch_factory`` ("pkg.module:function", ``fn(step, global_batch_size) -> batch``) gives the
     global batch of a step (default: zero-filled inputs shaped like the plan's example inputs);
     ``loss_fn`` ("pkg.module:function") is the loss the plan was made with, for models that do
@@ -139,11 +140,17 @@ _BODY = '''
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="steps in all (a resumed run goes on from its step)")
     parser.add_argument("--lr", type=float, default={lr!r})
-    parser.add_argument("--seed", type=int, default=0, help="seeds the model's initial weights, the same on every rank")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the model's initial weights, the same on every rank "
+                        "(a model built on the meta device: each module's init, seeded by it and the module's name)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait on a silent peer")
     parser.add_argument("--loss-file", default=None, help="rank 0 appends each step's loss here")
+    parser.add_argument("--checkpoint", default=None, help="save a sharded checkpoint (parameters, optimizer "
+                        "state, step) into DIR/step<N> after the last step (torch.distributed.checkpoint)")
+    parser.add_argument("--save-every", type=int, default=0, help="with --checkpoint: also every N steps")
+    parser.add_argument("--resume", default=None, help="start from a checkpoint (a step<N> folder, or a "
+                        "--checkpoint DIR: its latest one) saved under this or any other plan")
     args = parser.parse_args()
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -156,11 +163,12 @@ def main() -> None:
 
     plan = autopar.load_plan(os.path.join(os.path.dirname(os.path.abspath(__file__)), "{plan_file}"))
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = model_factory()
+    model = model_factory()  # on the meta device, each rank materialises only its shards (init_seed)
     if isinstance(model, tuple):  # a factory returning (model, example_inputs)
         model = model[0]
     program = autopar.parallelize(model, plan, optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
-                                  loss_fn={loss_fn}, timeout=args.timeout)
+                                  loss_fn={loss_fn}, timeout=args.timeout, init_seed=args.seed)
+    del model  # the program holds its own shards: a model built on the CPU is not needed any more
     mine = [c for c in CHUNK_LAYERS if c % PP == pp_rank]
     if [[layer.name for layer in program.split.chunks[c].layers] for c in mine] != [CHUNK_LAYERS[c] for c in mine]:
         raise autopar.PlanMismatchError(f"rank {{rank}}: the program's chunks are not the plan's: re-emit the script")
@@ -170,7 +178,13 @@ def main() -> None:
           f"chunks {{mine}}, "
           f"{{sum(getattr(p, '_local_tensor', p).numel() for p in program.parameters())}} parameter elements held", flush=True)
 
-    for step in range(args.steps):
+    start = 0
+    if args.resume:  # collective: every rank reads its own shards, resharded to this plan
+        program.load_checkpoint(latest_checkpoint(args.resume))
+        start = program.steps
+        if rank == 0:
+            print(f"resumed from {{args.resume}} at step {{start}}", flush=True)
+    for step in range(start, args.steps):
         batch = {batch}
         loss = program.train_step(batch)
         if rank == 0:
@@ -178,12 +192,25 @@ def main() -> None:
             if args.loss_file:
                 with open(args.loss_file, "a") as fh:
                     fh.write(f"{{loss.item():.9g}}\\n")
+        if args.checkpoint and (step + 1 == args.steps or (args.save_every and (step + 1) % args.save_every == 0)):
+            program.save_checkpoint(os.path.join(args.checkpoint, f"step{{step + 1:08d}}"))  # collective
     dist.barrier()  # no rank tears its connections down while a peer still uses them
     # The program's process groups go now, while the interpreter is whole: the program holds reference
     # cycles, and left to interpreter shutdown gloo's worker threads can abort the process at exit.
     del program
     gc.collect()
     dist.destroy_process_group()
+
+
+def latest_checkpoint(path: str) -> str:
+    """``path`` if it is a checkpoint, else its last complete step<N> folder (DCP writes .metadata last)."""
+    if os.path.exists(os.path.join(path, ".metadata")):
+        return path
+    done = sorted(d for d in os.listdir(path)
+                  if d.startswith("step") and os.path.exists(os.path.join(path, d, ".metadata")))
+    if not done:
+        raise FileNotFoundError(f"no checkpoint in {{path}}")
+    return os.path.join(path, done[-1])
 
 
 if __name__ == "__main__":

@@ -514,6 +514,24 @@ class Program:
             out[fqn] = buf.cpu()
         return out
 
+    # --- sharded checkpoints (checkpoint.py) ----------------------------------------------------
+    def save_checkpoint(self, path: str) -> None:
+        """Write this program's parameters, optimizer state and step count to the folder ``path`` with
+        torch.distributed.checkpoint, each rank only its own shards. Collective: every rank calls it.
+        ``load_checkpoint`` of a program of any plan of the same model, or ``autopar.load_checkpoint``
+        in one process, reads it back."""
+        from .checkpoint import save_program
+        with at_step(self.steps - 1, "save_checkpoint"):
+            save_program(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Fill this program's parameters, optimizer state and step count from a checkpoint
+        ``save_checkpoint`` wrote under any plan of the same model (resharded as this plan holds them):
+        training goes on as the saving program would have. Collective: every rank calls it."""
+        from .checkpoint import load_program
+        with at_step(self.steps - 1, "load_checkpoint"):
+            load_program(self, path)
+
 
 def _device() -> torch.device:
     if dist.get_backend() == "nccl" and torch.cuda.is_available():

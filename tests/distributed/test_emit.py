@@ -14,6 +14,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import LR, MODELS, Case, batches, call_loss, free_port, make_plan  # noqa: E402
 
+import autopar  # noqa: E402
 import autopar.codegen  # noqa: E402
 
 STEPS = 2
@@ -55,9 +56,29 @@ def test_emitted_script_trains_like_one_process(tmp_path):
                                   lr=LR)
     text = open(script).read()
     assert "CHUNK_LAYERS" in text and "SCHEDULE" in text and "F0.0" in text
-    got = _torchrun(script, tmp_path / "losses.txt")
+    got = _torchrun(script, tmp_path / "losses.txt", "--checkpoint", str(tmp_path / "ckpt"), "--save-every", "1")
     _assert_trains_like_one_process(got, MODELS["gpt2"](), lambda model, step: call_loss(
         model, batches("gpt2", step + 1, case.global_batch)[step], None))
+    _assert_checkpoints_resume(tmp_path / "ckpt", got)
+
+
+def _assert_checkpoints_resume(folder, got: list[float]) -> None:
+    """``--checkpoint DIR --save-every 1`` wrote DIR/step<N> after every step; the first, loaded in one
+    process (model and AdamW state), takes the second step as the script did: the same loss, and the
+    parameters of the second checkpoint (an AdamW step moves
+    each element by about lr = 1e-3; observed 7e-8)."""
+    assert sorted(os.listdir(folder)) == [f"step{n:08d}" for n in range(1, STEPS + 1)]
+    model, after = MODELS["gpt2"](), MODELS["gpt2"]()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    assert autopar.load_checkpoint(folder / "step00000001", model, opt) == 1
+    assert autopar.load_checkpoint(folder / f"step{STEPS:08d}", after) == STEPS
+    loss = call_loss(model, batches("gpt2", 2, 4)[1], None)
+    loss.backward()
+    opt.step()
+    assert math.isclose(loss.item(), got[1], rel_tol=1e-5), (loss.item(), got[1])
+    want = dict(after.named_parameters())
+    diff = max((p - want[n]).abs().max().item() for n, p in model.named_parameters())
+    assert diff <= 1e-5, diff
 
 
 def test_cli_plan_codegen_torchrun_on_a_hugging_face_factory(tmp_path):

@@ -1,0 +1,295 @@
+"""Sharded checkpoints of a :class:`~autopar.runtime.program.Program` with ``torch.distributed.checkpoint``.
+
+``Program.save_checkpoint(path)`` writes the parameters and the optimizer state with ``dcp.save``:
+every rank hands DCP the tensors it holds, each *with its global layout*, and writes only its own
+shards (DCP keeps one copy of what several ranks hold). ``Program.load_checkpoint(path)`` builds
+the same kind of state dict for the loading program, of any plan of the same model, and
+``dcp.load`` reads into it in place, each rank reading just the parts of the saved shards that
+overlap its own (DCP's resharding: a load plan asks storage for every saved chunk a local chunk
+overlaps, https://pytorch.org/docs/stable/distributed.checkpoint.html). ``load_checkpoint(path,
+model, optimizer)`` does the same in one process, into a plain model (``dcp.load(no_dist=True)``).
+
+Keys (one flat namespace; DCP's folder holds one ``.distcp`` file per writing rank and a ``.metadata``):
+
+- ``<fqn>``: a parameter, under the name ``model.named_parameters()`` gives it (the canonical
+  name of a tied parameter: ``Program.params`` is keyed by it); persistent buffers and the
+  parameters no chunk holds (``Program.buffers``, ``Program.unused``) under their own names, so
+  the one-process loader restores the whole model;
+- ``optim.<fqn>.<state>``: the optimizer's per-parameter state (AdamW: ``exp_avg``,
+  ``exp_avg_sq``, ``step``); ``optim.<fqn>.param_group``: the hyperparameters of the
+  parameter's group (pickled: lr, betas, eps, weight decay, ...);
+- ``autopar.steps``: ``Program.steps``, the steps trained so far.
+
+How each tensor carries its global layout:
+
+- tensor-parallel and FSDP2 (ZeRO-2/3) parameters are DTensors already, and so is the optimizer
+  state AdamW keeps for them (``zeros_like`` of a DTensor); DCP writes ``to_local()`` at the
+  offset ``compute_local_shape_and_global_offset`` gives (uneven FSDP2 shards included: both use
+  ``torch.chunk``'s split);
+- expert weights under expert parallelism (``ep > 1``) are plain tensors of this rank's ``E/ep``
+  experts (or an FSDP2 shard of them over the expert replicas): they are presented as a DTensor
+  of global shape ``[E, ...]`` on a 2-D ``(ep, expert replica)`` mesh with placements
+  ``[Shard(0), Shard(0)]`` under ZeRO-2/3 (FSDP2 shards the block of ``E/ep`` experts again) or
+  ``[Shard(0), Replicate()]`` otherwise. The mesh is made from the program's existing groups
+  (``DeviceMesh.from_group``: no new process group); DCP reads only its coordinates;
+- everything else (plain data-parallel replicas, pipeline stages' disjoint parameters, a tied
+  parameter held by several stages, AdamW's scalar ``step``) is a plain tensor: the ranks holding
+  the same key write identical chunks, which DCP's save planner deduplicates
+  (``dedup_save_plans``: one rank writes each chunk);
+- ZeRO-1 keeps a parameter's optimizer state on one owner of its data-parallel group: only the
+  owner has (and writes) its ``optim.*`` keys, and a ZeRO-1 loader asks for the keys of the
+  parameters it owns in its own plan.
+
+Loading allocates the optimizer state from the checkpoint's metadata: a tensor entry shaped like
+the parameter gets the parameter's layout (``zeros_like``), any other tensor (``step``) is loaded
+whole, on the CPU unless the group is ``fused`` or ``capturable`` (the placement
+``torch.optim.Optimizer.load_state_dict`` gives it), then installed as ``optimizer.state[p]``; a
+parameter the checkpoint has no state for starts afresh, as AdamW does before its first step.
+The group hyperparameters saved with a parameter replace those of its group, as
+``Optimizer.load_state_dict`` replaces them. Resuming is exact: the loaded program steps from the
+very values the saving one held.
+
+Limits: optimizer state that is neither shaped like its parameter nor replicated (a factored
+second moment, Adafactor's row/column statistics of a tensor-parallel shard) is loaded whole and
+would not match a sharded parameter. Hyperparameters and non-tensor state are pickled (DCP itself
+unpickles non-tensor entries with ``torch.load(weights_only=False)``): load only checkpoints you trust.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..errors import ConfigError
+from .data_parallel import Zero1Optimizer, local
+
+OPTIM = "optim."
+GROUP = "param_group"
+STEPS = "autopar.steps"
+
+# fqn, tensor of that parameter's layout (the parameter or a state tensor) -> what DCP gets
+Present = Callable[[str, torch.Tensor], Any]
+
+
+# --- saving ----------------------------------------------------------------------------------
+def save_program(program: Any, path: str | os.PathLike) -> None:
+    """Collective: every rank writes its shards of ``program``'s parameters and optimizer state."""
+    state: dict[str, Any] = {}
+    state.update({k: v for k, v in program.buffers.items()})
+    state.update({k: v for k, v in program.unused.items() if k not in program.params})
+    present = _presenter(program)
+    for fqn, p in program.params.items():
+        state[fqn] = present(fqn, p.detach())
+    optimizer = _inner(program.optimizer)
+    if optimizer is not None:
+        state.update(_optimizer_state(optimizer, _names(program.params), present))
+    state[STEPS] = int(program.steps)
+    dcp.save(state, checkpoint_id=os.fspath(path))
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str], present: Present) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for group in optimizer.param_groups:
+        hyper = pickle.dumps({k: v for k, v in group.items() if k != "params"})
+        for p in group["params"]:
+            fqn = names[id(p)]
+            out[f"{OPTIM}{fqn}.{GROUP}"] = hyper
+            for name, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape:
+                    value = present(fqn, value.detach())
+                out[f"{OPTIM}{fqn}.{name}"] = value
+    return out
+
+
+# --- loading ---------------------------------------------------------------------------------
+def load_program(program: Any, path: str | os.PathLike) -> None:
+    """Collective: fill ``program``'s parameters and optimizer state from the checkpoint at ``path``."""
+    path = os.fspath(path)
+    saved = _metadata(path)
+    present = _presenter(program)
+    state: dict[str, Any] = {}
+    for fqn, p in program.params.items():
+        state[fqn] = present(fqn, p.detach())
+    state.update({k: v for k, v in program.unused.items() if k not in program.params})
+    optimizer = _inner(program.optimizer)
+    fill = None
+    if optimizer is not None:
+        fill = _optimizer_targets(optimizer, _names(program.params), saved, present,
+                                  lambda fqn, p: _global_shape(program, fqn, p), state)
+    if STEPS in saved:
+        state[STEPS] = 0
+    _load(state, path, saved, no_dist=False)
+    if fill is not None:
+        fill()
+    if STEPS in saved:
+        program.steps = int(state[STEPS])
+
+
+def load_checkpoint(path: str | os.PathLike, model: nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None) -> int | None:
+    """Fill a single-device ``model`` (and ``optimizer``, one over ``model.parameters()``) from a
+    checkpoint ``Program.save_checkpoint`` wrote, whatever plan wrote it, in this process alone (no
+    process group needed, none used). Returns the steps the saving program had trained (None if
+    the checkpoint does not record them). The model must be on a real device (not meta)."""
+    path = os.fspath(path)
+    saved = _metadata(path)
+    params = dict(model.named_parameters())
+    if any(p.is_meta for p in params.values()):
+        raise ConfigError("load_checkpoint fills the model's tensors in place: build it on a real device, or "
+                          "materialise a meta model with autopar.init_weights(model) first (and make the "
+                          "optimizer after that, over the new parameters)")
+    state: dict[str, Any] = {n: p.detach() for n, p in params.items()}
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    state.update({k: v for k, v in model.state_dict().items() if k not in aliases and k in saved})
+    fill = None
+    if optimizer is not None:
+        fill = _optimizer_targets(optimizer, _names(params), saved, lambda fqn, t: t, lambda fqn, p: p.shape, state)
+    if STEPS in saved:
+        state[STEPS] = 0
+    _load(state, path, saved, no_dist=True)
+    if fill is not None:
+        fill()
+    return int(state[STEPS]) if STEPS in saved else None
+
+
+def _optimizer_targets(optimizer: torch.optim.Optimizer, names: dict[int, str], saved: dict[str, Any],
+                       present: Present, shape_of: Callable[[str, torch.Tensor], torch.Size],
+                       state: dict[str, Any]) -> Callable[[], None]:
+    """Add to ``state`` a tensor (or placeholder) for every saved optimizer entry of ``optimizer``'s
+    parameters; return what installs them once DCP has filled them."""
+    mine_names = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ConfigError("the optimizer holds a tensor that is not one of the model's parameters: make it "
+                                  "over model.parameters()")
+            mine_names.add(names[id(p)])
+    entries: dict[str, dict[str, Any]] = {}
+    for key, md in saved.items():
+        if key.startswith(OPTIM) and (split := _split(key[len(OPTIM):], mine_names)) is not None:
+            entries.setdefault(split[0], {})[split[1]] = md
+    todo: list[tuple[dict, torch.Tensor, str, dict[str, Any]]] = []   # (group, param, fqn, name -> value)
+    for group in optimizer.param_groups:
+        fused = bool(group.get("fused") or group.get("capturable"))
+        for p in group["params"]:
+            fqn = names[id(p)]
+            mine: dict[str, Any] = {}
+            for name, md in entries.get(fqn, {}).items():
+                key = f"{OPTIM}{fqn}.{name}"
+                if not isinstance(md, TensorStorageMetadata):
+                    state[key] = b""                  # DCP replaces a non-tensor value in the dict
+                    mine[name] = None
+                    continue
+                if md.size == shape_of(fqn, p) and not (name == "step" and not md.size):   # the parameter's layout
+                    value = torch.zeros_like(p.detach(), dtype=md.properties.dtype)
+                    state[key] = present(fqn, value)
+                else:                                # AdamW's step: replicated, loaded whole
+                    where = local(p).device if (fused or name != "step") else torch.device("cpu")
+                    value = torch.zeros(md.size, dtype=md.properties.dtype, device=where)
+                    state[key] = value
+                mine[name] = value
+            todo.append((group, p, fqn, mine))
+
+    def fill() -> None:
+        for group, p, fqn, mine in todo:
+            values = {name: state[f"{OPTIM}{fqn}.{name}"] if value is None else value
+                      for name, value in mine.items()}
+            hyper = values.pop(GROUP, None)
+            if hyper is not None:
+                group.update(pickle.loads(hyper))
+            if values:
+                optimizer.state[p] = values
+            else:
+                optimizer.state.pop(p, None)
+    return fill
+
+
+def _split(key: str, names: set[str]) -> tuple[str, str] | None:
+    """``<fqn>.<state name>`` -> (fqn, state name) for an fqn of ``names``, the state name dots and all:
+    unambiguous, as a parameter's name is never a prefix module of another's."""
+    i = len(key)
+    while (i := key.rfind(".", 0, i)) > 0:
+        if key[:i] in names:
+            return key[:i], key[i + 1:]
+    return None
+
+
+def _load(state: dict[str, Any], path: str, saved: dict[str, Any], no_dist: bool) -> None:
+    missing = sorted(k for k in state if k not in saved)
+    try:
+        with warnings.catch_warnings():   # no_dist is what the one-process loader means: no warning about it
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(state, checkpoint_id=path, no_dist=no_dist)
+    except (Exception, CheckpointException) as exc:   # CheckpointException (a BaseException): raised on every rank
+        if missing:
+            raise ConfigError(f"the checkpoint at {path} lacks {len(missing)} of this model's entries (first: "
+                              f"{', '.join(missing[:5])}): it was saved from another model") from exc
+        raise ConfigError(f"loading the checkpoint at {path} failed: {str(exc).strip().splitlines()[-1][:500]}") \
+            from exc
+
+
+def _metadata(path: str) -> dict[str, Any]:
+    """The checkpoint's entries: key -> TensorStorageMetadata (size, dtype) or BytesStorageMetadata."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"no checkpoint at {path}: Program.save_checkpoint writes a folder")
+    return dict(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+# --- layouts ---------------------------------------------------------------------------------
+def _inner(optimizer: Any) -> torch.optim.Optimizer | None:
+    return optimizer.inner if isinstance(optimizer, Zero1Optimizer) else optimizer
+
+
+def _names(params: dict[str, nn.Parameter]) -> dict[int, str]:
+    return {id(p): fqn for fqn, p in reversed(list(params.items()))}   # the first name wins
+
+
+def _global_shape(program: Any, fqn: str, p: torch.Tensor) -> torch.Size:
+    if fqn in program.expert_fqns and program.cfg.ep > 1:
+        return torch.Size(program.graph.params[fqn].shape)
+    return p.shape
+
+
+def _presenter(program: Any) -> Present:
+    """The function giving DCP a tensor of ``fqn``'s layout with its global layout."""
+    if not (program.expert_fqns and program.cfg.ep > 1):
+        return lambda fqn, t: t
+    mesh = _expert_mesh(program)
+
+    def present(fqn: str, t: torch.Tensor) -> Any:
+        if fqn not in program.expert_fqns:
+            return t
+        shape = _global_shape(program, fqn, t)
+        # an FSDP2 expert shard is a DTensor over the replicas: Shard(0) of this rank's E/ep block
+        replica = Shard(0) if isinstance(t, DTensor) else Replicate()
+        return DTensor.from_local(local(t), mesh, [Shard(0), replica], run_check=False, shape=shape,
+                                  stride=_contiguous_stride(shape))
+    return present
+
+
+def _expert_mesh(program: Any) -> DeviceMesh:
+    """This rank's (ep, expert replica) mesh: rows are ep ranks, columns the replicas of each
+    (``expert_groups``' order: dp block-major, then cp), from the program's own groups."""
+    cfg = program.cfg
+    rows = [[program.global_rank(program.pp_rank, o * cfg.ep + e, program.tp_rank, c)
+             for o in range(cfg.dp // cfg.ep) for c in range(cfg.cp)] for e in range(cfg.ep)]
+    return DeviceMesh.from_group([program.ep_group, program.expert_mesh.get_group()], program.device.type,
+                                 mesh=rows, mesh_dim_names=("ep", "expert_replica"))
+
+
+def _contiguous_stride(shape: Iterable[int]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for n in reversed(list(shape)):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
