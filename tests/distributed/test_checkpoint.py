@@ -113,5 +113,5 @@ def test_one_process_loader_refusals(tmp_path):
         dcp.save({"other.weight": torch.zeros(2, 2)}, checkpoint_id=str(tmp_path / "other"), no_dist=True)
     with pytest.raises(autopar.ConfigError, match=r"lacks 2 of this model's entries \(first: bias, weight\)"):
         autopar.load_checkpoint(tmp_path / "other", torch.nn.Linear(2, 2))
-    with pytest.raises(autopar.ConfigError, match="not meta"):
+    with pytest.raises(autopar.ConfigError, match="autopar.init_weights"):
         autopar.load_checkpoint(tmp_path / "other", torch.nn.Linear(2, 2, device="meta"))
