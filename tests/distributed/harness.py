@@ -9,6 +9,7 @@ rank's results with.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import socket
@@ -156,6 +157,19 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
 MODELS.update({"gpt-meta": lambda: _gpt("meta"), "llama-meta": _hf("build_hf_llama", device="meta")})
 
 
+_PRISTINE: dict[str, torch.nn.Module] = {}
+
+
+def fresh(name: str) -> torch.nn.Module:
+    """A new ``MODELS[name]()``: a deep copy of one built once per process (building, Hugging Face's
+    init above all, costs more than a tiny model's run), with the global generator seeded as the
+    builders seed it."""
+    if name not in _PRISTINE:
+        _PRISTINE[name] = MODELS[name]()
+    torch.manual_seed(0)
+    return copy.deepcopy(_PRISTINE[name])
+
+
 def batches(model_name: str, n: int, global_batch: int) -> list[Any]:
     g = torch.Generator().manual_seed(1234)
     out = []
@@ -209,14 +223,23 @@ def one_process(model: torch.nn.Module, data: list[Any], step_loss: Callable[[An
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
+_REFERENCES: dict[tuple[str, int], dict[str, Any]] = {}
+
+
 def reference(case: Case) -> dict[str, Any]:
+    """The single-process reference of the case's model and global batch (the same for every plan of
+    them: computed once)."""
     from autopar import init_weights
     from autopar.runtime.materialize import has_meta
-    model = MODELS[case.model]()
-    if has_meta(model):
-        init_weights(model)
-    loss_fn = loss_fn_of(case.model)
-    return one_process(model, batches(case.model, STEPS, case.global_batch), lambda b: call_loss(model, b, loss_fn))
+    key = (case.model, case.global_batch)
+    if key not in _REFERENCES:
+        model = fresh(case.model)
+        if has_meta(model):
+            init_weights(model)
+        loss_fn = loss_fn_of(case.model)
+        _REFERENCES[key] = one_process(model, batches(case.model, STEPS, case.global_batch),
+                                       lambda b: call_loss(model, b, loss_fn))
+    return _REFERENCES[key]
 
 
 def test_cluster(world: int):
@@ -227,22 +250,30 @@ def test_cluster(world: int):
 
 
 _GRAPHS: dict[str, Any] = {}
+_SHARDING: dict[tuple[str, int], Any] = {}
 
 
 def make_plan(case: Case):
-    """autopar.plan for the case, capturing each model once (the cases of a model share its graph)."""
+    """autopar.plan for the case, capturing each model once and sharing its sharding ILPs' layouts
+    between the cases of a model and world (solve(sharding=): the same plans, each ILP solved once)."""
+    from autopar import Precision
     from autopar.capture import capture
     from autopar.runtime.inputs import slice_batch, with_inputs
     from autopar.solver import solve
+    from autopar.solver.sharding_solver import ShardingSolver
     from torch.utils._pytree import tree_map_only
     example = slice_batch(batches(case.model, 1, case.global_batch)[0], 0, 1, case.global_batch)
     if case.model not in _GRAPHS:
-        model = MODELS[case.model]()
+        model = fresh(case.model)
         on = next(model.parameters()).device   # a meta model is planned from meta inputs
         _GRAPHS[case.model] = capture(model, tree_map_only(torch.Tensor, lambda t: t.to(on), example),
                                       loss_fn_of(case.model))
-    plan, _ = solve(_GRAPHS[case.model], test_cluster(case.world), case.global_batch,
-                    fixed=None if case.fixed is None else dict(case.fixed))
+    cluster = test_cluster(case.world)
+    key = (case.model, case.world)
+    if key not in _SHARDING:
+        _SHARDING[key] = ShardingSolver(_GRAPHS[case.model], cluster, Precision.for_device(cluster.device.name))
+    plan, _ = solve(_GRAPHS[case.model], cluster, case.global_batch,
+                    fixed=None if case.fixed is None else dict(case.fixed), sharding=_SHARDING[key])
     if case.edit:
         plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, **case.edit))
     return with_inputs(plan, example)
@@ -255,7 +286,7 @@ def run_case(rank: int, world: int, case: Case, plan_dict: dict) -> dict[str, An
     from autopar.runtime.data_parallel import local
     torch.autograd.set_detect_anomaly(bool(os.environ.get("AUTOPAR_TEST_ANOMALY")))
     plan = autopar.Plan.from_dict(plan_dict)
-    model = MODELS[case.model]()
+    model = fresh(case.model)
     data = batches(case.model, STEPS, case.global_batch)
     program = autopar.parallelize(model, plan, adamw,
                                   loss_fn=loss_fn_of(case.model), timeout=60)
@@ -263,7 +294,7 @@ def run_case(rank: int, world: int, case: Case, plan_dict: dict) -> dict[str, An
     grads = program.full_grads()
     for b in data:
         program.train_step(b)
-    params = round_trip(program.full_state_dict(), MODELS[case.model]())
+    params = round_trip(program.full_state_dict(), fresh(case.model))
     return {"loss": loss.item(), "grads": grads, "params": params,
             "local_numel": sum(local(p).numel() for p in program.parameters())}
 

@@ -8,6 +8,8 @@ codegen`` do) and ``dropout``; the same seed gives the same weights on every ran
 
 from __future__ import annotations
 
+import copy
+
 import os
 from typing import Any, Callable
 
@@ -108,11 +110,19 @@ BUILDERS: dict[str, Callable[[float], nn.Module]] = {
 LOSS_FNS = {"unet": unet_loss}
 
 
+_BUILT: dict[tuple[str, str, float], nn.Module] = {}
+
+
 def build(name: str, device: str = "cpu", dropout: float = 0.0) -> nn.Module:
-    """The model, seeded: the same weights on every rank (on ``"meta"``: no weights at all)."""
+    """The model, seeded: the same weights on every rank (on ``"meta"``: no weights at all). A deep copy
+    of one built once per process: building (Hugging Face's init) costs more than the tiny run."""
+    key = (name, device, dropout)
+    if key not in _BUILT:
+        torch.manual_seed(0)
+        with torch.device(device):
+            _BUILT[key] = BUILDERS[name](dropout)
     torch.manual_seed(0)
-    with torch.device(device):
-        return BUILDERS[name](dropout)
+    return copy.deepcopy(_BUILT[key])
 
 
 def batches(name: str, n: int, global_batch: int, device: str = "cpu") -> list[Any]:

@@ -75,11 +75,14 @@ CASES = [Case(m, s, c) for m in new_users.BUILDERS for s in SOURCES for c in CON
     + [Case(m, "meta-b1", c, estimate=True) for m in ("llama", "gpt2") for c in ("tp2", "dp2_zero3")]
 
 _GRAPHS: dict = {}
+_SHARDING: dict = {}
 
 
 def make_plan(case: Case):
     """autopar's plan with every field pinned, from the case's source (each model captured once per source)."""
+    from autopar import Precision
     from autopar.capture import capture
+    from autopar.solver.sharding_solver import ShardingSolver
     from autopar.runtime.inputs import with_inputs
     from autopar.solver import solve
     device, batch = SOURCES[case.source]
@@ -94,7 +97,11 @@ def make_plan(case: Case):
         return autopar.estimate(model, harness.test_cluster(2), example,
                                 autopar.ParallelConfig(**{**BASE, **CONFIGS[case.config]}),
                                 global_batch_size=GLOBAL_BATCH, loss_fn=new_users.LOSS_FNS.get(case.model))
-    plan, _ = solve(_GRAPHS[key], harness.test_cluster(2), GLOBAL_BATCH, fixed={**BASE, **CONFIGS[case.config]})
+    cluster = harness.test_cluster(2)
+    if key not in _SHARDING:   # the cases of a graph share its sharding ILPs (the same plans, solved once)
+        _SHARDING[key] = ShardingSolver(_GRAPHS[key], cluster, Precision.for_device(cluster.device.name))
+    plan, _ = solve(_GRAPHS[key], cluster, GLOBAL_BATCH, fixed={**BASE, **CONFIGS[case.config]},
+                    sharding=_SHARDING[key])
     return with_inputs(plan, example)
 
 
