@@ -154,7 +154,15 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
 }
 # Built on the meta device: parallelize materialises each rank's shards, and the single-process
 # reference is autopar.init_weights of the same meta model (runtime/materialize.py).
-MODELS.update({"gpt-meta": lambda: _gpt("meta"), "llama-meta": _hf("build_hf_llama", device="meta")})
+def _on_meta(make: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
+    def build() -> torch.nn.Module:
+        with torch.device("meta"):
+            return make()
+    return build
+
+
+MODELS.update({"gpt-meta": lambda: _gpt("meta"), "llama-meta": _hf("build_hf_llama", device="meta"),
+               "moe-meta": _on_meta(_moe())})
 
 
 _PRISTINE: dict[str, torch.nn.Module] = {}
