@@ -270,16 +270,25 @@ class Program:
         value = value.detach() if (self.fsdp and value.is_meta) else self._value(fqn, value)
         if fqn in self.expert_fqns:   # this rank's experts, a plain tensor even under tensor parallelism
             value = shard_experts(value, self.cfg.ep, self.ep_rank)
-        data = value if value.is_meta else value.to(self.device).clone()
-        if self.tp_mesh is None or fqn in self.expert_fqns:
-            return nn.Parameter(data, requires_grad=requires_grad)
         d = self.param_dims.get(fqn)
-        place = Shard(d % data.dim()) if d is not None else Replicate()
-        # a materialised value is the same on every rank, which takes its shard locally (src_data_rank=None);
-        # a user's model is scattered from tp rank 0, in case the ranks built it with different seeds
-        src = None if self.materializer is not None else 0
-        return nn.Parameter(distribute_tensor(data, self.tp_mesh, [place], src_data_rank=src),
-                            requires_grad=requires_grad)
+        place = Shard(d % value.dim()) if d is not None else Replicate()
+        tp = self.tp_mesh is not None and fqn not in self.expert_fqns
+        if value.is_meta:   # ZeRO-2/3 of a meta model: fully_shard first
+            data = distribute_tensor(value, self.tp_mesh, [place], src_data_rank=None) if tp else value
+        elif self.materializer is not None:
+            # the same value on every rank: each takes its own piece, copied (a view would keep the
+            # whole module's values alive)
+            piece = local_view(value, self.tp_mesh, [place]) if tp else value
+            data = piece.to(self.device).clone()
+            if tp:
+                data = DTensor.from_local(data, self.tp_mesh, [place], run_check=False, shape=value.shape,
+                                          stride=value.stride())
+        else:
+            # a user's model: scattered from tp rank 0, in case the ranks built it with different seeds
+            data = value.to(self.device).clone()
+            if tp:
+                data = distribute_tensor(data, self.tp_mesh, [place])
+        return nn.Parameter(data, requires_grad=requires_grad)
 
     def _materialize_sharded(self) -> None:
         """ZeRO-2/3 on a meta model: storage for the (now sharded) parameters, then each filled with
