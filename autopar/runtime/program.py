@@ -65,6 +65,7 @@ from ..capture.opgraph import OpKind
 from ..errors import ConfigError, PlanMismatchError
 from ..plan import Plan
 from . import schedules
+from .checkpoint import load_program, save_program
 from .chunk import ChunkModule, NodeRunner
 from .context import analyse
 from .context_runner import ContextRunner
@@ -529,7 +530,6 @@ class Program:
         torch.distributed.checkpoint, each rank only its own shards. Collective: every rank calls it.
         ``load_checkpoint`` of a program of any plan of the same model, or ``autopar.load_checkpoint``
         in one process, reads it back."""
-        from .checkpoint import save_program
         with at_step(self.steps - 1, "save_checkpoint"):
             save_program(self, path)
 
@@ -537,7 +537,6 @@ class Program:
         """Fill this program's parameters, optimizer state and step count from a checkpoint
         ``save_checkpoint`` wrote under any plan of the same model (resharded as this plan holds them):
         training goes on as the saving program would have. Collective: every rank calls it."""
-        from .checkpoint import load_program
         with at_step(self.steps - 1, "load_checkpoint"):
             load_program(self, path)
 
