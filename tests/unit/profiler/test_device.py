@@ -21,7 +21,7 @@ from autopar.profiler.device import measure_device
 from autopar.profiler.device_profile import (AttentionSample, BandwidthSample, ConvSample, DeviceProfile,
                                              MatmulSample, load_profile, matmul_curve, save_profile)
 from autopar.profiler.device_fit import device_fit_errors, fit_device
-from autopar.profiler.host import device_name, median_time, torch_threads
+from autopar.profiler.host import device_name
 
 SHAPES = dev.matmul_shapes(dev.BUDGETS[("cpu", "normal")])
 OVERHEAD = 2e-6
@@ -214,7 +214,10 @@ def test_quick_cpu_measurement_gives_a_valid_device(quick_cpu_profile):
     device, report = fit_device(profile)
     assert isinstance(device, Device) and Device.from_dict(device.to_dict()) == device
     assert device.threads == 1 and device.memory > 1e8 and device.peak("bf16") == device.peak("fp32")
-    assert math.isfinite(report.median_relative_error) and report.median_relative_error < 0.5
+    # How close the fit comes on a real machine is timing, measured by bench/device_fit.py: here only
+    # that the fit is a fit (finite errors over every fitted sample, an efficiency in (0, 1]).
+    assert math.isfinite(report.median_relative_error) and math.isfinite(report.max_relative_error)
+    assert report.samples == len(profile.matmul["fp32"]) and 0 < device.matmul_efficiency <= 1
     assert DeviceProfile.from_record(json.loads(json.dumps(profile.to_record()))) == profile
 
 
@@ -222,17 +225,6 @@ def test_measuring_restores_the_thread_count_and_fp32_precision(quick_cpu_profil
     threads, precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
     measure_device(torch.device("cpu"), threads=1, dtypes=("fp32",), budget="quick", progress=False)
     assert torch.get_num_threads() == threads and torch.get_float32_matmul_precision() == precision
-
-
-def test_fitted_cpu_device_predicts_a_held_out_matmul(quick_cpu_profile):
-    device, _ = fit_device(quick_cpu_profile)
-    m, n, k = 448, 320, 576  # no measured shape
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    with torch_threads(1):
-        measured = median_time(lambda: a @ b, torch.device("cpu"), warmup=2, repeats=7)
-    predicted = 2.0 * m * n * k / (device.peak("fp32") * gemm_efficiency(device, Gemm(1, m, n, k))) \
-        + device.kernel_overhead
-    assert 0.5 < predicted / measured < 2.0, (predicted, measured)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
