@@ -9,12 +9,23 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the Hugging Face builders must never download
+# One intra-op thread per test process, and for every process it starts. The unit tests run in two
+# xdist workers beside the distributed tests' gloo ranks on a 2-core machine: with torch's default
+# (one OpenMP thread per core) each worker's threads spin-wait between parallel regions, and every
+# gloo collective then waits for a rank the spinning threads keep off a core. Measured: the emitted
+# script's 2-rank torchrun test took 43 s beside two default-threaded torch loops, 19 s beside the
+# same loops on one thread each, 20 s alone.
+os.environ["OMP_NUM_THREADS"] = "1"
 
-import pytest
-from hypothesis import settings
+import torch  # noqa: E402
 
-from autopar.capture import OpGraph, capture
-from autopar.models import GPTConfig, build_gpt
+torch.set_num_threads(1)
+
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+from autopar.capture import OpGraph, capture  # noqa: E402
+from autopar.models import GPTConfig, build_gpt  # noqa: E402
 
 # Property tests draw the same examples on every run (derandomize, no example database): a suite
 # whose result depends on the run is not a suite; explore more with make bench or by hand.
