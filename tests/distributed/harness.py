@@ -9,6 +9,7 @@ rank's results with.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -287,20 +288,51 @@ def make_plan(case: Case):
     return with_inputs(plan, example)
 
 
+_EXPORTS: dict[Any, Any] = {}
+
+
+@contextlib.contextmanager
+def shared_exports(model_key: Any):
+    """Within the block, ``parallelize`` on this rank reuses the graph it exported for an earlier case of
+    the same model (``model_key``: what builds it, e.g. a MODELS name; every build of one key is the same
+    architecture), micro-batch, loss function and mode: a deep copy of that ExportedProgram, since the
+    runtime rewrites its copy (devices, materialised buffers). torch.export of a tiny model costs 0.3-0.9 s,
+    most of a case's time on a rank; the cases share few distinct exports. Parameter values never come
+    from the export (the runtime reads them from the model it is given)."""
+    import autopar.runtime.program as program
+    from autopar.runtime.inputs import describe_inputs
+    real = program.run_export
+
+    def export(model, inputs, loss_fn=None, train_mode=False):
+        device = next((t.device.type for t in torch.utils._pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)), None)
+        key = (model_key, repr(describe_inputs(inputs)), device, loss_fn, model.training, train_mode)
+        if key not in _EXPORTS:
+            _EXPORTS[key] = real(model, inputs, loss_fn, train_mode=train_mode)
+        return copy.deepcopy(_EXPORTS[key])
+
+    program.run_export = export
+    try:
+        yield
+    finally:
+        program.run_export = real
+
+
 def run_case(rank: int, world: int, case: Case, plan_dict: dict) -> dict[str, Any]:
     """One case on one rank of a worlds.World: loss and full gradients of a forward_backward, the
-    parameters after STEPS train_steps (through a torch.save round trip into a fresh model)."""
+    parameters after STEPS AdamW steps, the first on those gradients (through a torch.save round trip
+    into a fresh model)."""
     import autopar
     from autopar.runtime.data_parallel import local
     torch.autograd.set_detect_anomaly(bool(os.environ.get("AUTOPAR_TEST_ANOMALY")))
     plan = autopar.Plan.from_dict(plan_dict)
     model = fresh(case.model)
     data = batches(case.model, STEPS, case.global_batch)
-    program = autopar.parallelize(model, plan, adamw,
-                                  loss_fn=loss_fn_of(case.model), timeout=60)
+    with shared_exports(case.model):
+        program = autopar.parallelize(model, plan, adamw, loss_fn=loss_fn_of(case.model), timeout=60)
     loss = program.forward_backward(data[0])
     grads = program.full_grads()
-    for b in data:
+    program.optimizer.step()   # train_step(data[0]) is this forward_backward and this step
+    for b in data[1:]:
         program.train_step(b)
     params = round_trip(program.full_state_dict(), fresh(case.model))
     return {"loss": loss.item(), "grads": grads, "params": params,

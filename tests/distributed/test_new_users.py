@@ -128,8 +128,9 @@ def run_case(rank: int, world: int, case: Case, plan_dict: dict) -> dict:
     model = new_users.build(case.model, "cpu", case.dropout)
     if case.eval:
         model.eval()
-    program = autopar.parallelize(model, autopar.Plan.from_dict(plan_dict), adamw,
-                                  loss_fn=new_users.LOSS_FNS.get(case.model), timeout=60)
+    with harness.shared_exports((case.model, case.dropout)):
+        program = autopar.parallelize(model, autopar.Plan.from_dict(plan_dict), adamw,
+                                      loss_fn=new_users.LOSS_FNS.get(case.model), timeout=60)
     data = new_users.batches(case.model, STEPS, GLOBAL_BATCH)
     loss = program.forward_backward(data[0])
     grads = program.full_grads()
