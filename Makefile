@@ -35,6 +35,7 @@ bench: $(STAMP)
 	$(PY) bench/plan_vs_megatron.py
 	$(PY) bench/runtime_overhead.py
 	$(PY) bench/link_fit.py
+	$(PY) bench/device_fit.py
 	$(PY) bench/fidelity_cpu.py
 	$(PY) bench/cli_plan_time.py
 	$(PY) bench/sweep.py

@@ -15,7 +15,7 @@ how much CPU other processes used while it measured. (The unit tests check the f
 profiles, where the answer is known, and only the structure of a real measurement: a test must not
 pass or fail with the machine's speed.)
 
-Run: .venv/bin/python bench/device_fit.py [--budgets quick,normal]   (about 40 s)
+Run: .venv/bin/python bench/device_fit.py [--budgets quick,normal]   (about 10 s)
 """
 
 from __future__ import annotations
