@@ -15,6 +15,7 @@ import dataclasses
 import os
 import socket
 import tempfile
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -308,7 +309,9 @@ def shared_exports(model_key: Any):
         key = (model_key, repr(describe_inputs(inputs)), device, loss_fn, model.training, train_mode)
         if key not in _EXPORTS:
             _EXPORTS[key] = real(model, inputs, loss_fn, train_mode=train_mode)
-        return copy.deepcopy(_EXPORTS[key])
+        with warnings.catch_warnings():   # torch's pytree specs warn about a deprecated class when copied
+            warnings.simplefilter("ignore", FutureWarning)
+            return copy.deepcopy(_EXPORTS[key])
 
     program.run_export = export
     try:
