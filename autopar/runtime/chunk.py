@@ -118,7 +118,7 @@ class NodeRunner:
         if spec is not None:
             args = tuple(self.to_spec(a, spec.inputs.get(n.name)) if isinstance(n, torch.fx.Node) else a
                          for a, n in zip(args, node.args))
-        args, kwargs = _map_tensors((args, kwargs), self.wrap)
+        args, kwargs = _map_tensors((args, kwargs), lambda v: _consistent(self.wrap(v)))
         if node.name in self.local_ops:
             return self._run_local(node, args, kwargs, spec)
         if node.name not in self.fallbacks:
@@ -238,6 +238,22 @@ def _replicated_grad(grad: torch.Tensor) -> torch.Tensor:
 
 def _contiguous(grad: torch.Tensor) -> torch.Tensor:
     return grad.contiguous()
+
+
+def _consistent(value: Any) -> Any:
+    """A DTensor whose shard is laid out as its global strides say (a contiguous copy otherwise).
+
+    DTensor plans an op from the global tensor's metadata, strides included: a composite op (matmul,
+    reshape) decomposes into views that the global strides allow, then runs them on the local shard.
+    A redistribution can leave the two disagreeing: the all-gathered or sliced shard is contiguous
+    while the global strides are those of a transposed tensor, or the pieces of a split of a
+    non-contiguous tensor keep their parent's strides while the global piece is contiguous (Mamba's
+    in_proj output cut into gate, x, B, C and dt at tp=2); the local view then fails. A copy with
+    contiguous strides on both sides computes the same values (the exported graph is functional: no
+    op writes through a view), and is made only where the two disagree."""
+    if isinstance(value, DTensor) and value.is_contiguous() != value._local_tensor.is_contiguous():
+        return value.clone(memory_format=torch.contiguous_format)
+    return value
 
 
 def _full(value: Any) -> Any:

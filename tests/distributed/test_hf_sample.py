@@ -1,0 +1,46 @@
+"""A fixed sample of the Hugging Face registry sweep (bench/hf_coverage.py runs all of it): each
+architecture built at the test size by autopar/models/shrink.py, planned on the meta device from a
+batch-1 example with one configuration pinned, and trained on the session's 2-rank world equal to
+one process (hf_sweep.judge: test_parallelize's tolerances).
+
+- MambaForCausalLM at tp=2: its in_proj output, transposed to channels-first and cut into gate, x,
+  B, C and dt, reaches ops whose shards are laid out otherwise than their global strides say, and
+  DTensor's composite ops (matmul) planned views the shard could not take (chunk.py ``_consistent``;
+  the same refusal blocked tensor parallelism on 9 architectures of the sweep).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+import hf_sweep  # noqa: E402
+import harness  # noqa: E402
+
+SAMPLE = [("MambaForCausalLM", "tp")]
+
+
+def _plan(arch, config: str) -> dict:
+    from autopar.capture import capture
+    from autopar.models.shrink import example
+    from autopar.runtime.inputs import with_inputs
+    from autopar.solver import solve
+    meta = hf_sweep.build(arch, "meta")
+    one = example(arch, meta, 1, device="meta")
+    plan, _ = solve(capture(meta, one), harness.test_cluster(2), hf_sweep.GLOBAL_BATCH,
+                    fixed={**hf_sweep.BASE, **hf_sweep.CONFIGS[config]})
+    return with_inputs(plan, one).to_dict()
+
+
+@pytest.mark.parametrize("name,config", SAMPLE, ids=[f"{n}-{c}" for n, c in SAMPLE])
+def test_trains_equal_to_one_process(name, config):
+    import worlds
+    from autopar.models.shrink import architectures
+    arch = next(a for a in architectures() if a.name == name)
+    plans = {config: _plan(arch, config)}
+    per_rank = worlds.world(2).run("hf_sweep:run_arch", arch, plans)
+    cell = hf_sweep.judge(arch, plans, per_rank)[config]
+    assert cell.status == "ok", (cell, per_rank[0][config].get("trace"))
