@@ -118,7 +118,10 @@ class NodeRunner:
         if spec is not None:
             args = tuple(self.to_spec(a, spec.inputs.get(n.name)) if isinstance(n, torch.fx.Node) else a
                          for a, n in zip(args, node.args))
-        args, kwargs = _map_tensors((args, kwargs), lambda v: _consistent(self.wrap(v)))
+        if _writes(node.target):   # an in-place op must write the tensor itself, never a copy of it
+            args, kwargs = _map_tensors((args, kwargs), self.wrap)
+        else:
+            args, kwargs = _map_tensors((args, kwargs), lambda v: _consistent(self.wrap(v)))
         if node.name in self.local_ops:
             return self._run_local(node, args, kwargs, spec)
         if node.name not in self.fallbacks:
@@ -249,11 +252,17 @@ def _consistent(value: Any) -> Any:
     while the global strides are those of a transposed tensor, or the pieces of a split of a
     non-contiguous tensor keep their parent's strides while the global piece is contiguous (Mamba's
     in_proj output cut into gate, x, B, C and dt at tp=2); the local view then fails. A copy with
-    contiguous strides on both sides computes the same values (the exported graph is functional: no
-    op writes through a view), and is made only where the two disagree."""
+    contiguous strides on both sides computes the same values for an op that writes none of its
+    inputs (the caller keeps in-place ops off it), and is made only where the two disagree."""
     if isinstance(value, DTensor) and value.is_contiguous() != value._local_tensor.is_contiguous():
         return value.clone(memory_format=torch.contiguous_format)
     return value
+
+
+def _writes(target: Any) -> bool:
+    """Whether an ATen op writes one of its arguments (``add_``, ``copy_``, an ``out=`` variant)."""
+    schema = getattr(target, "_schema", None)
+    return schema is not None and schema.is_mutable
 
 
 def _full(value: Any) -> Any:
