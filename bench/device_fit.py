@@ -35,17 +35,10 @@ from autopar.cost_model.compute import gemm_efficiency  # noqa: E402
 from autopar.profiler.device import measure_device  # noqa: E402
 from autopar.profiler.device_fit import fit_device  # noqa: E402
 from autopar.profiler.host import median_time, torch_threads  # noqa: E402
+from machine_load import OtherLoad  # noqa: E402
 
 HELD_OUT = [(448, 320, 576), (96, 1024, 160), (1536, 64, 512), (200, 200, 200),
             (768, 768, 96), (64, 2048, 2048), (1000, 1000, 24), (352, 1408, 704)]
-
-
-def other_cpu_seconds() -> float:
-    """CPU seconds every process on the machine used (from /proc/stat), for the load report."""
-    with open("/proc/stat") as f:
-        fields = [float(x) for x in f.readline().split()[1:]]
-    busy = sum(fields) - fields[3] - fields[4]   # all but idle and iowait
-    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def held_out(device) -> list[tuple[tuple[int, int, int], float, float]]:
@@ -69,14 +62,13 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     detail = []
     for budget in args.budgets.split(","):
-        wall, busy = time.perf_counter(), other_cpu_seconds()
-        own = time.process_time()
-        profile = measure_device(torch.device("cpu"), threads=1, dtypes=("fp32",), budget=budget, progress=False)
-        seconds = time.perf_counter() - wall
-        device, report = fit_device(profile)
-        rows = held_out(device)
-        elapsed = time.perf_counter() - wall
-        others = max(other_cpu_seconds() - busy - (time.process_time() - own), 0.0) / elapsed
+        with OtherLoad() as load:
+            start = time.perf_counter()
+            profile = measure_device(torch.device("cpu"), threads=1, dtypes=("fp32",), budget=budget, progress=False)
+            seconds = time.perf_counter() - start
+            device, report = fit_device(profile)
+            rows = held_out(device)
+        others = load.others / load.wall
         errs = [abs(p - m) / m for _, m, p in rows]
         print(f"| {budget} | {seconds:.1f} | {report.median_relative_error:.1%} / {report.max_relative_error:.1%} "
               f"({report.samples}) | {report.conv.median:.1%} | {report.attention.median:.1%} "

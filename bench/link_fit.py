@@ -32,32 +32,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
-import time
 
 import numpy as np
 
 from autopar.profiler.link_timing import measure_links
 from autopar.profiler.links import LinkProfile, fit_profile, heldout_errors, to_link
+from machine_load import OtherLoad
 
 TARGET = 0.15
-
-
-def _busy_cpu_seconds() -> float:
-    """CPU-seconds every process of this machine has used since boot (/proc/stat; 0 where unavailable)."""
-    try:
-        with open("/proc/stat") as fh:
-            fields = [int(x) for x in fh.readline().split()[1:]]
-    except OSError:
-        return 0.0
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu_seconds() -> float:
-    own = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    return sum(r.ru_utime + r.ru_stime for r in own)
 
 
 def _segments(fit) -> str:
@@ -137,10 +120,9 @@ def main() -> int:
             profile = LinkProfile.from_record(json.load(fh))
     else:
         sizes = [int(x) for x in np.geomspace(args.min_bytes, args.max_bytes, args.sizes)]
-        start, busy, own = time.perf_counter(), _busy_cpu_seconds(), _own_cpu_seconds()
-        profile = measure_links(args.nprocs, args.threads, sizes=sizes, repeats=args.repeats)
-        wall = time.perf_counter() - start
-        others = max(0.0, _busy_cpu_seconds() - busy - (_own_cpu_seconds() - own))
+        with OtherLoad() as load:
+            profile = measure_links(args.nprocs, args.threads, sizes=sizes, repeats=args.repeats)
+        wall, others = load.wall, load.others
         print(f"measured in {wall:.1f} s; other processes used {others:.1f} CPU-s meanwhile "
               f"({others / wall:.2f} of {os.cpu_count()} cores on average: more than ~0.1 disturbs the timings)")
         if args.save:

@@ -69,6 +69,7 @@ class NodeRunner:
         # what each node is, decided once rather than from str(target) on every call
         targets = {name: str(n.target) for name, n in self.nodes.items()}
         self.skipped = frozenset(name for name, t in targets.items() if t in SKIPPED_TARGETS)
+        self.writes = frozenset(name for name, n in self.nodes.items() if _writes(n.target))
         self.context_hops = {name: t for name, t in targets.items() if t in _CONTEXT_HOPS}
         self.losses = frozenset(name for name, t in targets.items() if any(k in t for k in _LOSSES))
 
@@ -118,10 +119,9 @@ class NodeRunner:
         if spec is not None:
             args = tuple(self.to_spec(a, spec.inputs.get(n.name)) if isinstance(n, torch.fx.Node) else a
                          for a, n in zip(args, node.args))
-        if _writes(node.target):   # an in-place op must write the tensor itself, never a copy of it
-            args, kwargs = _map_tensors((args, kwargs), self.wrap)
-        else:
-            args, kwargs = _map_tensors((args, kwargs), lambda v: _consistent(self.wrap(v)))
+        # an in-place op must write the tensor itself, never a contiguous copy of it
+        wrap = self.wrap if node.name in self.writes else (lambda v: _consistent(self.wrap(v)))
+        args, kwargs = _map_tensors((args, kwargs), wrap)
         if node.name in self.local_ops:
             return self._run_local(node, args, kwargs, spec)
         if node.name not in self.fallbacks:
