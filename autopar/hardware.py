@@ -64,8 +64,8 @@ class Device:
     kernel_overhead: float
     """Fixed seconds per kernel launch."""
     dispatch_overhead: float = 0.0
-    """Extra seconds per op when the runtime runs it as a DTensor (tensor parallelism): sharding
-    propagation and redistribution checks on the host. Measured by the profiler; 0 for presets."""
+    """Extra host seconds per op when the runtime runs it tensor-parallel (reading its arguments through
+    the lowering's conversions, the shard's shape check). Measured by the profiler; 0 for presets."""
     dispatch_overhead_backward: float = 0.0
     """The same per op of the backward pass (measured; 0 for presets)."""
     threads: int = 0

@@ -3,7 +3,7 @@
 Ranks: on a GPU machine one per GPU (NCCL); on a CPU ``nprocs`` processes of
 ``threads_per_rank`` torch threads each (gloo), by default as many one-thread ranks as there
 are cores. The device comes from device.py (``fit_device`` of its FLOP/s curves; memory per
-rank = RAM / ranks on a CPU), its ``dispatch_overhead`` (DTensor, per op) and the intra-node
+rank = RAM / ranks on a CPU), its ``dispatch_overhead`` (tensor-parallel host cost, per op) and the intra-node
 link from links.py (per-collective alpha/beta fits). One machine has no inter-node link to
 measure: the preset one of the device family stands in, and ``describe()`` says so.
 """

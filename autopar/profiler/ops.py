@@ -165,7 +165,7 @@ class _Walk:
         ``visit`` on each captured op with its concrete arguments."""
         from torch.export.graph_signature import InputKind
 
-        from ..runtime.chunk import SKIPPED_TARGETS
+        from ..codegen.lower import SKIPPED_TARGETS
         from ..runtime.graph import flatten_batch, placeholders
 
         program = self.program

@@ -7,20 +7,19 @@ measures, on the same ranks, what that changes (each function's docstring gives 
 * :func:`in_context`: the extra seconds a collective costs after compute rather than after another
   collective (the backend's threads asleep, the ranks arriving apart);
 * :func:`concurrency_slowdown`: how much longer compute takes when every rank computes at once;
-* :func:`dispatch_overhead`: the **DTensor dispatch overhead** of autopar's runtime.
+* :func:`dispatch_overhead`: the **per-op host cost of the tensor-parallel runtime** beyond running
+  the op (reading each argument through the lowering's conversion, the shard's shape check).
 
-The dispatch overhead is measured on the op mix of a tensor-parallel layer at a negligible size
-(a linear whose weight is ``Shard(0)``, gelu, two views, two transposes, a multiply, a sum),
-exported and run node by node through the runtime's ``NodeRunner``, on plain tensors and on
-DTensors of a 1-D mesh of all ranks, forward and forward + backward. Per node,
+The dispatch overhead is measured on the op mix of a layer at a negligible size (a linear, gelu,
+two views, two transposes, a multiply, a sum), exported and run node by node through the
+runtime's ``NodeRunner``, as a plain interpreter and through its tensor-parallel path, forward and
+forward + backward. Per node,
 
-    fwd = (t_DT(forward) - t_plain(forward)) / nodes
-    bwd = ([t_DT(fb) - t_plain(fb)] - [t_DT(forward) - t_plain(forward)]) / nodes
+    fwd = (t_tp(forward) - t_plain(forward)) / nodes
+    bwd = ([t_tp(fb) - t_plain(fb)] - [t_tp(forward) - t_plain(forward)]) / nodes
 
-Each ``t`` is the median over :data:`DISPATCH_BLOCKS` blocks of 50-200 calls, the plain and DTensor
+Each ``t`` is the median over :data:`DISPATCH_BLOCKS` blocks of 50-200 calls, the two variants'
 blocks alternating; the MAX over ranks is reported, and a difference below 0 (timing noise) as 0.
-(A replicated ``x + y`` alone costs a fraction of this: sharding propagation of views and
-sharded matmuls, and the runtime's wrapping of every value, are what cost.)
 """
 
 from __future__ import annotations
@@ -228,16 +227,19 @@ class _LayerMix(torch.nn.Module):
 
 
 def dispatch_overhead(device: torch.device, nprocs: int) -> tuple[float, float]:
-    """(forward, backward) extra seconds per op when autopar's runtime runs ops as DTensors, max over ranks.
+    """(forward, backward) extra seconds per op when autopar's runtime runs ops tensor-parallel, max over ranks.
 
     The exported :class:`_LayerMix` is run node by node through the runtime's own ``NodeRunner``,
-    once on plain tensors (no mesh) and once on DTensors of a 1-D mesh of all ranks (input
-    ``Replicate``, weight ``Shard(0)``), forward and forward + backward; per node,
-    ``fwd = (t_DT - t_plain) / nodes`` and ``bwd = ([t_DT(fb) - t_plain(fb)] - [t_DT - t_plain]) / nodes``."""
+    once as a plain interpreter (no mesh) and once through the tensor-parallel path of a 1-D mesh of
+    all ranks (codegen/lower.py's lowering: reading each argument through its conversion, the op's
+    form, the shard's shape check; the collectives themselves are priced as collectives), forward
+    and forward + backward; per node, ``fwd = (t_tp - t_plain) / nodes`` and
+    ``bwd = ([t_tp(fb) - t_plain(fb)] - [t_tp - t_plain]) / nodes``."""
     from types import SimpleNamespace
 
-    from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
+    from torch.distributed.tensor import init_device_mesh
 
+    from ..codegen.lower import lower
     from ..runtime.chunk import NodeRunner
 
     mesh = init_device_mesh(device.type, (nprocs,))
@@ -246,14 +248,14 @@ def dispatch_overhead(device: torch.device, nprocs: int) -> tuple[float, float]:
     split = SimpleNamespace(node_map={n.name: n for n in program.graph.nodes}, program=program)
     calls = [n.name for n in program.graph.nodes if n.op == "call_function"]
     weight_name, input_name = [n.name for n in program.graph.nodes if n.op == "placeholder"]
+    chunk = SimpleNamespace(index=0, recv=(), layers=(SimpleNamespace(nodes=tuple(calls)),))
+    lowered = lower(split.node_map, SimpleNamespace(nodes=()), [chunk], {}, {weight_name: "weight"}, {}, nprocs,
+                    lambda v: "R")
 
-    def variant(dtensor: bool) -> tuple[Callable[[], object], Callable[[], object]]:
-        runner = NodeRunner(split, mesh if dtensor else None, {})
-        x, w = torch.randn(2, 4, 8, device=device), torch.randn(rows, 8, device=device)
-        if dtensor:
-            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-            w = DTensor.from_local(w.chunk(nprocs)[0].contiguous(), mesh, [Shard(0)], run_check=False)
-        w = w.detach().requires_grad_()
+    def variant(tp: bool) -> tuple[Callable[[], object], Callable[[], object]]:
+        runner = NodeRunner(split, mesh if tp else None, lowered if tp else None)
+        x = torch.randn(2, 4, 8, device=device)
+        w = torch.randn(rows, 8, device=device).requires_grad_()
 
         def forward() -> torch.Tensor:
             env: dict[str, Any] = {weight_name: w, input_name: x}

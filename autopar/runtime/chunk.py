@@ -7,12 +7,12 @@ skip to any later chunk and a tied weight lives in two chunks, and the plan shar
 layer is a small module that runs its slice of the exported graph node by node:
 
 - with ``tp == 1`` on plain tensors (the graph's ops, nothing added);
-- with ``tp > 1`` on DTensors: parameters are distributed with the plan's split dims, every
-  input is redistributed to the spec the plan's strategy reads it in, and every output to the
-  plan's output spec. DTensor's own sharding propagation then runs each op on its shards and
-  its autograd supplies the backward collectives (the all-reduce of a column-parallel input's
-  gradient, Megatron's ``f``). An op DTensor has no rule for runs on gathered (replicated)
-  inputs: slower, never wrong, and listed in ``NodeRunner.fallbacks``;
+- with ``tp > 1`` on this rank's shards, as codegen/lower.py lowered the plan's specs: each
+  argument converted by explicit collectives (codegen/collectives.py, whose backward supplies
+  Megatron's ``f`` and ``g``) to the spec the op's strategy reads it in, shape arguments at
+  local sizes, the vocabulary-parallel embedding and loss as codegen/shard_ops.py writes them.
+  Parameters are DTensors of the tp mesh (so that FSDP2 and checkpoints see their layout); a
+  layer reads their local shards;
 - with ``cp > 1`` (``tp == 1``) on this rank's tokens of each sequence: ``NodeRunner.context``
   (context_runner.py) converts inputs and runs each node as context.py decided (locally, whole after a
   gather, or as ring attention);
@@ -26,7 +26,6 @@ the attention core's nodes (Korthikanti et al.).
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from functools import cached_property
 from typing import Any, Mapping, Sequence
@@ -34,16 +33,13 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from ..codegen.lower import CONTEXT_HOPS, SKIPPED_TARGETS, R, How, LoweredGraph, LoweredOp, Step, convert, normal
+from ..errors import ConfigError
 from .graph import ChunkSpec, LayerSpec, SplitGraph
-from .specs import OpSpec, placement, split_dim
-
-SKIPPED_TARGETS = frozenset({"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
-                      "aten.sym_constrain_range_for_size.default", "aten._assert_async.msg"})
-_LOSSES = ("cross_entropy", "nll_loss")
+from .shards import apply_steps, run_op
 
 
 def attr_name(fqn: str) -> str:
@@ -52,33 +48,22 @@ def attr_name(fqn: str) -> str:
 
 
 class NodeRunner:
-    """Runs fx nodes of one exported program on plain tensors or on DTensors of ``mesh``."""
+    """Runs fx nodes of one exported program on plain tensors: whole, or (``tp > 1``) this rank's shards
+    as the lowering (codegen/lower.py) says, with its collectives (codegen/collectives.py)."""
 
-    def __init__(self, split: SplitGraph, mesh: DeviceMesh | None, specs: Mapping[str, OpSpec],
-                 local_ops: frozenset[str] = frozenset()) -> None:
+    def __init__(self, split: SplitGraph, mesh: DeviceMesh | None, lowered: LoweredGraph | None = None) -> None:
         self.nodes = split.node_map
         self.module = split.program.graph_module
         self.mesh = mesh
-        self.specs = specs
-        self.local_ops = local_ops    # attention: run on local shards (see _run_local)
-        self.fallbacks: set[str] = set()
+        self.group = mesh.get_group() if mesh is not None else None
+        self.lowered = lowered
         self.context = None           # a context.ContextRunner when cp > 1: runs every node on local tokens
         self.moe_outputs: dict[str, Any] = {}   # MoE region output node -> region, run as one call (experts.py)
         self.moe_skip: frozenset[str] = frozenset()   # the regions' other nodes, not run
-        self.loss_parallel = False    # the loss ran vocabulary-parallel: its backward must too
         # what each node is, decided once rather than from str(target) on every call
         targets = {name: str(n.target) for name, n in self.nodes.items()}
         self.skipped = frozenset(name for name, t in targets.items() if t in SKIPPED_TARGETS)
-        self.writes = frozenset(name for name, n in self.nodes.items() if _writes(n.target))
-        self.context_hops = {name: t for name, t in targets.items() if t in _CONTEXT_HOPS}
-        self.losses = frozenset(name for name, t in targets.items() if any(k in t for k in _LOSSES))
-
-    def wrap(self, value: Any, spec: str = "R") -> Any:
-        """A local tensor (replicated, or this rank's shard of ``spec``) as a DTensor of the mesh."""
-        if self.mesh is None or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
-            return value
-        place = placement(spec, value.dim()) or Replicate()
-        return DTensor.from_local(value, self.mesh, [place], run_check=False)
+        self.context_hops = {name: t for name, t in targets.items() if t in CONTEXT_HOPS}
 
     def run(self, name: str, env: dict[str, Any]) -> Any:
         node = self.nodes[name]
@@ -92,129 +77,75 @@ class NodeRunner:
         if self.context is not None:
             compute = None if region is None else (lambda *values: self._moe(region, env, *values))
             return self.context.run(node, env, load, compute)
+        if self.lowered is not None and node.target is not operator.getitem:
+            return self._run_lowered(node, self.lowered.ops[name], env, load)
         if region is not None:
             return self._moe(region, env, env[region.hidden_input], env[region.index_input],
                              env[region.weight_input])
         args = torch.fx.node.map_arg(node.args, load)
         kwargs = torch.fx.node.map_arg(node.kwargs, load)
-        if self.mesh is None or node.target is operator.getitem:
-            return node.target(*args, **kwargs)
         if name in self.context_hops:
             return _run_context_hop(self.context_hops[name], args, kwargs)
-        return self._run_dtensor(node, args, kwargs)
+        return node.target(*args, **kwargs)
 
     def _moe(self, region: Any, env: dict[str, Any], hidden: Any, index: Any, weights: Any) -> Any:
-        """An MoE region's output from its inputs by this layer's ExpertsModule (experts.py): on whole
-        local tensors, handed on as a replicated DTensor under tensor parallelism."""
-        module = env[("experts", region.output)]
-        if self.mesh is None:
-            return module(hidden, index, weights)
-        out = module(_full(hidden), _full(index), _full(weights))
-        out = DTensor.from_local(out, self.mesh, [Replicate()], run_check=False)
-        spec = self.specs.get(region.output)
-        return self.to_spec(out, spec.output) if spec is not None else out
+        """An MoE region's output from its (whole) inputs by this layer's ExpertsModule (experts.py)."""
+        return env[("experts", region.output)](hidden, index, weights)
 
-    def _run_dtensor(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
-        spec = self.specs.get(node.name)
-        if spec is not None:
-            args = tuple(self.to_spec(a, spec.inputs.get(n.name)) if isinstance(n, torch.fx.Node) else a
-                         for a, n in zip(args, node.args))
-        # an in-place op must write the tensor itself, never a contiguous copy of it
-        wrap = self.wrap if node.name in self.writes else (lambda v: _consistent(self.wrap(v)))
-        args, kwargs = _map_tensors((args, kwargs), wrap)
-        if node.name in self.local_ops:
-            return self._run_local(node, args, kwargs, spec)
-        if node.name not in self.fallbacks:
-            try:
-                with self._loss_context(node, args):
-                    out = node.target(*args, **kwargs)
-            except (NotImplementedError, RuntimeError) as exc:
-                if "sharding" not in str(exc).lower() and "DTensor" not in str(exc) and \
-                        not isinstance(exc, NotImplementedError):
-                    raise
-                self.fallbacks.add(node.name)
-        if node.name in self.fallbacks:
-            local_args, local_kwargs = _map_tensors((args, kwargs), _full)
-            out = node.target(*local_args, **local_kwargs)
-        out = _map_tensors(out, self.wrap)
-        out = self._settle_masked_partial(node, out)
-        if spec is not None and isinstance(out, DTensor):
-            out = self.to_spec(out, spec.output)
-        return out
-
-    def _settle_masked_partial(self, node: torch.fx.Node, out: Any) -> Any:
-        """A vocabulary-parallel embedding's output is a masked partial (DTensor's ``_MaskPartial``): its
-        mask is applied, and freed, by the first reduction, so redistributing the same value a second
-        time (a token embedding read by a block and by its residual add) fails with a bare AssertionError
-        inside DTensor (found by tests/distributed/test_fuzz.py). Such an output read by several ops is
-        reduced once here, to Replicate, and each reader takes its own placement from that. The readers'
-        gradients then sum to a partial one, which DTensor cannot turn back into a masked partial: a
-        hook makes it replicated first."""
-        if (isinstance(out, DTensor) and len(node.users) > 1
-                and any(p.is_partial() and type(p) is not Partial for p in out.placements)):
-            out = out.redistribute(self.mesh, [Replicate()] * len(out.placements))
-            if out.requires_grad:
-                out.register_hook(_replicated_grad)
-        return out
-
-    def _run_local(self, node: torch.fx.Node, args: tuple, kwargs: dict, spec: OpSpec | None) -> Any:
-        """Attention split along a batch or head dim ``d`` (or whole): every slice is independent, so
-        the op runs on this rank's slices of q, k, v (and of a mask that has dim ``d``) and the
-        output is that slice. Written out because DTensor has no rule for CPU attention's backward.
-        Keys and values with fewer heads than the queries (grouped-query attention, ``enable_gqa``)
-        are split along the heads too when the plan's spec split them: query head ``i`` reads key
-        head ``i // groups``, and contiguous splits of both keep every group on one rank."""
-        d = split_dim(spec.output) if spec is not None else None
-        first = next(a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, DTensor))
-        place = Shard(d % first.dim()) if d is not None else Replicate()
-
-        def prep(t: DTensor) -> torch.Tensor:
-            whole = d is None or t.dim() != first.dim() or (t.shape[place.dim] != first.shape[place.dim]
-                                                             and t.placements[0] != place)
-            target = Replicate() if whole else place
-            return (t if t.placements[0] == target else t.redistribute(self.mesh, [target])).to_local()
-
-        local_args, local_kwargs = torch.utils._pytree.tree_map_only(DTensor, prep, (args, kwargs))
-        out = node.target(*local_args, **local_kwargs)
-        return torch.utils._pytree.tree_map_only(
-            torch.Tensor, lambda t: DTensor.from_local(t, self.mesh, [place], run_check=False), out)
-
-    def to_spec(self, value: Any, spec: str | None) -> Any:
-        """``value`` redistributed to ``spec`` (unchanged if not a DTensor, or for ``P`` / ``C`` / None)."""
-        if spec is None or not isinstance(value, DTensor):
+    # --- tensor parallelism: the lowered program --------------------------------------------------
+    def _read(self, name: str, value: Any, steps: tuple[Step, ...], env: dict[str, Any]) -> Any:
+        """``value`` (node ``name``'s) converted as the lowering says, once per layer pass."""
+        if not steps or not isinstance(value, torch.Tensor):
             return value
-        place = placement(spec, value.dim())
-        if place is None or value.placements[0] == place:
-            return value
-        out = value.redistribute(self.mesh, [place])
-        if out.requires_grad:
-            # The backward of a redistribution can hand on a strided slice (a Shard(d) -> Replicate
-            # gather's gradient is a narrow of dim d), which a later view's backward cannot view.
-            out.register_hook(_contiguous)
+        key = ("read", name, steps)
+        if key not in env:
+            env[key] = apply_steps(value, steps, self.group)
+        return env[key]
+
+    def _run_lowered(self, node: torch.fx.Node, op: LoweredOp, env: dict[str, Any], load) -> Any:
+        if op.how is How.SKIP:
+            return None
+        if op.how is How.MOE:
+            region = self.moe_outputs[node.name]
+            hidden, index, weights = (self._read(v, env[v], op.reads[v], env)
+                                      for v in (region.hidden_input, region.index_input, region.weight_input))
+            return self._moe(region, env, hidden, index, weights)
+
+        def read(n: torch.fx.Node) -> Any:
+            if n.name in op.writes:   # written in place: a copy of its own, which then replaces it
+                env[n.name] = apply_steps(load(n), op.reads[n.name], self.group).clone()
+                return env[n.name]
+            return self._read(n.name, load(n), op.reads.get(n.name, ()), env)
+
+        args = list(torch.fx.node.map_arg(node.args, read))
+        kwargs = dict(torch.fx.node.map_arg(node.kwargs, read))
+        for i, sizes in op.shape_args.items():
+            args[i] = list(sizes)
+        if node.name in self.context_hops:
+            return _run_context_hop(self.context_hops[node.name], tuple(args), kwargs)
+        out = run_op(node.target, op.how, args, kwargs, self.group)
+        if op.local_shape is not None and isinstance(out, torch.Tensor) and tuple(out.shape) != op.local_shape:
+            shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+            raise ConfigError(f"tensor parallelism: op {node.name} ({node.target}) gave a shard of shape "
+                              f"{tuple(out.shape)} from shards {shapes} where the plan's spec {op.output} needs "
+                              f"{op.local_shape}: the plan's "
+                              "sharding does not fit this op; re-plan with fixed={'tp': 1} and report it")
+        if op.after:   # the output, or every piece of a list output (a split)
+            return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: apply_steps(t, op.after, self.group), out)
         return out
 
-    def _loss_context(self, node: torch.fx.Node, args: tuple):
-        """The vocabulary-parallel cross entropy: logits split along the class dim."""
-        if node.name in self.losses and args and isinstance(args[0], DTensor):
-            d = args[0].placements[0]
-            if d.is_shard() and d.dim == args[0].dim() - 1:
-                self.loss_parallel = True
-                return loss_parallel()
-        return contextlib.nullcontext()
-
-    def backward_context(self, has_loss: bool):
-        """Around the backward of the pass that computed the loss: loss_parallel again when the loss
-        ran vocabulary-parallel, else its backward (nll_loss / log_softmax) would gather the logits."""
-        return loss_parallel() if has_loss and self.loss_parallel else contextlib.nullcontext()
-
-
-_CONTEXT_HOPS = frozenset({"wrap_with_set_grad_enabled", "wrap_with_autocast"})
+    def to_cut(self, chunk: int, name: str, value: Any, spec: str) -> Any:
+        """Node ``name``'s value (held as chunk ``chunk`` holds it) in ``spec``, to send across a cut."""
+        if self.lowered is None or not isinstance(value, torch.Tensor):
+            return value
+        held = self.lowered.held[chunk].get(name, R)
+        d = value.dim()
+        return apply_steps(value, convert(normal(held, d), normal(spec, d), False), self.group)
 
 
 def _run_context_hop(name: str, args: tuple, kwargs: dict) -> Any:
     """``wrap_with_set_grad_enabled`` / ``wrap_with_autocast`` (a ``torch.no_grad()`` or autocast region of
-    the model, e.g. a rotary embedding) run as the context manager around their subgraph: the
-    higher-order op itself leaves grad mode off when its arguments are DTensors (torch 2.13)."""
+    the model, e.g. a rotary embedding) run as the context manager around their subgraph."""
     if name == "wrap_with_set_grad_enabled":
         enabled, body, *rest = args
         with torch.set_grad_enabled(enabled):
@@ -225,7 +156,7 @@ def _run_context_hop(name: str, args: tuple, kwargs: dict) -> Any:
 
 
 class _Body(torch.fx.Interpreter):
-    """A higher-order op's subgraph, without its metadata asserts (DTensor has no rule for them)."""
+    """A higher-order op's subgraph, without its metadata asserts."""
 
     def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
         if str(target) in SKIPPED_TARGETS:
@@ -233,44 +164,11 @@ class _Body(torch.fx.Interpreter):
         return super().call_function(target, args, kwargs)
 
 
-def _replicated_grad(grad: torch.Tensor) -> torch.Tensor:
-    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-        return grad.redistribute(grad.device_mesh, [Replicate()] * len(grad.placements))
-    return grad
-
-
-def _contiguous(grad: torch.Tensor) -> torch.Tensor:
-    return grad.contiguous()
-
-
-def _consistent(value: Any) -> Any:
-    """A DTensor whose shard is laid out as its global strides say (a contiguous copy otherwise).
-
-    DTensor plans an op from the global tensor's metadata, strides included: a composite op (matmul,
-    reshape) decomposes into views that the global strides allow, then runs them on the local shard.
-    A redistribution can leave the two disagreeing: the all-gathered or sliced shard is contiguous
-    while the global strides are those of a transposed tensor, or the pieces of a split of a
-    non-contiguous tensor keep their parent's strides while the global piece is contiguous (Mamba's
-    in_proj output cut into gate, x, B, C and dt at tp=2); the local view then fails. A copy with
-    contiguous strides on both sides computes the same values for an op that writes none of its
-    inputs (the caller keeps in-place ops off it), and is made only where the two disagree."""
-    if isinstance(value, DTensor) and value.is_contiguous() != value._local_tensor.is_contiguous():
-        return value.clone(memory_format=torch.contiguous_format)
-    return value
-
-
-def _writes(target: Any) -> bool:
-    """Whether an ATen op writes one of its arguments (``add_``, ``copy_``, an ``out=`` variant)."""
-    schema = getattr(target, "_schema", None)
-    return schema is not None and schema.is_mutable
-
-
-def _full(value: Any) -> Any:
-    return value.full_tensor() if isinstance(value, DTensor) else value
-
-
-def _map_tensors(tree: Any, fn) -> Any:
-    return torch.utils._pytree.tree_map_only(torch.Tensor, fn, tree)
+def _local(param: Any) -> Any:
+    """A tensor-parallel parameter (a DTensor of the tp mesh, or of FSDP2's 2-D one) as this rank's
+    shard, with autograd: its gradient comes back as the shard's (codegen/collectives.py keeps the
+    gradient of a replicated parameter whole on every rank)."""
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def written_inputs(spec: LayerSpec, nodes: Mapping[str, torch.fx.Node]) -> tuple[str, ...]:
@@ -330,11 +228,11 @@ class LayerModule(nn.Module):
         n_in = len(self.spec.inputs)
         env: dict[str, Any] = dict(zip(self.spec.inputs, values[:n_in]))
         for fqn, value in zip(self.shared, values[n_in:]):
-            env[self.placeholder_of[fqn]] = value
+            env[self.placeholder_of[fqn]] = _local(value)
         for fqn in self.own:
-            env[self.placeholder_of[fqn]] = getattr(self, attr_name(fqn))
+            env[self.placeholder_of[fqn]] = _local(getattr(self, attr_name(fqn)))
         for name in self.buffer_names:
-            env[name] = self.runner.wrap(getattr(self, attr_name(name)))
+            env[name] = getattr(self, attr_name(name))
         for out in self.expert_outputs:
             env[("experts", out)] = self.experts[attr_name(out)]
         for name in self.written:

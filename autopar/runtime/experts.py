@@ -17,8 +17,8 @@ Placement. The ep ranks of a group are ``ep`` consecutive data-parallel ranks wi
 pipeline, context and tensor coordinates (``ep_rank = dp_rank mod ep``); rank ``q`` holds experts
 ``[q E/ep, (q+1) E/ep)`` of every region (:func:`.expert_parallel.shard_experts`). Expert weights
 are plain tensors, also under tensor parallelism: each tensor-parallel rank runs the dispatch
-with its ep peers of the same tp rank, on the region's inputs made whole (a DTensor's
-``full_tensor``), and hands on a replicated DTensor.
+with its ep peers of the same tp rank, on the region's inputs made whole (the lowering's
+conversions to ``R``, codegen/lower.py), and hands on a replicated output.
 
 Gradients (expert_parallel.py derives them): an expert weight is summed over its expert
 replicas, the ``dp * cp / ep`` ranks holding the same experts, and divided by ``dp * cp`` like

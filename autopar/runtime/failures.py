@@ -3,7 +3,7 @@
 Every asynchronous send, receive and collective the program starts itself is waited on with
 ``Work.wait(timeout)``; when the deadline passes (or the peer's connection breaks) the rank
 raises :class:`autopar.RuntimeFailure` naming itself, the collective and the peer rank(s),
-instead of hanging. Collectives that DTensor and FSDP2 run inside an op use the process
+instead of hanging. Collectives that run inside an op (tensor parallelism's, FSDP2's) use the process
 group's own timeout (``init_process_group(timeout=...)``); :func:`at_step` turns what they raise
 (and anything else a step raises) into a RuntimeFailure naming the rank and the step.
 """
@@ -34,7 +34,7 @@ def _who_am_i() -> str:
 
 @contextlib.contextmanager
 def at_step(step: int, what: str) -> Iterator[None]:
-    """Inside, RuntimeFailures name the step; any other exception (a collective inside DTensor or
+    """Inside, RuntimeFailures name the step; any other exception (a collective inside an op or
     FSDP2 breaking because a peer died, or this rank's own error) becomes a RuntimeFailure naming
     this rank, the step and ``what`` was running, with the original as its ``__cause__``.
     AutoparErrors (a bad batch, a non-finite loss) pass through unchanged."""

@@ -27,13 +27,18 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from .chunk import ChunkModule, NodeRunner
 from .failures import wait_or_fail
 from .graph import SplitGraph
 from .schedules import Action
-from .specs import R, split_dim
+from ..solver.strategies import R
+from ..solver.strategies import spec_dim as split_dim
+
+
+def cut_spec(op_spec: Any) -> str:
+    """The spec a value crosses a cut in: the plan's output spec if S(d), else R."""
+    return op_spec.output if op_spec is not None and split_dim(op_spec.output) is not None else R
 
 
 @dataclass
@@ -111,16 +116,16 @@ class PipelineRunner:
             if self.requires_grad[v]:
                 t = t.detach().requires_grad_(True)
             state.leaves[v] = t
-            received.append(self.runner.wrap(t, self.spec[v]))
+            received.append(t)
         outs = chunk(*[inputs[name] for name in chunk.spec.graph_inputs], *received)
         loss = None
         for v, out in zip(chunk.spec.send, outs):
             if v == self.split.loss:
-                loss_local = self._local(out, R)
+                loss_local = self.runner.to_cut(c, v, out, R)
                 state.outputs[v] = loss_local
                 loss = loss_local.detach()
                 continue
-            t = self._local(out, self.spec[v])
+            t = self.runner.to_cut(c, v, out, self.spec[v])
             state.outputs[v] = t
             for reader in self.split.consumers[v]:
                 self._send(t.detach(), v, i, reader, forward=True)
@@ -146,8 +151,7 @@ class PipelineRunner:
                 tensors.append(out)
                 grads.append(g)
         if tensors:
-            with self.runner.backward_context(self.split.loss in state.outputs):
-                torch.autograd.backward(tensors, grads)
+            torch.autograd.backward(tensors, grads)
         for v, leaf in state.leaves.items():
             if self.requires_grad[v]:
                 g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
@@ -155,20 +159,13 @@ class PipelineRunner:
 
     # --- values across cuts ---------------------------------------------------------------------
     def _cut_spec(self, op_spec: Any) -> str:
-        """The spec a value crosses a cut in: the plan's output spec if R or S(d), else R."""
-        if self.tp_degree() == 1 or op_spec is None:
-            return R
-        return op_spec.output if split_dim(op_spec.output) is not None else R
+        return cut_spec(op_spec) if self.tp_degree() > 1 else R
 
     def tp_degree(self) -> int:
         return self.runner.mesh.size() if self.runner.mesh is not None else 1
 
     def _meta(self, v: str) -> torch.Tensor:
         return self.split.meta(v)
-
-    def _local(self, value: Any, spec: str) -> torch.Tensor:
-        """This rank's part of ``value`` in ``spec`` (R or S(d)), as a plain tensor with autograd."""
-        return self.runner.to_spec(value, spec).to_local() if isinstance(value, DTensor) else value
 
     def _local_shape(self, v: str) -> tuple[int, ...]:
         shape = list(self._meta(v).shape)

@@ -62,6 +62,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from ..capture import graph_of, param_aliases
 from ..capture.export import LossFn, run_export
 from ..capture.opgraph import OpKind
+from ..codegen.lower import lower
 from ..errors import ConfigError, PlanMismatchError
 from ..plan import Plan
 from . import schedules
@@ -77,7 +78,7 @@ from .failures import at_step, non_finite_loss, wait_or_fail
 from .graph import flatten_batch, on_device, plan_chunks, split_graph
 from .inputs import check_batch, describe_inputs, example_at, slice_batch
 from .materialize import InitFn, Materializer, has_meta, local_view, materialize_buffers
-from .pipeline import PipelineRunner, Topology
+from .pipeline import PipelineRunner, Topology, cut_spec
 from .specs import node_specs, sequence_parallel
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits on a peer before failing
@@ -222,7 +223,12 @@ class Program:
     def _build_chunks(self, model: nn.Module) -> None:
         cfg = self.cfg
         attention = frozenset(n.name for n in self.graph.nodes if n.kind is OpKind.ATTENTION)
-        self.node_runner = NodeRunner(self.split, self.tp_mesh, self.specs, attention)
+        lowered = None
+        if cfg.tp > 1:
+            moe = {r.output: (r.hidden_input, r.index_input, r.weight_input) for r in self.regions}
+            lowered = lower(self.split.node_map, self.graph, self.split.chunks, self.specs, self.split.param_of,
+                            self.param_dims, cfg.tp, lambda v: cut_spec(self.specs.get(v)), moe)
+        self.node_runner = NodeRunner(self.split, self.tp_mesh, lowered)
         if self.regions:
             layer_of = {name: layer.index for chunk in self.split.chunks for layer in chunk.layers
                         for name in layer.nodes}
@@ -235,11 +241,6 @@ class Program:
                            {r.output: (r.hidden_input, r.index_input, r.weight_input) for r in self.regions},
                            self.node_runner.skipped | self.node_runner.moe_skip)
             self.node_runner.context = ContextRunner(plan, self.cp_group, self.cp_rank, self.timeout)
-        # DTensor's convolution rule handles a batch split only: a channel-split convolution (the
-        # plan's column / row) would get mismatched shards, so it runs on gathered inputs instead.
-        self.node_runner.fallbacks.update(
-            n.name for n in self.graph.nodes if n.kind is OpKind.CONV and n.name in self.specs
-            and self.specs[n.name].strategy not in ("replicate", "split(0)", "const"))
         full = dict(model.named_parameters())
         self.my_chunks = [c for c in range(len(self.split.chunks)) if c % cfg.pp == self.pp_rank]
         self.params: dict[str, nn.Parameter] = {}

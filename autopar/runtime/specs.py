@@ -1,33 +1,33 @@
-"""The plan's per-op tensor-parallel specs, expanded to every node, as DTensor placements.
+"""The plan's per-op tensor-parallel specs, expanded to every node of the graph this rank exported.
 
 ``Plan.sharding`` lists, per layer group, each op of the group's *solved* layers (its
 strategy, input specs, output spec and parameter split dims); the other layers of a group
 repeat the first one op for op (solver/sharding_layout.py), so their specs are taken by
 node position; the ops are paired with those of the graph this rank exported (node_specs).
-Specs: ``R`` replicated, ``S(d)`` split along dim ``d``, ``P`` partial sums, ``C`` a
-batch-independent constant every rank computes whole (a replicated DTensor here).
+Specs (solver/strategies.py): ``R`` replicated, ``S(d)`` split along dim ``d``, ``P`` partial
+sums, ``C`` a batch-independent constant every rank computes whole. codegen/lower.py turns them
+into what each rank runs.
 
 Sequence parallelism (Korthikanti et al. 2022) is applied on top of the plan's layout: every
 replicated, batch-dependent 3-D activation (``[batch, seq, hidden]``: the residual stream,
 norms, dropouts) whose sequence dim divides by ``t`` is split along dim 1 instead, and reads
-its replicated-region inputs split the same way. DTensor then turns each all-reduce at the
+its replicated-region inputs split the same way. The lowering then turns each all-reduce at the
 region's edge into a reduce-scatter and each entry into a column-parallel matmul into an
 all-gather, which is Megatron's SP.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, replace
 from typing import Mapping
-
-from torch.distributed.tensor import Placement, Replicate, Shard
 
 from ..capture.opgraph import OpGraph
 from ..capture.structure import align_ops
 from ..cost_model.tensor_parallel import splits_along_sequence
 from ..errors import PlanMismatchError
+from ..solver.strategies import R
 
-R, P, C = "R", "P", "C"
 
 
 @dataclass(frozen=True)
@@ -37,28 +37,17 @@ class OpSpec:
     strategy: str
     output: str
     inputs: Mapping[str, str]      # producer name -> spec required
-
-
-def split_dim(spec: str) -> int | None:
-    return int(spec[2:-1]) if spec.startswith("S(") else None
-
-
-def placement(spec: str, ndim: int) -> Placement | None:
-    """The DTensor placement of a spec (``None`` for ``P`` and ``C``: nothing to enforce)."""
-    d = split_dim(spec)
-    if d is not None:
-        return Shard(d % ndim if ndim else 0)
-    return Replicate() if spec == R else None
+    params: Mapping[str, int | None] = dataclasses.field(default_factory=dict)  # fqn -> split dim the op reads
 
 
 def node_specs(plan_sharding, graph: OpGraph) -> tuple[dict[str, OpSpec], dict[str, int | None]]:
     """(spec of every op by node name, split dim of every parameter) of ``graph``, the model as this rank
-    exported it, from the plan's groups.
+    exported it, from the plan's groups; each op's spec names the split dim it reads each parameter in.
 
     The plan names the ops of the graph it was made from, which need not be this one op for op
     (another device, example batch or mode: capture/structure.py): a group's solved ops are paired
     with this graph's ops of the same layers by :func:`~autopar.capture.structure.align_ops`; an op
-    left unpaired gets no spec and DTensor propagates through it. The group's other layers repeat its
+    left unpaired gets no spec and runs whole. The group's other layers repeat its
     first layer op for op here too, and take its specs by position."""
     specs: dict[str, OpSpec] = {}
     params: dict[str, int | None] = {}
@@ -87,10 +76,11 @@ def node_specs(plan_sharding, graph: OpGraph) -> tuple[dict[str, OpSpec], dict[s
         for name, (op, names) in chosen.items():
             node = graph.node(name)
             inputs = op.get("inputs") or [R] * len(node.inputs)
-            if len(inputs) == len(node.inputs):    # else the op reads other values here: DTensor decides
-                specs[name] = OpSpec(op["strategy"], op["output"], dict(zip(node.inputs, inputs)))
-            for mine, theirs in zip(node.params, names):
-                params.setdefault(mine, op["params"].get(theirs))
+            mine = {p: op["params"].get(theirs) for p, theirs in zip(node.params, names)}
+            if len(inputs) == len(node.inputs):    # else the op reads other values here: it runs whole
+                specs[name] = OpSpec(op["strategy"], op["output"], dict(zip(node.inputs, inputs)), mine)
+            for fqn, d in mine.items():
+                params.setdefault(fqn, d)
     return specs, params
 
 

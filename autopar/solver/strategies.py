@@ -297,6 +297,10 @@ def _linear(ctx: OpContext, node: OpNode, t: int, weight: str) -> list[Strategy]
     n_dim, k_dim = (0, 1) if node.target.startswith("aten.linear") else (len(w) - 1, len(w) - 2)
     xk = len(ctx.meta(x).shape) - 1
     res = [replicate(node)]
+    if node.dims and out and node.dims[0][len(out) - 1] >= 0:
+        # the weight is the left operand (``W @ x``, Mamba's dt_proj): its rows are the output's
+        # rows, not its columns; the column / row splits below are those of ``x @ W``
+        return res + [s for d in range(len(out) - 1) if (s := _token_split(ctx, node, t, d)) is not None]
 
     def dims(w_dim: int | None, b_split: bool) -> tuple[tuple[str, int | None], ...]:
         return tuple((p, w_dim if p == weight else (0 if b_split else None)) for p in node.params)
@@ -307,12 +311,21 @@ def _linear(ctx: OpContext, node: OpNode, t: int, weight: str) -> list[Strategy]
                             partial=(0,) if ctx.requires_grad(x) else ()))
     if w[k_dim] % t == 0 and ctx.splittable(x, xk, t):
         res.append(Strategy("row", (S(xk),), P, dims(k_dim, False), "k"))
-    step = sum(ctx.param_meta[p].numel for p in node.params)
     for d in range(len(out) - 1):
-        specs = _split_along(ctx, node, t, d)
-        if specs is not None:
-            res.append(Strategy(f"split({d})", specs, S(d), dims(None, False), "m", step=step))
+        split = _token_split(ctx, node, t, d)
+        if split is not None:
+            res.append(split)
     return res
+
+
+def _token_split(ctx: OpContext, node: OpNode, t: int, d: int) -> Strategy | None:
+    """A matmul with a weight, split along output dim ``d`` (a token or batch dim of the activation),
+    the weight whole: its gradient is all-reduced once per step."""
+    specs = _split_along(ctx, node, t, d)
+    if specs is None:
+        return None
+    step = sum(ctx.param_meta[p].numel for p in node.params)
+    return Strategy(f"split({d})", specs, S(d), tuple((p, None) for p in node.params), "m", step=step)
 
 
 def _contract(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:

@@ -3,10 +3,10 @@ architecture built at the test size by autopar/models/shrink.py, planned on the 
 batch-1 example with one configuration pinned, and trained on the session's 2-rank world equal to
 one process (hf_sweep.judge: test_parallelize's tolerances).
 
-- MambaForCausalLM at tp=2: its in_proj output, transposed to channels-first and cut into gate, x,
-  B, C and dt, reaches ops whose shards are laid out otherwise than their global strides say, and
-  DTensor's composite ops (matmul) planned views the shard could not take (chunk.py ``_consistent``;
-  the same refusal blocked tensor parallelism on 9 architectures of the sweep).
+- MambaForCausalLM at tp=2: its in_proj output is transposed to channels-first and cut into gate,
+  x, B, C and dt (strided shards, which DTensor's composite ops could not view: the refusal that
+  blocked tensor parallelism on 9 architectures of the sweep), and its dt_proj is a matmul with the
+  weight on the left (``W @ x``), which the planner must not split as ``x @ W``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,401 @@
+"""Lowering: the plan's per-op specs -> what one tensor-parallel rank runs, op by op, on its shards.
+
+For every node of the exported graph the lowering decides, once and before the first step:
+
+- the spec each value is *held* in on this rank (a node's output spec; ``R`` for the batch's
+  inputs and buffers; a parameter's split from the plan; a value received from an earlier
+  pipeline chunk in the spec it crossed the cut in);
+- per tensor argument, the collective(s) that turn the held spec into the spec the op's strategy
+  reads it in (:data:`CONVERSIONS`), from collectives.py: the spec-to-spec table the sharding ILP
+  priced, so what is priced is what runs;
+- how the op runs (:class:`How`): on this rank's shards with shape arguments rewritten to local
+  sizes (``local``), or as one of the ops whose shards need more than that: the
+  vocabulary-parallel embedding (a masked lookup whose output is partial) and cross entropy
+  (Megatron's: all-reduces of the row max, the sum of exponentials and the target logit), a
+  reduction over a split dim (local, then an all-reduce), a loss over split rows (local sum,
+  then an all-reduce of the sum and of the count);
+- the output's spec.
+
+Gradients: the collectives' backward keeps Megatron's convention (collectives.py), and an
+``R`` value read by an op whose work is split over the ranks (any of its specs is ``S`` or
+``P``) is read through ``copy`` (Megatron's ``f``): its backward sums the ranks' partial
+gradients. A replicated bias of an op with a partial output (a row-parallel linear) is read
+as ``P`` (rank 0 adds it).
+
+An op the plan gave no spec (one the plan's graph did not have), a higher-order op (a
+``torch.no_grad()`` or autocast region of the model) and an op whose local form is not known
+run whole: every input made ``R``, the output ``R`` (slower, never wrong). Every local output's
+shape is checked against the shape the lowering expects; a mismatch raises naming the node.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Mapping
+
+import torch
+
+from ..capture.opgraph import OpGraph, OpKind
+from ..solver.strategies import C, P, R
+from ..solver.strategies import spec_dim as split_dim
+
+
+def normal(spec: str, ndim: int) -> str:
+    """``S(-1)`` of a 3-D tensor -> ``S(2)``; other specs unchanged."""
+    d = split_dim(spec)
+    return spec if d is None or d >= 0 else f"S({d % max(ndim, 1)})"
+
+
+class How(Enum):
+    LOCAL = "local"               # the op on this rank's shards
+    WHOLE = "whole"               # the op on whole (R) inputs
+    SKIP = "skip"                 # metadata asserts: nothing to run
+    VOCAB_EMBEDDING = "vocab_embedding"
+    VOCAB_LOSS = "vocab_loss"
+    ROW_LOSS = "row_loss"         # a loss over this rank's rows: local sum, all-reduced sum and count
+    REDUCE_SUM = "reduce_sum"     # a reduction over a split dim: local, then all-reduce
+    REDUCE_MAX = "reduce_max"
+    REDUCE_MIN = "reduce_min"
+    MOE = "moe"                   # an MoE region as one call of its ExpertsModule, on whole inputs
+
+
+@dataclass(frozen=True)
+class Step:
+    """One collective of a conversion (collectives.py): ``kind`` and its dim (None for all-reduces)."""
+
+    kind: str
+    dim: int | None = None
+
+
+@dataclass(frozen=True)
+class LoweredOp:
+    """One node as this rank runs it."""
+
+    node: str
+    how: How
+    reads: Mapping[str, tuple[Step, ...]]   # tensor argument (node / placeholder name) -> its conversion
+    output: str                             # spec of the output as held
+    shape_args: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # arg index -> local sizes
+    local_shape: tuple[int, ...] | None = None   # expected shape of a tensor output on this rank
+    after: tuple[Step, ...] = ()            # the output's conversion to ``output`` (an op run whole)
+    writes: tuple[str, ...] = ()            # arguments written in place that were converted: the
+                                            # converted value replaces the argument's (held R after)
+
+
+@dataclass(frozen=True)
+class LoweredGraph:
+    """Every node's LoweredOp, and each value's held spec per chunk (for the pipeline's cuts)."""
+
+    tp: int
+    ops: Mapping[str, LoweredOp]
+    held: Mapping[int, Mapping[str, str]]   # chunk -> value -> spec held there
+
+    def collectives(self) -> int:
+        """How many collectives a forward pass runs: its conversions' communicating steps (a split
+        takes a slice, ``copy`` communicates in backward only) and the ops' own."""
+        own = {How.VOCAB_LOSS: 2, How.ROW_LOSS: 2, How.REDUCE_SUM: 1, How.REDUCE_MAX: 1, How.REDUCE_MIN: 1}
+        steps = [s for op in self.ops.values() for read in (*op.reads.values(), op.after) for s in read]
+        return sum(1 for s in steps if s.kind in COMMUNICATING) + sum(own.get(op.how, 0) for op in self.ops.values())
+
+
+COMMUNICATING = frozenset({"gather", "gather_partial", "reduce", "reduce_scatter"})
+"""Conversion steps that communicate in forward."""
+
+
+# held spec -> required spec: the steps (``partial``: the reading op's work is split over the ranks)
+def convert(src: str, dst: str, partial: bool) -> tuple[Step, ...]:
+    """The collectives taking a value held in ``src`` to ``dst`` (both normalised)."""
+    if src == C:
+        src = R
+    if dst == C:
+        dst = R
+    s, d = split_dim(src), split_dim(dst)
+    if src == dst:
+        return (Step("copy"),) if dst == R and partial else ()
+    if src == R:
+        if d is not None:
+            return (Step("split", d),)
+        return (Step("to_partial"),)                                       # R -> P
+    if src == P:
+        if dst == R:
+            return (Step("reduce"), Step("copy")) if partial else (Step("reduce"),)
+        return (Step("reduce_scatter", d),)
+    # src is S(s)
+    if dst == R:
+        return (Step("gather_partial", s),) if partial else (Step("gather", s),)
+    if d is not None:
+        return (Step("gather", s), Step("split", d))
+    return (Step("gather", s), Step("to_partial"))                         # S -> P
+
+
+_SHAPE_ARG = {"view": 1, "_unsafe_view": 1, "reshape": 1, "expand": 1, "new_zeros": 1, "new_ones": 1,
+              "new_empty": 1, "new_full": 1, "zeros": 0, "ones": 0, "empty": 0, "full": 0, "rand": 0,
+              "randn": 0, "empty_strided": 0}
+_SPLITS = ("split", "split_with_sizes")
+SKIPPED_TARGETS = frozenset({"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
+                      "aten.sym_constrain_range_for_size.default", "aten._assert_async.msg"})
+_CHANNEL_NORMS = frozenset(("batch_norm native_batch_norm _native_batch_norm_legit _native_batch_norm_legit_functional "
+                            "_native_batch_norm_legit_no_training instance_norm").split())
+CONTEXT_HOPS = frozenset({"wrap_with_set_grad_enabled", "wrap_with_autocast"})
+"""Higher-order ops of a ``torch.no_grad()`` or autocast region: run whole, as the context around their body."""
+_VOCAB_LOSSES = frozenset({"cross_entropy_loss", "nll_loss"})
+_ROW_LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+                         "binary_cross_entropy_with_logits", "binary_cross_entropy", "kl_div", "soft_margin_loss"})
+
+
+def base(target: Any) -> str:
+    """``aten.view.default`` -> ``view``."""
+    name = str(target)
+    parts = name.split(".")
+    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else parts[-1]
+
+
+def _ndim(node: torch.fx.Node) -> int:
+    val = node.meta.get("val")
+    return val.dim() if isinstance(val, torch.Tensor) else 0
+
+
+def _first_ndim(node: torch.fx.Node) -> int:
+    """The dims of a node's (first) tensor output."""
+    val = node.meta.get("val")
+    if isinstance(val, (list, tuple)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    return val.dim() if isinstance(val, torch.Tensor) else 0
+
+
+def _written(node: torch.fx.Node) -> list[str]:
+    """The tensor arguments an op writes in place (``Tensor(a!)`` in its schema)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if isinstance(value, torch.fx.Node) and arg.alias_info is not None and arg.alias_info.is_write:
+            out.append(value.name)
+    return out
+
+
+def _size(node: torch.fx.Node | None, dim: int) -> int | None:
+    shape = _shape(node) if node is not None else None
+    return shape[dim] if shape is not None and dim < len(shape) else None
+
+
+def _shape(node: torch.fx.Node) -> tuple[int, ...] | None:
+    val = node.meta.get("val")
+    return tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _class_ids(node: torch.fx.Node) -> bool:
+    """A class loss against class ids without per-class weights (what the vocabulary-parallel form computes)."""
+    target = node.args[1] if len(node.args) > 1 else node.kwargs.get("target")
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    val = target.meta.get("val") if isinstance(target, torch.fx.Node) else None
+    return weight is None and isinstance(val, torch.Tensor) and not val.is_floating_point()
+
+
+def _aligned(value: torch.fx.Node, node: torch.fx.Node, out_spec: str) -> str:
+    """The spec of a buffer read by an op whose output is ``out_spec``: split along the dim it broadcasts
+    to the output's split dim (a norm's running statistics along the channels), else R."""
+    d, shape, out = split_dim(out_spec), _shape(value), _shape(node)
+    if d is None or not shape or out is None:
+        return R
+    if base(node.target) in _CHANNEL_NORMS and len(shape) == 1:
+        return "S(0)" if d == 1 and shape[0] == out[1] else R
+    e = d - (len(out) - len(shape))
+    return f"S({e})" if e >= 0 and shape[e] == out[d] and shape[e] != 1 else R
+
+
+def local_shape(shape: tuple[int, ...], spec: str, tp: int) -> tuple[int, ...]:
+    d = split_dim(spec)
+    if d is None or not shape:
+        return shape
+    out = list(shape)
+    out[d] //= tp
+    return tuple(out)
+
+
+class _Lowering:
+    def __init__(self, nodes: Mapping[str, torch.fx.Node], graph: OpGraph, specs: Mapping[str, Any],
+                 param_of: Mapping[str, str], param_dims: Mapping[str, int | None], tp: int) -> None:
+        self.nodes, self.specs, self.param_of, self.param_dims, self.tp = nodes, specs, param_of, param_dims, tp
+        self.ops = {op.name: op for op in graph.nodes}   # capture's view of each op, at this rank's shapes
+
+    def param_spec(self, placeholder: str) -> str:
+        d = self.param_dims.get(self.param_of[placeholder])
+        return R if d is None else normal(f"S({d})", _ndim(self.nodes[placeholder]))
+
+    def lower(self, node: torch.fx.Node, held: dict[str, str]) -> LoweredOp:
+        name, target = node.name, str(node.target)
+        tensors = [a for a in node.all_input_nodes if a.op != "get_attr"]
+        if target in SKIPPED_TARGETS:
+            return LoweredOp(name, How.SKIP, {}, R)
+        if node.target is operator.getitem:
+            parent = node.args[0]
+            spec = held.get(parent.name, R)
+            if split_dim(spec) is not None and _ndim(node) != _first_ndim(parent):
+                spec = R    # a piece of another rank (statistics of a split norm): not read as a shard
+            return LoweredOp(name, How.LOCAL, {}, spec)
+        spec = self.specs.get(name)
+        if spec is None or target in CONTEXT_HOPS or any(a.name not in held for a in tensors):
+            return self.whole(node, held)
+        out_spec = normal(spec.output, _ndim(node))
+        reads: dict[str, tuple[Step, ...]] = {}
+        wanted: dict[str, str] = {}
+        for a in tensors:
+            if a.name in self.param_of:
+                d = spec.params.get(self.param_of[a.name])
+                wanted[a.name] = R if d is None else normal(f"S({d})", _ndim(a))
+            elif a.name in spec.inputs:
+                wanted[a.name] = normal(spec.inputs[a.name], _ndim(a))
+            else:   # a buffer or constant the plan does not list: broadcast against the output
+                wanted[a.name] = _aligned(a, node, out_spec)
+        how = self.how(node, spec)
+        written = _written(node)
+        if how is How.WHOLE or any(convert(held[w], wanted[w], True) for w in written):
+            # an argument written in place is written where it is held, not in a converted copy
+            return self.whole(node, held, written)
+        if how is How.LOCAL and not self.fits(node, wanted, out_spec):
+            repaired = self.propagate(node, held)
+            if repaired is None:
+                return self.whole(node, held)
+            wanted, out_spec = repaired
+        if how is How.LOCAL and split_dim(out_spec) is not None and all(w in (R, C) for w in wanted.values()):
+            # nothing sharded goes in, a shard comes out (a view sequence parallelism splits): run whole, then split
+            whole = self.whole(node, held)
+            return LoweredOp(name, How.WHOLE, whole.reads, out_spec, {}, whole.local_shape,
+                             convert(R, out_spec, False))
+        if how is How.LOCAL and out_spec == P:
+            # a replicated parameter of an op with a partial output (a row-parallel bias) is added once
+            for a in tensors:
+                if a.name in self.param_of and wanted[a.name] == R:
+                    wanted[a.name] = P
+        split = any(s != R and s != C for s in wanted.values()) or out_spec not in (R, C)
+        for a in tensors:
+            reads[a.name] = convert(held[a.name], wanted[a.name], split)
+        if how in (How.REDUCE_SUM, How.REDUCE_MAX, How.REDUCE_MIN, How.ROW_LOSS, How.VOCAB_LOSS):
+            out_spec = R
+        shape = _shape(node)
+        local = local_shape(shape, out_spec, self.tp) if shape is not None and how is How.LOCAL else None
+        if how in (How.REDUCE_SUM, How.REDUCE_MAX, How.REDUCE_MIN):
+            local = shape
+        return LoweredOp(name, how, reads, out_spec, self.shape_args(node, wanted, local), local)
+
+    def fits(self, node: torch.fx.Node, wanted: Mapping[str, str], out_spec: str) -> bool:
+        """Whether the op, run on shards in the specs ``wanted``, computes its output's shard in ``out_spec``
+        at this rank's shapes (its dims maps, capture/dims.py). The plan's graph may differ from this
+        rank's: another example batch makes another dim the outermost of a merged run (a view of
+        ``[b*s, h]`` as ``[b, s, h]`` keeps a split of ``b*s`` on ``s`` when ``b`` is 1, on ``b`` when
+        it is not)."""
+        op = self.ops.get(node.name)
+        if op is None or out_spec == P:
+            return True
+        d = split_dim(out_spec)
+        for i, name in enumerate(op.inputs):
+            w = wanted.get(name, R)
+            e = op.dims[i][d] if d is not None and i < len(op.dims) and d < len(op.dims[i]) else -1
+            if d is None:
+                if w not in (R, C):
+                    return False
+            elif w in (R, C):
+                if e >= 0 and _size(self.nodes.get(name), e) != 1:
+                    return False
+            elif w == P or split_dim(w) != e or (i == 0 and e in op.reduced):
+                return False
+        return True
+
+    def propagate(self, node: torch.fx.Node, held: Mapping[str, str]) -> tuple[dict[str, str], str] | None:
+        """Specs for an op of one activation input (a view, an element-wise op) from the spec its input is
+        held in, by the op's dims maps at this rank's shapes; None when it has other inputs."""
+        op = self.ops.get(node.name)
+        if op is None or len(op.inputs) != 1 or not op.dims or op.params:
+            return None
+        name = op.inputs[0]
+        src = normal(held.get(name, R), _ndim(self.nodes[name]) if name in self.nodes else 0)
+        shape = _shape(node)
+        e = split_dim(src)
+        if src == P and op.kind is OpKind.VIEW:
+            return {name: P}, P
+        if e is not None and e not in op.reduced and shape is not None:
+            d = next((d for d, m in enumerate(op.dims[0]) if m == e), None)
+            if d is not None and shape[d] % self.tp == 0:
+                return {name: src}, f"S({d})"
+        return {name: R}, R
+
+    def how(self, node: torch.fx.Node, spec: Any) -> How:
+        b, strategy = base(node.target), spec.strategy
+        if strategy == "vocab":
+            if b == "embedding":
+                return How.VOCAB_EMBEDDING
+            return How.VOCAB_LOSS if b in _VOCAB_LOSSES and _class_ids(node) else How.WHOLE
+        if strategy.startswith("split_reduce"):
+            if not isinstance(node.meta.get("val"), torch.Tensor):
+                return How.WHOLE      # max.dim's indices: not an all-reduce of the local ones
+            return {"sum": How.REDUCE_SUM, "amax": How.REDUCE_MAX, "max": How.REDUCE_MAX,
+                    "amin": How.REDUCE_MIN, "min": How.REDUCE_MIN}.get(b, How.WHOLE)
+        if spec.output == R and any(split_dim(s) is not None for s in spec.inputs.values()):
+            return How.ROW_LOSS if b in _ROW_LOSSES else How.WHOLE    # split rows of a loss
+        return How.LOCAL
+
+    def whole(self, node: torch.fx.Node, held: dict[str, str], written: list[str] = ()) -> LoweredOp:
+        reads = {a.name: convert(held.get(a.name, R), R, False) for a in node.all_input_nodes if a.op != "get_attr"}
+        writes = tuple(w for w in written if reads.get(w))
+        for w in writes:
+            held[w] = R
+        return LoweredOp(node.name, How.WHOLE, reads, R, {}, _shape(node), (), writes)
+
+    def shape_args(self, node: torch.fx.Node, wanted: Mapping[str, str], local: tuple[int, ...] | None
+                   ) -> dict[int, tuple[int, ...]]:
+        """Shape arguments at this rank's sizes (a view's target shape, a split's sizes)."""
+        b = base(node.target)
+        if local is None or self.tp == 1:
+            return {}
+        if b in _SHAPE_ARG and len(node.args) > _SHAPE_ARG[b] and isinstance(node.args[_SHAPE_ARG[b]], (list, tuple)):
+            i = _SHAPE_ARG[b]
+            return {i: local} if tuple(node.args[i]) != local else {}
+        if b == "unflatten" and len(node.args) >= 3:
+            dim = node.args[1] % max(len(local) - len(node.args[2]) + 1, 1)
+            return {2: tuple(local[dim:dim + len(node.args[2])])}
+        if b in _SPLITS and len(node.args) >= 2 and isinstance(node.args[0], torch.fx.Node):
+            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+            d = split_dim(wanted.get(node.args[0].name, R))
+            if d is not None and d == dim % max(_ndim(node.args[0]), 1):
+                sizes = node.args[1]
+                if isinstance(sizes, int):
+                    return {1: (sizes // self.tp,)}
+                return {1: tuple(s // self.tp for s in sizes)}
+        return {}
+
+
+def lower(nodes: Mapping[str, torch.fx.Node], graph: OpGraph, chunks: Any, specs: Mapping[str, Any],
+          param_of: Mapping[str, str],
+          param_dims: Mapping[str, int | None], tp: int, cut_spec,
+          moe: Mapping[str, tuple[str, ...]] | None = None) -> LoweredGraph:
+    """Lower every node of ``chunks`` (runtime.graph.ChunkSpec, in order) for a group of ``tp`` ranks.
+
+    ``cut_spec(value)``: the spec a value crosses a pipeline cut in; ``moe``: MoE region output ->
+    the region's inputs, for regions run as one call (runtime/experts.py)."""
+    moe = moe or {}
+    lowering = _Lowering(nodes, graph, specs, param_of, param_dims, tp)
+    ops: dict[str, LoweredOp] = {}
+    held_by_chunk: dict[int, dict[str, str]] = {}
+    for chunk in chunks:
+        held: dict[str, str] = {}
+        for name, n in nodes.items():
+            if n.op == "placeholder":
+                held[name] = lowering.param_spec(name) if name in param_of else R
+            elif n.op == "get_attr":
+                held[name] = R
+        held.update({v: cut_spec(v) for v in chunk.recv})
+        for layer in chunk.layers:
+            for name in layer.nodes:
+                if name in moe:
+                    op = LoweredOp(name, How.MOE, {v: convert(held.get(v, R), R, False) for v in moe[name]}, R)
+                else:
+                    op = lowering.lower(nodes[name], held)
+                ops[name] = op
+                held[name] = op.output
+        held_by_chunk[chunk.index] = held
+    return LoweredGraph(tp, ops, held_by_chunk)

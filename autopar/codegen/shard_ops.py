@@ -1,0 +1,138 @@
+"""The ops whose tensor-parallel shards need more than the op itself (lower.py's special cases).
+
+Like collectives.py this imports only torch. Each function takes this rank's shards and the
+tensor-parallel process group:
+
+- :func:`vocab_embedding`: the table split along the vocabulary; each rank looks up the tokens in
+  its rows and zeros the others: the output is partial (Megatron's VocabParallelEmbedding);
+- :func:`vocab_cross_entropy` / :func:`vocab_nll`: logits (log-probabilities) split along the class
+  dim; three all-reduces of one value per row (the row max, the sum of exponentials, the target
+  logit), the loss of every row on every rank, the gradient computed on the shard (Megatron's
+  vocab_parallel_cross_entropy, with ignore_index and label smoothing as torch defines them);
+- :func:`row_loss`: a loss over this rank's rows: the local sum, then all-reduces of the sum and,
+  for a mean, of the count of terms.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from . import collectives
+
+MEAN, SUM, NONE = 1, 2, 0   # aten's reduction enum: 0 none, 1 mean, 2 sum
+
+
+def vocab_embedding(weight: torch.Tensor, indices: torch.Tensor, group, padding_idx: int = -1) -> torch.Tensor:
+    """This rank's rows' share of ``embedding(indices)``: a partial value (sum over ranks = lookup)."""
+    rows = weight.shape[0]
+    start = dist.get_rank(group) * rows
+    inside = (indices >= start) & (indices < start + rows)
+    local = torch.where(inside, indices - start, torch.zeros_like(indices))
+    pad = padding_idx - start if padding_idx >= 0 and start <= padding_idx < start + rows else -1
+    out = torch.ops.aten.embedding.default(weight, local, pad)
+    return out * inside.unsqueeze(-1).to(out.dtype)
+
+
+class _VocabCrossEntropy(torch.autograd.Function):
+    """Per-row cross entropy of class-last logits ``[N, V/t]`` against class ids ``[N]``."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, ignore_index, smoothing):
+        vocab = logits.shape[-1]
+        start = dist.get_rank(group) * vocab
+        top = logits.detach().amax(-1)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        z = logits - top.unsqueeze(-1)
+        exp = z.exp()
+        total = exp.sum(-1)
+        inside = (target >= start) & (target < start + vocab)
+        index = torch.where(inside, target - start, torch.zeros_like(target))
+        picked = z.gather(-1, index.unsqueeze(-1)).squeeze(-1) * inside.to(z.dtype)
+        sums = torch.stack([total, picked] + ([z.sum(-1)] if smoothing else []))
+        dist.all_reduce(sums, group=group)
+        log_total = sums[0].log()
+        loss = log_total - sums[1]
+        full_vocab = vocab * dist.get_world_size(group)
+        if smoothing:
+            loss = (1 - smoothing) * loss + smoothing * (log_total - sums[2] / full_vocab)
+        valid = target != ignore_index
+        loss = torch.where(valid, loss, torch.zeros_like(loss))
+        ctx.save_for_backward(exp / sums[0].unsqueeze(-1), index, inside, valid)
+        ctx.smoothing, ctx.full_vocab = smoothing, full_vocab
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, index, inside, valid = ctx.saved_tensors
+        out = softmax.clone()
+        hit = (1 - ctx.smoothing) * inside.to(out.dtype)
+        out.scatter_add_(-1, index.unsqueeze(-1), -hit.unsqueeze(-1))
+        if ctx.smoothing:
+            out -= ctx.smoothing / ctx.full_vocab
+        out *= (grad * valid.to(grad.dtype)).unsqueeze(-1)
+        return out, None, None, None, None
+
+
+def _class_last(x: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """``[N, C, d...]`` (or ``[C]``) as rows ``[M, C]``, and how to put per-row values back."""
+    if x.dim() == 1:
+        return x.unsqueeze(0), lambda v: v.reshape(())
+    moved = x.movedim(1, -1)
+    shape = moved.shape[:-1]
+    return moved.reshape(-1, moved.shape[-1]), lambda v: v.reshape(shape)
+
+
+def _reduce(per_row: torch.Tensor, valid: torch.Tensor, reduction: int) -> torch.Tensor:
+    if reduction == NONE:
+        return per_row
+    total = per_row.sum()
+    return total / valid.sum().to(total.dtype) if reduction == MEAN else total
+
+
+def vocab_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group, reduction: int = MEAN,
+                        ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
+    """``cross_entropy(logits, target)`` with the logits split along the class dim (dim 1, or 0 unbatched)."""
+    rows, back = _class_last(logits)
+    flat = target.reshape(-1)
+    per_row = _VocabCrossEntropy.apply(rows, flat, group, ignore_index, float(label_smoothing))
+    return _reduce(back(per_row), target != ignore_index, reduction)
+
+
+def vocab_nll(logp: torch.Tensor, target: torch.Tensor, group, reduction: int = MEAN,
+              ignore_index: int = -100) -> torch.Tensor:
+    """``nll_loss(logp, target)`` with the log-probabilities split along the class dim."""
+    rows, back = _class_last(logp)
+    flat = target.reshape(-1)
+    vocab = rows.shape[-1]
+    start = dist.get_rank(group) * vocab
+    inside = (flat >= start) & (flat < start + vocab)
+    index = torch.where(inside, flat - start, torch.zeros_like(flat))
+    picked = -rows.gather(-1, index.unsqueeze(-1)).squeeze(-1) * inside.to(rows.dtype)
+    per_row = collectives.reduce(picked, group)
+    valid = flat != ignore_index
+    per_row = torch.where(valid, per_row, torch.zeros_like(per_row))
+    return _reduce(back(per_row), target != ignore_index, reduction)
+
+
+def row_loss(op: Any, args: list, kwargs: dict, group, reduction_at: int, ignore_at: int | None) -> torch.Tensor:
+    """A loss whose inputs this rank holds some rows of: ``op`` summed locally, then all-reduced; a mean
+    divides by the number of terms over all ranks (the targets not ignored, for class losses)."""
+    args = list(args)
+    reduction = args[reduction_at] if reduction_at < len(args) else kwargs.get("reduction", MEAN)
+    if reduction_at < len(args):
+        args[reduction_at] = SUM
+    else:
+        kwargs = {**kwargs, "reduction": SUM}
+    total = collectives.reduce(op(*args, **kwargs), group)
+    if reduction != MEAN:
+        return total
+    if ignore_at is not None:
+        ignore = args[ignore_at] if ignore_at < len(args) else kwargs.get("ignore_index", -100)
+        count = (args[1] != ignore).sum().to(total.dtype)
+    else:
+        count = torch.tensor(float(args[0].numel()), dtype=total.dtype, device=total.device)
+    collectives.all_reduce_(count, group)
+    return total / count
