@@ -19,6 +19,7 @@ function            forward                        backward
 ``copy``            identity (``f``)               all-reduce
 ``gather_partial``  S(d) -> R: all-gather          reduce-scatter along d
 ``to_partial``      R -> P: rank 0 keeps it        all-reduce
+``keep_first``      R -> P: rank 0 keeps it        none (the gradient stays partial)
 ``reduce_max``      all-reduce max / min           to the rank(s) holding it
 ==================  =============================  =================================
 
@@ -187,10 +188,16 @@ def copy(x: torch.Tensor, group) -> torch.Tensor:
     return _Copy.apply(x, group) if _needs_grad(x) else x
 
 
+def keep_first(x: torch.Tensor, group) -> torch.Tensor:
+    """R -> P without ``copy``: rank 0 keeps the value, the others hold zeros; the gradient stays
+    partial (rank 0's is whole, the others' zero), for a parameter whose gradient is summed once per
+    step instead."""
+    return x if _rank(group) == 0 else x * 0
+
+
 def to_partial(x: torch.Tensor, group) -> torch.Tensor:
     """R -> P: rank 0 keeps the value, the others hold zeros."""
-    x = copy(x, group)
-    return x if _rank(group) == 0 else x * 0
+    return keep_first(copy(x, group), group)
 
 
 def reduce_max(x: torch.Tensor, group, largest: bool = True) -> torch.Tensor:

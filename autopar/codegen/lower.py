@@ -20,7 +20,8 @@ Gradients: the collectives' backward keeps Megatron's convention (collectives.py
 ``R`` value read by an op whose work is split over the ranks (any of its specs is ``S`` or
 ``P``) is read through ``copy`` (Megatron's ``f``): its backward sums the ranks' partial
 gradients. A replicated bias of an op with a partial output (a row-parallel linear) is read
-as ``P`` (rank 0 adds it).
+as ``P`` (rank 0 adds it). A replicated parameter only such ops read skips the copies: its
+gradient is summed over the group once per step (``LoweredGraph.partial_params``).
 
 An op the plan gave no spec (one the plan's graph did not have), a higher-order op (a
 ``torch.no_grad()`` or autocast region of the model) and an op whose local form is not known
@@ -30,6 +31,7 @@ shape is checked against the shape the lowering expects; a mismatch raises namin
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -91,6 +93,7 @@ class LoweredGraph:
     tp: int
     ops: Mapping[str, LoweredOp]
     held: Mapping[int, Mapping[str, str]]   # chunk -> value -> spec held there
+    partial_params: frozenset[str] = frozenset()   # parameter fqns whose gradient is summed once per step
 
     def collectives(self) -> int:
         """How many collectives a forward pass runs: its conversions' communicating steps (a split
@@ -398,4 +401,26 @@ def lower(nodes: Mapping[str, torch.fx.Node], graph: OpGraph, chunks: Any, specs
                 ops[name] = op
                 held[name] = op.output
         held_by_chunk[chunk.index] = held
-    return LoweredGraph(tp, ops, held_by_chunk)
+    ops, partial = _step_reduced(ops, param_of)
+    return LoweredGraph(tp, ops, held_by_chunk, partial)
+
+
+def _step_reduced(ops: dict[str, LoweredOp], param_of: Mapping[str, str]
+                  ) -> tuple[dict[str, LoweredOp], frozenset[str]]:
+    """A replicated parameter that only ops with split work read (a norm's weight under sequence
+    parallelism, a row-parallel bias) has a partial gradient on every rank: it is summed once per step
+    (``partial_params``, as the cost model prices it) rather than by a ``copy`` at every read of every
+    micro-batch. One that an op also reads whole (its gradient whole on every rank) keeps its copies."""
+    partial_reads = {(Step("copy"),): (), (Step("to_partial"),): (Step("keep_first"),)}
+    uses: dict[str, set[bool]] = {}
+    for op in ops.values():
+        for name, steps in op.reads.items():
+            if name in param_of:
+                uses.setdefault(name, set()).add(steps in partial_reads)
+    step = {name for name, kinds in uses.items() if kinds == {True}}
+    out = {}
+    for name, op in ops.items():
+        if any(n in step for n in op.reads):
+            op = dataclasses.replace(op, reads={n: partial_reads[s] if n in step else s for n, s in op.reads.items()})
+        out[name] = op
+    return out, frozenset(param_of[name] for name in step)

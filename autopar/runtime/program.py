@@ -229,6 +229,7 @@ class Program:
             lowered = lower(self.split.node_map, self.graph, self.split.chunks, self.specs, self.split.param_of,
                             self.param_dims, cfg.tp, lambda v: cut_spec(self.specs.get(v)), moe)
         self.node_runner = NodeRunner(self.split, self.tp_mesh, lowered)
+        self.tp_partial = lowered.partial_params if lowered is not None else frozenset()
         if self.regions:
             layer_of = {name: layer.index for chunk in self.split.chunks for layer in chunk.layers
                         for name in layer.nodes}
@@ -460,6 +461,17 @@ class Program:
         for fqn, p in self.params.items():
             if isinstance(p.grad, DTensor) and p.grad.placements != p.placements and not self.fsdp:
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        # replicated parameters whose gradient each tp rank holds a part of (codegen/lower.py), summed
+        # before the tied ones (a tied parameter can be both: one reduction at a time on a tensor)
+        works = []
+        tp_group = self.tp_mesh.get_group() if self.tp_mesh is not None else None
+        for fqn in sorted(self.tp_partial & set(self.params)):
+            p = self.params[fqn]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            works.append((dist.all_reduce(local(p.grad), group=tp_group, async_op=True), fqn))
+        for work, fqn in works:
+            wait_or_fail(work, self.timeout, f"all_reduce of {fqn}'s tensor-parallel gradient", tp_group)
         works = []
         for fqn, group in self.tied:
             p = self.params[fqn]

@@ -17,7 +17,7 @@ def apply_steps(value: torch.Tensor, steps: tuple[Step, ...], group) -> torch.Te
         kind = step.kind
         if kind in ("split", "gather", "gather_partial", "reduce_scatter"):
             value = getattr(collectives, kind)(value, step.dim, group)
-        else:   # reduce, copy, to_partial
+        else:   # reduce, copy, to_partial, keep_first
             value = getattr(collectives, kind)(value, group)
     return value
 
