@@ -6,8 +6,8 @@ For every node of the exported graph the lowering decides, once and before the f
   inputs and buffers; a parameter's split from the plan; a value received from an earlier
   pipeline chunk in the spec it crossed the cut in);
 - per tensor argument, the collective(s) that turn the held spec into the spec the op's strategy
-  reads it in (:data:`CONVERSIONS`), from collectives.py: the spec-to-spec table the sharding ILP
-  priced, so what is priced is what runs;
+  reads it in (:func:`convert`, collectives.py's functions): the spec-to-spec table the sharding
+  ILP priced, so what is priced is what runs;
 - how the op runs (:class:`How`): on this rank's shards with shape arguments rewritten to local
   sizes (``local``), or as one of the ops whose shards need more than that: the
   vocabulary-parallel embedding (a masked lookup whose output is partial) and cross entropy
@@ -24,9 +24,12 @@ as ``P`` (rank 0 adds it). A replicated parameter only such ops read skips the c
 gradient is summed over the group once per step (``LoweredGraph.partial_params``).
 
 An op the plan gave no spec (one the plan's graph did not have), a higher-order op (a
-``torch.no_grad()`` or autocast region of the model) and an op whose local form is not known
-run whole: every input made ``R``, the output ``R`` (slower, never wrong). Every local output's
-shape is checked against the shape the lowering expects; a mismatch raises naming the node.
+``torch.no_grad()`` or autocast region of the model), an op whose local form is not known, and
+every alias of a tensor some op writes in place run whole: every input made ``R``, the output
+``R`` (slower, never wrong). Where this rank's graph differs from the plan's (another example
+batch), each op's specs are checked against the rank's own dims maps and re-derived from its
+input where they do not fit. Every local output's shape is checked against the shape the
+lowering expects; a mismatch raises naming the node.
 """
 
 from __future__ import annotations
@@ -225,6 +228,7 @@ class _Lowering:
                  param_of: Mapping[str, str], param_dims: Mapping[str, int | None], tp: int) -> None:
         self.nodes, self.specs, self.param_of, self.param_dims, self.tp = nodes, specs, param_of, param_dims, tp
         self.ops = {op.name: op for op in graph.nodes}   # capture's view of each op, at this rank's shapes
+        self.pinned: frozenset[str] = frozenset()
 
     def param_spec(self, placeholder: str) -> str:
         d = self.param_dims.get(self.param_of[placeholder])
@@ -244,6 +248,8 @@ class _Lowering:
         spec = self.specs.get(name)
         if spec is None or target in CONTEXT_HOPS or any(a.name not in held for a in tensors):
             return self.whole(node, held)
+        if name in self.pinned:   # a tensor written in place, or a view of one: every alias held whole
+            return self.whole(node, held, _written(node))
         out_spec = normal(spec.output, _ndim(node))
         reads: dict[str, tuple[Step, ...]] = {}
         wanted: dict[str, str] = {}
@@ -382,6 +388,7 @@ def lower(nodes: Mapping[str, torch.fx.Node], graph: OpGraph, chunks: Any, specs
     the region's inputs, for regions run as one call (runtime/experts.py)."""
     moe = moe or {}
     lowering = _Lowering(nodes, graph, specs, param_of, param_dims, tp)
+    lowering.pinned = written_families(nodes.values())
     ops: dict[str, LoweredOp] = {}
     held_by_chunk: dict[int, dict[str, str]] = {}
     for chunk in chunks:
@@ -403,6 +410,37 @@ def lower(nodes: Mapping[str, torch.fx.Node], graph: OpGraph, chunks: Any, specs
         held_by_chunk[chunk.index] = held
     ops, partial = _step_reduced(ops, param_of)
     return LoweredGraph(tp, ops, held_by_chunk, partial)
+
+
+def written_families(nodes) -> frozenset[str]:
+    """The nodes whose output is, or is a view of, a tensor some op writes in place (directly or through a
+    view: ``x[:, 1:] = y`` on a clone). Such a family must stay one tensor on every rank: a converted copy of
+    one of them would take the write and leave the others as they were, so they all run whole (``R``).
+    Aliases follow the ops' schemas: a return marked ``Tensor(a)`` is a view of (or, in place, the same
+    tensor as) the argument marked ``Tensor(a)``; a piece of a list of views (``split``) is a view too."""
+    root: dict[str, str] = {}
+    written: set[str] = set()
+    order = [n for n in nodes if n.op == "call_function"]
+    for node in order:
+        if node.target is operator.getitem:
+            parent = node.args[0]
+            if isinstance(parent, torch.fx.Node) and parent.name in root:
+                root[node.name] = root[parent.name]
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if schema is None:
+            continue
+        for i, arg in enumerate(schema.arguments):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if not isinstance(value, torch.fx.Node) or arg.alias_info is None:
+                continue
+            origin = root.get(value.name, value.name)
+            if arg.alias_info.is_write:
+                written.add(origin)
+            if any(r.alias_info is not None and r.alias_info.before_set == arg.alias_info.before_set
+                   for r in schema.returns):
+                root[node.name] = origin
+    return frozenset(n.name for n in order if n.name in written or root.get(n.name) in written)
 
 
 def _step_reduced(ops: dict[str, LoweredOp], param_of: Mapping[str, str]

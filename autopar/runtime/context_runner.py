@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from .context_state import Conv, ContextPlan, Local, holds_tensor
 from .failures import wait_or_fail
 from .ring_attention import gather_sequence, local_indices, ring_attention, shard_sequence
+from .shards import bind
 
 
 class ContextRunner:
@@ -90,7 +91,7 @@ class ContextRunner:
 
     # --- special ops ------------------------------------------------------------------------------
     def _ring(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> torch.Tensor:
-        a = _bind(node.target, args, kwargs)
+        a = bind(node.target, args, kwargs)
         return ring_attention(a["query"], a["key"], a["value"], group=self.group, cp=self.cp, rank=self.rank,
                               is_causal=bool(a.get("is_causal", False)), attn_mask=a.get("attn_mask"),
                               dropout_p=float(a.get("dropout_p") or 0.0), scale=a.get("scale"),
@@ -99,7 +100,7 @@ class ContextRunner:
     def _local_query(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> torch.Tensor:
         """Attention of this rank's queries over whole keys (another sequence): the mask's (and the
         causal triangle's) rows of those queries."""
-        a = _bind(node.target, args, kwargs)
+        a = bind(node.target, args, kwargs)
         q, k = a["query"], a["key"]
         s_q, s_k = q.shape[-2] * self.cp, k.shape[-2]
         rows = local_indices(s_q, self.cp, self.rank).to(q.device)
@@ -120,7 +121,7 @@ class ContextRunner:
 
     def _loss_mean(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> torch.Tensor:
         """``cp * sum_local / N``, ``N`` the group's count of targets not ignored."""
-        a = _bind(node.target, args, kwargs)
+        a = bind(node.target, args, kwargs)
         a["reduction"] = 2
         schema = node.target._schema
         total = node.target(*[a[arg.name] for arg in schema.arguments])
@@ -149,19 +150,6 @@ def _substitute(node: torch.fx.Node, values: Sequence[Any], load: Callable[[torc
     args = tuple(one(a) for a in node.args)
     kwargs = {k: one(v) for k, v in node.kwargs.items()}
     return args, kwargs
-
-
-def _bind(target: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """Arguments of an aten op by schema name, defaults filled in."""
-    out: dict[str, Any] = {}
-    for i, arg in enumerate(target._schema.arguments):
-        if i < len(args):
-            out[arg.name] = args[i]
-        elif arg.name in kwargs:
-            out[arg.name] = kwargs[arg.name]
-        elif arg.has_default_value():
-            out[arg.name] = arg.default_value
-    return out
 
 
 class _Resolve(torch.autograd.Function):

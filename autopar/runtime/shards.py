@@ -22,9 +22,9 @@ def apply_steps(value: torch.Tensor, steps: tuple[Step, ...], group) -> torch.Te
     return value
 
 
-def _bound(target: Any, args: list, kwargs: dict) -> dict[str, Any]:
-    """The op's arguments by schema name, defaults filled in."""
-    out = {}
+def bind(target: Any, args: tuple | list, kwargs: dict) -> dict[str, Any]:
+    """An aten op's arguments by schema name, defaults filled in."""
+    out: dict[str, Any] = {}
     for i, arg in enumerate(target._schema.arguments):
         if i < len(args):
             out[arg.name] = args[i]
@@ -44,10 +44,10 @@ def run_op(target: Any, how: How, args: list, kwargs: dict, group) -> Any:
     if how in (How.LOCAL, How.WHOLE):
         return target(*args, **kwargs)
     if how is How.VOCAB_EMBEDDING:
-        a = _bound(target, args, kwargs)
+        a = bind(target, args, kwargs)
         return shard_ops.vocab_embedding(a["weight"], a["indices"], group, a.get("padding_idx", -1))
     if how is How.VOCAB_LOSS:
-        a = _bound(target, args, kwargs)
+        a = bind(target, args, kwargs)
         if "label_smoothing" in a:
             return shard_ops.vocab_cross_entropy(a["self"], a["target"], group, a["reduction"], a["ignore_index"],
                                                  a["label_smoothing"])
