@@ -97,6 +97,8 @@ class LoweredGraph:
     ops: Mapping[str, LoweredOp]
     held: Mapping[int, Mapping[str, str]]   # chunk -> value -> spec held there
     partial_params: frozenset[str] = frozenset()   # parameter fqns whose gradient is summed once per step
+    pinned: frozenset[str] = frozenset()           # aliases of tensors written in place (written_families):
+                                                   # converted afresh at every read, never reused
 
     def collectives(self) -> int:
         """How many collectives a forward pass runs: its conversions' communicating steps (a split
@@ -409,7 +411,7 @@ def lower(nodes: Mapping[str, torch.fx.Node], graph: OpGraph, chunks: Any, specs
                 held[name] = op.output
         held_by_chunk[chunk.index] = held
     ops, partial = _step_reduced(ops, param_of)
-    return LoweredGraph(tp, ops, held_by_chunk, partial)
+    return LoweredGraph(tp, ops, held_by_chunk, partial, lowering.pinned)
 
 
 def written_families(nodes) -> frozenset[str]:

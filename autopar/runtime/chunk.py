@@ -94,9 +94,12 @@ class NodeRunner:
 
     # --- tensor parallelism: the lowered program --------------------------------------------------
     def _read(self, name: str, value: Any, steps: tuple[Step, ...], env: dict[str, Any]) -> Any:
-        """``value`` (node ``name``'s) converted as the lowering says, once per layer pass."""
+        """``value`` (node ``name``'s) converted as the lowering says, once per layer pass (at every read
+        for a tensor some op writes in place: a conversion made before the write is stale after it)."""
         if not steps or not isinstance(value, torch.Tensor):
             return value
+        if name in self.lowered.pinned:
+            return apply_steps(value, steps, self.group)
         key = ("read", name, steps)
         if key not in env:
             env[key] = apply_steps(value, steps, self.group)
