@@ -72,37 +72,18 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out
 
 
-class _Split(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _block(x, dim, group)
+class _AlongDim(torch.autograd.Function):
+    """A collective along ``dim`` whose backward is another one: ``forward(x, dim, group)`` and
+    ``backward(grad, dim, group)`` are the two (the table in the module docstring)."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
-
-
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
+    def forward(ctx, x, dim, group, forward, backward):
+        ctx.dim, ctx.group, ctx.backward_fn = dim, group, backward
+        return forward(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _block(grad, ctx.dim, ctx.group), None, None
-
-
-class _GatherPartial(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+        return ctx.backward_fn(grad, ctx.dim, ctx.group), None, None, None, None
 
 
 class _Reduce(torch.autograd.Function):
@@ -113,17 +94,6 @@ class _Reduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
 
 
 class _Copy(torch.autograd.Function):
@@ -158,19 +128,23 @@ def _needs_grad(x: torch.Tensor) -> bool:
     return x.requires_grad and torch.is_grad_enabled()
 
 
+def _along(x: torch.Tensor, dim: int, group, forward, backward) -> torch.Tensor:
+    return _AlongDim.apply(x, dim, group, forward, backward) if _needs_grad(x) else forward(x, dim, group)
+
+
 def split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """R -> S(dim)."""
-    return _Split.apply(x, dim, group) if _needs_grad(x) else _block(x, dim, group)
+    return _along(x, dim, group, _block, _all_gather)
 
 
 def gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """S(dim) -> R."""
-    return _Gather.apply(x, dim, group) if _needs_grad(x) else _all_gather(x, dim, group)
+    return _along(x, dim, group, _all_gather, _block)
 
 
 def gather_partial(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """S(dim) -> R, read by an op whose work is split (backward: reduce-scatter)."""
-    return _GatherPartial.apply(x, dim, group) if _needs_grad(x) else _all_gather(x, dim, group)
+    return _along(x, dim, group, _all_gather, _reduce_scatter)
 
 
 def reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -180,7 +154,7 @@ def reduce(x: torch.Tensor, group) -> torch.Tensor:
 
 def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """P -> S(dim)."""
-    return _ReduceScatter.apply(x, dim, group) if _needs_grad(x) else _reduce_scatter(x, dim, group)
+    return _along(x, dim, group, _reduce_scatter, _all_gather)
 
 
 def copy(x: torch.Tensor, group) -> torch.Tensor:

@@ -393,14 +393,10 @@ def lower(nodes: Mapping[str, torch.fx.Node], graph: OpGraph, chunks: Any, specs
     lowering.pinned = written_families(nodes.values())
     ops: dict[str, LoweredOp] = {}
     held_by_chunk: dict[int, dict[str, str]] = {}
+    leaves = {name: lowering.param_spec(name) if name in param_of else R
+              for name, n in nodes.items() if n.op in ("placeholder", "get_attr")}
     for chunk in chunks:
-        held: dict[str, str] = {}
-        for name, n in nodes.items():
-            if n.op == "placeholder":
-                held[name] = lowering.param_spec(name) if name in param_of else R
-            elif n.op == "get_attr":
-                held[name] = R
-        held.update({v: cut_spec(v) for v in chunk.recv})
+        held = {**leaves, **{v: cut_spec(v) for v in chunk.recv}}
         for layer in chunk.layers:
             for name in layer.nodes:
                 if name in moe:
@@ -414,16 +410,16 @@ def lower(nodes: Mapping[str, torch.fx.Node], graph: OpGraph, chunks: Any, specs
     return LoweredGraph(tp, ops, held_by_chunk, partial, lowering.pinned)
 
 
-def written_families(nodes) -> frozenset[str]:
-    """The nodes whose output is, or is a view of, a tensor some op writes in place (directly or through a
-    view: ``x[:, 1:] = y`` on a clone). Such a family must stay one tensor on every rank: a converted copy of
-    one of them would take the write and leave the others as they were, so they all run whole (``R``).
-    Aliases follow the ops' schemas: a return marked ``Tensor(a)`` is a view of (or, in place, the same
-    tensor as) the argument marked ``Tensor(a)``; a piece of a list of views (``split``) is a view too."""
+def alias_writes(nodes) -> tuple[dict[str, str], set[str]]:
+    """(value -> the tensor it is a view of, or the same tensor as; the tensors some op writes in place,
+    directly or through a view) over ``nodes`` in graph order. Aliases follow the ops' schemas: a return
+    marked ``Tensor(a)`` is a view of (or, in place, the same tensor as) the argument marked
+    ``Tensor(a)``, a write is marked ``Tensor(a!)``; a piece of a list of views (``split``) is a view too."""
     root: dict[str, str] = {}
     written: set[str] = set()
-    order = [n for n in nodes if n.op == "call_function"]
-    for node in order:
+    for node in nodes:
+        if node.op != "call_function":
+            continue
         if node.target is operator.getitem:
             parent = node.args[0]
             if isinstance(parent, torch.fx.Node) and parent.name in root:
@@ -442,7 +438,17 @@ def written_families(nodes) -> frozenset[str]:
             if any(r.alias_info is not None and r.alias_info.before_set == arg.alias_info.before_set
                    for r in schema.returns):
                 root[node.name] = origin
-    return frozenset(n.name for n in order if n.name in written or root.get(n.name) in written)
+    return root, written
+
+
+def written_families(nodes) -> frozenset[str]:
+    """The nodes whose output is, or is a view of, a tensor some op writes in place (directly or through a
+    view: ``x[:, 1:] = y`` on a clone). Such a family must stay one tensor on every rank: a converted copy of
+    one of them would take the write and leave the others as they were, so they all run whole (``R``)."""
+    nodes = list(nodes)
+    root, written = alias_writes(nodes)
+    return frozenset(n.name for n in nodes if n.op == "call_function"
+                     and (n.name in written or root.get(n.name) in written))
 
 
 def _step_reduced(ops: dict[str, LoweredOp], param_of: Mapping[str, str]

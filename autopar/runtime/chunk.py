@@ -36,7 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from ..codegen.lower import CONTEXT_HOPS, SKIPPED_TARGETS, R, How, LoweredGraph, LoweredOp, Step, convert, normal
+from ..codegen.lower import (CONTEXT_HOPS, SKIPPED_TARGETS, R, How, LoweredGraph, LoweredOp, Step, alias_writes,
+                             convert, normal)
 from ..errors import ConfigError
 from .graph import ChunkSpec, LayerSpec, SplitGraph
 from .shards import apply_steps, run_op
@@ -176,23 +177,8 @@ def _local(param: Any) -> Any:
 
 def written_inputs(spec: LayerSpec, nodes: Mapping[str, torch.fx.Node]) -> tuple[str, ...]:
     """The layer's inputs that one of its ops writes in place, directly or through a view of them
-    (an op's schema marks what it writes, ``Tensor(a!)``, and what it returns a view of, ``Tensor(a)``)."""
-    root = {name: name for name in spec.inputs}   # value -> the input it is (a view of)
-    written: set[str] = set()
-    for name in spec.nodes:
-        node = nodes[name]
-        schema = getattr(node.target, "_schema", None)
-        if schema is None:
-            continue
-        for i, arg in enumerate(schema.arguments):
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            if not isinstance(value, torch.fx.Node) or value.name not in root or arg.alias_info is None:
-                continue
-            if arg.alias_info.is_write:
-                written.add(root[value.name])
-            if any(r.alias_info is not None and r.alias_info.before_set == arg.alias_info.before_set
-                   for r in schema.returns):
-                root[name] = root[value.name]   # the output aliases this input: a view, or the written input itself
+    (codegen/lower.py ``alias_writes``)."""
+    _, written = alias_writes(nodes[name] for name in spec.nodes)
     return tuple(n for n in spec.inputs if n in written)
 
 

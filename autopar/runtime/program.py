@@ -458,9 +458,6 @@ class Program:
     def _finish_grads(self) -> None:
         for reducer in self.reducers:
             reducer.finish()
-        for fqn, p in self.params.items():
-            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements and not self.fsdp:
-                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         # replicated parameters whose gradient each tp rank holds a part of (codegen/lower.py), summed
         # before the tied ones (a tied parameter can be both: one reduction at a time on a tensor)
         works = []
