@@ -24,14 +24,14 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from paired import paired
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 BATCH, SEQ, VOCAB = 4, 32, 256
@@ -103,32 +103,13 @@ def ours(plan_dict: dict):
     return lambda: program.train_step(x)
 
 
-def timed(step, world: int) -> float:
-    if world > 1:
-        dist.barrier()
-    start = time.perf_counter()
-    step()
-    if world > 1:
-        dist.barrier()
-    return time.perf_counter() - start
-
-
 def _worker(rank: int, world: int, port: int, kinds: list[str], plan_dicts: dict, steps: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
     for kind in kinds:
-        mine, theirs = ours(plan_dicts[kind]), native(kind, rank)
-        for _ in range(3):
-            mine()
-            theirs()
-        a, b = [], []
-        for _ in range(steps):
-            a.append(timed(mine, world))
-            b.append(timed(theirs, world))
-        results[kind] = {"ours": statistics.median(a), "native": statistics.median(b),
-                         "ratio": statistics.median(x / y for x, y in zip(a, b))}
+        results[kind] = paired(ours(plan_dicts[kind]), native(kind, rank), steps, warmup=3)
     if rank == 0:
         with open(out, "w") as fh:
             json.dump(results, fh)

@@ -25,15 +25,15 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from paired import paired
 
 HIDDEN, BLOCKS, BATCH, SEQ, MICRO = 512, 4, 8, 64, 4
 
@@ -168,14 +168,6 @@ def ours(plan_dict: dict):
     return lambda: program.train_step(x), program
 
 
-def timed(step) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    step()
-    dist.barrier()
-    return time.perf_counter() - start
-
-
 def _worker(rank: int, port: int, plan_dicts: dict, steps: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -187,15 +179,7 @@ def _worker(rank: int, port: int, plan_dicts: dict, steps: int, out: str) -> Non
             theirs = native_pp(rank, list(program.plan.stages[rank].layers))
         else:
             theirs = {"dp": native_dp, "tp": native_tp, "zero3": native_zero3}[kind](rank)
-        for _ in range(2):
-            mine()
-            theirs()
-        a, b = [], []
-        for _ in range(steps):
-            a.append(timed(mine))
-            b.append(timed(theirs))
-        results[kind] = {"ours": statistics.median(a), "native": statistics.median(b),
-                         "ratio": statistics.median(x / y for x, y in zip(a, b))}
+        results[kind] = paired(mine, theirs, steps, warmup=2)
     if rank == 0:
         with open(out, "w") as fh:
             json.dump(results, fh)
