@@ -9,13 +9,14 @@ tensor-parallel process group:
   dim; three all-reduces of one value per row (the row max, the sum of exponentials, the target
   logit), the loss of every row on every rank, the gradient computed on the shard (Megatron's
   vocab_parallel_cross_entropy, with ignore_index and label smoothing as torch defines them);
-- :func:`row_loss`: a loss over this rank's rows: the local sum, then all-reduces of the sum and,
-  for a mean, of the count of terms.
+- :func:`row_total`: a loss over this rank's rows from its local sum: all-reduces of the sum and,
+  for a mean, of the count of terms;
+- :func:`expect_shape`: the check a generated program makes of each shard it computes.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -117,22 +118,25 @@ def vocab_nll(logp: torch.Tensor, target: torch.Tensor, group, reduction: int = 
     return _reduce(back(per_row), target != ignore_index, reduction)
 
 
-def row_loss(op: Any, args: list, kwargs: dict, group, reduction_at: int, ignore_at: int | None) -> torch.Tensor:
-    """A loss whose inputs this rank holds some rows of: ``op`` summed locally, then all-reduced; a mean
-    divides by the number of terms over all ranks (the targets not ignored, for class losses)."""
-    args = list(args)
-    reduction = args[reduction_at] if reduction_at < len(args) else kwargs.get("reduction", MEAN)
-    if reduction_at < len(args):
-        args[reduction_at] = SUM
-    else:
-        kwargs = {**kwargs, "reduction": SUM}
-    total = collectives.reduce(op(*args, **kwargs), group)
+def row_total(local_sum: torch.Tensor, group, reduction: int, input: torch.Tensor, target: torch.Tensor | None = None,
+              ignore_index: int = -100) -> torch.Tensor:
+    """A loss over the rows this rank holds, from its local sum (the op at ``reduction=sum``): all-reduced,
+    and for a mean divided by the number of terms over all ranks (the targets not ignored for a class
+    loss, given its ``target``; else every element of ``input``)."""
+    total = collectives.reduce(local_sum, group)
     if reduction != MEAN:
         return total
-    if ignore_at is not None:
-        ignore = args[ignore_at] if ignore_at < len(args) else kwargs.get("ignore_index", -100)
-        count = (args[1] != ignore).sum().to(total.dtype)
+    if target is not None:
+        count = (target != ignore_index).sum().to(total.dtype)
     else:
-        count = torch.tensor(float(args[0].numel()), dtype=total.dtype, device=total.device)
+        count = torch.tensor(float(input.numel()), dtype=total.dtype, device=total.device)
     collectives.all_reduce_(count, group)
     return total / count
+
+
+def expect_shape(value: torch.Tensor, shape: tuple[int, ...], node: str, spec: str) -> None:
+    """Raise when an op's shard is not the shape the plan's spec gives it on this rank."""
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"tensor parallelism: op {node} gave a shard of shape {tuple(value.shape)} where the "
+                         f"plan's spec {spec} needs {tuple(shape)}: the plan's sharding does not fit this op; "
+                         "re-plan with fixed={'tp': 1} and report it")

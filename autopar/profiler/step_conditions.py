@@ -11,9 +11,9 @@ measures, on the same ranks, what that changes (each function's docstring gives 
   the op (reading each argument through the lowering's conversion, the shard's shape check).
 
 The dispatch overhead is measured on the op mix of a layer at a negligible size (a linear, gelu,
-two views, two transposes, a multiply, a sum), exported and run node by node through the
-runtime's ``NodeRunner``, as a plain interpreter and through its tensor-parallel path, forward and
-forward + backward. Per node,
+two views, two transposes, a multiply, a sum), exported and emitted as the runtime emits a layer
+(codegen/layers.py), once plain and once lowered for tensor parallelism, forward and forward +
+backward. Per node,
 
     fwd = (t_tp(forward) - t_plain(forward)) / nodes
     bwd = ([t_tp(fb) - t_plain(fb)] - [t_tp(forward) - t_plain(forward)]) / nodes
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -229,18 +229,17 @@ class _LayerMix(torch.nn.Module):
 def dispatch_overhead(device: torch.device, nprocs: int) -> tuple[float, float]:
     """(forward, backward) extra seconds per op when autopar's runtime runs ops tensor-parallel, max over ranks.
 
-    The exported :class:`_LayerMix` is run node by node through the runtime's own ``NodeRunner``,
-    once as a plain interpreter (no mesh) and once through the tensor-parallel path of a 1-D mesh of
-    all ranks (codegen/lower.py's lowering: reading each argument through its conversion, the op's
-    form, the shard's shape check; the collectives themselves are priced as collectives), forward
-    and forward + backward; per node, ``fwd = (t_tp - t_plain) / nodes`` and
+    The exported :class:`_LayerMix` is emitted as the runtime emits a layer (codegen/layers.py), once
+    plain (no mesh) and once lowered for a 1-D tensor-parallel mesh of all ranks (codegen/lower.py:
+    each argument read through its conversion, the op's form, the shard's shape check; the
+    collectives themselves are priced as collectives), run forward and forward + backward; per node, ``fwd = (t_tp - t_plain) / nodes`` and
     ``bwd = ([t_tp(fb) - t_plain(fb)] - [t_tp - t_plain]) / nodes``."""
     from types import SimpleNamespace
 
     from torch.distributed.tensor import init_device_mesh
 
+    from ..codegen.layers import LayerIO, layer_module
     from ..codegen.lower import lower
-    from ..runtime.chunk import NodeRunner
 
     mesh = init_device_mesh(device.type, (nprocs,))
     rows = 8 * nprocs
@@ -252,16 +251,16 @@ def dispatch_overhead(device: torch.device, nprocs: int) -> tuple[float, float]:
     lowered = lower(split.node_map, SimpleNamespace(nodes=()), [chunk], {}, {weight_name: "weight"}, {}, nprocs,
                     lambda v: "R")
 
+    io = LayerIO(tuple(calls), (input_name,), (calls[-1],), (weight_name,), ())
+
     def variant(tp: bool) -> tuple[Callable[[], object], Callable[[], object]]:
-        runner = NodeRunner(split, mesh if tp else None, lowered if tp else None)
+        layer = layer_module(io, split.node_map, program.graph_module, lowered if tp else None,
+                             mesh.get_group() if tp else None)
         x = torch.randn(2, 4, 8, device=device)
         w = torch.randn(rows, 8, device=device).requires_grad_()
 
         def forward() -> torch.Tensor:
-            env: dict[str, Any] = {weight_name: w, input_name: x}
-            for name in calls:
-                env[name] = runner.run(name, env)
-            return env[calls[-1]]
+            return layer(x, w)[0]
 
         def fwd_bwd() -> None:
             w.grad = None

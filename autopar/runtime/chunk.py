@@ -1,10 +1,11 @@
-"""One pipeline chunk as an ``nn.Module``: its layers run the exported graph's nodes eagerly.
+"""One pipeline chunk as an ``nn.Module``: each of its layers runs generated code.
 
 Why not ``torch.distributed.pipelining``'s ``pipeline()`` split or ``parallelize_module``:
 the plan cuts at capture's layers (not at ``pipe_split`` markers in user code), a value may
 skip to any later chunk and a tied weight lives in two chunks, and the plan shards every op
 (not only ``nn.Linear`` / ``nn.Embedding`` modules) with the specs the ILP chose. So each
-layer is a small module that runs its slice of the exported graph node by node:
+layer is a small module around its slice of the exported graph, emitted as a
+``torch.fx.GraphModule`` by codegen/layers.py:
 
 - with ``tp == 1`` on plain tensors (the graph's ops, nothing added);
 - with ``tp > 1`` on this rank's shards, as codegen/lower.py lowered the plan's specs: each
@@ -12,12 +13,12 @@ layer is a small module that runs its slice of the exported graph node by node:
   Megatron's ``f`` and ``g``) to the spec the op's strategy reads it in, shape arguments at
   local sizes, the vocabulary-parallel embedding and loss as codegen/shard_ops.py writes them.
   Parameters are DTensors of the tp mesh (so that FSDP2 and checkpoints see their layout); a
-  layer reads their local shards;
-- with ``cp > 1`` (``tp == 1``) on this rank's tokens of each sequence: ``NodeRunner.context``
-  (context_runner.py) converts inputs and runs each node as context.py decided (locally, whole after a
-  gather, or as ring attention);
+  layer passes their local shards to its code;
 - an MoE region with ``ep > 1`` or ``cp > 1`` as one call of the layer's ``ExpertsModule``
-  (experts.py) at the region's output node, its other nodes skipped.
+  (experts.py) at the region's output node, its other nodes skipped;
+- with ``cp > 1`` (``tp == 1``) node by node on this rank's tokens of each sequence:
+  ``NodeRunner.context`` (context_runner.py) converts inputs and runs each node as context.py
+  decided (locally, whole after a gather, or as ring attention).
 
 Each layer is its own module so FSDP2 can gather its parameters just in time (ZeRO-3) and
 ``torch.utils.checkpoint`` can recompute it (recompute ``full``); ``selective`` recomputes only
@@ -26,7 +27,6 @@ the attention core's nodes (Korthikanti et al.).
 
 from __future__ import annotations
 
-import operator
 from functools import cached_property
 from typing import Any, Mapping, Sequence
 
@@ -36,11 +36,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from ..codegen.lower import (CONTEXT_HOPS, SKIPPED_TARGETS, R, How, LoweredGraph, LoweredOp, Step, alias_writes,
-                             convert, normal)
-from ..errors import ConfigError
+from ..codegen import collectives
+from ..codegen.layers import LayerIO, layer_module
+from ..codegen.lower import SKIPPED_TARGETS, R, LoweredGraph, Step, alias_writes, convert, normal
 from .graph import ChunkSpec, LayerSpec, SplitGraph
-from .shards import apply_steps, run_op
+
+
+def apply_steps(value: torch.Tensor, steps: tuple[Step, ...], group) -> torch.Tensor:
+    """``value`` through the collectives of a conversion, in order (a value sent across a pipeline cut)."""
+    for step in steps:
+        fn = getattr(collectives, step.kind)
+        value = fn(value, step.dim, group) if step.dim is not None else fn(value, group)
+    return value
 
 
 def attr_name(fqn: str) -> str:
@@ -49,8 +56,9 @@ def attr_name(fqn: str) -> str:
 
 
 class NodeRunner:
-    """Runs fx nodes of one exported program on plain tensors: whole, or (``tp > 1``) this rank's shards
-    as the lowering (codegen/lower.py) says, with its collectives (codegen/collectives.py)."""
+    """What the layers of one exported program share: its nodes, the tensor-parallel lowering and group,
+    the MoE regions run as one call; and, under context parallelism, the runner of every node
+    (context_runner.py: the one path still interpreted node by node)."""
 
     def __init__(self, split: SplitGraph, mesh: DeviceMesh | None, lowered: LoweredGraph | None = None) -> None:
         self.nodes = split.node_map
@@ -61,12 +69,20 @@ class NodeRunner:
         self.context = None           # a context.ContextRunner when cp > 1: runs every node on local tokens
         self.moe_outputs: dict[str, Any] = {}   # MoE region output node -> region, run as one call (experts.py)
         self.moe_skip: frozenset[str] = frozenset()   # the regions' other nodes, not run
-        # what each node is, decided once rather than from str(target) on every call
-        targets = {name: str(n.target) for name, n in self.nodes.items()}
-        self.skipped = frozenset(name for name, t in targets.items() if t in SKIPPED_TARGETS)
-        self.context_hops = {name: t for name, t in targets.items() if t in CONTEXT_HOPS}
+        self.skipped = frozenset(name for name, n in self.nodes.items() if str(n.target) in SKIPPED_TARGETS)
+
+    def layer_module(self, spec: LayerSpec, params: Sequence[str], written: Sequence[str], selective: bool,
+                     experts: Mapping[str, nn.Module]) -> torch.fx.GraphModule:
+        """The layer's generated module (codegen/layers.py); ``params``: the placeholders of the parameters
+        it is given, in order."""
+        io = LayerIO(spec.nodes, spec.inputs, spec.outputs, tuple(params), spec.buffers, tuple(written),
+                     spec.attention_core if selective else frozenset())
+        moe = {out: (r.hidden_input, r.index_input, r.weight_input) for out, r in self.moe_outputs.items()}
+        return layer_module(io, self.nodes, self.module, self.lowered, self.group, experts, moe,
+                            self.skipped | self.moe_skip, name=_class_name(spec.name))
 
     def run(self, name: str, env: dict[str, Any]) -> Any:
+        """Node ``name`` under context parallelism."""
         node = self.nodes[name]
         if name in self.skipped or name in self.moe_skip:
             return None
@@ -75,68 +91,8 @@ class NodeRunner:
             return getattr(self.module, n.target) if n.op == "get_attr" else env[n.name]
 
         region = self.moe_outputs.get(name)
-        if self.context is not None:
-            compute = None if region is None else (lambda *values: self._moe(region, env, *values))
-            return self.context.run(node, env, load, compute)
-        if self.lowered is not None and node.target is not operator.getitem:
-            return self._run_lowered(node, self.lowered.ops[name], env, load)
-        if region is not None:
-            return self._moe(region, env, env[region.hidden_input], env[region.index_input],
-                             env[region.weight_input])
-        args = torch.fx.node.map_arg(node.args, load)
-        kwargs = torch.fx.node.map_arg(node.kwargs, load)
-        if name in self.context_hops:
-            return _run_context_hop(self.context_hops[name], args, kwargs)
-        return node.target(*args, **kwargs)
-
-    def _moe(self, region: Any, env: dict[str, Any], hidden: Any, index: Any, weights: Any) -> Any:
-        """An MoE region's output from its (whole) inputs by this layer's ExpertsModule (experts.py)."""
-        return env[("experts", region.output)](hidden, index, weights)
-
-    # --- tensor parallelism: the lowered program --------------------------------------------------
-    def _read(self, name: str, value: Any, steps: tuple[Step, ...], env: dict[str, Any]) -> Any:
-        """``value`` (node ``name``'s) converted as the lowering says, once per layer pass (at every read
-        for a tensor some op writes in place: a conversion made before the write is stale after it)."""
-        if not steps or not isinstance(value, torch.Tensor):
-            return value
-        if name in self.lowered.pinned:
-            return apply_steps(value, steps, self.group)
-        key = ("read", name, steps)
-        if key not in env:
-            env[key] = apply_steps(value, steps, self.group)
-        return env[key]
-
-    def _run_lowered(self, node: torch.fx.Node, op: LoweredOp, env: dict[str, Any], load) -> Any:
-        if op.how is How.SKIP:
-            return None
-        if op.how is How.MOE:
-            region = self.moe_outputs[node.name]
-            hidden, index, weights = (self._read(v, env[v], op.reads[v], env)
-                                      for v in (region.hidden_input, region.index_input, region.weight_input))
-            return self._moe(region, env, hidden, index, weights)
-
-        def read(n: torch.fx.Node) -> Any:
-            if n.name in op.writes:   # written in place: a copy of its own, which then replaces it
-                env[n.name] = apply_steps(load(n), op.reads[n.name], self.group).clone()
-                return env[n.name]
-            return self._read(n.name, load(n), op.reads.get(n.name, ()), env)
-
-        args = list(torch.fx.node.map_arg(node.args, read))
-        kwargs = dict(torch.fx.node.map_arg(node.kwargs, read))
-        for i, sizes in op.shape_args.items():
-            args[i] = list(sizes)
-        if node.name in self.context_hops:
-            return _run_context_hop(self.context_hops[node.name], tuple(args), kwargs)
-        out = run_op(node.target, op.how, args, kwargs, self.group)
-        if op.local_shape is not None and isinstance(out, torch.Tensor) and tuple(out.shape) != op.local_shape:
-            shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
-            raise ConfigError(f"tensor parallelism: op {node.name} ({node.target}) gave a shard of shape "
-                              f"{tuple(out.shape)} from shards {shapes} where the plan's spec {op.output} needs "
-                              f"{op.local_shape}: the plan's "
-                              "sharding does not fit this op; re-plan with fixed={'tp': 1} and report it")
-        if op.after:   # the output, or every piece of a list output (a split)
-            return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: apply_steps(t, op.after, self.group), out)
-        return out
+        compute = None if region is None else (lambda *values: env[("experts", region.output)](*values))
+        return self.context.run(node, env, load, compute)
 
     def to_cut(self, chunk: int, name: str, value: Any, spec: str) -> Any:
         """Node ``name``'s value (held as chunk ``chunk`` holds it) in ``spec``, to send across a cut."""
@@ -147,25 +103,9 @@ class NodeRunner:
         return apply_steps(value, convert(normal(held, d), normal(spec, d), False), self.group)
 
 
-def _run_context_hop(name: str, args: tuple, kwargs: dict) -> Any:
-    """``wrap_with_set_grad_enabled`` / ``wrap_with_autocast`` (a ``torch.no_grad()`` or autocast region of
-    the model, e.g. a rotary embedding) run as the context manager around their subgraph."""
-    if name == "wrap_with_set_grad_enabled":
-        enabled, body, *rest = args
-        with torch.set_grad_enabled(enabled):
-            return _Body(body).run(*rest, **kwargs)
-    device_type, dtype, enabled, cache_enabled, body, *rest = args
-    with torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled):
-        return _Body(body).run(*rest, **kwargs)
-
-
-class _Body(torch.fx.Interpreter):
-    """A higher-order op's subgraph, without its metadata asserts."""
-
-    def call_function(self, target: Any, args: tuple, kwargs: dict) -> Any:
-        if str(target) in SKIPPED_TARGETS:
-            return None
-        return super().call_function(target, args, kwargs)
+def _class_name(layer: str) -> str:
+    """``model.layers.3`` -> ``Layer_model_layers_3`` (the generated module's class name)."""
+    return "Layer_" + "".join(c if c.isalnum() else "_" for c in layer)
 
 
 def _local(param: Any) -> Any:
@@ -207,6 +147,14 @@ class LayerModule(nn.Module):
         # layer its inputs as views made by a custom autograd Function, and autograd refuses to
         # write in place on those.
         self.written = written_inputs(spec, runner.nodes)
+        # the layer's generated code (kept out of the module tree: it holds no tensors of its own, and its
+        # experts are this module's); under context parallelism the nodes are interpreted instead
+        program = None
+        if runner.context is None:
+            placeholders = [self.placeholder_of[fqn] for fqn in (*self.shared, *self.own)]
+            program = runner.layer_module(spec, placeholders, self.written, recompute == "selective",
+                                          {out: self.experts[attr_name(out)] for out in self.expert_outputs})
+        self.__dict__["program"] = program
 
     def forward(self, *values: Any) -> tuple[Any, ...]:
         if self.recompute == "full" and torch.is_grad_enabled():
@@ -215,6 +163,9 @@ class LayerModule(nn.Module):
 
     def _run(self, *values: Any) -> tuple[Any, ...]:
         n_in = len(self.spec.inputs)
+        if self.program is not None:
+            params = [_local(v) for v in values[n_in:]] + [_local(getattr(self, attr_name(f))) for f in self.own]
+            return self.program(*values[:n_in], *params, *(getattr(self, attr_name(b)) for b in self.buffer_names))
         env: dict[str, Any] = dict(zip(self.spec.inputs, values[:n_in]))
         for fqn, value in zip(self.shared, values[n_in:]):
             env[self.placeholder_of[fqn]] = _local(value)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .context_state import Conv, ContextPlan, Local, holds_tensor
 from .failures import wait_or_fail
 from .ring_attention import gather_sequence, local_indices, ring_attention, shard_sequence
-from .shards import bind
+from ..codegen.layers import bind
 
 
 class ContextRunner:
