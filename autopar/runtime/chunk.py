@@ -60,8 +60,10 @@ class NodeRunner:
     the MoE regions run as one call; and, under context parallelism, the runner of every node
     (context_runner.py: the one path still interpreted node by node)."""
 
-    def __init__(self, split: SplitGraph, mesh: DeviceMesh | None, lowered: LoweredGraph | None = None) -> None:
+    def __init__(self, split: SplitGraph, mesh: DeviceMesh | None, lowered: LoweredGraph | None = None,
+                 compile: str | None = None) -> None:
         self.nodes = split.node_map
+        self.compile = compile   # a torch.compile backend for every layer's code, or None
         self.module = split.program.graph_module
         self.mesh = mesh
         self.group = mesh.get_group() if mesh is not None else None
@@ -72,14 +74,15 @@ class NodeRunner:
         self.skipped = frozenset(name for name, n in self.nodes.items() if str(n.target) in SKIPPED_TARGETS)
 
     def layer_module(self, spec: LayerSpec, params: Sequence[str], written: Sequence[str], selective: bool,
-                     experts: Mapping[str, nn.Module]) -> torch.fx.GraphModule:
-        """The layer's generated module (codegen/layers.py); ``params``: the placeholders of the parameters
-        it is given, in order."""
+                     experts: Mapping[str, nn.Module]) -> nn.Module:
+        """The layer's generated module (codegen/layers.py), through torch.compile when the program is
+        compiled; ``params``: the placeholders of the parameters it is given, in order."""
         io = LayerIO(spec.nodes, spec.inputs, spec.outputs, tuple(params), spec.buffers, tuple(written),
                      spec.attention_core if selective else frozenset())
         moe = {out: (r.hidden_input, r.index_input, r.weight_input) for out, r in self.moe_outputs.items()}
-        return layer_module(io, self.nodes, self.module, self.lowered, self.group, experts, moe,
-                            self.skipped | self.moe_skip, name=_class_name(spec.name))
+        module = layer_module(io, self.nodes, self.module, self.lowered, self.group, experts, moe,
+                              self.skipped | self.moe_skip, name=_class_name(spec.name))
+        return torch.compile(module, backend=self.compile) if self.compile else module
 
     def run(self, name: str, env: dict[str, Any]) -> Any:
         """Node ``name`` under context parallelism."""

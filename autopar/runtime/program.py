@@ -88,7 +88,8 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 def parallelize(model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None = None, *,
                 loss_fn: LossFn | None = None, example_inputs: Any = None,
-                timeout: float = DEFAULT_TIMEOUT, init_seed: int = 0, init: InitFn | None = None) -> "Program":
+                timeout: float = DEFAULT_TIMEOUT, init_seed: int = 0, init: InitFn | None = None,
+                compile: bool | str | None = None) -> "Program":
     """This rank's share of ``plan`` for ``model``: a :class:`Program` that trains it.
 
     ``optimizer`` maps parameters to an optimizer (``lambda ps: torch.optim.AdamW(ps, lr=1e-3)``);
@@ -103,9 +104,15 @@ def parallelize(model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None
     ``autopar.init_weights(model, init_seed)`` in one process, give the same values). ``init(module)``
     replaces the model's ``_init_weights`` where a module's own ``reset_parameters`` is not enough.
     A model on a real device is used as it is (``init_seed`` and ``init`` are ignored).
+
+    ``compile``: run each layer's generated code through ``torch.compile`` (True: inductor; a string
+    names another torch.compile backend, e.g. "aot_eager"). The default follows the plan: a plan
+    priced for compiled kernels (``Precision(kernels="compiled")``) is compiled, an eager one is not.
+    Compiling an eager plan is allowed (it runs faster, and keeps less for backward, than the plan
+    priced). Context parallelism runs node by node and is not compiled.
     """
     return Program(model, plan, optimizer, loss_fn=loss_fn, example_inputs=example_inputs, timeout=timeout,
-                   init_seed=init_seed, init=init)
+                   init_seed=init_seed, init=init, compile=compile)
 
 
 class Program:
@@ -113,11 +120,20 @@ class Program:
 
     def __init__(self, model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None, *,
                  loss_fn: LossFn | None, example_inputs: Any, timeout: float, init_seed: int = 0,
-                 init: InitFn | None = None) -> None:
-        if plan.precision.kernels != "eager":
-            raise ConfigError(f"this plan prices {plan.precision.kernels} kernels (Precision(kernels="
-                              f"{plan.precision.kernels!r})), which this autopar's runtime does not run: it runs eager "
-                              "kernels; re-plan with the default Precision(kernels='eager')")
+                 init: InitFn | None = None, compile: bool | str | None = None) -> None:
+        kernels = plan.precision.kernels
+        if kernels == "fused":
+            raise ConfigError("this plan prices hand-written fused kernels (Precision(kernels='fused'), Megatron-LM's), "
+                              "which autopar's runtime does not have: re-plan with Precision(kernels='compiled') "
+                              "(torch.compile) or the default 'eager'")
+        if compile is not None and not isinstance(compile, (bool, str)):
+            raise ConfigError(f"compile must be True, False, a torch.compile backend name or None (follow the "
+                              f"plan), got {compile!r}")
+        if compile is None:
+            compile = kernels == "compiled" and plan.config.cp == 1
+        if compile and plan.config.cp > 1:
+            raise ConfigError("context parallelism runs node by node and cannot be compiled: pass compile=False")
+        self.compile: str | None = ("inductor" if compile is True else compile) or None
         check_model(model)
         check_world(plan)
         if not (isinstance(timeout, (int, float)) and timeout > 0):
@@ -228,7 +244,7 @@ class Program:
             moe = {r.output: (r.hidden_input, r.index_input, r.weight_input) for r in self.regions}
             lowered = lower(self.split.node_map, self.graph, self.split.chunks, self.specs, self.split.param_of,
                             self.param_dims, cfg.tp, lambda v: cut_spec(self.specs.get(v)), moe)
-        self.node_runner = NodeRunner(self.split, self.tp_mesh, lowered)
+        self.node_runner = NodeRunner(self.split, self.tp_mesh, lowered, compile=self.compile)
         self.tp_partial = lowered.partial_params if lowered is not None else frozenset()
         if self.regions:
             layer_of = {name: layer.index for chunk in self.split.chunks for layer in chunk.layers
@@ -481,6 +497,9 @@ class Program:
     def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """Every replica's micro-batch losses on every rank (``micro_losses``); returns their mean."""
         cfg, m = self.cfg, self.micro_batches
+        if self.plan.devices == 1:   # nothing to share: no collective, no copies
+            self.micro_losses = torch.stack(losses).detach().float().reshape(m)
+            return self.micro_losses.mean()
         owner = self.pp_rank == cfg.pp - 1 and self.tp_rank == 0
         per = torch.zeros(cfg.dp * m, device=self.device)
         if owner:

@@ -51,6 +51,7 @@ class Case:
     world: int
     global_batch: int = 4
     edit: dict | None = None      # a hand-edited plan: the planned config with these fields replaced
+    compile: str | None = None    # parallelize(compile=): a torch.compile backend for every layer's code
 
 
 def _mlp():
@@ -331,7 +332,8 @@ def run_case(rank: int, world: int, case: Case, plan_dict: dict) -> dict[str, An
     model = fresh(case.model)
     data = batches(case.model, STEPS, case.global_batch)
     with shared_exports(case.model):
-        program = autopar.parallelize(model, plan, adamw, loss_fn=loss_fn_of(case.model), timeout=60)
+        program = autopar.parallelize(model, plan, adamw, loss_fn=loss_fn_of(case.model), timeout=60,
+                                      compile=case.compile or False)
     loss = program.forward_backward(data[0])
     grads = program.full_grads()
     program.optimizer.step()   # train_step(data[0]) is this forward_backward and this step
