@@ -128,10 +128,10 @@ class GraphWalk:
         try:
             outputs = tuple(m for m in map(tensor_meta, value if isinstance(value, (list, tuple)) else [value]) if m)
         except DataDependentShape as exc:
-            where = _source_line(node) or _module_path(node) or "the model"
+            where = _source_line(node) or module_path(node) or "the model"
             raise CaptureError(
                 f"capturing failed at {where}: {node.target} makes a tensor of shape {exc} whose size depends on "
-                f"the values of a tensor (in {_module_path(node) or 'the model'}), which a static graph cannot plan. "
+                f"the values of a tensor (in {module_path(node) or 'the model'}), which a static graph cannot plan. "
                 "Hint: compute it with static shapes (masks and torch.where instead of selecting rows; a "
                 "mixture-of-experts layer: a grouped or capacity-based dispatch, Hugging Face "
                 "experts_implementation='grouped_mm')") from exc
@@ -162,7 +162,7 @@ class GraphWalk:
             inputs=tuple(dict.fromkeys(s.name for s in srcs if s.kind in ("op", "input"))),
             params=tuple(dict.fromkeys(s.name for s in srcs if s.kind == "param" and s.requires_grad)),
             outputs=outputs, flops_fwd=fwd, flops_bwd=bwd, bytes_fwd=moved, requires_grad=rg,
-            batch_dependent=bd, saved=saved, module_path=_module_path(node), module_type=_module_type(node),
+            batch_dependent=bd, saved=saved, module_path=module_path(node), module_type=_module_type(node),
             layer=-1, gemm=gemm_shape(name, kind, [m for m in metas if m], outputs[0],
                                       [s.batch_dependent for s in srcs],
                                       kind is OpKind.ATTENTION and is_causal(node.target, node.args, node.kwargs)),
@@ -269,7 +269,7 @@ def _clean_path(path: str) -> str:
     return strip_wrapper(path)
 
 
-def _module_path(node: torch.fx.Node) -> str:
+def module_path(node: torch.fx.Node) -> str:
     stack = _stack(node)
     return _clean_path(stack[-1][0]) if stack else ""
 

@@ -5,8 +5,10 @@ layers, each parameter's tensor-parallel split and the schedule's action list ar
 out as plain Python constants at the top, and ``main()`` is a short PyTorch training loop.
 It checks at start-up that the program autopar builds on the rank is the one the constants
 describe (the same layers and schedule), so the text cannot drift from what runs. The
-execution itself (ops on shards, p2p, bucketed reductions) is ``autopar.parallelize``:
-generating that per op as source would be a second copy of the runtime.
+execution (the pipeline schedule, p2p, bucketed reductions, FSDP2) is ``autopar.parallelize``;
+the ops each pipeline stage runs on its shards, with their collectives, are generated code
+(codegen/layers.py), which the script writes at start-up as ``program/stage<P>.py`` (torch
+alone imports it, beside copies of collectives.py and shard_ops.py).
 """
 
 from __future__ import annotations
@@ -151,6 +153,10 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=0, help="with --checkpoint: also every N steps")
     parser.add_argument("--resume", default=None, help="start from a checkpoint (a step<N> folder, or a "
                         "--checkpoint DIR: its latest one) saved under this or any other plan")
+    parser.add_argument("--compile", action="store_true", help="run every layer's generated code through "
+                        "torch.compile (the default follows the plan's Precision(kernels=...))")
+    parser.add_argument("--no-source", action="store_true", help="do not write program/stage<P>.py, the "
+                        "code each pipeline stage runs, beside this script")
     args = parser.parse_args()
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -167,7 +173,8 @@ def main() -> None:
     if isinstance(model, tuple):  # a factory returning (model, example_inputs)
         model = model[0]
     program = autopar.parallelize(model, plan, optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
-                                  loss_fn={loss_fn}, timeout=args.timeout, init_seed=args.seed)
+                                  loss_fn={loss_fn}, timeout=args.timeout, init_seed=args.seed,
+                                  compile=True if args.compile else None)
     del model  # the program holds its own shards: a model built on the CPU is not needed any more
     mine = [c for c in CHUNK_LAYERS if c % PP == pp_rank]
     if [[layer.name for layer in program.split.chunks[c].layers] for c in mine] != [CHUNK_LAYERS[c] for c in mine]:
@@ -177,6 +184,11 @@ def main() -> None:
     print(f"rank {{rank}} (pp {{pp_rank}}, dp {{dp_rank}} (ep {{dp_rank % EP}}), cp {{cp_rank}}, tp {{tp_rank}}): "
           f"chunks {{mine}}, "
           f"{{sum(getattr(p, '_local_tensor', p).numel() for p in program.parameters())}} parameter elements held", flush=True)
+
+    if not args.no_source and dp_rank == 0 and cp_rank == 0 and tp_rank == 0:
+        # what this pipeline stage runs, as Python source (its other ranks run the same code on other shards)
+        program.write_source(os.path.join(os.path.dirname(os.path.abspath(__file__)), "program"),
+                             f"stage{{pp_rank}}.py")
 
     start = 0
     if args.resume:  # collective: every rank reads its own shards, resharded to this plan

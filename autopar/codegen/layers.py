@@ -10,8 +10,9 @@
   value some op writes in place is converted afresh at each read, and an argument the op writes
   is written on a converted copy that replaces it); shape arguments are this rank's local sizes;
   the vocabulary-parallel embedding and loss, reductions over a split dim and losses over split
-  rows call shard_ops.py; every output whose shape depends on the sharding is checked where it
-  is made (a plan whose sharding does not fit the op raises naming the node).
+  rows call shard_ops.py. With ``checks``, every shard an op computes has its shape checked where
+  it is made (a plan whose sharding does not fit the op raises naming the node); the shapes are
+  static, so a program runs the checked code once and the code without checks after.
 - A ``torch.no_grad()`` / autocast region of the model (a higher-order op) is inlined between
   the calls that enter and leave its context, as torch.compile writes them.
 - An MoE region run as one call (:attr:`~.lower.How.MOE`) calls its experts module.
@@ -36,6 +37,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..capture.build import module_path
 from . import collectives, shard_ops
 from .lower import CONTEXT_HOPS, SKIPPED_TARGETS, How, LoweredGraph, LoweredOp, Step
 
@@ -69,20 +71,22 @@ def bind(target: Any, args: tuple | list, kwargs: Mapping[str, Any]) -> dict[str
 def layer_module(io: LayerIO, nodes: Mapping[str, fx.Node], source: nn.Module, lowered: LoweredGraph | None = None,
                  group: Any = None, experts: Mapping[str, nn.Module] | None = None,
                  moe: Mapping[str, tuple[str, str, str]] | None = None, skip: frozenset[str] = frozenset(),
-                 name: str = "Layer") -> fx.GraphModule:
+                 name: str = "Layer", checks: bool = False) -> fx.GraphModule:
     """The layer's generated module. ``source``: the exported graph module (region bodies); ``experts``
     / ``moe``: MoE region output node -> its experts module / its (hidden, index, weights) inputs, for
-    regions run as one call; ``skip``: nodes not run (the regions' other nodes)."""
-    emitter = _Emitter(nodes, source, lowered, group, experts or {}, moe or {}, skip)
+    regions run as one call; ``skip``: nodes not run (the regions' other nodes); ``checks``: check the
+    shape of every shard an op computes (the shapes are static: a program runs this once, on its
+    first call, and the code without checks after)."""
+    emitter = _Emitter(nodes, source, lowered, group, experts or {}, moe or {}, skip, checks)
     return emitter.module(io, name)
 
 
 class _Emitter:
     def __init__(self, nodes: Mapping[str, fx.Node], source: nn.Module, lowered: LoweredGraph | None, group: Any,
                  experts: Mapping[str, nn.Module], moe: Mapping[str, tuple[str, str, str]],
-                 skip: frozenset[str]) -> None:
+                 skip: frozenset[str], checks: bool = False) -> None:
         self.nodes, self.source, self.lowered, self.group = nodes, source, lowered, group
-        self.experts, self.moe, self.skip = experts, moe, skip
+        self.experts, self.moe, self.skip, self.checks = experts, moe, skip, checks
 
     def module(self, io: LayerIO, name: str) -> fx.GraphModule:
         self.graph = fx.Graph()
@@ -178,10 +182,20 @@ class _Emitter:
         if str(node.target) in CONTEXT_HOPS:
             self.env[name] = self._region(str(node.target), args, kwargs)
             return
+        first = self.graph._len
         if op is None:
             self.env[name] = self.graph.create_node("call_function", node.target, tuple(args), kwargs, name=name)
-            return
-        self.env[name] = self._lowered_op(node, op, args, kwargs)
+        else:
+            self.env[name] = self._lowered_op(node, op, args, kwargs)
+        self._tag(node, first)
+
+    def _tag(self, node: fx.Node, first: int) -> None:
+        """The module path of the model's code that made ``node``, on the nodes emitted for it (source.py
+        writes it as a comment)."""
+        path = module_path(node)
+        if path:
+            for made in list(self.graph.nodes)[first:]:
+                made.meta.setdefault("module_path", path)
 
     def _lowered_args(self, node: fx.Node, op: LoweredOp) -> tuple[list, dict]:
         def read(n: fx.Node) -> Any:
@@ -227,8 +241,8 @@ class _Emitter:
             local = self.graph.create_node("call_function", target, tuple(args), kwargs, name=name + "_local")
             out = (call(collectives.reduce, (local, g())) if how is How.REDUCE_SUM else
                    call(collectives.reduce_max, (local, g(), how is How.REDUCE_MAX)))
-        if op.local_shape is not None and how in (How.LOCAL, How.REDUCE_SUM, How.REDUCE_MAX, How.REDUCE_MIN) \
-                and isinstance(node.meta.get("val"), torch.Tensor):
+        if self.checks and op.local_shape is not None and isinstance(node.meta.get("val"), torch.Tensor) \
+                and how in (How.LOCAL, How.REDUCE_SUM, How.REDUCE_MAX, How.REDUCE_MIN):
             call(shard_ops.expect_shape, (out, op.local_shape, name, op.output))
         if op.after:
             if isinstance(node.meta.get("val"), (list, tuple)):   # a split's pieces, converted as they are read
@@ -279,7 +293,8 @@ class _Emitter:
         later = set(io.nodes[io.nodes.index(segment[-1]) + 1:])
         outs = tuple(n for n in segment
                      if any(u.name in later or u.name not in io.nodes for u in self.nodes[n].users))
-        core = _Emitter(self.nodes, self.source, self.lowered, self.group, self.experts, self.moe, self.skip)
+        core = _Emitter(self.nodes, self.source, self.lowered, self.group, self.experts, self.moe, self.skip,
+                        self.checks)
         module = core.module(LayerIO(tuple(segment), reads, outs, (), ()), "Recomputed")
         target = f"recompute_{len([k for k in self.attrs if k.startswith('recompute_')])}"
         self.attrs[target] = module

@@ -74,15 +74,14 @@ class NodeRunner:
         self.skipped = frozenset(name for name, n in self.nodes.items() if str(n.target) in SKIPPED_TARGETS)
 
     def layer_module(self, spec: LayerSpec, params: Sequence[str], written: Sequence[str], selective: bool,
-                     experts: Mapping[str, nn.Module]) -> nn.Module:
-        """The layer's generated module (codegen/layers.py), through torch.compile when the program is
-        compiled; ``params``: the placeholders of the parameters it is given, in order."""
+                     experts: Mapping[str, nn.Module], checks: bool = False) -> torch.fx.GraphModule:
+        """The layer's generated module (codegen/layers.py); ``params``: the placeholders of the parameters
+        it is given, in order; ``checks``: with a shape check of every shard (for the first call)."""
         io = LayerIO(spec.nodes, spec.inputs, spec.outputs, tuple(params), spec.buffers, tuple(written),
                      spec.attention_core if selective else frozenset())
         moe = {out: (r.hidden_input, r.index_input, r.weight_input) for out, r in self.moe_outputs.items()}
-        module = layer_module(io, self.nodes, self.module, self.lowered, self.group, experts, moe,
-                              self.skipped | self.moe_skip, name=_class_name(spec.name))
-        return torch.compile(module, backend=self.compile) if self.compile else module
+        return layer_module(io, self.nodes, self.module, self.lowered, self.group, experts, moe,
+                            self.skipped | self.moe_skip, name=class_name(spec.name), checks=checks)
 
     def run(self, name: str, env: dict[str, Any]) -> Any:
         """Node ``name`` under context parallelism."""
@@ -106,7 +105,7 @@ class NodeRunner:
         return apply_steps(value, convert(normal(held, d), normal(spec, d), False), self.group)
 
 
-def _class_name(layer: str) -> str:
+def class_name(layer: str) -> str:
     """``model.layers.3`` -> ``Layer_model_layers_3`` (the generated module's class name)."""
     return "Layer_" + "".join(c if c.isalnum() else "_" for c in layer)
 
@@ -152,12 +151,16 @@ class LayerModule(nn.Module):
         self.written = written_inputs(spec, runner.nodes)
         # the layer's generated code (kept out of the module tree: it holds no tensors of its own, and its
         # experts are this module's); under context parallelism the nodes are interpreted instead
-        program = None
+        generated = checked = None
         if runner.context is None:
             placeholders = [self.placeholder_of[fqn] for fqn in (*self.shared, *self.own)]
-            program = runner.layer_module(spec, placeholders, self.written, recompute == "selective",
-                                          {out: self.experts[attr_name(out)] for out in self.expert_outputs})
-        self.__dict__["program"] = program
+            experts_of = {out: self.experts[attr_name(out)] for out in self.expert_outputs}
+            generated, checked = (runner.layer_module(spec, placeholders, self.written, recompute == "selective",
+                                                      experts_of, checks) for checks in (False, True))
+        self.__dict__["generated"] = generated   # the fx GraphModule: .code, codegen/source.py
+        self.__dict__["program"] = (torch.compile(generated, backend=runner.compile)
+                                    if generated is not None and runner.compile else generated)
+        self.__dict__["checked"] = checked       # the same code checking every shard's shape: the first call
 
     def forward(self, *values: Any) -> tuple[Any, ...]:
         if self.recompute == "full" and torch.is_grad_enabled():
@@ -168,7 +171,8 @@ class LayerModule(nn.Module):
         n_in = len(self.spec.inputs)
         if self.program is not None:
             params = [_local(v) for v in values[n_in:]] + [_local(getattr(self, attr_name(f))) for f in self.own]
-            return self.program(*values[:n_in], *params, *(getattr(self, attr_name(b)) for b in self.buffer_names))
+            run, self.__dict__["checked"] = self.checked or self.program, None
+            return run(*values[:n_in], *params, *(getattr(self, attr_name(b)) for b in self.buffer_names))
         env: dict[str, Any] = dict(zip(self.spec.inputs, values[:n_in]))
         for fqn, value in zip(self.shared, values[n_in:]):
             env[self.placeholder_of[fqn]] = _local(value)

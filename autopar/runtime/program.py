@@ -51,6 +51,7 @@ either way; changing the mode later does not change the program.)
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Iterable
 
 import torch
@@ -63,11 +64,12 @@ from ..capture import graph_of, param_aliases
 from ..capture.export import LossFn, run_export
 from ..capture.opgraph import OpKind
 from ..codegen.lower import lower
+from ..codegen.source import program_source, write_support
 from ..errors import ConfigError, PlanMismatchError
 from ..plan import Plan
 from . import schedules
 from .checkpoint import load_program, save_program
-from .chunk import ChunkModule, NodeRunner
+from .chunk import ChunkModule, NodeRunner, class_name
 from .context import analyse
 from .context_runner import ContextRunner
 from .data_parallel import GradReducer, Zero1Optimizer, local
@@ -105,8 +107,9 @@ def parallelize(model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None
     replaces the model's ``_init_weights`` where a module's own ``reset_parameters`` is not enough.
     A model on a real device is used as it is (``init_seed`` and ``init`` are ignored).
 
-    ``compile``: run each layer's generated code through ``torch.compile`` (True: inductor; a string
-    names another torch.compile backend, e.g. "aot_eager"). The default follows the plan: a plan
+    ``compile``: run the generated code through ``torch.compile`` (True: inductor; a string names
+    another backend, e.g. "aot_eager"): each chunk as one compiled region, or each layer under
+    ZeRO-2/3 (FSDP2's hooks surround every layer). The default follows the plan: a plan
     priced for compiled kernels (``Precision(kernels="compiled")``) is compiled, an eager one is not.
     Compiling an eager plan is allowed (it runs faster, and keeps less for backward, than the plan
     priced). Context parallelism runs node by node and is not compiled.
@@ -171,6 +174,8 @@ class Program:
         self._expert_groups()
         self._build_chunks(model)
         self._data_parallel()
+        # compiled per chunk after the first step (which runs the code that checks every shard's shape)
+        self.compile_chunks = bool(self.compile) and not self.fsdp
         self._tied_groups()
         # parameters that never change, kept for full_state_dict: those no chunk holds (no op reads
         # them) and frozen ones (requires_grad=False: no gradient, so no optimizer step moves them)
@@ -244,7 +249,9 @@ class Program:
             moe = {r.output: (r.hidden_input, r.index_input, r.weight_input) for r in self.regions}
             lowered = lower(self.split.node_map, self.graph, self.split.chunks, self.specs, self.split.param_of,
                             self.param_dims, cfg.tp, lambda v: cut_spec(self.specs.get(v)), moe)
-        self.node_runner = NodeRunner(self.split, self.tp_mesh, lowered, compile=self.compile)
+        # compiled per layer under FSDP2 (its hooks gather each layer's parameters around the layer's
+        # code), else per chunk (_data_parallel): one compiled region for all of a chunk's layers
+        self.node_runner = NodeRunner(self.split, self.tp_mesh, lowered, compile=self.compile if self.fsdp else None)
         self.tp_partial = lowered.partial_params if lowered is not None else frozenset()
         if self.regions:
             layer_of = {name: layer.index for chunk in self.split.chunks for layer in chunk.layers
@@ -448,6 +455,10 @@ class Program:
             micro.append(inputs)
         with torch.autograd.set_grad_enabled(True):
             losses = self.runner.run(self.actions, micro, 1.0 / self.micro_batches)
+        if self.compile_chunks:
+            for chunk in self.chunks.values():
+                chunk.compile(backend=self.compile)
+            self.compile_chunks = False
         self._finish_grads()
         return self._share_loss(losses)
 
@@ -508,6 +519,26 @@ class Program:
         wait_or_fail(work, self.timeout, "all_reduce of the step's losses")
         self.micro_losses = (per / cfg.cp).cpu()   # each cp rank reports its share (context.py)
         return self.micro_losses.mean().to(self.device)
+
+    # --- the generated code ----------------------------------------------------------------------
+    def source(self) -> str:
+        """The code this rank runs, as Python source (codegen/source.py): a class per layer of its chunks.
+        Every rank of a pipeline stage runs the same code (they differ in the shards they hold)."""
+        cfg = self.cfg
+        layers = [(class_name(layer.spec.name), layer.generated) for c in self.my_chunks
+                  for layer in self.chunks[c].layers if layer.generated is not None]
+        title = (f"Pipeline stage {self.pp_rank} of {self.plan.model_name} under {cfg.short()}: chunks "
+                 f"{self.my_chunks}, micro-batches of {cfg.micro_batch_size}.")
+        return program_source(layers, title)
+
+    def write_source(self, folder: str, name: str) -> str:
+        """Write :meth:`source` as ``folder/name`` beside the collectives it imports; returns its path."""
+        os.makedirs(folder, exist_ok=True)
+        write_support(folder)
+        path = os.path.join(folder, name)
+        with open(path, "w") as fh:
+            fh.write(self.source())
+        return path
 
     # --- full tensors on every rank -------------------------------------------------------------
     def full_grads(self) -> dict[str, torch.Tensor]:
