@@ -142,6 +142,8 @@ class LayerModule(nn.Module):
         self.recompute = recompute
         self.placeholder_of = {fqn: ph for ph, fqn in param_of.items()}
         self.buffer_names = tuple(spec.buffers)
+        self.own_attrs = tuple(attr_name(fqn) for fqn in self.own)
+        self.buffer_attrs = tuple(attr_name(name) for name in self.buffer_names)
         for name in self.buffer_names:
             self.register_buffer(attr_name(name), buffers[name], persistent=False)
         # inputs an op of this layer writes in place (``x += y`` in the model's code): written on a
@@ -170,9 +172,10 @@ class LayerModule(nn.Module):
     def _run(self, *values: Any) -> tuple[Any, ...]:
         n_in = len(self.spec.inputs)
         if self.program is not None:
-            params = [_local(v) for v in values[n_in:]] + [_local(getattr(self, attr_name(f))) for f in self.own]
+            own, buffers = self._parameters, self._buffers   # (FSDP2 swaps the parameters held there)
+            params = [_local(v) for v in values[n_in:]] + [_local(own[a]) for a in self.own_attrs]
             run, self.__dict__["checked"] = self.checked or self.program, None
-            return run(*values[:n_in], *params, *(getattr(self, attr_name(b)) for b in self.buffer_names))
+            return run(*values[:n_in], *params, *(buffers[a] for a in self.buffer_attrs))
         env: dict[str, Any] = dict(zip(self.spec.inputs, values[:n_in]))
         for fqn, value in zip(self.shared, values[n_in:]):
             env[self.placeholder_of[fqn]] = _local(value)

@@ -446,7 +446,8 @@ class Program:
         micro = []
         for i in range(self.micro_batches):
             start = self.dp_rank * per + i * mbs
-            part = slice_batch(batch, start, start + mbs, self.plan.global_batch_size)
+            part = batch if mbs == self.plan.global_batch_size else slice_batch(batch, start, start + mbs,
+                                                                                 self.plan.global_batch_size)
             leaves = [t.to(self.device) if isinstance(t, torch.Tensor) else t
                       for t in flatten_batch(part, self.split.in_spec)]
             inputs = dict(zip(self.split.user_inputs, leaves))
