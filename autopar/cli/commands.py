@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from typing import Any
 
 from ..errors import ConfigError
@@ -118,8 +119,10 @@ def run_codegen(args: argparse.Namespace) -> int:
         with open(os.path.join(args.output, MODEL_MODULE + ".py"), "w") as fh:
             fh.write(model_module(source))
         factory = f"{MODEL_MODULE}:build"
+    if args.standalone:   # the factory is imported here, to export the model: from OUT as train.py will
+        sys.path.insert(0, os.path.abspath(args.output))
     script = emit(plan, args.output, model_factory=factory, batch_factory=args.batch_factory, loss_fn=args.loss_fn,
-                  lr=args.lr)
+                  lr=args.lr, standalone=args.standalone)
     written = [script, os.path.join(args.output, "plan.json")]
     if args.model_factory is None:
         written.append(os.path.join(args.output, MODEL_MODULE + ".py"))
@@ -213,6 +216,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                      help="fn(step, global_batch_size) -> batch (default: zero inputs shaped like the plan's)")
     gen.add_argument("--loss-fn", default=None, metavar="PKG.MOD:FN", help="loss for models that return no loss")
     gen.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
+    gen.add_argument("--standalone", action="store_true", help="compile the plan into OUT/program.py (each "
+                     "layer's code on its shards, each chunk's dataflow) with a train.py that needs torch alone, "
+                     "not autopar (no context / expert parallelism, no ZeRO-2/3 with tensor parallelism yet)")
     gen.set_defaults(run=run_codegen)
 
     models = sub.add_parser("models", help="list the built-in models", description="List the built-in MODEL names.")

@@ -28,7 +28,7 @@ PLAN_FILE = "plan.json"
 
 
 def emit(plan: Plan, out_dir: str | os.PathLike, model_factory: str, *, batch_factory: str | None = None,
-         loss_fn: str | None = None, lr: float = 1e-4) -> str:
+         loss_fn: str | None = None, lr: float = 1e-4, standalone: bool = False) -> str:
     """Write ``train.py`` and ``plan.json`` into ``out_dir``; return the script's path.
 
     ``model_factory`` ("pkg.module:function") builds the model (or ``(model, example_inputs)``) with real
@@ -38,6 +38,10 @@ def emit(plan: Plan, out_dir: str | os.PathLike, model_factory: str, *, batch_fa
     global batch of a step (default: zero-filled inputs shaped like the plan's example inputs);
     ``loss_fn`` ("pkg.module:function") is the loss the plan was made with, for models that do
     not return one. Run it with ``torchrun --nproc-per-node <plan.devices> train.py``.
+
+    ``standalone``: compile the plan into a folder that trains with torch alone (standalone.py: the
+    generated program, its pipeline executor and collectives; no import of autopar). The model is
+    built here once, from ``model_factory``, to be exported.
     """
     for name, ref in (("model_factory", model_factory), ("batch_factory", batch_factory), ("loss_fn", loss_fn)):
         if ref is not None and (not isinstance(ref, str) or ref.count(":") != 1 or not all(ref.split(":"))):
@@ -46,6 +50,9 @@ def emit(plan: Plan, out_dir: str | os.PathLike, model_factory: str, *, batch_fa
         raise ConfigError(f"plan must be an autopar.Plan, got {type(plan).__name__}")
     os.makedirs(out_dir, exist_ok=True)
     plan.save(os.path.join(out_dir, PLAN_FILE))
+    if standalone:
+        from .standalone import emit_standalone
+        return emit_standalone(plan, os.fspath(out_dir), model_factory, batch_factory, loss_fn, lr)
     path = os.path.join(out_dir, SCRIPT)
     with open(path, "w") as fh:
         fh.write(render(plan, model_factory, batch_factory, loss_fn, lr))

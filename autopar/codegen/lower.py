@@ -112,6 +112,11 @@ COMMUNICATING = frozenset({"gather", "gather_partial", "reduce", "reduce_scatter
 """Conversion steps that communicate in forward."""
 
 
+def cut_spec(op_spec: Any) -> str:
+    """The spec a value crosses a pipeline cut in: the plan's output spec if S(d), else R."""
+    return op_spec.output if op_spec is not None and split_dim(op_spec.output) is not None else R
+
+
 # held spec -> required spec: the steps (``partial``: the reading op's work is split over the ranks)
 def convert(src: str, dst: str, partial: bool) -> tuple[Step, ...]:
     """The collectives taking a value held in ``src`` to ``dst`` (both normalised)."""

@@ -18,27 +18,42 @@ Under context parallelism a value crosses a cut as this rank's tokens (context.p
 shape). Sends between two ranks are matched by tag (gloo) = one per (value, micro-batch, reading
 chunk, direction), so their order does not matter; values between two chunks of the same
 rank (interleaved) stay in memory.
+
+This module imports only torch: ``autopar.parallelize`` runs it, and an emitted program
+(codegen/standalone.py) carries it as it is. What it needs of the plan comes in as plain data
+(:class:`ChunkIO`, :class:`Value`, :class:`Topology`) and functions (``to_cut``, ``wait``).
 """
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .chunk import ChunkModule, NodeRunner
-from .failures import wait_or_fail
-from .graph import SplitGraph
-from .schedules import Action
-from ..solver.strategies import R
-from ..solver.strategies import spec_dim as split_dim
+
+@dataclass(frozen=True)
+class ChunkIO:
+    """What a chunk reads and gives: batch inputs and received values (its forward's arguments, in
+    order), and the values it sends on (its forward's outputs; the loss for the last chunk)."""
+
+    graph_inputs: tuple[str, ...]
+    recv: tuple[str, ...]
+    send: tuple[str, ...]
 
 
-def cut_spec(op_spec: Any) -> str:
-    """The spec a value crosses a cut in: the plan's output spec if S(d), else R."""
-    return op_spec.output if op_spec is not None and split_dim(op_spec.output) is not None else R
+@dataclass(frozen=True)
+class Value:
+    """A value crossing a cut: the chunk making it, the later chunks reading it, and the shard a
+    receiving rank allocates (this rank's shape and dtype as sent)."""
+
+    producer: int
+    consumers: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
 
 
 @dataclass
@@ -56,6 +71,14 @@ class Topology:
         return chunk % self.pp == self.my_stage
 
 
+def wait_for(timeout: float) -> Callable[[Any, str, int], None]:
+    """A ``wait(work, what, peer)`` that raises RuntimeError naming what did not complete."""
+    def wait(work: Any, what: str, peer: int) -> None:
+        if work.wait(timeout=datetime.timedelta(seconds=timeout)) is False:
+            raise RuntimeError(f"{what} with rank {peer} did not complete within {timeout:g} s")
+    return wait
+
+
 @dataclass
 class _Pass:
     leaves: dict[str, torch.Tensor] = field(default_factory=dict)    # received values (leaf tensors)
@@ -63,27 +86,31 @@ class _Pass:
 
 
 class PipelineRunner:
-    """Executes actions for one rank; ``run(actions, micro_batches)`` returns the last chunk's losses."""
+    """Executes actions for one rank; ``run(actions, micro_batches)`` returns the last chunk's losses.
 
-    def __init__(self, split: SplitGraph, chunks: Mapping[int, ChunkModule], runner: NodeRunner,
-                 topo: Topology, specs: Mapping[str, Any], requires_grad: Callable[[str], bool],
-                 timeout: float, before_backward: Callable[[int, bool], None], device: torch.device) -> None:
-        self.split = split
-        self.chunks = chunks
-        self.runner = runner
-        self.topo = topo
-        self.timeout = timeout
-        self.before_backward = before_backward
-        self.n_chunks = len(split.chunks)
-        crossing = sorted(split.consumers)
-        self.value_id = {v: i for i, v in enumerate(crossing)}
-        self.spec = {v: self._cut_spec(specs.get(v)) for v in crossing}
-        self.requires_grad = {v: requires_grad(v) and self._meta(v).is_floating_point() for v in crossing}
+    ``chunks``: this rank's chunk modules; ``io``: every chunk's ChunkIO; ``values``: every value
+    crossing a cut; ``loss``: the loss value's name; ``to_cut(chunk, name, value)``: a value as it
+    is sent (in the spec it crosses the cut in); ``before_backward(chunk, last)``: called before
+    each backward (``last``: the chunk's last of the step); ``wait(work, what, peer)``: waits for a
+    point-to-point operation or raises."""
+
+    def __init__(self, chunks: Mapping[int, torch.nn.Module], io: Mapping[int, ChunkIO],
+                 values: Mapping[str, Value], loss: str, topo: Topology,
+                 to_cut: Callable[[int, str, torch.Tensor], torch.Tensor] | None,
+                 before_backward: Callable[[int, bool], None] | None, wait: Callable[[Any, str, int], None],
+                 device: torch.device) -> None:
+        self.chunks, self.io, self.values, self.loss, self.topo = chunks, io, values, loss, topo
+        self.to_cut = to_cut or (lambda chunk, name, value: value)
+        self.before_backward = before_backward or (lambda chunk, last: None)
+        self.wait = wait
         self.device = device
+        self.n_chunks = len(io)
+        self.value_id = {v: i for i, v in enumerate(sorted(values))}
 
     # --- one step -----------------------------------------------------------------------------
-    def run(self, actions: Sequence[Action], micro: Sequence[Sequence[Any]], scale: float) -> list[torch.Tensor]:
-        """Run ``actions``; ``micro[i]`` are micro-batch ``i``'s graph-input tensors by name order."""
+    def run(self, actions: Sequence[Any], micro: Sequence[Mapping[str, Any]], scale: float) -> list[torch.Tensor]:
+        """Run ``actions`` (each with ``kind`` "F" / "B", ``stage`` and ``micro_batch``); ``micro[i]`` are
+        micro-batch ``i``'s graph inputs by name."""
         self.m = len(micro)
         self.passes: dict[tuple[int, int], _Pass] = {}
         self.mailbox: dict[tuple, torch.Tensor] = {}
@@ -95,56 +122,52 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         for k, action in enumerate(actions):
             if action.kind == "F":
-                loss = self._forward(action, micro[action.micro_batch])
+                loss = self._forward(action.stage, action.micro_batch, micro[action.micro_batch])
                 if loss is not None:
                     losses.append(loss)
             else:
                 self.before_backward(action.stage, last_b[action.stage] == k)
-                self._backward(action, scale)
+                self._backward(action.stage, action.micro_batch, scale)
         for work, what, peer in self.pending:
-            wait_or_fail(work, self.timeout, what, peers=[peer])
+            self.wait(work, what, peer)
         self.pending.clear()
         return losses
 
-    def _forward(self, action: Action, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
-        c, i = action.stage, action.micro_batch
-        chunk = self.chunks[c]
+    def _forward(self, c: int, i: int, inputs: Mapping[str, Any]) -> torch.Tensor | None:
+        io = self.io[c]
         state = _Pass()
         received = []
-        for v in chunk.spec.recv:
+        for v in io.recv:
             t = self._receive(v, i, c, forward=True)
-            if self.requires_grad[v]:
+            if self.values[v].requires_grad:
                 t = t.detach().requires_grad_(True)
             state.leaves[v] = t
             received.append(t)
-        outs = chunk(*[inputs[name] for name in chunk.spec.graph_inputs], *received)
+        outs = self.chunks[c](*[inputs[name] for name in io.graph_inputs], *received)
         loss = None
-        for v, out in zip(chunk.spec.send, outs):
-            if v == self.split.loss:
-                loss_local = self.runner.to_cut(c, v, out, R)
-                state.outputs[v] = loss_local
-                loss = loss_local.detach()
-                continue
-            t = self.runner.to_cut(c, v, out, self.spec[v])
+        for v, out in zip(io.send, outs):
+            t = self.to_cut(c, v, out)
             state.outputs[v] = t
-            for reader in self.split.consumers[v]:
+            if v == self.loss:
+                loss = t.detach()
+                continue
+            for reader in self.values[v].consumers:
                 self._send(t.detach(), v, i, reader, forward=True)
         self.passes[(c, i)] = state
         return loss
 
-    def _backward(self, action: Action, scale: float) -> None:
-        c, i = action.stage, action.micro_batch
+    def _backward(self, c: int, i: int, scale: float) -> None:
         state = self.passes.pop((c, i))
         tensors, grads = [], []
         for v, out in state.outputs.items():
-            if v == self.split.loss:
+            if v == self.loss:
                 tensors.append(out)
                 grads.append(torch.full_like(out, scale))
                 continue
-            if not self.requires_grad[v]:
+            if not self.values[v].requires_grad:
                 continue
             g = None
-            for reader in self.split.consumers[v]:
+            for reader in self.values[v].consumers:
                 got = self._receive(v, i, reader, forward=False)
                 g = got if g is None else g + got
             if out.requires_grad:
@@ -153,36 +176,17 @@ class PipelineRunner:
         if tensors:
             torch.autograd.backward(tensors, grads)
         for v, leaf in state.leaves.items():
-            if self.requires_grad[v]:
+            if self.values[v].requires_grad:
                 g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 self._send(g, v, i, c, forward=False)
 
     # --- values across cuts ---------------------------------------------------------------------
-    def _cut_spec(self, op_spec: Any) -> str:
-        return cut_spec(op_spec) if self.tp_degree() > 1 else R
-
-    def tp_degree(self) -> int:
-        return self.runner.mesh.size() if self.runner.mesh is not None else 1
-
-    def _meta(self, v: str) -> torch.Tensor:
-        return self.split.meta(v)
-
-    def _local_shape(self, v: str) -> tuple[int, ...]:
-        shape = list(self._meta(v).shape)
-        context = self.runner.context
-        if context is not None:   # context parallelism: this rank's tokens of a sequence-split value
-            shape = list(context.plan.local_shape(v, shape))
-        d = split_dim(self.spec[v])
-        if d is not None and shape:
-            shape[d % len(shape)] //= self.tp_degree()
-        return tuple(shape)
-
     def _tag(self, v: str, i: int, reader: int, forward: bool) -> int:
         return ((self.value_id[v] * self.m + i) * self.n_chunks + reader) * 2 + (0 if forward else 1)
 
     def _send(self, t: torch.Tensor, v: str, i: int, reader: int, forward: bool) -> None:
         # forward: to the reading chunk; backward: back to the chunk that produced v
-        dest_chunk = reader if forward else self.split.producer[v]
+        dest_chunk = reader if forward else self.values[v].producer
         if self.topo.mine(dest_chunk):
             self.mailbox[(v, i, reader, forward)] = t
             return
@@ -193,15 +197,14 @@ class PipelineRunner:
         self.pending.append((work, what, peer))
 
     def _receive(self, v: str, i: int, reader: int, forward: bool) -> torch.Tensor:
-        src_chunk = self.split.producer[v] if forward else reader
+        src_chunk = self.values[v].producer if forward else reader
         key = (v, i, reader, forward)
         if self.topo.mine(src_chunk):
             return self.mailbox.pop(key)
         peer = self.topo.rank_of_chunk(src_chunk)
-        meta = self._meta(v)
-        buf = torch.empty(self._local_shape(v), dtype=meta.dtype, device=self.device)
+        value = self.values[v]
+        buf = torch.empty(value.shape, dtype=value.dtype, device=self.device)
         work = dist.irecv(buf, src=peer, tag=self._tag(v, i, reader, forward))
         what = f"receive of {'value' if forward else 'gradient of'} {v} (micro-batch {i})"
-        wait_or_fail(work, self.timeout, what, peers=[peer])
+        self.wait(work, what, peer)
         return buf
-

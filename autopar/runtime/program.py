@@ -63,7 +63,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from ..capture import graph_of, param_aliases
 from ..capture.export import LossFn, run_export
 from ..capture.opgraph import OpKind
-from ..codegen.lower import lower
+from ..codegen.lower import R, cut_spec, lower
+from ..solver.strategies import spec_dim
 from ..codegen.source import program_source, write_support
 from ..errors import ConfigError, PlanMismatchError
 from ..plan import Plan
@@ -80,7 +81,7 @@ from .failures import at_step, non_finite_loss, wait_or_fail
 from .graph import flatten_batch, on_device, plan_chunks, split_graph
 from .inputs import check_batch, describe_inputs, example_at, slice_batch
 from .materialize import InitFn, Materializer, has_meta, local_view, materialize_buffers
-from .pipeline import PipelineRunner, Topology, cut_spec
+from .pipeline import ChunkIO, PipelineRunner, Topology, Value
 from .specs import node_specs, sequence_parallel
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits on a peer before failing
@@ -184,8 +185,10 @@ class Program:
         self.schedule = schedules.build(cfg.schedule, cfg.pp, self.micro_batches, cfg.virtual_stages)
         schedules.check(self.schedule, self.micro_batches, cfg.virtual_stages)
         self.actions = self.schedule[self.pp_rank]
-        self.runner = PipelineRunner(self.split, self.chunks, self.node_runner, self._topology(), self.specs,
-                                     self._requires_grad, self.timeout, self._before_backward, self.device)
+        self.runner = PipelineRunner(
+            self.chunks, {c.index: ChunkIO(c.graph_inputs, c.recv, c.send) for c in self.split.chunks},
+            self._cut_values(), self.split.loss, self._topology(), self._to_cut, self._before_backward,
+            lambda work, what, peer: wait_or_fail(work, self.timeout, what, peers=[peer]), self.device)
         self.optimizer = self._optimizer(optimizer)
         self.materializer = None   # its last module's values and the meta model are not needed any more
 
@@ -397,8 +400,29 @@ class Program:
         ranks = [self.global_rank(s, self.dp_rank, self.tp_rank, self.cp_rank) for s in range(cfg.pp)]
         return Topology(cfg.pp, ranks, self.pp_rank)
 
-    def _requires_grad(self, value: str) -> bool:
-        return self.graph.node(value).requires_grad if value in self.graph.node_index else True
+    def _cut_spec(self, value: str) -> str:
+        return R if value == self.split.loss else cut_spec(self.specs.get(value))
+
+    def _to_cut(self, chunk: int, name: str, value: torch.Tensor) -> torch.Tensor:
+        return self.node_runner.to_cut(chunk, name, value, self._cut_spec(name))
+
+    def _cut_values(self) -> dict[str, Value]:
+        """Every value crossing a cut, with the shard a receiver allocates: this rank's tokens under
+        context parallelism (context.py's local shape), its block of a tensor-parallel split."""
+        out = {}
+        context = self.node_runner.context
+        for v, readers in self.split.consumers.items():
+            meta = self.split.meta(v)
+            shape = list(meta.shape)
+            if context is not None:
+                shape = list(context.plan.local_shape(v, shape))
+            d = spec_dim(self._cut_spec(v))
+            if d is not None and shape:
+                shape[d % len(shape)] //= self.cfg.tp
+            grad = self.graph.node(v).requires_grad if v in self.graph.node_index else True
+            out[v] = Value(self.split.producer[v], tuple(readers), tuple(shape), meta.dtype,
+                           grad and meta.is_floating_point())
+        return out
 
     def _optimizer(self, factory: OptimizerFactory | None):
         if factory is None:

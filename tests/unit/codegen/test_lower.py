@@ -10,10 +10,9 @@ import autopar
 from autopar import Cluster
 from autopar.capture import graph_of, param_aliases
 from autopar.capture.export import run_export
-from autopar.codegen.lower import COMMUNICATING, How, Step, convert, lower
+from autopar.codegen.lower import COMMUNICATING, How, Step, convert, cut_spec, lower
 from autopar.models import GPTConfig, build_gpt
 from autopar.runtime.graph import plan_chunks, split_graph
-from autopar.runtime.pipeline import cut_spec
 from autopar.runtime.specs import node_specs, sequence_parallel
 
 CFG = GPTConfig(vocab_size=64, hidden=32, heads=4, layers=2, seq_len=8, dropout=0.0)

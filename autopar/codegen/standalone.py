@@ -1,0 +1,255 @@
+"""A plan compiled into a folder that trains with torch alone: ``emit(..., standalone=True)``.
+
+The folder holds
+
+- ``program.py`` (generated): the plan's constants (mesh, schedule, micro-batches, which
+  parameters each pipeline stage holds and their tensor-parallel split dims, the values that cross
+  each cut with the shard a receiver allocates), a class per layer (layers.py / source.py: the
+  ops on this rank's shards with their collectives), and a class per chunk whose ``forward`` is
+  the dataflow between its layers, spelled out line by line, ending in the conversions of the
+  values it sends to the spec they cross the cut in;
+- ``train.py`` (standalone_train.py, copied): torchrun entry point: process groups, the model
+  from the user's factory, each rank's shards of its weights, FSDP2 for ZeRO-2/3, the pipeline
+  schedule, gradient reductions, AdamW, the loss file;
+- ``pipeline.py``, ``collectives.py``, ``shard_ops.py``: autopar's own (each imports only torch);
+- ``buffers.pt``: the buffers and constants the graph reads (rotary tables, masks).
+
+What the folder cannot run yet is refused at emit time with what to change: context or expert
+parallelism, ZeRO-2/3 together with tensor parallelism, MoE regions run as one call, a batch that is
+not a flat tuple or dict of tensors.
+
+The model is built once here (from ``model_factory``, on the CPU) and exported at one micro-batch,
+as each rank of ``autopar.parallelize`` does: the same lowering, the same generated layers
+(tests/distributed/test_standalone.py runs the folder where autopar cannot be imported).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pprint
+import shutil
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from ..capture import graph_of, param_aliases
+from ..capture.export import normalize_inputs, run_export
+from ..errors import ConfigError
+from ..plan import Plan
+from ..runtime import pipeline, schedules
+from ..runtime.checks import check_structure
+from ..runtime.chunk import class_name, written_inputs
+from ..runtime.graph import plan_chunks, split_graph
+from ..runtime.inputs import example_at
+from ..runtime.specs import node_specs, sequence_parallel
+from ..solver.strategies import spec_dim
+from .layers import LayerIO, layer_module
+from .lower import R, convert, cut_spec, lower, normal
+from .source import program_source, write_support
+
+PROGRAM, TRAIN, BUFFERS = "program.py", "train.py", "buffers.pt"
+TRAIN_TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standalone_train.py")
+"""train.py as it is copied (a script of the folder: it imports program.py and pipeline.py beside it)."""
+
+_HELD = '''
+import torch.utils.checkpoint
+
+
+class Held(torch.nn.Module):
+    """One layer: its generated code, the parameters only it reads (this rank's shards) and its buffers;
+    ``forward(*values, *shared parameters)``. A module of its own so that FSDP2 gathers its
+    parameters around it (ZeRO-3) and checkpoint can recompute it (recompute "full")."""
+
+    def __init__(self, code, own, buffers, recompute):
+        super().__init__()
+        self.code, self.recompute = code, recompute
+        self.names = []
+        for fqn, param in own.items():
+            self.names.append(fqn.replace(".", "__"))
+            self.register_parameter(self.names[-1], param)
+        for i, value in enumerate(buffers):
+            self.register_buffer(f"buffer{i}", value, persistent=False)
+        self.n_buffers = len(buffers)
+
+    def forward(self, *values):
+        if self.recompute and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._run, *values, use_reentrant=False)
+        return self._run(*values)
+
+    def _run(self, *values):
+        own = [self._parameters[n] for n in self.names]
+        return self.code(*values, *own, *(self._buffers[f"buffer{i}"] for i in range(self.n_buffers)))
+'''
+
+
+def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory: str | None, loss_fn: str | None,
+                    lr: float) -> str:
+    """Write the folder (see the module docstring); return the path of its train.py."""
+    cfg = plan.config
+    refusals = [why for bad, why in (
+        (cfg.cp > 1, "context parallelism"), (cfg.ep > 1, "expert parallelism"),
+        (cfg.zero >= 2 and cfg.tp > 1, "ZeRO-2/3 together with tensor parallelism"),
+        (plan.precision.kernels == "fused", "hand-written fused kernels")) if bad]
+    if refusals:
+        raise ConfigError(f"a standalone program cannot run {refusals[0]} ({cfg.short()}) yet: emit the script "
+                          "that runs autopar.parallelize (standalone=False), or re-plan without it")
+    model = _load(model_factory)()
+    model = model[0] if isinstance(model, tuple) else model
+    loss = _load(loss_fn) if loss_fn else None
+    record = plan.extra.get("inputs")
+    if record is None:
+        raise ConfigError("the plan does not record its example inputs: re-plan with autopar.plan")
+    exported = run_export(model, example_at(record, cfg.micro_batch_size), loss, train_mode=False)
+    graph = graph_of(model, exported)
+    check_structure(plan, graph)
+    split = split_graph(exported, graph, plan_chunks(plan), param_aliases(model))
+    if graph.moe and cfg.ep > 1:
+        raise ConfigError("a standalone program cannot run MoE regions as one call yet: standalone=False")
+    specs, dims = node_specs(plan.sharding, graph) if cfg.tp > 1 else ({}, {})
+    if cfg.tp > 1 and cfg.sequence_parallel:
+        specs = sequence_parallel(specs, graph, cfg.tp)
+
+    def crossing(v: str) -> str:
+        return R if v == split.loss else cut_spec(specs.get(v))
+
+    lowered = (lower(split.node_map, graph, split.chunks, specs, split.param_of, dims, cfg.tp,
+                     lambda v: cut_spec(specs.get(v))) if cfg.tp > 1 else None)
+    os.makedirs(out_dir, exist_ok=True)
+    write_support(out_dir)
+    shutil.copyfile(pipeline.__file__, os.path.join(out_dir, "pipeline.py"))
+    shutil.copyfile(TRAIN_TEMPLATE, os.path.join(out_dir, TRAIN))
+    torch.save({k: v.detach().cpu() for k, v in split.buffer_value.items()}, os.path.join(out_dir, BUFFERS))
+    layers, chunk_classes = [], []
+    for chunk in split.chunks:
+        mode = [cfg.layer_mode(chunk.index % cfg.pp, k) for k in range(len(chunk.layers))]
+        text, chunk_layers = _chunk(chunk, split, lowered, mode, crossing)
+        layers += chunk_layers
+        chunk_classes.append(text)
+    source = program_source(layers, f"{plan.model_name} under {cfg.short()}: every chunk's layers and dataflow.")
+    factories = (f"MODEL_FACTORY, BATCH_FACTORY, LOSS_FN, LR = {model_factory!r}, {batch_factory!r}, "
+                 f"{loss_fn!r}, {lr!r}\n")
+    constants = _constants(plan, split, graph, dims, lowered, crossing, record)
+    with open(os.path.join(out_dir, PROGRAM), "w") as fh:
+        fh.write(source + "\n" + _HELD + "\n\n" + "\n\n".join(chunk_classes) + "\n" + constants + factories)
+    return os.path.join(out_dir, TRAIN)
+
+
+def _load(ref: str) -> Any:
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _chunk(chunk: Any, split: Any, lowered: Any, modes: list[str], crossing) -> tuple[str, list]:
+    """Chunk ``c``'s class (its layers wired together) and its layers' generated modules."""
+    use: dict[str, int] = {}
+    for layer in chunk.layers:
+        for p in layer.params:
+            use[p] = use.get(p, 0) + 1
+    shared = [p for p in chunk.params if use[p] > 1]
+    placeholder_of = {fqn: ph for ph, fqn in split.param_of.items()}
+    generated, build, body = [], [], []
+    for k, (layer, mode) in enumerate(zip(chunk.layers, modes)):
+        own = [p for p in layer.params if use[p] == 1]
+        mine = [p for p in layer.params if use[p] > 1]
+        written = written_inputs(layer, split.node_map)
+        io = LayerIO(layer.nodes, layer.inputs, layer.outputs, tuple(placeholder_of[f] for f in (*mine, *own)),
+                     layer.buffers, written, layer.attention_core if mode == "selective" else frozenset())
+        name = class_name(layer.name)
+        generated.append((name, layer_module(io, split.node_map, split.program.graph_module, lowered, None,
+                                             name=name)))
+        build.append(f"            Held({name}(tp_group), {{f: params[f] for f in {own!r}}}, "
+                     f"[buffers[b] for b in {list(layer.buffers)!r}], {mode == 'full'}),   # {layer.name}")
+        outs = [*layer.outputs, *written]
+        args = [*layer.inputs, *(f"shared[{_attr(p)!r}]" for p in mine)]
+        target = ", ".join(outs) + ("," if len(outs) == 1 else "")
+        body.append(f"        {target} = layers[{k}]({', '.join(args)})")
+    for v in chunk.send:   # each value as it crosses the cut
+        steps = ()
+        if lowered is not None:
+            d = split.meta(v).dim()
+            steps = convert(normal(lowered.held[chunk.index].get(v, R), d), normal(crossing(v), d), False)
+        for s in steps:
+            dim = f", {s.dim}" if s.dim is not None else ""
+            body.append(f"        {v} = collectives.{s.kind}({v}{dim}, self.tp_group)   # sent as {crossing(v)}")
+    layer_names = ", ".join(layer.name for layer in chunk.layers)
+    text = (f"class Chunk{chunk.index}(torch.nn.Module):\n"
+            f'    """Chunk {chunk.index} (layers {layer_names}): reads {list(chunk.graph_inputs + chunk.recv)}, '
+            f'sends {list(chunk.send)}."""\n\n'
+            f"    def __init__(self, tp_group, params, buffers):\n"
+            f"        super().__init__()\n        self.tp_group = tp_group\n"
+            + "".join(f"        self.register_parameter({_attr(p)!r}, params[{p!r}])\n" for p in shared)
+            + "        self.layers = torch.nn.ModuleList([\n" + "\n".join(build) + "\n        ])\n\n"
+            f"    def forward(self, {', '.join((*chunk.graph_inputs, *chunk.recv))}):\n"
+            f"        layers, shared = self.layers, self._parameters\n" + "\n".join(body) + "\n"
+            f"        return ({', '.join(chunk.send)}{',' if len(chunk.send) == 1 else ''})\n")
+    return text, generated
+
+
+def _attr(fqn: str) -> str:
+    return fqn.replace(".", "__")
+
+
+def _constants(plan: Plan, split: Any, graph: Any, dims: dict, lowered: Any, crossing, record: dict) -> str:
+    cfg = plan.config
+    n = len(split.chunks)
+    schedule = schedules.build(cfg.schedule, cfg.pp, plan.micro_batches, cfg.virtual_stages)
+    values = {}
+    for v, readers in sorted(split.consumers.items()):
+        meta = split.meta(v)
+        shape = list(meta.shape)
+        d = spec_dim(crossing(v))
+        if d is not None and shape:
+            shape[d % len(shape)] //= cfg.tp
+        grad = graph.node(v).requires_grad if v in graph.node_index else True
+        values[v] = (split.producer[v], tuple(readers), tuple(shape), str(meta.dtype), grad and meta.is_floating_point())
+    stage_params = {p: sorted({f for c in split.chunks if c.index % cfg.pp == p for f in c.params})
+                    for p in range(cfg.pp)}
+    held_by = {}
+    for c in split.chunks:
+        for f in c.params:
+            held_by.setdefault(f, set()).add(c.index % cfg.pp)
+    ties = {f: sorted(s) for f, s in held_by.items() if len(s) > 1}
+    inputs = _input_keys(record, split)
+    fmt = lambda x: pprint.pformat(x, width=110, sort_dicts=False)   # noqa: E731
+    return ("\n# --- the plan ------------------------------------------------------------------------------\n"
+            "# rank = tp_rank + TP * (dp_rank + DP * pp_rank); chunk c runs on pipeline rank c % PP\n"
+            f"DP, TP, PP, DEVICES = {cfg.dp}, {cfg.tp}, {cfg.pp}, {plan.devices}\n"
+            f"ZERO, MICRO_BATCH_SIZE, MICRO_BATCHES, GLOBAL_BATCH = {cfg.zero}, {cfg.micro_batch_size}, "
+            f"{plan.micro_batches}, {plan.global_batch_size}\n"
+            f"CHUNKS, LOSS = {n}, {split.loss!r}\n"
+            f"# each stage's actions: F<chunk>.<micro-batch> / B<chunk>.<micro-batch>\n"
+            f"SCHEDULE = {fmt({d: ' '.join(str(a) for a in acts) for d, acts in enumerate(schedule)})}\n"
+            f"# the batch: graph input -> key (a dict batch) or position (a tuple); example shapes per sample\n"
+            f"INPUTS = {fmt(inputs)}\n"
+            f"EXAMPLE = {fmt(record)}\n"
+            f"# parameters each pipeline stage holds, and the dim tensor parallelism splits (absent: whole)\n"
+            f"STAGE_PARAMS = {fmt(stage_params)}\n"
+            f"TP_DIMS = {fmt({f: d for f, d in sorted(dims.items()) if d is not None})}\n"
+            f"# parameters held by several stages (a tied embedding and head): gradients summed over them\n"
+            f"TIED = {fmt(ties)}\n"
+            f"# replicated parameters whose gradient each tensor-parallel rank holds a part of: summed once per step\n"
+            f"TP_PARTIAL = {fmt(sorted(lowered.partial_params) if lowered is not None else [])}\n"
+            f"# what each chunk reads and sends, and the values crossing cuts (producer, readers, shard shape, dtype, "
+            "grad)\n"
+            f"CHUNK_IO = {fmt({c.index: (c.graph_inputs, c.recv, c.send) for c in split.chunks})}\n"
+            f"VALUES = {fmt(values)}\n")
+
+
+def _input_keys(record: dict, split: Any) -> list[tuple[str, Any]]:
+    """(graph input placeholder, batch key or position) in the program's input order."""
+    example = example_at(record, 1)
+    args, kwargs = normalize_inputs(example)
+    arg_spec, kw_spec = (split.in_spec.children() if hasattr(split.in_spec, "children")
+                         else split.in_spec.children_specs)
+    keys = list(kw_spec.context) if kw_spec.context else []
+    paths = [path for path, _ in pytree.tree_flatten_with_path((tuple(args), {k: kwargs[k] for k in keys}))[0]]
+    out = []
+    for name, path in zip(split.user_inputs, paths):
+        if len(path) != 2:
+            raise ConfigError("a standalone program takes a batch that is a flat tuple or dict of tensors: "
+                              "emit with standalone=False")
+        key = path[1]
+        out.append((name, getattr(key, "key", getattr(key, "idx", None))))
+    return out

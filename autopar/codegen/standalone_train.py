@@ -1,0 +1,225 @@
+#!/usr/bin/env python
+"""Train a plan compiled by autopar (``autopar codegen --standalone``), with torch alone.
+
+Run on each node:  torchrun --nproc-per-node <ranks per node> train.py --steps 10
+
+program.py (beside this file) holds the plan's constants, each layer's code on its shards and each
+chunk's dataflow; pipeline.py runs the schedule; collectives.py / shard_ops.py are the explicit
+collectives. This file builds a rank's share: its process groups, its shards of the weights of
+the model ``MODEL_FACTORY`` builds (the same seed on every rank, so the same weights), FSDP2 for
+ZeRO-2/3, AdamW; then per step: the rank's micro-batches through the schedule, the gradient
+reductions (data-parallel mean, tied parameters, tensor-parallel partial sums), the optimizer
+step, and the mean loss over the global batch (rank 0 prints it and appends it to --loss-file).
+This file is copied from autopar's codegen/standalone_train.py; it imports nothing of autopar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib
+import os
+import sys
+from collections import namedtuple
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import pipeline  # noqa: E402
+import program as P  # noqa: E402
+
+Action = namedtuple("Action", "kind stage micro_batch")
+
+
+def load(ref):
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def actions(text):
+    """"F0.0 B0.0" -> Actions."""
+    return [Action(a[0], int(a[1:].split(".")[0]), int(a.split(".")[1])) for a in text.split()]
+
+
+def groups(rank):
+    """This rank's tensor-, data-parallel and tied-parameter groups (every rank creates every group, in
+    the same order, as torch.distributed requires)."""
+    def rank_of(pp, dp, tp):
+        return tp + P.TP * (dp + P.DP * pp)
+
+    mine = {}
+    for pp in range(P.PP):
+        for dp in range(P.DP):
+            ranks = [rank_of(pp, dp, t) for t in range(P.TP)]
+            g = dist.new_group(ranks) if P.TP > 1 else None
+            if rank in ranks:
+                mine["tp"] = g
+    for pp in range(P.PP):
+        for tp in range(P.TP):
+            ranks = [rank_of(pp, d, tp) for d in range(P.DP)]
+            g = dist.new_group(ranks) if P.DP > 1 else None
+            if rank in ranks:
+                mine["dp"], mine["dp_ranks"] = g, ranks
+    mine["tied"] = {}
+    for fqn, stages in sorted(P.TIED.items()):
+        for dp in range(P.DP):
+            for tp in range(P.TP):
+                ranks = [rank_of(s, dp, tp) for s in stages]
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    mine["tied"][fqn] = g
+    return mine
+
+
+def shards(model, pp_rank, tp_rank):
+    """This rank's parameters: its stage's, each its block along the tensor-parallel split dim."""
+    full = dict(model.named_parameters(remove_duplicate=False))
+    out = {}
+    for fqn in P.STAGE_PARAMS[pp_rank]:
+        value = full[fqn].detach()
+        d = P.TP_DIMS.get(fqn)
+        if d is not None:
+            value = value.chunk(P.TP, d)[tp_rank]
+        out[fqn] = torch.nn.Parameter(value.clone(), requires_grad=full[fqn].requires_grad)
+    return out
+
+
+def example(batch_size):
+    """Zero inputs shaped like the plan's example inputs, ``batch_size`` rows."""
+    def make(spec):
+        if spec is None:
+            return None
+        shape = list(spec["shape"])
+        if shape:
+            shape[0] = batch_size
+        return torch.zeros(shape, dtype=getattr(torch, spec["dtype"]))
+    if P.EXAMPLE["kind"] == "kwargs":
+        return {k: make(v) for k, v in P.EXAMPLE["kwargs"].items()}
+    return tuple(make(v) for v in P.EXAMPLE["args"])
+
+
+def micro_batches(batch, dp_rank, device):
+    """This replica's micro-batches: graph input -> rows of the global batch."""
+    if isinstance(batch, torch.Tensor):
+        batch = (batch,)
+    per = P.GLOBAL_BATCH // P.DP
+    out = []
+    for i in range(P.MICRO_BATCHES):
+        start = dp_rank * per + i * P.MICRO_BATCH_SIZE
+        micro = {}
+        for name, key in P.INPUTS:
+            value = batch[key]
+            if isinstance(value, torch.Tensor):
+                if value.dim() and value.shape[0] == P.GLOBAL_BATCH:
+                    value = value[start:start + P.MICRO_BATCH_SIZE]
+                value = value.to(device)
+            micro[name] = value
+        out.append(micro)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=P.LR)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the model's initial weights, the same on every rank")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait on a silent peer")
+    parser.add_argument("--loss-file", default=None, help="rank 0 appends each step's loss here")
+    parser.add_argument("--compile", action="store_true", help="run each chunk (each layer under ZeRO-2/3) "
+                        "through torch.compile")
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    rank = dist.get_rank()
+    if dist.get_world_size() != P.DEVICES:
+        raise SystemExit(f"the plan runs on {P.DEVICES} ranks, not {dist.get_world_size()}")
+    tp_rank, dp_rank, pp_rank = rank % P.TP, (rank // P.TP) % P.DP, rank // (P.TP * P.DP)
+    g = groups(rank)
+
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model = load(P.MODEL_FACTORY)()
+    model = model[0] if isinstance(model, tuple) else model
+    params = {k: v.to(device) for k, v in shards(model, pp_rank, tp_rank).items()}
+    del model
+    buffers = {k: v.to(device) for k, v in torch.load(os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                  "buffers.pt")).items()}
+    mine = [c for c in range(P.CHUNKS) if c % P.PP == pp_rank]
+    chunks = {c: getattr(P, f"Chunk{c}")(g["tp"], params, buffers) for c in mine}
+    fsdp = P.ZERO >= 2 and P.DP > 1
+    if fsdp:   # ZeRO-2/3: each layer's parameters sharded over the data-parallel ranks, gathered around it
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = DeviceMesh(device.type, g["dp_ranks"])
+        for chunk in chunks.values():
+            for layer in chunk.layers:
+                fully_shard(layer, mesh=mesh, reshard_after_forward=P.ZERO == 3)
+            fully_shard(chunk, mesh=mesh, reshard_after_forward=P.ZERO == 3)
+    if args.compile:
+        for chunk in chunks.values():
+            for module in (chunk.layers if fsdp else [chunk]):
+                module.compile()
+    parameters = list({id(p): p for c in chunks.values() for p in c.parameters()}.values())
+    optimizer = torch.optim.AdamW(parameters, lr=args.lr)
+    named = {fqn: p for c in chunks.values() for fqn, p in _named(c).items()}
+
+    io = {c: pipeline.ChunkIO(*P.CHUNK_IO[c]) for c in P.CHUNK_IO}
+    values = {v: pipeline.Value(prod, readers, shape, getattr(torch, dtype.removeprefix("torch.")), grad)
+              for v, (prod, readers, shape, dtype, grad) in P.VALUES.items()}
+    stages = [tp_rank + P.TP * (dp_rank + P.DP * s) for s in range(P.PP)]
+    runner = pipeline.PipelineRunner(chunks, io, values, P.LOSS, pipeline.Topology(P.PP, stages, pp_rank), None,
+                                     None, pipeline.wait_for(args.timeout), device)
+    schedule = actions(P.SCHEDULE[pp_rank])
+    batch_of = load(P.BATCH_FACTORY) if P.BATCH_FACTORY else (lambda step, n: example(n))
+    for step in range(args.steps):
+        optimizer.zero_grad(set_to_none=True)
+        losses = runner.run(schedule, micro_batches(batch_of(step, P.GLOBAL_BATCH), dp_rank, device),
+                            1.0 / P.MICRO_BATCHES)
+        for p in parameters:   # data-parallel mean (FSDP2 reduce-scatters its own)
+            if not fsdp and P.DP > 1 and p.grad is not None:
+                dist.all_reduce(p.grad, group=g["dp"])
+                p.grad /= P.DP
+        for fqn in P.TP_PARTIAL:
+            if fqn in named:
+                _all_reduce_grad(named[fqn], g["tp"])
+        for fqn, group in g["tied"].items():
+            _all_reduce_grad(named[fqn], group)
+        total = torch.zeros(1, device=device)
+        if pp_rank == P.PP - 1 and tp_rank == 0:
+            total += torch.stack(losses).float().sum()
+        dist.all_reduce(total)
+        loss = total.item() / (P.DP * P.MICRO_BATCHES)
+        optimizer.step()
+        if rank == 0:
+            print(f"step {step} loss {loss:.6f}", flush=True)
+            if args.loss_file:
+                with open(args.loss_file, "a") as fh:
+                    fh.write(f"{loss:.9g}\n")
+    dist.barrier()
+    del runner, chunks
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def _named(chunk):
+    """Parameter fqn -> the parameter this chunk holds (shared on the chunk, the rest on its layers)."""
+    out = {n.replace("__", "."): p for n, p in chunk._parameters.items()}
+    for layer in chunk.layers:
+        out.update({n.replace("__", "."): p for n, p in layer._parameters.items()})
+    return out
+
+
+def _all_reduce_grad(param, group):
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    grad = param.grad
+    dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)   # FSDP2: its shard
+
+
+if __name__ == "__main__":
+    main()
