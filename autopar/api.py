@@ -14,7 +14,7 @@ from .cluster import Cluster
 from .config import ParallelConfig, Precision
 from .errors import ConfigError
 from .plan import Plan
-from .runtime.inputs import with_inputs
+from .codegen.inputs import with_inputs
 from .solver import price, solve
 from .solver.choice import DEFAULT_TIE_TOLERANCE
 from .solver.sharding import NODE_LIMIT

@@ -261,7 +261,7 @@ TOKEN_DTYPES = frozenset({"int64", "int32", "int16", "uint16", "uint32", "uint64
 
 
 def sequence_tokens(inputs: Mapping[str, Any] | None) -> int | None:
-    """Tokens per sample of the inputs a plan records (``extra["inputs"]``, runtime/inputs.py), or None.
+    """Tokens per sample of the inputs a plan records (``extra["inputs"]``, codegen/inputs.py), or None.
 
     Token ids are an integer tensor of shape ``[batch, sequence]``: the keyword input ``input_ids`` when
     there is one (for an encoder-decoder model, the encoder's sequence, as T5 counts its tokens),

@@ -39,7 +39,7 @@ from .config import Precision
 from .errors import ConfigError, InfeasiblePlanError
 from .plan import Plan, sequence_tokens
 from .progress import progress_bar
-from .runtime.inputs import describe_inputs, with_inputs
+from .codegen.inputs import describe_inputs, with_inputs
 from .solver import solve
 from .solver.choice import DEFAULT_TIE_TOLERANCE, check_tolerance
 from .solver.sharding import NODE_LIMIT

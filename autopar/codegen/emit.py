@@ -20,8 +20,8 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..plan import Plan
-from ..runtime import schedules
-from ..runtime.graph import plan_chunks
+from . import schedules
+from .split import plan_chunks
 
 SCRIPT = "train.py"
 PLAN_FILE = "plan.json"
@@ -113,7 +113,7 @@ def run_hint(plan: Plan) -> str:
 
 
 def pp_chunks(plan: Plan) -> dict[int, list[str]]:
-    """Chunk index -> layer names (see runtime.graph.plan_chunks)."""
+    """Chunk index -> layer names (see codegen.split.plan_chunks)."""
     return {c: list(layers) for c, layers in enumerate(plan_chunks(plan))}
 
 
@@ -137,7 +137,7 @@ def _literal(value: Any) -> str:
 
 def _imports(model_factory: str, batch_factory: str | None, loss_fn: str | None) -> str:
     lines = ["import argparse", "import datetime", "import gc", "import os", "", "import torch", "import torch.distributed as dist", "",
-             "import autopar", "from autopar.runtime.inputs import example_at"]
+             "import autopar", "from autopar.codegen.inputs import example_at"]
     for alias, ref in (("model_factory", model_factory), ("batch_factory", batch_factory), ("loss_fn", loss_fn)):
         if ref:
             module, fn = ref.split(":")

@@ -302,3 +302,8 @@ class _Emitter:
                                           {"use_reentrant": False})
         for i, out in enumerate(outs):
             self.env[out] = self.graph.call_function(operator.getitem, (result, i))
+
+
+def class_name(layer: str) -> str:
+    """``model.layers.3`` -> ``Layer_model_layers_3`` (the generated module's class name)."""
+    return "Layer_" + "".join(c if c.isalnum() else "_" for c in layer)

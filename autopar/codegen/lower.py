@@ -389,7 +389,7 @@ def lower(nodes: Mapping[str, torch.fx.Node], graph: OpGraph, chunks: Any, specs
           param_of: Mapping[str, str],
           param_dims: Mapping[str, int | None], tp: int, cut_spec,
           moe: Mapping[str, tuple[str, ...]] | None = None) -> LoweredGraph:
-    """Lower every node of ``chunks`` (runtime.graph.ChunkSpec, in order) for a group of ``tp`` ranks.
+    """Lower every node of ``chunks`` (codegen.split.ChunkSpec, in order) for a group of ``tp`` ranks.
 
     ``cut_spec(value)``: the spec a value crosses a pipeline cut in; ``moe``: MoE region output ->
     the region's inputs, for regions run as one call (runtime/experts.py)."""
@@ -475,3 +475,10 @@ def _step_reduced(ops: dict[str, LoweredOp], param_of: Mapping[str, str]
             op = dataclasses.replace(op, reads={n: partial_reads[s] if n in step else s for n, s in op.reads.items()})
         out[name] = op
     return out, frozenset(param_of[name] for name in step)
+
+
+def written_inputs(spec: Any, nodes: Mapping[str, torch.fx.Node]) -> tuple[str, ...]:
+    """The layer's inputs that one of its ops writes in place, directly or through a view of them
+    (codegen/lower.py ``alias_writes``)."""
+    _, written = alias_writes(nodes[name] for name in spec.nodes)
+    return tuple(n for n in spec.inputs if n in written)

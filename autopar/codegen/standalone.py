@@ -38,15 +38,15 @@ from ..capture import graph_of, param_aliases
 from ..capture.export import normalize_inputs, run_export
 from ..errors import ConfigError
 from ..plan import Plan
-from ..runtime import pipeline, schedules
-from ..runtime.checks import check_structure
-from ..runtime.chunk import class_name, written_inputs
-from ..runtime.graph import plan_chunks, split_graph
-from ..runtime.inputs import example_at
-from ..runtime.specs import node_specs, sequence_parallel
+from . import pipeline, schedules
+
+
+from .split import check_structure, plan_chunks, split_graph
+from .inputs import example_at
+from .specs import node_specs, sequence_parallel
 from ..solver.strategies import spec_dim
-from .layers import LayerIO, layer_module
-from .lower import R, convert, cut_spec, lower, normal
+from .layers import LayerIO, class_name, layer_module
+from .lower import R, convert, cut_spec, lower, normal, written_inputs
 from .source import program_source, write_support
 
 PROGRAM, TRAIN, BUFFERS = "program.py", "train.py", "buffers.pt"

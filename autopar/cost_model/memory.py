@@ -25,7 +25,7 @@ which for ``i = 0`` is Korthikanti's factor ``1 + (p - 1)/(p v)`` times ``L/p`` 
 Interleaved chunks of one device differ in size (the last device's last chunk holds the head
 and the loss, whose logits can outweigh every block), so its peak is not that count times the
 largest chunk: :func:`interleaved_peak` walks the device's own order (Megatron's, as
-runtime/schedules.py runs it) and takes the most its in-flight passes hold at once.
+codegen/schedules.py runs it) and takes the most its in-flight passes hold at once.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def in_flight(cfg: ParallelConfig, stage: int, micro_batches: int) -> int:
 
 def interleaved_peak(cfg: ParallelConfig, stage: int, micro_batches: int, chunk_bytes: Sequence[float]) -> float:
     """Peak activation bytes of pipeline device ``stage`` under interleaved 1F1B, its ``v`` chunks
-    leaving ``chunk_bytes[j]`` per micro-batch pass. Megatron's order (runtime/schedules.py):
+    leaving ``chunk_bytes[j]`` per micro-batch pass. Megatron's order (codegen/schedules.py):
     forward step ``k`` runs local chunk ``(k // p) mod v``, backward step ``k`` chunk
     ``v - 1 - (k // p) mod v``; ``min(m v, 2 (p - d - 1) + (v - 1) p)`` warm-up forwards, then
     one forward and one backward alternately, then the remaining backwards. The peak is

@@ -36,7 +36,7 @@ With sequence parallelism (Korthikanti et al.) the ``R`` regions are split along
 sequence too: their compute and activations divide by ``t`` and every all-reduce
 becomes a reduce-scatter plus an all-gather of the same total volume. Only what the runtime
 splits is divided (:func:`splits_along_sequence`: ``[batch, seq, hidden]`` float activations
-whose sequence divides by ``t``, runtime/specs.py), and an ``R`` op that is not split but
+whose sequence divides by ``t``, codegen/specs.py), and an ``R`` op that is not split but
 reads a split one gathers that input first (:func:`sequence_gathers`: an all-gather forward,
 a reduce-scatter backward); in a Megatron layer there is none, in a layout that leaves
 attention replicated there is one per attention input.

@@ -194,7 +194,7 @@ def layers_of(plan: "Plan") -> Layers:
 
 def chunks_in_order(plan: "Plan") -> list[tuple[str, ...]]:
     """The model chunks in model order: chunk ``c`` is chunk ``c // pp`` of pipeline device ``c % pp``
-    (runtime/graph.py, and Megatron-LM's and torch.distributed.pipelining's interleaved order)."""
+    (codegen/split.py, and Megatron-LM's and torch.distributed.pipelining's interleaved order)."""
     pp = plan.config.pp
     return [tuple(plan.stages[c % pp].chunks[c // pp]) for c in range(pp * plan.config.virtual_stages)]
 

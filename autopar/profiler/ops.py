@@ -166,7 +166,7 @@ class _Walk:
         from torch.export.graph_signature import InputKind
 
         from ..codegen.lower import SKIPPED_TARGETS
-        from ..runtime.graph import flatten_batch, placeholders
+        from ..codegen.split import flatten_batch, placeholders
 
         program = self.program
         param_of, buffer_value = placeholders(program, param_aliases(self.model))

@@ -1,4 +1,4 @@
-"""What ``parallelize`` checks: a real model, a plan for this world, and the plan's model."""
+"""What ``parallelize`` checks: a real model and a plan for this world (codegen/split.py: the plan's model)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from ..capture import OpGraph, first_difference
 from ..errors import ConfigError, PlanMismatchError
 from ..plan import Plan
 
@@ -29,19 +28,3 @@ def check_world(plan: Plan) -> None:
         raise PlanMismatchError(f"the plan is for {plan.devices} devices ({plan.config.short()}) but the process "
                                 f"group has {world} ranks: launch {plan.devices} ranks (torchrun --nproc-per-node "
                                 f"{plan.devices}) or re-plan for a {world}-device cluster")
-
-
-def check_structure(plan: Plan, graph: OpGraph) -> None:
-    """The model exported here is the one the plan was made for: the same layers, the same ops the plan
-    relies on in each, the same parameter names and shapes (capture/structure.py), whatever device,
-    example batch and mode each was exported on, at and in."""
-    if plan.structure is None:
-        raise PlanMismatchError(f"the plan (schema {plan.schema_version}) was made by an older autopar, whose "
-                                "model fingerprint this one does not compute: re-plan with autopar.plan")
-    if plan.fingerprint == graph.fingerprint:
-        return
-    where = first_difference(plan.structure, graph.structure) or "their fingerprints differ"
-    raise PlanMismatchError(
-        f"the plan was made for a model with fingerprint {plan.fingerprint} ({plan.model_name}), but "
-        f"{graph.model_name} here has {graph.fingerprint}: {where} (another config, or another loss_fn?); "
-        "re-plan with autopar.plan on this model")

@@ -37,9 +37,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from ..codegen import collectives
-from ..codegen.layers import LayerIO, layer_module
-from ..codegen.lower import SKIPPED_TARGETS, R, LoweredGraph, Step, alias_writes, convert, normal
-from .graph import ChunkSpec, LayerSpec, SplitGraph
+from ..codegen.layers import LayerIO, class_name, layer_module
+from ..codegen.lower import SKIPPED_TARGETS, R, LoweredGraph, Step, convert, normal, written_inputs
+from ..codegen.split import ChunkSpec, LayerSpec, SplitGraph
 
 
 def apply_steps(value: torch.Tensor, steps: tuple[Step, ...], group) -> torch.Tensor:
@@ -105,23 +105,11 @@ class NodeRunner:
         return apply_steps(value, convert(normal(held, d), normal(spec, d), False), self.group)
 
 
-def class_name(layer: str) -> str:
-    """``model.layers.3`` -> ``Layer_model_layers_3`` (the generated module's class name)."""
-    return "Layer_" + "".join(c if c.isalnum() else "_" for c in layer)
-
-
 def _local(param: Any) -> Any:
     """A tensor-parallel parameter (a DTensor of the tp mesh, or of FSDP2's 2-D one) as this rank's
     shard, with autograd: its gradient comes back as the shard's (codegen/collectives.py keeps the
     gradient of a replicated parameter whole on every rank)."""
     return param.to_local() if isinstance(param, DTensor) else param
-
-
-def written_inputs(spec: LayerSpec, nodes: Mapping[str, torch.fx.Node]) -> tuple[str, ...]:
-    """The layer's inputs that one of its ops writes in place, directly or through a view of them
-    (codegen/lower.py ``alias_writes``)."""
-    _, written = alias_writes(nodes[name] for name in spec.nodes)
-    return tuple(n for n in spec.inputs if n in written)
 
 
 class LayerModule(nn.Module):

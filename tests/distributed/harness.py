@@ -269,7 +269,7 @@ def make_plan(case: Case):
     between the cases of a model and world (solve(sharding=): the same plans, each ILP solved once)."""
     from autopar import Precision
     from autopar.capture import capture
-    from autopar.runtime.inputs import slice_batch, with_inputs
+    from autopar.codegen.inputs import slice_batch, with_inputs
     from autopar.solver import solve
     from autopar.solver.sharding_solver import ShardingSolver
     from torch.utils._pytree import tree_map_only
@@ -301,8 +301,8 @@ def shared_exports(model_key: Any):
     runtime rewrites its copy (devices, materialised buffers). torch.export of a tiny model costs 0.3-0.9 s,
     most of a case's time on a rank; the cases share few distinct exports. Parameter values never come
     from the export (the runtime reads them from the model it is given)."""
-    import autopar.runtime.program as program
-    from autopar.runtime.inputs import describe_inputs
+    import autopar.runtime.assembly as program
+    from autopar.codegen.inputs import describe_inputs
     real = program.run_export
 
     def export(model, inputs, loss_fn=None, train_mode=False):

@@ -98,7 +98,7 @@ def prepare(arch) -> tuple[dict[str, Cell], dict[str, dict]]:
     from autopar.capture import capture
     from autopar.config import Precision
     from autopar.models.shrink import ShrinkError, example
-    from autopar.runtime.inputs import with_inputs
+    from autopar.codegen.inputs import with_inputs
     from autopar.solver import solve
     from autopar.solver.sharding import ILPLimits
     from autopar.solver.sharding_solver import ShardingSolver

@@ -26,7 +26,7 @@ SAMPLE = [("MambaForCausalLM", "tp")]
 def _plan(arch, config: str) -> dict:
     from autopar.capture import capture
     from autopar.models.shrink import example
-    from autopar.runtime.inputs import with_inputs
+    from autopar.codegen.inputs import with_inputs
     from autopar.solver import solve
     meta = hf_sweep.build(arch, "meta")
     one = example(arch, meta, 1, device="meta")

@@ -83,7 +83,7 @@ def make_plan(case: Case):
     from autopar import Precision
     from autopar.capture import capture
     from autopar.solver.sharding_solver import ShardingSolver
-    from autopar.runtime.inputs import with_inputs
+    from autopar.codegen.inputs import with_inputs
     from autopar.solver import solve
     device, batch = SOURCES[case.source]
     example = new_users.rows(new_users.batches(case.model, 1, GLOBAL_BATCH, device)[0], 0, batch)

@@ -31,7 +31,7 @@ CASES = [
 
 def source_case(rank: int, world: int, case: Case, plan_dict: dict) -> dict[str, Any]:
     import autopar
-    from autopar.runtime.chunk import class_name
+    from autopar.codegen.layers import class_name
     program = autopar.parallelize(fresh(case.model), autopar.Plan.from_dict(plan_dict),
                                   loss_fn=loss_fn_of(case.model), timeout=60)
     calls: dict[str, tuple] = {}

@@ -179,3 +179,20 @@ def test_recompute_layers_checkpoints_the_first_layers_of_each_chunk(world) -> N
     reference = make_model()
     want = sum(loss_fn(reference(x[None]), None) for x in batch(0)[0]) / BATCH
     assert torch.allclose(loss, want, atol=1e-6)
+
+
+def test_compile_follows_the_plans_kernels(world, plan) -> None:
+    """A plan priced for torch.compile's kernels is compiled by default (each chunk after the first step,
+    which runs the shape-checked code), an eager one is not; compile= overrides either; a bad value is
+    refused by name."""
+    compiled = dataclasses.replace(plan, precision=dataclasses.replace(plan.precision, kernels="compiled"))
+    assert program(compiled).compile == "inductor"
+    assert program(plan).compile is None
+    assert program(plan, compile="aot_eager").compile == "aot_eager"
+    assert program(compiled, compile=False).compile is None
+    with pytest.raises(ConfigError, match="compile must be"):
+        program(plan, compile=3)
+    prog = program(plan, compile="eager")   # dynamo without a compiler: the chunk is compiled after step 1
+    first = prog.train_step(batch(0))
+    assert all(chunk._compiled_call_impl is not None for chunk in prog.chunks.values())
+    assert torch.isfinite(first) and torch.isfinite(prog.train_step(batch(1)))

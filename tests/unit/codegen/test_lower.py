@@ -12,8 +12,8 @@ from autopar.capture import graph_of, param_aliases
 from autopar.capture.export import run_export
 from autopar.codegen.lower import COMMUNICATING, How, Step, convert, cut_spec, lower
 from autopar.models import GPTConfig, build_gpt
-from autopar.runtime.graph import plan_chunks, split_graph
-from autopar.runtime.specs import node_specs, sequence_parallel
+from autopar.codegen.split import plan_chunks, split_graph
+from autopar.codegen.specs import node_specs, sequence_parallel
 
 CFG = GPTConfig(vocab_size=64, hidden=32, heads=4, layers=2, seq_len=8, dropout=0.0)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from autopar.runtime.chunk import written_inputs
-from autopar.runtime.graph import LayerSpec
+from autopar.codegen.lower import written_inputs
+from autopar.codegen.split import LayerSpec
 
 
 class Body(torch.nn.Module):

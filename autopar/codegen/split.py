@@ -26,9 +26,11 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from ..capture import first_difference
 from ..capture.build import strip_wrapper
 from ..capture.opgraph import OpGraph
 from ..errors import PlanMismatchError
+from ..plan import Plan
 
 
 
@@ -222,3 +224,19 @@ def flatten_batch(batch: Any, in_spec: Any) -> list[Any]:
                                 f"program was built for {arg_spec.num_children} positional and "
                                 f"{sorted(keys)}: pass batches shaped like the plan's example inputs")
     return pytree.tree_leaves((tuple(args), {k: kwargs[k] for k in keys}))
+
+
+def check_structure(plan: Plan, graph: OpGraph) -> None:
+    """The model exported here is the one the plan was made for: the same layers, the same ops the plan
+    relies on in each, the same parameter names and shapes (capture/structure.py), whatever device,
+    example batch and mode each was exported on, at and in."""
+    if plan.structure is None:
+        raise PlanMismatchError(f"the plan (schema {plan.schema_version}) was made by an older autopar, whose "
+                                "model fingerprint this one does not compute: re-plan with autopar.plan")
+    if plan.fingerprint == graph.fingerprint:
+        return
+    where = first_difference(plan.structure, graph.structure) or "their fingerprints differ"
+    raise PlanMismatchError(
+        f"the plan was made for a model with fingerprint {plan.fingerprint} ({plan.model_name}), but "
+        f"{graph.model_name} here has {graph.fingerprint}: {where} (another config, or another loss_fn?); "
+        "re-plan with autopar.plan on this model")

@@ -1,0 +1,302 @@
+"""How one rank's :class:`~.program.Program` is assembled: its model exported at one micro-batch,
+the mesh and its groups, the chunks of generated layers with this rank's parameters (sharded,
+materialised from the meta device where the model was built there), data parallelism (buckets,
+ZeRO-1, FSDP2), tied parameters across stages, the pipeline's cut values, the optimizer.
+
+A mixin of Program's (its ``__init__`` calls these in order); training, full tensors and
+checkpoints are program.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from ..capture import graph_of, param_aliases
+from ..capture.export import LossFn, run_export
+from ..capture.opgraph import OpKind
+from ..codegen.lower import R, cut_spec, lower
+from ..errors import ConfigError, PlanMismatchError
+from ..solver.strategies import spec_dim
+from .chunk import ChunkModule, NodeRunner
+from ..codegen.split import check_structure
+from .context import analyse
+from .context_runner import ContextRunner
+from .data_parallel import GradReducer, Zero1Optimizer, local
+from .expert_parallel import shard_experts
+from .experts import ExpertsModule, check_regions, expert_groups, skipped_nodes
+from ..codegen.split import on_device, plan_chunks, split_graph
+from ..codegen.inputs import describe_inputs, example_at
+from .materialize import local_view, materialize_buffers
+from ..codegen.pipeline import Topology, Value
+from ..codegen.specs import node_specs, sequence_parallel
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class Assembly:
+    """Program's construction steps (see program.py for the attributes they set)."""
+
+    # --- construction -------------------------------------------------------------------------
+    def _export(self, model: nn.Module, loss_fn: LossFn | None, example_inputs: Any) -> None:
+        """Export the model at one micro-batch, in the mode it is in (as DDP and FSDP run it), and check it
+        is the plan's model."""
+        if example_inputs is not None:
+            self.inputs_record = describe_inputs(example_inputs)
+        if self.inputs_record is None:
+            raise ConfigError("the plan does not record its example inputs: pass parallelize(..., example_inputs=) "
+                              "shaped like the inputs the plan was made with")
+        # a meta model is exported on meta inputs (a model that does not move its inputs to its own
+        # device, as Hugging Face's do, would mix devices); on_device points the graph at this rank's
+        where = torch.device("meta") if self.materializer is not None else self.device
+        inputs = example_at(self.inputs_record, self.cfg.micro_batch_size, where)
+        program = run_export(model, inputs, loss_fn, train_mode=False)
+        self.graph = graph_of(model, program)
+        check_structure(self.plan, self.graph)
+        on_device(program, self.device)
+        if self.materializer is not None:
+            materialize_buffers(program, self.materializer)
+        self.split = split_graph(program, self.graph, plan_chunks(self.plan), param_aliases(model))
+
+    def _mesh(self) -> None:
+        cfg = self.cfg
+        self.mesh = init_device_mesh(self.device.type, (cfg.pp, cfg.dp, cfg.cp, cfg.tp),
+                                     mesh_dim_names=("pp", "dp", "cp", "tp"))
+        self.tp_mesh = self.mesh["tp"] if cfg.tp > 1 else None
+        self.cp_group = self.mesh["cp"].get_group() if cfg.cp > 1 else None
+        # the dense weights' gradient (and ZeRO) group: the dp * cp ranks of this (pp, tp) position
+        self.dp_mesh = self.mesh["dp"] if cfg.cp == 1 else self.mesh["dp", "cp"]._flatten("dp_cp")
+        self.dp_group = self.dp_mesh.get_group()
+        self.specs: dict = {}
+        self.param_dims: dict = {}
+        if cfg.tp > 1:
+            if not self.plan.sharding:
+                raise PlanMismatchError("the plan has tp > 1 but no per-op sharding (a plan file written by an "
+                                        "autopar before estimates had one, or edited): make it again with "
+                                        "autopar.plan or autopar.estimate")
+            self.specs, self.param_dims = node_specs(self.plan.sharding, self.graph)
+            if cfg.sequence_parallel:
+                self.specs = sequence_parallel(self.specs, self.graph, cfg.tp)
+
+    def _expert_groups(self) -> None:
+        """Expert parallelism's groups (experts.py), when MoE regions run as one call (ep > 1 or cp > 1)."""
+        cfg = self.cfg
+        self.regions = self.graph.moe if (cfg.ep > 1 or cfg.cp > 1) else ()
+        self.expert_fqns = frozenset(p for r in self.regions for p in (r.gate_up, r.down))
+        self.ep_group = self.expert_group = self.expert_mesh = None
+        self.expert_ranks = [self.rank]
+        if self.regions:
+            groups = expert_groups(cfg, self.rank, self.global_rank, self.device.type)
+            self.ep_group, self.expert_group, self.expert_ranks, self.expert_mesh = groups
+
+    def _build_chunks(self, model: nn.Module) -> None:
+        cfg = self.cfg
+        attention = frozenset(n.name for n in self.graph.nodes if n.kind is OpKind.ATTENTION)
+        lowered = None
+        if cfg.tp > 1:
+            moe = {r.output: (r.hidden_input, r.index_input, r.weight_input) for r in self.regions}
+            lowered = lower(self.split.node_map, self.graph, self.split.chunks, self.specs, self.split.param_of,
+                            self.param_dims, cfg.tp, lambda v: cut_spec(self.specs.get(v)), moe)
+        # compiled per layer under FSDP2 (its hooks gather each layer's parameters around the layer's
+        # code), else per chunk (_data_parallel): one compiled region for all of a chunk's layers
+        self.node_runner = NodeRunner(self.split, self.tp_mesh, lowered, compile=self.compile if self.fsdp else None)
+        self.tp_partial = lowered.partial_params if lowered is not None else frozenset()
+        if self.regions:
+            layer_of = {name: layer.index for chunk in self.split.chunks for layer in chunk.layers
+                        for name in layer.nodes}
+            check_regions(self.regions, self.split.node_map, layer_of, self.split.param_of, cfg.ep, cfg.cp,
+                          self.node_runner.skipped)
+            self.node_runner.moe_outputs = {r.output: r for r in self.regions}
+            self.node_runner.moe_skip = skipped_nodes(self.regions)
+        if cfg.cp > 1:
+            plan = analyse(self.split.program, cfg.cp, attention,
+                           {r.output: (r.hidden_input, r.index_input, r.weight_input) for r in self.regions},
+                           self.node_runner.skipped | self.node_runner.moe_skip)
+            self.node_runner.context = ContextRunner(plan, self.cp_group, self.cp_rank, self.timeout)
+        full = dict(model.named_parameters())
+        self.my_chunks = [c for c in range(len(self.split.chunks)) if c % cfg.pp == self.pp_rank]
+        self.params: dict[str, nn.Parameter] = {}
+        for c in self.my_chunks:
+            for fqn in self.split.chunks[c].params:
+                if fqn not in self.params:
+                    self.params[fqn] = self._distribute(fqn, full[fqn])
+        self.split = dataclasses.replace(
+            self.split, buffer_value={k: v.to(self.device) for k, v in self.split.buffer_value.items()})
+        experts = {r.output: ExpertsModule(r, self.params[r.gate_up], self.params[r.down], self.ep_group,
+                                           self.timeout)
+                   for r in self.regions if r.gate_up in self.params}
+        modes = {c: [cfg.layer_mode(self.pp_rank, k) for k in range(len(self.split.chunks[c].layers))]
+                 for c in self.my_chunks}
+        self.chunks = {c: ChunkModule(self.split.chunks[c], self.split, self.node_runner, self.params, modes[c],
+                                      experts) for c in self.my_chunks}
+
+    def _value(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """A parameter's or buffer's full value: materialised (one module at a time) when on meta."""
+        if value.is_meta and self.materializer is not None:
+            return self.materializer.tensor(name)
+        return value.detach()
+
+    def _distribute(self, fqn: str, value: torch.Tensor) -> nn.Parameter:
+        """This rank's parameter: its experts, its tensor-parallel shard, or the whole (a DTensor of
+        the tp mesh when tp > 1). A meta model's parameter is materialised here, except for ZeRO-2/3,
+        whose parameters stay on meta until fully_shard has sharded them (_materialize_sharded)."""
+        requires_grad = value.requires_grad
+        value = value.detach() if (self.fsdp and value.is_meta) else self._value(fqn, value)
+        if fqn in self.expert_fqns:   # this rank's experts, a plain tensor even under tensor parallelism
+            value = shard_experts(value, self.cfg.ep, self.ep_rank)
+        d = self.param_dims.get(fqn)
+        place = Shard(d % value.dim()) if d is not None else Replicate()
+        tp = self.tp_mesh is not None and fqn not in self.expert_fqns
+        if value.is_meta:   # ZeRO-2/3 of a meta model: fully_shard first
+            data = distribute_tensor(value, self.tp_mesh, [place], src_data_rank=None) if tp else value
+        elif self.materializer is not None:
+            # the same value on every rank: each takes its own piece, copied (a view would keep the
+            # whole module's values alive)
+            piece = local_view(value, self.tp_mesh, [place]) if tp else value
+            data = piece.to(self.device).clone()
+            if tp:
+                data = DTensor.from_local(data, self.tp_mesh, [place], run_check=False, shape=value.shape,
+                                          stride=value.stride())
+        else:
+            # a user's model: scattered from tp rank 0, in case the ranks built it with different seeds
+            data = value.to(self.device).clone()
+            if tp:
+                data = distribute_tensor(data, self.tp_mesh, [place])
+        return nn.Parameter(data, requires_grad=requires_grad)
+
+    def _materialize_sharded(self) -> None:
+        """ZeRO-2/3 on a meta model: storage for the (now sharded) parameters, then each filled with
+        its shard of the materialised value, one module's values at a time."""
+        for chunk in self.chunks.values():   # to_empty of the meta tensors only: the buffers hold values
+            chunk._apply(lambda t: torch.empty_like(t, device=self.device) if t.is_meta else t)
+        with torch.no_grad():
+            for fqn, p in self.params.items():
+                full = self.materializer.tensor(fqn)
+                if fqn in self.expert_fqns:
+                    full = shard_experts(full, self.cfg.ep, self.ep_rank)
+                local(p).copy_(local_view(full, p.device_mesh, p.placements) if isinstance(p, DTensor) else full)
+
+    def _data_parallel(self) -> None:
+        cfg = self.cfg
+        replicas = cfg.grad_replicas
+        self.zero = cfg.zero if replicas > 1 else 0
+        self.reducers: list[GradReducer] = []
+        if self.fsdp:
+            from torch.distributed.fsdp import fully_shard
+            # With tp > 1 the parameters are already DTensors of the tp sub-mesh: FSDP2 shards them
+            # further over the dp sub-mesh of the same root mesh (2-D, as torchtitan does).
+            mesh = self.dp_mesh
+            for chunk in self.chunks.values():
+                for layer in chunk.layers:
+                    for experts in layer.experts.values():
+                        # expert weights: sharded over their own replicas, averaged like the dense ones
+                        fully_shard(experts, mesh=self.expert_mesh, reshard_after_forward=self.zero == 3)
+                        experts.set_gradient_divide_factor(float(replicas))
+                        if dist.get_backend() != "nccl" and len(self.expert_ranks) > 1:
+                            # gloo has no pre-multiplied sum: sum, then divide (FSDP2 divides a one-rank
+                            # mesh's gradient by the factor itself, and would divide twice with this set)
+                            experts.set_force_sum_reduction_for_comms(True)
+                for layer in chunk.layers:
+                    if any(True for _ in layer.parameters(recurse=False)):
+                        fully_shard(layer, mesh=mesh, reshard_after_forward=self.zero == 3)
+                fully_shard(chunk, mesh=mesh, reshard_after_forward=self.zero == 3)
+            self.params = {fqn: p for chunk in self.chunks.values()
+                           for fqn, p in chunk.named_model_parameters().items()}
+            if self.materializer is not None:
+                self._materialize_sharded()
+        elif replicas > 1:
+            named = [self.chunks[c].named_model_parameters() for c in self.my_chunks]
+            dense = [[p for fqn, p in ps.items() if fqn not in self.expert_fqns] for ps in named]
+            self.reducers.append(GradReducer(_dedupe(dense), self.dp_group, replicas, self.timeout))
+            if self.expert_fqns:
+                expert = [[p for fqn, p in ps.items() if fqn in self.expert_fqns] for ps in named]
+                self.reducers.append(GradReducer(expert, self.expert_group, replicas, self.timeout))
+
+    def _tied_groups(self) -> None:
+        """A process group per parameter held by several pipeline stages, over those stages' ranks."""
+        cfg = self.cfg
+        holders: dict[str, tuple[int, ...]] = {}
+        for c, spec in enumerate(self.split.chunks):
+            for fqn in spec.params:
+                holders[fqn] = tuple(sorted(set(holders.get(fqn, ()) + (c % cfg.pp,))))
+        self.holders = holders
+        self.tied: list[tuple[str, Any]] = []
+        sets = sorted({h for h in holders.values() if len(h) > 1})
+        groups = {}
+        for h in sets:  # every rank creates every group, in the same order (new_group is collective)
+            for dp_r in range(cfg.dp):
+                for cp_r in range(cfg.cp):
+                    for tp_r in range(cfg.tp):
+                        ranks = [self.global_rank(s, dp_r, tp_r, cp_r) for s in h]
+                        g = dist.new_group(ranks)
+                        if self.rank in ranks:
+                            groups[h] = g
+        for fqn, h in sorted(holders.items()):
+            if h in groups and fqn in self.params:
+                self.tied.append((fqn, groups[h]))
+
+    def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
+        """The rank at those mesh coordinates (tp innermost, then cp, dp, pp outermost)."""
+        cfg = self.cfg
+        return tp_rank + cfg.tp * (cp_rank + cfg.cp * (dp_rank + cfg.dp * pp_rank))
+
+    def _topology(self) -> Topology:
+        cfg = self.cfg
+        ranks = [self.global_rank(s, self.dp_rank, self.tp_rank, self.cp_rank) for s in range(cfg.pp)]
+        return Topology(cfg.pp, ranks, self.pp_rank)
+
+    def _cut_spec(self, value: str) -> str:
+        return R if value == self.split.loss else cut_spec(self.specs.get(value))
+
+    def _to_cut(self, chunk: int, name: str, value: torch.Tensor) -> torch.Tensor:
+        return self.node_runner.to_cut(chunk, name, value, self._cut_spec(name))
+
+    def _cut_values(self) -> dict[str, Value]:
+        """Every value crossing a cut, with the shard a receiver allocates: this rank's tokens under
+        context parallelism (context.py's local shape), its block of a tensor-parallel split."""
+        out = {}
+        context = self.node_runner.context
+        for v, readers in self.split.consumers.items():
+            meta = self.split.meta(v)
+            shape = list(meta.shape)
+            if context is not None:
+                shape = list(context.plan.local_shape(v, shape))
+            d = spec_dim(self._cut_spec(v))
+            if d is not None and shape:
+                shape[d % len(shape)] //= self.cfg.tp
+            grad = self.graph.node(v).requires_grad if v in self.graph.node_index else True
+            out[v] = Value(self.split.producer[v], tuple(readers), tuple(shape), meta.dtype,
+                           grad and meta.is_floating_point())
+        return out
+
+    def _optimizer(self, factory: OptimizerFactory | None):
+        if factory is None:
+            return None
+        params = list(self.parameters())
+        if self.zero == 1:
+            experts = {id(self.params[f]) for f in self.expert_fqns if f in self.params}
+            partitions = [([p for p in params if id(p) not in experts], self.dp_group,
+                           dist.get_process_group_ranks(self.dp_group))]
+            if experts:
+                partitions.append(([p for p in params if id(p) in experts], self.expert_group, self.expert_ranks))
+            return Zero1Optimizer(partitions, factory, self.rank, self.timeout)
+        return factory(params)
+
+
+def _dedupe(per_chunk: list[list[nn.Parameter]]) -> list[list[nn.Parameter]]:
+    """A parameter shared by two chunks of this rank is reduced once, with the earlier chunk (whose
+    last backward comes last)."""
+    seen: set[int] = set()
+    out: list[list[nn.Parameter]] = [[] for _ in per_chunk]
+    for c in range(len(per_chunk)):
+        for p in per_chunk[c]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out[c].append(p)
+    return out
