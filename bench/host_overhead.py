@@ -10,7 +10,12 @@ backward + optimizer step of the global batch. Pairs:
 - one rank: ``parallelize`` of a one-device plan vs the model's own eager step;
 - dp=2: ``parallelize`` vs ``DistributedDataParallel``;
 - tp=2: ``parallelize`` (the ILP's sharding) vs ``parallelize_module`` with ColwiseParallel on
-  q, k, v, gate and up and RowwiseParallel on o and down of every layer (Megatron's split).
+  q, k, v, gate and up and RowwiseParallel on o and down of every layer (Megatron's split);
+- zero=3 (dp=2): ``parallelize`` vs ``fully_shard`` on every decoder layer and the root.
+
+(No pp pair: ``torch.distributed.pipelining.pipeline()`` fails to run this Hugging Face model's
+first stage, and a hand-split would not be the native program; bench/runtime_overhead.py has a
+pp pair on a stack of MLP blocks.)
 
 Each pair runs eager, then compiled: ``parallelize(..., compile=True)`` (every layer's generated
 code through torch.compile, inductor) against the same torch-native program through
@@ -66,7 +71,8 @@ def plans() -> dict:
     from autopar import Cluster
     base = dict(dp=1, tp=1, pp=1, micro_batch_size=BATCH, zero=0, recompute="none", schedule="1f1b",
                 virtual_stages=1, sequence_parallel=False)
-    fixed = {"one": (1, base), "dp": (2, dict(base, dp=2, micro_batch_size=BATCH // 2)), "tp": (2, dict(base, tp=2))}
+    fixed = {"one": (1, base), "dp": (2, dict(base, dp=2, micro_batch_size=BATCH // 2)), "tp": (2, dict(base, tp=2)),
+             "zero3": (2, dict(base, dp=2, zero=3, micro_batch_size=BATCH // 2))}
     return {k: autopar.plan(model(), Cluster.from_spec(f"1x{n}xcpu"), batch(slice(0, 1)), global_batch_size=BATCH,
                             fixed=v).to_dict() for k, (n, v) in fixed.items()}
 
@@ -89,6 +95,13 @@ def native(kind: str, rank: int, compiled: bool):
         from torch.nn.parallel import DistributedDataParallel
         return _eager_step(DistributedDataParallel(model()), batch(slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)),
                            compiled)
+    if kind == "zero3":
+        from torch.distributed.fsdp import fully_shard
+        m = model()
+        for layer in m.model.layers:
+            fully_shard(layer)
+        fully_shard(m)
+        return _eager_step(m, batch(slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)), compiled)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     m = model()
@@ -144,9 +157,9 @@ def main() -> int:
     modes = (False,) if args.eager_only else (False, True)
     plan_dicts = plans()
     results = _spawn(1, ["one"], plan_dicts, args.steps, modes)
-    results.update(_spawn(2, ["dp", "tp"], plan_dicts, args.steps, modes))
+    results.update(_spawn(2, ["dp", "tp", "zero3"], plan_dicts, args.steps, modes))
     names = {"one": "one rank vs the model's eager step", "dp": "dp=2 vs DistributedDataParallel",
-             "tp": "tp=2 vs parallelize_module (Colwise/Rowwise)"}
+             "tp": "tp=2 vs parallelize_module (Colwise/Rowwise)", "zero3": "zero=3 vs fully_shard"}
     print(f"{'pair':<56} {'ours ms':>8} {'native ms':>10} {'ratio':>6} {'target':>6}")
     missed = []
     for key, r in results.items():

@@ -52,6 +52,7 @@ class Case:
     global_batch: int = 4
     edit: dict | None = None      # a hand-edited plan: the planned config with these fields replaced
     compile: str | None = None    # parallelize(compile=): a torch.compile backend for every layer's code
+    example_batch: int = 1        # rows of the example inputs the plan is made from (as users pass them)
 
 
 def _mlp():
@@ -273,17 +274,19 @@ def make_plan(case: Case):
     from autopar.solver import solve
     from autopar.solver.sharding_solver import ShardingSolver
     from torch.utils._pytree import tree_map_only
-    example = slice_batch(batches(case.model, 1, case.global_batch)[0], 0, 1, case.global_batch)
-    if case.model not in _GRAPHS:
+    rows = max(case.global_batch, case.example_batch)
+    example = slice_batch(batches(case.model, 1, rows)[0], 0, case.example_batch, rows)
+    graph_key = (case.model, case.example_batch)
+    if graph_key not in _GRAPHS:
         model = fresh(case.model)
         on = next(model.parameters()).device   # a meta model is planned from meta inputs
-        _GRAPHS[case.model] = capture(model, tree_map_only(torch.Tensor, lambda t: t.to(on), example),
-                                      loss_fn_of(case.model))
+        _GRAPHS[graph_key] = capture(model, tree_map_only(torch.Tensor, lambda t: t.to(on), example),
+                                     loss_fn_of(case.model))
     cluster = test_cluster(case.world)
-    key = (case.model, case.world)
+    key = (case.model, case.example_batch, case.world)
     if key not in _SHARDING:
-        _SHARDING[key] = ShardingSolver(_GRAPHS[case.model], cluster, Precision.for_device(cluster.device.name))
-    plan, _ = solve(_GRAPHS[case.model], cluster, case.global_batch,
+        _SHARDING[key] = ShardingSolver(_GRAPHS[graph_key], cluster, Precision.for_device(cluster.device.name))
+    plan, _ = solve(_GRAPHS[graph_key], cluster, case.global_batch,
                     fixed=None if case.fixed is None else dict(case.fixed), sharding=_SHARDING[key])
     if case.edit:
         plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, **case.edit))

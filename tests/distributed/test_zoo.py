@@ -113,8 +113,19 @@ PINNED = {
                 "tp2": dict(tp=2, micro_batch_size=2)},
     "mixtral-tiny": {"tp2": dict(tp=2, micro_batch_size=2), "dp2_zero3": dict(dp=2, zero=3)},
 }
+# The batch is a dimension of the program, not a constant of the plan: plans made from example inputs
+# of one batch size run at micro-batches of another (the rank exports at its micro-batch; the lowering
+# re-derives what a merged batch dim means there). make bench sweeps example x micro-batch over
+# {1, 2, 3, 8}^2 (AUTOPAR_ALL_CASES=1); the suite runs a sample of the pairs that differ.
+BATCH_SWEEP = {"mixtral-tiny-tp2": ("mixtral-tiny", dict(tp=2), 1), "t5-tiny-pp2": ("t5-tiny", dict(pp=2), 2)}
+SIZES = (1, 2, 3, 8)
+PAIRS = [(e, m) for e in SIZES for m in SIZES] if os.environ.get("AUTOPAR_ALL_CASES") else \
+    [(1, 3), (3, 2), (8, 1)]
 CASES = [Case(f"{m}-{k}", m, {**BASE, **v}, 2) for m, kinds in PINNED.items() for k, v in kinds.items()] \
-    + [Case(f"{m}-planner", m, None, 2) for m in ZOO]
+    + [Case(f"{m}-planner", m, None, 2) for m in ZOO] \
+    + [Case(f"{name}-example{e}-micro{mb}", model, {**BASE, **cfg, "micro_batch_size": mb}, 2,
+            global_batch=mb * per_replica, example_batch=e)
+       for name, (model, cfg, per_replica) in BATCH_SWEEP.items() for e, mb in PAIRS]
 
 
 def make_plan(case: Case):
