@@ -182,7 +182,7 @@ class _Emitter:
         if str(node.target) in CONTEXT_HOPS:
             self.env[name] = self._region(str(node.target), args, kwargs)
             return
-        first = self.graph._len
+        first = len(self.graph.nodes)
         if op is None:
             self.env[name] = self.graph.create_node("call_function", node.target, tuple(args), kwargs, name=name)
         else:
