@@ -132,7 +132,9 @@ def main():
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    owned = not dist.is_initialized()   # a caller (a driver running several programs) may have made it
+    if owned:
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -203,7 +205,8 @@ def main():
     dist.barrier()
     del runner, chunks
     gc.collect()
-    dist.destroy_process_group()
+    if owned:
+        dist.destroy_process_group()
 
 
 def _named(chunk):

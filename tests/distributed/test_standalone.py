@@ -68,26 +68,56 @@ def reference():
     return out
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_standalone_program_trains_like_one_process(name, hook, reference, tmp_path):
+DRIVER = '''import os, runpy, sys
+
+import torch.distributed as dist
+
+# Each folder's train.py in turn, in this process and process group (one torchrun for all: spawning
+# costs seconds); train.py leaves a process group it did not make as it found it.
+dist.init_process_group("gloo")
+for item in sys.argv[1:]:
+    folder, losses = item.split("=")
+    for name in ("program", "pipeline", "collectives", "shard_ops"):
+        sys.modules.pop(name, None)
+    sys.argv = [os.path.join(folder, "train.py"), "--steps", "STEPS", "--loss-file", losses, "--timeout", "120"]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+dist.destroy_process_group()
+'''
+
+
+@pytest.fixture(scope="module")
+def runs(hook, tmp_path_factory):
+    """Every case's folder (emitted here, where autopar is imported), then one torchrun of 2 ranks that
+    trains each in turn where autopar cannot be imported; case -> (program.py's text, rank 0's losses)."""
     import autopar
     from autopar import Cluster
+    root = tmp_path_factory.mktemp("standalone")
+    texts, items = {}, []
     torch.manual_seed(0)
-    example = {k: v[:1] for k, v in plain_factories.llama_batch(0, GLOBAL).items()}
-    plan = autopar.plan(plain_factories.llama(), Cluster.from_spec("1x2xcpu"), example, global_batch_size=GLOBAL,
-                        fixed={**BASE, **CASES[name]}, verbose=False)
-    script = autopar.codegen.emit(plan, tmp_path / "run", "plain_factories:llama",
-                                  batch_factory="plain_factories:llama_batch", lr=LR, standalone=True)
-    text = (tmp_path / "run" / "program.py").read_text()
+    for name, config in CASES.items():
+        example = {k: v[:1] for k, v in plain_factories.llama_batch(0, GLOBAL).items()}
+        plan = autopar.plan(plain_factories.llama(), Cluster.from_spec("1x2xcpu"), example, global_batch_size=GLOBAL,
+                            fixed={**BASE, **config}, verbose=False)
+        autopar.codegen.emit(plan, root / name, "plain_factories:llama", batch_factory="plain_factories:llama_batch",
+                             lr=LR, standalone=True)
+        texts[name] = (root / name / "program.py").read_text()
+        items.append(f"{root / name}={root / (name + '.losses')}")
+    driver = root / "driver.py"
+    driver.write_text(DRIVER.replace("STEPS", str(STEPS)))
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(free_port()), str(driver), *items], env=hook, cwd=root, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return {name: (texts[name], [float(x) for x in (root / (name + ".losses")).read_text().split()])
+            for name in CASES}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_standalone_program_trains_like_one_process(name, runs, reference):
+    text, got = runs[name]
     assert "import autopar" not in text and "class Chunk0(torch.nn.Module)" in text
     if "tp2" in name:
         assert "collectives.gather_partial(" in text and "collectives.reduce_scatter(" in text
-    losses = tmp_path / "losses.txt"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                          str(free_port()), str(script), "--steps", str(STEPS), "--loss-file", str(losses),
-                          "--timeout", "120"], env=hook, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    got = [float(x) for x in losses.read_text().split()]
     assert len(got) == STEPS
     for g, w in zip(got, reference):
         assert math.isclose(g, w, rel_tol=1e-5), (got, reference)
