@@ -329,11 +329,15 @@ def _token_split(ctx: OpContext, node: OpNode, t: int, d: int) -> Strategy | Non
 
 
 def _contract(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
-    """Both operands split along the contracted dim: partial output."""
+    """Both operands split along the contracted dim: partial output. ``linear(x, w)`` contracts w's
+    last dim (it computes ``x @ w.T``); ``matmul`` / ``mm`` / ``bmm`` the second operand's next to last."""
     a, b = (ctx.meta(n).shape for n in node.inputs)
-    if len(a) < 2 or len(b) < 2 or not ctx.splittable(node.inputs[0], len(a) - 1, t):
+    if len(a) < 2 or len(b) < 2:
         return []
-    return [Strategy("contract", (S(len(a) - 1), S(len(b) - 2)), P, (), "k")]
+    kb = len(b) - 1 if op_base(node) == "linear" else len(b) - 2
+    if not (ctx.splittable(node.inputs[0], len(a) - 1, t) and ctx.splittable(node.inputs[1], kb, t)):
+        return []
+    return [Strategy("contract", (S(len(a) - 1), S(kb)), P, (), "k")]
 
 
 def _attention(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:

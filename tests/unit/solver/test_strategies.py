@@ -1,0 +1,36 @@
+"""solver/strategies.py: the contracted-dim split of a product of two activations follows the op's own
+convention (DeepSeek-V4's and Inkling's attention multiply by weights cast or sliced in the forward)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autopar.capture import capture
+from autopar.solver.strategies import OpContext, node_strategies, op_base, spec_dim
+
+
+class Products(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(24, 16))   # [out, in], as nn.Linear keeps it
+        self.m = nn.Parameter(torch.randn(16, 12))   # [in, out]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = F.linear(x, self.w * 2.0)       # linear(x, w) = x @ w.T: w's last dim is contracted
+        b = torch.matmul(x, self.m * 2.0)   # matmul(x, m): m's next-to-last dim is contracted
+        return a.sum() + b.sum()
+
+
+def test_contract_splits_each_operand_along_the_dim_the_op_contracts():
+    graph = capture(Products(), (torch.randn(4, 8, 16),))
+    ctx = OpContext(graph)
+    seen = {}
+    for node in graph.nodes:
+        if op_base(node) not in ("linear", "matmul") or node.params:
+            continue
+        for strategy in node_strategies(ctx, node, 2):
+            if strategy.name == "contract":
+                seen[op_base(node)] = tuple(spec_dim(s) for s in strategy.inputs)
+    assert seen == {"linear": (2, 1), "matmul": (2, 0)}, seen
