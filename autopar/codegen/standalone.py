@@ -16,7 +16,7 @@ The folder holds
 
 What the folder cannot run yet is refused at emit time with what to change: context or expert
 parallelism, ZeRO-2/3 together with tensor parallelism, MoE regions run as one call, a batch that is
-not a flat tuple or dict of tensors.
+not a flat tuple or dict of tensors, a model factory that builds on the meta device.
 
 The model is built once here (from ``model_factory``, on the CPU) and exported at one micro-batch,
 as each rank of ``autopar.parallelize`` does: the same lowering, the same generated layers
@@ -97,6 +97,10 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
                           "that runs autopar.parallelize (standalone=False), or re-plan without it")
     model = _load(model_factory)()
     model = model[0] if isinstance(model, tuple) else model
+    if any(p.is_meta for p in model.parameters()):
+        raise ConfigError(f"{model_factory} builds the model on the meta device: a standalone program takes "
+                          "its weights from the factory on every rank, so it must build real ones (or emit with "
+                          "standalone=False, whose ranks materialise their shards)")
     loss = _load(loss_fn) if loss_fn else None
     record = plan.extra.get("inputs")
     if record is None:
@@ -105,8 +109,6 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     graph = graph_of(model, exported)
     check_structure(plan, graph)
     split = split_graph(exported, graph, plan_chunks(plan), param_aliases(model))
-    if graph.moe and cfg.ep > 1:
-        raise ConfigError("a standalone program cannot run MoE regions as one call yet: standalone=False")
     specs, dims = node_specs(plan.sharding, graph) if cfg.tp > 1 else ({}, {})
     if cfg.tp > 1 and cfg.sequence_parallel:
         specs = sequence_parallel(specs, graph, cfg.tp)
@@ -128,8 +130,9 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
         layers += chunk_layers
         chunk_classes.append(text)
     source = program_source(layers, f"{plan.model_name} under {cfg.short()}: every chunk's layers and dataflow.")
-    factories = (f"MODEL_FACTORY, BATCH_FACTORY, LOSS_FN, LR = {model_factory!r}, {batch_factory!r}, "
-                 f"{loss_fn!r}, {lr!r}\n")
+    loss_name = loss_fn or "the model's own"
+    factories = (f"# the loss ({loss_name}) is part of the exported graph, in the last chunk\n"
+                 f"MODEL_FACTORY, BATCH_FACTORY, LR = {model_factory!r}, {batch_factory!r}, {lr!r}\n")
     constants = _constants(plan, split, graph, dims, lowered, crossing, record)
     with open(os.path.join(out_dir, PROGRAM), "w") as fh:
         fh.write(source + "\n" + _HELD + "\n\n" + "\n\n".join(chunk_classes) + "\n" + constants + factories)

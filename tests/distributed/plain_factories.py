@@ -20,3 +20,8 @@ def llama_batch(step: int, global_batch: int) -> dict:
     g = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(0, VOCAB, (global_batch, SEQ), generator=g)
     return {"input_ids": ids, "labels": torch.randint(0, VOCAB, (global_batch, SEQ), generator=g)}
+
+
+def llama_on_meta():
+    with torch.device("meta"):
+        return llama()

@@ -121,3 +121,15 @@ def test_standalone_program_trains_like_one_process(name, runs, reference):
     assert len(got) == STEPS
     for g, w in zip(got, reference):
         assert math.isclose(g, w, rel_tol=1e-5), (got, reference)
+
+
+def test_refuses_a_factory_that_builds_on_meta(tmp_path):
+    """A standalone program takes its weights from the factory on every rank: a meta factory is refused
+    at emit time, saying what to do instead."""
+    import autopar
+    from autopar import Cluster
+    example = {k: v[:1] for k, v in plain_factories.llama_batch(0, GLOBAL).items()}
+    plan = autopar.plan(plain_factories.llama(), Cluster.from_spec("1x2xcpu"), example, global_batch_size=GLOBAL,
+                        fixed={**BASE, "dp": 2, "micro_batch_size": 2}, verbose=False)
+    with pytest.raises(autopar.ConfigError, match="meta device.*standalone=False"):
+        autopar.codegen.emit(plan, tmp_path / "run", "plain_factories:llama_on_meta", standalone=True)
