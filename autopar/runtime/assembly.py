@@ -10,6 +10,7 @@ checkpoints are program.py's.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
@@ -189,6 +190,11 @@ class Assembly:
         self.reducers: list[GradReducer] = []
         if self.fsdp:
             from torch.distributed.fsdp import fully_shard
+            # FSDP2 warns that a layer returning a view loses its pre-backward hook if the view is then
+            # written in place; every layer here copies an input it writes (chunk.py, written_inputs),
+            # so the hazard does not arise: silence that warning for autopar's own modules only
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \((FSDP)?(Layer|Chunk)Module\) "
+                                    r"returned a view tensor", category=UserWarning)
             # With tp > 1 the parameters are already DTensors of the tp sub-mesh: FSDP2 shards them
             # further over the dp sub-mesh of the same root mesh (2-D, as torchtitan does).
             mesh = self.dp_mesh
