@@ -28,6 +28,7 @@ GPU step waits on at small sizes), and ``torch.compile`` takes it as it is.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -115,13 +116,10 @@ class _Emitter:
         return module
 
     # --- values ---------------------------------------------------------------------------------
-    def tp_group(self) -> fx.Node:
-        return self.group_node
-
     def steps(self, value: Any, steps: tuple[Step, ...]) -> Any:
         for s in steps:
             fn = getattr(collectives, s.kind)
-            args = (value, s.dim, self.tp_group()) if s.dim is not None else (value, self.tp_group())
+            args = (value, s.dim, self.group_node) if s.dim is not None else (value, self.group_node)
             value = self.graph.call_function(fn, args)
         return value
 
@@ -193,8 +191,8 @@ class _Emitter:
         """The module path of the model's code that made ``node``, on the nodes emitted for it (source.py
         writes it as a comment)."""
         path = module_path(node)
-        if path:
-            for made in list(self.graph.nodes)[first:]:
+        if path:   # the nodes made since ``first``, from the end (a list of the whole graph per node is quadratic)
+            for made in itertools.islice(reversed(self.graph.nodes), len(self.graph.nodes) - first):
                 made.meta.setdefault("module_path", path)
 
     def _lowered_args(self, node: fx.Node, op: LoweredOp) -> tuple[list, dict]:
@@ -213,20 +211,20 @@ class _Emitter:
         return args, kwargs
 
     def _lowered_op(self, node: fx.Node, op: LoweredOp, args: list, kwargs: dict) -> Any:
-        g, target, how, name = self.tp_group, node.target, op.how, node.name
+        g, target, how, name = self.group_node, node.target, op.how, node.name
         call = self.graph.call_function
         if how in (How.LOCAL, How.WHOLE):
             out = self.graph.create_node("call_function", target, tuple(args), kwargs, name=name)
         elif how is How.VOCAB_EMBEDDING:
             a = bind(target, args, kwargs)
-            out = call(shard_ops.vocab_embedding, (a["weight"], a["indices"], g(), a.get("padding_idx", -1)))
+            out = call(shard_ops.vocab_embedding, (a["weight"], a["indices"], g, a.get("padding_idx", -1)))
         elif how is How.VOCAB_LOSS:
             a = bind(target, args, kwargs)
             if "label_smoothing" in a:
-                out = call(shard_ops.vocab_cross_entropy, (a["self"], a["target"], g(), a["reduction"],
+                out = call(shard_ops.vocab_cross_entropy, (a["self"], a["target"], g, a["reduction"],
                                                            a["ignore_index"], a["label_smoothing"]))
             else:
-                out = call(shard_ops.vocab_nll, (a["self"], a["target"], g(), a["reduction"], a["ignore_index"]))
+                out = call(shard_ops.vocab_nll, (a["self"], a["target"], g, a["reduction"], a["ignore_index"]))
         elif how is How.ROW_LOSS:
             a = bind(target, args, kwargs)
             names = [x.name for x in target._schema.arguments]
@@ -234,13 +232,13 @@ class _Emitter:
             local_args = [shard_ops.SUM if n == "reduction" else a[n] for n in names if n in a]
             local = self.graph.create_node("call_function", target, tuple(local_args), {}, name=name + "_local_sum")
             ignore = a.get("ignore_index")
-            out = call(shard_ops.row_total, (local, g(), reduction, args[0],
+            out = call(shard_ops.row_total, (local, g, reduction, args[0],
                                              args[1] if ignore is not None else None,
                                              -100 if ignore is None else ignore))
         else:
             local = self.graph.create_node("call_function", target, tuple(args), kwargs, name=name + "_local")
-            out = (call(collectives.reduce, (local, g())) if how is How.REDUCE_SUM else
-                   call(collectives.reduce_max, (local, g(), how is How.REDUCE_MAX)))
+            out = (call(collectives.reduce, (local, g)) if how is How.REDUCE_SUM else
+                   call(collectives.reduce_max, (local, g, how is How.REDUCE_MAX)))
         if self.checks and op.local_shape is not None and isinstance(node.meta.get("val"), torch.Tensor) \
                 and how in (How.LOCAL, How.REDUCE_SUM, How.REDUCE_MAX, How.REDUCE_MIN):
             call(shard_ops.expect_shape, (out, op.local_shape, name, op.output))

@@ -387,12 +387,13 @@ class _Lowering:
 
 def lower(nodes: Mapping[str, torch.fx.Node], graph: OpGraph, chunks: Any, specs: Mapping[str, Any],
           param_of: Mapping[str, str],
-          param_dims: Mapping[str, int | None], tp: int, cut_spec,
+          param_dims: Mapping[str, int | None], tp: int,
           moe: Mapping[str, tuple[str, ...]] | None = None) -> LoweredGraph:
     """Lower every node of ``chunks`` (codegen.split.ChunkSpec, in order) for a group of ``tp`` ranks.
 
-    ``cut_spec(value)``: the spec a value crosses a pipeline cut in; ``moe``: MoE region output ->
-    the region's inputs, for regions run as one call (runtime/experts.py)."""
+    A value received from an earlier chunk is held in the spec it crossed the cut in (:func:`cut_spec`
+    of its op's spec); ``moe``: MoE region output -> the region's inputs, for regions run as one call
+    (runtime/experts.py)."""
     moe = moe or {}
     lowering = _Lowering(nodes, graph, specs, param_of, param_dims, tp)
     lowering.pinned = written_families(nodes.values())
@@ -401,7 +402,7 @@ def lower(nodes: Mapping[str, torch.fx.Node], graph: OpGraph, chunks: Any, specs
     leaves = {name: lowering.param_spec(name) if name in param_of else R
               for name, n in nodes.items() if n.op in ("placeholder", "get_attr")}
     for chunk in chunks:
-        held = {**leaves, **{v: cut_spec(v) for v in chunk.recv}}
+        held = {**leaves, **{v: cut_spec(specs.get(v)) for v in chunk.recv}}
         for layer in chunk.layers:
             for name in layer.nodes:
                 if name in moe:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, replace
-from typing import Mapping
+from typing import Any, Mapping
 
 from ..capture.opgraph import OpGraph
 from ..capture.structure import align_ops
@@ -100,3 +100,18 @@ def sequence_parallel(specs: Mapping[str, OpSpec], graph: OpGraph, tp: int) -> d
                       else v) for k, v in spec.inputs.items()}
         out[name] = replace(spec, output="S(1)", inputs=inputs)
     return out
+
+
+def plan_specs(plan: Any, graph: OpGraph) -> tuple[dict[str, OpSpec], dict[str, int | None]]:
+    """The plan's tensor-parallel specs on ``graph`` (sequence parallelism's where the plan has it) and
+    each parameter's split dim: what the in-process runtime and a standalone program lower. Empty at
+    ``tp == 1``."""
+    cfg = plan.config
+    if cfg.tp == 1:
+        return {}, {}
+    if not plan.sharding:
+        raise PlanMismatchError("the plan has tp > 1 but no per-op sharding (a plan file written by an autopar "
+                                "before estimates had one, or edited): make it again with autopar.plan or "
+                                "autopar.estimate")
+    specs, dims = node_specs(plan.sharding, graph)
+    return (sequence_parallel(specs, graph, cfg.tp) if cfg.sequence_parallel else specs), dims

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -31,6 +31,8 @@ from ..capture.build import strip_wrapper
 from ..capture.opgraph import OpGraph
 from ..errors import PlanMismatchError
 from ..plan import Plan
+from .lower import local_shape
+from .pipeline import Value
 
 
 
@@ -240,3 +242,18 @@ def check_structure(plan: Plan, graph: OpGraph) -> None:
         f"the plan was made for a model with fingerprint {plan.fingerprint} ({plan.model_name}), but "
         f"{graph.model_name} here has {graph.fingerprint}: {where} (another config, or another loss_fn?); "
         "re-plan with autopar.plan on this model")
+
+
+def cut_values(split: SplitGraph, graph: OpGraph, spec_of: Callable[[str], str], tp: int,
+               tokens: Callable[[str, list[int]], Sequence[int]] | None = None) -> dict[str, Value]:
+    """Every value crossing a cut (pipeline.py's Value), with the shard a receiving rank allocates: its
+    block along the split of the spec it crosses in (``spec_of``), of this rank's tokens under context
+    parallelism (``tokens(value, shape)``, context.py's local shape)."""
+    out = {}
+    for v, readers in split.consumers.items():
+        meta = split.meta(v)
+        shape = list(meta.shape) if tokens is None else list(tokens(v, list(meta.shape)))
+        grad = graph.node(v).requires_grad if v in graph.node_index else True
+        out[v] = Value(split.producer[v], tuple(readers), local_shape(tuple(shape), spec_of(v), tp), meta.dtype,
+                       grad and meta.is_floating_point())
+    return out

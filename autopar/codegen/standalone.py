@@ -41,10 +41,9 @@ from ..plan import Plan
 from . import pipeline, schedules
 
 
-from .split import check_structure, plan_chunks, split_graph
+from .split import check_structure, cut_values, plan_chunks, split_graph
 from .inputs import example_at
-from .specs import node_specs, sequence_parallel
-from ..solver.strategies import spec_dim
+from .specs import plan_specs
 from .layers import LayerIO, class_name, layer_module
 from .lower import R, convert, cut_spec, lower, normal, written_inputs
 from .source import program_source, write_support
@@ -109,15 +108,12 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     graph = graph_of(model, exported)
     check_structure(plan, graph)
     split = split_graph(exported, graph, plan_chunks(plan), param_aliases(model))
-    specs, dims = node_specs(plan.sharding, graph) if cfg.tp > 1 else ({}, {})
-    if cfg.tp > 1 and cfg.sequence_parallel:
-        specs = sequence_parallel(specs, graph, cfg.tp)
+    specs, dims = plan_specs(plan, graph)
 
     def crossing(v: str) -> str:
         return R if v == split.loss else cut_spec(specs.get(v))
 
-    lowered = (lower(split.node_map, graph, split.chunks, specs, split.param_of, dims, cfg.tp,
-                     lambda v: cut_spec(specs.get(v))) if cfg.tp > 1 else None)
+    lowered = lower(split.node_map, graph, split.chunks, specs, split.param_of, dims, cfg.tp) if cfg.tp > 1 else None
     os.makedirs(out_dir, exist_ok=True)
     write_support(out_dir)
     shutil.copyfile(pipeline.__file__, os.path.join(out_dir, "pipeline.py"))
@@ -198,15 +194,8 @@ def _constants(plan: Plan, split: Any, graph: Any, dims: dict, lowered: Any, cro
     cfg = plan.config
     n = len(split.chunks)
     schedule = schedules.build(cfg.schedule, cfg.pp, plan.micro_batches, cfg.virtual_stages)
-    values = {}
-    for v, readers in sorted(split.consumers.items()):
-        meta = split.meta(v)
-        shape = list(meta.shape)
-        d = spec_dim(crossing(v))
-        if d is not None and shape:
-            shape[d % len(shape)] //= cfg.tp
-        grad = graph.node(v).requires_grad if v in graph.node_index else True
-        values[v] = (split.producer[v], tuple(readers), tuple(shape), str(meta.dtype), grad and meta.is_floating_point())
+    values = {v: (x.producer, x.consumers, x.shape, str(x.dtype), x.requires_grad)
+              for v, x in sorted(cut_values(split, graph, crossing, cfg.tp).items())}
     stage_params = {p: sorted({f for c in split.chunks if c.index % cfg.pp == p for f in c.params})
                     for p in range(cfg.pp)}
     held_by = {}

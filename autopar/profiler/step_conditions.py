@@ -248,8 +248,7 @@ def dispatch_overhead(device: torch.device, nprocs: int) -> tuple[float, float]:
     calls = [n.name for n in program.graph.nodes if n.op == "call_function"]
     weight_name, input_name = [n.name for n in program.graph.nodes if n.op == "placeholder"]
     chunk = SimpleNamespace(index=0, recv=(), layers=(SimpleNamespace(nodes=tuple(calls)),))
-    lowered = lower(split.node_map, SimpleNamespace(nodes=()), [chunk], {}, {weight_name: "weight"}, {}, nprocs,
-                    lambda v: "R")
+    lowered = lower(split.node_map, SimpleNamespace(nodes=()), [chunk], {}, {weight_name: "weight"}, {}, nprocs)
 
     io = LayerIO(tuple(calls), (input_name,), (calls[-1],), (weight_name,), ())
 

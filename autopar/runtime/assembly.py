@@ -23,20 +23,18 @@ from ..capture import graph_of, param_aliases
 from ..capture.export import LossFn, run_export
 from ..capture.opgraph import OpKind
 from ..codegen.lower import R, cut_spec, lower
-from ..errors import ConfigError, PlanMismatchError
-from ..solver.strategies import spec_dim
+from ..errors import ConfigError
 from .chunk import ChunkModule, NodeRunner
-from ..codegen.split import check_structure
 from .context import analyse
 from .context_runner import ContextRunner
 from .data_parallel import GradReducer, Zero1Optimizer, local
 from .expert_parallel import shard_experts
 from .experts import ExpertsModule, check_regions, expert_groups, skipped_nodes
-from ..codegen.split import on_device, plan_chunks, split_graph
+from ..codegen.split import check_structure, cut_values, on_device, plan_chunks, split_graph
 from ..codegen.inputs import describe_inputs, example_at
 from .materialize import local_view, materialize_buffers
 from ..codegen.pipeline import Topology, Value
-from ..codegen.specs import node_specs, sequence_parallel
+from ..codegen.specs import plan_specs
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -74,16 +72,7 @@ class Assembly:
         # the dense weights' gradient (and ZeRO) group: the dp * cp ranks of this (pp, tp) position
         self.dp_mesh = self.mesh["dp"] if cfg.cp == 1 else self.mesh["dp", "cp"]._flatten("dp_cp")
         self.dp_group = self.dp_mesh.get_group()
-        self.specs: dict = {}
-        self.param_dims: dict = {}
-        if cfg.tp > 1:
-            if not self.plan.sharding:
-                raise PlanMismatchError("the plan has tp > 1 but no per-op sharding (a plan file written by an "
-                                        "autopar before estimates had one, or edited): make it again with "
-                                        "autopar.plan or autopar.estimate")
-            self.specs, self.param_dims = node_specs(self.plan.sharding, self.graph)
-            if cfg.sequence_parallel:
-                self.specs = sequence_parallel(self.specs, self.graph, cfg.tp)
+        self.specs, self.param_dims = plan_specs(self.plan, self.graph)
 
     def _expert_groups(self) -> None:
         """Expert parallelism's groups (experts.py), when MoE regions run as one call (ep > 1 or cp > 1)."""
@@ -103,7 +92,7 @@ class Assembly:
         if cfg.tp > 1:
             moe = {r.output: (r.hidden_input, r.index_input, r.weight_input) for r in self.regions}
             lowered = lower(self.split.node_map, self.graph, self.split.chunks, self.specs, self.split.param_of,
-                            self.param_dims, cfg.tp, lambda v: cut_spec(self.specs.get(v)), moe)
+                            self.param_dims, cfg.tp, moe)
         # compiled per layer under FSDP2 (its hooks gather each layer's parameters around the layer's
         # code), else per chunk (_data_parallel): one compiled region for all of a chunk's layers
         self.node_runner = NodeRunner(self.split, self.tp_mesh, lowered, compile=self.compile if self.fsdp else None)
@@ -266,20 +255,9 @@ class Assembly:
     def _cut_values(self) -> dict[str, Value]:
         """Every value crossing a cut, with the shard a receiver allocates: this rank's tokens under
         context parallelism (context.py's local shape), its block of a tensor-parallel split."""
-        out = {}
         context = self.node_runner.context
-        for v, readers in self.split.consumers.items():
-            meta = self.split.meta(v)
-            shape = list(meta.shape)
-            if context is not None:
-                shape = list(context.plan.local_shape(v, shape))
-            d = spec_dim(self._cut_spec(v))
-            if d is not None and shape:
-                shape[d % len(shape)] //= self.cfg.tp
-            grad = self.graph.node(v).requires_grad if v in self.graph.node_index else True
-            out[v] = Value(self.split.producer[v], tuple(readers), tuple(shape), meta.dtype,
-                           grad and meta.is_floating_point())
-        return out
+        return cut_values(self.split, self.graph, self._cut_spec, self.cfg.tp,
+                          None if context is None else context.plan.local_shape)
 
     def _optimizer(self, factory: OptimizerFactory | None):
         if factory is None:

@@ -10,7 +10,7 @@ import autopar
 from autopar import Cluster
 from autopar.capture import graph_of, param_aliases
 from autopar.capture.export import run_export
-from autopar.codegen.lower import COMMUNICATING, How, Step, convert, cut_spec, lower
+from autopar.codegen.lower import COMMUNICATING, How, Step, convert, lower
 from autopar.models import GPTConfig, build_gpt
 from autopar.codegen.split import plan_chunks, split_graph
 from autopar.codegen.specs import node_specs, sequence_parallel
@@ -51,8 +51,7 @@ def _lowered(example_batch: int, micro: int, sp: bool = False):
     if sp:
         specs = sequence_parallel(specs, graph, 2)
     split = split_graph(program, graph, plan_chunks(plan), param_aliases(model))
-    low = lower(split.node_map, graph, split.chunks, specs, split.param_of, params, 2,
-                lambda v: cut_spec(specs.get(v)))
+    low = lower(split.node_map, graph, split.chunks, specs, split.param_of, params, 2)
     return low, specs, split
 
 
