@@ -239,8 +239,7 @@ class _Emitter:
             local = self.graph.create_node("call_function", target, tuple(args), kwargs, name=name + "_local")
             out = (call(collectives.reduce, (local, g)) if how is How.REDUCE_SUM else
                    call(collectives.reduce_max, (local, g, how is How.REDUCE_MAX)))
-        if self.checks and op.local_shape is not None and isinstance(node.meta.get("val"), torch.Tensor) \
-                and how in (How.LOCAL, How.REDUCE_SUM, How.REDUCE_MAX, How.REDUCE_MIN):
+        if self.checks and op.local_shape is not None and isinstance(node.meta.get("val"), torch.Tensor):
             call(shard_ops.expect_shape, (out, op.local_shape, name, op.output))
         if op.after:
             if isinstance(node.meta.get("val"), (list, tuple)):   # a split's pieces, converted as they are read
