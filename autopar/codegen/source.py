@@ -6,6 +6,8 @@ from), and the imports that code needs. The collectives and shard ops are called
 ``collectives.split(...)`` / ``shard_ops.vocab_embedding(...)``: collectives.py and shard_ops.py
 import only torch, so the file runs beside copies of them (:data:`SUPPORT`) with torch alone.
 
+Tensors the code creates (``arange``, masks) go to the module's ``DEVICE``, which a program sets
+to its rank's device (the graph was exported on the CPU or the meta device, whose name it held).
 A layer's class takes its parameters (this rank's shards) and the model's buffers as ``forward``
 arguments, in the order of its signature, and the tensor-parallel process group as
 ``__init__(tp_group)``; a layer whose attention core is recomputed (selective recompute) builds
@@ -15,6 +17,7 @@ dispatch (runtime/experts.py): its class takes that module as ``__init__(experts
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import textwrap
@@ -40,6 +43,7 @@ import collectives
 import shard_ops
 
 inf, nan, NoneType = float("inf"), float("nan"), type(None)
+DEVICE = device("cpu")   # where the tensors this code creates go: the rank's device (train.py sets it)
 '''
 
 
@@ -59,8 +63,37 @@ def write_support(folder: str) -> None:
             dst.write(src.read())
 
 
+class _Written:
+    """An argument written as the expression ``text`` (the module's ``DEVICE``, or its type)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+@contextlib.contextmanager
+def _rank_device(graph: fx.Graph):
+    """Every ``torch.device`` argument of the graph's nodes read as ``DEVICE``, and an inlined
+    autocast region's device type as ``DEVICE.type``, while source is generated (restored after)."""
+    saved = [(n, n.args, n.kwargs) for n in graph.nodes]
+    device = _Written("DEVICE")
+    for n, args, kwargs in saved:
+        n.args = fx.node.map_aggregate(args, lambda a: device if isinstance(a, torch.device) else a)
+        n.kwargs = fx.node.map_aggregate(kwargs, lambda a: device if isinstance(a, torch.device) else a)
+        if n.target is torch.amp.autocast_mode._enter_autocast:   # (device_type, dtype, enabled, cache)
+            n.args = (_Written("DEVICE.type"), *n.args[1:])
+    try:
+        yield
+    finally:
+        for n, args, kwargs in saved:
+            n.args, n.kwargs = args, kwargs
+
+
 def _class(name: str, module: fx.GraphModule, imports: dict[str, str]) -> str:
-    code = module.graph.python_code(root_module="self")
+    with _rank_device(module.graph):
+        code = module.graph.python_code(root_module="self")
     for key, value in code.globals.items():
         if key not in _FX_GLOBALS and getattr(value, "__module__", None) not in _OURS:
             imports.setdefault(key, _import(key, value))

@@ -149,14 +149,21 @@ def split_graph(program: ExportedProgram, graph: OpGraph, chunk_layers: Sequence
 def on_device(program: ExportedProgram, device: torch.device) -> None:
     """Point every device argument of the graph's ops at ``device``, the rank's: a graph exported
     from a model on meta (or on the CPU, and run on a GPU) creates tensors (``arange``, ``zeros``,
-    ``to(device=...)``) on the device its model was on when exported."""
+    ``to(device=...)``) on the device its model was on when exported. The bodies of higher-order ops
+    too (a ``torch.autocast`` region's, whose device type follows the rank's device)."""
     def move(a: Any) -> Any:
         return device if isinstance(a, torch.device) else a
 
-    for node in program.graph.nodes:
-        if node.op == "call_function":
-            node.args = pytree.tree_map(move, node.args)
-            node.kwargs = pytree.tree_map(move, node.kwargs)
+    for module in program.graph_module.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op == "call_function":
+                node.args = pytree.tree_map(move, node.args)
+                node.kwargs = pytree.tree_map(move, node.kwargs)
+                if node.target is torch.ops.higher_order.wrap_with_autocast:   # (device_type, dtype, ...)
+                    node.args = (device.type, *node.args[1:])
+        module.recompile()
 
 
 def placeholders(program: ExportedProgram, aliases: Mapping[str, str]) -> tuple[dict, dict]:

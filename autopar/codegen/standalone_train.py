@@ -73,8 +73,8 @@ def groups(rank):
     return mine
 
 
-def shards(model, pp_rank, tp_rank):
-    """This rank's parameters: its stage's, each its block along the tensor-parallel split dim."""
+def shards(model, pp_rank, tp_rank, device):
+    """This rank's parameters on ``device``: its stage's, each its block along the tensor-parallel split dim."""
     full = dict(model.named_parameters(remove_duplicate=False))
     out = {}
     for fqn in P.STAGE_PARAMS[pp_rank]:
@@ -82,7 +82,7 @@ def shards(model, pp_rank, tp_rank):
         d = P.TP_DIMS.get(fqn)
         if d is not None:
             value = value.chunk(P.TP, d)[tp_rank]
-        out[fqn] = torch.nn.Parameter(value.clone(), requires_grad=full[fqn].requires_grad)
+        out[fqn] = torch.nn.Parameter(value.to(device, copy=True), requires_grad=full[fqn].requires_grad)
     return out
 
 
@@ -131,13 +131,15 @@ def main():
                         "through torch.compile")
     args = parser.parse_args()
 
-    cuda = torch.cuda.is_available()
     owned = not dist.is_initialized()   # a caller (a driver running several programs) may have made it
     if owned:
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=datetime.timedelta(seconds=args.timeout))
+    cuda = dist.get_backend() == "nccl"   # a caller's gloo group runs on the CPU, GPU or not
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    P.DEVICE = device   # where the generated code creates its tensors
     rank = dist.get_rank()
     if dist.get_world_size() != P.DEVICES:
         raise SystemExit(f"the plan runs on {P.DEVICES} ranks, not {dist.get_world_size()}")
@@ -147,7 +149,7 @@ def main():
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = load(P.MODEL_FACTORY)()
     model = model[0] if isinstance(model, tuple) else model
-    params = {k: v.to(device) for k, v in shards(model, pp_rank, tp_rank).items()}
+    params = shards(model, pp_rank, tp_rank, device)
     del model
     buffers = {k: v.to(device) for k, v in torch.load(os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                   "buffers.pt")).items()}

@@ -51,9 +51,11 @@ class Assembly:
         if self.inputs_record is None:
             raise ConfigError("the plan does not record its example inputs: pass parallelize(..., example_inputs=) "
                               "shaped like the inputs the plan was made with")
-        # a meta model is exported on meta inputs (a model that does not move its inputs to its own
-        # device, as Hugging Face's do, would mix devices); on_device points the graph at this rank's
-        where = torch.device("meta") if self.materializer is not None else self.device
+        # exported on inputs on the model's own device (meta, or the CPU for a model the rank then moves
+        # to its GPU): a model that does not move its inputs, as Hugging Face's do not, would mix
+        # devices; on_device then points the graph's factories at this rank's device
+        where = torch.device("meta") if self.materializer is not None else \
+            next((p.device for p in model.parameters()), self.device)
         inputs = example_at(self.inputs_record, self.cfg.micro_batch_size, where)
         program = run_export(model, inputs, loss_fn, train_mode=False)
         self.graph = graph_of(model, program)
