@@ -6,6 +6,9 @@ dropped, so ``use_cache=True`` is harmless); other models go through
 ``loss_fn(output, inputs)``, or, when none is given, the mean of their (first)
 floating output, a stand-in that costs nothing next to the model.
 
+An explicit attention mask that is the causal triangle, computed from shapes alone, runs as
+``is_causal=True`` (capture/causal.py), as the model's own eager step runs it.
+
 Hugging Face experts set to ``experts_implementation="eager"`` (a loop with data-dependent
 shapes) are exported with a static implementation of the same maths (capture/moe.py).
 """
@@ -23,6 +26,7 @@ from torch import nn
 
 from ..errors import CaptureError, ConfigError
 from . import functions
+from .causal import causal_masks
 from .moe import static_experts
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -190,6 +194,7 @@ def run_export(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None, *,
         except Exception as exc:  # noqa: BLE001 - re-raised as CaptureError with the user's source line
             raise _capture_error(model, exc, call="**" if kwargs else "*") from exc
     functions.check(calls, type(model).__name__)
+    causal_masks(program)
     return program
 
 

@@ -61,18 +61,28 @@ def test_gpt_runs_token_wise_with_ring_attention_and_a_partial_loss():
     assert sliced and plan.local_shape("embedding", (2, SEQ, 32)) == (2, SEQ // 2, 32)
 
 
-def test_hf_llama_gathers_labels_for_the_shift_and_keeps_the_mask_whole():
+def test_hf_llama_gathers_labels_for_the_shift_and_keeps_a_padding_mask_whole():
+    """Without an attention mask input the causal mask runs as is_causal (capture/causal.py); a
+    padding mask (an input) is a real mask, and ring attention takes it whole."""
     import autopar.models.hf as hf
     torch.manual_seed(0)
     model, inputs = hf.build_hf_llama(layers=1, hidden=32, heads=4, vocab=64, seq_len=SEQ, dropout=0.0,
                                       batch_size=2)
-    program, plan = _analyse(model, inputs)
-    gathered = {v for step in plan.steps.values() for v, c in zip(step.inputs, step.convert)
-                if any(kind == "gather" for kind, _ in c)}
-    assert gathered == {"labels"}       # the pad-and-slice shift mixes positions: only it gathers
-    attention = next(n for n in program.graph.nodes if "scaled_dot_product_attention" in str(n.target))
-    mask = attention.args[3]
-    assert plan.steps[attention.name].mode == "ring" and plan.states[mask.name] is None   # FULL mask
+    for padded in (False, True):
+        if padded:
+            inputs = dict(inputs, attention_mask=torch.ones_like(inputs["input_ids"]))
+        program, plan = _analyse(model, inputs)
+        gathered = {v for step in plan.steps.values() for v, c in zip(step.inputs, step.convert)
+                    if any(kind == "gather" for kind, _ in c)}
+        # the pad-and-slice shift mixes positions: it gathers (and the padding mask, read whole)
+        assert gathered == {"labels"} if not padded else "labels" in gathered
+        attention = next(n for n in program.graph.nodes if "scaled_dot_product_attention" in str(n.target))
+        assert plan.steps[attention.name].mode == "ring"
+        if not padded:
+            assert attention.kwargs.get("is_causal") and len(attention.args) == 3
+        else:
+            mask = attention.args[3]
+            assert isinstance(mask, torch.fx.Node) and plan.states[mask.name] is None   # FULL mask
 
 
 class _InPlace(nn.Module):
