@@ -24,12 +24,13 @@ rank's) by the op each node calls, for what the plan says per op.
 
 from __future__ import annotations
 
+import collections
 import difflib
 import hashlib
 import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .opgraph import Layer, OpGraph, OpKind, OpNode, TensorMeta
 
@@ -84,6 +85,34 @@ class ModelStructure:
 
     def anchors(self, layer: int) -> tuple[Anchor, ...]:
         return self.bodies[self.layers[layer][1]]
+
+    @cached_property
+    def repeated(self) -> tuple[bool, ...]:
+        """Per layer: whether its body is the model's repeated block (shared with another layer)."""
+        count = collections.Counter(body for _, body in self.layers)
+        return tuple(count[body] > 1 for _, body in self.layers)
+
+    def shard_units(self, indices: Sequence[int], holds: Callable[[int], bool]) -> tuple[tuple[int, ...], ...]:
+        """The ZeRO-2/3 (FSDP2) units of a run of layers, as ``fully_shard`` wraps them: each repeated
+        block that holds parameters alone, each run of the other layers (embedding; final norm and
+        head) together, as FSDP users wrap the block class and leave the rest to one unit. One unit is
+        one all-gather and one reduce-scatter: a layer too small to hide its collectives' latency
+        (a norm) shares its neighbour's. Layers that hold no parameter (``holds``) are in no unit and
+        do not break a run. The runtime wraps by it and the cost model counts by it."""
+        units: list[list[int]] = []
+        open_run = False
+        for i in indices:
+            if not holds(i):
+                continue
+            if self.repeated[i]:
+                units.append([i])
+                open_run = False
+            elif open_run:
+                units[-1].append(i)
+            else:
+                units.append([i])
+                open_run = True
+        return tuple(tuple(u) for u in units)
 
     # --- JSON (the plan file's ``structure``: docs/plan-format.md) ---------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -23,10 +23,12 @@ overlapped collective slows down per second of it (``Device.overlap_slowdown``: 
 SMs and memory bandwidth), what is exposed is
 ``T_dp - o * min(B_last, T_dp - T_dp / n_buckets)`` (the last bucket never hides; with
 ``o = 1`` this is ``max(T_dp - B_last, T_dp / n_buckets)``).
-ZeRO 3 gathers each layer's weights in forward and again in backward and
-reduce-scatters its gradients (one collective per layer), for every micro-batch,
+ZeRO 3 gathers each unit's weights in forward and again in backward and
+reduce-scatters its gradients (one collective per unit: each repeated block, and each run of the
+other layers such as the final norm and head, ModelStructure.shard_units, as the runtime wraps
+them), for every micro-batch,
 prefetched under compute: exposed ``T_ag - o_f min(T_ag, F) + T_ag + T_rs - o min(T_ag + T_rs, B)``
-per micro-batch, plus the hidden share of the first layer's gather, which nothing hides.
+per micro-batch, plus the hidden share of the first unit's gather, which nothing hides.
 ZeRO 2 (FSDP2 without resharding after forward, and none between the step's micro-batches, as
 the runtime runs it) gathers each layer's weights once per step, under the first forward, and
 reduce-scatters its gradients after every backward, so that only a shard of them is ever held:
@@ -153,6 +155,7 @@ class Estimator:
     _lines: dict = field(default_factory=dict)
     _cuts: dict = field(default_factory=dict)
     _numel: dict = field(default_factory=dict)
+    _units: dict = field(default_factory=dict)
     _device_params: dict = field(default_factory=dict)
     _costs: dict = field(default_factory=dict)
     experts: frozenset[str] = field(init=False)   # the expert parameters (divided by ep)
@@ -242,7 +245,7 @@ class Estimator:
                 else acts * flights)
         buffers = self.buffer_bytes(cfg, cfg.stage_mode(d), max(costs[i].largest_tensor for i in idx),
                                     max(costs[i].activations_full for i in idx),
-                                    max(self._layer_params(i, cfg) for i in idx))
+                                    max(self._unit_params(chunk, cfg) for chunk in chunks))
         memory = MemoryBreakdown(params=w, grads=g, optimizer=k, activations=held, buffers=buffers)
         return DeviceCost(
             chunks=tuple(chunks), fwd=sum(costs[i].fwd for i in idx), bwd=sum(costs[i].bwd for i in idx),
@@ -274,11 +277,45 @@ class Estimator:
 
     def buffer_bytes(self, cfg: ParallelConfig, recompute: str, largest, working, layer_params):
         """Transient bytes: two of the largest activation (output and gradient buffers), the
-        recomputed layer's working set, and ZeRO-3's two gathered layers of weights (prefetch).
+        recomputed layer's working set, and ZeRO-3's two gathered units of weights (prefetch;
+        ``layer_params``: the largest unit's).
         Works on floats and numpy arrays alike."""
         work = working if recompute != "none" else 0.0
         zero3 = 2 * layer_params * self.precision.weight_bytes if cfg.zero == 3 else 0.0
         return 2 * largest + work + zero3
+
+    def shard_units(self, layers: Sequence[int], cfg: ParallelConfig) -> tuple[tuple[int, ...], ...]:
+        """The ZeRO-2/3 (FSDP2) units a chunk of ``layers`` is wrapped in (ModelStructure.shard_units, as
+        the runtime wraps them): each unit one all-gather and one reduce-scatter."""
+        return self.graph.structure.shard_units(layers, lambda i: self._layer_params(i, cfg) > 0)
+
+    def _unit_params(self, layers: Sequence[int], cfg: ParallelConfig) -> int:
+        """Parameters of the largest ZeRO-3 unit of a chunk (gathered whole, with the next prefetched)."""
+        return max((sum(self._layer_params(i, cfg) for i in unit) for unit in self.shard_units(layers, cfg)),
+                   default=0)
+
+    def unit_tables(self, cfg: ParallelConfig) -> tuple[np.ndarray, np.ndarray]:
+        """For every run ``[i, j]`` of layers (one stage's chunk): how many ZeRO-2/3 units it makes and
+        the parameters of its largest, as ``n x n`` arrays (:meth:`shard_units` on each run, in one
+        sweep per start)."""
+        key = (cfg.tp, cfg.ep)
+        if key not in self._units:
+            n = len(self.graph.layers)
+            params = [self._layer_params(i, cfg) for i in range(n)]
+            repeated = self.graph.structure.repeated
+            count, largest = np.zeros((n, n)), np.zeros((n, n))
+            for i in range(n):
+                units, open_run, unit, best = 0, False, 0, 0
+                for j in range(i, n):
+                    if params[j] > 0:
+                        if repeated[j] or not open_run:
+                            units, unit, open_run = units + 1, params[j], not repeated[j]
+                        else:
+                            unit += params[j]
+                        best = max(best, unit)
+                    count[i, j], largest[i, j] = units, best
+            self._units[key] = (count, largest)
+        return self._units[key]
 
     def _layer_param_names(self, i: int) -> tuple[str, ...]:
         layer = self.graph.layers[i]
@@ -318,16 +355,16 @@ class Estimator:
                    groups: dict[str, GroupPlacement]) -> float:
         """Data-parallel / ZeRO communication of one device that compute does not hide, per step
         (with the tensor-parallel group's own gradient all-reduce, when the layout has one)."""
-        layers_held = sum(len(c) for c in dev.chunks)
+        units = sum(len(self.shard_units(c, cfg)) for c in dev.chunks)
         return float(self.dp_time(cfg, micro_batches, groups, dev.params, dev.fwd, dev.bwd, dev.recompute,
-                                  dev.tp_comm, dev.tp_grad_bytes, layers_held, dev.expert_params))
+                                  dev.tp_comm, dev.tp_grad_bytes, units, dev.expert_params))
 
     def dp_time(self, cfg: ParallelConfig, micro_batches: int, groups: dict[str, GroupPlacement],
-                params, fwd, bwd, recompute, tp_comm, tp_grad_bytes, layers_held, experts=0.0):
+                params, fwd, bwd, recompute, tp_comm, tp_grad_bytes, units, experts=0.0):
         """:meth:`dp_exposed` on floats or numpy arrays (the stage DP evaluates every layer run at once).
 
         Gradients go in ``dp_bucket_bytes`` buckets (one collective each); ZeRO-2 and 3 gather and
-        reduce-scatter layer by layer (one collective per layer held). Dense weights synchronise
+        reduce-scatter unit by unit (one collective per unit held, ``units``: :meth:`shard_units`). Dense weights synchronise
         over ``groups["dp"]`` (dp * cp ranks), the ``experts`` of ``params`` over ``groups["edp"]``."""
         group, tp_group = groups["dp"], groups["tp"] if cfg.tp > 1 else None
         params = np.asarray(params, dtype=float)
@@ -343,14 +380,14 @@ class Estimator:
             return total - self._overlap(tp_group) * np.minimum(hidden, total - total / tp_buckets)
         o = self._overlap(group)
         if cfg.zero >= 2:
-            ag = sum(self._ct(Collective.ALL_GATHER, n * w_b, grp, layers_held) for n, grp in parts)
-            rs = sum(self._ct(Collective.REDUCE_SCATTER, n * g_b, grp, layers_held) for n, grp in parts)
+            ag = sum(self._ct(Collective.ALL_GATHER, n * w_b, grp, units) for n, grp in parts)
+            rs = sum(self._ct(Collective.REDUCE_SCATTER, n * g_b, grp, units) for n, grp in parts)
             fwd_c, bwd_c = fwd + tp_comm / 2, hidden + tp_comm / 2
             # forward prefetch needs a host that runs ahead of its device (GPU streams); a CPU rank
             # computes on the thread that would issue the next gather, so forward hides nothing there
             o_fwd = 0.0 if self.cluster.device.is_cpu else o
             gather = ag - o_fwd * np.minimum(ag, fwd_c)
-            first = o_fwd * ag / np.maximum(1, layers_held)  # the first layer's gather is never hidden
+            first = o_fwd * ag / np.maximum(1, units)  # the first unit's gather is never hidden
             if cfg.zero == 3:   # gathered again for backward, every micro-batch
                 return micro_batches * (gather + ag + rs - o * np.minimum(ag + rs, bwd_c)) + first + tp_sync
             return gather + first + micro_batches * (rs - o * np.minimum(rs, bwd_c)) + tp_sync

@@ -85,10 +85,9 @@ def run_tables(est: Estimator, cfg: ParallelConfig, micro_batches: int, modes: S
     i_idx, j_idx = np.indices((n, n))
     valid = i_idx <= j_idx
     params, experts = _run_params(est, cfg, n)
-    layer_params = np.array([est._layer_params(i, cfg) for i in range(n)], dtype=float)
     states = sum(est.state_bytes(cfg, params, experts))
     step = np.array([est.layers.step_comm_bytes(layer, cfg.tp) for layer in graph.layers], dtype=float)
-    layers_held = (j_idx - i_idx + 1).astype(float)
+    units, unit_params = est.unit_tables(cfg)   # ZeRO-2/3 units of each run, and its largest unit
     works, tails, fixed, acts = [], [], [], []
     for mode in modes:
         costs = est.layer_costs(cfg, groups["tp"], mode, groups)
@@ -97,11 +96,10 @@ def run_tables(est: Estimator, cfg: ParallelConfig, micro_batches: int, modes: S
         tp = _run_sum(col("tp_fwd") + col("tp_bwd"))
         other = _run_sum(col("cp_fwd") + col("cp_bwd") + col("ep_fwd") + col("ep_bwd"))
         work = fwd + bwd + rec + tp + other + q_in[:, None] + cuts[None, :]
-        dp = est.dp_time(cfg, micro_batches, groups, params, fwd, bwd, rec, tp, _run_sum(step), layers_held,
-                         experts)
+        dp = est.dp_time(cfg, micro_batches, groups, params, fwd, bwd, rec, tp, _run_sum(step), units, experts)
         tail = dp + est.optimizer_time(cfg, params, experts)
         buffers = est.buffer_bytes(cfg, mode, _run_max(col("largest_tensor")), _run_max(col("activations_full")),
-                                   _run_max(layer_params))
+                                   unit_params)
         works.append(np.where(valid, work, INF))
         tails.append(np.where(valid, tail, INF))
         fixed.append(np.where(valid, states + buffers, INF))

@@ -234,12 +234,18 @@ def test_more_devices_never_more_memory_per_device(graphs, data, shape, model, g
 
 
 # --- 1c: ZeRO stages -----------------------------------------------------------------------------
-def _largest_layer_params(graph, layer_names) -> int:
-    """Elements of the largest layer among ``layer_names``, whole (before tensor or expert
-    parallelism split it), tied parameters included: an upper bound on what ZeRO-3 gathers."""
-    by_name = {layer.name: layer for layer in graph.layers}
-    return max(sum(graph.params[p].numel for p in by_name[n].params + by_name[n].shared_params if p in graph.params)
-               for n in layer_names)
+def _largest_unit_params(graph, chunks) -> int:
+    """Elements of the largest ZeRO-3 unit among a stage's ``chunks`` (ModelStructure.shard_units: a
+    repeated block alone, a run of the other layers together), whole (before tensor or expert
+    parallelism split it), tied parameters included: an upper bound on what ZeRO-3 gathers at once."""
+    index = {layer.name: i for i, layer in enumerate(graph.layers)}
+
+    def numel(i: int) -> int:
+        layer = graph.layers[i]
+        return sum(graph.params[p].numel for p in layer.params + layer.shared_params if p in graph.params)
+
+    return max(sum(numel(i) for i in unit) for chunk in chunks
+               for unit in graph.structure.shard_units([index[n] for n in chunk], lambda i: numel(i) > 0))
 
 
 @COST_SETTINGS
@@ -251,17 +257,18 @@ def test_higher_zero_stage_never_more_memory(graphs, data, shape, model):
 
     From ZeRO 2 to 3 the total may grow, for a legitimate reason: ZeRO-3 shards the weights
     (saving ``w * P * (1 - 1/N)`` bytes for ``P`` parameters held and ``N = dp * cp`` ranks) but
-    gathers whole layers to compute, and the model holds two gathered layers at a time (the one
-    computing and the one prefetched: ``2 w P_max`` bytes for the largest layer ``P_max``). With
+    gathers whole units to compute (a repeated block, or a run of the other layers such as the final
+    norm and head), and the model holds two gathered units at a time (the one computing and the one
+    prefetched: ``2 w P_max`` bytes for the largest unit ``P_max``). With
     dp * cp = 1 nothing is saved, and a stage of one or a few layers (dp=2, pp=8 on the 8-layer
     GPT: every stage) gathers more than sharding saves, as with FSDP, where a layer's unsharded
     weights exist while it computes. So the property for 2 -> 3 is the one the model states:
 
-        total_3 - total_2 <= 2 w P_max        (it grows by at most the two gathered layers)
+        total_3 - total_2 <= 2 w P_max        (it grows by at most the two gathered units)
         total_3 <= total_2  whenever  w P (1 - 1/N_e) >= 2 w P_max
 
     with ``N_e = dp * cp / ep`` (experts shard over fewer ranks, so this bounds the saving from
-    below) and ``P_max`` the largest layer whole (an upper bound for its tensor-parallel part).
+    below) and ``P_max`` the largest unit whole (an upper bound for its tensor-parallel part).
     Tolerance 1e-9 relative on these two: they compare sums formed in different orders."""
     nodes, per_node, device = shape
     graph = graphs[model]
@@ -279,7 +286,7 @@ def test_higher_zero_stage_never_more_memory(graphs, data, shape, model):
             if k < 2:
                 assert hi.memory.total <= lo.memory.total, (k, lo.index, cfg.short())
                 continue
-            largest = w * _largest_layer_params(graph, lo.layers)
+            largest = w * _largest_unit_params(graph, lo.chunks)
             assert hi.memory.total - lo.memory.total <= 2 * largest * (1 + 1e-9)
             if w * lo.param_count * (1 - 1 / cfg.expert_replicas) >= 2 * largest:
                 assert hi.memory.total <= lo.memory.total * (1 + 1e-9), (lo.index, cfg.short())

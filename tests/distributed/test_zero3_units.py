@@ -1,0 +1,41 @@
+"""ZeRO-3's FSDP2 units in the runtime are the ones the cost model prices (ModelStructure.shard_units):
+each decoder layer alone, the final norm and the head together (tests/unit/cost_model/test_shard_units.py
+checks the cost model's side)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import worlds  # noqa: E402
+
+
+def fsdp_units(rank: int, size: int) -> tuple[list, list]:
+    """On each rank: (the layers of each FSDP2 parameter group the program made, shard_units' units)."""
+    import torch
+    import autopar
+    import autopar.models.hf as hf
+    torch.manual_seed(0)
+    model, inputs = hf.build_hf_llama(layers=3, batch_size=1, dropout=0.0)
+    plan = autopar.plan(model, autopar.Cluster.from_spec("1x2xcpu"), inputs, global_batch_size=4, verbose=False,
+                        fixed=dict(dp=2, tp=1, pp=1, zero=3, micro_batch_size=2, recompute="none", schedule="1f1b",
+                                   virtual_stages=1, sequence_parallel=False))
+    program = autopar.parallelize(model, plan)
+    groups: dict[int, list[int]] = {}
+    for chunk in program.chunks.values():
+        for layer in chunk.layers:
+            state = layer._get_fsdp_state() if hasattr(layer, "_get_fsdp_state") else None
+            group = getattr(state, "_fsdp_param_group", None)
+            if group is not None:
+                groups.setdefault(id(group), []).append(layer.spec.index)
+    layers = [layer.spec.index for chunk in program.chunks.values() for layer in chunk.layers]
+    holds = {layer.spec.index: any(True for _ in layer.parameters(recurse=False))
+             for chunk in program.chunks.values() for layer in chunk.layers}
+    return sorted(groups.values()), [list(u) for u in program.graph.structure.shard_units(layers, holds.get)]
+
+
+def test_runtime_wraps_the_units_the_cost_model_prices():
+    for made, priced in worlds.world(2).run("test_zero3_units:fsdp_units"):
+        assert made == priced
+        assert len(priced[-1]) == 2 and all(len(u) == 1 for u in priced[:-1])   # [final norm, head]
