@@ -30,7 +30,7 @@ them), for every micro-batch,
 prefetched under compute: exposed ``T_ag - o_f min(T_ag, F) + T_ag + T_rs - o min(T_ag + T_rs, B)``
 per micro-batch, plus the hidden share of the first unit's gather, which nothing hides.
 ZeRO 2 (FSDP2 without resharding after forward, and none between the step's micro-batches, as
-the runtime runs it) gathers each layer's weights once per step, under the first forward, and
+the runtime runs it) gathers each unit's weights once per step, under the first forward, and
 reduce-scatters its gradients after every backward, so that only a shard of them is ever held:
 ``T_ag - o_f min(T_ag, F)`` plus ``T_rs - o min(T_rs, B)`` per micro-batch, plus the first gather.
 Forward prefetch (``o_f = o``) needs a host that runs ahead of its device, as with GPU
