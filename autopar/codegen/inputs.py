@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import ConfigError, PlanMismatchError
+from . import batches
 
 
 def describe_inputs(example_inputs: Any) -> dict[str, Any]:
@@ -37,37 +38,13 @@ def with_inputs(plan: Any, example_inputs: Any) -> Any:
 
 
 def example_at(record: Mapping[str, Any], batch_size: int, device: torch.device | str = "cpu") -> Any:
-    """Zero-filled inputs shaped like ``record`` with dim 0 of every batched tensor set to ``batch_size``."""
-    def make(spec: Any) -> Any:
-        if spec is None:
-            return None
-        shape = list(spec["shape"])
-        if shape:
-            shape[0] = batch_size
-        return torch.zeros(shape, dtype=getattr(torch, spec["dtype"]), device=device)
-
-    kind = record.get("kind")
-    if kind == "tensor":
-        return make(record["args"][0])
-    if kind == "kwargs":
-        return {k: make(v) for k, v in record["kwargs"].items()}
-    if kind == "args":
-        return tuple(make(v) for v in record["args"])
-    raise PlanMismatchError(f"plan.extra['inputs'] is malformed ({record!r}): re-plan, or pass example_inputs=")
-
-
-def slice_batch(batch: Any, start: int, stop: int, global_batch: int) -> Any:
-    """Rows ``start:stop`` of every tensor of the batch whose dim 0 is the global batch size."""
-    def cut(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == global_batch:
-            return t[start:stop]
-        return t
-
-    if isinstance(batch, torch.Tensor):
-        return cut(batch)
-    if isinstance(batch, Mapping):
-        return {k: cut(v) for k, v in batch.items()}
-    return tuple(cut(v) for v in batch)
+    """Zero-filled inputs shaped like ``record`` with dim 0 of every batched tensor set to ``batch_size``
+    (codegen/batches.py); a malformed record is refused as a PlanMismatchError."""
+    try:
+        return batches.example_at(record, batch_size, device)
+    except ValueError as exc:
+        raise PlanMismatchError(f"plan.extra['inputs'] is malformed ({record!r}): re-plan, or pass "
+                                "example_inputs=") from exc
 
 
 def check_batch(batch: Any, record: Mapping[str, Any] | None, global_batch: int) -> None:

@@ -11,7 +11,8 @@ The folder holds
 - ``train.py`` (standalone_train.py, copied): torchrun entry point: process groups, the model
   from the user's factory, each rank's shards of its weights, FSDP2 for ZeRO-2/3, the pipeline
   schedule, gradient reductions, AdamW, the loss file;
-- ``pipeline.py``, ``collectives.py``, ``shard_ops.py``: autopar's own (each imports only torch);
+- ``pipeline.py``, ``batches.py``, ``collectives.py``, ``shard_ops.py``: autopar's own (each imports
+  only torch), the same files the in-process runtime runs;
 - ``buffers.pt``: the buffers and constants the graph reads (rotary tables, masks).
 
 What the folder cannot run yet is refused at emit time with what to change: context or expert
@@ -38,7 +39,7 @@ from ..capture import graph_of, param_aliases
 from ..capture.export import normalize_inputs, run_export
 from ..errors import ConfigError
 from ..plan import Plan
-from . import pipeline, schedules
+from . import batches, pipeline, schedules
 
 
 from .split import check_structure, cut_values, plan_chunks, split_graph
@@ -116,7 +117,8 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     lowered = lower(split.node_map, graph, split.chunks, specs, split.param_of, dims, cfg.tp) if cfg.tp > 1 else None
     os.makedirs(out_dir, exist_ok=True)
     write_support(out_dir)
-    shutil.copyfile(pipeline.__file__, os.path.join(out_dir, "pipeline.py"))
+    for module in (pipeline, batches):
+        shutil.copyfile(module.__file__, os.path.join(out_dir, os.path.basename(module.__file__)))
     shutil.copyfile(TRAIN_TEMPLATE, os.path.join(out_dir, TRAIN))
     torch.save({k: v.detach().cpu() for k, v in split.buffer_value.items()}, os.path.join(out_dir, BUFFERS))
     layers, chunk_classes = [], []

@@ -4,8 +4,8 @@
 Run on each node:  torchrun --nproc-per-node <ranks per node> train.py --steps 10
 
 program.py (beside this file) holds the plan's constants, each layer's code on its shards and each
-chunk's dataflow; pipeline.py runs the schedule; collectives.py / shard_ops.py are the explicit
-collectives. This file builds a rank's share: its process groups, its shards of the weights of
+chunk's dataflow; pipeline.py runs the schedule; batches.py cuts the global batch into micro-batches;
+collectives.py / shard_ops.py are the explicit collectives. This file builds a rank's share: its process groups, its shards of the weights of
 the model ``MODEL_FACTORY`` builds (the same seed on every rank, so the same weights), FSDP2 for
 ZeRO-2/3, AdamW; then per step: the rank's micro-batches through the schedule, the gradient
 reductions (data-parallel mean, tied parameters, tensor-parallel partial sums), the optimizer
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import batches  # noqa: E402
 import pipeline  # noqa: E402
 import program as P  # noqa: E402
 
@@ -86,20 +87,6 @@ def shards(model, pp_rank, tp_rank, device):
     return out
 
 
-def example(batch_size):
-    """Zero inputs shaped like the plan's example inputs, ``batch_size`` rows."""
-    def make(spec):
-        if spec is None:
-            return None
-        shape = list(spec["shape"])
-        if shape:
-            shape[0] = batch_size
-        return torch.zeros(shape, dtype=getattr(torch, spec["dtype"]))
-    if P.EXAMPLE["kind"] == "kwargs":
-        return {k: make(v) for k, v in P.EXAMPLE["kwargs"].items()}
-    return tuple(make(v) for v in P.EXAMPLE["args"])
-
-
 def micro_batches(batch, dp_rank, device):
     """This replica's micro-batches: graph input -> rows of the global batch."""
     if isinstance(batch, torch.Tensor):
@@ -108,15 +95,9 @@ def micro_batches(batch, dp_rank, device):
     out = []
     for i in range(P.MICRO_BATCHES):
         start = dp_rank * per + i * P.MICRO_BATCH_SIZE
-        micro = {}
-        for name, key in P.INPUTS:
-            value = batch[key]
-            if isinstance(value, torch.Tensor):
-                if value.dim() and value.shape[0] == P.GLOBAL_BATCH:
-                    value = value[start:start + P.MICRO_BATCH_SIZE]
-                value = value.to(device)
-            micro[name] = value
-        out.append(micro)
+        rows = batches.slice_batch(batch, start, start + P.MICRO_BATCH_SIZE, P.GLOBAL_BATCH)
+        out.append({name: rows[key].to(device) if isinstance(rows[key], torch.Tensor) else rows[key]
+                    for name, key in P.INPUTS})
     return out
 
 
@@ -179,7 +160,7 @@ def main():
     runner = pipeline.PipelineRunner(chunks, io, values, P.LOSS, pipeline.Topology(P.PP, stages, pp_rank), None,
                                      None, pipeline.wait_for(args.timeout), device)
     schedule = actions(P.SCHEDULE[pp_rank])
-    batch_of = load(P.BATCH_FACTORY) if P.BATCH_FACTORY else (lambda step, n: example(n))
+    batch_of = load(P.BATCH_FACTORY) if P.BATCH_FACTORY else (lambda step, n: batches.example_at(P.EXAMPLE, n))
     for step in range(args.steps):
         optimizer.zero_grad(set_to_none=True)
         losses = runner.run(schedule, micro_batches(batch_of(step, P.GLOBAL_BATCH), dp_rank, device),

@@ -73,7 +73,8 @@ from .checks import check_model, check_world
 from .data_parallel import local
 from .failures import at_step, non_finite_loss, wait_or_fail
 from ..codegen.split import flatten_batch
-from ..codegen.inputs import check_batch, slice_batch
+from ..codegen.batches import slice_batch
+from ..codegen.inputs import check_batch
 from .materialize import InitFn, Materializer, has_meta
 from ..codegen.pipeline import ChunkIO, PipelineRunner
 

@@ -270,7 +270,8 @@ def make_plan(case: Case):
     between the cases of a model and world (solve(sharding=): the same plans, each ILP solved once)."""
     from autopar import Precision
     from autopar.capture import capture
-    from autopar.codegen.inputs import slice_batch, with_inputs
+    from autopar.codegen.batches import slice_batch
+    from autopar.codegen.inputs import with_inputs
     from autopar.solver import solve
     from autopar.solver.sharding_solver import ShardingSolver
     from torch.utils._pytree import tree_map_only

@@ -12,7 +12,8 @@ from autopar.capture import capture, graph_of, param_aliases
 from autopar.capture.export import run_export
 from autopar.models import GPTConfig, build_gpt
 from autopar.codegen.split import flatten_batch, split_graph
-from autopar.codegen.inputs import check_batch, describe_inputs, example_at, slice_batch
+from autopar.codegen.batches import slice_batch
+from autopar.codegen.inputs import check_batch, describe_inputs, example_at
 from autopar.capture.structure import align
 from autopar.codegen.specs import node_specs, sequence_parallel
 
@@ -88,7 +89,7 @@ def test_specs_cover_every_op_and_sequence_parallel_splits_the_residual(gpt):
 
 
 def test_align_maps_ops_across_the_batch_one_specialisation():
-    from autopar.codegen.inputs import slice_batch as cut
+    from autopar.codegen.batches import slice_batch as cut
     import autopar.models.hf as hf
     model, inputs = hf.build_hf_llama(layers=2, hidden=32, heads=4, vocab=64, seq_len=8, batch_size=2)
     one, two = capture(model, cut(inputs, 0, 1, 2)), capture(model, inputs)
