@@ -28,7 +28,13 @@ import torch.fx as fx
 
 _ATTENTION = (torch.ops.aten.scaled_dot_product_attention.default,)
 _NAMES = tuple(a.name for a in torch.ops.aten.scaled_dot_product_attention.default._schema.arguments)
-_MAX_ELEMENTS = 1 << 26   # masks larger than this (64 Mi elements) are left as they are
+# The decision must not depend on the batch (a plan made at batch 1 and the program exported at its
+# micro-batch must agree): it is bounded by one (query x key) plane, up to 8192 x 8192. The
+# evaluation costs the whole mask (every sample's), once per export, with integer temporaries of
+# its size: past 1 Gi elements the mask stays explicit, which runs correctly, only without the
+# fused kernel.
+_MAX_PLANE = 1 << 26
+_MAX_ELEMENTS = 1 << 30
 
 
 def causal_masks(program: torch.export.ExportedProgram) -> int:
@@ -66,7 +72,8 @@ def _bind(node: fx.Node) -> dict[str, Any]:
 def _is_causal(mask: fx.Node) -> bool:
     """Whether ``mask`` depends on shapes alone and is the causal triangle (evaluated on the CPU)."""
     shape = getattr(mask.meta.get("val"), "shape", None)
-    if shape is None or len(shape) < 2 or shape[-1] != shape[-2] or shape.numel() > _MAX_ELEMENTS:
+    if shape is None or len(shape) < 2 or shape[-1] != shape[-2] or shape[-1] * shape[-2] > _MAX_PLANE \
+            or shape.numel() > _MAX_ELEMENTS:
         return False
     order: list[fx.Node] = []
     seen: set[fx.Node] = set()

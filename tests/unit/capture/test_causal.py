@@ -70,3 +70,14 @@ def test_hf_llama_runs_causal_attention_with_no_mask_ops():
     calls = _attention(program)
     assert len(calls) == 2 and all(n.kwargs.get("is_causal") and len(n.args) == 3 for n in calls)
     torch.testing.assert_close(program.module()(**inputs), model(**inputs).loss, rtol=1e-5, atol=1e-6)
+
+
+def test_the_decision_does_not_depend_on_the_batch(monkeypatch):
+    """A plan made from batch-1 inputs and the program exported at its micro-batch see the same
+    graph: the size bound is one (query x key) plane, not the whole batched mask."""
+    import autopar.capture.causal as causal
+    monkeypatch.setattr(causal, "_MAX_PLANE", SEQ * SEQ)
+    for batch in (1, 64):
+        program = run_export(Attention("bool"), (torch.randn(batch, SEQ, 16),), None, train_mode=False)
+        (node,) = _attention(program)
+        assert node.kwargs.get("is_causal") and len(node.args) == 3, batch
