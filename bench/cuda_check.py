@@ -152,6 +152,19 @@ def part_host_overhead(steps: int = 30) -> dict:
     return out
 
 
+def median_step(step, warmup: int = 2, steps: int = 5) -> float:
+    """Median seconds of ``step`` (synchronised with the device) after ``warmup`` untimed calls."""
+    times = []
+    for k in range(warmup + steps):
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        if k >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def part_closed_loop() -> dict:
     import autopar
     from autopar import Cluster, Precision
@@ -165,65 +178,40 @@ def part_closed_loop() -> dict:
     for mb, recompute, compiled in ROWS:
         if ROW_FILTER not in ("all", "compiled" if compiled else "eager"):
             continue
-        if True:
-            name = f"micro-batch {mb}, recompute {recompute}" + (", compile=True" if compiled else "")
-            cfg = autopar.ParallelConfig(**dict(BASE, micro_batch_size=mb, recompute=recompute))
-            priced = dataclasses.replace(precision, kernels="compiled" if compiled else "eager")
-            try:
-                plan = autopar.estimate(meta, cluster, example, cfg, global_batch_size=BIG_BATCH, precision=priced)
-                program = autopar.parallelize(llama(BIG, 1, torch.bfloat16, "meta")[0], plan,
-                                              lambda ps: torch.optim.AdamW(ps, lr=1e-5), compile=compiled)
-                times = []
-                for step in range(7):
-                    sync()
-                    start = time.perf_counter()
-                    program.train_step(x)
-                    sync()
-                    if step >= 2:
-                        times.append(time.perf_counter() - start)
-                measured = statistics.median(times)
-                rows[name] = {"predicted_s": plan.step_time, "measured_s": measured,
-                              "error": plan.step_time / measured - 1,
-                              "predicted_memory_gb": plan.peak_memory / 1e9,
-                              "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if DEVICE == "cuda" else None}
-            except Exception as exc:  # noqa: BLE001 - reported per row
-                rows[name] = {"error_text": f"{type(exc).__name__}: {str(exc)[:400]}"}
-            finally:
-                program = None
-                if DEVICE == "cuda":
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
+        name = f"micro-batch {mb}, recompute {recompute}" + (", compile=True" if compiled else "")
+        cfg = autopar.ParallelConfig(**dict(BASE, micro_batch_size=mb, recompute=recompute))
+        priced = dataclasses.replace(precision, kernels="compiled" if compiled else "eager")
+        try:
+            plan = autopar.estimate(meta, cluster, example, cfg, global_batch_size=BIG_BATCH, precision=priced)
+            program = autopar.parallelize(llama(BIG, 1, torch.bfloat16, "meta")[0], plan,
+                                          lambda ps: torch.optim.AdamW(ps, lr=1e-5), compile=compiled)
+            measured = median_step(lambda: program.train_step(x))
+            rows[name] = {"predicted_s": plan.step_time, "measured_s": measured,
+                          "error": plan.step_time / measured - 1,
+                          "predicted_memory_gb": plan.peak_memory / 1e9,
+                          "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9 if DEVICE == "cuda" else None}
+        except Exception as exc:  # noqa: BLE001 - reported per row
+            rows[name] = {"error_text": f"{type(exc).__name__}: {str(exc)[:400]}"}
+        finally:
+            program = None
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
     # the model's own eager steps at the same size: what our runtime costs over it at mb 8 and mb 1
     own, _ = llama(BIG, 1, torch.bfloat16, DEVICE) if ROW_FILTER != "compiled" else (None, None)
     opt = torch.optim.AdamW(own.parameters(), lr=1e-5) if own is not None else None
     for mb in (8, 1) if own is not None else ():
-        times = []
-        for step in range(7):
-            sync()
-            start = time.perf_counter()
+        def step(mb=mb):
             opt.zero_grad()
             for i in range(0, BIG_BATCH, mb):
                 (own(**{k: v[i:i + mb] for k, v in x.items()}).loss * (mb / BIG_BATCH)).backward()
             opt.step()
-            sync()
-            if step >= 2:
-                times.append(time.perf_counter() - start)
-        rows[f"the model's own eager step, micro-batch {mb}"] = {"measured_s": statistics.median(times)}
+        rows[f"the model's own eager step, micro-batch {mb}"] = {"measured_s": median_step(step)}
     errors = [abs(r["error"]) for r in rows.values() if "error" in r]
     summary = {"median_abs_error": statistics.median(errors) if errors else None,
                "worst_abs_error": max(errors) if errors else None}
     summary["ok"] = bool(errors) and summary["median_abs_error"] <= 0.10 and summary["worst_abs_error"] <= 0.25
     return {"rows": rows, **summary}
-
-
-REFUSE = '''import sys
-class _RefuseAutopar:
-    def find_spec(self, name, path=None, target=None):
-        if name == "autopar" or name.startswith("autopar."):
-            raise ImportError("autopar cannot be imported here (bench/cuda_check.py)")
-        return None
-sys.meta_path.insert(0, _RefuseAutopar())
-'''
 
 
 def part_standalone() -> dict:
@@ -249,7 +237,7 @@ def part_standalone() -> dict:
         autopar.codegen.emit(plan, root / "run", "plain_factories:llama", batch_factory="plain_factories:llama_batch",
                              lr=1e-3, standalone=True)
         (root / "hook").mkdir()
-        (root / "hook" / "sitecustomize.py").write_text(REFUSE)
+        (root / "hook" / "sitecustomize.py").write_text(plain_factories.REFUSE_AUTOPAR)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "hook"), str(HERE.parent / "tests" /
                                                                                     "distributed")])}
         run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",

@@ -5,9 +5,9 @@ Run on each node:  torchrun --nproc-per-node <ranks per node> train.py --steps 1
 
 program.py (beside this file) holds the plan's constants, each layer's code on its shards and each
 chunk's dataflow; pipeline.py runs the schedule; batches.py cuts the global batch into micro-batches;
-collectives.py / shard_ops.py are the explicit collectives. This file builds a rank's share: its process groups, its shards of the weights of
-the model ``MODEL_FACTORY`` builds (the same seed on every rank, so the same weights), FSDP2 for
-ZeRO-2/3, AdamW; then per step: the rank's micro-batches through the schedule, the gradient
+collectives.py / shard_ops.py are the explicit collectives. This file builds a rank's share: its
+process groups, its shards of the weights of the model ``MODEL_FACTORY`` builds (the same seed on
+every rank, so the same weights), FSDP2 for ZeRO-2/3, AdamW; then per step: the rank's micro-batches through the schedule, the gradient
 reductions (data-parallel mean, tied parameters, tensor-parallel partial sums), the optimizer
 step, and the mean loss over the global batch (rank 0 prints it and appends it to --loss-file).
 This file is copied from autopar's codegen/standalone_train.py; it imports nothing of autopar.

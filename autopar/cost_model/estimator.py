@@ -296,24 +296,21 @@ class Estimator:
 
     def unit_tables(self, cfg: ParallelConfig) -> tuple[np.ndarray, np.ndarray]:
         """For every run ``[i, j]`` of layers (one stage's chunk): how many ZeRO-2/3 units it makes and
-        the parameters of its largest, as ``n x n`` arrays (:meth:`shard_units` on each run, in one
-        sweep per start)."""
+        the parameters of its largest, as ``n x n`` arrays. :meth:`shard_units` decides each layer's unit
+        from the layers before it alone, so the units of ``[i, j]`` are those of ``[i, n)`` cut at
+        ``j``: one call per start."""
         key = (cfg.tp, cfg.ep)
         if key not in self._units:
             n = len(self.graph.layers)
-            params = [self._layer_params(i, cfg) for i in range(n)]
-            repeated = self.graph.structure.repeated
+            params = np.array([self._layer_params(i, cfg) for i in range(n)], dtype=float)
             count, largest = np.zeros((n, n)), np.zeros((n, n))
             for i in range(n):
-                units, open_run, unit, best = 0, False, 0, 0
-                for j in range(i, n):
-                    if params[j] > 0:
-                        if repeated[j] or not open_run:
-                            units, unit, open_run = units + 1, params[j], not repeated[j]
-                        else:
-                            unit += params[j]
-                        best = max(best, unit)
-                    count[i, j], largest[i, j] = units, best
+                starts, partial = np.zeros(n), np.zeros(n)   # partial: a unit's parameters up to each layer
+                for unit in self.shard_units(range(i, n), cfg):
+                    starts[unit[0]] = 1
+                    partial[list(unit)] = np.cumsum(params[list(unit)])
+                count[i, i:] = np.cumsum(starts[i:])
+                largest[i, i:] = np.maximum.accumulate(partial[i:])
             self._units[key] = (count, largest)
         return self._units[key]
 
@@ -364,8 +361,9 @@ class Estimator:
         """:meth:`dp_exposed` on floats or numpy arrays (the stage DP evaluates every layer run at once).
 
         Gradients go in ``dp_bucket_bytes`` buckets (one collective each); ZeRO-2 and 3 gather and
-        reduce-scatter unit by unit (one collective per unit held, ``units``: :meth:`shard_units`). Dense weights synchronise
-        over ``groups["dp"]`` (dp * cp ranks), the ``experts`` of ``params`` over ``groups["edp"]``."""
+        reduce-scatter unit by unit (one collective per unit held, ``units``: :meth:`shard_units`).
+        Dense weights synchronise over ``groups["dp"]`` (dp * cp ranks), the ``experts`` of ``params``
+        over ``groups["edp"]``."""
         group, tp_group = groups["dp"], groups["tp"] if cfg.tp > 1 else None
         params = np.asarray(params, dtype=float)
         experts = np.asarray(experts, dtype=float)

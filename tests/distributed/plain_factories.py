@@ -1,5 +1,6 @@
-"""A model and batch factory that import only torch and transformers (test_standalone.py runs a compiled
-program where autopar cannot be imported)."""
+"""A model and batch factory that import only torch and transformers, and an import hook that refuses
+autopar (test_standalone.py and bench/cuda_check.py run a compiled program where autopar cannot be
+imported)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,19 @@ def llama_batch(step: int, global_batch: int) -> dict:
 def llama_on_meta():
     with torch.device("meta"):
         return llama()
+
+
+REFUSE_AUTOPAR = '''import sys
+
+
+class _RefuseAutopar:
+    def find_spec(self, name, path=None, target=None):
+        if name == "autopar" or name.startswith("autopar."):
+            raise ImportError("autopar cannot be imported here (a compiled program runs with torch alone)")
+        return None
+
+
+sys.meta_path.insert(0, _RefuseAutopar())
+'''
+"""A sitecustomize.py that refuses ``import autopar`` in every process started with its folder on
+PYTHONPATH (test_standalone.py, bench/cuda_check.py)."""

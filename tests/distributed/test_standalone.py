@@ -27,25 +27,13 @@ CASES = {
     "pp2_1f1b": dict(pp=2, micro_batch_size=1),
     "dp2_zero3": dict(dp=2, zero=3, micro_batch_size=2),
 }
-REFUSE = '''import sys
-
-
-class _RefuseAutopar:
-    def find_spec(self, name, path=None, target=None):
-        if name == "autopar" or name.startswith("autopar."):
-            raise ImportError("autopar cannot be imported here (tests/distributed/test_standalone.py)")
-        return None
-
-
-sys.meta_path.insert(0, _RefuseAutopar())
-'''
 
 
 @pytest.fixture(scope="module")
 def hook(tmp_path_factory):
     """A folder whose sitecustomize.py refuses autopar in every process started with it on PYTHONPATH."""
     folder = tmp_path_factory.mktemp("no_autopar")
-    (folder / "sitecustomize.py").write_text(REFUSE)
+    (folder / "sitecustomize.py").write_text(plain_factories.REFUSE_AUTOPAR)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), HERE]), "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": "1"}
     probe = subprocess.run([sys.executable, "-c", "import autopar"], env=env, capture_output=True, text=True)
