@@ -38,6 +38,7 @@ TOP_K = 2
 SEQ = 16
 CLASSES = 3
 
+_KV_FIELDS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "num_kv_heads_per_layer")
 # field -> value; the first group sets layer counts (per-layer lists are cut to them)
 _LAYER_FIELDS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers",
                  "num_encoder_layers", "decoder_layers", "encoder_layers", "num_blocks")
@@ -47,8 +48,7 @@ _SIZES: dict[str, int] = {
                            "word_embed_proj_dim", "embedding_size", "hidden_dim")},
     **{f: HEADS for f in ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads",
                           "decoder_attention_heads")},
-    **{f: KV_HEADS for f in ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num",
-                             "num_kv_heads_per_layer")},
+    **{f: KV_HEADS for f in _KV_FIELDS},
     **{f: FFN for f in ("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size", "encoder_ffn_dim",
                         "decoder_ffn_dim", "inner_hidden_size", "mlp_dim", "ffn_config_hidden")},
     **{f: FFN // 2 for f in ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size",
@@ -84,6 +84,10 @@ def _is_config(value: Any) -> bool:
 
 def shrink(config: Any) -> Any:
     """``config`` (a transformers PretrainedConfig) with its size fields small, in place; returned."""
+    heads = getattr(config, "num_attention_heads", None)
+    # attention without key/value groups stays so: multi-head latent attention projects keys and values
+    # for every head while transformers repeats them by heads // num_key_value_heads under tracing
+    ungrouped = [f for f in _KV_FIELDS if isinstance(heads, int) and getattr(config, f, None) == heads]
     for name, small in _SIZES.items():
         value = getattr(config, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > small:
@@ -97,6 +101,8 @@ def shrink(config: Any) -> Any:
             if isinstance(value, (list, tuple)) and len(value) > layers:
                 setattr(config, name, type(value)(value[:layers]))
     heads = getattr(config, "num_attention_heads", None)
+    for name in ungrouped:
+        setattr(config, name, heads)
     kv = getattr(config, "num_key_value_heads", None)
     if isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv:
         config.num_key_value_heads = 1
@@ -162,11 +168,12 @@ def _config(arch: Architecture) -> Any:
 
 
 def _set_dropout(config: Any, p: float) -> None:
-    """Every dropout probability of ``config`` and its sub-configs set to ``p``."""
+    """Every dropout probability of ``config`` and its sub-configs set to ``p``, LayerDrop's (a whole
+    layer skipped at random: a branch on a random number, which a static graph cannot hold) too."""
     for name, value in list(vars(config).items()):
         if _is_config(value):
             _set_dropout(value, p)
-        elif ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
+        elif ("dropout" in name or "layerdrop" in name or name.endswith("pdrop")) and isinstance(value, float):
             setattr(config, name, p)
 
 

@@ -45,7 +45,12 @@ output is split).
   layout splits the batch (:meth:`ShardingSolver.splits_batch`).
 
 The second solve adds ``1e-4 * (strategy index)`` per op (0.1 ns or 100 bytes) to break exact
-ties by strategy order, so that the layout does not depend on the solver.
+ties by strategy order, so that the layout does not depend on the solver. The first solve is
+exact (zero gap); the second stops within half a tie step (``gapAbs``) or ``SECOND_GAP`` = 0.01%
+(``gapRel``) of its optimum, whichever comes first: its criterion (memory among the fastest
+layouts, or time among the leanest) is the refinement, and proving which of two layouts a few
+bytes apart is the smaller took a 1,000-op hybrid linear-attention layer (Hugging Face's
+Qwen3-Next, Bailing, Lara) thousands of branch-and-bound nodes, minutes at the default node limit.
 
 **Constraints**, each family added by one function:
 
@@ -97,6 +102,8 @@ WHOLE_BATCH = "-whole-batch"    # suffix of a variant solved without splitting a
 _US, _MB = 1e6, 1e-6            # the model's units: microseconds, megabytes
 _TIE = 1e-4                     # per strategy index, in the second objective's units
 TIME_SLACK, MEMORY_SLACK = 1e-6, 0.01      # the second solve's tolerance on the first criterion
+SECOND_GAP = 1e-4               # the second solve's relative optimality gap
+SECOND_GAP_ABS = _TIE / 2       # and its absolute one: half a tie step
 NODE_LIMIT = 20_000             # branch-and-bound nodes per solver call by default (deterministic work)
 
 
@@ -120,26 +127,43 @@ class ILPLimits:
             raise ConfigError(f"ilp_node_limit={self.nodes!r} must be a positive integer (or None for no limit)")
 
 
-def lp_solvers(limits: ILPLimits = ILPLimits()) -> list[tuple[str, Any]]:
+def lp_solvers(limits: ILPLimits = ILPLimits(), gap_abs: float = 0.0, gap_rel: float = 0.0) -> list[tuple[str, Any]]:
     """The solvers to try, in order, as (name, pulp solver): HiGHS when ``highspy`` imports (in
-    process: no solver binary to start, no files), then CBC (bundled with pulp). Both solve to a
-    zero gap, on one thread. Almost every group solves in well under a second; the node limit
-    stops a rare hard one from stalling the search."""
+    process: no solver binary to start, no files), then CBC (bundled with pulp). Both solve to an
+    absolute gap of ``gap_abs`` (objective units), on one thread. Almost every group solves in well
+    under a second; the node limit stops a rare hard one from stalling the search."""
     out: list[tuple[str, Any]] = []
     if _highs_ready():
         nodes = {} if limits.nodes is None else {"mip_max_nodes": limits.nodes}
         # no MIP restarts: HiGHS 1.16's restart after root presolve can loop without end and without
         # checking its time limit (found on a hybrid attention/Mamba layer's group by the Hugging
         # Face sweep, bench/hf_coverage.py); without them the node limit bounds every solve
-        out.append(("HiGHS", pulp.HiGHS(msg=False, threads=1, timeLimit=limits.time, gapRel=0.0, gapAbs=0.0,
-                                        mip_allow_restart=False, **nodes)))
+        out.append(("HiGHS", _HiGHS(msg=False, threads=1, timeLimit=limits.time, gapRel=gap_rel,
+                                        gapAbs=gap_abs, mip_allow_restart=False, **nodes)))
     with warnings.catch_warnings():  # PuLP 3.3 announces its bundled CBC will move to an extra in 4.0
         warnings.simplefilter("ignore", DeprecationWarning)
-        cbc = pulp.PULP_CBC_CMD(msg=False, threads=1, timeLimit=limits.time, maxNodes=limits.nodes, gapRel=0.0,
-                                gapAbs=0.0)
+        cbc = pulp.PULP_CBC_CMD(msg=False, threads=1, timeLimit=limits.time, maxNodes=limits.nodes, gapRel=gap_rel,
+                                gapAbs=gap_abs)
     if cbc.available():
         out.append(("CBC", cbc))
     return out
+
+
+class _HiGHS(pulp.HiGHS):
+    """PuLP's in-process HiGHS, reading HiGHS's node-limit status as a stop at a limit. HiGHS ends a
+    solve that reaches ``mip_max_nodes`` with ``kSolutionLimit``, which PuLP (3.3) does not map: it
+    raised KeyError after reading the solution, and every node-limit stop was solved again by CBC."""
+
+    def findSolutionValues(self, lp):
+        try:
+            return super().findSolutionValues(lp)
+        except KeyError:
+            import highspy
+            if lp.solverModel.getModelStatus() != highspy.HighsModelStatus.kSolutionLimit:
+                raise
+            if math.isfinite(lp.solverModel.getObjectiveValue()):   # the best integer solution so far
+                return pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible
+            return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
 
 
 @functools.lru_cache(maxsize=None)
@@ -302,7 +326,11 @@ def _run(m: _Model, gp: GroupProblem, objective: pulp.LpAffineExpression, stage:
     failure is described in ``fallbacks``)."""
     m.prob.setObjective(objective)
     failed: list[str] = []
-    for name, solver in lp_solvers(limits):
+    # the first solve is exact; the second stops within half a tie step or 0.01% of its optimum:
+    # proving which of two layouts a few bytes (or picoseconds) apart is the smaller took hybrid
+    # linear-attention layers of 1,000 ops hundreds of branch-and-bound nodes a second solve
+    gaps = dict(gap_abs=SECOND_GAP_ABS, gap_rel=SECOND_GAP) if stage == "second" else {}
+    for name, solver in lp_solvers(limits, **gaps):
         try:
             status = m.prob.solve(solver)
         except Exception as exc:  # noqa: BLE001 - a solver crash (pulp.PulpSolverError, OSError, ...) moves on

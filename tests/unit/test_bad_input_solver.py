@@ -61,7 +61,7 @@ def test_node_limit_reaches_the_solver(tiny) -> None:
 
 def test_broken_solver_falls_back_to_the_next(tiny, monkeypatch) -> None:
     real = lp_solvers
-    monkeypatch.setattr(sharding, "lp_solvers", lambda limits=ILPLimits(): [("Broken", Broken())] + real(limits))
+    monkeypatch.setattr(sharding, "lp_solvers", lambda limits=ILPLimits(), **kw: [("Broken", Broken())] + real(limits, **kw))
     plan, stats = solve(tiny, TWO, 4, fixed={"tp": 2})
     fallbacks = [n for n in plan.notes if n.startswith("sharding ILP fallback:")]
     nxt = real()[0][0]
@@ -73,7 +73,7 @@ def test_broken_solver_falls_back_to_the_next(tiny, monkeypatch) -> None:
 
 @pytest.mark.parametrize("solver", [Broken(), GivesUp()], ids=["raises", "no-solution"])
 def test_every_solver_failing_falls_back_to_greedy(tiny, monkeypatch, solver) -> None:
-    monkeypatch.setattr(sharding, "lp_solvers", lambda limits=ILPLimits(): [("Only", solver)])
+    monkeypatch.setattr(sharding, "lp_solvers", lambda limits=ILPLimits(), **kw: [("Only", solver)])
     plan, stats = solve(tiny, TWO, 4, fixed={"tp": 2})
     assert plan.fits and plan.config.tp == 2 and plan.sharding
     assert plan.optimal is False and stats.ilp_stopped_early > 0

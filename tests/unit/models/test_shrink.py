@@ -64,3 +64,22 @@ def test_what_cannot_be_built_says_which_and_why():
     fake = shrink.Architecture("NoSuchModelForCausalLM", "llama", "causal-lm")
     with pytest.raises(shrink.ShrinkError, match="NoSuchModelForCausalLM: transformers .* does not export it"):
         shrink.build(fake)
+
+
+def test_key_value_heads_keep_the_grouping_of_the_defaults():
+    """Attention without key/value groups stays ungrouped (multi-head latent attention projects keys and
+    values for every head; transformers repeats them by heads // num_key_value_heads when tracing), and
+    grouped-query attention stays grouped."""
+    mla = shrink.shrink(transformers.Glm4MoeLiteConfig())
+    assert mla.num_key_value_heads == mla.num_attention_heads == shrink.HEADS
+    gqa = shrink.shrink(transformers.MistralConfig())   # 32 heads, 8 key/value heads
+    assert (gqa.num_attention_heads, gqa.num_key_value_heads) == (shrink.HEADS, shrink.KV_HEADS)
+
+
+def test_dropout_off_turns_layerdrop_off():
+    """LayerDrop skips a whole layer when a random number falls below it: a branch on a tensor's
+    value, which a static graph cannot hold, so the sweep's dropout=0 turns it off with the rest."""
+    arch = next(a for a in shrink.architectures() if a.name == "M2M100ForConditionalGeneration")
+    assert transformers.M2M100Config().encoder_layerdrop > 0
+    config = shrink.build(arch, "meta", dropout=0.0).config
+    assert config.encoder_layerdrop == config.decoder_layerdrop == 0.0
