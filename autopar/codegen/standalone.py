@@ -206,6 +206,7 @@ def _constants(plan: Plan, split: Any, graph: Any, dims: dict, lowered: Any, cro
             held_by.setdefault(f, set()).add(c.index % cfg.pp)
     ties = {f: sorted(s) for f, s in held_by.items() if len(s) > 1}
     inputs = _input_keys(record, split)
+    units = {c.index: _units(c, graph) for c in split.chunks}
     fmt = lambda x: pprint.pformat(x, width=110, sort_dicts=False)   # noqa: E731
     return ("\n# --- the plan ------------------------------------------------------------------------------\n"
             "# rank = tp_rank + TP * (dp_rank + DP * pp_rank); chunk c runs on pipeline rank c % PP\n"
@@ -228,7 +229,21 @@ def _constants(plan: Plan, split: Any, graph: Any, dims: dict, lowered: Any, cro
             f"# what each chunk reads and sends, and the values crossing cuts (producer, readers, shard shape, dtype, "
             "grad)\n"
             f"CHUNK_IO = {fmt({c.index: (c.graph_inputs, c.recv, c.send) for c in split.chunks})}\n"
+            f"# ZeRO-2/3: each chunk's FSDP2 units, positions in its layers (the units the cost model priced)\n"
+            f"UNITS = {fmt(units)}\n"
             f"VALUES = {fmt(values)}\n")
+
+
+def _units(chunk: Any, graph: Any) -> list[list[int]]:
+    """Chunk ``chunk``'s ZeRO-2/3 units (``ModelStructure.shard_units``, as the runtime wraps them) as
+    positions in its layers; a layer holds the parameters no other layer of the chunk reads (_chunk)."""
+    use: dict[str, int] = {}
+    for layer in chunk.layers:
+        for p in layer.params:
+            use[p] = use.get(p, 0) + 1
+    position = {layer.index: k for k, layer in enumerate(chunk.layers)}
+    holds = {layer.index: any(use[p] == 1 for p in layer.params) for layer in chunk.layers}
+    return [[position[i] for i in unit] for unit in graph.structure.shard_units(list(position), holds.__getitem__)]
 
 
 def _input_keys(record: dict, split: Any) -> list[tuple[str, Any]]:

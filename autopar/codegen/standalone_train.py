@@ -137,13 +137,14 @@ def main():
     mine = [c for c in range(P.CHUNKS) if c % P.PP == pp_rank]
     chunks = {c: getattr(P, f"Chunk{c}")(g["tp"], params, buffers) for c in mine}
     fsdp = P.ZERO >= 2 and P.DP > 1
-    if fsdp:   # ZeRO-2/3: each layer's parameters sharded over the data-parallel ranks, gathered around it
+    if fsdp:   # ZeRO-2/3: each unit's parameters sharded over the data-parallel ranks, gathered around it
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
         mesh = DeviceMesh(device.type, g["dp_ranks"])
-        for chunk in chunks.values():
-            for layer in chunk.layers:
-                fully_shard(layer, mesh=mesh, reshard_after_forward=P.ZERO == 3)
+        for c, chunk in chunks.items():
+            for unit in P.UNITS[c]:
+                modules = [chunk.layers[k] for k in unit]
+                fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=P.ZERO == 3)
             fully_shard(chunk, mesh=mesh, reshard_after_forward=P.ZERO == 3)
     if args.compile:
         for chunk in chunks.values():

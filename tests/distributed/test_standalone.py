@@ -106,6 +106,8 @@ def test_standalone_program_trains_like_one_process(name, runs, reference):
     assert "import autopar" not in text and "class Chunk0(torch.nn.Module)" in text
     if "tp2" in name:
         assert "collectives.gather_partial(" in text and "collectives.reduce_scatter(" in text
+    if "zero3" in name:   # the FSDP2 units the cost model priced: embedding, each block, final norm + head
+        assert "UNITS = {0: [[0], [1], [2], [3, 4]]}" in text
     assert len(got) == STEPS
     for g, w in zip(got, reference):
         assert math.isclose(g, w, rel_tol=1e-5), (got, reference)
