@@ -114,6 +114,14 @@ class ModelStructure:
                 open_run = True
         return tuple(tuple(u) for u in units)
 
+    def kept_unit(self, indices: Sequence[int], units: Sequence[tuple[int, ...]]) -> tuple[int, ...] | None:
+        """The unit of a chunk of layers ``indices`` (its ``units``: :meth:`shard_units`) that ZeRO-3 keeps
+        gathered from its forward to its backward: the last, when the chunk ends the model (the final
+        norm and head, whose backward follows its forward at once; torchtitan wraps them so too);
+        None for every other chunk. The runtime wraps by it and the cost model counts by it."""
+        indices = list(indices)
+        return tuple(units[-1]) if units and indices and indices[-1] == len(self.layers) - 1 else None
+
     # --- JSON (the plan file's ``structure``: docs/plan-format.md) ---------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {"layers": [[name, body] for name, body in self.layers],

@@ -229,21 +229,25 @@ def _constants(plan: Plan, split: Any, graph: Any, dims: dict, lowered: Any, cro
             f"# what each chunk reads and sends, and the values crossing cuts (producer, readers, shard shape, dtype, "
             "grad)\n"
             f"CHUNK_IO = {fmt({c.index: (c.graph_inputs, c.recv, c.send) for c in split.chunks})}\n"
-            f"# ZeRO-2/3: each chunk's FSDP2 units, positions in its layers (the units the cost model priced)\n"
+            f"# ZeRO-2/3: each chunk's FSDP2 units (positions in its layers, the units the cost model priced), each\n"
+            f"# with whether ZeRO-3 keeps it gathered from forward to backward (the unit that ends the model)\n"
             f"UNITS = {fmt(units)}\n"
             f"VALUES = {fmt(values)}\n")
 
 
-def _units(chunk: Any, graph: Any) -> list[list[int]]:
+def _units(chunk: Any, graph: Any) -> list[tuple[list[int], bool]]:
     """Chunk ``chunk``'s ZeRO-2/3 units (``ModelStructure.shard_units``, as the runtime wraps them) as
-    positions in its layers; a layer holds the parameters no other layer of the chunk reads (_chunk)."""
+    positions in its layers, each with whether ZeRO-3 keeps it gathered after forward
+    (``ModelStructure.kept_unit``); a layer holds the parameters no other layer of the chunk reads (_chunk)."""
     use: dict[str, int] = {}
     for layer in chunk.layers:
         for p in layer.params:
             use[p] = use.get(p, 0) + 1
     position = {layer.index: k for k, layer in enumerate(chunk.layers)}
     holds = {layer.index: any(use[p] == 1 for p in layer.params) for layer in chunk.layers}
-    return [[position[i] for i in unit] for unit in graph.structure.shard_units(list(position), holds.__getitem__)]
+    units = graph.structure.shard_units(list(position), holds.__getitem__)
+    kept = graph.structure.kept_unit(list(position), units)
+    return [([position[i] for i in unit], unit == kept) for unit in units]
 
 
 def _input_keys(record: dict, split: Any) -> list[tuple[str, Any]]:

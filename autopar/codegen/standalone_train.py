@@ -142,9 +142,10 @@ def main():
         from torch.distributed.fsdp import fully_shard
         mesh = DeviceMesh(device.type, g["dp_ranks"])
         for c, chunk in chunks.items():
-            for unit in P.UNITS[c]:
+            for unit, kept in P.UNITS[c]:
                 modules = [chunk.layers[k] for k in unit]
-                fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=P.ZERO == 3)
+                fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
+                            reshard_after_forward=P.ZERO == 3 and not kept)
             fully_shard(chunk, mesh=mesh, reshard_after_forward=P.ZERO == 3)
     if args.compile:
         for chunk in chunks.values():

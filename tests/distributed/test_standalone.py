@@ -107,7 +107,7 @@ def test_standalone_program_trains_like_one_process(name, runs, reference):
     if "tp2" in name:
         assert "collectives.gather_partial(" in text and "collectives.reduce_scatter(" in text
     if "zero3" in name:   # the FSDP2 units the cost model priced: embedding, each block, final norm + head
-        assert "UNITS = {0: [[0], [1], [2], [3, 4]]}" in text
+        assert "UNITS = {0: [([0], False), ([1], False), ([2], False), ([3, 4], True)]}" in text
     assert len(got) == STEPS
     for g, w in zip(got, reference):
         assert math.isclose(g, w, rel_tol=1e-5), (got, reference)

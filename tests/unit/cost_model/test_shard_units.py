@@ -5,6 +5,7 @@ the stage DP's tables and in the full estimate alike."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import autopar
 from autopar import Cluster
@@ -36,7 +37,7 @@ def test_cost_model_tables_count_the_units_of_every_run():
     graph = autopar.capture.capture(model, inputs)
     cfg = ParallelConfig(dp=2, zero=3, micro_batch_size=1)
     est = Estimator(graph, Cluster.from_spec("1x2xcpu"), autopar.Precision(compute="fp32", grads="fp32"))
-    count, largest = est.unit_tables(cfg)
+    count, largest, kept = est.unit_tables(cfg)
     n = len(graph.layers)
     units = est.shard_units(range(n), cfg)
     assert len(units) < n   # the final norm and the head share a unit
@@ -45,4 +46,29 @@ def test_cost_model_tables_count_the_units_of_every_run():
             run = est.shard_units(range(i, j + 1), cfg)
             assert count[i, j] == len(run)
             assert largest[i, j] == max((sum(est._layer_params(k, cfg) for k in u) for u in run), default=0)
+            # ZeRO-3 keeps the unit that ends the model gathered from forward to backward, no other
+            ends = j == n - 1 and bool(run)
+            assert kept[i, j] == (sum(est._layer_params(k, cfg) for k in run[-1]) if ends else 0)
     assert np.all(count[np.tril_indices(n, -1)] == 0)
+    assert kept[0, n - 1] == sum(est._layer_params(k, cfg) for k in units[-1]) > 0
+
+
+def test_zero3_gathers_the_kept_unit_once_per_micro_batch():
+    """The backward re-gather leaves out the kept unit: the same run priced with nothing kept costs
+    exactly one more all-gather of that unit's weights (with one collective more) per micro-batch."""
+    import autopar.models.hf as hf
+    model, inputs = hf.build_hf_llama(layers=3, batch_size=1)
+    graph = autopar.capture.capture(model, inputs)
+    cfg = ParallelConfig(dp=2, zero=3, micro_batch_size=1)
+    est = Estimator(graph, Cluster.from_spec("1x2xcpu"), autopar.Precision(compute="fp32", grads="fp32"))
+    groups = est.placements(cfg)
+    n = len(graph.layers)
+    count, _, kept = est.unit_tables(cfg)
+    params = sum(est._layer_params(k, cfg) for k in range(n))
+    args = (cfg, 4, groups, params, 0.0, 0.0, 0.0, 0.0, 0.0, count[0, n - 1], 0.0)
+    with_kept, without = est.dp_time(*args, kept[0, n - 1]), est.dp_time(*args, 0.0)
+    from autopar.cost_model.comm import Collective
+    w_b = est.precision.weight_bytes
+    regather = lambda nbytes, calls: float(est._ct(Collective.ALL_GATHER, nbytes, groups["dp"], calls))  # noqa: E731
+    gap = 4 * (regather(params * w_b, count[0, n - 1]) - regather((params - kept[0, n - 1]) * w_b, count[0, n - 1] - 1))
+    assert without - with_kept == pytest.approx(gap, rel=1e-9) and gap > 0
