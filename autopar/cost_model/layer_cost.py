@@ -3,10 +3,11 @@
 A layer's forward is the sum of its ops' forward times plus its forward
 tensor-parallel collectives; backward likewise. Recomputation adds forward work to
 backward: the whole forward (collectives included) for "full", the attention core's
-forward for "selective". Under tensor parallelism the runtime runs each op as a DTensor,
-which costs the device's ``dispatch_overhead`` per op (``dispatch_overhead_backward`` per op of
-the backward) on the host (measured by the
-profiler; 0 for the GPU presets, whose kernels run asynchronously behind the host).
+forward for "selective". Under tensor parallelism each op of the generated layer code reads its
+arguments through the lowering's conversions (codegen/lower.py), which costs the device's
+``dispatch_overhead`` per op (``dispatch_overhead_backward`` per op of the backward) on the host
+(measured by the profiler, profiler/step_conditions.py; 0 for the GPU presets, whose kernels run
+asynchronously behind the host).
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ class LayerCostModel:
             if node.attention_core:
                 core_fwd += t.fwd
                 core_flops += node.flops_fwd * node_scale
-        if tp > 1:  # the runtime runs every op of the layer as a DTensor: its host-side dispatch cost
+        if tp > 1:  # the lowered layer code's host-side cost per op (its conversions, shape forms)
             fwd += ops * self.cluster.device.dispatch_overhead
             bwd += grad_ops * self.cluster.device.dispatch_overhead_backward
         tp_fwd, tp_bwd = self._tp_comm(layer, layout, scale, tp_group, sp)

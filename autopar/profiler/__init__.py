@@ -4,7 +4,7 @@
 - device.py: achieved FLOP/s curves and memory bandwidth, measured; device_profile.py: their records;
   device_fit.py: the Device fitted to them;
 - link_timing.py: collectives between local ranks timed in one spawn; step_conditions.py, in the
-  same spawn: overlap, in-context latency, concurrency slowdown, DTensor dispatch; links.py: their
+  same spawn: overlap, in-context latency, concurrency slowdown, tensor-parallel dispatch; links.py: their
   per-collective alpha/beta fits -> a measured Link;
 - local.py: ``Cluster.local()``: all of it for this machine, cached;
 - database.py: the JSON cache; host.py: timers and thread counts (progress bars: autopar/progress.py).

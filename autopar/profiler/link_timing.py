@@ -28,7 +28,7 @@ so it costs about an all-reduce of ``S``. The profile records what the backend r
 its fit then gives a (low) effective ``B`` for reduce-scatter that the cost model uses as is.
 
 The same spawn then measures what collectives and compute cost inside a training step (overlap,
-in-context extra, concurrency slowdown, the runtime's DTensor dispatch overhead):
+in-context extra, concurrency slowdown, the tensor-parallel runtime's per-op dispatch overhead):
 step_conditions.py.
 
 **Noise.** On a small VM gloo's times are bimodal: most calls take the link's time, but a
@@ -107,7 +107,7 @@ def _free_port() -> int:
 
 def measure_links(nprocs: int, threads_per_rank: int = 1, *, sizes: Sequence[int] | None = None, warmup: int = 2,
                   repeats: int = 5, backend: str | None = None, progress: bool = True) -> LinkProfile:
-    """Time every collective of :data:`COLLECTIVES` at every size, and the DTensor dispatch overhead,
+    """Time every collective of :data:`COLLECTIVES` at every size, and the tensor-parallel dispatch overhead,
     on ``nprocs`` local ranks spawned once (module docstring: what is measured).
 
     ``sizes``: per-rank bytes (default :data:`DEFAULT_SIZES`), rounded by :func:`round_sizes`.

@@ -73,7 +73,7 @@ are compared (the trimmed loss), so one stalled sample cannot pick the model."""
 # --- The profile ---------------------------------------------------------------------------------
 @dataclass(frozen=True, kw_only=True)
 class LinkProfile:
-    """Measured collective times of ``nprocs`` local ranks and the DTensor dispatch overhead."""
+    """Measured collective times of ``nprocs`` local ranks and the tensor-parallel dispatch overhead."""
 
     backend: str
     """"gloo" or "nccl"."""
@@ -84,7 +84,7 @@ class LinkProfile:
     samples: Mapping[str, tuple[tuple[int, float], ...]]
     """Collective name -> ((per-rank bytes, seconds), ...) in increasing bytes. Stored read-only."""
     dispatch_fwd_seconds: float
-    """Extra seconds per op of a forward run on Replicate DTensors instead of plain tensors."""
+    """Extra seconds per op of a forward run as lowered tensor-parallel layer code instead of plain code."""
     dispatch_bwd_seconds: float
     """Extra seconds per op of the backward of those ops."""
     overlap_fraction: float

@@ -31,7 +31,7 @@ op's forward (backward) time is scaled by ``T_pass / sum_ops t`` of the forward 
 the op profile says where the time goes, the pass says how much there is (ratios of 1.1-1.2
 on a CPU). Both the raw op times and the pass are cached.
 
-Views cost nothing (capture's convention), and the runtime's per-op DTensor overhead under
+Views cost nothing (capture's convention), and the runtime's per-op host overhead under
 tensor parallelism is the device's ``dispatch_overhead`` (cost_model/layer_cost.py).
 """
 
