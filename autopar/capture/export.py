@@ -27,6 +27,7 @@ from torch import nn
 from ..errors import CaptureError, ConfigError
 from . import functions
 from .causal import causal_masks
+from .last_selected import last_selected
 from .moe import static_experts
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -194,6 +195,7 @@ def run_export(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None, *,
         except Exception as exc:  # noqa: BLE001 - re-raised as CaptureError with the user's source line
             raise _capture_error(model, exc, call="**" if kwargs else "*") from exc
     functions.check(calls, type(model).__name__)
+    last_selected(program)
     causal_masks(program)
     return program
 

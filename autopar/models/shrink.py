@@ -208,6 +208,9 @@ def example(arch: Architecture, model: torch.nn.Module, batch: int, seed: int = 
     ids = torch.randint(1, min(vocab, VOCAB), (batch, SEQ), generator=g)
     eos = getattr(model.config, "eos_token_id", None)
     if isinstance(eos, int) and 0 <= eos < vocab:
-        ids[:, -1] = eos   # sequence classifiers of encoder-decoders pool at the end-of-sequence token
+        # each sequence ends with its only end-of-sequence token: sequence classifiers of encoder-decoders
+        # pool at it, and refuse a batch whose sequences hold different numbers of them
+        ids[ids == eos] = 1 if eos != 1 else 2
+        ids[:, -1] = eos
     labels = torch.randint(0, CLASSES, (batch,), generator=g) if arch.task == "classification" else ids.clone()
     return {"input_ids": ids.to(device), "labels": labels.to(device)}
