@@ -117,7 +117,8 @@ def _drop_value_checks(graph: fx.Graph) -> None:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in _ASSERTS:
             continue
-        if all(_only_measured(source) for source in _sized_tensors(node)) and _sized_tensors(node):
+        sized = _sized_tensors(node)
+        if sized and all(_only_measured(tensor) for tensor in sized):
             graph.erase_node(node)
 
 

@@ -129,9 +129,10 @@ class ILPLimits:
 
 def lp_solvers(limits: ILPLimits = ILPLimits(), gap_abs: float = 0.0, gap_rel: float = 0.0) -> list[tuple[str, Any]]:
     """The solvers to try, in order, as (name, pulp solver): HiGHS when ``highspy`` imports (in
-    process: no solver binary to start, no files), then CBC (bundled with pulp). Both solve to an
-    absolute gap of ``gap_abs`` (objective units), on one thread. Almost every group solves in well
-    under a second; the node limit stops a rare hard one from stalling the search."""
+    process: no solver binary to start, no files), then CBC (bundled with pulp). Both stop within an
+    absolute gap of ``gap_abs`` (objective units) or a relative one of ``gap_rel`` of the optimum (0:
+    exact), on one thread. Almost every group solves in well under a second; the node limit stops a
+    rare hard one from stalling the search."""
     out: list[tuple[str, Any]] = []
     if _highs_ready():
         nodes = {} if limits.nodes is None else {"mip_max_nodes": limits.nodes}
