@@ -59,8 +59,9 @@ def _commit() -> str:
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":!bench/results", ":!docs/coverage.md"],   # what the sweep itself writes
+                               cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
         return sha + ("+" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
