@@ -21,7 +21,6 @@ from autopar.capture import capture  # noqa: E402
 from autopar.models import shrink  # noqa: E402
 from autopar.solver import solve  # noqa: E402
 
-
 CLUSTER = Cluster.from_spec("1x2xcpu", intra_node_bandwidth=1e12, intra_node_latency=1e-9)
 TP2 = dict(dp=1, tp=2, pp=1, micro_batch_size=4, zero=0, recompute="none", schedule="1f1b", virtual_stages=1)
 
@@ -38,6 +37,7 @@ def test_qwen3_next_plans_within_fifty_nodes_per_solve(qwen3_next):
     plan, stats = solve(qwen3_next, CLUSTER, 8, fixed=TP2, ilp_node_limit=50)
     assert stats.ilp_solves > 0 and stats.ilp_stopped_early == 0 and not stats.ilp_fallbacks
     assert plan.optimal and plan.config.tp == 2
+
 
 def test_a_highs_node_limit_stop_keeps_its_solution(qwen3_next, monkeypatch):
     """HiGHS ends a solve at ``mip_max_nodes`` with a status PuLP does not map: the solution it has is
