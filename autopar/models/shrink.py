@@ -67,7 +67,12 @@ _SIZES: dict[str, int] = {
     **{f: 16 for f in ("sliding_window", "attention_window", "local_attention")},
     **{f: 8 for f in ("num_buckets", "relative_attention_num_buckets")},
     **{f: 16 for f in ("relative_attention_max_distance",)},
+    **{f: HIDDEN for f in ("d_latents",)},                  # Perceiver's latent width
+    **{f: LAYERS for f in ("num_self_attends_per_block",)},  # and its latent self-attention layers
+    **{f: 8 for f in ("num_filters",)},                     # convolutional audio encoders' first width
 }
+# per-stage depths of convolutional encoders (each stage doubles the width): one block a stage
+_STAGE_DEPTHS = ("depths",)
 # per-layer lists and tuples cut to the layer count
 _PER_LAYER = ("layer_types", "mlp_only_layers", "block_types", "attn_layer_indices", "attention_layers",
               "layers_block_type", "no_rope_layers", "sliding_window_pattern_layers")
@@ -100,6 +105,10 @@ def shrink(config: Any) -> Any:
             value = getattr(config, name, None)
             if isinstance(value, (list, tuple)) and len(value) > layers:
                 setattr(config, name, type(value)(value[:layers]))
+    for name in _STAGE_DEPTHS:
+        value = getattr(config, name, None)
+        if isinstance(value, (list, tuple)) and all(isinstance(d, int) and not isinstance(d, bool) for d in value):
+            setattr(config, name, type(value)(min(d, 1) for d in value))
     heads = getattr(config, "num_attention_heads", None)
     for name in ungrouped:
         setattr(config, name, heads)

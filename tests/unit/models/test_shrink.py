@@ -83,3 +83,14 @@ def test_dropout_off_turns_layerdrop_off():
     assert transformers.M2M100Config().encoder_layerdrop > 0
     config = shrink.build(arch, "meta", dropout=0.0).config
     assert config.encoder_layerdrop == config.decoder_layerdrop == 0.0
+
+
+def test_latent_and_convolutional_encoders_shrink_too():
+    """Perceiver's latent width and self-attention layers, and a convolutional audio encoder's first
+    width and per-stage depths (each stage doubles the width): left at their defaults they made 270 M
+    and 690 M parameter "test-size" models whose ranks the sweep's machine killed for memory."""
+    for name, most in (("PerceiverForSequenceClassification", 1e6), ("VibeVoiceAsrForConditionalGeneration", 2e7)):
+        arch = next(a for a in shrink.architectures() if a.name == name)
+        assert sum(p.numel() for p in shrink.build(arch, "meta", dropout=0.0).parameters()) < most, name
+    encoder = shrink.shrink(transformers.VibeVoiceAsrConfig()).acoustic_tokenizer_encoder_config
+    assert set(encoder.depths) == {1} and encoder.num_filters == 8
