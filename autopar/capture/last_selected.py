@@ -67,22 +67,19 @@ def _rewrite(graph: fx.Graph, index: fx.Node) -> bool:
     shape = view.args[1]
     if not (isinstance(shape, (list, tuple)) and len(shape) == 3 and shape[0] == batch and shape[2] == width):
         return False
-    selects = [u for u in view.users if u.target not in _SIZE_OPS]
-    if len(selects) != 1 or len(view.users) != 1:
+    if len(view.users) != 1:
         return False
-    select = selects[0]
+    (select,) = view.users
     if select.target is not aten.select.int or tuple(select.args[1:]) != (1, -1):
         return False
     with graph.inserting_before(select):
         made = []
 
-        def call(target, *args):
-            out = graph.call_function(target, args)
+        def call(target, *args, **kwargs):
+            out = graph.call_function(target, args, kwargs)
             made.append(out)
             return out
-        as_int = call(aten._to_copy.default, mask)
-        as_int.kwargs = {"dtype": torch.int64}
-        flipped = call(aten.flip.default, as_int, [1])
+        flipped = call(aten.flip.default, call(aten._to_copy.default, mask, dtype=torch.int64), [1])
         first = call(aten.argmax.default, flipped, 1)
         last = call(aten.rsub.Scalar, first, seq - 1)
         where = call(aten.expand.default, call(aten.view.default, last, [batch, 1, 1]), [batch, 1, width])

@@ -144,10 +144,7 @@ def _load(ref: str) -> Any:
 
 def _chunk(chunk: Any, split: Any, lowered: Any, modes: list[str], crossing) -> tuple[str, list]:
     """Chunk ``c``'s class (its layers wired together) and its layers' generated modules."""
-    use: dict[str, int] = {}
-    for layer in chunk.layers:
-        for p in layer.params:
-            use[p] = use.get(p, 0) + 1
+    use = _param_uses(chunk)
     shared = [p for p in chunk.params if use[p] > 1]
     placeholder_of = {fqn: ph for ph, fqn in split.param_of.items()}
     generated, build, body = [], [], []
@@ -235,14 +232,20 @@ def _constants(plan: Plan, split: Any, graph: Any, dims: dict, lowered: Any, cro
             f"VALUES = {fmt(values)}\n")
 
 
-def _units(chunk: Any, graph: Any) -> list[tuple[list[int], bool]]:
-    """Chunk ``chunk``'s ZeRO-2/3 units (``ModelStructure.shard_units``, as the runtime wraps them) as
-    positions in its layers, each with whether ZeRO-3 keeps it gathered after forward
-    (``ModelStructure.kept_unit``); a layer holds the parameters no other layer of the chunk reads (_chunk)."""
+def _param_uses(chunk: Any) -> dict[str, int]:
+    """How many of the chunk's layers read each parameter (one: the layer holds it; more: the chunk)."""
     use: dict[str, int] = {}
     for layer in chunk.layers:
         for p in layer.params:
             use[p] = use.get(p, 0) + 1
+    return use
+
+
+def _units(chunk: Any, graph: Any) -> list[tuple[list[int], bool]]:
+    """Chunk ``chunk``'s ZeRO-2/3 units (``ModelStructure.shard_units``, as the runtime wraps them) as
+    positions in its layers, each with whether ZeRO-3 keeps it gathered after forward
+    (``ModelStructure.kept_unit``); a layer holds the parameters no other layer of the chunk reads (_chunk)."""
+    use = _param_uses(chunk)
     position = {layer.index: k for k, layer in enumerate(chunk.layers)}
     holds = {layer.index: any(use[p] == 1 for p in layer.params) for layer in chunk.layers}
     units = graph.structure.shard_units(list(position), holds.__getitem__)

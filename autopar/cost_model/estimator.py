@@ -314,7 +314,8 @@ class Estimator:
                     partial[list(unit)] = np.cumsum(params[list(unit)])
                 count[i, i:] = np.cumsum(starts[i:])
                 largest[i, i:] = np.maximum.accumulate(partial[i:])
-                kept[i, n - 1] = self.kept_unit(range(i, n), cfg)
+                unit = self.graph.structure.kept_unit(range(i, n), units)   # of these units, not new ones
+                kept[i, n - 1] = params[list(unit)].sum() if unit else 0.0
             self._units[key] = (count, largest, kept)
         return self._units[key]
 
