@@ -15,6 +15,13 @@
   static, so a program runs the checked code once and the code without checks after.
 - A ``torch.no_grad()`` / autocast region of the model (a higher-order op) is inlined between
   the calls that enter and leave its context, as torch.compile writes them.
+- With context parallelism (a :class:`~.context_state.ContextRank`), each read of a value is
+  then converted as context.py decided (gathered whole, cut to this rank's tokens, or a
+  partial value resolved: context_ops.py), shape arguments are composed with the local sizes of
+  the sequence, and attention runs as ring attention (or this rank's queries over whole keys),
+  a mean loss as this rank's sum over the group's count of targets. Tensor parallelism's
+  conversion of a value comes first, then context parallelism's (the two act on different dims
+  and different groups, so they commute; a conversion along a dim both split is refused).
 - An MoE region run as one call (:attr:`~.lower.How.MOE`) calls its experts module.
 - Inputs some op of the layer writes in place are cloned first (FSDP2 hands a layer its inputs
   as views autograd refuses to write) and returned after the outputs, for later layers to read.
@@ -39,7 +46,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..capture.build import module_path
-from . import collectives, shard_ops
+from ..errors import ConfigError
+from ..solver.strategies import spec_dim
+from . import collectives, context_ops, shard_ops
+from .context_state import ContextRank, Local, holds_tensor
 from .lower import CONTEXT_HOPS, SKIPPED_TARGETS, How, LoweredGraph, LoweredOp, Step
 
 
@@ -72,22 +82,23 @@ def bind(target: Any, args: tuple | list, kwargs: Mapping[str, Any]) -> dict[str
 def layer_module(io: LayerIO, nodes: Mapping[str, fx.Node], source: nn.Module, lowered: LoweredGraph | None = None,
                  group: Any = None, experts: Mapping[str, nn.Module] | None = None,
                  moe: Mapping[str, tuple[str, str, str]] | None = None, skip: frozenset[str] = frozenset(),
-                 name: str = "Layer", checks: bool = False) -> fx.GraphModule:
+                 name: str = "Layer", checks: bool = False, context: ContextRank | None = None) -> fx.GraphModule:
     """The layer's generated module. ``source``: the exported graph module (region bodies); ``experts``
     / ``moe``: MoE region output node -> its experts module / its (hidden, index, weights) inputs, for
     regions run as one call; ``skip``: nodes not run (the regions' other nodes); ``checks``: check the
     shape of every shard an op computes (the shapes are static: a program runs this once, on its
-    first call, and the code without checks after)."""
-    emitter = _Emitter(nodes, source, lowered, group, experts or {}, moe or {}, skip, checks)
+    first call, and the code without checks after); ``context``: this rank of a context-parallel group."""
+    emitter = _Emitter(nodes, source, lowered, group, experts or {}, moe or {}, skip, checks, context)
     return emitter.module(io, name)
 
 
 class _Emitter:
     def __init__(self, nodes: Mapping[str, fx.Node], source: nn.Module, lowered: LoweredGraph | None, group: Any,
                  experts: Mapping[str, nn.Module], moe: Mapping[str, tuple[str, str, str]],
-                 skip: frozenset[str], checks: bool = False) -> None:
+                 skip: frozenset[str], checks: bool = False, context: ContextRank | None = None) -> None:
         self.nodes, self.source, self.lowered, self.group = nodes, source, lowered, group
         self.experts, self.moe, self.skip, self.checks = experts, moe, skip, checks
+        self.context = context
 
     def module(self, io: LayerIO, name: str) -> fx.GraphModule:
         self.graph = fx.Graph()
@@ -100,6 +111,9 @@ class _Emitter:
         if self.lowered is not None:
             self.attrs["tp_group"] = self.group
             self.group_node = self.graph.get_attr("tp_group")
+        if self.context is not None:
+            self.attrs["cp_group"] = self.context.group
+            self.cp_node = self.graph.get_attr("cp_group")
         for v in io.written:
             self.env[v] = self.graph.call_method("clone", (self.env[v],))
         segment: list[str] = []
@@ -166,25 +180,29 @@ class _Emitter:
         if op is not None and op.how is How.SKIP:
             self.env[name] = None
             return
+        step = self.context.plan.steps.get(name) if self.context is not None else None
         if name in self.moe:
-            values = [self.read(v, op.reads.get(v, ())) if op is not None else self.env[v] for v in self.moe[name]]
+            names = self.moe[name]
+            cp = step.convert if step is not None else ((),) * len(names)
+            values = [self.convert(v, op.reads.get(v, ()) if op is not None else (), c) for v, c in zip(names, cp)]
             target = f"experts_{name}"
             self.attrs[target] = self.experts[name]
             self.env[name] = self.graph.call_module(target, tuple(values))
             return
-        if op is None:
-            args = fx.node.map_arg(node.args, self.load)
-            kwargs = fx.node.map_arg(node.kwargs, self.load)
-        else:
-            args, kwargs = self._lowered_args(node, op)
+        args, kwargs = self._args(node, op, step)
         if str(node.target) in CONTEXT_HOPS:
             self.env[name] = self._region(str(node.target), args, kwargs)
             return
         first = len(self.graph.nodes)
-        if op is None:
-            self.env[name] = self.graph.create_node("call_function", node.target, tuple(args), kwargs, name=name)
+        if step is not None and step.mode in _CONTEXT_MODES:
+            out = self._context_op(node, op, step, args, kwargs)
+        elif op is None:
+            out = self.graph.create_node("call_function", node.target, tuple(args), kwargs, name=name)
         else:
-            self.env[name] = self._lowered_op(node, op, args, kwargs)
+            out = self._lowered_op(node, op, args, kwargs)
+        if step is not None and step.scale != 1.0:   # a sum over the group's tokens: cp times this rank's
+            out = self.graph.call_function(context_ops.scaled, (out, step.scale))
+        self.env[name] = out
         self._tag(node, first)
 
     def _tag(self, node: fx.Node, first: int) -> None:
@@ -195,20 +213,85 @@ class _Emitter:
             for made in itertools.islice(reversed(self.graph.nodes), len(self.graph.nodes) - first):
                 made.meta.setdefault("module_path", path)
 
-    def _lowered_args(self, node: fx.Node, op: LoweredOp) -> tuple[list, dict]:
+    def _args(self, node: fx.Node, op: LoweredOp | None, step: Any) -> tuple[list, dict]:
+        """The node's arguments as this rank reads them: each tensor converted by tensor parallelism's
+        steps, then context parallelism's (``step.convert``, by position among the node's tensor
+        arguments, context.tensor_args' order); shape arguments at this rank's local sizes."""
+        position = iter(range(1 << 30))
+
         def read(n: fx.Node) -> Any:
-            if n.name in op.writes:   # written in place: a converted copy of its own, which then replaces it
-                self.env[n.name] = self.graph.call_method("clone", (self.steps(self.env[n.name], op.reads[n.name]),))
-                return self.env[n.name]
+            cp = step.convert[next(position)] if step is not None and holds_tensor(n.meta.get("val")) else ()
             if n.op == "get_attr":
                 return self.attr(n)
-            return self.read(n.name, op.reads.get(n.name, ()))
+            if op is not None and n.name in op.writes:   # written in place: a converted copy, which replaces it
+                self.env[n.name] = self.graph.call_method("clone", (self.steps(self.env[n.name], op.reads[n.name]),))
+                return self.env[n.name]
+            return self.convert(n.name, op.reads.get(n.name, ()) if op is not None else (), cp)
 
         args = list(fx.node.map_arg(node.args, read))
         kwargs = dict(fx.node.map_arg(node.kwargs, read))
-        for i, sizes in op.shape_args.items():
-            args[i] = list(sizes)
+        if op is not None:
+            for i, sizes in op.shape_args.items():
+                args[i] = list(sizes)
+        if step is not None:
+            for i, sizes in step.rewrite:   # the sequence's local size, composed with the tensor-parallel split
+                full = _full_sizes(node, i)
+                tp = op.shape_args[i] if op is not None and i in op.shape_args else full
+                args[i] = compose(full, tp, sizes, node.name)
         return args, kwargs
+
+    def convert(self, name: str, steps: tuple[Step, ...], cp: tuple) -> Any:
+        """Node ``name``'s value through tensor parallelism's ``steps`` then context parallelism's ``cp``
+        conversion (once per layer)."""
+        value = self.read(name, steps) if self.lowered is not None else self.env[name]
+        if not cp or not isinstance(value, fx.Node):
+            return value
+        d = _split_after(steps, self.lowered, name)
+        for kind, layout in cp:
+            if kind != "resolve" and d is not None and d == layout.dim:
+                raise ConfigError(f"{name} is split along dim {d} by tensor parallelism (sequence parallelism) and "
+                                  "context parallelism must gather or cut it along the same dim: re-plan with "
+                                  "sequence_parallel=False")
+        key = ("cp", name, steps, cp)
+        if key not in self.cache:
+            for kind, layout in cp:
+                value = self.cp_step(value, kind, layout)
+            self.cache[key] = value
+        return self.cache[key]
+
+    def cp_step(self, value: fx.Node, kind: str, layout: Local | None) -> fx.Node:
+        c = self.context
+        call = self.graph.call_function
+        if kind == "gather":
+            return call(context_ops.gather, (value, layout.dim, layout.seq, layout.outer, layout.inner, c.plan.cp,
+                                             c.rank, self.cp_node, c.timeout))
+        if kind == "slice":
+            return call(context_ops.take_tokens, (value, layout.dim, layout.seq, layout.outer, layout.inner,
+                                                  c.plan.cp, c.rank))
+        return call(context_ops.resolve, (value, c.plan.cp, self.cp_node, c.timeout))
+
+    def _context_op(self, node: fx.Node, op: LoweredOp | None, step: Any, args: list, kwargs: dict) -> Any:
+        """Attention over the group's sequence, or a mean loss over the group's targets (context.py)."""
+        c = self.context
+        call = self.graph.call_function
+        if op is not None and op.how not in (How.LOCAL, How.WHOLE, How.VOCAB_LOSS):
+            raise ConfigError(f"node {node.name} runs as {op.how.value} under tensor parallelism and as {step.mode} "
+                              "under context parallelism, which this autopar cannot combine: re-plan with tp=1 or cp=1")
+        if step.mode == "loss_mean":
+            args, kwargs = _with_arg(node.target, args, kwargs, "reduction", shard_ops.SUM)
+            total = (self._lowered_op(node, op, args, kwargs) if op is not None else
+                     self.graph.create_node("call_function", node.target, tuple(args), kwargs, name=node.name))
+            a = bind(node.target, args, kwargs)
+            return call(context_ops.target_mean, (total, a["target"], a.get("ignore_index", -100), c.plan.cp,
+                                                  self.cp_node, c.timeout))
+        if op is not None and op.how is How.VOCAB_LOSS:
+            raise ConfigError(f"node {node.name}: a vocabulary-parallel loss is not attention: re-plan with tp=1")
+        a = bind(node.target, args, kwargs)
+        common = (a["query"], a["key"], a["value"], a.get("attn_mask"), bool(a.get("is_causal", False)),
+                  a.get("scale"), bool(a.get("enable_gqa", False)), c.plan.cp, c.rank)
+        if step.mode == "ring":
+            return call(context_ops.ring, (*common, self.cp_node, c.timeout))
+        return call(context_ops.local_query, common)
 
     def _lowered_op(self, node: fx.Node, op: LoweredOp, args: list, kwargs: dict) -> Any:
         g, target, how, name = self.group_node, node.target, op.how, node.name
@@ -240,13 +323,21 @@ class _Emitter:
             out = (call(collectives.reduce, (local, g)) if how is How.REDUCE_SUM else
                    call(collectives.reduce_max, (local, g, how is How.REDUCE_MAX)))
         if self.checks and op.local_shape is not None and isinstance(node.meta.get("val"), torch.Tensor):
-            call(shard_ops.expect_shape, (out, op.local_shape, name, op.output))
+            call(shard_ops.expect_shape, (out, self._local_shape(node, op), name, op.output))
         if op.after:
             if isinstance(node.meta.get("val"), (list, tuple)):   # a split's pieces, converted as they are read
                 self.pieces[name] = op.after
                 return out
             return self.steps(out, op.after)
         return out
+
+    def _local_shape(self, node: fx.Node, op: LoweredOp) -> tuple[int, ...]:
+        """The shape of the node's output on this rank: tensor parallelism's shard of context parallelism's tokens."""
+        state = self.context.plan.states.get(node.name) if self.context is not None else None
+        if not isinstance(state, Local):
+            return op.local_shape
+        full = tuple(node.meta["val"].shape)
+        return tuple(compose(full, op.local_shape, self.context.plan.local_shape(node.name, full), node.name))
 
     def _region(self, hop: str, args: list, kwargs: dict) -> tuple[Any, ...]:
         """A no_grad / autocast region of the model inlined: enter its context, its body's nodes, leave it."""
@@ -291,7 +382,7 @@ class _Emitter:
         outs = tuple(n for n in segment
                      if any(u.name in later or u.name not in io.nodes for u in self.nodes[n].users))
         core = _Emitter(self.nodes, self.source, self.lowered, self.group, self.experts, self.moe, self.skip,
-                        self.checks)
+                        self.checks, self.context)
         module = core.module(LayerIO(tuple(segment), reads, outs, (), ()), "Recomputed")
         target = f"recompute_{len([k for k in self.attrs if k.startswith('recompute_')])}"
         self.attrs[target] = module
@@ -299,6 +390,64 @@ class _Emitter:
                                           {"use_reentrant": False})
         for i, out in enumerate(outs):
             self.env[out] = self.graph.call_function(operator.getitem, (result, i))
+
+
+_CONTEXT_MODES = frozenset(("ring", "local_query", "loss_mean"))
+"""Context-parallel steps (context.py) that run another op than the node's own."""
+
+
+def compose(full: Any, tp: Any, cp: Any, node: str) -> list:
+    """Sizes local to both splits: ``full`` sizes, ``tp`` with tensor parallelism's split applied, ``cp``
+    with context parallelism's: each dim divided by both (one split when only one touches it)."""
+    full, tp, cp = list(full), list(tp), list(cp)
+    if not len(full) == len(tp) == len(cp):
+        raise ConfigError(f"node {node}: shape arguments {tp} (tensor parallel) and {cp} (context parallel) do not "
+                          f"match {full}: re-plan with tp=1 or cp=1")
+    out = []
+    for f, a, b in zip(full, tp, cp):
+        if a == f or b == f:
+            out.append(b if a == f else a)
+        elif isinstance(f, int) and f > 0 and (a * b) % f == 0:
+            out.append(a * b // f)
+        else:
+            raise ConfigError(f"node {node}: size {f} split to {a} by tensor parallelism and to {b} by context "
+                              "parallelism does not divide: re-plan with tp=1 or cp=1")
+    return out
+
+
+def _full_sizes(node: fx.Node, i: int) -> list[int]:
+    """The whole sizes a shape argument (arg ``i``: a view's / expand's shape, unflatten's sizes) stands for,
+    from the node's output shape (its ``-1`` entries resolved)."""
+    out = list(node.meta["val"].shape)
+    if i == 2:   # unflatten(x, dim, sizes)
+        sizes = node.args[2]
+        dim = node.args[1] % (len(out) - len(sizes) + 1)
+        return out[dim:dim + len(sizes)]
+    return out
+
+
+def _split_after(steps: tuple[Step, ...], lowered: LoweredGraph | None, name: str) -> int | None:
+    """The dim a value is split along over the tensor-parallel group after ``steps`` (None: whole or partial)."""
+    if lowered is None:
+        return None
+    for s in reversed(steps):
+        if s.kind in ("split", "reduce_scatter"):
+            return s.dim
+        if s.kind != "copy":
+            return None
+    op = lowered.ops.get(name)
+    return spec_dim(op.output) if op is not None else None
+
+
+def _with_arg(target: Any, args: list, kwargs: dict, name: str, value: Any) -> tuple[list, dict]:
+    """``args`` / ``kwargs`` of an aten op with its argument ``name`` set to ``value``."""
+    names = [a.name for a in target._schema.arguments]
+    i = names.index(name)
+    if i < len(args):
+        args = args[:i] + [value] + args[i + 1:]
+    else:
+        kwargs = {**kwargs, name: value}
+    return args, kwargs
 
 
 def class_name(layer: str) -> str:

@@ -25,8 +25,8 @@ from ..capture.opgraph import OpKind
 from ..codegen.lower import R, cut_spec, lower
 from ..errors import ConfigError
 from .chunk import ChunkModule, NodeRunner
-from .context import analyse
-from .context_runner import ContextRunner
+from ..codegen.context import analyse
+from ..codegen.context_state import ContextRank
 from .data_parallel import GradReducer, Zero1Optimizer, local
 from .expert_parallel import shard_experts
 from .experts import ExpertsModule, check_regions, expert_groups, skipped_nodes
@@ -110,7 +110,7 @@ class Assembly:
             plan = analyse(self.split.program, cfg.cp, attention,
                            {r.output: (r.hidden_input, r.index_input, r.weight_input) for r in self.regions},
                            self.node_runner.skipped | self.node_runner.moe_skip)
-            self.node_runner.context = ContextRunner(plan, self.cp_group, self.cp_rank, self.timeout)
+            self.node_runner.context = ContextRank(plan, self.cp_group, self.cp_rank, self.timeout)
         full = dict(model.named_parameters())
         self.my_chunks = [c for c in range(len(self.split.chunks)) if c % cfg.pp == self.pp_rank]
         self.params: dict[str, nn.Parameter] = {}

@@ -16,9 +16,10 @@ layer is a small module around its slice of the exported graph, emitted as a
   layer passes their local shards to its code;
 - an MoE region with ``ep > 1`` or ``cp > 1`` as one call of the layer's ``ExpertsModule``
   (experts.py) at the region's output node, its other nodes skipped;
-- with ``cp > 1`` (``tp == 1``) node by node on this rank's tokens of each sequence:
-  ``NodeRunner.context`` (context_runner.py) converts inputs and runs each node as context.py
-  decided (locally, whole after a gather, or as ring attention).
+- with ``cp > 1`` on this rank's tokens of each sequence, as codegen/context.py decided: each
+  read converted (gathered, cut to local tokens, a partial value resolved), attention as ring
+  attention, the loss over the group's targets (codegen/context_ops.py); with ``tp > 1`` too,
+  tensor parallelism's conversions first, then context parallelism's.
 
 Each layer is its own module so FSDP2 can gather its parameters just in time (ZeRO-3) and
 ``torch.utils.checkpoint`` can recompute it (recompute ``full``); ``selective`` recomputes only
@@ -27,7 +28,6 @@ the attention core's nodes (Korthikanti et al.).
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from ..codegen import collectives
+from ..codegen.context_state import ContextRank
 from ..codegen.layers import LayerIO, class_name, layer_module
 from ..codegen.lower import SKIPPED_TARGETS, R, LoweredGraph, Step, convert, normal, written_inputs
 from ..codegen.split import ChunkSpec, LayerSpec, SplitGraph
@@ -57,8 +58,7 @@ def attr_name(fqn: str) -> str:
 
 class NodeRunner:
     """What the layers of one exported program share: its nodes, the tensor-parallel lowering and group,
-    the MoE regions run as one call; and, under context parallelism, the runner of every node
-    (context_runner.py: the one path still interpreted node by node)."""
+    the MoE regions run as one call, and this rank of the context-parallel group (cp > 1)."""
 
     def __init__(self, split: SplitGraph, mesh: DeviceMesh | None, lowered: LoweredGraph | None = None,
                  compile: str | None = None) -> None:
@@ -68,7 +68,7 @@ class NodeRunner:
         self.mesh = mesh
         self.group = mesh.get_group() if mesh is not None else None
         self.lowered = lowered
-        self.context = None           # a context.ContextRunner when cp > 1: runs every node on local tokens
+        self.context: ContextRank | None = None   # when cp > 1: codegen/context.py's plan, the group, this rank
         self.moe_outputs: dict[str, Any] = {}   # MoE region output node -> region, run as one call (experts.py)
         self.moe_skip: frozenset[str] = frozenset()   # the regions' other nodes, not run
         self.skipped = frozenset(name for name, n in self.nodes.items() if str(n.target) in SKIPPED_TARGETS)
@@ -81,20 +81,8 @@ class NodeRunner:
                      spec.attention_core if selective else frozenset())
         moe = {out: (r.hidden_input, r.index_input, r.weight_input) for out, r in self.moe_outputs.items()}
         return layer_module(io, self.nodes, self.module, self.lowered, self.group, experts, moe,
-                            self.skipped | self.moe_skip, name=class_name(spec.name), checks=checks)
-
-    def run(self, name: str, env: dict[str, Any]) -> Any:
-        """Node ``name`` under context parallelism."""
-        node = self.nodes[name]
-        if name in self.skipped or name in self.moe_skip:
-            return None
-
-        def load(n: torch.fx.Node) -> Any:
-            return getattr(self.module, n.target) if n.op == "get_attr" else env[n.name]
-
-        region = self.moe_outputs.get(name)
-        compute = None if region is None else (lambda *values: env[("experts", region.output)](*values))
-        return self.context.run(node, env, load, compute)
+                            self.skipped | self.moe_skip, name=class_name(spec.name), checks=checks,
+                            context=self.context)
 
     def to_cut(self, chunk: int, name: str, value: Any, spec: str) -> Any:
         """Node ``name``'s value (held as chunk ``chunk`` holds it) in ``spec``, to send across a cut."""
@@ -140,16 +128,13 @@ class LayerModule(nn.Module):
         # write in place on those.
         self.written = written_inputs(spec, runner.nodes)
         # the layer's generated code (kept out of the module tree: it holds no tensors of its own, and its
-        # experts are this module's); under context parallelism the nodes are interpreted instead
-        generated = checked = None
-        if runner.context is None:
-            placeholders = [self.placeholder_of[fqn] for fqn in (*self.shared, *self.own)]
-            experts_of = {out: self.experts[attr_name(out)] for out in self.expert_outputs}
-            generated, checked = (runner.layer_module(spec, placeholders, self.written, recompute == "selective",
-                                                      experts_of, checks) for checks in (False, True))
+        # experts are this module's)
+        placeholders = [self.placeholder_of[fqn] for fqn in (*self.shared, *self.own)]
+        experts_of = {out: self.experts[attr_name(out)] for out in self.expert_outputs}
+        generated, checked = (runner.layer_module(spec, placeholders, self.written, recompute == "selective",
+                                                  experts_of, checks) for checks in (False, True))
         self.__dict__["generated"] = generated   # the fx GraphModule: .code, codegen/source.py
-        self.__dict__["program"] = (torch.compile(generated, backend=runner.compile)
-                                    if generated is not None and runner.compile else generated)
+        self.__dict__["program"] = torch.compile(generated, backend=runner.compile) if runner.compile else generated
         self.__dict__["checked"] = checked       # the same code checking every shard's shape: the first call
 
     def forward(self, *values: Any) -> tuple[Any, ...]:
@@ -159,68 +144,10 @@ class LayerModule(nn.Module):
 
     def _run(self, *values: Any) -> tuple[Any, ...]:
         n_in = len(self.spec.inputs)
-        if self.program is not None:
-            own, buffers = self._parameters, self._buffers   # (FSDP2 swaps the parameters held there)
-            params = [_local(v) for v in values[n_in:]] + [_local(own[a]) for a in self.own_attrs]
-            run, self.__dict__["checked"] = self.checked or self.program, None
-            return run(*values[:n_in], *params, *(buffers[a] for a in self.buffer_attrs))
-        env: dict[str, Any] = dict(zip(self.spec.inputs, values[:n_in]))
-        for fqn, value in zip(self.shared, values[n_in:]):
-            env[self.placeholder_of[fqn]] = _local(value)
-        for fqn in self.own:
-            env[self.placeholder_of[fqn]] = _local(getattr(self, attr_name(fqn)))
-        for name in self.buffer_names:
-            env[name] = getattr(self, attr_name(name))
-        for out in self.expert_outputs:
-            env[("experts", out)] = self.experts[attr_name(out)]
-        for name in self.written:
-            env[name] = env[name].clone()
-        if self.recompute == "selective" and self.spec.attention_core and torch.is_grad_enabled():
-            self._run_selective(env)
-        else:
-            for name in self.spec.nodes:
-                env[name] = self.runner.run(name, env)
-        return tuple(env[name] for name in self.spec.outputs + self.written)
-
-    def _run_selective(self, env: dict[str, Any]) -> None:
-        """Run the nodes, recomputing each run of attention-core nodes in backward."""
-        for kind, names, reads, outs in self.segments:
-            if kind == "plain":
-                env[names[0]] = self.runner.run(names[0], env)
-                continue
-
-            def core(*vals: Any, names=names, reads=reads, outs=outs) -> tuple[Any, ...]:
-                local = dict(zip(reads, vals))
-                for name in names:
-                    local[name] = self.runner.run(name, local)
-                return tuple(local[name] for name in outs)
-
-            results = checkpoint(core, *[env[r] for r in reads], use_reentrant=False)
-            env.update(zip(outs, results))
-
-    @cached_property
-    def segments(self) -> list[tuple[str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]]:
-        """("plain", (node,), (), ()) or ("core", nodes, values read from outside, values used after)."""
-        nodes = list(self.spec.nodes)
-        out = []
-        i = 0
-        while i < len(nodes):
-            if nodes[i] not in self.spec.attention_core:
-                out.append(("plain", (nodes[i],), (), ()))
-                i += 1
-                continue
-            j = i
-            while j < len(nodes) and nodes[j] in self.spec.attention_core:
-                j += 1
-            segment = nodes[i:j]
-            reads = tuple(dict.fromkeys(a.name for n in segment for a in self.runner.nodes[n].all_input_nodes
-                                        if a.name not in segment))
-            later = set(nodes[j:])
-            outs = tuple(n for n in segment if any(u.name in later or u.name not in nodes
-                                                   for u in self.runner.nodes[n].users))
-            out.append(("core", tuple(segment), reads, outs))
-            i = j
-        return out
+        own, buffers = self._parameters, self._buffers   # (FSDP2 swaps the parameters held there)
+        params = [_local(v) for v in values[n_in:]] + [_local(own[a]) for a in self.own_attrs]
+        run, self.__dict__["checked"] = self.checked or self.program, None
+        return run(*values[:n_in], *params, *(buffers[a] for a in self.buffer_attrs))
 
 
 class ChunkModule(nn.Module):

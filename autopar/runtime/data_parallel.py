@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import dp_bucket_bytes
-from .failures import wait_or_fail
+from ..codegen.failures import wait_or_fail
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

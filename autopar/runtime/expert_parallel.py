@@ -72,7 +72,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from .failures import wait_or_fail
+from ..codegen.failures import wait_or_fail
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,

@@ -20,14 +20,14 @@ layout the cost model priced). The rank:
 4. runs the plan's schedule (codegen/schedules.py, checked before the first send) on each global
    batch with codegen/pipeline.py's executor (torch only: a standalone program runs the same).
 
-Context parallelism (``cp > 1``, context.py): the ``cp`` ranks of a group take the same samples
-and each runs the graph on its tokens of every sequence (ring attention, gathers where an op mixes
-positions); the loss each reports is its share, and the group's mean is the micro-batch's loss.
+Context parallelism (``cp > 1``, codegen/context.py): the ``cp`` ranks of a group take the same
+samples and each runs the graph on its tokens of every sequence (ring attention, gathers where an
+op mixes positions), with tensor parallelism inside each of them when ``tp > 1``; the loss each
+reports is its share, and the group's mean is the micro-batch's loss.
 Expert parallelism (``ep > 1``, experts.py): each MoE region runs as one all-to-all dispatch over
 ``ep`` consecutive data-parallel ranks holding ``E / ep`` experts each. Dense weights' gradients
 are averaged over the ``dp * cp`` ranks holding them (ZeRO shards over them too); expert weights'
-are summed over their ``dp * cp / ep`` expert replicas and divided by ``dp * cp``. Context with
-tensor parallelism (``cp > 1`` and ``tp > 1``) is refused: re-plan with ``tp=1`` or ``cp=1``.
+are summed over their ``dp * cp / ep`` expert replicas and divided by ``dp * cp``.
 
 Gradients are those of the mean loss over the global batch: each micro-batch's loss is
 scaled by ``1 / micro_batches`` and the data-parallel reduction averages. A parameter held by
@@ -71,9 +71,10 @@ from .checkpoint import load_program, save_program
 from ..codegen.layers import class_name
 from .checks import check_model, check_world
 from .data_parallel import local
-from .failures import at_step, non_finite_loss, wait_or_fail
+from ..codegen.failures import at_step, non_finite_loss, wait_or_fail
 from ..codegen.split import flatten_batch
 from ..codegen.batches import slice_batch
+from ..codegen.context_ops import shard_inputs
 from ..codegen.inputs import check_batch
 from .materialize import InitFn, Materializer, has_meta
 from ..codegen.pipeline import ChunkIO, PipelineRunner
@@ -105,7 +106,7 @@ def parallelize(model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None
     ZeRO-2/3 (FSDP2's hooks surround every layer). The default follows the plan: a plan
     priced for compiled kernels (``Precision(kernels="compiled")``) is compiled, an eager one is not.
     Compiling an eager plan is allowed (it runs faster, and keeps less for backward, than the plan
-    priced). Context parallelism runs node by node and is not compiled.
+    priced).
     """
     return Program(model, plan, optimizer, loss_fn=loss_fn, example_inputs=example_inputs, timeout=timeout,
                    init_seed=init_seed, init=init, compile=compile)
@@ -126,18 +127,13 @@ class Program(Assembly):
             raise ConfigError(f"compile must be True, False, a torch.compile backend name or None (follow the "
                               f"plan), got {compile!r}")
         if compile is None:
-            compile = kernels == "compiled" and plan.config.cp == 1
-        if compile and plan.config.cp > 1:
-            raise ConfigError("context parallelism runs node by node and cannot be compiled: pass compile=False")
+            compile = kernels == "compiled"
         self.compile: str | None = ("inductor" if compile is True else compile) or None
         check_model(model)
         check_world(plan)
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         cfg = plan.config
-        if cfg.cp > 1 and cfg.tp > 1:
-            raise ConfigError(f"this autopar cannot run context parallelism together with tensor parallelism "
-                              f"({cfg.short()}): re-plan with fixed={{'tp': 1}} or fixed={{'cp': 1}}")
         self.plan, self.cfg, self.timeout = plan, cfg, float(timeout)
         self.rank = dist.get_rank()
         self.tp_rank = self.rank % cfg.tp
@@ -222,8 +218,9 @@ class Program(Assembly):
             leaves = [t.to(self.device) if isinstance(t, torch.Tensor) else t
                       for t in flatten_batch(part, self.split.in_spec)]
             inputs = dict(zip(self.split.user_inputs, leaves))
-            if self.node_runner.context is not None:   # this rank's tokens of the sequences
-                inputs = {k: self.node_runner.context.shard_input(k, v) for k, v in inputs.items()}
+            context = self.node_runner.context
+            if context is not None:   # this rank's tokens of the sequences
+                inputs = shard_inputs(inputs, context.plan.inputs, context.plan.cp, context.rank)
             micro.append(inputs)
         with torch.autograd.set_grad_enabled(True):
             losses = self.runner.run(self.actions, micro, 1.0 / self.micro_batches)

@@ -111,10 +111,6 @@ def _run(search: Search, sharding: ShardingSolver, must_fit: bool) -> tuple[Plan
     described = tuple(sharding.describe(best.config.tp, best_c.variant)) if best.config.tp > 1 else ()
     plan = with_search_results(best, search.stats, alts, described, f"ilp-{best_c.variant}", seen,
                                search.tie_tolerance)
-    if plan.config.cp > 1 and plan.config.tp > 1:   # only when both are pinned (space.py)
-        plan = replace(plan, notes=plan.notes + (
-            "context parallelism with tensor parallelism is priced as pinned, but this autopar's runtime does "
-            "not run the two together yet: parallelize refuses this plan (a prediction only)",))
     return plan, search.stats
 
 

@@ -8,8 +8,8 @@ devices is tried, including ones that span nodes), micro-batch size, schedule (1
 interleaved 1F1B with each virtual-stage count that leaves a block per chunk; chunks the blocks do not
 divide evenly are balanced by cost), ZeRO stage and
 sequence parallelism. Context parallelism is tried at every degree the model's fused attention
-and sequence length allow (cost_model/context_parallel.py), with tp = 1 (the runtime does not
-combine the two yet; :func:`autopar.estimate` still prices cp x tp), expert parallelism at every degree
+and sequence length allow (cost_model/context_parallel.py), with tp = 1 unless both are pinned
+(the runtime runs cp x tp; the search does not propose it on its own yet), expert parallelism at every degree
 dividing both dp and the expert count of its mixture-of-experts layers. Recompute is chosen per stage by the stage DP (stages.py), so it is
 not a dimension here except for the interleaved schedule.
 
@@ -161,7 +161,7 @@ def _meshes(graph: OpGraph, n_dev: int, n_layers: int, fixed: Mapping[str, Any],
             if context_parallel.unsupported(graph, cp) is not None:
                 continue
             if cp > 1 and tp > 1 and not ("cp" in fixed and "tp" in fixed):
-                continue  # the runtime does not combine context and tensor parallelism yet (runtime/context.py)
+                continue  # cp x tp runs when pinned; the search does not propose it on its own yet
             for pp in (d for d in divisors(n_dev // (tp * cp))
                        if d <= n_layers and ok("pp", d) and stages in (None, d)):
                 dp = n_dev // (tp * cp * pp)

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from harness import free_port  # noqa: E402
 
 from autopar.errors import ConfigError  # noqa: E402
-from autopar.runtime import ring_attention as ra  # noqa: E402
+from autopar.codegen import ring_attention as ra  # noqa: E402
 
 SEQ = 16
 HEAD_DIM = 8

@@ -1,7 +1,8 @@
 """Context parallelism (cp): the exported graph run on this rank's share of every sequence.
 
 This module decides, once per graph, the state of every value and how every node runs
-(:func:`analyse`, giving a context_state.ContextPlan); context_runner.py runs the nodes accordingly.
+(:func:`analyse`, giving a context_state.ContextPlan); layers.py emits each layer's code accordingly, calling
+context_ops.py.
 
 The ``cp`` ranks of a context-parallel group get the same micro-batch; each works on the tokens
 :func:`.ring_attention.local_indices` gives it (chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``).
@@ -55,7 +56,7 @@ gradient a rank holds for a FULL value averages (over the group) to the true one
 Local value it is ``cp`` times the true gradient of its tokens; :func:`gather_sequence`'s
 backward (a sum over ranks, sliced), :func:`shard_sequence`'s (zero padding), the ring
 attention's (exact for its shards) and a PARTIAL value's resolution (an all-reduce mean, whose
-backward is one too; context_runner.py) all keep to that.
+backward is one too; context_ops.py) all keep to that.
 
 Every rank of a group analyses the same graph and so runs the same collectives in the same
 order. Anything not covered raises ConfigError naming the node (an in-place op on a value that

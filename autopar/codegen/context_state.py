@@ -1,5 +1,5 @@
 """The vocabulary of context parallelism shared by the analysis (context.py) and the runner
-(context_runner.py): value states, per-node steps, and the plan holding both for one graph.
+(layers.py, context_ops.py): value states, per-node steps, and the plan holding both for one graph.
 
 A value is FULL (``None``: the whole sequence, the same on every rank of the group),
 :class:`Local` (one dim holds this rank's tokens) or PARTIAL (its true value is the group's mean
@@ -82,3 +82,14 @@ def holds_tensor(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(isinstance(v, torch.Tensor) for v in value)
     return isinstance(value, torch.Tensor)
+
+
+@dataclass(frozen=True)
+class ContextRank:
+    """What one rank's generated code needs of context parallelism: the graph's plan, the
+    context-parallel group, this rank's index in it and the deadline of each wait (seconds)."""
+
+    plan: ContextPlan
+    group: Any
+    rank: int
+    timeout: float

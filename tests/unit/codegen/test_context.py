@@ -1,4 +1,4 @@
-"""Context parallelism's per-graph analysis (runtime/context.py): no process group needed.
+"""Context parallelism's per-graph analysis (codegen/context.py): no process group needed.
 
 The distributed equivalence lives in tests/distributed/test_context_expert.py; these check the
 decisions it rests on: where the sequence is, which ops run on local tokens, which gather.
@@ -18,7 +18,7 @@ from autopar.capture import graph_of
 from autopar.capture.export import run_export
 from autopar.capture.opgraph import OpKind
 from autopar.models import GPTConfig, build_gpt
-from autopar.runtime.context import PARTIAL, Local, _view_layout, analyse
+from autopar.codegen.context import PARTIAL, Local, _view_layout, analyse
 
 SEQ = 8
 
