@@ -6,7 +6,10 @@ with ``fixed={"cp": 1}`` (the best plan without context parallelism: tensor, pip
 data parallelism, ZeRO and recompute still free). Printed per length: each winner's
 configuration, step time, tokens/s and peak memory; the attention's share of the forward
 FLOPs (it grows linearly with the sequence while the rest stays per token); the best plan's
-recompute and ring exposure. Nothing is run on a GPU: these are the cost model's predictions
+recompute and ring exposure. Then Llama-3-70B at 128k on 4 x 8 x H100-SXM (global batch 8), free and
+with ``fixed={"tp": 1}`` and ``{"cp": 1}``: where the states need tensor parallelism as well, the search
+puts it inside each cp rank (tp x cp, as NVIDIA's Llama 3.1 recipes run). Exits 1 when the 128k 8B
+plan does not use cp or the 70B plan does not combine tp and cp. Nothing is run on a GPU: these are the cost model's predictions
 (H100 preset, calibration.md).
 
 Run: .venv/bin/python bench/long_context.py
@@ -14,6 +17,7 @@ Run: .venv/bin/python bench/long_context.py
 
 from __future__ import annotations
 
+import sys
 import time
 
 from autopar import Cluster, InfeasiblePlanError
@@ -25,6 +29,7 @@ from autopar.solver import solve
 TOKENS = 2 ** 20
 SEQS = (8192, 16384, 32768, 65536, 131072)
 CLUSTER = "1x8xH100-SXM"
+BIG, BIG_CLUSTER, BIG_SEQ, BIG_BATCH = "llama3-70b", "4x8xH100-SXM", 131072, 8
 
 
 def attention_share(graph) -> float:
@@ -41,7 +46,7 @@ def row(label: str, plan) -> str:
             f"ring exposed {b.cp_comm * 1e3:7.1f} ms  TP comm {b.tp_comm / plan.step_time:5.1%}")
 
 
-def main() -> None:
+def main() -> int:
     cluster = Cluster.from_spec(CLUSTER)
     print(f"Llama-3-8B, {TOKENS} tokens per step, on {cluster.describe()} (cost-model predictions)")
     for seq in SEQS:
@@ -59,7 +64,25 @@ def main() -> None:
               f"cp gain {gain} [{time.perf_counter() - t0:.0f} s]")
         print(row("best", best))
         print(row("no cp", plain))
+    ok = best.config.cp > 1
+    t0 = time.perf_counter()
+    model, inputs = build(BIG, seq_len=BIG_SEQ, device="meta")
+    graph = capture(model, inputs)
+    big = Cluster.from_spec(BIG_CLUSTER)
+    best, _ = solve(graph, big, BIG_BATCH)
+    print(f"Llama-3-70B, sequence {BIG_SEQ}, global batch {BIG_BATCH}, on {big.describe()} "
+          f"[{time.perf_counter() - t0:.0f} s]")
+    print(row("best", best))
+    for pin in ("tp", "cp"):
+        try:
+            pinned, _ = solve(graph, big, BIG_BATCH, fixed={pin: 1})
+        except InfeasiblePlanError:
+            pinned = None
+        print(row(f"{pin}=1", pinned))
+    ok = ok and best.config.cp > 1 and best.config.tp > 1
+    print("target (cp at 128k on 8B; tp x cp on 70B):", "met" if ok else "MISSED")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

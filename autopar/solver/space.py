@@ -8,14 +8,13 @@ devices is tried, including ones that span nodes), micro-batch size, schedule (1
 interleaved 1F1B with each virtual-stage count that leaves a block per chunk; chunks the blocks do not
 divide evenly are balanced by cost), ZeRO stage and
 sequence parallelism. Context parallelism is tried at every degree the model's fused attention
-and sequence length allow (cost_model/context_parallel.py), with tp = 1 unless both are pinned
-(the runtime runs cp x tp; the search does not propose it on its own yet), expert parallelism at every degree
+and sequence length allow (cost_model/context_parallel.py), with every tensor-parallel degree beside it
+(NVIDIA's Llama 3.1 recipes run tp=8 x cp=2), expert parallelism at every degree
 dividing both dp and the expert count of its mixture-of-experts layers. Recompute is chosen per stage by the stage DP (stages.py), so it is
 not a dimension here except for the interleaved schedule.
 
-``fixed`` pins any ParallelConfig field. The caps below (MAX_TP, MAX_CP, MAX_VIRTUAL_STAGES, no
-context with tensor parallelism, ZeRO only with data-parallel replicas) bound what the search
-explores on its own and never a pinned value; what the model and cluster rule out (a degree that
+``fixed`` pins any ParallelConfig field. The caps below (MAX_TP, MAX_CP, MAX_VIRTUAL_STAGES, ZeRO
+only with data-parallel replicas) bound what the search explores on its own and never a pinned value; what the model and cluster rule out (a degree that
 does not divide the devices or place uniformly on the nodes, more stages than layers, more chunks
 than blocks...) is refused, naming the rule and the nearest values that work
 (:func:`pin_conflicts`).
@@ -160,8 +159,6 @@ def _meshes(graph: OpGraph, n_dev: int, n_layers: int, fixed: Mapping[str, Any],
         for cp in (d for d in divisors(n_dev // tp) if (d <= MAX_CP or "cp" in fixed or not capped) and ok("cp", d)):
             if context_parallel.unsupported(graph, cp) is not None:
                 continue
-            if cp > 1 and tp > 1 and not ("cp" in fixed and "tp" in fixed):
-                continue  # cp x tp runs when pinned; the search does not propose it on its own yet
             for pp in (d for d in divisors(n_dev // (tp * cp))
                        if d <= n_layers and ok("pp", d) and stages in (None, d)):
                 dp = n_dev // (tp * cp * pp)

@@ -54,6 +54,7 @@ FOUR = [
     ("moe-dp2-cp2-ep2", "moe", dict(dp=2, cp=2, ep=2)),
     ("moe-dp4-ep2-zero3", "moe", dict(dp=4, ep=2, zero=3)),     # expert weights FSDP-sharded over 2 replicas
     ("llama-cp2-tp2", "llama", dict(cp=2, tp=2)),               # tensor parallelism inside each cp rank
+    ("llama-cp2-tp2-sp", "llama", dict(cp=2, tp=2, sequence_parallel=True)),   # and sequence parallelism
 ]
 # Capacity-dropping experts: (expert-parallel case, the same plan without ep), each rank's drops the same.
 PAIRS = [

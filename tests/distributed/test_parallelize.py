@@ -65,12 +65,14 @@ PARTIAL = [Case("gpt-recompute_layers_interleaved", "gpt", {**BASE, "pp": 2, "sc
                                                             "recompute_layers": 1}, 2),
            Case("llama-recompute_layers_dp2", "llama", {**BASE, "dp": 2, "recompute": "full", "recompute_layers": 3}, 2)]
 # The generated code through torch.compile (per chunk; per layer under ZeRO-3): dynamo over the
-# explicit collectives (tensor and sequence parallelism, selective recompute's checkpointed cores) with
-# aot_eager, and inductor's generated kernels on the small MLP.
+# explicit collectives (tensor and sequence parallelism, selective recompute's checkpointed cores, context
+# parallelism's ring attention and group-mean loss) with aot_eager, and inductor's generated kernels on
+# the small MLP.
 COMPILED = [Case("gpt-tp2_sp_selective_compiled", "gpt", {**BASE, "tp": 2, "micro_batch_size": 2,
                                                            "sequence_parallel": True, "recompute": "selective"}, 2,
                  compile="aot_eager"),
             Case("llama-pp2_compiled", "llama", {**BASE, "pp": 2}, 2, compile="aot_eager"),
+            Case("llama-cp2_compiled", "llama", {**BASE, "cp": 2}, 2, compile="aot_eager"),
             Case("mlp-dp2_inductor", "mlp", {**BASE, "dp": 2}, 2, compile="inductor"),
             Case("gpt-zero3_compiled", "gpt", {**BASE, "dp": 2, "zero": 3}, 2, compile="aot_eager")]   # per layer
 CASES = {2: [Case(f"{m}-{k}", m, None if v is None else {**BASE, **v}, 2) for m in MODELS for k, v in TWO.items()

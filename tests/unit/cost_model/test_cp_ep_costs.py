@@ -130,3 +130,13 @@ def test_plan_picks_ep_for_mixtral_8x7b_on_64_h100s():
     assert best.config.ep > 1 and best.fits
     text = best.explain()
     assert f"expert parallel {best.config.ep}" in text and "all-to-all" in text and "without it" in text
+
+
+
+def test_the_search_proposes_cp_with_tp(long_graph):
+    """Free, the space holds every tensor-parallel degree beside every context-parallel one (NVIDIA's
+    Llama 3.1 recipes run tp x cp; the runtime runs it: tests/distributed/test_context_expert.py);
+    bench/long_context.py shows the search picking tp=2 x cp=8 for a 128k Llama-3-70B on 32 H100s."""
+    from autopar.solver.space import candidates
+    meshes = {(c.tp, c.cp) for c in candidates(long_graph, Cluster.from_spec("1x8xH100-SXM"), 8, ("fast",), {})}
+    assert {(2, 2), (2, 4), (4, 2)} <= meshes

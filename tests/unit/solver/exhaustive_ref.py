@@ -26,7 +26,7 @@ def configs(graph, devices: int, global_batch: int, modes, valid=lambda cfg: Tru
     blocks = sum(1 for layer in graph.layers if layer.is_block)
     n = len(graph.layers)
     for tp, cp in itertools.product(divisors(devices), divisors(devices)):
-        if devices % (tp * cp) or context_parallel.unsupported(graph, cp) is not None or (cp > 1 and tp > 1):
+        if devices % (tp * cp) or context_parallel.unsupported(graph, cp) is not None:
             continue
         for pp in divisors(devices // (tp * cp)):
             if pp > n:
