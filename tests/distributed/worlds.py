@@ -14,9 +14,12 @@ it returns (anything ``torch.save`` takes) comes back per rank; an exception com
 rank that failed in the middle of one cannot desynchronise it) and re-create the process group on
 a fresh PrefixStore, so one job's failure or leftover groups do not reach the next.
 
-A rank that dies (a crash in C++, an ``os._exit``) fails the job being waited on, naming the rank
-and its exit code (its stderr is in the test's captured output); the next ``World`` use starts a
-fresh one. Tests that kill ranks on purpose (test_failures.py) or run torchrun (test_emit.py)
+A rank killed by a signal (a crash in C++: gloo has segfaulted, rarely, in a broadcast after a
+hundred jobs, a crash no rerun of that job alone reproduces) gets the world respawned once and the
+jobs not yet answered replayed on the new ranks, in order, with a message on stderr naming the
+crash; a second crash, or a rank that exits on its own (``os._exit``), fails the job being waited
+on, naming the rank and its exit code (its stderr is in the test's captured output), and the next
+``World`` use starts a fresh one. Tests that kill ranks on purpose (test_failures.py) or run torchrun (test_emit.py)
 spawn their own.
 """
 
@@ -43,15 +46,15 @@ GROUP_TIMEOUT = 120.0    # the process group's own timeout (collectives inside D
 JOB_TIMEOUT = 900.0      # seconds a job may take on a rank before the test gives up on it
 
 
-def _serve(rank: int, size: int, port: int, folder: str) -> None:
-    """One rank: run jobs in order until the parent sends None."""
+def _serve(rank: int, size: int, port: int, folder: str, first: int = 0) -> None:
+    """One rank: run jobs in order from job ``first`` until the parent sends None."""
     sys.path.insert(0, HERE)
     os.environ["HF_HUB_OFFLINE"] = "1"
     torch.set_num_threads(1)
     import faulthandler
     faulthandler.enable(file=sys.stderr)   # a C++ crash prints this rank's Python stack
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=IDLE_TIMEOUT))
-    k = 0
+    k = first
     while True:
         store.get(f"job/{k}")    # waits until the parent has written the job's file
         with open(os.path.join(folder, f"job{k}.pkl"), "rb") as f:
@@ -79,13 +82,20 @@ class World:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=IDLE_TIMEOUT))
         self.folder = tempfile.mkdtemp(prefix=f"autopar-world{size}-")
-        self.ranks = mp.start_processes(_serve, args=(size, self.store.port, self.folder), nprocs=size, join=False,
-                                        start_method="spawn")
         self.next = 0
         self.broken: str | None = None
+        self.respawns = 1      # crashes (a rank killed by a signal) survived by respawning
+        self._spawn(0)
+
+    def _spawn(self, first: int) -> None:
+        """Fresh ranks on a fresh store, serving from job ``first``; every job from it on is posted again."""
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=IDLE_TIMEOUT))
+        self.ranks = mp.start_processes(_serve, args=(self.size, self.store.port, self.folder, first),
+                                        nprocs=self.size, join=False, start_method="spawn")
+        for k in range(first, self.next):
+            self.store.set(f"job/{k}", b"1")
 
     def submit(self, function: str, *args: Any) -> int:
         """Start ``function(rank, size, *args)`` on every rank after the jobs before it; its number."""
@@ -109,6 +119,17 @@ class World:
             if self.broken:
                 raise RuntimeError(self.broken)
             dead = [(r, p.exitcode) for r, p in enumerate(self.ranks.processes) if not p.is_alive()]
+            if dead and self.respawns > 0 and all(c is not None and c < 0 for _, c in dead):
+                self.respawns -= 1
+                print(f"worlds.py: rank(s) {dead} of the {self.size}-rank test world were killed by a signal "
+                      f"during job {k}; respawning the world and replaying jobs {k}..{self.next - 1}",
+                      file=sys.stderr, flush=True)
+                for p in self.ranks.processes:
+                    if p.is_alive():
+                        p.kill()
+                    p.join()
+                self._spawn(k)
+                continue
             if dead:
                 self.broken = (f"rank(s) {', '.join(f'{r} (exit code {c})' for r, c in dead)} of the "
                                f"{self.size}-rank test world died during job {k}; their stderr is above")
