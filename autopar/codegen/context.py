@@ -393,24 +393,25 @@ def _attention_step(n: torch.fx.Node, ins: Sequence[torch.fx.Node], states: Mapp
     conv = []
     for a in ins:
         s = states.get(a.name)
-        chain = (("resolve", None),) if s is PARTIAL else ()
         if a is q:
             conv.append(())
-        elif a is k or a is v:
-            kd = len(_shape(a)) - 2
-            if ring:
-                if s == Local(kd, sk[-2]):
-                    conv.append(())
-                else:
-                    gather = (("gather", s),) if isinstance(s, Local) else ()
-                    conv.append(chain + gather + (("slice", Local(kd, sk[-2])),))
-            else:
-                conv.append(chain + ((("gather", s),) if isinstance(s, Local) else ()))
-        else:   # the mask: whole
-            conv.append(chain + ((("gather", s),) if isinstance(s, Local) else ()))
+        elif (a is k or a is v) and ring:   # this rank's key / value tokens, as the query's
+            conv.append(_to(s, Local(len(_shape(a)) - 2, sk[-2])))
+        else:   # keys and values of local-query attention, the mask: whole
+            conv.append(_to(s, None))
     if mask is not None and not isinstance(mask, torch.fx.Node):
         raise ConfigError(f"attention node {n.name} has a non-tensor mask {mask!r}: re-plan with cp=1")
     return Step("ring" if ring else "local_query", tuple(a.name for a in ins), tuple(conv), qs)
+
+
+def _to(state: State | None, want: Local | None) -> tuple:
+    """The conversion of a value in ``state`` to this rank's tokens ``want`` (None: the whole value):
+    summed if partial, gathered if split, then the wanted tokens taken; nothing if already there."""
+    if state == want:
+        return ()
+    chain = (("resolve", None),) if state is PARTIAL else ()
+    chain += (("gather", state),) if isinstance(state, Local) else ()
+    return chain + ((("slice", want),) if want is not None else ())
 
 
 def _loss_step(n: torch.fx.Node, name: str, ins: Sequence[torch.fx.Node], states: Mapping[str, State],
@@ -426,20 +427,7 @@ def _loss_step(n: torch.fx.Node, name: str, ins: Sequence[torch.fx.Node], states
     if reduction == 1 and args.get("weight") is not None:
         raise ConfigError(f"loss node {n.name} is a class-weighted mean: context parallelism cannot split it; "
                           "re-plan with cp=1")
-    conv = []
-    for a in ins:
-        s = states.get(a.name)
-        chain = (("resolve", None),) if s is PARTIAL else ()
-        if a is x:
-            conv.append(())
-        elif a is t:
-            if s == xs.at(td):
-                conv.append(())
-            else:
-                gather = (("gather", s),) if isinstance(s, Local) else ()
-                conv.append(chain + gather + (("slice", xs.at(td)),))
-        else:
-            conv.append(chain + ((("gather", s),) if isinstance(s, Local) else ()))
+    conv = [() if a is x else _to(states.get(a.name), xs.at(td) if a is t else None) for a in ins]
     names = tuple(a.name for a in ins)
     if reduction == 0:
         return Step("local", names, tuple(conv), xs.at(td))

@@ -217,7 +217,7 @@ class _Emitter:
         """The node's arguments as this rank reads them: each tensor converted by tensor parallelism's
         steps, then context parallelism's (``step.convert``, by position among the node's tensor
         arguments, context.tensor_args' order); shape arguments at this rank's local sizes."""
-        position = iter(range(1 << 30))
+        position = itertools.count()
 
         def read(n: fx.Node) -> Any:
             cp = step.convert[next(position)] if step is not None and holds_tensor(n.meta.get("val")) else ()
