@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import difflib
 import hashlib
+import math
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -65,6 +66,23 @@ class Anchor:
         return f"{self.op or self.kind} in {where}" + (f" reading {params}" if params else "")
 
 
+# A run of layers outside the repeated block smaller than this is no ZeRO unit of its own: its
+# all-gather and reduce-scatter would be latency for a few MB (torch's FSDP size-based wrapping policy
+# has the same default, ``min_num_params=1e8``); at real vocabularies an embedding or head holds more
+# (Llama-3-8B's 525 M), keeps its own unit and is not held gathered through the step.
+MIN_UNIT_PARAMS = 100_000_000
+
+
+@dataclass(frozen=True)
+class ShardUnits:
+    """A chunk's ZeRO-2/3 units (:meth:`ModelStructure.shard_units`), each a tuple of layer indices, in
+    the order of their first layer."""
+
+    units: tuple[tuple[int, ...], ...]
+    root: tuple[int, ...] | None      # the small runs outside the block: left to the chunk's root unit
+    kept: tuple[tuple[int, ...], ...]  # gathered from forward to backward under ZeRO-3 (root included)
+
+
 @dataclass(frozen=True)
 class ModelStructure:
     """The layers in order, each with its anchors (stored once per distinct layer body)."""
@@ -92,19 +110,53 @@ class ModelStructure:
         count = collections.Counter(body for _, body in self.layers)
         return tuple(count[body] > 1 for _, body in self.layers)
 
-    def shard_units(self, indices: Sequence[int], holds: Callable[[int], bool]) -> tuple[tuple[int, ...], ...]:
-        """The ZeRO-2/3 (FSDP2) units of a run of layers, as ``fully_shard`` wraps them: each repeated
-        block that holds parameters alone, each run of the other layers (embedding; final norm and
-        head) together, as FSDP users wrap the block class and leave the rest to one unit. One unit is
-        one all-gather and one reduce-scatter: a layer too small to hide its collectives' latency
-        (a norm) shares its neighbour's. Layers that hold no parameter (``holds``) are in no unit and
-        do not break a run. The runtime wraps by it and the cost model counts by it."""
+    @cached_property
+    def _layer_numel(self) -> tuple[int, ...]:
+        """Per layer: elements of the parameters its anchors read (each name once)."""
+        out = []
+        for _, body in self.layers:
+            shapes = {p: shape for a in self.bodies[body] for p, shape in a.params}
+            out.append(sum(math.prod(shape) for shape in shapes.values()))
+        return tuple(out)
+
+    @cached_property
+    def in_root(self) -> tuple[bool, ...]:
+        """Per layer: whether ZeRO-2/3 leaves it to its chunk's root unit: a layer outside the repeated
+        block whose run of such layers (in the whole model, so a chunk's cut does not change it) holds
+        fewer than MIN_UNIT_PARAMS parameters."""
+        out = [False] * len(self.layers)
+        i = 0
+        while i < len(self.layers):
+            j = i
+            while j < len(self.layers) and not self.repeated[j]:
+                j += 1
+            if j > i and sum(self._layer_numel[i:j]) < MIN_UNIT_PARAMS:
+                out[i:j] = [True] * (j - i)
+            i = max(j, i + 1)
+        return tuple(out)
+
+    def shard_units(self, indices: Sequence[int], holds: Callable[[int], bool]) -> ShardUnits:
+        """The ZeRO-2/3 (FSDP2) units of a run of layers ``indices`` (a chunk), as ``fully_shard`` wraps
+        them: each repeated block that holds parameters alone, each run of the other layers (embedding;
+        final norm and head) together, as FSDP users wrap the block class and leave the rest to one
+        unit. One unit is one all-gather and one reduce-scatter, a launch that a unit of few parameters
+        cannot hide: the runs outside the block holding fewer than MIN_UNIT_PARAMS (:attr:`in_root`)
+        are one unit together, the chunk's root (FSDP2's size-based wrapping does the same). Layers that
+        hold no parameter (``holds``) are in no unit and do not break a run. Each layer's unit depends
+        only on the layers before it in ``indices``, so the units of a prefix are those of the whole
+        cut at its end. The runtime wraps by them and the cost model counts by them."""
         units: list[list[int]] = []
+        root: list[int] | None = None
         open_run = False
         for i in indices:
             if not holds(i):
                 continue
-            if self.repeated[i]:
+            if self.in_root[i]:
+                if root is None:
+                    root = []
+                    units.append(root)
+                root.append(i)
+            elif self.repeated[i]:
                 units.append([i])
                 open_run = False
             elif open_run:
@@ -112,15 +164,15 @@ class ModelStructure:
             else:
                 units.append([i])
                 open_run = True
-        return tuple(tuple(u) for u in units)
-
-    def kept_unit(self, indices: Sequence[int], units: Sequence[tuple[int, ...]]) -> tuple[int, ...] | None:
-        """The unit of a chunk of layers ``indices`` (its ``units``: :meth:`shard_units`) that ZeRO-3 keeps
-        gathered from its forward to its backward: the last, when the chunk ends the model (the final
-        norm and head, whose backward follows its forward at once; torchtitan wraps them so too);
-        None for every other chunk. The runtime wraps by it and the cost model counts by it."""
-        indices = list(indices)
-        return tuple(units[-1]) if units and indices and indices[-1] == len(self.layers) - 1 else None
+        whole = tuple(tuple(u) for u in units)
+        root_unit = tuple(root) if root else None
+        # kept gathered from forward to backward: the root (as FSDP2 keeps its root's parameters), and
+        # the last unit when the chunk ends the model (final norm and head, whose backward follows their
+        # forward at once; torchtitan wraps them so too)
+        last = max(whole, key=max) if whole else None
+        ends = bool(list(indices)) and list(indices)[-1] == len(self.layers) - 1
+        kept = tuple(u for u in whole if u == root_unit or (ends and u == last))
+        return ShardUnits(whole, root_unit, kept)
 
     # --- JSON (the plan file's ``structure``: docs/plan-format.md) ---------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -243,14 +243,14 @@ def _param_uses(chunk: Any) -> dict[str, int]:
 
 def _units(chunk: Any, graph: Any) -> list[tuple[list[int], bool]]:
     """Chunk ``chunk``'s ZeRO-2/3 units (``ModelStructure.shard_units``, as the runtime wraps them) as
-    positions in its layers, each with whether ZeRO-3 keeps it gathered after forward
-    (``ModelStructure.kept_unit``); a layer holds the parameters no other layer of the chunk reads (_chunk)."""
+    positions in its layers, each with whether ZeRO-3 keeps it gathered after forward; the root's
+    layers are in none (the chunk's own unit holds them); a layer holds the parameters no other layer
+    of the chunk reads (_chunk)."""
     use = _param_uses(chunk)
     position = {layer.index: k for k, layer in enumerate(chunk.layers)}
     holds = {layer.index: any(use[p] == 1 for p in layer.params) for layer in chunk.layers}
     units = graph.structure.shard_units(list(position), holds.__getitem__)
-    kept = graph.structure.kept_unit(list(position), units)
-    return [([position[i] for i in unit], unit == kept) for unit in units]
+    return [([position[i] for i in unit], unit in units.kept) for unit in units.units if unit != units.root]
 
 
 def _input_keys(record: dict, split: Any) -> list[tuple[str, Any]]:

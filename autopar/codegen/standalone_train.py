@@ -146,7 +146,7 @@ def main():
                 modules = [chunk.layers[k] for k in unit]
                 fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
                             reshard_after_forward=P.ZERO == 3 and not kept)
-            fully_shard(chunk, mesh=mesh, reshard_after_forward=P.ZERO == 3)
+            fully_shard(chunk, mesh=mesh, reshard_after_forward=False)   # the root: small runs, kept
     if args.compile:
         for chunk in chunks.values():
             for module in (chunk.layers if fsdp else [chunk]):

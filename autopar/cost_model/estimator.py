@@ -23,11 +23,12 @@ overlapped collective slows down per second of it (``Device.overlap_slowdown``: 
 SMs and memory bandwidth), what is exposed is
 ``T_dp - o * min(B_last, T_dp - T_dp / n_buckets)`` (the last bucket never hides; with
 ``o = 1`` this is ``max(T_dp - B_last, T_dp / n_buckets)``).
-ZeRO 3 gathers each unit's weights in forward and again in backward (``T_ag'``: all but the
-model's last unit, the final norm and head, whose backward follows its forward at once and which
-stays gathered in between, as torchtitan wraps it) and reduce-scatters its gradients (one
-collective per unit: each repeated block, and each run of the other layers such as the final norm
-and head, ModelStructure.shard_units, as the runtime wraps them), for every micro-batch,
+ZeRO 3 gathers each unit's weights in forward and again in backward (``T_ag'``: all but the kept
+units: the chunk's root, which holds the runs outside the repeated block too small for a unit of
+their own, and the model's last unit, the final norm and head, whose backward follows its forward at
+once; both stay gathered in between, as FSDP2 keeps its root and torchtitan wraps the head) and
+reduce-scatters its gradients (one collective per unit: each repeated block, each large run of the
+other layers, the root; ModelStructure.shard_units, as the runtime wraps them), for every micro-batch,
 prefetched under compute: exposed ``T_ag - o_f min(T_ag, F) + T_ag' + T_rs - o min(T_ag' + T_rs, B)``
 per micro-batch, plus the hidden share of the first unit's gather, which nothing hides.
 ZeRO 2 (FSDP2 without resharding after forward, and none between the step's micro-batches, as
@@ -56,6 +57,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..capture.opgraph import OpGraph
+from ..capture.structure import ShardUnits
 from ..cluster import Cluster
 from ..config import ParallelConfig, Precision, dp_bucket_bytes
 from ..errors import ConfigError
@@ -285,45 +287,51 @@ class Estimator:
         zero3 = 2 * layer_params * self.precision.weight_bytes if cfg.zero == 3 else 0.0
         return 2 * largest + work + zero3
 
-    def shard_units(self, layers: Sequence[int], cfg: ParallelConfig) -> tuple[tuple[int, ...], ...]:
+    def shard_units(self, layers: Sequence[int], cfg: ParallelConfig) -> ShardUnits:
         """The ZeRO-2/3 (FSDP2) units a chunk of ``layers`` is wrapped in (ModelStructure.shard_units, as
         the runtime wraps them): each unit one all-gather and one reduce-scatter."""
         return self.graph.structure.shard_units(layers, lambda i: self._layer_params(i, cfg) > 0)
 
     def _unit_params(self, layers: Sequence[int], cfg: ParallelConfig) -> int:
         """Parameters of the largest ZeRO-3 unit of a chunk (gathered whole, with the next prefetched)."""
-        return max((sum(self._layer_params(i, cfg) for i in unit) for unit in self.shard_units(layers, cfg)),
+        return max((sum(self._layer_params(i, cfg) for i in unit) for unit in self.shard_units(layers, cfg).units),
                    default=0)
 
-    def unit_tables(self, cfg: ParallelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def unit_tables(self, cfg: ParallelConfig) -> tuple[np.ndarray, ...]:
         """For every run ``[i, j]`` of layers (one stage's chunk): how many ZeRO-2/3 units it makes, the
-        parameters of its largest, and those of the unit ZeRO-3 keeps gathered after forward
-        (:meth:`kept_unit`: the last unit of a run that ends the model; 0 for the others), as ``n x n``
-        arrays. :meth:`shard_units` decides each layer's unit from the layers before it alone, so the
-        units of ``[i, j]`` are those of ``[i, n)`` cut at ``j``: one call per start."""
+        parameters of its largest, and the parameters and number of the units ZeRO-3 keeps gathered
+        after forward (:meth:`kept_units`), as ``n x n`` arrays. ModelStructure.shard_units decides each
+        layer's unit from the layers before it alone, so the units of ``[i, j]`` are those of ``[i, n)``
+        cut at ``j``: one call per start."""
         key = (cfg.tp, cfg.ep)
         if key not in self._units:
             n = len(self.graph.layers)
             params = np.array([self._layer_params(i, cfg) for i in range(n)], dtype=float)
-            count, largest, kept = np.zeros((n, n)), np.zeros((n, n)), np.zeros((n, n))
+            count, largest, kept, n_kept = (np.zeros((n, n)) for _ in range(4))
             for i in range(n):
                 starts, partial = np.zeros(n), np.zeros(n)   # partial: a unit's parameters up to each layer
                 units = self.shard_units(range(i, n), cfg)
-                for unit in units:
+                for unit in units.units:
                     starts[unit[0]] = 1
                     partial[list(unit)] = np.cumsum(params[list(unit)])
                 count[i, i:] = np.cumsum(starts[i:])
                 largest[i, i:] = np.maximum.accumulate(partial[i:])
-                unit = self.graph.structure.kept_unit(range(i, n), units)   # of these units, not new ones
-                kept[i, n - 1] = params[list(unit)].sum() if unit else 0.0
-            self._units[key] = (count, largest, kept)
+                if units.root:   # the root is kept in every chunk, from its first layer on
+                    root = np.zeros(n)
+                    root[list(units.root)] = partial[list(units.root)]
+                    kept[i, i:] = np.maximum.accumulate(root[i:])
+                    n_kept[i, units.root[0]:] = 1
+                last = [u for u in units.kept if u != units.root]   # the last unit, of a chunk ending the model
+                kept[i, n - 1] += sum(params[list(u)].sum() for u in last)
+                n_kept[i, n - 1] += len(last)
+            self._units[key] = (count, largest, kept, n_kept)
         return self._units[key]
 
-    def kept_unit(self, layers: Sequence[int], cfg: ParallelConfig) -> int:
-        """Parameters of the unit of a chunk of ``layers`` that ZeRO-3 keeps gathered after forward
-        (ModelStructure.kept_unit: the last unit of the chunk that ends the model), 0 for none."""
-        unit = self.graph.structure.kept_unit(layers, self.shard_units(layers, cfg))
-        return sum(self._layer_params(i, cfg) for i in unit) if unit else 0
+    def kept_units(self, layers: Sequence[int], cfg: ParallelConfig) -> tuple[int, int]:
+        """Parameters and number of the units of a chunk of ``layers`` that ZeRO-3 keeps gathered after
+        forward (ModelStructure.shard_units: the root, and the last unit of the chunk ending the model)."""
+        kept = self.shard_units(layers, cfg).kept
+        return sum(self._layer_params(i, cfg) for u in kept for i in u), len(kept)
 
     def _layer_param_names(self, i: int) -> tuple[str, ...]:
         layer = self.graph.layers[i]
@@ -363,18 +371,20 @@ class Estimator:
                    groups: dict[str, GroupPlacement]) -> float:
         """Data-parallel / ZeRO communication of one device that compute does not hide, per step
         (with the tensor-parallel group's own gradient all-reduce, when the layout has one)."""
-        units = sum(len(self.shard_units(c, cfg)) for c in dev.chunks)
-        kept = sum(self.kept_unit(c, cfg) for c in dev.chunks)
+        units = sum(len(self.shard_units(c, cfg).units) for c in dev.chunks)
+        kept = [self.kept_units(c, cfg) for c in dev.chunks]
         return float(self.dp_time(cfg, micro_batches, groups, dev.params, dev.fwd, dev.bwd, dev.recompute,
-                                  dev.tp_comm, dev.tp_grad_bytes, units, dev.expert_params, kept))
+                                  dev.tp_comm, dev.tp_grad_bytes, units, dev.expert_params,
+                                  sum(k for k, _ in kept), sum(c for _, c in kept)))
 
     def dp_time(self, cfg: ParallelConfig, micro_batches: int, groups: dict[str, GroupPlacement],
-                params, fwd, bwd, recompute, tp_comm, tp_grad_bytes, units, experts=0.0, kept=0.0):
+                params, fwd, bwd, recompute, tp_comm, tp_grad_bytes, units, experts=0.0, kept=0.0, n_kept=0.0):
         """:meth:`dp_exposed` on floats or numpy arrays (the stage DP evaluates every layer run at once).
 
         Gradients go in ``dp_bucket_bytes`` buckets (one collective each); ZeRO-2 and 3 gather and
         reduce-scatter unit by unit (one collective per unit held, ``units``: :meth:`shard_units`);
-        ZeRO-3 gathers again for backward every unit but the ``kept`` parameters' (:meth:`kept_unit`).
+        ZeRO-3 gathers again for backward every unit but the ``n_kept`` units of ``kept`` parameters
+        (:meth:`kept_units`).
         Dense weights synchronise over ``groups["dp"]`` (dp * cp ranks), the ``experts`` of ``params``
         over ``groups["edp"]``."""
         group, tp_group = groups["dp"], groups["tp"] if cfg.tp > 1 else None
@@ -399,9 +409,9 @@ class Estimator:
             o_fwd = 0.0 if self.cluster.device.is_cpu else o
             gather = ag - o_fwd * np.minimum(ag, fwd_c)
             first = o_fwd * ag / np.maximum(1, units)  # the first unit's gather is never hidden
-            if cfg.zero == 3:   # gathered again for backward, every micro-batch, all but the kept unit
+            if cfg.zero == 3:   # gathered again for backward, every micro-batch, all but the kept units
                 kept = np.asarray(kept, dtype=float)
-                again = (self._ct(Collective.ALL_GATHER, (parts[0][0] - kept) * w_b, group, units - (kept > 0))
+                again = (self._ct(Collective.ALL_GATHER, (parts[0][0] - kept) * w_b, group, units - n_kept)
                          + self._ct(Collective.ALL_GATHER, experts * w_b, groups["edp"], units))
                 return micro_batches * (gather + again + rs - o * np.minimum(again + rs, bwd_c)) + first + tp_sync
             return gather + first + micro_batches * (rs - o * np.minimum(rs, bwd_c)) + tp_sync

@@ -199,18 +199,18 @@ class Assembly:
                             # gloo has no pre-multiplied sum: sum, then divide (FSDP2 divides a one-rank
                             # mesh's gradient by the factor itself, and would divide twice with this set)
                             experts.set_force_sum_reduction_for_comms(True)
-                # a unit per repeated block, one for each run of the other layers, the one that ends the
-                # model kept gathered from forward to backward (capture/structure.py: the cost model
-                # counts the same units' collectives)
+                # a unit per repeated block, one for each large run of the other layers, the small runs
+                # left to the chunk's root unit (kept gathered from forward to backward, as is the unit
+                # that ends the model): capture/structure.py, the cost model counts the same collectives
                 layers = {layer.spec.index: layer for layer in chunk.layers}
                 holds = lambda i: any(True for _ in layers[i].parameters(recurse=False))  # noqa: E731
                 units = self.graph.structure.shard_units(list(layers), holds)
-                kept = self.graph.structure.kept_unit(list(layers), units)
-                for unit in units:
-                    modules = [layers[i] for i in unit]
-                    fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
-                                reshard_after_forward=self.zero == 3 and unit != kept)
-                fully_shard(chunk, mesh=mesh, reshard_after_forward=self.zero == 3)
+                for unit in units.units:
+                    if unit != units.root:
+                        modules = [layers[i] for i in unit]
+                        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
+                                    reshard_after_forward=self.zero == 3 and unit not in units.kept)
+                fully_shard(chunk, mesh=mesh, reshard_after_forward=False)
             self.params = {fqn: p for chunk in self.chunks.values()
                            for fqn, p in chunk.named_model_parameters().items()}
             if self.materializer is not None:

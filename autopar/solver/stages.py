@@ -87,7 +87,7 @@ def run_tables(est: Estimator, cfg: ParallelConfig, micro_batches: int, modes: S
     params, experts = _run_params(est, cfg, n)
     states = sum(est.state_bytes(cfg, params, experts))
     step = np.array([est.layers.step_comm_bytes(layer, cfg.tp) for layer in graph.layers], dtype=float)
-    units, unit_params, kept = est.unit_tables(cfg)   # ZeRO-2/3 units of each run, its largest, ZeRO-3's kept one
+    units, unit_params, kept, n_kept = est.unit_tables(cfg)   # ZeRO-2/3 units of each run, its largest, the kept ones
     works, tails, fixed, acts = [], [], [], []
     for mode in modes:
         costs = est.layer_costs(cfg, groups["tp"], mode, groups)
@@ -96,7 +96,8 @@ def run_tables(est: Estimator, cfg: ParallelConfig, micro_batches: int, modes: S
         tp = _run_sum(col("tp_fwd") + col("tp_bwd"))
         other = _run_sum(col("cp_fwd") + col("cp_bwd") + col("ep_fwd") + col("ep_bwd"))
         work = fwd + bwd + rec + tp + other + q_in[:, None] + cuts[None, :]
-        dp = est.dp_time(cfg, micro_batches, groups, params, fwd, bwd, rec, tp, _run_sum(step), units, experts, kept)
+        dp = est.dp_time(cfg, micro_batches, groups, params, fwd, bwd, rec, tp, _run_sum(step), units, experts, kept,
+                         n_kept)
         tail = dp + est.optimizer_time(cfg, params, experts)
         buffers = est.buffer_bytes(cfg, mode, _run_max(col("largest_tensor")), _run_max(col("activations_full")),
                                    unit_params)

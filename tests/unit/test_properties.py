@@ -236,7 +236,7 @@ def test_more_devices_never_more_memory_per_device(graphs, data, shape, model, g
 # --- 1c: ZeRO stages -----------------------------------------------------------------------------
 def _largest_unit_params(graph, chunks) -> int:
     """Elements of the largest ZeRO-3 unit among a stage's ``chunks`` (ModelStructure.shard_units: a
-    repeated block alone, a run of the other layers together), whole (before tensor or expert
+    repeated block alone, a run of the other layers together, the small runs in one), whole (before tensor or expert
     parallelism split it), tied parameters included: an upper bound on what ZeRO-3 gathers at once."""
     index = {layer.name: i for i, layer in enumerate(graph.layers)}
 
@@ -245,7 +245,7 @@ def _largest_unit_params(graph, chunks) -> int:
         return sum(graph.params[p].numel for p in layer.params + layer.shared_params if p in graph.params)
 
     return max(sum(numel(i) for i in unit) for chunk in chunks
-               for unit in graph.structure.shard_units([index[n] for n in chunk], lambda i: numel(i) > 0))
+               for unit in graph.structure.shard_units([index[n] for n in chunk], lambda i: numel(i) > 0).units)
 
 
 @COST_SETTINGS
