@@ -145,6 +145,7 @@ class ModelStructure:
         hold no parameter (``holds``) are in no unit and do not break a run. Each layer's unit depends
         only on the layers before it in ``indices``, so the units of a prefix are those of the whole
         cut at its end. The runtime wraps by them and the cost model counts by them."""
+        indices = list(indices)
         units: list[list[int]] = []
         root: list[int] | None = None
         open_run = False
@@ -169,9 +170,9 @@ class ModelStructure:
         # kept gathered from forward to backward: the root (as FSDP2 keeps its root's parameters), and
         # the last unit when the chunk ends the model (final norm and head, whose backward follows their
         # forward at once; torchtitan wraps them so too)
-        last = max(whole, key=max) if whole else None
-        ends = bool(list(indices)) and list(indices)[-1] == len(self.layers) - 1
-        kept = tuple(u for u in whole if u == root_unit or (ends and u == last))
+        ends = bool(indices) and indices[-1] == len(self.layers) - 1
+        last = max(whole, key=max) if ends and whole else None
+        kept = tuple(u for u in whole if u == root_unit or u == last)
         return ShardUnits(whole, root_unit, kept)
 
     # --- JSON (the plan file's ``structure``: docs/plan-format.md) ---------------------------------

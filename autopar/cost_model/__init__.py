@@ -9,7 +9,8 @@ from typing import Sequence
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
 from ..config import ParallelConfig, Precision
-from .estimator import Estimator, check_config
+from .estimator import Estimator
+from .mesh import check_config
 from .compute import MeasuredTimes
 from .layer_cost import LayerCostModel, recomputable
 from .memory import MemoryBreakdown

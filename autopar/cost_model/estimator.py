@@ -60,11 +60,11 @@ from ..capture.opgraph import OpGraph
 from ..capture.structure import ShardUnits
 from ..cluster import Cluster
 from ..config import ParallelConfig, Precision, dp_bucket_bytes
-from ..errors import ConfigError
 from . import context_parallel, expert_parallel
 from .comm import Collective, GroupPlacement, collective_lines, collective_time, place_axes
 from .layer_cost import LayerCost, LayerCostModel, SplitGroups
 from .memory import MemoryBreakdown, in_flight, interleaved_peak, model_state_bytes
+from .mesh import mesh_groups
 from .schedule import even_partition
 
 # Tensor ops per parameter of torch's single-tensor AdamW (the CPU default): weight decay, the two
@@ -96,55 +96,6 @@ class DeviceCost:
     @property
     def work(self) -> float:
         return self.fwd + self.bwd + self.recompute + self.tp_comm + self.p2p + self.cp_comm + self.ep_comm
-
-
-def check_config(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_batch_size: int) -> int:
-    """Validate the config against cluster and batch; return micro-batches per pipeline."""
-    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise ConfigError(f"global_batch_size={global_batch_size!r} must be a positive integer")
-    if cfg.devices != cluster.devices:
-        raise ConfigError(f"dp*cp*tp*pp = {cfg.dp}*{cfg.cp}*{cfg.tp}*{cfg.pp} = {cfg.devices} devices, but the "
-                          f"cluster {cluster.describe()} has {cluster.devices}: make the product equal the device count")
-    for reason in (context_parallel.unsupported(graph, cfg.cp), expert_parallel.unsupported(graph, cfg.ep)):
-        if reason is not None:
-            raise ConfigError(reason)
-    per_step = cfg.dp * cfg.micro_batch_size
-    if global_batch_size % per_step:
-        raise ConfigError(f"global_batch_size={global_batch_size} does not divide into dp={cfg.dp} replicas x "
-                          f"micro_batch_size={cfg.micro_batch_size}: use a global batch that is a multiple of "
-                          f"{per_step}, or change dp / micro_batch_size")
-    chunks = cfg.pp * cfg.virtual_stages
-    blocks = sum(1 for layer in graph.layers if layer.is_block)
-    if cfg.schedule == "interleaved" and chunks > blocks:
-        raise ConfigError(f"interleaved schedule with pp={cfg.pp} x virtual_stages={cfg.virtual_stages} = {chunks} "
-                          f"chunks, but the model has only {blocks} repeated layers: pick virtual_stages of at most "
-                          f"{max(1, blocks // cfg.pp)} so that every chunk holds one")
-    m = global_batch_size // per_step
-    if cfg.schedule == "interleaved" and m % cfg.pp:
-        raise ConfigError(f"the interleaved schedule needs the micro-batches per pipeline ({m}) to be a multiple of "
-                          f"pp={cfg.pp} (Megatron-LM's order): lower micro_batch_size or raise the global batch")
-    if chunks > len(graph.layers):
-        raise ConfigError(f"pp*virtual_stages = {chunks} chunks but the model has only {len(graph.layers)} layers: "
-                          "lower pp or virtual_stages")
-    return global_batch_size // per_step
-
-
-def mesh_groups(cluster: Cluster, cfg: ParallelConfig) -> dict[str, GroupPlacement]:
-    """Every group a config communicates over: "tp", "cp", "ep", "pp", "dp" (the ``dp * cp`` ranks
-    reducing dense gradients) and "edp" (the ``dp * cp / ep`` ranks holding the same experts).
-
-    Ranks: tp innermost, then cp, then dp (its ``ep`` consecutive replicas form an expert group),
-    pp outermost. With cp > 1 and ep > 1 the expert replicas are not one run of the mesh; they are
-    placed as a run of the same size at the expert group's stride (never closer than they are)."""
-    tp, cp, dp, ep, pp = cfg.tp, cfg.cp, cfg.dp, cfg.ep, cfg.pp
-    out = place_axes(cluster, [("tp", tp), ("cp", cp), ("ep", ep), ("replica", dp // ep), ("pp", pp)])
-    out["dp"] = place_axes(cluster, [("tp", tp), ("dp", dp * cp), ("pp", pp)])["dp"]
-    if cp > 1 and ep > 1:
-        out["edp"] = place_axes(cluster, [("tp", tp * ep), ("edp", dp * cp // ep), ("pp", pp)])["edp"]
-    else:
-        out["edp"] = out["replica"] if cp == 1 else out["dp"]
-    del out["replica"]
-    return out
 
 
 @dataclass
@@ -300,7 +251,7 @@ class Estimator:
     def unit_tables(self, cfg: ParallelConfig) -> tuple[np.ndarray, ...]:
         """For every run ``[i, j]`` of layers (one stage's chunk): how many ZeRO-2/3 units it makes, the
         parameters of its largest, and the parameters and number of the units ZeRO-3 keeps gathered
-        after forward (:meth:`kept_units`), as ``n x n`` arrays. ModelStructure.shard_units decides each
+        after forward (``ShardUnits.kept``), as ``n x n`` arrays. ModelStructure.shard_units decides each
         layer's unit from the layers before it alone, so the units of ``[i, j]`` are those of ``[i, n)``
         cut at ``j``: one call per start."""
         key = (cfg.tp, cfg.ep)
@@ -326,12 +277,6 @@ class Estimator:
                 n_kept[i, n - 1] += len(last)
             self._units[key] = (count, largest, kept, n_kept)
         return self._units[key]
-
-    def kept_units(self, layers: Sequence[int], cfg: ParallelConfig) -> tuple[int, int]:
-        """Parameters and number of the units of a chunk of ``layers`` that ZeRO-3 keeps gathered after
-        forward (ModelStructure.shard_units: the root, and the last unit of the chunk ending the model)."""
-        kept = self.shard_units(layers, cfg).kept
-        return sum(self._layer_params(i, cfg) for u in kept for i in u), len(kept)
 
     def _layer_param_names(self, i: int) -> tuple[str, ...]:
         layer = self.graph.layers[i]
@@ -371,11 +316,12 @@ class Estimator:
                    groups: dict[str, GroupPlacement]) -> float:
         """Data-parallel / ZeRO communication of one device that compute does not hide, per step
         (with the tensor-parallel group's own gradient all-reduce, when the layout has one)."""
-        units = sum(len(self.shard_units(c, cfg).units) for c in dev.chunks)
-        kept = [self.kept_units(c, cfg) for c in dev.chunks]
+        chunks = [self.shard_units(c, cfg) for c in dev.chunks]
+        kept = [u for c in chunks for u in c.kept]
         return float(self.dp_time(cfg, micro_batches, groups, dev.params, dev.fwd, dev.bwd, dev.recompute,
-                                  dev.tp_comm, dev.tp_grad_bytes, units, dev.expert_params,
-                                  sum(k for k, _ in kept), sum(c for _, c in kept)))
+                                  dev.tp_comm, dev.tp_grad_bytes, sum(len(c.units) for c in chunks),
+                                  dev.expert_params, sum(self._layer_params(i, cfg) for u in kept for i in u),
+                                  len(kept)))
 
     def dp_time(self, cfg: ParallelConfig, micro_batches: int, groups: dict[str, GroupPlacement],
                 params, fwd, bwd, recompute, tp_comm, tp_grad_bytes, units, experts=0.0, kept=0.0, n_kept=0.0):
@@ -384,7 +330,7 @@ class Estimator:
         Gradients go in ``dp_bucket_bytes`` buckets (one collective each); ZeRO-2 and 3 gather and
         reduce-scatter unit by unit (one collective per unit held, ``units``: :meth:`shard_units`);
         ZeRO-3 gathers again for backward every unit but the ``n_kept`` units of ``kept`` parameters
-        (:meth:`kept_units`).
+        (``ShardUnits.kept``).
         Dense weights synchronise over ``groups["dp"]`` (dp * cp ranks), the ``experts`` of ``params``
         over ``groups["edp"]``."""
         group, tp_group = groups["dp"], groups["tp"] if cfg.tp > 1 else None

@@ -2,7 +2,7 @@
 
 A point is a :class:`Candidate`: a tensor-parallel layout variant, the mesh degrees
 ``dp x cp x tp x pp`` and the expert-parallel degree ``ep`` dividing ``dp`` (placed on the
-topology by :func:`autopar.cost_model.estimator.mesh_groups`:
+topology by :func:`autopar.cost_model.mesh.mesh_groups`:
 ``tp`` innermost, so it lands inside a node when it fits, but any degree that divides the
 devices is tried, including ones that span nodes), micro-batch size, schedule (1F1B, GPipe,
 interleaved 1F1B with each virtual-stage count that leaves a block per chunk; chunks the blocks do not
@@ -29,7 +29,7 @@ from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
 from ..config import RECOMPUTE_MODES, ParallelConfig
 from ..cost_model import context_parallel, expert_parallel
-from ..cost_model.estimator import mesh_groups
+from ..cost_model.mesh import mesh_groups
 from ..errors import ConfigError
 
 MAX_TP = 64               # beyond 64-way tensor parallelism every layer of a real model is communication bound

@@ -1,0 +1,61 @@
+"""A configuration on a cluster: whether it is valid for the model and batch (:func:`check_config`),
+and the communication groups of its mesh placed on the topology (:func:`mesh_groups`), which the
+estimator prices and the search's placement check (solver/space.py) reads."""
+
+from __future__ import annotations
+
+from ..capture.opgraph import OpGraph
+from ..cluster import Cluster
+from ..config import ParallelConfig
+from ..errors import ConfigError
+from . import context_parallel, expert_parallel
+from .comm import GroupPlacement, place_axes
+
+
+def check_config(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_batch_size: int) -> int:
+    """Validate the config against cluster and batch; return micro-batches per pipeline."""
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ConfigError(f"global_batch_size={global_batch_size!r} must be a positive integer")
+    if cfg.devices != cluster.devices:
+        raise ConfigError(f"dp*cp*tp*pp = {cfg.dp}*{cfg.cp}*{cfg.tp}*{cfg.pp} = {cfg.devices} devices, but the "
+                          f"cluster {cluster.describe()} has {cluster.devices}: make the product equal the device count")
+    for reason in (context_parallel.unsupported(graph, cfg.cp), expert_parallel.unsupported(graph, cfg.ep)):
+        if reason is not None:
+            raise ConfigError(reason)
+    per_step = cfg.dp * cfg.micro_batch_size
+    if global_batch_size % per_step:
+        raise ConfigError(f"global_batch_size={global_batch_size} does not divide into dp={cfg.dp} replicas x "
+                          f"micro_batch_size={cfg.micro_batch_size}: use a global batch that is a multiple of "
+                          f"{per_step}, or change dp / micro_batch_size")
+    chunks = cfg.pp * cfg.virtual_stages
+    blocks = sum(1 for layer in graph.layers if layer.is_block)
+    if cfg.schedule == "interleaved" and chunks > blocks:
+        raise ConfigError(f"interleaved schedule with pp={cfg.pp} x virtual_stages={cfg.virtual_stages} = {chunks} "
+                          f"chunks, but the model has only {blocks} repeated layers: pick virtual_stages of at most "
+                          f"{max(1, blocks // cfg.pp)} so that every chunk holds one")
+    m = global_batch_size // per_step
+    if cfg.schedule == "interleaved" and m % cfg.pp:
+        raise ConfigError(f"the interleaved schedule needs the micro-batches per pipeline ({m}) to be a multiple of "
+                          f"pp={cfg.pp} (Megatron-LM's order): lower micro_batch_size or raise the global batch")
+    if chunks > len(graph.layers):
+        raise ConfigError(f"pp*virtual_stages = {chunks} chunks but the model has only {len(graph.layers)} layers: "
+                          "lower pp or virtual_stages")
+    return global_batch_size // per_step
+
+
+def mesh_groups(cluster: Cluster, cfg: ParallelConfig) -> dict[str, GroupPlacement]:
+    """Every group a config communicates over: "tp", "cp", "ep", "pp", "dp" (the ``dp * cp`` ranks
+    reducing dense gradients) and "edp" (the ``dp * cp / ep`` ranks holding the same experts).
+
+    Ranks: tp innermost, then cp, then dp (its ``ep`` consecutive replicas form an expert group),
+    pp outermost. With cp > 1 and ep > 1 the expert replicas are not one run of the mesh; they are
+    placed as a run of the same size at the expert group's stride (never closer than they are)."""
+    tp, cp, dp, ep, pp = cfg.tp, cfg.cp, cfg.dp, cfg.ep, cfg.pp
+    out = place_axes(cluster, [("tp", tp), ("cp", cp), ("ep", ep), ("replica", dp // ep), ("pp", pp)])
+    out["dp"] = place_axes(cluster, [("tp", tp), ("dp", dp * cp), ("pp", pp)])["dp"]
+    if cp > 1 and ep > 1:
+        out["edp"] = place_axes(cluster, [("tp", tp * ep), ("edp", dp * cp // ep), ("pp", pp)])["edp"]
+    else:
+        out["edp"] = out["replica"] if cp == 1 else out["dp"]
+    del out["replica"]
+    return out
