@@ -90,10 +90,11 @@ def _search(graph: OpGraph, cluster: Cluster, global_batch_size: int, precision:
     deadline = None if time_limit is None else time.perf_counter() + time_limit
     if sharding is None:
         sharding = ShardingSolver(graph, cluster, precision, limits=limits, deadline=deadline)
-    elif (sharding.graph is not graph or sharding.cluster != cluster or sharding.precision != precision
+    elif (sharding.graph is not graph or not sharding.serves(cluster) or sharding.precision != precision
           or sharding.limits != limits or deadline is not None):
-        raise ConfigError("sharding= must be a ShardingSolver of the same graph, cluster, precision and ILP limits, "
-                          "and is not taken with time_limit: pass none to make one")
+        raise ConfigError("sharding= must be a ShardingSolver of the same graph, cluster (its device's memory "
+                          "may differ), precision and ILP limits, and is not taken with time_limit: pass none to "
+                          "make one")
     search = Search(graph, cluster, global_batch_size, precision, layouts_for(sharding), fixed, time_limit,
                     splits_batch=sharding.splits_batch, measured=measured, progress=progress)
     return search, sharding

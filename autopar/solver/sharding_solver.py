@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time as _time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from ..capture.opgraph import OpGraph
@@ -34,7 +34,11 @@ class ShardingSolver:
 
     ``seconds`` and ``solves`` count the time spent building and solving ILPs and the number of
     group ILPs solved (each has two solver calls). ``deadline`` (a ``time.perf_counter()`` value,
-    the search's time limit): groups reached after it are sharded greedily, without an ILP."""
+    the search's time limit): groups reached after it are sharded greedily, without an ILP.
+
+    No ILP reads the device's memory (the lean variants minimise memory, they are not bounded by
+    it; the search decides what fits), so one solver serves clusters that differ only in it
+    (:meth:`serves`): exploring device sizes re-solves nothing."""
 
     graph: OpGraph
     cluster: Cluster
@@ -52,6 +56,12 @@ class ShardingSolver:
 
     def __post_init__(self) -> None:
         self.graph = self.graph.for_kernels(self.precision.kernels)   # the activations its kernels keep
+
+    def serves(self, cluster: Cluster) -> bool:
+        """Whether this solver's layouts are those of ``cluster``: the same cluster but perhaps for
+        the device's memory."""
+        same_memory = replace(cluster, device=replace(cluster.device, memory=self.cluster.device.memory))
+        return same_memory == self.cluster
 
     def layout(self, tp: int, variant: str = "fast") -> TPLayout:
         """The layout the ILP chooses for tensor-parallel degree ``tp`` (1: everything R/C)."""

@@ -61,6 +61,17 @@ def _cluster(spec: str, memory: float) -> Cluster:
 
 
 _REFERENCE: dict = {}
+_SHARDING: dict = {}
+
+
+def _sharding(graph, spec: str) -> ShardingSolver:
+    """One ShardingSolver per graph and cluster: the layouts do not depend on the device's memory
+    (ShardingSolver.serves), so the enumeration and every memory fraction's two solves share its ILPs."""
+    key = (graph.content_hash, spec)
+    if key not in _SHARDING:
+        cluster = Cluster.from_spec(spec)
+        _SHARDING[key] = ShardingSolver(graph, cluster, Precision.for_device(cluster.device.name))
+    return _SHARDING[key]
 
 
 def _reference(graph, spec: str, gbs: int):
@@ -68,9 +79,9 @@ def _reference(graph, spec: str, gbs: int):
     key = (graph.content_hash, spec, gbs)
     if key not in _REFERENCE:
         cluster = Cluster.from_spec(spec)
-        precision = Precision.for_device(cluster.device.name)
-        sharding = ShardingSolver(graph, cluster, precision)
-        search = Search(graph, cluster, gbs, precision, layouts_for(sharding), splits_batch=sharding.splits_batch)
+        sharding = _sharding(graph, spec)
+        search = Search(graph, cluster, gbs, sharding.precision, layouts_for(sharding),
+                        splits_batch=sharding.splits_batch)
         _REFERENCE[key] = all_plans(search)
     return _REFERENCE[key]
 
@@ -90,7 +101,7 @@ def _check_against_exhaustive(graph, spec: str, gbs: int, fraction: float):
         memory = least + fraction * (fastest[1] - least)
     cluster = _cluster(spec, memory)
     fitting = [p for p in plans if p[1] <= memory]
-    sharding = ShardingSolver(graph, cluster, Precision.for_device(cluster.device.name))   # both solves share it
+    sharding = _sharding(graph, spec)   # the enumeration's, serving this memory too
     try:
         plan, _ = solve(graph, cluster, gbs, tie_tolerance=0, sharding=sharding)
     except InfeasiblePlanError as exc:

@@ -251,6 +251,29 @@ def test_api_contract(gpt):
     assert [g["layers"] for g in desc] == [["embed.tok", "embed.pos", "final_norm", "head"], ["blocks.0", "blocks.1"]]
 
 
+def test_one_solver_serves_every_device_memory_of_its_cluster(gpt):
+    """No ILP reads the device's memory, so a search on the same cluster with another memory takes
+    the solver (and re-solves nothing); another device, topology or precision is refused."""
+    import dataclasses
+    from autopar.solver import solve
+    graph, solver = gpt
+    cluster = solver.cluster
+    small = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory=cluster.device.memory / 2))
+    assert solver.serves(small) and solver.serves(cluster)
+    assert not solver.serves(Cluster.from_spec("1x8xH100-SXM")) and not solver.serves(Cluster.from_spec("2x4xA100-80GB"))
+    pins = {"tp": 8, "pp": 1}
+    solve(graph, small, 8, fixed=pins, precision=solver.precision, sharding=solver)   # every variant it needs
+    before = solver.solves
+    smaller = dataclasses.replace(small, device=dataclasses.replace(small.device, memory=small.device.memory / 2))
+    plan, _ = solve(graph, smaller, 8, fixed=pins, precision=solver.precision, sharding=solver)
+    assert solver.solves == before                                  # nothing solved again
+    own, _ = solve(graph, smaller, 8, fixed=pins, precision=solver.precision)
+    assert plan.to_dict() == own.to_dict()                          # the same plan as with its own solver
+    with pytest.raises(ConfigError, match="same graph, cluster"):
+        solve(graph, Cluster.from_spec("1x8xH100-SXM"), 8, fixed={"tp": 8}, precision=solver.precision,
+              sharding=solver)
+
+
 def test_memory_budget_below_the_least_is_infeasible(gpt):
     _, solver = gpt
     block = solver.solutions(8, "fast")[1]
