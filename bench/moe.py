@@ -13,11 +13,16 @@ expert's weights for every micro-batch, tensor or pipeline parallelism). Printed
 winner's configuration, step time, peak memory, and where expert parallelism's time goes
 (all-to-alls, data-parallel exposure). Cost-model predictions; no GPU ran.
 
+Target (exit status 1 on a miss; moved here from the unit suite, where the 32-layer capture and
+the 64-device search took half a minute): with capacity routing the search picks ep > 1 at every
+batch, and ``plan.explain()`` names expert parallelism, its all-to-all and the plan without it.
+
 Run: .venv/bin/python bench/moe.py
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 from autopar import Cluster
@@ -38,13 +43,14 @@ def row(label: str, plan) -> str:
             f"compute {b.compute:6.3f} s")
 
 
-def main() -> None:
+def main() -> int:
     cluster = Cluster.from_spec(CLUSTER)
     base = spec("mixtral-8x7b").config
     print(f"Mixtral-8x7B shape on {cluster.describe()} (cost-model predictions)")
     hf = dict(layers=base.layers, hidden=base.hidden, heads=base.heads, kv_heads=base.kv_heads,
               ffn_hidden=base.ffn_hidden, num_experts=base.num_experts, top_k=base.top_k, vocab=base.vocab_size,
               seq_len=base.seq_len, batch_size=1, device="meta")
+    ok = True
     for routing, build in (("capacity 1.0", lambda: build_mixtral(base, batch_size=1, device="meta")),
                            ("dropless", lambda: build_hf_mixtral(**hf))):
         model, inputs = build()
@@ -57,7 +63,13 @@ def main() -> None:
                   f"{plain.step_time / best.step_time:.3f}x [{time.perf_counter() - t0:.0f} s]")
             print(row("best", best))
             print(row("no ep", plain))
+            if routing == "capacity 1.0":
+                text = best.explain()
+                ok = ok and best.config.ep > 1 and best.fits and all(
+                    part in text for part in (f"expert parallel {best.config.ep}", "all-to-all", "without it"))
+    print("target (capacity routing picks ep and explains it at every batch):", "met" if ok else "MISSED")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
