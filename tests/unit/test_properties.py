@@ -297,6 +297,19 @@ def _with_memory(cluster: Cluster, memory: float) -> Cluster:
     return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory=memory))
 
 
+_SOLVERS: dict[tuple[str, str], ShardingSolver] = {}
+
+
+def _solver(graph, spec: str) -> ShardingSolver:
+    """One ShardingSolver per cluster spec: it serves every device memory of its cluster
+    (ShardingSolver.serves), so the examples of one spec solve each sharding ILP once."""
+    key = (graph.content_hash, spec)
+    if key not in _SOLVERS:
+        cluster = Cluster.from_spec(spec)
+        _SOLVERS[key] = ShardingSolver(graph, cluster, Precision.for_device(cluster.device.name))
+    return _SOLVERS[key]
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=st.sampled_from(["1x1xA100-80GB", "1x2xA100-80GB", "1x4xH100-SXM", "2x2xA100-80GB", "2x4xH100-SXM",
                              "4x2xV100-32GB", "1x4xcpu"]),
@@ -320,7 +333,7 @@ def test_solver_plan_always_fits(graphs, plan_dir, spec, gbs, log2_memory, fixed
     memory = whole * 2.0 ** log2_memory
     cluster = _with_memory(cluster, memory)
     try:
-        plan, _ = solve(graph, cluster, gbs, fixed=fixed)
+        plan, _ = solve(graph, cluster, gbs, fixed=fixed, sharding=_solver(graph, spec))
     except InfeasiblePlanError as exc:
         need = re.search(r"leanest plan needs ([0-9.e+-]+) GB", str(exc))
         if need is not None:

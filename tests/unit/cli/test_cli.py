@@ -62,8 +62,8 @@ def _config_line(summary: str) -> str:
                                                           ("bert-base", "1x8xH100-SXM", "64", None)])
 def test_plan_show_codegen(tmp_path, capsys, model, cluster, batch, fixed):
     pins = ("--fixed", fixed) if fixed else ()
-    plan_out = autopar_cmd(tmp_path, "plan", model, "--cluster", cluster, "--global-batch", batch, "-o", "p.json",
-                           "--explain", *pins).stdout
+    plan_out = autopar_main(capsys, tmp_path, "plan", model, "--cluster", cluster, "--global-batch", batch, "-o",
+                            "p.json", "--explain", *pins)   # in this process: test_user_errors_exit_2 runs the command
     plan = autopar.load_plan(tmp_path / "p.json")
     assert plan.model_name == model and plan.global_batch_size == int(batch) and plan.fits and plan.optimal
     assert plan.extra["model"] == {"model": model, "seq_len": None, "dtype": "bf16"}
@@ -101,10 +101,11 @@ def test_estimate_compare_and_a_factory_model(tmp_path, capsys):
         def tiny(device):
             return build_gpt(GPTConfig(vocab_size=128, hidden=32, heads=2, layers=2, seq_len=16), device=device)
         """))
-    est = autopar_cmd(tmp_path, "estimate", "mymodels:tiny", "--cluster", "1x2xcpu", "--global-batch", "8",
-                      "--config", "pp=2,mbs=2,schedule=gpipe", "-o", "est.json").stdout
+    est = autopar_main(capsys, tmp_path, "estimate", "mymodels:tiny", "--cluster", "1x2xcpu", "--global-batch", "8",
+                       "--config", "pp=2,mbs=2,schedule=gpipe", "-o", "est.json")
     assert _config_line(est) == "dp=1 tp=1 pp=2 mb=2 gpipe zero=0 recompute=none"
-    autopar_cmd(tmp_path, "plan", "mymodels:tiny", "--cluster", "1x2xcpu", "--global-batch", "8", "-o", "best.json")
+    autopar_main(capsys, tmp_path, "plan", "mymodels:tiny", "--cluster", "1x2xcpu", "--global-batch", "8", "-o",
+                 "best.json")
     best, estimate = autopar.load_plan(tmp_path / "best.json"), autopar.load_plan(tmp_path / "est.json")
     assert best.model_name == "mymodels:tiny" and estimate.optimal is None
 

@@ -39,13 +39,21 @@ def test_qwen3_next_plans_within_fifty_nodes_per_solve(qwen3_next):
     assert plan.optimal and plan.config.tp == 2
 
 
-def test_a_highs_node_limit_stop_keeps_its_solution(qwen3_next, monkeypatch):
+def test_a_highs_node_limit_stop_keeps_its_solution(monkeypatch):
     """HiGHS ends a solve at ``mip_max_nodes`` with a status PuLP does not map: the solution it has is
     used and counted as stopped early, not thrown away for CBC to solve again (a plan note said
-    "HiGHS raised KeyError")."""
+    "HiGHS raised KeyError"). A tiny Llama's exact second solves need more than one node."""
+    import torch
+    import transformers
     from autopar.solver import sharding
-    monkeypatch.setattr(sharding, "SECOND_GAP", 0.0)       # the exact second solve: hundreds of nodes
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=64)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    ids = torch.zeros(1, 16, dtype=torch.long, device="meta")
+    graph = capture(model, {"input_ids": ids, "labels": ids})
+    monkeypatch.setattr(sharding, "SECOND_GAP", 0.0)       # the exact second solve
     monkeypatch.setattr(sharding, "SECOND_GAP_ABS", 0.0)
-    plan, stats = solve(qwen3_next, CLUSTER, 8, fixed=TP2, ilp_node_limit=1)
+    plan, stats = solve(graph, CLUSTER, 8, fixed=TP2, ilp_node_limit=1)
     assert stats.ilp_stopped_early > 0 and not stats.ilp_fallbacks and stats.ilp_greedy == 0
     assert plan.config.tp == 2
