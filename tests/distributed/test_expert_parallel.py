@@ -1,6 +1,7 @@
 """Expert-parallel MoE (autopar.runtime.expert_parallel) on 2 and 4 gloo ranks vs one process.
 
-Gloo ranks are spawned once per world size and run every case. Each case draws the full expert
+Gloo ranks run every case once per world size: 2 ranks spawned here (they end with the silent-peer
+check), the session's 4-rank world (worlds.py). Each case draws the full expert
 weights and every rank's own tokens, routing and output cotangent ``g`` from one seed; each rank
 runs ``expert_parallel_moe`` on its tokens and experts and backpropagates ``(out * g).sum()``.
 The reference is one process with all ranks' tokens concatenated, a per-token loop over the k
@@ -137,12 +138,8 @@ def _run_case(case: Case, world: int, rank: int) -> dict:
             "down": down.grad}
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    import faulthandler
-    faulthandler.dump_traceback_later(120, exit=True, file=sys.stderr)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def run_all(rank: int, world: int) -> dict:
+    """Every case on this rank (the default process group up): case name -> outputs or {"error"}."""
     results: dict = {}
     start = time.perf_counter()
     for case in CASES:
@@ -152,11 +149,19 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             import traceback
             results[case.name] = {"error": f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
     results["_seconds"] = time.perf_counter() - start
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    return results
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """The 2-rank spawn of its own: every case, then the silent peer (which ends both ranks)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import faulthandler
+    faulthandler.dump_traceback_later(120, exit=True, file=sys.stderr)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.save(run_all(rank, world), os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()  # no rank tears its connections down while a peer still uses them
-    if world == 2:
-        _silent_peer(rank, out_dir)
-    dist.destroy_process_group()
+    _silent_peer(rank, out_dir)
 
 
 SILENT_TIMEOUT = 1.0
@@ -184,14 +189,18 @@ _RESULTS: dict[int, list[dict]] = {}
 
 
 def results(world: int) -> list[dict]:
-    """Per rank: case name -> that rank's outputs and gradients (or {"error"}); spawned once per world."""
+    """Per rank: case name -> that rank's outputs and gradients (or {"error"}), computed once per world:
+    on 2 ranks spawned here (the silent peer ends them), on the session's 4-rank world (worlds.py)."""
     if world not in _RESULTS:
+        if world != 2:
+            import worlds
+            _RESULTS[world] = worlds.world(world).run("test_expert_parallel:run_all")
+            return _RESULTS[world]
         with tempfile.TemporaryDirectory() as out:
             mp.start_processes(_worker, args=(world, free_port(), out), nprocs=world, join=True,
                                start_method="spawn")
             _RESULTS[world] = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
-            if world == 2:
-                _RESULTS[world][0]["_silent"] = torch.load(os.path.join(out, "silent.pt"))
+            _RESULTS[world][0]["_silent"] = torch.load(os.path.join(out, "silent.pt"))
     return _RESULTS[world]
 
 

@@ -1,6 +1,6 @@
 """Ring (context-parallel) attention against single-process ``F.scaled_dot_product_attention``.
 
-One spawn of 4 gloo ranks (cp=4: three ring steps, blocks from both head and tail chunks) runs
+The session's 4 gloo ranks (worlds.py; cp=4: three ring steps, blocks from both head and tail chunks) runs
 every case (cp=2 runs end to end in test_context_expert.py, on GPT, Llama and Mixtral): each rank builds the same full
 q, k, v, mask and upstream gradient from a seed, runs the reference on the full tensors, runs
 ``ring_attention`` on its shard, and records the largest difference of the output and of the
@@ -14,19 +14,14 @@ from __future__ import annotations
 import math
 import os
 import sys
-import tempfile
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import free_port  # noqa: E402
 
 from autopar.errors import ConfigError  # noqa: E402
 from autopar.codegen import ring_attention as ra  # noqa: E402
@@ -111,10 +106,8 @@ def gather_errors(cp: int, rank: int) -> dict:
     return dict(value=(y - full).abs().max().item(), grad=(x.grad - want_grad).abs().max().item())
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+def run_all(rank: int, world: int) -> dict:
+    """Every case and the gather check on this rank of the session's world (worlds.py): name -> errors."""
     results = {}
     for case in CASES:
         try:
@@ -125,17 +118,14 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         results["gather"] = gather_errors(world, rank)
     except Exception as exc:  # noqa: BLE001
         results["gather"] = {"error": f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"}
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 @pytest.fixture(scope="module", params=[4], ids=lambda w: f"cp{w}")
 def spawned(request):
+    import worlds
     world = request.param
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_worker, args=(world, free_port(), out), nprocs=world, join=True, start_method="spawn")
-        return world, [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
+    return world, worlds.world(world).run("test_ring_attention:run_all")
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
