@@ -26,6 +26,7 @@ spawn their own.
 from __future__ import annotations
 
 import datetime
+import gc
 import importlib
 import shutil
 import os
@@ -51,6 +52,11 @@ def _serve(rank: int, size: int, port: int, folder: str, first: int = 0) -> None
     sys.path.insert(0, HERE)
     os.environ["HF_HUB_OFFLINE"] = "1"
     torch.set_num_threads(1)
+    # autopar (and with it pulp) imported here, not inside the first job: pulp keeps an exception from its
+    # import (pulp/apis/copt_api.py, a missing COPT library) whose traceback holds every frame of that
+    # import, the first job's frame included, which would keep that job's program and its process groups
+    # (each with gloo threads that keep polling) alive for the whole session
+    importlib.import_module("autopar")
     import faulthandler
     faulthandler.enable(file=sys.stderr)   # a C++ crash prints this rank's Python stack
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=IDLE_TIMEOUT))
@@ -73,6 +79,14 @@ def _serve(rank: int, size: int, port: int, folder: str, first: int = 0) -> None
         store.set(f"result/{k}/{rank}", b"1")
         store.set(f"done/{k}/{rank}", b"1")   # every rank is done with this job's group before it goes
         store.wait([f"done/{k}/{r}" for r in range(size)])
+        # the job's program sits in reference cycles (bound methods, hooks), freed only by the cycle
+        # collector; collected now, before its process groups are destroyed, so that their gloo threads
+        # (which keep polling) end with the job instead of piling up over the session: each job left 12
+        # threads per rank, and by the end of the session the ranks' idle polling took most of a core.
+        # What survives (the ranks' caches of models and exports) is frozen: later collections skip it.
+        del out
+        gc.collect()
+        gc.freeze()
         dist.destroy_process_group()
         k += 1
 
