@@ -3,8 +3,9 @@
 A subprocess pays the torch import (about 2 s), so the cases are few and each checks a lot: the
 commands that plan run as subprocesses, and the ones that read what they wrote (``show``,
 ``codegen``, ``compare``) run in-process through ``autopar.cli.main`` (the same code from argv on).
-Argument errors are checked in-process too (argparse and our parsing). The emitted script of a
-factory model running under torchrun is tests/distributed/test_emit.py's.
+Argument errors are checked in-process too (argparse and our parsing). A factory model's codegen
+(its ``planned_model.py`` and a script byte-equal to ``codegen.emit``'s, which runs under torchrun)
+is tests/distributed/test_emit.py's.
 """
 
 from __future__ import annotations
