@@ -79,16 +79,34 @@ def _serve(rank: int, size: int, port: int, folder: str, first: int = 0) -> None
         store.set(f"result/{k}/{rank}", b"1")
         store.set(f"done/{k}/{rank}", b"1")   # every rank is done with this job's group before it goes
         store.wait([f"done/{k}/{r}" for r in range(size)])
-        # the job's program sits in reference cycles (bound methods, hooks), freed only by the cycle
-        # collector; collected now, before its process groups are destroyed, so that their gloo threads
-        # (which keep polling) end with the job instead of piling up over the session: each job left 12
-        # threads per rank, and by the end of the session the ranks' idle polling took most of a core.
-        # What survives (the ranks' caches of models and exports) is frozen: later collections skip it.
         del out
-        gc.collect()
-        gc.freeze()
+        _release_groups()
         dist.destroy_process_group()
         k += 1
+
+
+def _release_groups() -> None:
+    """Drop every reference this rank still holds to the finished job's process groups, so that their
+    gloo threads end with the job. The job's program sits in reference cycles (bound methods, hooks),
+    freed only by the cycle collector; and DTensor caches what it plans per device mesh (torch's
+    functools caches of sharding propagation and redistribution, the C++ fast path's cache, the
+    redistribute planners), each mesh holding its process groups. Left alone, every configuration kind
+    left its groups behind, each with a gloo TCP loop that wakes every 10 ms: by the end of a session
+    hundreds of threads per rank, most of a core of polling (the suite's distributed half spent 300 s of
+    system time). What survives (the ranks' caches of models and exports) is frozen: later collections
+    skip it."""
+    import functools
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    gc.unfreeze()
+    for obj in gc.get_objects():   # type(), not isinstance(): a dead weak proxy raises on the latter
+        if type(obj) is functools._lru_cache_wrapper and (obj.__module__ or "").startswith("torch.distributed"):
+            obj.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    from torch.distributed.tensor import DTensor
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()   # a thread-local cache
+    clear_redistribute_planner_cache()
+    gc.collect()
+    gc.freeze()
 
 
 class World:
