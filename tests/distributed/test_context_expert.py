@@ -69,6 +69,13 @@ REFUSED = [
     (Case("moe-capacity-cp2", "moe-capacity", {**BASE, "dp": 2}, 2, edit={"dp": 1, "cp": 2, "micro_batch_size": 2}),
      "capacity"),
 ]
+# make bench (AUTOPAR_ALL_CASES=1) runs every case; the suite leaves out those another case contains
+# (the same layout with ZeRO, sequence parallelism or micro-batch 2 on top)
+CONTAINED = {"llama-cp2", "mixtral-ep2", "moe-ep2", "llama-cp2-tp2", "moe-capacity-ep2"}
+if not os.environ.get("AUTOPAR_ALL_CASES"):
+    TWO = [t for t in TWO if t[0] not in CONTAINED]
+    FOUR = [t for t in FOUR if t[0] not in CONTAINED]
+    PAIRS = [p for p in PAIRS if p[0].name not in CONTAINED]
 CASES = {2: [Case(n, m, {**BASE, **f}, 2) for n, m, f in TWO], 4: [Case(n, m, {**BASE, **f}, 4) for n, m, f in FOUR]}
 for case in [c for pair in PAIRS for c in pair] + [c for c, _ in REFUSED]:
     CASES[case.world].append(case)

@@ -57,8 +57,8 @@ VARIANTS_ON = ("mlp", "gpt", "llama")
 VARIANTS = ("pp2_gpipe", "pp2_interleaved", "zero1", "zero2")
 SAMPLE_TWO = {"gpt": set(TWO), "mlp": {"tp2", "pp2_interleaved", "zero3"}, "llama": {"tp2_sp", "pp2_interleaved", "zero2"},
               "gpt2": {"tp2_sp"}, "bert": {"tp2_sp"}}
-SAMPLE_FOUR = {("gpt", "tp2_pp2"), ("gpt", "dp2_tp2"), ("gpt", "dp2_tp2_zero3"), ("llama", "dp2_tp2_zero3"),
-               ("gpt", "planner"), ("llama", "planner"), ("bert", "planner")}
+SAMPLE_FOUR = {("gpt", "tp2_pp2"), ("gpt", "dp2_tp2"), ("gpt", "dp2_tp2_zero3"), ("gpt", "planner"),
+               ("llama", "planner"), ("bert", "planner")}
 # Hugging Face Llama, GPT-2 and BERT at dp2, tp2, pp2 1F1B, ZeRO-1 and ZeRO-3 on 2 ranks run in
 # test_new_users.py, planned as users plan them (meta device, batch-1 or larger example inputs).
 HF_ELSEWHERE = ({"llama", "gpt2", "bert"}, {"dp2", "tp2", "pp2_1f1b", "zero1", "zero3"})

@@ -95,18 +95,33 @@ def _release_groups() -> None:
     hundreds of threads per rank, most of a core of polling (the suite's distributed half spent 300 s of
     system time). What survives (the ranks' caches of models and exports) is frozen: later collections
     skip it."""
-    import functools
     from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-    gc.unfreeze()
-    for obj in gc.get_objects():   # type(), not isinstance(): a dead weak proxy raises on the latter
-        if type(obj) is functools._lru_cache_wrapper and (obj.__module__ or "").startswith("torch.distributed"):
-            obj.cache_clear()
+    for cache in _torch_distributed_caches():
+        cache.cache_clear()
     torch._C._clear_DTensor_sharding_propagator_cache()
     from torch.distributed.tensor import DTensor
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()   # a thread-local cache
     clear_redistribute_planner_cache()
     gc.collect()
     gc.freeze()
+
+
+_CACHES: tuple[int, list] = (0, [])
+
+
+def _torch_distributed_caches() -> list:
+    """torch.distributed's functools caches (module and class level), found by a scan of every object
+    when modules were imported since the last scan (the frozen objects included; a full scan costs
+    0.2 s, a rank runs hundreds of jobs)."""
+    global _CACHES
+    import functools
+    if _CACHES[0] != len(sys.modules):
+        gc.unfreeze()
+        # type(), not isinstance(): a dead weak proxy raises on the latter
+        found = [obj for obj in gc.get_objects() if type(obj) is functools._lru_cache_wrapper
+                 and (obj.__module__ or "").startswith("torch.distributed")]
+        _CACHES = (len(sys.modules), found)
+    return _CACHES[1]
 
 
 class World:

@@ -126,8 +126,8 @@ def _check_against_exhaustive(graph, spec: str, gbs: int, fraction: float):
 FRACTIONS = [-0.5, 0.001, 0.05, 0.2, 0.5, 0.8, 0.999, 2.0]
 
 
-# 12 instances in the suite (the same 12 every run); make bench draws 100
-@settings(max_examples=int(os.environ.get("AUTOPAR_EXHAUSTIVE_EXAMPLES", "12")), deadline=None,
+# 8 instances in the suite (the same 8 every run); make bench draws 100
+@settings(max_examples=int(os.environ.get("AUTOPAR_EXHAUSTIVE_EXAMPLES", "8")), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spec=st.sampled_from(["1x2xA100-80GB", "1x4xA100-80GB", "2x2xA100-80GB", "1x8xA100-80GB",
                              "2x4xH100-SXM", "4x2xV100-32GB", "1x4xcpu"]),
@@ -142,15 +142,21 @@ def cp_graph():
     return capture(model, inputs)
 
 
+def _binding(specs: list[tuple[str, int]]) -> list[tuple[str, int, float]]:
+    """(spec, gbs, fraction): memory tight (0.05), binding (0.5) and not binding (2.0) on the first
+    cluster; the second's tight case (the costliest: 13-20 s, most configurations need recomputation)
+    only with AUTOPAR_ALL_CASES=1 (make bench)."""
+    return [(spec, gbs, f) for i, (spec, gbs) in enumerate(specs) for f in (0.05, 0.5, 2.0)
+            if i == 0 or f != 0.05 or os.environ.get("AUTOPAR_ALL_CASES")]
+
+
 # nothing fitting (a negative fraction) is checked by the randomised test above; here memory binds or not
-@pytest.mark.parametrize("spec,gbs", [("1x4xA100-80GB", 8), ("2x4xH100-SXM", 4)])
-@pytest.mark.parametrize("fraction", [0.05, 0.5, 2.0])
+@pytest.mark.parametrize("spec,gbs,fraction", _binding([("1x4xA100-80GB", 8), ("2x4xH100-SXM", 4)]))
 def test_plan_equals_exhaustive_with_cp(cp_graph, spec, gbs, fraction):
     _check_against_exhaustive(cp_graph, spec, gbs, fraction)
 
 
-@pytest.mark.parametrize("spec,gbs", [("1x4xA100-80GB", 8), ("2x2xH100-SXM", 4)])
-@pytest.mark.parametrize("fraction", [0.05, 0.5, 2.0])
+@pytest.mark.parametrize("spec,gbs,fraction", _binding([("1x4xA100-80GB", 8), ("2x2xH100-SXM", 4)]))
 def test_plan_equals_exhaustive_with_selective_recompute(gpt_graph, spec, gbs, fraction):
     _check_against_exhaustive(gpt_graph, spec, gbs, fraction)
 
