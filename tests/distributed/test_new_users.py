@@ -12,7 +12,8 @@ and run with real weights on 2 gloo ranks (the session's 2-rank world, worlds.py
 A second set puts models with dropout 0.1 in ``eval()`` first: the program runs in the mode the
 model is in (as DDP does), so it computes the eval-mode loss. A third prices configurations with
 ``autopar.estimate`` (meta device, batch-1 inputs) instead of planning them, tensor parallelism
-included: an estimate is a plan ``parallelize`` runs.
+included: an estimate is a plan ``parallelize`` runs. ``make test`` runs a fixed sample of these cases
+(CASES below says which), ``make bench`` every one.
 
 The reference is one process accumulating gradients over the same micro-batches (the mean of
 their losses): that is what the program computes by design, and the same as the whole batch's
