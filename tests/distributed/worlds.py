@@ -86,42 +86,40 @@ def _serve(rank: int, size: int, port: int, folder: str, first: int = 0) -> None
 
 
 def _release_groups() -> None:
-    """Drop every reference this rank still holds to the finished job's process groups, so that their
+    """Drop the references this rank still holds to the finished job's process groups, so that their
     gloo threads end with the job. The job's program sits in reference cycles (bound methods, hooks),
     freed only by the cycle collector; and DTensor caches what it plans per device mesh (torch's
     functools caches of sharding propagation and redistribution, the C++ fast path's cache, the
     redistribute planners), each mesh holding its process groups. Left alone, every configuration kind
     left its groups behind, each with a gloo TCP loop that wakes every 10 ms: by the end of a session
     hundreds of threads per rank, most of a core of polling (the suite's distributed half spent 300 s of
-    system time). What survives (the ranks' caches of models and exports) is frozen: later collections
-    skip it."""
+    system time). Not yet released: one group per job whose gradients a data-parallel reducer averages
+    (its hooks' cycle is still reachable, through C++, after the job). What survives (the ranks' caches
+    of models and exports) is frozen: later collections skip it."""
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
     for cache in _torch_distributed_caches():
         cache.cache_clear()
     torch._C._clear_DTensor_sharding_propagator_cache()
-    from torch.distributed.tensor import DTensor
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()   # a thread-local cache
     clear_redistribute_planner_cache()
     gc.collect()
     gc.freeze()
 
 
-_CACHES: tuple[int, list] = (0, [])
+_CACHES: list = []
 
 
 def _torch_distributed_caches() -> list:
-    """torch.distributed's functools caches (module and class level), found by a scan of every object
-    when modules were imported since the last scan (the frozen objects included; a full scan costs
-    0.2 s, a rank runs hundreds of jobs)."""
-    global _CACHES
+    """torch.distributed's functools caches (module and class level, and those torch creates lazily
+    inside a function), each found once: among the objects created since the last ``gc.freeze()`` (the
+    imports before the first job, then each job's), the ones ``gc.get_objects()`` lists; every cache
+    found before is frozen, so no full scan (0.2 s) per job."""
     import functools
-    if _CACHES[0] != len(sys.modules):
-        gc.unfreeze()
-        # type(), not isinstance(): a dead weak proxy raises on the latter
-        found = [obj for obj in gc.get_objects() if type(obj) is functools._lru_cache_wrapper
-                 and (obj.__module__ or "").startswith("torch.distributed")]
-        _CACHES = (len(sys.modules), found)
-    return _CACHES[1]
+    # type(), not isinstance(): a dead weak proxy raises on the latter
+    _CACHES.extend(obj for obj in gc.get_objects() if type(obj) is functools._lru_cache_wrapper
+                   and (obj.__module__ or "").startswith("torch.distributed"))
+    return _CACHES
 
 
 class World:
