@@ -27,6 +27,7 @@ the user's optimizer once over this rank's share of all groups.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -74,7 +75,11 @@ class GradReducer:
             for b in buckets:
                 for p in b.params:
                     self._where[id(p)] = (c, b)
-                    self._handles.append(p.register_post_accumulate_grad_hook(self._hook))
+                    self._handles.append(p.register_post_accumulate_grad_hook(_weak_hook(weakref.ref(self))))
+        # the hooks live as long as the parameters (the caller's model may keep them); a hook holding
+        # this reducer would keep it, and with it its process group (a gloo group's thread polls every
+        # 10 ms), alive after the program is gone: they hold it weakly, and are removed with it
+        weakref.finalize(self, _remove_all, self._handles)
 
     def start(self, chunk: int) -> None:
         """The next backward of ``chunk`` is its last in this step: reduce as gradients finish."""
@@ -113,6 +118,19 @@ class GradReducer:
                 bucket.flat, bucket.work = None, None
                 bucket.ready.clear()
         self.active.clear()
+
+
+def _weak_hook(reducer: "weakref.ref[GradReducer]") -> Callable[[torch.Tensor], None]:
+    def hook(p: torch.Tensor) -> None:
+        live = reducer()
+        if live is not None:
+            live._hook(p)
+    return hook
+
+
+def _remove_all(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 class _Done:

@@ -3,8 +3,9 @@
 The parent plans each case (autopar.plan with every ParallelConfig field pinned, or free) and
 hands it to the session's world of ``world`` ranks (worlds.py) at once, so the ranks run a case
 while the parent plans the next; then it computes the single-process reference (loss and
-gradients of step 1, parameters after three AdamW steps on three batches) to compare every
-rank's results with.
+gradients of step 1, parameters after two AdamW steps on two batches) to compare every rank's
+results with. Two steps, not more: the second is the first to read the optimizer state a step left
+(sharded with ZeRO, split with tensor parallelism); a third runs no code the second did not.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.multiprocessing as mp
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-STEPS = 3
+STEPS = 2
 LR = 1e-3
 # AdamW's eps, above the default 1e-8: AdamW divides each element's update by its gradient's
 # magnitude, so an element whose true gradient is zero (an attention key's bias: softmax ignores a
@@ -66,19 +67,19 @@ def mlp_loss(out, inputs):
     return torch.nn.functional.mse_loss(out, torch.zeros_like(out) + 0.5)
 
 
-def _gpt(device: str = "cpu"):
+def _gpt(device: str = "cpu", layers: int = 4):
     from autopar.models import GPTConfig, build_gpt
     torch.manual_seed(0)
-    model, _ = build_gpt(GPTConfig(vocab_size=64, hidden=32, heads=4, layers=4, seq_len=8, dropout=0.0),
+    model, _ = build_gpt(GPTConfig(vocab_size=64, hidden=32, heads=4, layers=layers, seq_len=8, dropout=0.0),
                          batch_size=1, device=device)
     return model
 
 
-def _gpt_sdpa():
+def _gpt_sdpa(layers: int = 4):
     """The GPT with fused attention (F.scaled_dot_product_attention): what context parallelism splits."""
     from autopar.models import GPTConfig, build_gpt
     torch.manual_seed(0)
-    model, _ = build_gpt(GPTConfig(vocab_size=64, hidden=32, heads=4, layers=4, seq_len=8, dropout=0.0,
+    model, _ = build_gpt(GPTConfig(vocab_size=64, hidden=32, heads=4, layers=layers, seq_len=8, dropout=0.0,
                                    attention="sdpa"), batch_size=1)
     return model
 
@@ -155,6 +156,8 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "bert": _hf("build_hf_bert"), "cnn": _cnn, "gpt-sdpa": _gpt_sdpa,
     "mixtral": _hf("build_hf_mixtral", layers=2, ffn_hidden=64, num_experts=4, top_k=2), "moe": _moe(),
     "moe-capacity": _moe(1.0), "xattn": _xattn,
+    # two blocks, for the torch.compile cases: compiling costs time in proportion to the ops traced
+    "gpt-2l": lambda: _gpt(layers=2), "gpt-sdpa-2l": lambda: _gpt_sdpa(layers=2),
 }
 # Built on the meta device: parallelize materialises each rank's shards, and the single-process
 # reference is autopar.init_weights of the same meta model (runtime/materialize.py).
@@ -346,6 +349,11 @@ def run_case(rank: int, world: int, case: Case, plan_dict: dict) -> dict[str, An
     params = round_trip(program.full_state_dict(), fresh(case.model))
     return {"loss": loss.item(), "grads": grads, "params": params,
             "local_numel": sum(local(p).numel() for p in program.parameters())}
+
+
+def thread_count(rank: int, world: int) -> int:
+    """This rank's threads (a worlds.World job; Linux): each live gloo process group holds some."""
+    return len(os.listdir("/proc/self/task"))
 
 
 def round_trip(state: dict, fresh: torch.nn.Module) -> dict:

@@ -20,7 +20,7 @@ their losses): that is what the program computes by design, and the same as the 
 loss except where an op mixes samples (the U-Net's batch norm in train mode normalises over what
 one micro-batch holds, as with DDP). Tolerances are the harness's (tests/distributed/harness.py
 ``check_matches``), all fp32, for the reasons test_parallelize.py gives: loss relative 1e-5,
-gradients 1e-4 of the largest, parameters after three AdamW steps 1e-4.
+gradients 1e-4 of the largest, parameters after two AdamW steps 1e-4.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ the single-process references). Tolerances, all fp32:
   averaged, all-reduces, partial sums of split matmuls): observed <= 2e-7.
 - gradients: max |difference| <= 1e-4 of the largest gradient, for the same reason; observed
   <= 7e-7 of it.
-- parameters after three AdamW steps (lr 1e-3, eps 1e-4: harness.EPS): max |difference| <= 1e-4, i.e. 3% of the
-  most three steps can move a parameter (3 lr). AdamW normalises each element's update, so a
+- parameters after two AdamW steps (lr 1e-3, eps 1e-4: harness.EPS): max |difference| <= 1e-4, i.e. 5% of the
+  most two steps can move a parameter (2 lr). AdamW normalises each element's update, so a
   rounding-level gradient difference on an element whose gradient is near zero changes that
   element's update by a fraction of lr; observed <= 2e-5.
 """
@@ -21,7 +21,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from harness import Case, check_matches, reference, run_cases  # noqa: E402
+from harness import Case, check_matches, make_plan, reference, run_cases  # noqa: E402
 
 BASE = dict(dp=1, tp=1, pp=1, micro_batch_size=1, zero=0, recompute="none", schedule="1f1b", virtual_stages=1,
             sequence_parallel=False)
@@ -76,14 +76,14 @@ PARTIAL = [Case("gpt-recompute_layers_interleaved", "gpt", {**BASE, "pp": 2, "sc
            Case("llama-recompute_layers_dp2", "llama", {**BASE, "dp": 2, "recompute": "full", "recompute_layers": 3}, 2)]
 # The generated code through torch.compile (per chunk; per layer under ZeRO-3): dynamo over the
 # explicit collectives (tensor and sequence parallelism, selective recompute's checkpointed cores, context
-# parallelism's ring attention and group-mean loss) with aot_eager, and inductor's generated kernels on
-# the small MLP.
-COMPILED = [Case("gpt-tp2_sp_selective_compiled", "gpt", {**BASE, "tp": 2, "micro_batch_size": 2,
-                                                           "sequence_parallel": True, "recompute": "selective"}, 2,
+# parallelism's ring attention and group-mean loss) with aot_eager, on the GPT with two blocks (compiling
+# the four-block one took 12 s a rank for the first case), and inductor's generated kernels on the small MLP.
+COMPILED = [Case("gpt-tp2_sp_selective_compiled", "gpt-2l", {**BASE, "tp": 2, "micro_batch_size": 2,
+                                                              "sequence_parallel": True, "recompute": "selective"}, 2,
                  compile="aot_eager"),
-            Case("gpt-sdpa-cp2_compiled", "gpt-sdpa", {**BASE, "cp": 2}, 2, compile="aot_eager"),   # HF Llama: 4x the time
+            Case("gpt-sdpa-cp2_compiled", "gpt-sdpa-2l", {**BASE, "cp": 2}, 2, compile="aot_eager"),
             Case("mlp-dp2_inductor", "mlp", {**BASE, "dp": 2}, 2, compile="inductor"),
-            Case("gpt-zero3_compiled", "gpt", {**BASE, "dp": 2, "zero": 3}, 2, compile="aot_eager")]   # per layer
+            Case("gpt-zero3_compiled", "gpt-2l", {**BASE, "dp": 2, "zero": 3}, 2, compile="aot_eager")]   # per layer
 if ALL_CASES:
     COMPILED.append(Case("llama-pp2_compiled", "llama", {**BASE, "pp": 2}, 2, compile="aot_eager"))
 CASES = {2: [Case(f"{m}-{k}", m, None if v is None else {**BASE, **v}, 2) for m in MODELS for k, v in TWO.items()
@@ -108,3 +108,19 @@ def test_matches_single_process(results, case):
     total = sum(p.numel() for p in ref["params"].values())
     if case.fixed and (case.fixed["tp"] > 1 or case.fixed["pp"] > 1 or case.fixed["zero"] == 3):
         assert per_rank[0]["local_numel"] < total, "the rank holds every parameter whole: nothing was split"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+def test_a_finished_program_leaves_no_process_group_behind():
+    """A data-parallel program hooks every parameter of the user's model, which outlives it; the hooks
+    must not keep the program's process groups alive (each gloo group keeps threads that poll its
+    sockets): after a job, and the collection the worlds run after each, a rank has the threads it had
+    before (the data-parallel reducer's hooks held it, and one group per job leaked)."""
+    import worlds
+    w = worlds.world(2)
+    case = Case("gpt-dp2-release", "gpt", {**BASE, "dp": 2, "zero": 1}, 2)
+    plan = make_plan(case).to_dict()
+    before = w.run("harness:thread_count")
+    for got in w.run("harness:run_case", case, plan):
+        assert "error" not in got, got["error"]
+    assert w.run("harness:thread_count") == before

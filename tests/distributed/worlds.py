@@ -93,9 +93,8 @@ def _release_groups() -> None:
     redistribute planners), each mesh holding its process groups. Left alone, every configuration kind
     left its groups behind, each with a gloo TCP loop that wakes every 10 ms: by the end of a session
     hundreds of threads per rank, most of a core of polling (the suite's distributed half spent 300 s of
-    system time). Not yet released: one group per job whose gradients a data-parallel reducer averages
-    (its hooks' cycle is still reachable, through C++, after the job). What survives (the ranks' caches
-    of models and exports) is frozen: later collections skip it."""
+    system time). test_parallelize.py checks that a job leaves no thread behind. What survives (the
+    ranks' caches of models and exports) is frozen: later collections skip it."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
     for cache in _torch_distributed_caches():
