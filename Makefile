@@ -29,6 +29,8 @@ test: $(STAMP)
 	rm -f .distributed-tests.log; test $$unit -eq 0 -a $$distributed -eq 0
 
 bench: $(STAMP)
+	$(PY) -m pip install -q -e ".[dev,stacks]"
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/unit/exports
 	$(PY) bench/fidelity_published.py
 	$(PY) bench/activation_memory.py
 	$(PY) bench/capture_175b.py
