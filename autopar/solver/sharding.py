@@ -66,7 +66,7 @@ Qwen3-Next, Bailing, Lara) thousands of branch-and-bound nodes, minutes at the d
 - ``add_memory``: ``memory <= budget`` (the lean variant's second solve; optional otherwise);
 - ``add_time``: ``time <= T* (1 + 1e-6)`` (the fast variant's second solve).
 
-Solver: HiGHS (``highspy``, a dependency; in-process) when it imports, else CBC through pulp;
+Solvers (ilp_solvers.py): HiGHS (``highspy``, a dependency; in process) when it imports, else CBC through pulp;
 both single-threaded and deterministic, with no relative gap (an optimum is exact). Each call is
 bounded by deterministic work, not by the clock: :class:`ILPLimits` ``nodes``
 (``NODE_LIMIT`` branch-and-bound nodes by default), so a plan is the same on an idle machine and
@@ -84,17 +84,12 @@ solves.
 
 from __future__ import annotations
 
-import functools
 import math
-import os
-import sys
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-import pulp
-
-from ..errors import AutoparError, ConfigError, InfeasiblePlanError
+from ..errors import AutoparError, InfeasiblePlanError
+from .ilp_solvers import NODE_LIMIT, ILPLimits, lp_solvers
 from .sharding_problem import GroupProblem, Realised, realise
 
 VARIANTS: tuple[str, ...] = ("fast", "lean")
@@ -104,122 +99,64 @@ _TIE = 1e-4                     # per strategy index, in the second objective's 
 TIME_SLACK, MEMORY_SLACK = 1e-6, 0.01      # the second solve's tolerance on the first criterion
 SECOND_GAP = 1e-4               # the second solve's relative optimality gap
 SECOND_GAP_ABS = _TIE / 2       # and its absolute one: half a tie step
-NODE_LIMIT = 20_000             # branch-and-bound nodes per solver call by default (deterministic work)
-
-
-@dataclass(frozen=True)
-class ILPLimits:
-    """Limits on every sharding ILP solver call: ``nodes`` branch-and-bound nodes (deterministic:
-    the same plan on any machine; None: no limit) and ``time`` seconds of wall clock (None, the
-    default: no clock limit; set one only when a bounded solve time matters more than a plan that
-    does not depend on how busy the machine is). Past either the best integer solution is used."""
-
-    time: float | None = None
-    nodes: int | None = NODE_LIMIT
-
-    def __post_init__(self) -> None:
-        if self.time is not None and (isinstance(self.time, bool) or not isinstance(self.time, (int, float))
-                                      or not self.time > 0):
-            raise ConfigError(f"ilp_time_limit={self.time!r} must be a positive number of seconds (or None for "
-                              "no wall-clock limit)")
-        if self.nodes is not None and (isinstance(self.nodes, bool) or not isinstance(self.nodes, int)
-                                       or self.nodes < 1):
-            raise ConfigError(f"ilp_node_limit={self.nodes!r} must be a positive integer (or None for no limit)")
-
-
-def lp_solvers(limits: ILPLimits = ILPLimits(), gap_abs: float = 0.0, gap_rel: float = 0.0) -> list[tuple[str, Any]]:
-    """The solvers to try, in order, as (name, pulp solver): HiGHS when ``highspy`` imports (in
-    process: no solver binary to start, no files), then CBC (bundled with pulp). Both stop within an
-    absolute gap of ``gap_abs`` (objective units) or a relative one of ``gap_rel`` of the optimum (0:
-    exact), on one thread. Almost every group solves in well under a second; the node limit stops a
-    rare hard one from stalling the search."""
-    out: list[tuple[str, Any]] = []
-    if _highs_ready():
-        nodes = {} if limits.nodes is None else {"mip_max_nodes": limits.nodes}
-        # no MIP restarts: HiGHS 1.16's restart after root presolve can loop without end and without
-        # checking its time limit (found on a hybrid attention/Mamba layer's group by the Hugging
-        # Face sweep, bench/hf_coverage.py); without them the node limit bounds every solve
-        out.append(("HiGHS", _HiGHS(msg=False, threads=1, timeLimit=limits.time, gapRel=gap_rel,
-                                        gapAbs=gap_abs, mip_allow_restart=False, **nodes)))
-    with warnings.catch_warnings():  # PuLP 3.3 announces its bundled CBC will move to an extra in 4.0
-        warnings.simplefilter("ignore", DeprecationWarning)
-        cbc = pulp.PULP_CBC_CMD(msg=False, threads=1, timeLimit=limits.time, maxNodes=limits.nodes, gapRel=gap_rel,
-                                gapAbs=gap_abs)
-    if cbc.available():
-        out.append(("CBC", cbc))
-    return out
-
-
-class _HiGHS(pulp.HiGHS):
-    """PuLP's in-process HiGHS, reading HiGHS's node-limit status as a stop at a limit. HiGHS ends a
-    solve that reaches ``mip_max_nodes`` with ``kSolutionLimit``, which PuLP (3.3) does not map: it
-    raised KeyError after reading the solution, and every node-limit stop was solved again by CBC."""
-
-    def findSolutionValues(self, lp):
-        try:
-            return super().findSolutionValues(lp)
-        except KeyError:
-            import highspy
-            if lp.solverModel.getModelStatus() != highspy.HighsModelStatus.kSolutionLimit:
-                raise
-            if math.isfinite(lp.solverModel.getObjectiveValue()):   # the best integer solution so far
-                return pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible
-            return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
-
-
-@functools.lru_cache(maxsize=None)
-def _highs_ready() -> bool:
-    """Whether HiGHS imports. Its first ``Highs()`` prints a banner from C++ to standard output
-    whatever the options; that one is made here with the output file descriptor pointed at
-    /dev/null, so that a plan's output (a CLI summary, a notebook cell) stays the plan's."""
-    try:
-        import highspy
-    except ImportError:
-        return False
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            highspy.Highs()
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-    return True
-
-
-def _var(prob: pulp.LpProblem, name: str, low: float, up: float, cat: str = pulp.LpContinuous) -> pulp.LpVariable:
-    """A variable of ``prob`` (PuLP >= 3.3 attaches it to the model; older versions build it apart)."""
-    if hasattr(prob, "add_variable"):
-        return prob.add_variable(name, low, up, cat=cat)
-    return pulp.LpVariable(name, low, up, cat=cat)
 
 
 # ---------------------------------------------------------------- the ILP, one constraint family each
 
+def _add(terms: dict[int, float], column: int, coefficient: float) -> None:
+    terms[column] = terms.get(column, 0.0) + coefficient
+
+
 @dataclass
 class _Model:
-    prob: pulp.LpProblem
-    s: list[list[pulp.LpVariable]]
-    time: pulp.LpAffineExpression = field(default_factory=pulp.LpAffineExpression)
-    memory: pulp.LpAffineExpression = field(default_factory=pulp.LpAffineExpression)
-    tie: pulp.LpAffineExpression = field(default_factory=pulp.LpAffineExpression)
+    """One group's ILP as arrays: columns (name, bounds, binary or continuous), rows (coefficients by
+    column, lower and upper bound), and the linear forms the objectives and bounds use, each a
+    column -> coefficient map plus a constant (``time`` in microseconds, ``memory`` in megabytes,
+    ``tie`` the second solve's tie-break)."""
+
+    names: list[str] = field(default_factory=list)
+    lower: list[float] = field(default_factory=list)
+    upper: list[float] = field(default_factory=list)
+    binary: list[bool] = field(default_factory=list)
+    rows: list[tuple[dict[int, float], float, float]] = field(default_factory=list)
+    s: list[list[int]] = field(default_factory=list)
+    time: dict[int, float] = field(default_factory=dict)
+    time_constant: float = 0.0
+    memory: dict[int, float] = field(default_factory=dict)
+    memory_constant: float = 0.0
+    tie: dict[int, float] = field(default_factory=dict)
     bounds: int = 0
     timed_out: bool = False
     nodes: int = 0      # branch-and-bound nodes of the solves so far (HiGHS reports them; CBC through pulp does not)
 
+    def var(self, name: str, binary: bool = False) -> int:
+        """A new column in [0, 1]; its index."""
+        self.names.append(name)
+        self.lower.append(0.0)
+        self.upper.append(1.0)
+        self.binary.append(binary)
+        return len(self.names) - 1
 
-def add_one_hot(prob: pulp.LpProblem, gp: GroupProblem) -> _Model:
-    s = [[_var(prob, f"s_{k}_{j}", 0, 1, pulp.LpBinary) for j in range(len(opts))]
-         for k, opts in enumerate(gp.strategies)]
-    for k, vs in enumerate(s):
-        prob += pulp.lpSum(vs) == 1, f"one_hot_{k}"
-    m = _Model(prob, s)
-    m.time = pulp.LpAffineExpression([(v, _US * (gp.time[k][j] + gp.step[k][j]))
-                                      for k, vs in enumerate(s) for j, v in enumerate(vs)])
-    m.memory = pulp.LpAffineExpression([(v, _MB * gp.memory[k][j]) for k, vs in enumerate(s) for j, v in enumerate(vs)],
-                                       constant=_MB * gp.const_memory)
-    m.tie = pulp.LpAffineExpression([(v, _TIE * j) for vs in s for j, v in enumerate(vs) if j])
+    def row(self, coefficients: dict[int, float], low: float, high: float) -> None:
+        self.rows.append((coefficients, low, high))
+
+    def column_order(self) -> list[int]:
+        """Columns by name: the order the solvers get them in (PuLP's, so layouts did not move)."""
+        return sorted(range(len(self.names)), key=self.names.__getitem__)
+
+
+def add_one_hot(gp: GroupProblem) -> _Model:
+    m = _Model()
+    m.s = [[m.var(f"s_{k}_{j}", binary=True) for j in range(len(opts))] for k, opts in enumerate(gp.strategies)]
+    for vs in m.s:
+        m.row({v: 1.0 for v in vs}, 1.0, 1.0)
+    for k, vs in enumerate(m.s):
+        for j, v in enumerate(vs):
+            _add(m.time, v, _US * (gp.time[k][j] + gp.step[k][j]))
+            _add(m.memory, v, _MB * gp.memory[k][j])
+            if j:
+                _add(m.tie, v, _TIE * j)
+    m.memory_constant = _MB * gp.const_memory
     return m
 
 
@@ -232,16 +169,30 @@ def add_resharding(m: _Model, gp: GroupProblem) -> None:
         needs = dict.fromkeys(s.inputs[edge.i] for s in gp.strategies[edge.v])
         if len(outs) == 1 and len(needs) == 1 and len(edge.costs) == 1:
             (key, cost), = edge.costs.items()
-            m.time += _US * cost
+            m.time_constant += _US * cost
             continue
-        e = {key: _var(m.prob, f"e_{n}_{idx}", 0, 1) for idx, key in enumerate(edge.costs)}
-        for idx, a in enumerate(outs):
-            prod = [v for j, v in enumerate(m.s[edge.u]) if gp.strategies[edge.u][j].output == a]
-            m.prob += pulp.lpSum(x for k, x in e.items() if k[0] == a) == pulp.lpSum(prod), f"row_{n}_{idx}"
-        for idx, b in enumerate(needs):
-            cons = [v for j, v in enumerate(m.s[edge.v]) if gp.strategies[edge.v][j].inputs[edge.i] == b]
-            m.prob += pulp.lpSum(x for k, x in e.items() if k[1] == b) == pulp.lpSum(cons), f"col_{n}_{idx}"
-        m.time += pulp.LpAffineExpression([(x, _US * edge.costs[k]) for k, x in e.items() if edge.costs[k]])
+        e = {key: m.var(f"e_{n}_{idx}") for idx, key in enumerate(edge.costs)}
+        for a in outs:      # sum of the pairs leaving a = the producer's strategies that output a
+            row: dict[int, float] = {}
+            for key, x in e.items():
+                if key[0] == a:
+                    _add(row, x, 1.0)
+            for j, v in enumerate(m.s[edge.u]):
+                if gp.strategies[edge.u][j].output == a:
+                    _add(row, v, -1.0)
+            m.row(row, 0.0, 0.0)
+        for b in needs:     # sum of the pairs arriving as b = the consumer's strategies that read b
+            row = {}
+            for key, x in e.items():
+                if key[1] == b:
+                    _add(row, x, 1.0)
+            for j, v in enumerate(m.s[edge.v]):
+                if gp.strategies[edge.v][j].inputs[edge.i] == b:
+                    _add(row, v, -1.0)
+            m.row(row, 0.0, 0.0)
+        for key, x in e.items():
+            if edge.costs[key]:
+                _add(m.time, x, _US * edge.costs[key])
 
 
 def add_partial_gradients(m: _Model, gp: GroupProblem) -> None:
@@ -249,35 +200,36 @@ def add_partial_gradients(m: _Model, gp: GroupProblem) -> None:
         cost = _US * gp.partial_cost[name]
         if len(users) == 1:
             (k, j), = users
-            m.time += cost * m.s[k][j]
+            _add(m.time, m.s[k][j], cost)
             continue
-        g = _var(m.prob, f"g_{n}", 0, 1)
+        g = m.var(f"g_{n}")
         for k, j in users:
-            m.prob += g >= m.s[k][j], f"partial_{n}_{k}_{j}"
-        m.time += cost * g
+            m.row({g: 1.0, m.s[k][j]: -1.0}, 0.0, math.inf)    # g >= s
+        _add(m.time, g, cost)
 
 
 def add_param_consistency(m: _Model, gp: GroupProblem) -> None:
     for n, (param, users) in enumerate(gp.shared.items()):
         dims = list(dict.fromkeys(d for _, _, d in users))
-        x = {d: _var(m.prob, f"x_{n}_{'none' if d is None else d}", 0, 1) for d in dims}
-        m.prob += pulp.lpSum(x.values()) == 1, f"param_{n}"
+        x = {d: m.var(f"x_{n}_{'none' if d is None else d}") for d in dims}
+        m.row({v: 1.0 for v in x.values()}, 1.0, 1.0)
         for k, j, d in users:
-            m.prob += m.s[k][j] <= x[d], f"param_{n}_{k}_{j}"
+            m.row({m.s[k][j]: 1.0, x[d]: -1.0}, -math.inf, 0.0)   # s <= x
         full = gp.shared_bytes[param] * _MB
-        m.memory += pulp.LpAffineExpression([(v, full / (gp.tp if d is not None else 1)) for d, v in x.items()])
+        for d, v in x.items():
+            _add(m.memory, v, full / (gp.tp if d is not None else 1))
 
 
 def add_memory(m: _Model, budget: float) -> None:
     """``memory <= budget`` (bytes)."""
     m.bounds += 1
-    m.prob += m.memory <= budget * _MB, f"memory_{m.bounds}"
+    m.row(dict(m.memory), -math.inf, budget * _MB - m.memory_constant)
 
 
 def add_time(m: _Model, bound: float) -> None:
     """``time <= bound`` (seconds)."""
     m.bounds += 1
-    m.prob += m.time <= bound * _US, f"time_{m.bounds}"
+    m.row(dict(m.time), -math.inf, bound * _US - m.time_constant)
 
 
 def solve_group(gp: GroupProblem, variant: str, budget: float | None = None,
@@ -287,15 +239,14 @@ def solve_group(gp: GroupProblem, variant: str, budget: float | None = None,
     ``stats``, when given, receives the model's size (``variables``, ``constraints``), whether a
     solve stopped at a limit (``stopped_early``), the branch-and-bound ``nodes`` of both solves
     (HiGHS; 0 under CBC) and the fallbacks taken (``fallbacks``: one line each)."""
-    prob = pulp.LpProblem("sharding", pulp.LpMinimize)
-    m = add_one_hot(prob, gp)
+    m = add_one_hot(gp)
     add_resharding(m, gp)
     add_partial_gradients(m, gp)
     add_param_consistency(m, gp)
     if budget is not None:
         add_memory(m, budget)
     stats = {} if stats is None else stats
-    stats.update(variables=prob.numVariables(), constraints=prob.numConstraints())
+    stats.update(variables=len(m.names), constraints=len(m.rows))
     fallbacks: list[str] = stats.setdefault("fallbacks", [])
     first, second = (m.time, m.memory) if variant == "fast" else (m.memory, m.time)
     best = _run(m, gp, first, "first", limits, fallbacks)
@@ -311,7 +262,10 @@ def solve_group(gp: GroupProblem, variant: str, budget: float | None = None,
         add_time(m, (best.time + best.step) * (1 + TIME_SLACK) + 1e-12)
     else:
         add_memory(m, best.memory * (1 + MEMORY_SLACK) + 1.0)
-    result = _run(m, gp, second + m.tie, "second", limits, fallbacks)
+    objective = dict(second)
+    for column, c in m.tie.items():
+        _add(objective, column, c)
+    result = _run(m, gp, objective, "second", limits, fallbacks)
     stats["stopped_early"] = m.timed_out or result is None
     stats["nodes"] = m.nodes
     return best if result is None else result   # the second solve only breaks the first's ties
@@ -321,11 +275,10 @@ def _where(gp: GroupProblem) -> str:
     return f"the sharding ILP of the {len(gp.nodes)} ops from {gp.nodes[0].name}"
 
 
-def _run(m: _Model, gp: GroupProblem, objective: pulp.LpAffineExpression, stage: str, limits: ILPLimits,
+def _run(m: _Model, gp: GroupProblem, objective: dict[int, float], stage: str, limits: ILPLimits,
          fallbacks: list[str]) -> Realised | None:
     """Solve with the first solver of :func:`lp_solvers` that succeeds; None when none does (each
     failure is described in ``fallbacks``)."""
-    m.prob.setObjective(objective)
     failed: list[str] = []
     # the first solve is exact; the second stops within half a tie step or 0.01% of its optimum:
     # proving which of two layouts a few bytes (or picoseconds) apart is the smaller took hybrid
@@ -333,21 +286,18 @@ def _run(m: _Model, gp: GroupProblem, objective: pulp.LpAffineExpression, stage:
     gaps = dict(gap_abs=SECOND_GAP_ABS, gap_rel=SECOND_GAP) if stage == "second" else {}
     for name, solver in lp_solvers(limits, **gaps):
         try:
-            status = m.prob.solve(solver)
+            status, values, nodes = solver.solve(m, objective)
         except Exception as exc:  # noqa: BLE001 - a solver crash (pulp.PulpSolverError, OSError, ...) moves on
             failed.append(f"{name} raised {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
             continue
-        highs = getattr(m.prob, "solverModel", None)
-        if name == "HiGHS" and highs is not None:
-            m.nodes += int(highs.getInfo().mip_node_count)
-        if m.prob.sol_status == pulp.LpSolutionIntegerFeasible:  # stopped at a limit with a solution
-            m.timed_out = True
-        elif pulp.LpStatus[status] != "Optimal":
-            failed.append(f"{name} ended {pulp.LpStatus[status]}")
+        m.nodes += nodes
+        if values is None:
+            failed.append(f"{name} ended {status}")
             continue
+        m.timed_out |= status == "stopped"
         if failed:
             fallbacks.append(f"{_where(gp)} ({stage} solve): {'; '.join(failed)}; {name} solved it")
-        choice = [max(range(len(vs)), key=lambda j: (vs[j].varValue or 0.0, -j)) for vs in m.s]
+        choice = [max(range(len(vs)), key=lambda j: (values[vs[j]], -j)) for vs in m.s]
         return realise(gp, choice)
     fallbacks.append(f"{_where(gp)} ({stage} solve): {'; '.join(failed) or 'no ILP solver is installed'}")
     return None

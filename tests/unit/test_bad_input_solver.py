@@ -23,18 +23,17 @@ def tiny():
 
 
 class Broken:
-    """A pulp solver that crashes the way a missing or broken binary does."""
+    """A solver that crashes the way a missing or broken binary does."""
 
-    def actualSolve(self, lp, **kwargs):   # noqa: N802 - pulp's name
+    def solve(self, model, objective):
         raise pulp.PulpSolverError("Pulp: Error while executing broken-solver")
 
 
 class GivesUp:
-    """A pulp solver that ends without a solution."""
+    """A solver that ends without a solution."""
 
-    def actualSolve(self, lp, **kwargs):   # noqa: N802 - pulp's name
-        lp.assignStatus(pulp.LpStatusNotSolved)
-        return pulp.LpStatusNotSolved
+    def solve(self, model, objective):
+        return "Not Solved", None, 0
 
 
 @pytest.mark.parametrize("kwargs, fragments", [
@@ -52,8 +51,8 @@ def test_node_limit_reaches_the_solver(tiny) -> None:
     """The node limit is passed to every solver (HiGHS mip_max_nodes, CBC maxNodes) with no wall-clock
     limit unless one is asked for, and the plan still comes out whole."""
     solvers = dict(lp_solvers(ILPLimits(time=3.0, nodes=1)))
-    assert "maxNodes 1" in solvers["CBC"].getOptions() and solvers["CBC"].timeLimit == 3.0   # CBC's command line
-    assert solvers["HiGHS"].optionsDict["mip_max_nodes"] == 1 and solvers["HiGHS"].timeLimit == 3.0
+    assert "maxNodes 1" in solvers["CBC"].command.getOptions() and solvers["CBC"].timeLimit == 3.0   # its command
+    assert solvers["HiGHS"].options["mip_max_nodes"] == 1 and solvers["HiGHS"].options["time_limit"] == 3.0
     assert all(s.timeLimit is None for _, s in lp_solvers())   # by default: work, not the clock
     plan, _ = solve(tiny, TWO, 4, fixed={"tp": 2}, ilp_node_limit=1)
     assert plan.config.tp == 2 and plan.fits and plan.sharding
@@ -69,6 +68,19 @@ def test_broken_solver_falls_back_to_the_next(tiny, monkeypatch) -> None:
     assert plan.optimal is True   # CBC proved its solutions optimal
     reference, _ = solve(tiny, TWO, 4, fixed={"tp": 2})
     assert plan.step_time == pytest.approx(reference.step_time, rel=1e-12)
+
+
+def test_cbc_alone_gives_the_layouts_highs_gives(tiny, monkeypatch) -> None:
+    """CBC (the fallback: the same arrays rebuilt as a pulp model) proves the same optima: the same
+    step time to the second solve's tolerance on the first criterion (1e-6), and optimal."""
+    real = lp_solvers
+    monkeypatch.setattr(sharding, "lp_solvers", lambda limits=ILPLimits(), **kw: [s for s in real(limits, **kw)
+                                                                                  if s[0] == "CBC"])
+    plan, stats = solve(tiny, TWO, 4, fixed={"tp": 2})
+    monkeypatch.undo()
+    reference, _ = solve(tiny, TWO, 4, fixed={"tp": 2})
+    assert plan.optimal is True and stats.ilp_solves > 0 and not stats.ilp_fallbacks
+    assert plan.step_time == pytest.approx(reference.step_time, rel=1e-6)
 
 
 @pytest.mark.parametrize("solver", [Broken(), GivesUp()], ids=["raises", "no-solution"])

@@ -40,9 +40,10 @@ def test_qwen3_next_plans_within_fifty_nodes_per_solve(qwen3_next):
 
 
 def test_a_highs_node_limit_stop_keeps_its_solution(monkeypatch):
-    """HiGHS ends a solve at ``mip_max_nodes`` with a status PuLP does not map: the solution it has is
-    used and counted as stopped early, not thrown away for CBC to solve again (a plan note said
-    "HiGHS raised KeyError"). A tiny Llama's exact second solves need more than one node."""
+    """HiGHS ends a solve at ``mip_max_nodes`` with ``kSolutionLimit``: the solution it has is used and
+    counted as stopped early, not thrown away for CBC to solve again (through PuLP's interface, which
+    did not map that status, a plan note said "HiGHS raised KeyError"). A tiny Llama's exact second
+    solves need more than one node."""
     import torch
     import transformers
     from autopar.solver import sharding

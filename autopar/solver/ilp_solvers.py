@@ -1,0 +1,187 @@
+"""The solvers of the sharding ILPs (sharding.py): HiGHS in process, CBC through pulp as the fallback.
+
+sharding.py states each group's ILP as arrays (its ``_Model``: columns with bounds and integrality,
+rows of coefficients with bounds, objectives as column -> coefficient maps); a solver here takes
+those arrays and an objective and returns the solution. Both are bounded by :class:`ILPLimits`:
+branch-and-bound nodes by default (deterministic work), a wall-clock limit only when asked for.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pulp
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from .sharding import _Model
+
+NODE_LIMIT = 20_000             # branch-and-bound nodes per solver call by default (deterministic work)
+
+
+@dataclass(frozen=True)
+class ILPLimits:
+    """Limits on every sharding ILP solver call: ``nodes`` branch-and-bound nodes (deterministic:
+    the same plan on any machine; None: no limit) and ``time`` seconds of wall clock (None, the
+    default: no clock limit; set one only when a bounded solve time matters more than a plan that
+    does not depend on how busy the machine is). Past either the best integer solution is used."""
+
+    time: float | None = None
+    nodes: int | None = NODE_LIMIT
+
+    def __post_init__(self) -> None:
+        if self.time is not None and (isinstance(self.time, bool) or not isinstance(self.time, (int, float))
+                                      or not self.time > 0):
+            raise ConfigError(f"ilp_time_limit={self.time!r} must be a positive number of seconds (or None for "
+                              "no wall-clock limit)")
+        if self.nodes is not None and (isinstance(self.nodes, bool) or not isinstance(self.nodes, int)
+                                       or self.nodes < 1):
+            raise ConfigError(f"ilp_node_limit={self.nodes!r} must be a positive integer (or None for no limit)")
+
+
+def lp_solvers(limits: ILPLimits = ILPLimits(), gap_abs: float = 0.0, gap_rel: float = 0.0) -> list[tuple[str, Any]]:
+    """The solvers to try, in order, as (name, solver): HiGHS when ``highspy`` imports (in process: no
+    solver binary to start, no files), then CBC (bundled with pulp). Both stop within an absolute gap
+    of ``gap_abs`` (objective units) or a relative one of ``gap_rel`` of the optimum (0: exact), on one
+    thread. Almost every group solves in well under a second; the node limit stops a rare hard one
+    from stalling the search. A solver's ``solve(model, objective)`` returns ``(status, values,
+    nodes)``: status ``"optimal"``, ``"stopped"`` (at a limit, with an integer solution) or what it
+    ended with; the column values (None without a solution); the branch-and-bound nodes it took."""
+    out: list[tuple[str, Any]] = []
+    if _highs_ready():
+        out.append(("HiGHS", _HiGHS(limits, gap_abs, gap_rel)))
+    cbc = _CBC(limits, gap_abs, gap_rel)
+    if cbc.command.available():
+        out.append(("CBC", cbc))
+    return out
+
+
+class _HiGHS:
+    """HiGHS through ``highspy``, the model passed as arrays in a few calls. (PuLP's HiGHS interface
+    adds every column and row in its own Python call and reads back every variable: a third of each
+    group's ILP time on small layers, measured. Columns go in name order and rows in order, as PuLP
+    passed them, so the solves, and the layouts, are those PuLP's interface gave.)"""
+
+    def __init__(self, limits: ILPLimits, gap_abs: float, gap_rel: float) -> None:
+        self.timeLimit = limits.time
+        # no MIP restarts: HiGHS 1.16's restart after root presolve can loop without end and without
+        # checking its time limit (found on a hybrid attention/Mamba layer's group by the Hugging
+        # Face sweep, bench/hf_coverage.py); without them the node limit bounds every solve
+        self.options: dict[str, Any] = {"output_flag": False, "mip_rel_gap": gap_rel, "mip_abs_gap": gap_abs,
+                                        "threads": 1, "mip_allow_restart": False}
+        if limits.time is not None:
+            self.options["time_limit"] = float(limits.time)
+        if limits.nodes is not None:
+            self.options["mip_max_nodes"] = limits.nodes
+
+    def solve(self, m: "_Model", objective: dict[int, float]) -> tuple[str, list[float] | None, int]:
+        import highspy
+        import numpy as np
+        order = m.column_order()
+        pos = np.empty(len(order), dtype=np.int32)
+        pos[order] = np.arange(len(order), dtype=np.int32)
+        h = highspy.Highs()
+        for key, value in self.options.items():
+            h.setOptionValue(key, value)
+        n = len(order)
+        cost = np.zeros(n)
+        for i, c in objective.items():
+            cost[pos[i]] += c
+        h.addVars(n, np.asarray(m.lower, dtype=float)[order], np.asarray(m.upper, dtype=float)[order])
+        h.changeColsCost(n, np.arange(n, dtype=np.int32), cost)
+        binary = pos[np.flatnonzero(m.binary)].astype(np.int32)
+        h.changeColsIntegrality(len(binary), binary, np.full(len(binary), highspy.HighsVarType.kInteger))
+        starts, index, value = [], [], []
+        for coefs, _, _ in m.rows:
+            starts.append(len(index))
+            for i, c in coefs.items():
+                if c:
+                    index.append(pos[i])
+                    value.append(c)
+        inf = highspy.kHighsInf
+        lower = np.array([max(lo, -inf) for _, lo, _ in m.rows], dtype=float)
+        upper = np.array([min(hi, inf) for _, _, hi in m.rows], dtype=float)
+        h.addRows(len(m.rows), lower, upper, len(index), np.asarray(starts, dtype=np.int32),
+                  np.asarray(index, dtype=np.int32), np.asarray(value, dtype=float))
+        h.run()
+        status, nodes = h.getModelStatus(), int(h.getInfo().mip_node_count)
+        has_solution = h.getInfo().primal_solution_status == 2   # kSolutionStatusFeasible
+        if status == highspy.HighsModelStatus.kOptimal:
+            outcome = "optimal"
+        elif has_solution and math.isfinite(h.getInfo().objective_function_value):
+            outcome = "stopped"        # a node, time or iteration limit, with the best integer solution so far
+        else:
+            return h.modelStatusToString(status), None, nodes
+        return outcome, np.asarray(h.getSolution().col_value)[pos].tolist(), nodes
+
+
+class _CBC:
+    """CBC, bundled with pulp, on the same arrays rebuilt as a pulp model (the fallback)."""
+
+    def __init__(self, limits: ILPLimits, gap_abs: float, gap_rel: float) -> None:
+        self.timeLimit = limits.time
+        with warnings.catch_warnings():  # PuLP 3.3 announces its bundled CBC will move to an extra in 4.0
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.command = pulp.PULP_CBC_CMD(msg=False, threads=1, timeLimit=limits.time, maxNodes=limits.nodes,
+                                             gapRel=gap_rel, gapAbs=gap_abs)
+
+    def solve(self, m: "_Model", objective: dict[int, float]) -> tuple[str, list[float] | None, int]:
+        prob = pulp.LpProblem("sharding", pulp.LpMinimize)
+        cols = [_var(prob, name, lo, up, pulp.LpBinary if b else pulp.LpContinuous)
+                for name, lo, up, b in zip(m.names, m.lower, m.upper, m.binary)]
+        for n, (coefs, lo, hi) in enumerate(m.rows):
+            expr = pulp.LpAffineExpression([(cols[i], c) for i, c in coefs.items() if c])
+            if lo == hi:
+                prob += expr == lo, f"r{n}"
+            else:
+                if lo > -math.inf:
+                    prob += expr >= lo, f"r{n}_lo"
+                if hi < math.inf:
+                    prob += expr <= hi, f"r{n}_hi"
+        prob.setObjective(pulp.LpAffineExpression([(cols[i], c) for i, c in objective.items()]))
+        status = prob.solve(self.command)
+        if prob.sol_status == pulp.LpSolutionIntegerFeasible:
+            outcome = "stopped"
+        elif pulp.LpStatus[status] == "Optimal":
+            outcome = "optimal"
+        else:
+            return pulp.LpStatus[status], None, 0
+        return outcome, [v.varValue or 0.0 for v in cols], 0   # CBC through pulp reports no node count
+
+
+@functools.lru_cache(maxsize=None)
+def _highs_ready() -> bool:
+    """Whether HiGHS imports. Its first ``Highs()`` prints a banner from C++ to standard output
+    whatever the options; that one is made here with the output file descriptor pointed at
+    /dev/null, so that a plan's output (a CLI summary, a notebook cell) stays the plan's."""
+    try:
+        import highspy
+    except ImportError:
+        return False
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    return True
+
+
+def _var(prob: pulp.LpProblem, name: str, low: float, up: float, cat: str = pulp.LpContinuous) -> pulp.LpVariable:
+    """A variable of ``prob`` (PuLP >= 3.3 attaches it to the model; older versions build it apart)."""
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, low, up, cat=cat)
+    return pulp.LpVariable(name, low, up, cat=cat)
+
+
+__all__ = ["NODE_LIMIT", "ILPLimits", "lp_solvers"]
