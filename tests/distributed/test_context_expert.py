@@ -33,6 +33,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import Case, check_matches, make_plan, reference, run_cases  # noqa: E402
+from suite import ALL_CASES  # noqa: E402
 
 BASE = dict(dp=1, tp=1, pp=1, cp=1, ep=1, micro_batch_size=1, zero=0, recompute="none", schedule="1f1b",
             virtual_stages=1, sequence_parallel=False)
@@ -72,7 +73,7 @@ REFUSED = [
 # make bench (AUTOPAR_ALL_CASES=1) runs every case; the suite leaves out those another case contains
 # (the same layout with ZeRO, sequence parallelism or micro-batch 2 on top)
 CONTAINED = {"llama-cp2", "mixtral-ep2", "moe-ep2", "llama-cp2-tp2", "moe-capacity-ep2"}
-if not os.environ.get("AUTOPAR_ALL_CASES"):
+if not ALL_CASES:
     TWO = [t for t in TWO if t[0] not in CONTAINED]
     FOUR = [t for t in FOUR if t[0] not in CONTAINED]
     PAIRS = [p for p in PAIRS if p[0].name not in CONTAINED]

@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import new_users  # noqa: E402
 import harness  # noqa: E402
 from harness import STEPS, adamw, check_matches, round_trip  # noqa: E402
+from suite import ALL_CASES  # noqa: E402
 
 GLOBAL_BATCH = 8
 BASE = dict(dp=1, tp=1, pp=1, micro_batch_size=1, zero=0, recompute="none", schedule="1f1b", virtual_stages=1,
@@ -73,14 +74,13 @@ class Case:
 # ZeRO-3 shards its blocks). Plans from the batch-8 CPU source differ from the batch-1 meta ones where
 # the example batch differs from the micro-batch: the suite runs that source at the two configurations
 # of two micro-batches per replica on Llama and Qwen2 (the fingerprint and micro-batch regressions).
-FULL = bool(os.environ.get("AUTOPAR_ALL_CASES"))
 EVERY = ("llama", "gpt2", "bert")
 SHAPED = ("tp2", "pp2_1f1b", "dp2_zero3")
 CPU_B8 = ("pp2_1f1b", "dp2_zero1")
 CASES = [Case(m, s, c) for m in new_users.BUILDERS for s in SOURCES for c in CONFIGS
-         if FULL or (s == "meta-b1" and (m in EVERY or c in SHAPED)) or (m in ("llama", "qwen2") and c in CPU_B8)] \
+         if ALL_CASES or (s == "meta-b1" and (m in EVERY or c in SHAPED)) or (m in ("llama", "qwen2") and c in CPU_B8)] \
     + [Case(m, "meta-b1", c, dropout=0.1, eval=True) for m in ("t5", "unet") for c in CONFIGS
-       if FULL or c in ("dp2", "pp2_1f1b")] \
+       if ALL_CASES or c in ("dp2", "pp2_1f1b")] \
     + [Case(m, "meta-b1", c, estimate=True) for m in ("llama", "gpt2") for c in ("tp2", "dp2_zero3")]
 
 _GRAPHS: dict = {}

@@ -22,6 +22,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import Case, check_matches, make_plan, reference, run_cases  # noqa: E402
+from suite import ALL_CASES  # noqa: E402
 
 BASE = dict(dp=1, tp=1, pp=1, micro_batch_size=1, zero=0, recompute="none", schedule="1f1b", virtual_stages=1,
             sequence_parallel=False)
@@ -52,7 +53,6 @@ MODELS = ("mlp", "gpt", "llama", "gpt2", "bert")
 # rest that still reaches each model's own code paths (the MLP's bias-only layers, Llama's GQA and
 # rotary embedding, GPT-2's Conv1D, BERT's encoder with a mask) under tensor parallelism and a
 # pipeline or ZeRO stage.
-ALL_CASES = bool(os.environ.get("AUTOPAR_ALL_CASES"))
 VARIANTS_ON = ("mlp", "gpt", "llama")
 VARIANTS = ("pp2_gpipe", "pp2_interleaved", "zero1", "zero2")
 SAMPLE_TWO = {"gpt": set(TWO), "mlp": {"tp2", "pp2_interleaved", "zero3"}, "llama": {"tp2_sp", "pp2_interleaved", "zero2"},

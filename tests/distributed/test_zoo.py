@@ -40,6 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import harness  # noqa: E402
 from harness import Case, reference  # noqa: E402
+from suite import ALL_CASES  # noqa: E402
 
 LOSS_RTOL = 1e-5
 GRAD_TOL = 1e-4      # of the largest reference gradient
@@ -119,7 +120,7 @@ PINNED = {
 # {1, 2, 3, 8}^2 (AUTOPAR_ALL_CASES=1); the suite runs a sample of the pairs that differ.
 BATCH_SWEEP = {"mixtral-tiny-tp2": ("mixtral-tiny", dict(tp=2), 1), "t5-tiny-pp2": ("t5-tiny", dict(pp=2), 2)}
 SIZES = (1, 2, 3, 8)
-PAIRS = [(e, m) for e in SIZES for m in SIZES] if os.environ.get("AUTOPAR_ALL_CASES") else \
+PAIRS = [(e, m) for e in SIZES for m in SIZES] if ALL_CASES else \
     [(1, 3), (3, 2), (8, 1)]
 CASES = [Case(f"{m}-{k}", m, {**BASE, **v}, 2) for m, kinds in PINNED.items() for k, v in kinds.items()] \
     + [Case(f"{m}-planner", m, None, 2) for m in ZOO] \

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from autopar.cost_model import Estimator, context_parallel, estimate_plan, exper
 from autopar.cost_model.layer_cost import LayerCostModel
 from autopar.cost_model.memory import MemoryBreakdown
 from autopar.models import GPTConfig, MixtralConfig, build_gpt, build_mixtral, build_mlp
+from suite import ALL_CASES
 from autopar.plan import Alternative, Stage, TimeBreakdown
 from autopar.solver import ShardingSolver, solve
 
@@ -53,8 +53,7 @@ DEVICES = ("A100-80GB", "H100-SXM", "V100-32GB", "cpu")
 # An example of the cost-model properties costs a few ms to 0.1 s (the solver's: 0.1-2 s). The suite
 # draws a third of the examples make bench draws (AUTOPAR_ALL_CASES=1); both derandomized, so each run
 # draws the same ones. No deadline: the first examples warm caches.
-FULL = bool(os.environ.get("AUTOPAR_ALL_CASES"))
-COST_SETTINGS = settings(max_examples=150 if FULL else 50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+COST_SETTINGS = settings(max_examples=150 if ALL_CASES else 50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _mlp_loss(out, inputs):
@@ -313,7 +312,7 @@ def _solver(graph, spec: str) -> ShardingSolver:
     return _SOLVERS[key]
 
 
-@settings(max_examples=15 if FULL else 5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=15 if ALL_CASES else 5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=st.sampled_from(["1x1xA100-80GB", "1x2xA100-80GB", "1x4xH100-SXM", "2x2xA100-80GB", "2x4xH100-SXM",
                              "4x2xV100-32GB", "1x4xcpu"]),
        gbs=st.sampled_from([1, 2, 4, 6, 8, 16]), log2_memory=st.floats(-7.0, 1.0),
@@ -508,7 +507,7 @@ def _check_round_trip(plan: Plan, folder: Path) -> None:
     assert loaded.to_json() == plan.to_json()    # same bytes: no -0.0 -> 0.0, 1 -> 1.0, tuple -> list drift
 
 
-@settings(max_examples=100 if FULL else 30, deadline=None,
+@settings(max_examples=100 if ALL_CASES else 30, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(plan=plans())
 def test_plan_json_round_trip(plan_dir, plan):

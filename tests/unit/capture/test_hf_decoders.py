@@ -19,6 +19,7 @@ from autopar.solver import price  # noqa: E402
 from autopar.solver import solve  # noqa: E402
 from autopar.config import Precision  # noqa: E402
 from autopar.solver.sharding_solver import ShardingSolver  # noqa: E402
+from suite import ALL_CASES  # noqa: E402
 
 COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=128, max_position_embeddings=64)
@@ -42,7 +43,7 @@ ARCHS = {
 SUITE = ("Falcon", "GPTNeoX", "OPT", "Qwen2")
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS) if os.environ.get("AUTOPAR_ALL_CASES") else SUITE)
+@pytest.mark.parametrize("arch", sorted(ARCHS) if ALL_CASES else SUITE)
 def test_decoder_captures_with_cache_on(arch: str) -> None:
     config_cls, model_cls, extra = ARCHS[arch]
     config = getattr(tf, config_cls)(**{**COMMON, **extra})

@@ -4,7 +4,6 @@ alternatives, the infeasible error, bad arguments."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -15,6 +14,7 @@ from autopar.models import GPTConfig, build_gpt, registry
 from autopar.solver import solve
 from autopar.solver.choice import moving_parts
 from autopar.solver.sharding_solver import ShardingSolver
+from suite import ALL_CASES
 
 pytest.importorskip("transformers", reason="the Hugging Face models are the optional dev extra")
 from autopar.models.hf import build_hf_bert, build_hf_gpt2, build_hf_llama  # noqa: E402
@@ -57,9 +57,8 @@ def _solve(graphs, name: str, spec: str, gbs: int, **kwargs):
 
 # make bench (AUTOPAR_ALL_CASES=1) plans every family on every cluster; the suite plans every family on
 # the small clusters and the large ones on one family each (an HF model on 4 nodes costs 10-26 s).
-FULL = bool(os.environ.get("AUTOPAR_ALL_CASES"))
 PAIRS = [(n, c) for n in MODELS for c in CLUSTERS
-         if FULL or c in CLUSTERS[:2] or (n, c) in {("hf-llama", "4x8xA100-80GB"), ("small-cnn", "64x8xH100-SXM")}]
+         if ALL_CASES or c in CLUSTERS[:2] or (n, c) in {("hf-llama", "4x8xA100-80GB"), ("small-cnn", "64x8xH100-SXM")}]
 
 
 @pytest.mark.parametrize("name,spec", PAIRS)
@@ -89,7 +88,7 @@ def test_plans_for_every_family_and_cluster(graphs, name, spec):
     assert again.to_json() == plan.to_json()
 
 
-@pytest.mark.parametrize("name,batch,gbs", [("gpt2-small", 1, 64)] + [("resnet50", 2, 256)] * FULL)
+@pytest.mark.parametrize("name,batch,gbs", [("gpt2-small", 1, 64)] + [("resnet50", 2, 256)] * ALL_CASES)
 def test_small_model_gets_data_parallel(name, batch, gbs):
     """GPT-2 small (124M) and ResNet-50 (26M) on 8 A100s: a replica fits on every GPU, so neither
     tensor nor pipeline parallelism pays. (The tiny test CNN would not do: its ops are so small

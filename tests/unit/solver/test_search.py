@@ -30,6 +30,7 @@ from autopar.solver.search import Search
 from autopar.solver.plan_search import layouts_for
 from autopar.solver.sharding_solver import ShardingSolver
 from exhaustive_ref import all_plans
+from suite import ALL_CASES
 
 SMALL_GPT = GPTConfig(vocab_size=512, hidden=256, heads=4, layers=2, seq_len=128, dropout=0.0)
 SMALL_LLAMA = LlamaConfig(vocab_size=512, hidden=256, heads=4, kv_heads=2, layers=1, ffn_hidden=512, seq_len=128,
@@ -147,7 +148,7 @@ def _binding(specs: list[tuple[str, int]]) -> list[tuple[str, int, float]]:
     cluster; the second's tight case (the costliest: 13-20 s, most configurations need recomputation)
     only with AUTOPAR_ALL_CASES=1 (make bench)."""
     return [(spec, gbs, f) for i, (spec, gbs) in enumerate(specs) for f in (0.05, 0.5, 2.0)
-            if i == 0 or f != 0.05 or os.environ.get("AUTOPAR_ALL_CASES")]
+            if i == 0 or f != 0.05 or ALL_CASES]
 
 
 # nothing fitting (a negative fraction) is checked by the randomised test above; here memory binds or not
