@@ -12,7 +12,7 @@ asynchronously behind the host).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
 from ..capture.opgraph import Layer, OpGraph, OpKind, OpNode
@@ -98,10 +98,22 @@ class SplitGroups:
 NO_SPLIT = SplitGroups()
 
 
+@dataclass(frozen=True)
+class _Timed:
+    """A layer priced without recomputation, and what the recompute modes add from it."""
+
+    cost: LayerCost          # recompute "none"
+    core_fwd: float          # forward seconds of the attention core (what "selective" recomputes)
+    fwd_flops: float
+    core_flops: float
+    acts: ActivationModel
+    scale: float
+
+
 @dataclass
 class LayerCostModel:
     """Layer costs for one graph, cluster and precision; caches by (signature, tp, sp, mb, recompute,
-    context- and expert-parallel groups).
+    context- and expert-parallel groups), the op-by-op pricing once for the three recompute modes.
 
     ``layout_fn`` gives the tensor-parallel layout per degree: the sharding ILP's
     (``ShardingSolver.layout_fn``) for every pricing; the default knows only ``tp = 1``."""
@@ -113,6 +125,7 @@ class LayerCostModel:
     layout_fn: Callable[[OpGraph, int], TPLayout] = single_rank_layout
     _layouts: dict[int, TPLayout] = field(default_factory=dict)
     _cache: dict[tuple, LayerCost] = field(default_factory=dict)
+    _timed: dict[tuple, "_Timed"] = field(default_factory=dict)   # the same keys without the recompute mode
     _step_bytes: dict[tuple[int, int], float] = field(default_factory=dict)
     _owner: Mapping[str, int] | None = None
     _fused: frozenset[str] | None = None
@@ -142,13 +155,27 @@ class LayerCostModel:
              tp_group: GroupPlacement, split: SplitGroups = NO_SPLIT) -> LayerCost:
         if not recomputable(self.graph, layer):
             recompute = "none"
-        key = (layer.signature, layer.index if not layer.is_block else -1, tp, sp, micro_batch, recompute, split)
-        if key not in self._cache:
-            self._cache[key] = self._compute(layer, tp, sp, micro_batch, recompute, tp_group, split)
-        return self._cache[key]
+        key = (layer.signature, layer.index if not layer.is_block else -1, tp, sp, micro_batch, split)
+        if (*key, recompute) not in self._cache:
+            if key not in self._timed:
+                self._timed[key] = self._time(layer, tp, sp, micro_batch, tp_group, split)
+            self._cache[(*key, recompute)] = self._recomputed(self._timed[key], layer, recompute)
+        return self._cache[(*key, recompute)]
 
-    def _compute(self, layer: Layer, tp: int, sp: bool, micro_batch: int, recompute: str,
-                 tp_group: GroupPlacement, split: SplitGroups) -> LayerCost:
+    def _recomputed(self, timed: "_Timed", layer: Layer, recompute: str) -> LayerCost:
+        """The layer's cost under ``recompute``, from what it costs without."""
+        base = timed.cost
+        if recompute == "full":   # the ring and the all-to-alls rerun
+            recompute_time, recompute_flops = base.fwd + base.tp_fwd + base.cp_fwd + base.ep_fwd, timed.fwd_flops
+        elif recompute == "selective":
+            recompute_time, recompute_flops = timed.core_fwd + base.cp_fwd, timed.core_flops
+        else:
+            return base
+        return replace(base, recompute=recompute_time, recompute_flops=recompute_flops,
+                       activations=timed.acts.layer_bytes(layer, recompute, timed.scale, self.owner))
+
+    def _time(self, layer: Layer, tp: int, sp: bool, micro_batch: int, tp_group: GroupPlacement,
+              split: SplitGroups) -> "_Timed":
         layout = self.layout(tp)
         scale = micro_batch / (self.graph.batch_size * split.cp)   # a rank holds 1/cp of each sequence
         model = ComputeModel(self.graph, self.cluster.device, self.precision.compute, self.measured)
@@ -192,18 +219,11 @@ class LayerCostModel:
                                                            self.precision.activation_bytes, imbalance,
                                                            split.ep_group, self.cluster)
         acts = ActivationModel(self.graph, layout, self.precision, sp)
-        if recompute == "full":
-            recompute_time, recompute_flops = fwd + tp_fwd + cp_fwd + ep_fwd, fwd_flops  # the ring and all-to-alls rerun
-        elif recompute == "selective":
-            recompute_time, recompute_flops = core_fwd + cp_fwd, core_flops
-        else:
-            recompute_time, recompute_flops = 0.0, 0.0
-        return LayerCost(
-            fwd=fwd, bwd=bwd, recompute=recompute_time, tp_fwd=tp_fwd, tp_bwd=tp_bwd,
-            activations=acts.layer_bytes(layer, recompute, scale, self.owner),
-            activations_full=acts.layer_bytes(layer, "none", scale, self.owner),
-            largest_tensor=acts.largest_tensor([layer], scale), flops=flops, recompute_flops=recompute_flops,
-            cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep_fwd, ep_bwd=ep_bwd)
+        full = acts.layer_bytes(layer, "none", scale, self.owner)
+        cost = LayerCost(fwd=fwd, bwd=bwd, recompute=0.0, tp_fwd=tp_fwd, tp_bwd=tp_bwd, activations=full,
+                         activations_full=full, largest_tensor=acts.largest_tensor([layer], scale), flops=flops,
+                         recompute_flops=0.0, cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep_fwd, ep_bwd=ep_bwd)
+        return _Timed(cost, core_fwd, fwd_flops, core_flops, acts, scale)
 
     def _tp_comm(self, layer: Layer, layout: TPLayout, scale: float, group: GroupPlacement,
                  sp: bool) -> tuple[float, float]:
