@@ -70,7 +70,6 @@ class _HiGHS:
     passed them, so the solves, and the layouts, are those PuLP's interface gave.)"""
 
     def __init__(self, limits: ILPLimits, gap_abs: float, gap_rel: float) -> None:
-        self.timeLimit = limits.time
         # no MIP restarts: HiGHS 1.16's restart after root presolve can loop without end and without
         # checking its time limit (found on a hybrid attention/Mamba layer's group by the Hugging
         # Face sweep, bench/hf_coverage.py); without them the node limit bounds every solve
@@ -80,6 +79,11 @@ class _HiGHS:
             self.options["time_limit"] = float(limits.time)
         if limits.nodes is not None:
             self.options["mip_max_nodes"] = limits.nodes
+
+    @property
+    def timeLimit(self) -> float | None:   # noqa: N802 - the name pulp's solvers give it
+        """Seconds of wall clock a call may take (None: none)."""
+        return self.options.get("time_limit")
 
     def solve(self, m: "_Model", objective: dict[int, float]) -> tuple[str, list[float] | None, int]:
         import highspy
@@ -94,7 +98,7 @@ class _HiGHS:
         cost = np.zeros(n)
         for i, c in objective.items():
             cost[pos[i]] += c
-        h.addVars(n, np.asarray(m.lower, dtype=float)[order], np.asarray(m.upper, dtype=float)[order])
+        h.addVars(n, np.zeros(n), np.ones(n))
         h.changeColsCost(n, np.arange(n, dtype=np.int32), cost)
         binary = pos[np.flatnonzero(m.binary)].astype(np.int32)
         h.changeColsIntegrality(len(binary), binary, np.full(len(binary), highspy.HighsVarType.kInteger))
@@ -126,16 +130,19 @@ class _CBC:
     """CBC, bundled with pulp, on the same arrays rebuilt as a pulp model (the fallback)."""
 
     def __init__(self, limits: ILPLimits, gap_abs: float, gap_rel: float) -> None:
-        self.timeLimit = limits.time
         with warnings.catch_warnings():  # PuLP 3.3 announces its bundled CBC will move to an extra in 4.0
             warnings.simplefilter("ignore", DeprecationWarning)
             self.command = pulp.PULP_CBC_CMD(msg=False, threads=1, timeLimit=limits.time, maxNodes=limits.nodes,
                                              gapRel=gap_rel, gapAbs=gap_abs)
 
+    @property
+    def timeLimit(self) -> float | None:   # noqa: N802 - the name pulp's solvers give it
+        """Seconds of wall clock a call may take (None: none)."""
+        return self.command.timeLimit
+
     def solve(self, m: "_Model", objective: dict[int, float]) -> tuple[str, list[float] | None, int]:
         prob = pulp.LpProblem("sharding", pulp.LpMinimize)
-        cols = [_var(prob, name, lo, up, pulp.LpBinary if b else pulp.LpContinuous)
-                for name, lo, up, b in zip(m.names, m.lower, m.upper, m.binary)]
+        cols = [_var(prob, name, 0, 1, pulp.LpBinary if b else pulp.LpContinuous) for name, b in zip(m.names, m.binary)]
         for n, (coefs, lo, hi) in enumerate(m.rows):
             expr = pulp.LpAffineExpression([(cols[i], c) for i, c in coefs.items() if c])
             if lo == hi:

@@ -109,14 +109,12 @@ def _add(terms: dict[int, float], column: int, coefficient: float) -> None:
 
 @dataclass
 class _Model:
-    """One group's ILP as arrays: columns (name, bounds, binary or continuous), rows (coefficients by
-    column, lower and upper bound), and the linear forms the objectives and bounds use, each a
-    column -> coefficient map plus a constant (``time`` in microseconds, ``memory`` in megabytes,
-    ``tie`` the second solve's tie-break)."""
+    """One group's ILP as arrays: columns (name, binary or continuous; every one in [0, 1]), rows
+    (coefficients by column, lower and upper bound), and the linear forms the objectives and bounds
+    use, each a column -> coefficient map plus a constant (``time`` in microseconds, ``memory`` in
+    megabytes, ``tie`` the second solve's tie-break)."""
 
     names: list[str] = field(default_factory=list)
-    lower: list[float] = field(default_factory=list)
-    upper: list[float] = field(default_factory=list)
     binary: list[bool] = field(default_factory=list)
     rows: list[tuple[dict[int, float], float, float]] = field(default_factory=list)
     s: list[list[int]] = field(default_factory=list)
@@ -125,15 +123,12 @@ class _Model:
     memory: dict[int, float] = field(default_factory=dict)
     memory_constant: float = 0.0
     tie: dict[int, float] = field(default_factory=dict)
-    bounds: int = 0
     timed_out: bool = False
     nodes: int = 0      # branch-and-bound nodes of the solves so far (HiGHS reports them; CBC through pulp does not)
 
     def var(self, name: str, binary: bool = False) -> int:
         """A new column in [0, 1]; its index."""
         self.names.append(name)
-        self.lower.append(0.0)
-        self.upper.append(1.0)
         self.binary.append(binary)
         return len(self.names) - 1
 
@@ -172,24 +167,18 @@ def add_resharding(m: _Model, gp: GroupProblem) -> None:
             m.time_constant += _US * cost
             continue
         e = {key: m.var(f"e_{n}_{idx}") for idx, key in enumerate(edge.costs)}
-        for a in outs:      # sum of the pairs leaving a = the producer's strategies that output a
-            row: dict[int, float] = {}
-            for key, x in e.items():
-                if key[0] == a:
-                    _add(row, x, 1.0)
-            for j, v in enumerate(m.s[edge.u]):
-                if gp.strategies[edge.u][j].output == a:
-                    _add(row, v, -1.0)
-            m.row(row, 0.0, 0.0)
-        for b in needs:     # sum of the pairs arriving as b = the consumer's strategies that read b
-            row = {}
-            for key, x in e.items():
-                if key[1] == b:
-                    _add(row, x, 1.0)
-            for j, v in enumerate(m.s[edge.v]):
-                if gp.strategies[edge.v][j].inputs[edge.i] == b:
-                    _add(row, v, -1.0)
-            m.row(row, 0.0, 0.0)
+        # per spec at each end: the pairs with that spec there = the end's strategies with that spec
+        ends = ((0, edge.u, outs, lambda s: s.output), (1, edge.v, needs, lambda s: s.inputs[edge.i]))
+        for side, op, specs, spec_of in ends:
+            for spec in specs:
+                row: dict[int, float] = {}
+                for key, x in e.items():
+                    if key[side] == spec:
+                        _add(row, x, 1.0)
+                for j, v in enumerate(m.s[op]):
+                    if spec_of(gp.strategies[op][j]) == spec:
+                        _add(row, v, -1.0)
+                m.row(row, 0.0, 0.0)
         for key, x in e.items():
             if edge.costs[key]:
                 _add(m.time, x, _US * edge.costs[key])
@@ -222,13 +211,11 @@ def add_param_consistency(m: _Model, gp: GroupProblem) -> None:
 
 def add_memory(m: _Model, budget: float) -> None:
     """``memory <= budget`` (bytes)."""
-    m.bounds += 1
     m.row(dict(m.memory), -math.inf, budget * _MB - m.memory_constant)
 
 
 def add_time(m: _Model, bound: float) -> None:
     """``time <= bound`` (seconds)."""
-    m.bounds += 1
     m.row(dict(m.time), -math.inf, bound * _US - m.time_constant)
 
 
