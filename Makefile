@@ -5,13 +5,20 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.autopar-installed
+# Python writes each module's bytecode when it first imports it (an environment that sets
+# PYTHONDONTWRITEBYTECODE would have every test process compile autopar, the tests and, with pip's
+# --no-compile below, torch and transformers from source at every import), and pip does not
+# byte-compile what it installs: compiling every module of torch and transformers took 40 of the
+# install's 80 s, and a run imports a small part of them.
+export PYTHONDONTWRITEBYTECODE :=
+PIP_INSTALL := $(PY) -m pip install -q --no-compile
 
 .PHONY: demo test bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -c "import torch" 2>/dev/null || $(PIP_INSTALL) torch==2.13.0
+	$(PIP_INSTALL) -e ".[dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -30,7 +37,7 @@ test: $(STAMP)
 	rm -f .distributed-tests.log; test $$unit -eq 0 -a $$distributed -eq 0
 
 bench: $(STAMP)
-	$(PY) -m pip install -q -e ".[dev,stacks]"
+	$(PIP_INSTALL) -e ".[dev,stacks]"
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/unit/exports
 	$(PY) bench/fidelity_published.py
 	$(PY) bench/activation_memory.py

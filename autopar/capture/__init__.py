@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from ..errors import CaptureError
 from .build import GraphWalk, batch_size_of, node_stacks
 from .export import LossFn, run_export
 from .layers import build_layers
@@ -33,7 +34,14 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None = None
     count only the routed work (capture/moe.py).
     Raises :class:`autopar.CaptureError` naming the source line when export fails.
     """
-    return graph_of(model, run_export(model, example_inputs, loss_fn))
+    program = run_export(model, example_inputs, loss_fn)
+    try:
+        return graph_of(model, program)
+    except CaptureError:
+        # the graph cannot be planned (an op whose shape depends on tensor values): exported again with
+        # stack traces, which plain exports leave out (export.py), so that the error names the line
+        graph_of(model, run_export(model, example_inputs, loss_fn, stack_traces=True))
+        raise
 
 
 def graph_of(model: nn.Module, program) -> OpGraph:

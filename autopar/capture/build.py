@@ -166,7 +166,7 @@ class GraphWalk:
             layer=-1, gemm=gemm_shape(name, kind, [m for m in metas if m], outputs[0],
                                       [s.batch_dependent for s in srcs],
                                       kind is OpKind.ATTENTION and is_causal(node.target, node.args, node.kwargs)),
-            source=_source_line(node), dims=dims, reduced=reduced, param_dims=param_dims)
+            dims=dims, reduced=reduced, param_dims=param_dims)
 
     def _sized_by_batch(self, node: torch.fx.Node, metas: list, outputs: tuple) -> bool:
         """An op that reads nothing batch-dependent yet takes the batch size as a size argument:

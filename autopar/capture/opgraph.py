@@ -132,7 +132,6 @@ class OpNode:
     layer: int                        # index into OpGraph.layers
     gemm: Gemm | None = None
     attention_core: bool = False      # inside an unfused attention core (selective recompute drops it)
-    source: str = ""                  # "file:line" of the model code that produced it, when known
     # Per activation input (``inputs`` order): for each output dim, the input dim it comes from, -1 for
     # none (new, broadcast, merged-inner or contracted dims); ``()`` when capture does not know the op.
     dims: tuple[tuple[int, ...], ...] = ()
