@@ -242,6 +242,26 @@ def collective_lines(kind: Collective, group: GroupPlacement, cluster: Cluster) 
     ``S > 0`` bytes takes ``min(alpha + beta * S)`` seconds, the form vectorised code (data-parallel
     buckets and ZeRO gathers in the stage partition DP) evaluates on arrays. Not for p2p."""
     kind = Collective(kind)
+    # kept per (kind, group, cluster object): a plan's search prices the same few groups tens of thousands
+    # of times (a third of building its sharding ILPs). Keyed on the cluster's identity, not its value:
+    # hashing a Cluster (its links' protocol tables) costs as much as the lines. Each entry holds its
+    # cluster, so no other object can take that id while the entry is there.
+    key = (kind, group, id(cluster))
+    hit = _LINES.get(key)
+    if hit is not None and hit[0] is cluster:
+        return hit[1]
+    if len(_LINES) >= _LINES_KEPT:
+        _LINES.clear()
+    lines = _lines(kind, group, cluster)
+    _LINES[key] = (cluster, lines)
+    return lines
+
+
+_LINES: dict[tuple, tuple] = {}
+_LINES_KEPT = 4096
+
+
+def _lines(kind: Collective, group: GroupPlacement, cluster: Cluster) -> tuple[tuple[float, float], ...]:
     _check(0.0, group, cluster)
     n, r, N = group.size, group.ranks_per_node, group.nodes
     if n == 1:

@@ -71,8 +71,8 @@ REFUSED = [
      "capacity"),
 ]
 # make bench (AUTOPAR_ALL_CASES=1) runs every case; the suite leaves out those another case contains
-# (the same layout with ZeRO, sequence parallelism or micro-batch 2 on top)
-CONTAINED = {"llama-cp2", "mixtral-ep2", "moe-ep2", "llama-cp2-tp2", "moe-capacity-ep2"}
+# (the same layout with ZeRO, sequence parallelism, experts or micro-batch 2 on top)
+CONTAINED = {"llama-cp2", "mixtral-ep2", "moe-ep2", "llama-cp2-tp2", "moe-capacity-ep2", "llama-cp2-dp2"}
 if not ALL_CASES:
     TWO = [t for t in TWO if t[0] not in CONTAINED]
     FOUR = [t for t in FOUR if t[0] not in CONTAINED]
