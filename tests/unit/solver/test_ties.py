@@ -13,9 +13,10 @@ import autopar
 from autopar import Cluster, ConfigError
 from autopar.capture import capture
 from autopar.cli.models import load_model
-from autopar.config import ParallelConfig
+from autopar.config import ParallelConfig, Precision
 from autopar.solver import price, solve
 from autopar.solver.choice import choose, moving_parts
+from autopar.solver.sharding_solver import ShardingSolver
 
 A100 = Cluster.from_spec("1x8xA100-80GB")
 
@@ -24,6 +25,13 @@ A100 = Cluster.from_spec("1x8xA100-80GB")
 def gpt2():
     loaded = load_model("gpt2-small")
     return capture(loaded.model, loaded.inputs)
+
+
+@pytest.fixture(scope="module")
+def sharding(gpt2):
+    """One ShardingSolver for this module's searches: each tensor-parallel layout's ILP solved once
+    (the layouts do not depend on the batch or on what is pinned)."""
+    return ShardingSolver(gpt2, A100, Precision.for_device(A100.device.name))
 
 
 def test_zero3_half_a_percent_faster_than_ddp_is_a_tie(gpt2):
@@ -38,11 +46,11 @@ def test_zero3_half_a_percent_faster_than_ddp_is_a_tie(gpt2):
     assert moving_parts(ddp.config) < moving_parts(z3.config)
 
 
-def test_search_picks_ddp_within_tolerance_and_the_fastest_at_zero(gpt2):
+def test_search_picks_ddp_within_tolerance_and_the_fastest_at_zero(gpt2, sharding):
     """Global batch 256: under the cost model ZeRO-2 is the fastest plan, DDP 0.5% slower. The default
     returns DDP and says which plan was faster; tie_tolerance=0 returns the ZeRO plan."""
-    fastest, _ = solve(gpt2, A100, 256, tie_tolerance=0)
-    chosen, _ = solve(gpt2, A100, 256)
+    fastest, _ = solve(gpt2, A100, 256, tie_tolerance=0, sharding=sharding)
+    chosen, _ = solve(gpt2, A100, 256, sharding=sharding)
     assert fastest.config.zero > 0 and chosen.config.zero == 0
     assert fastest.step_time < chosen.step_time <= fastest.step_time * 1.01
     assert chosen.optimal is True
@@ -55,19 +63,19 @@ def test_search_picks_ddp_within_tolerance_and_the_fastest_at_zero(gpt2):
     assert "fastest configuration that fits" in fastest.explain()
 
 
-def test_best_ddp_plan_is_always_a_runner_up(gpt2):
+def test_best_ddp_plan_is_always_a_runner_up(gpt2, sharding):
     """When the choice shards with ZeRO, the best zero=0 plan is among the alternatives (the same one
     a search pinned to zero=0 finds), even when it is not among the fastest few."""
-    chosen, _ = solve(gpt2, A100, 64, tie_tolerance=0)
+    chosen, _ = solve(gpt2, A100, 64, tie_tolerance=0, sharding=sharding)
     assert chosen.config.zero > 0
-    ddp, _ = solve(gpt2, A100, 64, tie_tolerance=0, fixed={"zero": 0})
+    ddp, _ = solve(gpt2, A100, 64, tie_tolerance=0, fixed={"zero": 0}, sharding=sharding)
     plain = [a for a in chosen.alternatives if a.config.zero == 0]
     assert plain and min(a.step_time for a in plain) == pytest.approx(ddp.step_time, rel=1e-12)
     assert all(a.reason.startswith("slower by") for a in plain)
 
 
-def test_near_ties_print_as_ties_and_no_zero_percent(gpt2):
-    chosen, _ = solve(gpt2, A100, 64)
+def test_near_ties_print_as_ties_and_no_zero_percent(gpt2, sharding):
+    chosen, _ = solve(gpt2, A100, 64, sharding=sharding)
     reasons = [a.reason for a in chosen.alternatives]
     assert not any("by 0.0%" in r for r in reasons), reasons
     assert any("a tie within the 1.0% tie tolerance" in r for r in reasons), reasons
