@@ -6,8 +6,8 @@ dropped, so ``use_cache=True`` is harmless); other models go through
 ``loss_fn(output, inputs)``, or, when none is given, the mean of their (first)
 floating output, a stand-in that costs nothing next to the model.
 
-Nodes carry no stack traces (recording one per node cost 10-25% of a small model's export and 27%
-of GPT-3 175B's, measured): only a capture error names a source line, and
+Nodes carry no stack traces (recording one per node cost 10-25% of a small model's export and 19%
+of GPT-3 175B's capture, bench/capture_175b.py): only a capture error names a source line, and
 :func:`~autopar.capture.capture` exports once more with them to write that error.
 
 An explicit attention mask that is the causal triangle, computed from shapes alone, runs as
