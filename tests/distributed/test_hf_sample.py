@@ -18,21 +18,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 import hf_sweep  # noqa: E402
-import harness  # noqa: E402
 
 SAMPLE = [("MambaForCausalLM", "tp")]
-
-
-def _plan(arch, config: str) -> dict:
-    from autopar.capture import capture
-    from autopar.models.shrink import example
-    from autopar.codegen.inputs import with_inputs
-    from autopar.solver import solve
-    meta = hf_sweep.build(arch, "meta")
-    one = example(arch, meta, 1, device="meta")
-    plan, _ = solve(capture(meta, one), harness.test_cluster(2), hf_sweep.GLOBAL_BATCH,
-                    fixed={**hf_sweep.BASE, **hf_sweep.CONFIGS[config]})
-    return with_inputs(plan, one).to_dict()
 
 
 @pytest.mark.parametrize("name,config", SAMPLE, ids=[f"{n}-{c}" for n, c in SAMPLE])
@@ -40,7 +27,7 @@ def test_trains_equal_to_one_process(name, config):
     import worlds
     from autopar.models.shrink import architectures
     arch = next(a for a in architectures() if a.name == name)
-    plans = {config: _plan(arch, config)}
+    plans = hf_sweep.pinned_plans(arch, [config])
     per_rank = worlds.world(2).run("hf_sweep:run_arch", arch, plans)
     cell = hf_sweep.judge(arch, plans, per_rank)[config]
     assert cell.status == "ok", (cell, per_rank[0][config].get("trace"))
