@@ -141,12 +141,14 @@ def main():
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
         mesh = DeviceMesh(device.type, g["dp_ranks"])
+        def shard(modules, reshard):   # a parameter with no elements stays whole (FSDP2 cannot reduce-scatter it)
+            empty = {p for m in modules for p in m.parameters() if p.numel() == 0}
+            fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=reshard,
+                        **({"ignored_params": empty} if empty else {}))
         for c, chunk in chunks.items():
             for unit, kept in P.UNITS[c]:
-                modules = [chunk.layers[k] for k in unit]
-                fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
-                            reshard_after_forward=P.ZERO == 3 and not kept)
-            fully_shard(chunk, mesh=mesh, reshard_after_forward=False)   # the root: small runs, kept
+                shard([chunk.layers[k] for k in unit], P.ZERO == 3 and not kept)
+            shard([chunk], False)   # the root: small runs, kept
     if args.compile:
         for chunk in chunks.values():
             for module in (chunk.layers if fsdp else [chunk]):

@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from .chunk import ChunkModule, NodeRunner
 from ..codegen.context import analyse
 from ..codegen.context_state import ContextRank
-from .data_parallel import GradReducer, Zero1Optimizer, local
+from .data_parallel import GradReducer, Zero1Optimizer, local, shard_unit
 from .expert_parallel import shard_experts
 from .experts import ExpertsModule, check_regions, expert_groups, skipped_nodes
 from ..codegen.split import check_structure, cut_values, on_device, plan_chunks, split_graph
@@ -180,7 +180,6 @@ class Assembly:
         self.zero = cfg.zero if replicas > 1 else 0
         self.reducers: list[GradReducer] = []
         if self.fsdp:
-            from torch.distributed.fsdp import fully_shard
             # FSDP2 warns that a layer returning a view loses its pre-backward hook if the view is then
             # written in place; every layer here copies an input it writes (chunk.py, written_inputs),
             # so the hazard does not arise: silence that warning for autopar's own modules only
@@ -193,7 +192,7 @@ class Assembly:
                 for layer in chunk.layers:
                     for experts in layer.experts.values():
                         # expert weights: sharded over their own replicas, averaged like the dense ones
-                        fully_shard(experts, mesh=self.expert_mesh, reshard_after_forward=self.zero == 3)
+                        shard_unit(experts, mesh=self.expert_mesh, reshard_after_forward=self.zero == 3)
                         experts.set_gradient_divide_factor(float(replicas))
                         if dist.get_backend() != "nccl" and len(self.expert_ranks) > 1:
                             # gloo has no pre-multiplied sum: sum, then divide (FSDP2 divides a one-rank
@@ -208,9 +207,9 @@ class Assembly:
                 for unit in units.units:
                     if unit != units.root:
                         modules = [layers[i] for i in unit]
-                        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
-                                    reshard_after_forward=self.zero == 3 and unit not in units.kept)
-                fully_shard(chunk, mesh=mesh, reshard_after_forward=False)
+                        shard_unit(modules if len(modules) > 1 else modules[0], mesh=mesh,
+                                   reshard_after_forward=self.zero == 3 and unit not in units.kept)
+                shard_unit(chunk, mesh=mesh, reshard_after_forward=False)
             self.params = {fqn: p for chunk in self.chunks.values()
                            for fqn, p in chunk.named_model_parameters().items()}
             if self.materializer is not None:

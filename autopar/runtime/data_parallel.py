@@ -1,7 +1,7 @@
 """Data-parallel gradient reduction (bucketed, overlapped with backward) and ZeRO-1.
 
-ZeRO-2 and ZeRO-3 are FSDP2's ``fully_shard`` (program.py). Plain data parallelism and ZeRO-1
-are done here rather than by ``DistributedDataParallel`` / ``ZeroRedundancyOptimizer``:
+ZeRO-2 and ZeRO-3 are FSDP2's ``fully_shard`` (assembly.py, through :func:`shard_unit`). Plain
+data parallelism and ZeRO-1 are done here rather than by ``DistributedDataParallel`` / ``ZeroRedundancyOptimizer``:
 
 - DDP wraps one module with one forward per backward; a pipeline rank runs several chunk
   modules, each several micro-batches, and only the *last* backward of each chunk in a step
@@ -37,6 +37,28 @@ from torch.distributed.tensor import DTensor
 
 from ..config import dp_bucket_bytes
 from ..codegen.failures import wait_or_fail
+from ..errors import ConfigError
+
+
+def shard_unit(module: nn.Module | list[nn.Module], **kwargs) -> None:
+    """``fully_shard(module, **kwargs)``, leaving out the parameters with no elements.
+
+    FSDP2 cannot reduce-scatter an empty gradient (torch 2.13: "_chunk_cat expects non-empty
+    tensor" at the first backward): a parameter with no elements (MobileBERT's 0 x 256 dense when
+    its hidden size equals its embedding size) has nothing to shard, gather or average, so it stays
+    a plain parameter of every rank (``ignored_params``, torch >= 2.7)."""
+    from torch.distributed.fsdp import fully_shard
+    modules = module if isinstance(module, list) else [module]
+    empty = {p for m in modules for p in m.parameters() if p.numel() == 0}
+    if empty:
+        import inspect
+        if "ignored_params" not in inspect.signature(fully_shard).parameters:
+            names = [n for m in modules for n, p in m.named_parameters() if p in empty]
+            raise ConfigError(f"ZeRO-2/3 of a model with parameters of no elements ({', '.join(names[:3])}) needs "
+                              f"torch >= 2.7 (fully_shard's ignored_params; this is {torch.__version__}): upgrade "
+                              f"torch, or plan with zero <= 1")
+        kwargs["ignored_params"] = empty
+    fully_shard(module, **kwargs)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
