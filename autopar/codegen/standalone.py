@@ -16,7 +16,7 @@ The folder holds
 - ``buffers.pt``: the buffers and constants the graph reads (rotary tables, masks).
 
 What the folder cannot run yet is refused at emit time with what to change: context or expert
-parallelism, ZeRO-2/3 together with tensor parallelism, MoE regions run as one call, a batch that is
+parallelism, MoE regions run as one call, a batch that is
 not a flat tuple or dict of tensors, a model factory that builds on the meta device.
 
 The model is built once here (from ``model_factory``, on the CPU) and exported at one micro-batch,
@@ -90,7 +90,6 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     cfg = plan.config
     refusals = [why for bad, why in (
         (cfg.cp > 1, "context parallelism"), (cfg.ep > 1, "expert parallelism"),
-        (cfg.zero >= 2 and cfg.tp > 1, "ZeRO-2/3 together with tensor parallelism"),
         (plan.precision.kernels == "fused", "hand-written fused kernels")) if bad]
     if refusals:
         raise ConfigError(f"a standalone program cannot run {refusals[0]} ({cfg.short()}) yet: emit the script "

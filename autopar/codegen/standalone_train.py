@@ -62,7 +62,7 @@ def groups(rank):
             ranks = [rank_of(pp, d, tp) for d in range(P.DP)]
             g = dist.new_group(ranks) if P.DP > 1 else None
             if rank in ranks:
-                mine["dp"], mine["dp_ranks"] = g, ranks
+                mine["dp"] = g
     mine["tied"] = {}
     for fqn, stages in sorted(P.TIED.items()):
         for dp in range(P.DP):
@@ -138,9 +138,11 @@ def main():
     chunks = {c: getattr(P, f"Chunk{c}")(g["tp"], params, buffers) for c in mine}
     fsdp = P.ZERO >= 2 and P.DP > 1
     if fsdp:   # ZeRO-2/3: each unit's parameters sharded over the data-parallel ranks, gathered around it
-        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        mesh = DeviceMesh(device.type, g["dp_ranks"])
+        # the whole world's mesh, its dp dimension taken (every rank builds every group of it, as
+        # torch.distributed requires); with tp > 1 each tp rank's shards are sharded again over dp
+        mesh = init_device_mesh(device.type, (P.PP, P.DP, P.TP), mesh_dim_names=("pp", "dp", "tp"))["dp"]
         def shard(modules, reshard):   # a parameter with no elements stays whole (FSDP2 cannot reduce-scatter it)
             empty = {p for m in modules for p in m.parameters() if p.numel() == 0}
             fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=reshard,

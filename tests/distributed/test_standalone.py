@@ -1,8 +1,9 @@
 """``emit(..., standalone=True)`` compiles a plan into a folder that trains with torch alone: run under
 torchrun on 2 gloo ranks with an import hook that refuses autopar, a Hugging Face Llama built by a
 factory that imports only transformers, planned from batch-1 example inputs as the README shows,
-at tp=2 (+ sequence parallelism), pp=2 1F1B and dp=2 ZeRO-3: its losses equal one process's
-(fp32, relative 1e-5: only the order of additions differs)."""
+at tp=2 (+ sequence parallelism), pp=2 1F1B and dp=2 ZeRO-3 (and, in make bench, tp=2 x dp=2 ZeRO-3
+on 4 ranks: FSDP2 shards each tensor-parallel shard again over the data-parallel ranks): its
+losses equal one process's (fp32, relative 1e-5: only the order of additions differs)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import plain_factories  # noqa: E402
 from harness import free_port  # noqa: E402
+from suite import ALL_CASES  # noqa: E402
 
 STEPS, GLOBAL, LR = 2, 4, 1e-3
 BASE = dict(dp=1, tp=1, pp=1, micro_batch_size=4, zero=0, recompute="none", schedule="1f1b", virtual_stages=1,
             sequence_parallel=False)
-CASES = {
-    "tp2_sp": dict(tp=2, sequence_parallel=True),
-    "pp2_1f1b": dict(pp=2, micro_batch_size=1),
-    "dp2_zero3": dict(dp=2, zero=3, micro_batch_size=2),
+CASES = {   # name -> (ranks, pinned fields)
+    "tp2_sp": (2, dict(tp=2, sequence_parallel=True)),
+    "pp2_1f1b": (2, dict(pp=2, micro_batch_size=1)),
+    "dp2_zero3": (2, dict(dp=2, zero=3, micro_batch_size=2)),
 }
+if ALL_CASES:   # a second torchrun, of 4 ranks (4 processes on 2 cores: make bench only)
+    CASES["tp2_dp2_zero3"] = (4, dict(tp=2, dp=2, zero=3, micro_batch_size=2, sequence_parallel=True))
 
 
 @pytest.fixture(scope="module")
@@ -75,27 +79,28 @@ dist.destroy_process_group()
 
 @pytest.fixture(scope="module")
 def runs(hook, tmp_path_factory):
-    """Every case's folder (emitted here, where autopar is imported), then one torchrun of 2 ranks that
+    """Every case's folder (emitted here, where autopar is imported), then one torchrun per world size that
     trains each in turn where autopar cannot be imported; case -> (program.py's text, rank 0's losses)."""
     import autopar
     from autopar import Cluster
     root = tmp_path_factory.mktemp("standalone")
-    texts, items = {}, []
+    texts, items = {}, {}
     torch.manual_seed(0)
-    for name, config in CASES.items():
+    for name, (world, config) in CASES.items():
         example = {k: v[:1] for k, v in plain_factories.llama_batch(0, GLOBAL).items()}
-        plan = autopar.plan(plain_factories.llama(), Cluster.from_spec("1x2xcpu"), example, global_batch_size=GLOBAL,
-                            fixed={**BASE, **config}, verbose=False)
+        plan = autopar.plan(plain_factories.llama(), Cluster.from_spec(f"1x{world}xcpu"), example,
+                            global_batch_size=GLOBAL, fixed={**BASE, **config}, verbose=False)
         autopar.codegen.emit(plan, root / name, "plain_factories:llama", batch_factory="plain_factories:llama_batch",
                              lr=LR, standalone=True)
         texts[name] = (root / name / "program.py").read_text()
-        items.append(f"{root / name}={root / (name + '.losses')}")
+        items.setdefault(world, []).append(f"{root / name}={root / (name + '.losses')}")
     driver = root / "driver.py"
     driver.write_text(DRIVER.replace("STEPS", str(STEPS)))
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                          str(free_port()), str(driver), *items], env=hook, cwd=root, capture_output=True,
-                         text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for world, folders in items.items():
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+                              "--master-port", str(free_port()), str(driver), *folders], env=hook, cwd=root,
+                             capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return {name: (texts[name], [float(x) for x in (root / (name + ".losses")).read_text().split()])
             for name in CASES}
 
@@ -104,7 +109,7 @@ def runs(hook, tmp_path_factory):
 def test_standalone_program_trains_like_one_process(name, runs, reference):
     text, got = runs[name]
     assert "import autopar" not in text and "class Chunk0(torch.nn.Module)" in text
-    if "tp2" in name:
+    if name.startswith("tp2"):
         assert "collectives.gather_partial(" in text and "collectives.reduce_scatter(" in text
     if "zero3" in name:   # the FSDP2 units the cost model priced: each block; embedding, final norm and
         # head (small) in the chunk's root unit
