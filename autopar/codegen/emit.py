@@ -137,7 +137,7 @@ def _literal(value: Any) -> str:
 
 def _imports(model_factory: str, batch_factory: str | None, loss_fn: str | None) -> str:
     lines = ["import argparse", "import datetime", "import gc", "import os", "", "import torch", "import torch.distributed as dist", "",
-             "import autopar", "from autopar.codegen.inputs import example_at"]
+             "import autopar", "from autopar.codegen.dcp_state import latest", "from autopar.codegen.inputs import example_at"]
     for alias, ref in (("model_factory", model_factory), ("batch_factory", batch_factory), ("loss_fn", loss_fn)):
         if ref:
             module, fn = ref.split(":")
@@ -199,7 +199,7 @@ def main() -> None:
 
     start = 0
     if args.resume:  # collective: every rank reads its own shards, resharded to this plan
-        program.load_checkpoint(latest_checkpoint(args.resume))
+        program.load_checkpoint(latest(args.resume))
         start = program.steps
         if rank == 0:
             print(f"resumed from {{args.resume}} at step {{start}}", flush=True)
@@ -219,17 +219,6 @@ def main() -> None:
     del program
     gc.collect()
     dist.destroy_process_group()
-
-
-def latest_checkpoint(path: str) -> str:
-    """``path`` if it is a checkpoint, else its last complete step<N> folder (DCP writes .metadata last)."""
-    if os.path.exists(os.path.join(path, ".metadata")):
-        return path
-    done = sorted(d for d in os.listdir(path)
-                  if d.startswith("step") and os.path.exists(os.path.join(path, d, ".metadata")))
-    if not done:
-        raise FileNotFoundError(f"no checkpoint in {{path}}")
-    return os.path.join(path, done[-1])
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ process groups, its shards of the weights of the model ``MODEL_FACTORY`` builds 
 every rank, so the same weights), FSDP2 for ZeRO-2/3, AdamW; then per step: the rank's micro-batches through the schedule, the gradient
 reductions (data-parallel mean, tied parameters, tensor-parallel partial sums), the optimizer
 step, and the mean loss over the global batch (rank 0 prints it and appends it to --loss-file).
+--checkpoint / --resume write and read sharded checkpoints (torch.distributed.checkpoint) in the
+format of dcp_state.py, the one ``autopar.parallelize``'s programs write (the same keys, each tensor
+with its global layout, so DCP reshards it to the reader's plan); ``autopar.load_checkpoint``
+reads it into one process.
 This file is copied from autopar's codegen/standalone_train.py; it imports nothing of autopar.
 """
 
@@ -28,6 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import batches  # noqa: E402
+import dcp_state  # noqa: E402
 import pipeline  # noqa: E402
 import program as P  # noqa: E402
 
@@ -110,6 +115,12 @@ def main():
     parser.add_argument("--loss-file", default=None, help="rank 0 appends each step's loss here")
     parser.add_argument("--compile", action="store_true", help="run each chunk (each layer under ZeRO-2/3) "
                         "through torch.compile")
+    parser.add_argument("--checkpoint", default=None, help="save a sharded checkpoint (parameters, optimizer "
+                        "state, step) into DIR/step<N> after the last step (torch.distributed.checkpoint)")
+    parser.add_argument("--save-every", type=int, default=0, help="with --checkpoint: also every N steps")
+    parser.add_argument("--resume", default=None, help="start from a checkpoint (a step<N> folder, or a "
+                        "--checkpoint DIR: its latest one) saved by this folder or by autopar under any plan; "
+                        "--steps counts from the start of the run")
     args = parser.parse_args()
 
     owned = not dist.is_initialized()   # a caller (a driver running several programs) may have made it
@@ -131,6 +142,8 @@ def main():
     model = load(P.MODEL_FACTORY)()
     model = model[0] if isinstance(model, tuple) else model
     params = shards(model, pp_rank, tp_rank, device)
+    whole = whole_entries(model) if (args.checkpoint or args.resume) else {}
+    shapes = {fqn: p.shape for fqn, p in model.named_parameters()}
     del model
     buffers = {k: v.to(device) for k, v in torch.load(os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                   "buffers.pt")).items()}
@@ -167,7 +180,13 @@ def main():
                                      None, pipeline.wait_for(args.timeout), device)
     schedule = actions(P.SCHEDULE[pp_rank])
     batch_of = load(P.BATCH_FACTORY) if P.BATCH_FACTORY else (lambda step, n: batches.example_at(P.EXAMPLE, n))
-    for step in range(args.steps):
+    present = presenter(rank, g, fsdp, shapes, device) if (args.checkpoint or args.resume) else None
+    start = 0
+    if args.resume:   # collective: every rank reads its own shards, resharded to this plan
+        start = resume(dcp_state.latest(args.resume), named, optimizer, present, shapes)
+        if rank == 0:
+            print(f"resumed from {args.resume} at step {start}", flush=True)
+    for step in range(start, args.steps):
         optimizer.zero_grad(set_to_none=True)
         losses = runner.run(schedule, micro_batches(batch_of(step, P.GLOBAL_BATCH), dp_rank, device),
                             1.0 / P.MICRO_BATCHES)
@@ -191,6 +210,8 @@ def main():
             if args.loss_file:
                 with open(args.loss_file, "a") as fh:
                     fh.write(f"{loss:.9g}\n")
+        if args.checkpoint and (step + 1 == args.steps or (args.save_every and (step + 1) % args.save_every == 0)):
+            save(os.path.join(args.checkpoint, f"step{step + 1:08d}"), named, optimizer, present, whole, step + 1)
     dist.barrier()
     del runner, chunks
     gc.collect()
@@ -204,6 +225,72 @@ def _named(chunk):
     for layer in chunk.layers:
         out.update({n.replace("__", "."): p for n, p in layer._parameters.items()})
     return out
+
+
+def whole_entries(model):
+    """What a checkpoint holds besides the stages' parameters, the same on every rank: the model's
+    persistent buffers and the parameters no stage holds, under their own names."""
+    held = {fqn for fqns in P.STAGE_PARAMS.values() for fqn in fqns}
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    out = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in aliases}
+    out.update({fqn: p.detach().clone() for fqn, p in model.named_parameters() if fqn not in held})
+    return out
+
+
+def presenter(rank, g, fsdp, shapes, device):
+    """fqn, a tensor of that parameter's layout on this rank -> the same with its global layout, as
+    dcp_state.py wants it: a tensor-parallel block is a DTensor on this stage's tp mesh with
+    Shard(split dim), or under ZeRO-2/3 on its (tp, dp) mesh with FSDP2's dim-0 shard of the block
+    as the second placement (the order the two cuts were made in); an FSDP2 shard of a parameter
+    held whole by the tp ranks is FSDP2's own DTensor already; anything else is whole."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    pp_rank, dp_rank = rank // (P.TP * P.DP), (rank // P.TP) % P.DP
+    ranks = [[tp + P.TP * (dp + P.DP * pp_rank) for dp in range(P.DP)] for tp in range(P.TP)]
+    mesh = None
+    if P.TP > 1 and fsdp:
+        mesh = DeviceMesh.from_group([g["tp"], g["dp"]], device.type, mesh=ranks, mesh_dim_names=("tp", "dp"))
+    elif P.TP > 1:
+        mesh = DeviceMesh.from_group(g["tp"], device.type, mesh=[row[dp_rank] for row in ranks])
+
+    def present(fqn, t):
+        d = P.TP_DIMS.get(fqn)
+        if d is None:
+            return t
+        shape = shapes[fqn]
+        stride = dcp_state.contiguous_stride(shape)
+        if isinstance(t, DTensor):
+            return DTensor.from_local(t.to_local(), mesh, [Shard(d % len(shape)), Shard(0)], run_check=False,
+                                      shape=shape, stride=stride)
+        placements = [Shard(d % len(shape)), Replicate()][:mesh.ndim]   # Replicate: one FSDP2 left whole (empty)
+        return DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return present
+
+
+def _names(named):
+    return {id(p): fqn for fqn, p in reversed(list(named.items()))}   # a tied parameter's first name
+
+
+def save(path, named, optimizer, present, whole, steps):
+    """Collective: every rank writes its shards (dcp_state.py's format)."""
+    import torch.distributed.checkpoint as dcp
+    state = dict(whole)
+    state.update({fqn: present(fqn, p.detach()) for fqn, p in named.items()})
+    state.update(dcp_state.optimizer_state(optimizer, _names(named), present))
+    state[dcp_state.STEPS] = int(steps)
+    dcp.save(state, checkpoint_id=path)
+
+
+def resume(path, named, optimizer, present, shapes):
+    """Collective: this rank's parameters and optimizer state from the checkpoint at ``path``, of any
+    plan of the model; returns the steps it had trained."""
+    saved = dcp_state.metadata(path)
+    state = {fqn: present(fqn, p.detach()) for fqn, p in named.items()}
+    fill = dcp_state.optimizer_targets(optimizer, _names(named), saved, present, lambda fqn, p: shapes[fqn], state)
+    state[dcp_state.STEPS] = 0
+    dcp_state.load(state, path, saved, no_dist=False)
+    fill()
+    return int(state[dcp_state.STEPS])
 
 
 def _all_reduce_grad(param, group):

@@ -9,16 +9,12 @@ overlap its own (DCP's resharding: a load plan asks storage for every saved chun
 overlaps, https://pytorch.org/docs/stable/distributed.checkpoint.html). ``load_checkpoint(path,
 model, optimizer)`` does the same in one process, into a plain model (``dcp.load(no_dist=True)``).
 
-Keys (one flat namespace; DCP's folder holds one ``.distcp`` file per writing rank and a ``.metadata``):
-
-- ``<fqn>``: a parameter, under the name ``model.named_parameters()`` gives it (the canonical
-  name of a tied parameter: ``Program.params`` is keyed by it); persistent buffers and the
-  parameters no chunk holds (``Program.buffers``, ``Program.unused``) under their own names, so
-  the one-process loader restores the whole model;
-- ``optim.<fqn>.<state>``: the optimizer's per-parameter state (AdamW: ``exp_avg``,
-  ``exp_avg_sq``, ``step``); ``optim.<fqn>.param_group``: the hyperparameters of the
-  parameter's group (pickled: lr, betas, eps, weight decay, ...);
-- ``autopar.steps``: ``Program.steps``, the steps trained so far.
+The format (keys ``<fqn>``, ``optim.<fqn>.<state>``, ``optim.<fqn>.param_group``,
+``autopar.steps``; DCP's folder holds one ``.distcp`` file per writing rank and a ``.metadata``) and
+the optimizer-state plumbing are codegen/dcp_state.py's, shared with the standalone ``run/train.py``:
+either resumes the other's checkpoints. Persistent buffers and the parameters no chunk holds
+(``Program.buffers``, ``Program.unused``) are saved under their own names, so the one-process
+loader restores the whole model.
 
 How each tensor carries its global layout:
 
@@ -58,27 +54,18 @@ unpickles non-tensor entries with ``torch.load(weights_only=False)``): load only
 from __future__ import annotations
 
 import os
-import pickle
-import warnings
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..codegen.dcp_state import (STEPS, Present, contiguous_stride, load as dcp_load, metadata, optimizer_state,
+                                 optimizer_targets)
 from ..errors import ConfigError
 from .data_parallel import Zero1Optimizer, local
-
-OPTIM = "optim."
-GROUP = "param_group"
-STEPS = "autopar.steps"
-
-# fqn, tensor of that parameter's layout (the parameter or a state tensor) -> what DCP gets
-Present = Callable[[str, torch.Tensor], Any]
 
 
 # --- saving ----------------------------------------------------------------------------------
@@ -92,30 +79,16 @@ def save_program(program: Any, path: str | os.PathLike) -> None:
         state[fqn] = present(fqn, p.detach())
     optimizer = _inner(program.optimizer)
     if optimizer is not None:
-        state.update(_optimizer_state(optimizer, _names(program.params), present))
+        state.update(optimizer_state(optimizer, _names(program.params), present))
     state[STEPS] = int(program.steps)
     dcp.save(state, checkpoint_id=os.fspath(path))
-
-
-def _optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str], present: Present) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for group in optimizer.param_groups:
-        hyper = pickle.dumps({k: v for k, v in group.items() if k != "params"})
-        for p in group["params"]:
-            fqn = names[id(p)]
-            out[f"{OPTIM}{fqn}.{GROUP}"] = hyper
-            for name, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor) and value.shape == p.shape:
-                    value = present(fqn, value.detach())
-                out[f"{OPTIM}{fqn}.{name}"] = value
-    return out
 
 
 # --- loading ---------------------------------------------------------------------------------
 def load_program(program: Any, path: str | os.PathLike) -> None:
     """Collective: fill ``program``'s parameters and optimizer state from the checkpoint at ``path``."""
     path = os.fspath(path)
-    saved = _metadata(path)
+    saved = metadata(path, ConfigError)
     present = _presenter(program)
     state: dict[str, Any] = {}
     for fqn, p in program.params.items():
@@ -124,11 +97,11 @@ def load_program(program: Any, path: str | os.PathLike) -> None:
     optimizer = _inner(program.optimizer)
     fill = None
     if optimizer is not None:
-        fill = _optimizer_targets(optimizer, _names(program.params), saved, present,
-                                  lambda fqn, p: _global_shape(program, fqn, p), state)
+        fill = optimizer_targets(optimizer, _names(program.params), saved, present,
+                                 lambda fqn, p: _global_shape(program, fqn, p), state, ConfigError)
     if STEPS in saved:
         state[STEPS] = 0
-    _load(state, path, saved, no_dist=False)
+    dcp_load(state, path, saved, no_dist=False, error=ConfigError)
     if fill is not None:
         fill()
     if STEPS in saved:
@@ -142,7 +115,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     process group needed, none used). Returns the steps the saving program had trained (None if
     the checkpoint does not record them). The model must be on a real device (not meta)."""
     path = os.fspath(path)
-    saved = _metadata(path)
+    saved = metadata(path, ConfigError)
     params = dict(model.named_parameters())
     if any(p.is_meta for p in params.values()):
         raise ConfigError("load_checkpoint fills the model's tensors in place: build it on a real device, or "
@@ -153,96 +126,14 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     state.update({k: v for k, v in model.state_dict().items() if k not in aliases and k in saved})
     fill = None
     if optimizer is not None:
-        fill = _optimizer_targets(optimizer, _names(params), saved, lambda fqn, t: t, lambda fqn, p: p.shape, state)
+        fill = optimizer_targets(optimizer, _names(params), saved, lambda fqn, t: t, lambda fqn, p: p.shape, state,
+                                 ConfigError)
     if STEPS in saved:
         state[STEPS] = 0
-    _load(state, path, saved, no_dist=True)
+    dcp_load(state, path, saved, no_dist=True, error=ConfigError)
     if fill is not None:
         fill()
     return int(state[STEPS]) if STEPS in saved else None
-
-
-def _optimizer_targets(optimizer: torch.optim.Optimizer, names: dict[int, str], saved: dict[str, Any],
-                       present: Present, shape_of: Callable[[str, torch.Tensor], torch.Size],
-                       state: dict[str, Any]) -> Callable[[], None]:
-    """Add to ``state`` a tensor (or placeholder) for every saved optimizer entry of ``optimizer``'s
-    parameters; return what installs them once DCP has filled them."""
-    mine_names = set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in names:
-                raise ConfigError("the optimizer holds a tensor that is not one of the model's parameters: make it "
-                                  "over model.parameters()")
-            mine_names.add(names[id(p)])
-    entries: dict[str, dict[str, Any]] = {}
-    for key, md in saved.items():
-        if key.startswith(OPTIM) and (split := _split(key[len(OPTIM):], mine_names)) is not None:
-            entries.setdefault(split[0], {})[split[1]] = md
-    todo: list[tuple[dict, torch.Tensor, str, dict[str, Any]]] = []   # (group, param, fqn, name -> value)
-    for group in optimizer.param_groups:
-        fused = bool(group.get("fused") or group.get("capturable"))
-        for p in group["params"]:
-            fqn = names[id(p)]
-            mine: dict[str, Any] = {}
-            for name, md in entries.get(fqn, {}).items():
-                key = f"{OPTIM}{fqn}.{name}"
-                if not isinstance(md, TensorStorageMetadata):
-                    state[key] = b""                  # DCP replaces a non-tensor value in the dict
-                    mine[name] = None
-                    continue
-                if md.size == shape_of(fqn, p) and not (name == "step" and not md.size):   # the parameter's layout
-                    value = torch.zeros_like(p.detach(), dtype=md.properties.dtype)
-                    state[key] = present(fqn, value)
-                else:                                # AdamW's step: replicated, loaded whole
-                    where = local(p).device if (fused or name != "step") else torch.device("cpu")
-                    value = torch.zeros(md.size, dtype=md.properties.dtype, device=where)
-                    state[key] = value
-                mine[name] = value
-            todo.append((group, p, fqn, mine))
-
-    def fill() -> None:
-        for group, p, fqn, mine in todo:
-            values = {name: state[f"{OPTIM}{fqn}.{name}"] if value is None else value
-                      for name, value in mine.items()}
-            hyper = values.pop(GROUP, None)
-            if hyper is not None:
-                group.update(pickle.loads(hyper))
-            if values:
-                optimizer.state[p] = values
-            else:
-                optimizer.state.pop(p, None)
-    return fill
-
-
-def _split(key: str, names: set[str]) -> tuple[str, str] | None:
-    """``<fqn>.<state name>`` -> (fqn, state name) for an fqn of ``names``, the state name dots and all:
-    unambiguous, as a parameter's name is never a prefix module of another's."""
-    i = len(key)
-    while (i := key.rfind(".", 0, i)) > 0:
-        if key[:i] in names:
-            return key[:i], key[i + 1:]
-    return None
-
-
-def _load(state: dict[str, Any], path: str, saved: dict[str, Any], no_dist: bool) -> None:
-    missing = sorted(k for k in state if k not in saved)
-    try:
-        with warnings.catch_warnings():   # no_dist is what the one-process loader means: no warning about it
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load(state, checkpoint_id=path, no_dist=no_dist)
-    except (Exception, CheckpointException) as exc:   # CheckpointException (a BaseException): raised on every rank
-        if missing:
-            raise ConfigError(f"the checkpoint at {path} lacks {len(missing)} of this model's entries (first: "
-                              f"{', '.join(missing[:5])}): it was saved from another model") from exc
-        raise ConfigError(f"loading the checkpoint at {path} failed: {str(exc).strip().splitlines()[-1][:500]}") \
-            from exc
-
-
-def _metadata(path: str) -> dict[str, Any]:
-    """The checkpoint's entries: key -> TensorStorageMetadata (size, dtype) or BytesStorageMetadata."""
-    if not os.path.isdir(path):
-        raise ConfigError(f"no checkpoint at {path}: Program.save_checkpoint writes a folder")
-    return dict(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
 # --- layouts ---------------------------------------------------------------------------------
@@ -273,7 +164,7 @@ def _presenter(program: Any) -> Present:
         # an FSDP2 expert shard is a DTensor over the replicas: Shard(0) of this rank's E/ep block
         replica = Shard(0) if isinstance(t, DTensor) else Replicate()
         return DTensor.from_local(local(t), mesh, [Shard(0), replica], run_check=False, shape=shape,
-                                  stride=_contiguous_stride(shape))
+                                  stride=contiguous_stride(shape))
     return present
 
 
@@ -285,11 +176,3 @@ def _expert_mesh(program: Any) -> DeviceMesh:
              for o in range(cfg.dp // cfg.ep) for c in range(cfg.cp)] for e in range(cfg.ep)]
     return DeviceMesh.from_group([program.ep_group, program.expert_mesh.get_group()], program.device.type,
                                  mesh=rows, mesh_dim_names=("ep", "expert_replica"))
-
-
-def _contiguous_stride(shape: Iterable[int]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for n in reversed(list(shape)):
-        out.append(acc)
-        acc *= n
-    return tuple(reversed(out))

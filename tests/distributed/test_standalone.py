@@ -3,7 +3,10 @@ torchrun on 2 gloo ranks with an import hook that refuses autopar, a Hugging Fac
 factory that imports only transformers, planned from batch-1 example inputs as the README shows,
 at tp=2 (+ sequence parallelism), pp=2 1F1B and dp=2 ZeRO-3 (and, in make bench, tp=2 x dp=2 ZeRO-3
 on 4 ranks: FSDP2 shards each tensor-parallel shard again over the data-parallel ranks): its
-losses equal one process's (fp32, relative 1e-5: only the order of additions differs)."""
+losses equal one process's (fp32, relative 1e-5: only the order of additions differs). Each run
+stops after step 1 with a checkpoint and a second run resumes from it: the losses of the steps after
+(AdamW's state included) are still equal, and ``autopar.load_checkpoint`` reads that checkpoint
+into one process equal to the reference after its first step."""
 
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import plain_factories  # noqa: E402
 from harness import free_port  # noqa: E402
 from suite import ALL_CASES  # noqa: E402
 
-STEPS, GLOBAL, LR = 2, 4, 1e-3
+STEPS, GLOBAL, LR = 3, 4, 1e-3   # a checkpoint after step 1, resumed for steps 2 and 3
 BASE = dict(dp=1, tp=1, pp=1, micro_batch_size=4, zero=0, recompute="none", schedule="1f1b", virtual_stages=1,
             sequence_parallel=False)
 CASES = {   # name -> (ranks, pinned fields)
@@ -50,14 +53,16 @@ def reference():
     torch.manual_seed(0)
     model = plain_factories.llama()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    out = []
+    out, after_first = [], None
     for step in range(STEPS):
         opt.zero_grad()
         loss = model(**plain_factories.llama_batch(step, GLOBAL)).loss
         loss.backward()
         opt.step()
         out.append(loss.item())
-    return out
+        if step == 0:
+            after_first = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out, after_first
 
 
 DRIVER = '''import os, runpy, sys
@@ -69,10 +74,14 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 for item in sys.argv[1:]:
     folder, losses = item.split("=")
-    for name in ("program", "pipeline", "collectives", "shard_ops"):
+    for name in ("program", "pipeline", "collectives", "shard_ops", "dcp_state"):
         sys.modules.pop(name, None)
-    sys.argv = [os.path.join(folder, "train.py"), "--steps", "STEPS", "--loss-file", losses, "--timeout", "120"]
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    common = ["--loss-file", losses, "--timeout", "120"]
+    ckpt = os.path.join(folder, "ckpt")
+    # step 1 and a checkpoint, then a second run from it to the end
+    for tail in (["--steps", "1", "--checkpoint", ckpt], ["--steps", "STEPS", "--resume", ckpt]):
+        sys.argv = [os.path.join(folder, "train.py"), *common, *tail]
+        runpy.run_path(sys.argv[0], run_name="__main__")
 dist.destroy_process_group()
 '''
 
@@ -101,13 +110,15 @@ def runs(hook, tmp_path_factory):
                               "--master-port", str(free_port()), str(driver), *folders], env=hook, cwd=root,
                              capture_output=True, text=True, timeout=900)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return {name: (texts[name], [float(x) for x in (root / (name + ".losses")).read_text().split()])
-            for name in CASES}
+    return {name: (texts[name], [float(x) for x in (root / (name + ".losses")).read_text().split()],
+                   root / name / "ckpt" / "step00000001") for name in CASES}
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_standalone_program_trains_like_one_process(name, runs, reference):
-    text, got = runs[name]
+    import autopar
+    text, got, checkpoint = runs[name]
+    losses, after_first = reference
     assert "import autopar" not in text and "class Chunk0(torch.nn.Module)" in text
     if name.startswith("tp2"):
         assert "collectives.gather_partial(" in text and "collectives.reduce_scatter(" in text
@@ -115,8 +126,12 @@ def test_standalone_program_trains_like_one_process(name, runs, reference):
         # head (small) in the chunk's root unit
         assert "UNITS = {0: [([1], False), ([2], False)]}" in text
     assert len(got) == STEPS
-    for g, w in zip(got, reference):
-        assert math.isclose(g, w, rel_tol=1e-5), (got, reference)
+    for g, w in zip(got, losses):
+        assert math.isclose(g, w, rel_tol=1e-5), (got, losses)
+    model = plain_factories.llama()   # autopar's own loader reads the folder's checkpoint into one process
+    assert autopar.load_checkpoint(str(checkpoint), model) == 1
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), after_first[n], rtol=0, atol=1e-5, msg=n)
 
 
 def test_refuses_a_factory_that_builds_on_meta(tmp_path):
