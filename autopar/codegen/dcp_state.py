@@ -2,8 +2,9 @@
 
 One flat ``torch.distributed.checkpoint`` (DCP) state dict, the same whether the in-process
 runtime (runtime/checkpoint.py) or a standalone ``run/train.py`` (codegen/standalone_train.py,
-which copies this file beside it) wrote it; ``autopar.load_checkpoint`` reads both into one
-process (tests/distributed/test_checkpoint.py, test_standalone.py):
+which copies this file beside it) wrote it: a program of any plan resumes either (DCP reshards),
+and ``autopar.load_checkpoint`` reads both into one process (tests/distributed/test_checkpoint.py,
+test_standalone.py):
 
 - ``<fqn>``: a parameter under its ``model.named_parameters()`` name (a tied parameter's first
   name), persistent buffers and the parameters no pipeline stage holds under their own names;

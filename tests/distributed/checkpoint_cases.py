@@ -99,3 +99,16 @@ def _scenario(model_name: str, source: dict, targets: dict[str, dict], path: str
         one["params_diff" + label] = _diff(model.state_dict(), afters[0])
     out["one_process"] = one
     return out
+
+
+def resume_standalone(rank: int, world: int, plan: dict, path: str, steps: int, global_batch: int,
+                      lr: float) -> list[float]:
+    """A standalone folder's checkpoint (test_standalone.py) loaded by ``autopar.parallelize`` under
+    another plan, then trained on from its step to ``steps``: the losses of those steps."""
+    import autopar
+    import plain_factories
+    program = autopar.parallelize(plain_factories.llama(), autopar.Plan.from_dict(plan),
+                                  lambda ps: torch.optim.AdamW(ps, lr=lr), timeout=60)
+    program.load_checkpoint(path)
+    return [program.train_step(plain_factories.llama_batch(step, global_batch)).item()
+            for step in range(program.steps, steps)]

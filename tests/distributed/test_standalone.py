@@ -134,6 +134,24 @@ def test_standalone_program_trains_like_one_process(name, runs, reference):
         torch.testing.assert_close(p.detach(), after_first[n], rtol=0, atol=1e-5, msg=n)
 
 
+@pytest.mark.skipif(not ALL_CASES, reason="make bench (AUTOPAR_ALL_CASES=1): a world of its own")
+def test_parallelize_resumes_a_standalone_checkpoint_under_another_plan(runs, reference):
+    """The tp=2 folder's checkpoint after step 1, read by ``autopar.parallelize`` at dp=2 (DCP
+    reshards each block to whole replicas) and trained on: steps 2 and 3 equal one process's."""
+    import autopar
+    import worlds
+    from autopar import Cluster
+    example = {k: v[:1] for k, v in plain_factories.llama_batch(0, GLOBAL).items()}
+    plan = autopar.plan(plain_factories.llama(), Cluster.from_spec("1x2xcpu"), example, global_batch_size=GLOBAL,
+                        fixed={**BASE, "dp": 2, "micro_batch_size": 2}, verbose=False)
+    got = worlds.world(2).run("checkpoint_cases:resume_standalone", plan.to_dict(), str(runs["tp2_sp"][2]), STEPS,
+                              GLOBAL, LR)
+    for per_rank in got:
+        assert len(per_rank) == STEPS - 1
+        for g, w in zip(per_rank, reference[0][1:]):
+            assert math.isclose(g, w, rel_tol=1e-5), (per_rank, reference[0])
+
+
 def test_refuses_a_factory_that_builds_on_meta(tmp_path):
     """A standalone program takes its weights from the factory on every rank: a meta factory is refused
     at emit time, saying what to do instead."""
