@@ -13,12 +13,12 @@ The folder holds
   schedule, gradient reductions, AdamW, the loss file, sharded checkpoints;
 - ``pipeline.py``, ``batches.py``, ``collectives.py``, ``shard_ops.py``, ``dcp_state.py``: autopar's own
   (each imports only torch), the same files the in-process runtime runs (dcp_state.py: the
-  checkpoint format, so that this folder and ``autopar.parallelize`` resume each other's runs);
+  checkpoint format of ``Program.save_checkpoint``, which this folder writes and reads too);
 - ``buffers.pt``: the buffers and constants the graph reads (rotary tables, masks).
 
 What the folder cannot run yet is refused at emit time with what to change: context or expert
-parallelism, MoE regions run as one call, a batch that is
-not a flat tuple or dict of tensors, a model factory that builds on the meta device.
+parallelism, MoE regions run as one call, a batch that is not a flat tuple or dict of tensors, a
+model factory that builds on the meta device.
 
 The model is built once here (from ``model_factory``, on the CPU) and exported at one micro-batch,
 as each rank of ``autopar.parallelize`` does: the same lowering, the same generated layers
