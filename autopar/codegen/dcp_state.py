@@ -43,6 +43,11 @@ STEPS = "autopar.steps"
 Present = Callable[[str, torch.Tensor], Any]
 
 
+def param_names(params: dict[str, torch.Tensor]) -> dict[int, str]:
+    """id(parameter) -> its fqn in ``params`` (fqn -> parameter); a tied parameter's first name wins."""
+    return {id(p): fqn for fqn, p in reversed(list(params.items()))}
+
+
 def optimizer_state(optimizer: torch.optim.Optimizer, names: dict[int, str], present: Present) -> dict[str, Any]:
     """The ``optim.*`` entries of ``optimizer`` (``names``: id(parameter) -> fqn)."""
     out: dict[str, Any] = {}

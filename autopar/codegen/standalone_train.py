@@ -142,8 +142,9 @@ def main():
     model = load(P.MODEL_FACTORY)()
     model = model[0] if isinstance(model, tuple) else model
     params = shards(model, pp_rank, tp_rank, device)
-    whole = whole_entries(model) if (args.checkpoint or args.resume) else {}
-    shapes = {fqn: p.shape for fqn, p in model.named_parameters()}
+    checkpointing = bool(args.checkpoint or args.resume)
+    whole = whole_entries(model) if checkpointing else {}
+    shapes = {fqn: p.shape for fqn, p in model.named_parameters()}   # global shapes, for the checkpoint's layouts
     del model
     buffers = {k: v.to(device) for k, v in torch.load(os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                   "buffers.pt")).items()}
@@ -180,7 +181,7 @@ def main():
                                      None, pipeline.wait_for(args.timeout), device)
     schedule = actions(P.SCHEDULE[pp_rank])
     batch_of = load(P.BATCH_FACTORY) if P.BATCH_FACTORY else (lambda step, n: batches.example_at(P.EXAMPLE, n))
-    present = presenter(rank, g, fsdp, shapes, device) if (args.checkpoint or args.resume) else None
+    present = presenter(rank, g, fsdp, shapes, device) if checkpointing else None
     start = 0
     if args.resume:   # collective: every rank reads its own shards, resharded to this plan
         start = resume(dcp_state.latest(args.resume), named, optimizer, present, shapes)
@@ -267,16 +268,12 @@ def presenter(rank, g, fsdp, shapes, device):
     return present
 
 
-def _names(named):
-    return {id(p): fqn for fqn, p in reversed(list(named.items()))}   # a tied parameter's first name
-
-
 def save(path, named, optimizer, present, whole, steps):
     """Collective: every rank writes its shards (dcp_state.py's format)."""
     import torch.distributed.checkpoint as dcp
     state = dict(whole)
     state.update({fqn: present(fqn, p.detach()) for fqn, p in named.items()})
-    state.update(dcp_state.optimizer_state(optimizer, _names(named), present))
+    state.update(dcp_state.optimizer_state(optimizer, dcp_state.param_names(named), present))
     state[dcp_state.STEPS] = int(steps)
     dcp.save(state, checkpoint_id=path)
 
@@ -286,7 +283,8 @@ def resume(path, named, optimizer, present, shapes):
     plan of the model; returns the steps it had trained."""
     saved = dcp_state.metadata(path)
     state = {fqn: present(fqn, p.detach()) for fqn, p in named.items()}
-    fill = dcp_state.optimizer_targets(optimizer, _names(named), saved, present, lambda fqn, p: shapes[fqn], state)
+    fill = dcp_state.optimizer_targets(optimizer, dcp_state.param_names(named), saved, present,
+                                       lambda fqn, p: shapes[fqn], state)
     state[dcp_state.STEPS] = 0
     dcp_state.load(state, path, saved, no_dist=False)
     fill()

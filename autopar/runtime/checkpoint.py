@@ -12,7 +12,7 @@ model, optimizer)`` does the same in one process, into a plain model (``dcp.load
 The format (keys ``<fqn>``, ``optim.<fqn>.<state>``, ``optim.<fqn>.param_group``,
 ``autopar.steps``; DCP's folder holds one ``.distcp`` file per writing rank and a ``.metadata``) and
 the optimizer-state plumbing are codegen/dcp_state.py's, shared with the standalone ``run/train.py``:
-either resumes the other's checkpoints. Persistent buffers and the parameters no chunk holds
+the same keys and layouts either way. Persistent buffers and the parameters no chunk holds
 (``Program.buffers``, ``Program.unused``) are saved under their own names, so the one-process
 loader restores the whole model.
 
@@ -63,7 +63,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..codegen.dcp_state import (STEPS, Present, contiguous_stride, load as dcp_load, metadata, optimizer_state,
-                                 optimizer_targets)
+                                 optimizer_targets, param_names)
 from ..errors import ConfigError
 from .data_parallel import Zero1Optimizer, local
 
@@ -79,7 +79,7 @@ def save_program(program: Any, path: str | os.PathLike) -> None:
         state[fqn] = present(fqn, p.detach())
     optimizer = _inner(program.optimizer)
     if optimizer is not None:
-        state.update(optimizer_state(optimizer, _names(program.params), present))
+        state.update(optimizer_state(optimizer, param_names(program.params), present))
     state[STEPS] = int(program.steps)
     dcp.save(state, checkpoint_id=os.fspath(path))
 
@@ -97,7 +97,7 @@ def load_program(program: Any, path: str | os.PathLike) -> None:
     optimizer = _inner(program.optimizer)
     fill = None
     if optimizer is not None:
-        fill = optimizer_targets(optimizer, _names(program.params), saved, present,
+        fill = optimizer_targets(optimizer, param_names(program.params), saved, present,
                                  lambda fqn, p: _global_shape(program, fqn, p), state, ConfigError)
     if STEPS in saved:
         state[STEPS] = 0
@@ -126,7 +126,7 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     state.update({k: v for k, v in model.state_dict().items() if k not in aliases and k in saved})
     fill = None
     if optimizer is not None:
-        fill = optimizer_targets(optimizer, _names(params), saved, lambda fqn, t: t, lambda fqn, p: p.shape, state,
+        fill = optimizer_targets(optimizer, param_names(params), saved, lambda fqn, t: t, lambda fqn, p: p.shape, state,
                                  ConfigError)
     if STEPS in saved:
         state[STEPS] = 0
@@ -139,10 +139,6 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
 # --- layouts ---------------------------------------------------------------------------------
 def _inner(optimizer: Any) -> torch.optim.Optimizer | None:
     return optimizer.inner if isinstance(optimizer, Zero1Optimizer) else optimizer
-
-
-def _names(params: dict[str, nn.Parameter]) -> dict[int, str]:
-    return {id(p): fqn for fqn, p in reversed(list(params.items()))}   # the first name wins
 
 
 def _global_shape(program: Any, fqn: str, p: torch.Tensor) -> torch.Size:
