@@ -18,12 +18,12 @@ def is_cpu_device(device_name: str) -> bool:
     return device_name.split(" ")[0] == "cpu"
 
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "op", "full"]
 DType = Literal["fp32", "bf16", "fp16"]
 Kernels = Literal["eager", "fused", "compiled"]
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
-RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "full")
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "op", "full")
 DTYPE_BYTES: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 KERNELS: tuple[str, ...] = ("eager", "fused", "compiled")
 
@@ -88,7 +88,9 @@ class ParallelConfig:
     zero: int = 0
     """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP full shard)."""
     recompute: Recompute = "none"
-    """Activation recomputation: "none", "selective" (attention core) or "full" (whole layer)."""
+    """Activation recomputation: "none"; "selective" (the attention core, Korthikanti et al.); "op" (per op, as
+    torchtitan's ``selective_ac_option = "op"``: keep every second matrix product's output and fused
+    attention's, recompute the rest; codegen/recompute.py); or "full" (the whole layer)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: shard the non-tensor-parallel regions along the sequence."""
     stage_recompute: tuple[str, ...] = ()

@@ -11,9 +11,10 @@ The folder holds
 - ``train.py`` (standalone_train.py, copied): torchrun entry point: process groups, the model
   from the user's factory, each rank's shards of its weights, FSDP2 for ZeRO-2/3, the pipeline
   schedule, gradient reductions, AdamW, the loss file, sharded checkpoints;
-- ``pipeline.py``, ``batches.py``, ``collectives.py``, ``shard_ops.py``, ``dcp_state.py``: autopar's own
-  (each imports only torch), the same files the in-process runtime runs (dcp_state.py: the
-  checkpoint format of ``Program.save_checkpoint``, which this folder writes and reads too);
+- ``pipeline.py``, ``batches.py``, ``collectives.py``, ``shard_ops.py``, ``dcp_state.py``, ``recompute.py``:
+  autopar's own (each imports only torch), the same files the in-process runtime runs (dcp_state.py:
+  the checkpoint format of ``Program.save_checkpoint``, which this folder writes and reads too;
+  recompute.py: the per-op recomputation policy);
 - ``buffers.pt``: the buffers and constants the graph reads (rotary tables, masks).
 
 What the folder cannot run yet is refused at emit time with what to change: context or expert
@@ -40,7 +41,7 @@ from ..capture import graph_of, param_aliases
 from ..capture.export import normalize_inputs, run_export
 from ..errors import ConfigError
 from ..plan import Plan
-from . import batches, dcp_state, pipeline, schedules
+from . import batches, dcp_state, pipeline, recompute, schedules
 
 
 from .split import check_structure, cut_values, plan_chunks, split_graph
@@ -57,11 +58,14 @@ TRAIN_TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand
 _HELD = '''
 import torch.utils.checkpoint
 
+import recompute
+
 
 class Held(torch.nn.Module):
     """One layer: its generated code, the parameters only it reads (this rank's shards) and its buffers;
     ``forward(*values, *shared parameters)``. A module of its own so that FSDP2 gathers its
-    parameters around it (ZeRO-3) and checkpoint can recompute it (recompute "full")."""
+    parameters around it (ZeRO-3) and checkpoint can recompute it (recompute "full", or "op": keeping
+    what recompute.py's per-op policy keeps)."""
 
     def __init__(self, code, own, buffers, recompute):
         super().__init__()
@@ -75,8 +79,9 @@ class Held(torch.nn.Module):
         self.n_buffers = len(buffers)
 
     def forward(self, *values):
-        if self.recompute and torch.is_grad_enabled():
-            return torch.utils.checkpoint.checkpoint(self._run, *values, use_reentrant=False)
+        if self.recompute in ("full", "op") and torch.is_grad_enabled():
+            context = recompute.op_context if self.recompute == "op" else torch.utils.checkpoint.noop_context_fn
+            return torch.utils.checkpoint.checkpoint(self._run, *values, use_reentrant=False, context_fn=context)
         return self._run(*values)
 
     def _run(self, *values):
@@ -117,7 +122,7 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     lowered = lower(split.node_map, graph, split.chunks, specs, split.param_of, dims, cfg.tp) if cfg.tp > 1 else None
     os.makedirs(out_dir, exist_ok=True)
     write_support(out_dir)
-    for module in (pipeline, batches, dcp_state):
+    for module in (pipeline, batches, dcp_state, recompute):
         shutil.copyfile(module.__file__, os.path.join(out_dir, os.path.basename(module.__file__)))
     shutil.copyfile(TRAIN_TEMPLATE, os.path.join(out_dir, TRAIN))
     torch.save({k: v.detach().cpu() for k, v in split.buffer_value.items()}, os.path.join(out_dir, BUFFERS))
@@ -158,7 +163,7 @@ def _chunk(chunk: Any, split: Any, lowered: Any, modes: list[str], crossing) -> 
         generated.append((name, layer_module(io, split.node_map, split.program.graph_module, lowered, None,
                                              name=name)))
         build.append(f"            Held({name}(tp_group), {{f: params[f] for f in {own!r}}}, "
-                     f"[buffers[b] for b in {list(layer.buffers)!r}], {mode == 'full'}),   # {layer.name}")
+                     f"[buffers[b] for b in {list(layer.buffers)!r}], {mode!r}),   # {layer.name}")
         outs = [*layer.outputs, *written]
         args = [*layer.inputs, *(f"shared[{_attr(p)!r}]" for p in mine)]
         target = ", ".join(outs) + ("," if len(outs) == 1 else "")

@@ -107,4 +107,6 @@ def _flops(est: Estimator, cfg: ParallelConfig, scale: float, devices) -> tuple[
             rec += f[2] * scale + f[3]
         elif m == "selective":
             rec += f[4] * scale + f[5]
+        elif m == "op" and recomputable(graph, graph.layers[i]):
+            rec += f[6] * scale + f[7]
     return model, rec

@@ -63,7 +63,7 @@ from ..config import ParallelConfig, Precision, dp_bucket_bytes
 from . import context_parallel, expert_parallel
 from .comm import Collective, GroupPlacement, collective_lines, collective_time, place_axes
 from .layer_cost import LayerCost, LayerCostModel, SplitGroups
-from .memory import MemoryBreakdown, in_flight, interleaved_peak, model_state_bytes
+from .memory import MemoryBreakdown, in_flight, interleaved_peak, model_state_bytes, op_kept
 from .mesh import mesh_groups
 from .schedule import even_partition
 
@@ -444,13 +444,16 @@ def _buckets(nbytes, ranks: int, element_bytes: int):
 
 def _layer_flops(graph: OpGraph) -> tuple[tuple[float, ...], ...]:
     """Per layer, FLOPs at the captured batch, each split into (batch-dependent ops, the others): forward
-    + backward of every op, forward of every op, forward of the attention core's ops. Whoever totals
-    them scales the batch-dependent half to the micro-batch."""
-    out = [[0.0] * 6 for _ in graph.layers]
+    + backward of every op, forward of every op, forward of the attention core's ops, forward of the
+    ops recompute "op" reruns. Whoever totals them scales the batch-dependent half to the micro-batch."""
+    out = [[0.0] * 8 for _ in graph.layers]
+    kept = frozenset().union(*(op_kept(graph, layer) for layer in graph.layers))
     for n in graph.nodes:
         row, half = out[n.layer], 0 if n.batch_dependent else 1
         row[half] += n.flops_fwd + n.flops_bwd
         row[2 + half] += n.flops_fwd
         if n.attention_core:
             row[4 + half] += n.flops_fwd
+        if n.name not in kept:
+            row[6 + half] += n.flops_fwd
     return tuple(tuple(r) for r in out)

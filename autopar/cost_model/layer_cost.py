@@ -3,7 +3,8 @@
 A layer's forward is the sum of its ops' forward times plus its forward
 tensor-parallel collectives; backward likewise. Recomputation adds forward work to
 backward: the whole forward (collectives included) for "full", the attention core's
-forward for "selective". Under tensor parallelism each op of the generated layer code reads its
+forward for "selective", for "op" the forward of every op whose output it does not keep (memory.py
+``op_kept``) and the forward collectives but reduce-scatters (codegen/recompute.py keeps those). Under tensor parallelism each op of the generated layer code reads its
 arguments through the lowering's conversions (codegen/lower.py), which costs the device's
 ``dispatch_overhead`` per op (``dispatch_overhead_backward`` per op of the backward) on the host
 (measured by the profiler, profiler/step_conditions.py; 0 for the GPU presets, whose kernels run
@@ -21,7 +22,7 @@ from ..config import Precision
 from . import context_parallel, expert_parallel
 from .comm import Collective, GroupPlacement, collective_time
 from .compute import ComputeModel, MeasuredTimes, fused_ops
-from .memory import ActivationModel, saved_owner
+from .memory import ActivationModel, op_kept, saved_owner
 from .tensor_parallel import S, TPLayout, sequence_gathers, single_rank_layout
 
 
@@ -106,6 +107,8 @@ class _Timed:
     core_fwd: float          # forward seconds of the attention core (what "selective" recomputes)
     fwd_flops: float
     core_flops: float
+    op_fwd: float            # forward seconds of what "op" reruns: ops and collectives
+    op_flops: float
     acts: ActivationModel
     scale: float
 
@@ -113,7 +116,7 @@ class _Timed:
 @dataclass
 class LayerCostModel:
     """Layer costs for one graph, cluster and precision; caches by (signature, tp, sp, mb, recompute,
-    context- and expert-parallel groups), the op-by-op pricing once for the three recompute modes.
+    context- and expert-parallel groups), the op-by-op pricing once for the four recompute modes.
 
     ``layout_fn`` gives the tensor-parallel layout per degree: the sharding ILP's
     (``ShardingSolver.layout_fn``) for every pricing; the default knows only ``tp = 1``."""
@@ -169,6 +172,8 @@ class LayerCostModel:
             recompute_time, recompute_flops = base.fwd + base.tp_fwd + base.cp_fwd + base.ep_fwd, timed.fwd_flops
         elif recompute == "selective":
             recompute_time, recompute_flops = timed.core_fwd + base.cp_fwd, timed.core_flops
+        elif recompute == "op":
+            recompute_time, recompute_flops = timed.op_fwd, timed.op_flops
         else:
             return base
         return replace(base, recompute=recompute_time, recompute_flops=recompute_flops,
@@ -181,7 +186,8 @@ class LayerCostModel:
         model = ComputeModel(self.graph, self.cluster.device, self.precision.compute, self.measured)
         experts = expert_parallel.region_nodes(self.graph, layer.index) if split.ep > 1 else frozenset()
         imbalance = expert_parallel.imbalance(self.graph, layer.index, split.ep, self.expert_load_cv)
-        fwd = bwd = core_fwd = flops = fwd_flops = core_flops = 0.0
+        fwd = bwd = core_fwd = flops = fwd_flops = core_flops = op_fwd = op_flops = 0.0
+        kept = op_kept(self.graph, layer)
         cp_fwd = cp_bwd = 0.0
         ops = grad_ops = 0
         for node in self.graph.layer_nodes(layer):
@@ -209,10 +215,13 @@ class LayerCostModel:
             if node.attention_core:
                 core_fwd += t.fwd
                 core_flops += node.flops_fwd * node_scale
+            if node.name not in kept:
+                op_fwd += t.fwd * load
+                op_flops += node.flops_fwd * node_scale
         if tp > 1:  # the lowered layer code's host-side cost per op (its conversions, shape forms)
             fwd += ops * self.cluster.device.dispatch_overhead
             bwd += grad_ops * self.cluster.device.dispatch_overhead_backward
-        tp_fwd, tp_bwd = self._tp_comm(layer, layout, scale, tp_group, sp)
+        tp_fwd, tp_bwd, tp_rerun = self._tp_comm(layer, layout, scale, tp_group, sp)
         ep_fwd = ep_bwd = 0.0
         if split.ep > 1:
             ep_fwd, ep_bwd = expert_parallel.dispatch_time(self.graph, layer.index, layout, sp, scale,
@@ -223,11 +232,13 @@ class LayerCostModel:
         cost = LayerCost(fwd=fwd, bwd=bwd, recompute=0.0, tp_fwd=tp_fwd, tp_bwd=tp_bwd, activations=full,
                          activations_full=full, largest_tensor=acts.largest_tensor([layer], scale), flops=flops,
                          recompute_flops=0.0, cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep_fwd, ep_bwd=ep_bwd)
-        return _Timed(cost, core_fwd, fwd_flops, core_flops, acts, scale)
+        return _Timed(cost, core_fwd, fwd_flops, core_flops, op_fwd + tp_rerun + cp_fwd + ep_fwd, op_flops, acts,
+                      scale)
 
     def _tp_comm(self, layer: Layer, layout: TPLayout, scale: float, group: GroupPlacement,
-                 sp: bool) -> tuple[float, float]:
-        fwd = bwd = 0.0
+                 sp: bool) -> tuple[float, float, float]:
+        """(forward, backward, forward but reduce-scatters: what recompute "op" reruns) seconds."""
+        fwd = bwd = rerun = 0.0
         per = self.precision.activation_bytes
         gathers = sequence_gathers(self.graph, layout, self.graph.layer_nodes(layer)) if sp else []
         for comm in (*layout.comms.get(layer.index, ()), *gathers):
@@ -238,11 +249,12 @@ class LayerCostModel:
             t = collective_time(kind, nbytes, group, self.cluster)
             if comm.phase == "fwd":
                 fwd += t
+                rerun += t if kind is not Collective.REDUCE_SCATTER else 0.0
                 if kind in _SELF_TRANSPOSED:
                     bwd += t  # backward of a gather is a reduce-scatter of the same volume (and vice versa)
             else:
                 bwd += t
-        return fwd, bwd
+        return fwd, bwd, rerun
 
     def step_comm_bytes(self, layer: Layer, tp: int) -> float:
         """Gradient bytes this layer all-reduces inside its tensor-parallel group once per step."""

@@ -15,7 +15,8 @@ precision (floating tensors of the model's dtype at 2 bytes in bf16, a float32 c
 makes on purpose at 4; masks 1 byte). Tensor parallelism divides a tensor in the split region by ``t``; sequence
 parallelism divides the replicated region by ``t`` as well. Selective recomputation
 drops the attention core's tensors; full recomputation keeps only the tensors that
-enter the layer from outside. For the Megatron GPT layer this reproduces
+enter the layer from outside; per-op recomputation ("op", codegen/recompute.py) keeps those
+and the outputs of :func:`op_kept`'s nodes (every second matrix product, fused attention). For the Megatron GPT layer this reproduces
 Korthikanti et al. Table 2: ``sbh(34 + 5as/h)`` and its TP/SP/recompute variants.
 
 In-flight micro-batches per pipeline device ``i`` of ``p`` with ``m`` micro-batches:
@@ -35,7 +36,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from ..capture.opgraph import Layer, OpGraph, SavedTensor
+from ..capture.opgraph import Layer, OpGraph, OpKind, SavedTensor
 from ..config import ParallelConfig, Precision
 from .tensor_parallel import TPLayout
 
@@ -80,6 +81,21 @@ def saved_owner(graph: OpGraph) -> dict[str, int]:
     return owner
 
 
+def op_kept(graph: OpGraph, layer: Layer) -> frozenset[str]:
+    """Nodes of ``layer`` whose outputs recompute "op" keeps (codegen/recompute.py's policy read on the
+    captured graph, one node per product): the 1st, 3rd, ... matrix product in forward order, and
+    every fused attention. The others rerun in the backward."""
+    kept, products = [], 0
+    for node in graph.layer_nodes(layer):
+        if node.kind is OpKind.MATMUL:
+            products += 1
+            if products % 2:
+                kept.append(node.name)
+        elif node.kind is OpKind.ATTENTION:
+            kept.append(node.name)
+    return frozenset(kept)
+
+
 @dataclass(frozen=True)
 class ActivationModel:
     """Activation bytes per layer for one graph, tensor-parallel layout and precision."""
@@ -106,6 +122,9 @@ class ActivationModel:
         """Activation bytes one micro-batch leaves in ``layer`` until its backward."""
         if recompute == "full":
             return self.boundary_bytes(layer, batch_scale)
+        if recompute == "op":
+            return self.boundary_bytes(layer, batch_scale) + sum(
+                self._output_bytes(self.graph.node(name), batch_scale) for name in op_kept(self.graph, layer))
         total = 0.0
         for st in self._saved_in(layer, owner):
             if recompute == "selective" and self._in_core(st.root):
@@ -138,15 +157,16 @@ class ActivationModel:
 
     def largest_tensor(self, layers: Iterable[Layer], batch_scale: float) -> float:
         """Bytes of the largest activation any op of these layers produces (a gradient buffer's size)."""
-        best = 0.0
-        for layer in layers:
-            for node in self.graph.layer_nodes(layer):
-                meta = node.outputs[0]
-                per = self.precision.activation_bytes if meta.is_float else None
-                st = SavedTensor(node.name, meta.numel, meta.dtype, node.batch_dependent)
-                best = max(best, st.nbytes(per, self.graph.float_dtype) * (batch_scale if node.batch_dependent else 1.0)
-                           / self.layout.shard(node.name, self.sequence_parallel))
-        return best
+        return max((self._output_bytes(node, batch_scale) for layer in layers for node in self.graph.layer_nodes(layer)),
+                   default=0.0)
+
+    def _output_bytes(self, node, batch_scale: float) -> float:
+        """Bytes of the node's (first) output on this device."""
+        meta = node.outputs[0]
+        per = self.precision.activation_bytes if meta.is_float else None
+        st = SavedTensor(node.name, meta.numel, meta.dtype, node.batch_dependent)
+        return (st.nbytes(per, self.graph.float_dtype) * (batch_scale if node.batch_dependent else 1.0)
+                / self.layout.shard(node.name, self.sequence_parallel))
 
 
 def in_flight(cfg: ParallelConfig, stage: int, micro_batches: int) -> int:

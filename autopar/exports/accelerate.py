@@ -17,7 +17,7 @@ context parallelism are ``parallelism_config_tp_size`` / ``_cp_size``. Recomputa
 
 Not in accelerate's FSDP config, and so reported: pipeline parallelism (the pipeline ranks become FSDP
 ranks: another plan, which the warning says how to price), expert parallelism, Megatron's sequence
-parallelism (the tensor-parallel layout is the model's ``tp_plan``), selective and partial
+parallelism (the tensor-parallel layout is the model's ``tp_plan``), selective, per-op and partial
 recomputation, the batch (``DataLoader(batch_size=...)`` and ``Accelerator(gradient_accumulation_steps=
 ...)`` in code) and an fp32 gradient reduction under bf16 (``FullyShardedDataParallelPlugin(
 mixed_precision_policy=...)`` in code).
@@ -122,8 +122,9 @@ def _recompute(plan: "Plan", add, warnings: list[str]) -> None:
     add("fsdp_config.fsdp_activation_checkpointing", mode != "none",
         ("config.stage_recompute",) if cfg.stage_recompute else ("config.recompute",),
         LAUNCH + " --fsdp_activation_checkpointing", "every transformer block, full" if mode != "none" else "")
-    if mode == "selective":
-        warnings.append("config.recompute = 'selective' (attention's core): accelerate checkpoints whole blocks; "
+    if mode in ("selective", "op"):
+        what = "attention's core" if mode == "selective" else "per op: every other matmul output and attention's kept"
+        warnings.append(f"config.recompute = {mode!r} ({what}): accelerate checkpoints whole blocks; "
                         "written as full, which keeps less and recomputes more")
     elif mode == "full" and cfg.recompute_layers:
         warnings.append(f"config.recompute_layers = {cfg.recompute_layers} (the first layers of each chunk): accelerate "

@@ -143,8 +143,8 @@ def _pipeline(plan: "Plan", add, warnings: list[str]) -> None:
     add("pipeline.activation_checkpoint_interval", interval,
         ("config.stage_recompute",) if cfg.stage_recompute else ("config.recompute",), PIPELINE,
         "every layer checkpointed" if interval else "no checkpointing")
-    if mode == "selective":
-        warnings.append("config.recompute = 'selective' (attention's core): DeepSpeed's pipeline checkpoints whole "
+    if mode in ("selective", "op"):
+        warnings.append(f"config.recompute = {mode!r} ({_PART[mode]}): DeepSpeed's pipeline checkpoints whole "
                         "layers; written as activation_checkpoint_interval 1 (full), which keeps less and recomputes "
                         "more")
     elif cfg.recompute_layers:
@@ -163,6 +163,9 @@ def _pipeline(plan: "Plan", add, warnings: list[str]) -> None:
                         "micro-batches' activations and has the same bubble")
 
 
+_PART = {"selective": "attention's core", "op": "per op: every other matmul output and attention's kept"}
+
+
 def _recompute_in_code(plan: "Plan", warnings: list[str]) -> None:
     mode, lost = recompute_mode(plan, "DeepSpeed")
     if mode == "none":
@@ -170,7 +173,8 @@ def _recompute_in_code(plan: "Plan", warnings: list[str]) -> None:
     warnings.extend(lost)
     what = {"full": "each transformer block" + (f" (the first {plan.config.recompute_layers} of each chunk)"
                                                   if plan.config.recompute_layers else ""),
-            "selective": "attention's core (selective)"}[mode]
+            "selective": "attention's core (selective)", "op": "each transformer block (full: DeepSpeed has no "
+                                                                      "per-op policy)"}[mode]
     warnings.append(f"config.recompute = {mode!r}: without a pipeline DeepSpeed checkpoints what the model code "
                     f"wraps: {what} in deepspeed.checkpointing.checkpoint, or model.gradient_checkpointing_enable() "
                     "for a Hugging Face model (every block, full)")

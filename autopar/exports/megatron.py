@@ -21,7 +21,8 @@ Every flag is one of ``megatron/training/arguments.py`` (its argument groups ``_
   ``--recompute-modules core_attn``: the plan's selective); "full" is ``--recompute-granularity full
   --recompute-method uniform --recompute-num-layers 1`` (every layer's input kept, the layer
   recomputed), and with ``recompute_layers = k`` ``--recompute-method block --recompute-num-layers k``
-  (the first k layers of each chunk, which is where the plan's field comes from).
+  (the first k layers of each chunk, which is where the plan's field comes from). "op" (per-op) has no
+  Megatron-LM equivalent: written as full, and said so.
 - ZeRO: 1 is ``--use-distributed-optimizer`` (optimizer state sharded over the data-parallel ranks);
   2 and 3 are Megatron FSDP (``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads`` or
   ``optim_grads_params``, with the flags its user guide lists), which works with tensor, context and
@@ -154,6 +155,11 @@ def _recompute(plan: "Plan", add, warnings: list[str]) -> None:
     src = ("config.stage_recompute",) if cfg.stage_recompute else ("config.recompute",)
     if mode == "none":
         return
+    if mode == "op":
+        warnings.append("config.recompute = 'op' (per op: every other matmul output and attention's kept): Megatron-LM "
+                        "has no per-op policy; written as --recompute-granularity full, which keeps less and "
+                        "recomputes more")
+        mode = "full"
     add("--recompute-granularity", mode, src, _doc(train, "--recompute-granularity"),
         "attention's core (--recompute-modules core_attn, the default)" if mode == "selective" else "")
     if mode == "full":

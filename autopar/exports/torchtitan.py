@@ -26,9 +26,10 @@ How the plan maps:
   micro_batch_size x micro_batches``; without one, ``local_batch_size = micro_batch_size`` and
   ``global_batch_size`` makes torchtitan accumulate ``micro_batches`` gradients (``train.py``:
   ``global_batch_size // (local_batch_size * dp_degree)``).
-- recomputation: ``mode = "none" | "full"``; "selective" (the plan's: attention's core) becomes
-  torchtitan's per-op ``selective_ac_option = "op"`` (keeps the attention outputs and every other matmul
-  output, recomputes the rest: no more memory, other work), and said so.
+- recomputation: ``mode = "none" | "full"``; the plan's "op" is torchtitan's per-op
+  ``mode = "selective"``, ``selective_ac_option = "op"`` (the same policy: codegen/recompute.py);
+  "selective" (the plan's: attention's core) becomes that per-op policy too (keeps the attention
+  outputs and every other matmul output, recomputes the rest: no more memory, other work), and said so.
 """
 
 from __future__ import annotations
@@ -103,14 +104,18 @@ def export(plan: "Plan") -> Export:
     sources = ("config.stage_recompute",) if cfg.stage_recompute else ("config.recompute",)
     if mode == "full" and cfg.recompute_layers:
         _partial_full(plan, add, warnings)
+    elif mode == "op":
+        add("activation_checkpoint.mode", "selective", sources, _doc("ActivationCheckpoint.mode"))
+        add("activation_checkpoint.selective_ac_option", "op", sources,
+            _doc("ActivationCheckpoint.selective_ac_option"), "per-op selective checkpointing: the plan's recompute 'op'")
     elif mode == "selective":
         add("activation_checkpoint.mode", "selective", sources, _doc("ActivationCheckpoint.mode"))
         add("activation_checkpoint.selective_ac_option", "op", sources,
             _doc("ActivationCheckpoint.selective_ac_option"), "per-op selective checkpointing")
         warnings.append("config.recompute = 'selective' recomputes attention's core (Korthikanti et al.); torchtitan's "
                         "selective checkpointing is per op (selective_ac_option = \"op\": it keeps the attention "
-                        "outputs and every other matmul output and recomputes the rest), which keeps no more "
-                        "activations than the plan and recomputes more")
+                        "outputs and every other matmul output and recomputes the rest: the plan's recompute = 'op'), "
+                        "which keeps no more activations than the plan and recomputes more")
     else:
         add("activation_checkpoint.mode", mode, sources, _doc("ActivationCheckpoint.mode"))
 

@@ -22,8 +22,9 @@ layer is a small module around its slice of the exported graph, emitted as a
   tensor parallelism's conversions first, then context parallelism's.
 
 Each layer is its own module so FSDP2 can gather its parameters just in time (ZeRO-3) and
-``torch.utils.checkpoint`` can recompute it (recompute ``full``); ``selective`` recomputes only
-the attention core's nodes (Korthikanti et al.).
+``torch.utils.checkpoint`` can recompute it (recompute ``full``, and ``op`` with
+codegen/recompute.py's per-op policy); ``selective`` recomputes only the attention core's nodes
+(Korthikanti et al.).
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from ..codegen import collectives
 from ..codegen.context_state import ContextRank
 from ..codegen.layers import LayerIO, class_name, layer_module
+from ..codegen.recompute import op_context
 from ..codegen.lower import SKIPPED_TARGETS, R, LoweredGraph, Step, convert, normal, written_inputs
 from ..codegen.split import ChunkSpec, LayerSpec, SplitGraph
 
@@ -138,8 +140,9 @@ class LayerModule(nn.Module):
         self.__dict__["checked"] = checked       # the same code checking every shard's shape: the first call
 
     def forward(self, *values: Any) -> tuple[Any, ...]:
-        if self.recompute == "full" and torch.is_grad_enabled():
-            return checkpoint(self._run, *values, use_reentrant=False)
+        if self.recompute in ("full", "op") and torch.is_grad_enabled():
+            return checkpoint(self._run, *values, use_reentrant=False,
+                              context_fn=op_context if self.recompute == "op" else noop_context_fn)
         return self._run(*values)
 
     def _run(self, *values: Any) -> tuple[Any, ...]:

@@ -110,8 +110,10 @@ def divisors(n: int) -> list[int]:
 
 
 def recompute_modes(graph: OpGraph, fixed: Mapping[str, Any]) -> tuple[str, ...]:
-    """Modes worth trying: "selective" only when the graph has an unfused attention core; the pinned
-    ones when ``stage_recompute`` or ``recompute`` is pinned."""
+    """Modes worth trying: the pinned ones when ``stage_recompute`` or ``recompute`` is pinned; else
+    "none", "full" and one mode between them: "selective" when the graph has an unfused attention
+    core (what it recomputes), "op" when it has not (a fused attention keeps no core to drop, and
+    per-op recomputation is what such programs run between none and full, torchtitan's default)."""
     if fixed.get("stage_recompute"):
         return tuple(dict.fromkeys(fixed["stage_recompute"]))
     if fixed.get("recompute_layers"):
@@ -119,7 +121,7 @@ def recompute_modes(graph: OpGraph, fixed: Mapping[str, Any]) -> tuple[str, ...]
     if "recompute" in fixed:
         return (fixed["recompute"],)
     has_core = any(n.attention_core for n in graph.nodes)
-    return tuple(m for m in RECOMPUTE_MODES if m != "selective" or has_core)
+    return tuple(m for m in RECOMPUTE_MODES if m != ("op" if has_core else "selective"))
 
 
 def candidates(graph: OpGraph, cluster: Cluster, global_batch_size: int, variants: tuple[str, ...],

@@ -67,6 +67,10 @@ HF_ELSEWHERE = ({"llama", "gpt2", "bert"}, {"dp2", "tp2", "pp2_1f1b", "zero1", "
 CNN = [Case("cnn-tp2", "cnn", {**BASE, "tp": 2, "micro_batch_size": 4}, 2)]
 # The hand-written GPT's attention is unfused, so selective recomputation has a core to drop.
 SELECTIVE = [Case("gpt-recompute_selective", "gpt", {**BASE, "tp": 2, "micro_batch_size": 2, "recompute": "selective"}, 2)]
+# Per-op recomputation (codegen/recompute.py) on HF Llama's fused attention, with the sequence-parallel
+# collectives rerun in the backward (and compiled by inductor on the MLP below).
+SELECTIVE += [Case("llama-tp2_sp_recompute_op", "llama", {**BASE, "tp": 2, "micro_batch_size": 2,
+                                                          "sequence_parallel": True, "recompute": "op"}, 2)]
 # Recomputing only the first layers of each chunk (recompute_layers): interleaved chunks, and one
 # whole-model chunk with data parallelism.
 PARTIAL = [Case("gpt-recompute_layers_interleaved", "gpt", {**BASE, "pp": 2, "schedule": "interleaved",
@@ -82,7 +86,7 @@ PARTIAL = [Case("gpt-recompute_layers_interleaved", "gpt", {**BASE, "pp": 2, "sc
 COMPILED = [Case("gpt-tp2_sp_selective_compiled", "gpt-2l", {**BASE, "tp": 2, "micro_batch_size": 2,
                                                               "sequence_parallel": True, "recompute": "selective"}, 2,
                  compile="aot_eager"),
-            Case("mlp-dp2_inductor", "mlp", {**BASE, "dp": 2}, 2, compile="inductor"),
+            Case("mlp-dp2_recompute_op_inductor", "mlp", {**BASE, "dp": 2, "recompute": "op"}, 2, compile="inductor"),
             Case("gpt-zero3_compiled", "gpt-2l", {**BASE, "dp": 2, "zero": 3}, 2, compile="aot_eager")]   # per layer
 if ALL_CASES:
     COMPILED += [Case("llama-pp2_compiled", "llama", {**BASE, "pp": 2}, 2, compile="aot_eager"),

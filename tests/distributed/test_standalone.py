@@ -28,7 +28,7 @@ STEPS, GLOBAL, LR = 3, 4, 1e-3   # a checkpoint after step 1, resumed for steps 
 BASE = dict(dp=1, tp=1, pp=1, micro_batch_size=4, zero=0, recompute="none", schedule="1f1b", virtual_stages=1,
             sequence_parallel=False)
 CASES = {   # name -> (ranks, pinned fields)
-    "tp2_sp": (2, dict(tp=2, sequence_parallel=True)),
+    "tp2_sp": (2, dict(tp=2, sequence_parallel=True, recompute="op")),
     "pp2_1f1b": (2, dict(pp=2, micro_batch_size=1)),
     "dp2_zero3": (2, dict(dp=2, zero=3, micro_batch_size=2)),
 }
@@ -74,7 +74,7 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 for item in sys.argv[1:]:
     folder, losses = item.split("=")
-    for name in ("program", "pipeline", "collectives", "shard_ops", "dcp_state"):
+    for name in ("program", "pipeline", "collectives", "shard_ops", "dcp_state", "recompute"):
         sys.modules.pop(name, None)
     common = ["--loss-file", losses, "--timeout", "120"]
     ckpt = os.path.join(folder, "ckpt")
