@@ -43,7 +43,7 @@ H100_KERNEL_OVERHEAD = 5e-6
 # Meta's Grand Teton H100 (torchtitan's H100 benchmark): the same die, 96 GB of HBM2e at 2.4 TB/s,
 # its power capped at 500 W instead of the SXM part's 700 W, which lowers the clocks a long GEMM
 # sustains. Its own family: fitted on its own public rows (bench/fidelity_published.py).
-H100_500W_MATMUL_EFFICIENCY = 0.5075   # torchtitan's Llama 3.1 8B rows (8 and 128 GPUs, eager and compiled)
+H100_500W_MATMUL_EFFICIENCY = 0.505    # torchtitan's Llama 3.1 8B rows (8 and 128 GPUs, eager and compiled, per-op recompute)
 
 # overlap_slowdown: compute lost per second of a collective running beside it. NCCL runs one thread
 # block per channel, each holding an SM for the collective's duration; FSDP's all-gather on an H100

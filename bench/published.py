@@ -178,14 +178,12 @@ SECTION8 = [
     Row("MegaScale 175B Megatron-LM", MEGASCALE, _gpt(12288, 96, 96, 2048), "1536x8xA100-80GB", 6144,
         dict(tp=8, pp=8, dp=192, cp=1, ep=1), "mfu", 0.552 / 1.34, flops="megatron-norecompute"),
     # torchtitan Llama 3.1 8B: FSDP2 (ZeRO-3) over every GPU, local batch 2, eager kernels and
-    # torch.compile (Precision.kernels "eager" / "compiled"). Its "selective" checkpointing is per op
-    # (every other matmul output kept, the rest recomputed), which none of autopar's modes is
-    # (Korthikanti's selective keeps every matmul output: 143 GB here, over the 96 GB; recomputing
-    # the same work as whole layers keeps the other layers' eager activations: 115 GB):
-    # recomputation is left to the planner, which recomputes more than torchtitan in eager (every
-    # layer) and less compiled (none, as the compiled program's activations fit).
+    # torch.compile (Precision.kernels "eager" / "compiled"). Its "selective activation checkpointing"
+    # is torchtitan's default per-op policy (selective_ac_option "op": every other matmul output and
+    # the attention output kept, the rest recomputed), autopar's recompute="op", pinned.
     *[Row(f"torchtitan 8B {g} GPUs {mode}", TORCHTITAN, _llama(4096, 32, 8, 32, 14336, 8192),
-          f"{g // 8}x8xH100-96GB-500W", 2 * g, dict(tp=1, pp=1, cp=1, ep=1, dp=g, zero=3, micro_batch_size=2),
+          f"{g // 8}x8xH100-96GB-500W", 2 * g, dict(tp=1, pp=1, cp=1, ep=1, dp=g, zero=3, micro_batch_size=2,
+                                                    recompute="op", recompute_layers=0),
           "tokens", tps, flops="palm", precision=precision)
       for mode, precision, rows in [("eager", TITAN_EAGER, [(8, 5762), (128, 5605)]),
                                     ("compiled", TITAN_COMPILED, [(8, 6667), (128, 6514)])]
