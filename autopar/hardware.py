@@ -59,6 +59,10 @@ class Device:
     """Achieved fraction of peak for large GEMMs, in (0, 1]."""
     matmul_half_dim: float
     """GEMM dimension (elements) at which the per-dim efficiency factor d / (d + half) is 1/2."""
+    attention_efficiency: float | None = None
+    """Achieved fraction of peak for a large fused attention kernel (FlashAttention and its kin, forward
+    and backward), in (0, 1]; None: a GEMM's (``matmul_efficiency``). The attention kernel is its own
+    code, not cuBLAS, and a generation's may lag its GEMMs (cost_model/compute.py)."""
     memory_efficiency: float
     """Achieved fraction of ``memory_bandwidth`` for streaming kernels, in (0, 1]."""
     kernel_overhead: float
@@ -102,6 +106,8 @@ class Device:
         for name in ("matmul_half_dim", "kernel_overhead", "dispatch_overhead", "dispatch_overhead_backward"):
             check_number("Device", name, getattr(self, name), allow_zero=True)
         check_number("Device", "overlap_slowdown", self.overlap_slowdown, allow_zero=True, at_most_one=True)
+        if self.attention_efficiency is not None:
+            check_number("Device", "attention_efficiency", self.attention_efficiency, at_most_one=True)
         check_number("Device", "concurrency_slowdown", self.concurrency_slowdown)
         if self.concurrency_slowdown < 1:
             raise ConfigError(f"Device.concurrency_slowdown={self.concurrency_slowdown!r} is out of range: it must be "
@@ -115,7 +121,8 @@ class Device:
 
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory, self.memory_bandwidth,
-                     self.source, self.matmul_efficiency, self.matmul_half_dim, self.memory_efficiency,
+                     self.source, self.matmul_efficiency, self.matmul_half_dim, self.attention_efficiency,
+                     self.memory_efficiency,
                      self.kernel_overhead, self.dispatch_overhead, self.dispatch_overhead_backward, self.threads,
                      self.overlap_slowdown, self.concurrency_slowdown))
 

@@ -32,10 +32,12 @@ A100_MATMUL_HALF_DIM = 64.0
 A100_MEMORY_EFFICIENCY = 0.8
 A100_KERNEL_OVERHEAD = 5e-6
 
-# H100 SXM and H200 (same compute die): fitted on Meta's three Llama 3 405B rows. 0.57 x 989 is 564
-# TFLOP/s, the same three quarters of what cuBLAS reaches on a large bf16 GEMM (about 750) as the
-# A100's 0.675 x 312 = 211 is of its (about 280): one stack efficiency on both generations.
-H100_MATMUL_EFFICIENCY = 0.57
+# H100 SXM and H200 (same compute die): fitted on Meta's three Llama 3 405B rows, attention priced at
+# FlashAttention-2's speed (below). 0.745 x 989 is 737 TFLOP/s, about what cuBLAS reaches on a large
+# bf16 GEMM (about 750): Meta's 2024 stack loses little beyond its kernels, where Megatron-LM's 2021
+# one ran at three quarters of the A100's (0.675 x 312 = 211 of about 280). Checked out of sample
+# on a measured H200 (BENCHMARKS.md, one GPU): eager steps within 5%.
+H100_MATMUL_EFFICIENCY = 0.745
 H100_MATMUL_HALF_DIM = 64.0
 H100_MEMORY_EFFICIENCY = 0.8
 H100_KERNEL_OVERHEAD = 5e-6
@@ -43,7 +45,15 @@ H100_KERNEL_OVERHEAD = 5e-6
 # Meta's Grand Teton H100 (torchtitan's H100 benchmark): the same die, 96 GB of HBM2e at 2.4 TB/s,
 # its power capped at 500 W instead of the SXM part's 700 W, which lowers the clocks a long GEMM
 # sustains. Its own family: fitted on its own public rows (bench/fidelity_published.py).
-H100_500W_MATMUL_EFFICIENCY = 0.505    # torchtitan's Llama 3.1 8B rows (8 and 128 GPUs, eager and compiled, per-op recompute)
+H100_500W_MATMUL_EFFICIENCY = 0.565    # torchtitan's Llama 3.1 8B rows (8 and 128 GPUs, eager and compiled, per-op recompute)
+
+# attention_efficiency: what a fused attention kernel sustains, forward and backward, as a fraction of
+# peak: FlashAttention-2's published kernel benchmark (Dao 2023, arXiv 2307.08691, section 4.1), not
+# fitted. H100: up to 335 TFLOP/s (the Ampere code, without TMA or wgmma) of 989: 0.34, for the SXM
+# part and Meta's 500 W one alike (its clocks' effect on this kernel is not published). A100: up to 73%
+# of peak forward and 63% backward, so 3.5 / (1/0.73 + 2.5/0.63) = 0.66 over both (a backward counted
+# as 2.5 forwards): the A100's GEMM figure, which it keeps (None). V100: no FlashAttention-2 (None).
+H100_ATTENTION_EFFICIENCY = 0.34
 
 # overlap_slowdown: compute lost per second of a collective running beside it. NCCL runs one thread
 # block per channel, each holding an SM for the collective's duration; FSDP's all-gather on an H100
@@ -65,20 +75,20 @@ CPU_KERNEL_OVERHEAD = 1e-5
 def _gpu(name: str, *, bf16: float, fp32: float, tf32: float | None, memory: float, hbm: float, source: str,
          family: str) -> Device:
     consts = {"V100": (V100_MATMUL_EFFICIENCY, V100_MATMUL_HALF_DIM, V100_MEMORY_EFFICIENCY, V100_KERNEL_OVERHEAD,
-                       V100_OVERLAP_SLOWDOWN),
+                       V100_OVERLAP_SLOWDOWN, None),
               "A100": (A100_MATMUL_EFFICIENCY, A100_MATMUL_HALF_DIM, A100_MEMORY_EFFICIENCY, A100_KERNEL_OVERHEAD,
-                       A100_OVERLAP_SLOWDOWN),
+                       A100_OVERLAP_SLOWDOWN, None),
               "H100": (H100_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD,
-                       H100_OVERLAP_SLOWDOWN),
+                       H100_OVERLAP_SLOWDOWN, H100_ATTENTION_EFFICIENCY),
               "H100-500W": (H100_500W_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY,
-                            H100_KERNEL_OVERHEAD, H100_OVERLAP_SLOWDOWN)}
-    mm, half, mem, overhead, slowdown = consts[family]
+                            H100_KERNEL_OVERHEAD, H100_OVERLAP_SLOWDOWN, H100_ATTENTION_EFFICIENCY)}
+    mm, half, mem, overhead, slowdown, attention = consts[family]
     peaks = {"fp32": fp32, "bf16": bf16, "fp16": bf16}
     if tf32 is not None:
         peaks["tf32"] = tf32
     return Device(name=name, peak_flops=peaks, memory=memory, memory_bandwidth=hbm, source=source,
-                  matmul_efficiency=mm, matmul_half_dim=half, memory_efficiency=mem, kernel_overhead=overhead,
-                  overlap_slowdown=slowdown)
+                  matmul_efficiency=mm, matmul_half_dim=half, attention_efficiency=attention, memory_efficiency=mem,
+                  kernel_overhead=overhead, overlap_slowdown=slowdown)
 
 
 _V100_SRC = ("NVIDIA V100 SXM2 datasheet: 125 TFLOP/s fp16 tensor core, 15.7 fp32, 900 GB/s HBM2; V100 has no "

@@ -13,7 +13,9 @@ the scores and probabilities from q, k and the log-sum-exp before the four produ
 gradients: five ``s_q x s_k`` products where autograd's count has four,
 ``FUSED_ATTENTION_BACKWARD`` times the counted backward FLOPs (FlashAttention, Dao et al. 2022,
 section 3.1; the memory-efficient and cuDNN kernels do the same). ``e_max``, ``d_half``,
-``e_mem`` and ``t_launch`` are the device's constants (one set per device family, in presets.py).
+``e_mem`` and ``t_launch`` are the device's constants (one set per device family, in presets.py);
+a fused attention kernel has its own ``e_max`` where the device says so (``attention_efficiency``:
+FlashAttention-2 on an H100 runs without Hopper's new instructions, at a third of peak).
 ``g`` captures that thin GEMMs (small hidden per tensor-parallel rank, a micro-batch of one
 short sequence) cannot fill the tensor cores.
 
@@ -65,13 +67,14 @@ class OpTime:
     bwd: float
 
 
-def gemm_efficiency(device: Device, gemm: Gemm) -> float:
-    """Achieved fraction of peak for a GEMM of these dimensions."""
+def gemm_efficiency(device: Device, gemm: Gemm, attention: bool = False) -> float:
+    """Achieved fraction of peak for a GEMM of these dimensions (a fused attention's with ``attention``)."""
     half = device.matmul_half_dim
     factor = 1.0
     for d in (gemm.m, gemm.n, gemm.k):
         factor *= d / (d + half)
-    return device.matmul_efficiency * factor
+    top = device.attention_efficiency if attention and device.attention_efficiency is not None else None
+    return (device.matmul_efficiency if top is None else top) * factor
 
 
 def scaled_gemm(gemm: Gemm, batch_scale: float, split_dim: str, tp: int) -> Gemm:
@@ -152,7 +155,7 @@ class ComputeModel:
         mem_fwd, mem_bwd = moved / self.bandwidth, 2.0 * moved / self.bandwidth
         if node.kind in _GEMM_KINDS and node.gemm is not None:
             eff = gemm_efficiency(self.device, scaled_gemm(node.gemm, batch_scale if node.batch_dependent else 1.0,
-                                                           split_dim, shard))
+                                                           split_dim, shard), node.kind is OpKind.ATTENTION)
             work = scale * node.gemm.density / (self.peak * eff)
             fwd = max(node.flops_fwd * work, mem_fwd)
             redo = FUSED_ATTENTION_BACKWARD if node.kind is OpKind.ATTENTION else 1.0

@@ -139,6 +139,22 @@ def test_causal_attention_costs_what_its_kept_pairs_cost(llama):
     assert (dense.bwd - 2 * launch) / (dense.fwd - launch) == pytest.approx(2 * FUSED_ATTENTION_BACKWARD, rel=1e-9)
 
 
+def test_fused_attention_runs_at_the_devices_attention_efficiency(llama):
+    """A fused attention's compute time is its FLOPs at the device's attention_efficiency (FlashAttention-2's
+    published speed on the H100 preset), not its GEMM efficiency; None falls back to the GEMM's. The
+    projections are priced alike either way."""
+    attention = next(n for n in llama.nodes if n.kind is OpKind.ATTENTION)
+    projection = next(n for n in llama.nodes if n.kind is OpKind.MATMUL and n.batch_dependent)
+    device = H100.device
+    assert device.attention_efficiency is not None and device.attention_efficiency < device.matmul_efficiency
+    as_gemm = dataclasses.replace(device, attention_efficiency=None)
+    own, gemm = ComputeModel(llama, device, "bf16"), ComputeModel(llama, as_gemm, "bf16")
+    launch = device.kernel_overhead
+    ratio = (own.op_time(attention, 1.0, 1, "").fwd - launch) / (gemm.op_time(attention, 1.0, 1, "").fwd - launch)
+    assert ratio == pytest.approx(device.matmul_efficiency / device.attention_efficiency, rel=1e-9)
+    assert own.op_time(projection, 1.0, 1, "") == gemm.op_time(projection, 1.0, 1, "")
+
+
 def test_parallelize_refuses_kernels_it_does_not_run(llama):
     """Hand-written fused kernels are refused by name; a compiled plan is compiled (tests/distributed)."""
     plan = price(llama, Cluster.from_spec("1x1xH100-SXM"), ParallelConfig(), 1, precision=FUSED)
