@@ -11,11 +11,13 @@ backward + optimizer step of the global batch. Pairs:
 - dp=2: ``parallelize`` vs ``DistributedDataParallel``;
 - tp=2: ``parallelize`` (the ILP's sharding) vs ``parallelize_module`` with ColwiseParallel on
   q, k, v, gate and up and RowwiseParallel on o and down of every layer (Megatron's split);
-- zero=3 (dp=2): ``parallelize`` vs ``fully_shard`` on every decoder layer and the root.
-
-(No pp pair: ``torch.distributed.pipelining.pipeline()`` fails to run this Hugging Face model's
-first stage, and a hand-split would not be the native program; bench/runtime_overhead.py has a
-pp pair on a stack of MLP blocks.)
+- zero=3 (dp=2): ``parallelize`` vs ``fully_shard`` on every decoder layer and the root;
+- pp=2 (1F1B, 2 micro-batches): ``parallelize`` vs ``torch.distributed.pipelining``'s
+  ``PipelineStage`` and ``Schedule1F1B``, each stage a copy of the model with the other stage's
+  decoder layers deleted (the embedding from the second, the norm and head from the first), as
+  torchtitan splits a model: stage 0 maps ``input_ids`` to hidden states, stage 1 hidden states
+  (``inputs_embeds``) to logits, and the schedule's ``loss_fn`` is the model's own causal-LM loss.
+  (``pipelining.pipeline()``, the tracer, fails to run this Hugging Face model's first stage.)
 
 Each pair runs eager, then compiled: ``parallelize(..., compile=True)`` (every layer's generated
 code through torch.compile, inductor) against the same torch-native program through
@@ -72,7 +74,8 @@ def plans() -> dict:
     base = dict(dp=1, tp=1, pp=1, micro_batch_size=BATCH, zero=0, recompute="none", schedule="1f1b",
                 virtual_stages=1, sequence_parallel=False)
     fixed = {"one": (1, base), "dp": (2, dict(base, dp=2, micro_batch_size=BATCH // 2)), "tp": (2, dict(base, tp=2)),
-             "zero3": (2, dict(base, dp=2, zero=3, micro_batch_size=BATCH // 2))}
+             "zero3": (2, dict(base, dp=2, zero=3, micro_batch_size=BATCH // 2)),
+             "pp": (2, dict(base, pp=2, micro_batch_size=BATCH // 2))}
     return {k: autopar.plan(model(), Cluster.from_spec(f"1x{n}xcpu"), batch(slice(0, 1)), global_batch_size=BATCH,
                             fixed=v).to_dict() for k, (n, v) in fixed.items()}
 
@@ -95,6 +98,8 @@ def native(kind: str, rank: int, compiled: bool):
         from torch.nn.parallel import DistributedDataParallel
         return _eager_step(DistributedDataParallel(model()), batch(slice(rank * BATCH // 2, (rank + 1) * BATCH // 2)),
                            compiled)
+    if kind == "pp":
+        return _pipeline_step(rank, compiled)
     if kind == "zero3":
         from torch.distributed.fsdp import fully_shard
         m = model()
@@ -112,6 +117,47 @@ def native(kind: str, rank: int, compiled: bool):
                                          "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
                                          "mlp.down_proj": RowwiseParallel()})
     return _eager_step(m, batch(), compiled)
+
+
+class _Stage(torch.nn.Module):
+    """One pipeline stage of the model, torchtitan-style: a copy holding only this stage's layers."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        m = model()
+        half = len(m.model.layers) // 2
+        keep = range(half) if rank == 0 else range(half, len(m.model.layers))
+        m.model.layers = torch.nn.ModuleList(m.model.layers[i] for i in keep)
+        if rank == 0:
+            m.model.norm, m.lm_head = torch.nn.Identity(), None
+        else:
+            m.model.embed_tokens = None
+        self.m, self.first = m, rank == 0
+
+    def forward(self, x):
+        if self.first:
+            return self.m.model(input_ids=x).last_hidden_state
+        return self.m.lm_head(self.m.model(inputs_embeds=x).last_hidden_state)
+
+
+def _pipeline_step(rank: int, compiled: bool):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    stage_module = _Stage(rank)
+    loss = model().loss_function
+    stage = PipelineStage(torch.compile(stage_module) if compiled else stage_module, rank, 2, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, n_microbatches=2,
+                            loss_fn=lambda logits, labels: loss(logits=logits, labels=labels, vocab_size=VOCAB))
+    opt = optimizer(stage_module.parameters())
+    x = batch()
+
+    def step():
+        opt.zero_grad()
+        if rank == 0:
+            schedule.step(x["input_ids"])
+        else:
+            schedule.step(target=x["labels"], losses=[])
+        opt.step()
+    return step
 
 
 def ours(plan_dict: dict, compiled: bool):
@@ -157,9 +203,10 @@ def main() -> int:
     modes = (False,) if args.eager_only else (False, True)
     plan_dicts = plans()
     results = _spawn(1, ["one"], plan_dicts, args.steps, modes)
-    results.update(_spawn(2, ["dp", "tp", "zero3"], plan_dicts, args.steps, modes))
+    results.update(_spawn(2, ["dp", "tp", "zero3", "pp"], plan_dicts, args.steps, modes))
     names = {"one": "one rank vs the model's eager step", "dp": "dp=2 vs DistributedDataParallel",
-             "tp": "tp=2 vs parallelize_module (Colwise/Rowwise)", "zero3": "zero=3 vs fully_shard"}
+             "tp": "tp=2 vs parallelize_module (Colwise/Rowwise)", "zero3": "zero=3 vs fully_shard",
+             "pp": "pp=2 vs pipelining Schedule1F1B"}
     print(f"{'pair':<56} {'ours ms':>8} {'native ms':>10} {'ratio':>6} {'target':>6}")
     missed = []
     for key, r in results.items():
