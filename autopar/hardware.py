@@ -122,9 +122,8 @@ class Device:
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory, self.memory_bandwidth,
                      self.source, self.matmul_efficiency, self.matmul_half_dim, self.attention_efficiency,
-                     self.memory_efficiency,
-                     self.kernel_overhead, self.dispatch_overhead, self.dispatch_overhead_backward, self.threads,
-                     self.overlap_slowdown, self.concurrency_slowdown))
+                     self.memory_efficiency, self.kernel_overhead, self.dispatch_overhead,
+                     self.dispatch_overhead_backward, self.threads, self.overlap_slowdown, self.concurrency_slowdown))
 
     @property
     def is_cpu(self) -> bool:

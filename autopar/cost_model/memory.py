@@ -16,8 +16,8 @@ makes on purpose at 4; masks 1 byte). Tensor parallelism divides a tensor in the
 parallelism divides the replicated region by ``t`` as well. Selective recomputation
 drops the attention core's tensors; full recomputation keeps only the tensors that
 enter the layer from outside; per-op recomputation ("op", codegen/recompute.py) keeps those
-and the outputs of :func:`op_kept`'s nodes (every second matrix product, fused attention). For the Megatron GPT layer this reproduces
-Korthikanti et al. Table 2: ``sbh(34 + 5as/h)`` and its TP/SP/recompute variants.
+and the outputs of :func:`op_kept`'s nodes (every second matrix product, fused attention). For
+the Megatron GPT layer this reproduces Korthikanti et al. Table 2: ``sbh(34 + 5as/h)`` and its TP/SP/recompute variants.
 
 In-flight micro-batches per pipeline device ``i`` of ``p`` with ``m`` micro-batches:
 GPipe ``m``; 1F1B ``min(m, p - i)``; interleaved 1F1B with ``v`` chunks per device
@@ -157,8 +157,8 @@ class ActivationModel:
 
     def largest_tensor(self, layers: Iterable[Layer], batch_scale: float) -> float:
         """Bytes of the largest activation any op of these layers produces (a gradient buffer's size)."""
-        return max((self._output_bytes(node, batch_scale) for layer in layers for node in self.graph.layer_nodes(layer)),
-                   default=0.0)
+        return max((self._output_bytes(node, batch_scale)
+                    for layer in layers for node in self.graph.layer_nodes(layer)), default=0.0)
 
     def _output_bytes(self, node, batch_scale: float) -> float:
         """Bytes of the node's (first) output on this device."""

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 # How much each recompute mode recomputes (and so how little it keeps): a stack that has one mode for
 # the whole model gets the plan's most recomputing one, which keeps no more activations than any stage.
 RECOMPUTE_ORDER = {"none": 0, "selective": 1, "op": 2, "full": 3}   # by what each keeps, most first
+RECOMPUTE_PART = {"selective": "attention's core", "op": "per op: every other matmul output and attention's kept"}
+"""What the partial recompute modes recompute, for warnings about stacks that lack them."""
 COMMENT_WIDTH = 100
 
 

@@ -28,7 +28,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from .common import Export, Field, Fields, base_warnings, chunks_in_order, gb, recompute_mode, unsharded_memory
+from .common import (RECOMPUTE_PART, Export, Field, Fields, base_warnings, chunks_in_order, gb, recompute_mode,
+                     unsharded_memory)
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -144,7 +145,7 @@ def _pipeline(plan: "Plan", add, warnings: list[str]) -> None:
         ("config.stage_recompute",) if cfg.stage_recompute else ("config.recompute",), PIPELINE,
         "every layer checkpointed" if interval else "no checkpointing")
     if mode in ("selective", "op"):
-        warnings.append(f"config.recompute = {mode!r} ({_PART[mode]}): DeepSpeed's pipeline checkpoints whole "
+        warnings.append(f"config.recompute = {mode!r} ({RECOMPUTE_PART[mode]}): DeepSpeed's pipeline checkpoints whole "
                         "layers; written as activation_checkpoint_interval 1 (full), which keeps less and recomputes "
                         "more")
     elif cfg.recompute_layers:
@@ -161,9 +162,6 @@ def _pipeline(plan: "Plan", add, warnings: list[str]) -> None:
     elif cfg.schedule == "gpipe":
         warnings.append("config.schedule = 'gpipe': DeepSpeed's pipeline runs 1F1B (TrainSchedule), which holds fewer "
                         "micro-batches' activations and has the same bubble")
-
-
-_PART = {"selective": "attention's core", "op": "per op: every other matmul output and attention's kept"}
 
 
 def _recompute_in_code(plan: "Plan", warnings: list[str]) -> None:

@@ -43,8 +43,8 @@ from __future__ import annotations
 import shlex
 from typing import TYPE_CHECKING
 
-from .common import (Export, Field, Fields, base_warnings, chunks_in_order, gb, header, layers_of, recompute_mode,
-                     seq_len, unsharded_memory)
+from .common import (RECOMPUTE_PART, Export, Field, Fields, base_warnings, chunks_in_order, gb, header, layers_of,
+                     recompute_mode, seq_len, unsharded_memory)
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -156,8 +156,8 @@ def _recompute(plan: "Plan", add, warnings: list[str]) -> None:
     if mode == "none":
         return
     if mode == "op":
-        warnings.append("config.recompute = 'op' (per op: every other matmul output and attention's kept): Megatron-LM "
-                        "has no per-op policy; written as --recompute-granularity full, which keeps less and "
+        warnings.append(f"config.recompute = 'op' ({RECOMPUTE_PART['op']}): Megatron-LM has no per-op policy; "
+                        "written as --recompute-granularity full, which keeps less and "
                         "recomputes more")
         mode = "full"
     add("--recompute-granularity", mode, src, _doc(train, "--recompute-granularity"),

@@ -107,7 +107,8 @@ def export(plan: "Plan") -> Export:
     elif mode == "op":
         add("activation_checkpoint.mode", "selective", sources, _doc("ActivationCheckpoint.mode"))
         add("activation_checkpoint.selective_ac_option", "op", sources,
-            _doc("ActivationCheckpoint.selective_ac_option"), "per-op selective checkpointing: the plan's recompute 'op'")
+            _doc("ActivationCheckpoint.selective_ac_option"),
+            "per-op selective checkpointing: the plan's recompute 'op'")
     elif mode == "selective":
         add("activation_checkpoint.mode", "selective", sources, _doc("ActivationCheckpoint.mode"))
         add("activation_checkpoint.selective_ac_option", "op", sources,

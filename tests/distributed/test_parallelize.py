@@ -72,6 +72,8 @@ SELECTIVE = [Case("gpt-recompute_selective", "gpt", {**BASE, "tp": 2, "micro_bat
 # case (the same plan without recomputation runs in make bench).
 SELECTIVE += [Case("llama-tp2_sp_recompute_op", "llama", {**BASE, "tp": 2, "micro_batch_size": 2,
                                                           "sequence_parallel": True, "recompute": "op"}, 2)]
+if ALL_CASES:   # the ring's transfers rerun in the backward, its attention blocks kept
+    SELECTIVE += [Case("gpt-sdpa-cp2_recompute_op", "gpt-sdpa", {**BASE, "cp": 2, "recompute": "op"}, 2)]
 # Recomputing only the first layers of each chunk (recompute_layers): interleaved chunks, and one
 # whole-model chunk with data parallelism.
 PARTIAL = [Case("gpt-recompute_layers_interleaved", "gpt", {**BASE, "pp": 2, "schedule": "interleaved",
