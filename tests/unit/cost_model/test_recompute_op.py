@@ -72,8 +72,8 @@ def test_op_prices_between_none_and_full(llama):
 
 
 def test_runtime_policy_reruns_the_even_products():
-    """Under the policy a block's backward reruns its 2nd, 4th and 6th products (3 of 7) and no others, and
-    computes what an unchecked backward computes; the captured block has as many products as run."""
+    """Under the policy a block's backward reruns 3 of its 7 products (every second one, as op_kept leaves
+    out of the 7 the captured block has: the test above) and computes what an unchecked backward does."""
     torch.manual_seed(0)
     model, inputs = build_llama(LlamaConfig(vocab_size=64, hidden=32, heads=4, kv_heads=2, layers=1, ffn_hidden=64,
                                             seq_len=8), batch_size=2)
