@@ -143,10 +143,10 @@ class _Stage(torch.nn.Module):
 def _pipeline_step(rank: int, compiled: bool):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     stage_module = _Stage(rank)
-    loss = model().loss_function
     stage = PipelineStage(torch.compile(stage_module) if compiled else stage_module, rank, 2, torch.device("cpu"))
     schedule = Schedule1F1B(stage, n_microbatches=2,
-                            loss_fn=lambda logits, labels: loss(logits=logits, labels=labels, vocab_size=VOCAB))
+                            loss_fn=lambda logits, labels: stage_module.m.loss_function(logits=logits, labels=labels,
+                                                                                       vocab_size=VOCAB))
     opt = optimizer(stage_module.parameters())
     x = batch()
 

@@ -16,7 +16,7 @@ too. Imports only torch: the standalone folder (codegen/standalone.py) runs a co
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
 _aten = torch.ops.aten
 PRODUCTS = frozenset((_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default))
@@ -53,3 +53,11 @@ def op_context():
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)
+
+
+def run_layer(run, values, mode: str):
+    """``run(*values)``, a layer's forward, checkpointed when ``mode`` recomputes the whole layer ("full") or
+    per op ("op"; "selective" checkpoints inside the layer's code instead) and autograd records."""
+    if mode in ("full", "op") and torch.is_grad_enabled():
+        return checkpoint(run, *values, use_reentrant=False, context_fn=op_context if mode == "op" else noop_context_fn)
+    return run(*values)

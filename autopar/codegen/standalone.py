@@ -56,8 +56,6 @@ TRAIN_TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand
 """train.py as it is copied (a script of the folder: it imports program.py and pipeline.py beside it)."""
 
 _HELD = '''
-import torch.utils.checkpoint
-
 import recompute
 
 
@@ -67,9 +65,9 @@ class Held(torch.nn.Module):
     parameters around it (ZeRO-3) and checkpoint can recompute it (recompute "full", or "op": keeping
     what recompute.py's per-op policy keeps)."""
 
-    def __init__(self, code, own, buffers, recompute):
+    def __init__(self, code, own, buffers, mode):
         super().__init__()
-        self.code, self.recompute = code, recompute
+        self.code, self.recompute = code, mode   # the layer's recompute mode
         self.names = []
         for fqn, param in own.items():
             self.names.append(fqn.replace(".", "__"))
@@ -79,10 +77,7 @@ class Held(torch.nn.Module):
         self.n_buffers = len(buffers)
 
     def forward(self, *values):
-        if self.recompute in ("full", "op") and torch.is_grad_enabled():
-            context = recompute.op_context if self.recompute == "op" else torch.utils.checkpoint.noop_context_fn
-            return torch.utils.checkpoint.checkpoint(self._run, *values, use_reentrant=False, context_fn=context)
-        return self._run(*values)
+        return recompute.run_layer(self._run, values, self.recompute)
 
     def _run(self, *values):
         own = [self._parameters[n] for n in self.names]

@@ -73,8 +73,8 @@ def gemm_efficiency(device: Device, gemm: Gemm, attention: bool = False) -> floa
     factor = 1.0
     for d in (gemm.m, gemm.n, gemm.k):
         factor *= d / (d + half)
-    top = device.attention_efficiency if attention and device.attention_efficiency is not None else None
-    return (device.matmul_efficiency if top is None else top) * factor
+    own = device.attention_efficiency if attention else None
+    return (device.matmul_efficiency if own is None else own) * factor
 
 
 def scaled_gemm(gemm: Gemm, batch_scale: float, split_dim: str, tp: int) -> Gemm:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .common import Export, Field, Fields, base_warnings, header, layers_of, RECOMPUTE_PART, recompute_mode, seq_len
+from .common import RECOMPUTE_PART, Export, Field, Fields, base_warnings, header, layers_of, recompute_mode, seq_len
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -123,8 +123,8 @@ def _recompute(plan: "Plan", add, warnings: list[str]) -> None:
         ("config.stage_recompute",) if cfg.stage_recompute else ("config.recompute",),
         LAUNCH + " --fsdp_activation_checkpointing", "every transformer block, full" if mode != "none" else "")
     if mode in ("selective", "op"):
-        warnings.append(f"config.recompute = {mode!r} ({RECOMPUTE_PART[mode]}): accelerate checkpoints whole blocks; "
-                        "written as full, which keeps less and recomputes more")
+        warnings.append(f"config.recompute = {mode!r} ({RECOMPUTE_PART[mode]}): accelerate checkpoints whole "
+                        "blocks; written as full, which keeps less and recomputes more")
     elif mode == "full" and cfg.recompute_layers:
         warnings.append(f"config.recompute_layers = {cfg.recompute_layers} (the first layers of each chunk): accelerate "
                         "checkpoints every block; written as full for all of them")

@@ -35,12 +35,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from ..codegen import collectives
 from ..codegen.context_state import ContextRank
 from ..codegen.layers import LayerIO, class_name, layer_module
-from ..codegen.recompute import op_context
+from ..codegen.recompute import run_layer
 from ..codegen.lower import SKIPPED_TARGETS, R, LoweredGraph, Step, convert, normal, written_inputs
 from ..codegen.split import ChunkSpec, LayerSpec, SplitGraph
 
@@ -140,10 +139,7 @@ class LayerModule(nn.Module):
         self.__dict__["checked"] = checked       # the same code checking every shard's shape: the first call
 
     def forward(self, *values: Any) -> tuple[Any, ...]:
-        if self.recompute in ("full", "op") and torch.is_grad_enabled():
-            return checkpoint(self._run, *values, use_reentrant=False,
-                              context_fn=op_context if self.recompute == "op" else noop_context_fn)
-        return self._run(*values)
+        return run_layer(self._run, values, self.recompute)
 
     def _run(self, *values: Any) -> tuple[Any, ...]:
         n_in = len(self.spec.inputs)
