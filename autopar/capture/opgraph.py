@@ -275,6 +275,16 @@ class OpGraph:
         return max(sorted(counts), key=counts.__getitem__) if counts else "float32"
 
     @cached_property
+    def fused_attention(self) -> tuple[OpNode, ...]:
+        """The fused scaled-dot-product attention ops, in graph order (what ring attention replaces)."""
+        return tuple(n for n in self.nodes if n.kind is OpKind.ATTENTION)
+
+    @cached_property
+    def unfused_attention(self) -> tuple[OpNode, ...]:
+        """The ops of attention cores computed with explicit ops (selective recompute drops them)."""
+        return tuple(n for n in self.nodes if n.attention_core and n.kind is not OpKind.ATTENTION)
+
+    @cached_property
     def param_numel(self) -> int:
         return sum(t.numel for t in self.params.values())
 

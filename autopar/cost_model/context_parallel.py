@@ -43,20 +43,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..capture.opgraph import OpGraph, OpKind, OpNode
+from ..capture.opgraph import OpGraph, OpNode
 from ..cluster import Cluster
 from .comm import Collective, GroupPlacement, collective_time
 from .compute import ComputeModel, OpTime
 
 
-def attention_nodes(graph: OpGraph) -> list[OpNode]:
-    """The fused scaled-dot-product attention ops (what ring attention replaces)."""
-    return [n for n in graph.nodes if n.kind is OpKind.ATTENTION]
-
-
 def sequence_length(graph: OpGraph) -> int | None:
     """The sequence length attention runs over (the query's dim -2), or None without fused attention."""
-    nodes = attention_nodes(graph)
+    nodes = graph.fused_attention
     if not nodes:
         return None
     shape = nodes[0].outputs[0].shape
@@ -67,7 +62,7 @@ def unsupported(graph: OpGraph, cp: int) -> str | None:
     """Why the graph cannot run with context-parallel degree ``cp`` (None when it can)."""
     if cp == 1:
         return None
-    eager = next((n for n in graph.nodes if n.attention_core and n.kind is not OpKind.ATTENTION), None)
+    eager = next(iter(graph.unfused_attention), None)
     if eager is not None:
         return (f"context parallelism needs fused attention (F.scaled_dot_product_attention), but the model "
                 f"computes attention with explicit ops ({eager.name} in {eager.module_path or 'the model'}): "

@@ -98,6 +98,14 @@ class DeviceCost:
         return self.fwd + self.bwd + self.recompute + self.tp_comm + self.p2p + self.cp_comm + self.ep_comm
 
 
+def device_p2p(cuts: Sequence[float], chunks: Sequence[Sequence[int]], mine: Sequence[int]) -> float:
+    """p2p seconds per micro-batch of the device holding chunks ``mine`` of ``chunks``: each chunk
+    receives at its start but the first and sends at its end but the last (``cuts``:
+    :meth:`Estimator.p2p_cut_times`)."""
+    return sum((cuts[chunks[c][-1]] if c < len(chunks) - 1 else 0.0)
+               + (cuts[chunks[c][0] - 1] if c > 0 else 0.0) for c in mine)
+
+
 @dataclass
 class Estimator:
     """Estimates configs of one graph on one cluster; reuse it across configs (it caches layer costs)."""
@@ -112,6 +120,7 @@ class Estimator:
     _units: dict = field(default_factory=dict)
     _device_params: dict = field(default_factory=dict)
     _costs: dict = field(default_factory=dict)
+    _last: tuple = ()    # the last even split's (config, micro-batches, devices): memory, then time
     experts: frozenset[str] = field(init=False)   # the expert parameters (divided by ep)
     layer_flops: tuple[tuple[float, ...], ...] = field(init=False)   # _layer_flops
     sequence_length: int | None = field(init=False)   # what fused attention runs over (context_parallel.py)
@@ -153,6 +162,15 @@ class Estimator:
                 chunks: Sequence[Sequence[int]] | None = None) -> list[DeviceCost]:
         """Per pipeline device costs. ``chunks`` (``pp * virtual_stages`` contiguous runs of layer
         indices, device ``d`` holding chunks ``d, d + pp, ...``) defaults to Megatron's even split."""
+        if chunks is None and self._last[:2] == (cfg, micro_batches):
+            return list(self._last[2])
+        out = self._devices(cfg, micro_batches, chunks)
+        if chunks is None:
+            self._last = (cfg, micro_batches, tuple(out))
+        return out
+
+    def _devices(self, cfg: ParallelConfig, micro_batches: int,
+                 chunks: Sequence[Sequence[int]] | None) -> list[DeviceCost]:
         groups = self.placements(cfg)
         modes = sorted({cfg.stage_mode(d) for d in range(cfg.pp)} | ({"none"} if cfg.recompute_layers else set()))
         costs = {mode: self.layer_costs(cfg, groups["tp"], mode, groups) for mode in modes}
@@ -164,8 +182,7 @@ class Estimator:
         out = []
         for d in range(cfg.pp):
             mine = [c for c in range(len(chunks)) if c % cfg.pp == d]
-            p2p = sum((cuts[chunks[c][-1]] if c < len(chunks) - 1 else 0.0)
-                      + (cuts[chunks[c][0] - 1] if c > 0 else 0.0) for c in mine)
+            p2p = device_p2p(cuts, chunks, mine)
             # each layer at its own mode: with recompute_layers only a chunk's first layers recompute
             held = {i: costs[cfg.layer_mode(d, k)][i] for c in mine for k, i in enumerate(chunks[c])}
             out.append(self._device(cfg, d, [tuple(chunks[c]) for c in mine], p2p, held, micro_batches))
@@ -187,6 +204,16 @@ class Estimator:
             self._cuts[key] = out
         return self._cuts[key]
 
+    def least_cut_time(self, cfg: ParallelConfig, group: GroupPlacement) -> float:
+        """The least of :meth:`p2p_cut_times` (0 for a model of one layer), with one collective's
+        pricing: a p2p's time grows with its bytes."""
+        if len(self.graph.layers) < 2:
+            return 0.0
+        bd, const = (a[:len(self.graph.layers) - 1] for a in self.layers.crossing_numels)
+        scale = cfg.micro_batch_size / (self.graph.batch_size * cfg.cp)
+        nbytes = float(((bd * scale / cfg.tp + const) * self.precision.activation_bytes).min())
+        return collective_time(Collective.P2P, nbytes, group, self.cluster)
+
     def _device(self, cfg: ParallelConfig, d: int, chunks: list[tuple[int, ...]], p2p: float,
                 costs: Mapping[int, LayerCost], micro_batches: int) -> DeviceCost:
         idx = [i for chunk in chunks for i in chunk]
@@ -199,7 +226,7 @@ class Estimator:
                 else acts * flights)
         buffers = self.buffer_bytes(cfg, cfg.stage_mode(d), max(costs[i].largest_tensor for i in idx),
                                     max(costs[i].activations_full for i in idx),
-                                    max(self._unit_params(chunk, cfg) for chunk in chunks))
+                                    max(self._unit_params(chunk, cfg) for chunk in chunks) if cfg.zero == 3 else 0)
         memory = MemoryBreakdown(params=w, grads=g, optimizer=k, activations=held, buffers=buffers)
         return DeviceCost(
             chunks=tuple(chunks), fwd=sum(costs[i].fwd for i in idx), bwd=sum(costs[i].bwd for i in idx),

@@ -14,8 +14,11 @@ host).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
+
+import numpy as np
 
 from ..capture.opgraph import Layer, OpGraph, OpKind, OpNode
 from ..cluster import Cluster
@@ -269,14 +272,26 @@ class LayerCostModel:
         """(batch-dependent, constant) elements produced at or before layer ``cut_after`` and used after it.
 
         Graph inputs are excluded: every rank has the batch."""
+        bd, const = self.crossing_numels
+        return int(bd[cut_after]), int(const[cut_after])
+
+    @functools.cached_property
+    def crossing_numels(self) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`crossing_numel` of every cut, in one pass: a tensor produced in layer ``a`` whose last
+        user is in layer ``b > a`` crosses the cuts after ``a, ..., b - 1``."""
         graph = self.graph
-        crossing: dict[str, tuple[int, bool]] = {}
-        for layer in graph.layers[cut_after + 1:]:
+        last: dict[str, int] = {}
+        for layer in graph.layers:
             for name in layer.inputs:
-                if name in graph.node_index:
-                    node = graph.node(name)
-                    if node.layer <= cut_after and node.kind is not OpKind.CREATION:
-                        crossing[name] = (node.outputs[0].numel, node.batch_dependent)
-        bd = sum(n for n, b in crossing.values() if b)
-        const = sum(n for n, b in crossing.values() if not b)
-        return bd, const
+                last[name] = max(last.get(name, -1), layer.index)
+        bd, const = np.zeros(len(graph.layers) + 1, dtype=np.int64), np.zeros(len(graph.layers) + 1, dtype=np.int64)
+        for name, used in last.items():
+            if name not in graph.node_index:
+                continue
+            node = graph.node(name)
+            if node.kind is OpKind.CREATION or node.layer >= used:
+                continue
+            out = bd if node.batch_dependent else const
+            out[node.layer] += node.outputs[0].numel
+            out[used] -= node.outputs[0].numel
+        return np.cumsum(bd), np.cumsum(const)

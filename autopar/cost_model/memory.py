@@ -181,6 +181,25 @@ def in_flight(cfg: ParallelConfig, stage: int, micro_batches: int) -> int:
     return min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
 
 
+def chunk_passes(cfg: ParallelConfig, stage: int, micro_batches: int) -> tuple[int, ...]:
+    """Micro-batch passes of each of device ``stage``'s chunks (one chunk unless interleaved) that
+    it holds at some moment, whatever the sizes of its layers and chunks: its peak activations are
+    at least the sum of these times each chunk's bytes of one pass (the outer search's memory
+    bounds, solver/search.py and solver/even_bound.py). :func:`in_flight` unless interleaved;
+    interleaved, the warm-up's forwards and the first steady forward, all held before the first
+    backward (:func:`interleaved_peak`), counted by chunk."""
+    if cfg.schedule != "interleaved" or cfg.pp == 1:
+        return (in_flight(cfg, stage, micro_batches),)
+    p, v = cfg.pp, cfg.virtual_stages
+    held = min(micro_batches * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
+    return tuple(int(k) for k in np.bincount((np.arange(held) // p) % v, minlength=v))
+
+
+def least_passes(cfg: ParallelConfig, stage: int, micro_batches: int) -> int:
+    """The fewest passes of any one of device ``stage``'s layers it holds at its peak (:func:`chunk_passes`)."""
+    return min(chunk_passes(cfg, stage, micro_batches))
+
+
 def interleaved_peak(cfg: ParallelConfig, stage: int, micro_batches: int, chunk_bytes: Sequence[float]) -> float:
     """Peak activation bytes of pipeline device ``stage`` under interleaved 1F1B, its ``v`` chunks
     leaving ``chunk_bytes[j]`` per micro-batch pass. Megatron's order (codegen/schedules.py):

@@ -88,20 +88,21 @@ def balanced_partition(cost: Sequence[float], parts: int) -> list[list[int]]:
 @functools.lru_cache(maxsize=4096)
 def _partition(cost: tuple[float, ...], parts: int) -> tuple[range, ...]:
     n = len(cost)
-    prefix = [0.0]
-    for c in cost:
-        prefix.append(prefix[-1] + c)
-    pre = np.array(prefix)
+    pre = np.concatenate([[0.0], np.cumsum(cost)])
     span = pre[None, :] - pre[:, None]              # span[i, j] = prefix[j] - prefix[i]
-    i_idx, j_idx = np.indices((n + 1, n + 1))
+    span[np.tril_indices(n + 1)] = np.inf           # a run is non-empty: i < j
     best = np.full(n + 1, np.inf)
     best[0] = 0.0
     cuts = []
     for k in range(1, parts + 1):
-        valid = (i_idx >= k - 1) & (i_idx < j_idx) & (j_idx >= k) & (j_idx <= n - (parts - k))
-        cand = np.where(valid, np.maximum(best[:, None], span), np.inf)
-        cut = cand.argmin(axis=0)                   # the first i reaching the least value
-        best = cand[cut, np.arange(n + 1)]
+        # the k-th run ends at j in [k, n - (parts - k)] and starts at i in [k - 1, j)
+        lo, hi = k - 1, n - (parts - k)
+        cand = np.maximum(best[lo:hi, None], span[lo:hi, lo + 1:hi + 1])
+        first = cand.argmin(axis=0)                 # the first i reaching the least value
+        cut = np.zeros(n + 1, dtype=int)
+        cut[lo + 1:hi + 1] = first + lo
+        best = np.full(n + 1, np.inf)
+        best[lo + 1:hi + 1] = cand[first, np.arange(hi - lo)]
         cuts.append(cut)
     bounds, j = [], n
     for k in range(parts, 0, -1):

@@ -3,12 +3,16 @@ r"""The outer search: the fastest configuration that fits, by best-first branch 
 For every candidate ``c`` of the space (space.py) a lower bound on its step time needs only
 per-layer costs (cached per layer signature)::
 
-    LB_T(c) = (m - 1) max(W / p, w_max) + W + opt(P / p)                   (1F1B, GPipe)
-    LB_T(c) = (m + (p - 1) / v) max(W / p, w_max) + opt(P / p)              (interleaved)
+    LB_T(c) = (m - 1) max((W + C) / p, w_stage) + W + C + opt(P / p)       (1F1B, GPipe)
+    LB_T(c) = (m + (p - 1) / v) max((W + C) / p, w_max) + opt(P / p)        (interleaved)
     LB_M(c) = states(P / p)
 
 ``W = sum_l c_l`` is the work of one micro-batch through all layers in the cheapest recompute
-mode, ``w_max`` its largest layer, ``P`` the parameters after tensor parallelism and
+mode, ``w_max`` its largest layer, ``w_stage`` the least largest stage over every contiguous
+split into ``p`` stages (what a 1F1B or GPipe plan's stages are; 82 layers on 32 stages put 3
+on some), ``C = 2 (p v - 1) min_cut`` the p2p of the ``p v - 1`` cuts
+between chunks (each seen by its sender and its receiver; ``min_cut`` the cheapest cut of the
+model, ``v = 1`` unless interleaved), ``P`` the parameters after tensor parallelism and
 ``opt``/``states`` the optimizer time and model-state bytes of that many parameters: the
 slowest stage has at least the mean work and the mean parameters, and the pipeline formula
 (cost_model/schedule.py) is increasing in both. A candidate with ``LB_M > M`` cannot fit
@@ -21,11 +25,19 @@ micro-batches (dominated).
 Where activations do not fit, the cheapest mode is not reachable and ``W`` is loose (a 405B
 model at sequence 8192 recomputes on every plan: a third more work). When a candidate reaches
 the head of the queue its ``W`` is tightened by memory (:meth:`Search.refine`) and it goes back
-into the queue with the new bound. Every pipeline device holds at least one micro-batch pass of
-each of its layers at its peak (1F1B and GPipe: ``f_k >= 1``; interleaved with ``m`` a multiple
-of ``p``: the first backward follows a forward of every chunk), so with ``a_l^r`` the activation
-bytes of layer ``l`` in mode ``r``, any plan's modes satisfy
-``sum_l a_l^{r_l} <= B = p (M - states(P / p))``. Its work is then at least the Lagrangian bound
+into the queue with the new bound. Pipeline device ``d`` holds at least ``f_d`` micro-batch
+passes of each of its layers at its peak (cost_model/memory.least_passes; 1F1B ``min(m, p - d)``;
+interleaved with ``m`` a multiple of ``p``, the chunk its warm-up runs fewest times, at least
+one), so its layers' activations ``A_d`` satisfy ``f_d A_d <= M - s_d``. Summed over devices, with
+``a_l^r`` the activation bytes of layer ``l`` in mode ``r`` and ``sum_d s_d >= p states(P / p)``,
+any plan's modes satisfy::
+
+    sum_l a_l^{r_l} <= B = min(p (M - states(P / p)),  M sum_d 1 / f_d - p states(P / p) / max_d f_d)
+
+(1F1B on 32 stages: ``sum_d 1 / f_d`` is 4.1 where one pass per device gave 32). A candidate
+on Megatron's even split (interleaved, or a pinned ``recompute_layers``) has its layers' places
+known, and the same argument holds device by device, each with its own passes of each chunk
+(even_bound.py). Its work is then at least the Lagrangian bound
 of that multiple-choice knapsack::
 
     W_M = max_{lambda >= 0}  sum_l min_r (c_l^r + lambda a_l^r) - lambda B
@@ -55,7 +67,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
@@ -65,13 +77,23 @@ from ..config import ParallelConfig, Precision
 from ..cost_model import Estimator, estimate_plan
 from ..cost_model.compute import MeasuredTimes
 from ..cost_model.layer_cost import LayerCostModel
+from ..cost_model.memory import least_passes
+from ..cost_model.schedule import balanced_partition
 from ..cost_model.tensor_parallel import TPLayout
 from ..plan import Plan
 from ..progress import progress_bar
 from .choice import TIE, DEFAULT_TIE_TOLERANCE, Seen, choose, could_beat
+from .even_bound import Split, even_pipeline_floor, even_splits, knapsack_floors
 from .sharding import WHOLE_BATCH
 from .space import Candidate, candidates, placeable, recompute_modes
 from .stages import least_memory, partition, run_tables
+
+
+class Unfit(NamedTuple):
+    """A configuration the search tried that does not fit: its peak memory per device (bytes)."""
+
+    peak: float
+    config: ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -86,6 +108,8 @@ class LayerWork:
     work: np.ndarray    # (distinct layers, modes) seconds
     acts: np.ndarray    # (distinct layers, modes) activation bytes
     counts: np.ndarray  # layers of each distinct row
+    layer_work: np.ndarray   # (layers, modes) seconds, in layer order
+    layer_acts: np.ndarray   # (layers, modes) activation bytes, in layer order
 
 
 @dataclass
@@ -137,6 +161,9 @@ class Search:
     _work: dict[tuple, LayerWork] = field(default_factory=dict)
     _mesh_ok: dict[tuple, bool] = field(default_factory=dict)       # (tp, cp, dp, ep, pp) -> placeable
     _layout_facts: dict[tuple, tuple[bool, bool]] = field(default_factory=dict)  # (variant, tp) -> facts
+    _cuts: dict[tuple, float] = field(default_factory=dict)   # (variant, tp, cp, mb, pp) -> least p2p cut
+    _splits: dict[tuple, tuple[Split, ...]] = field(default_factory=dict)   # even splits of a layer work and mesh
+    _stage_floor: dict[tuple, float] = field(default_factory=dict)    # _largest_stage
 
     def estimator(self, variant: str) -> Estimator:
         if variant not in self._estimators:
@@ -148,6 +175,12 @@ class Search:
     @functools.cached_property
     def modes(self) -> tuple[str, ...]:
         return recompute_modes(self.graph, self.fixed)
+
+    @functools.cached_property
+    def bound_modes(self) -> tuple[str, ...]:
+        """The modes the bounds choose from: the search's, and "none" beside "full" (a partial
+        recomputation, :meth:`_partial`, leaves the layers after each chunk's first unrecomputed)."""
+        return self.modes + (("none",) if "full" in self.modes and "none" not in self.modes else ())
 
     def _usable(self):
         """The space's candidates whose mesh places uniformly on the topology, each with a layout that
@@ -207,16 +240,18 @@ class Search:
             est = self.estimator(c.variant)
             cfg = c.config()
             groups = est.placements(cfg)
-            costs = [est.layer_costs(cfg, groups["tp"], m, groups) for m in self.modes]
+            costs = [est.layer_costs(cfg, groups["tp"], m, groups) for m in self.bound_modes]
             work = np.array([[x.work for x in col] for col in costs]).T            # (layers, modes)
             acts = np.array([[x.activations for x in col] for col in costs]).T
             rows, counts = np.unique(np.concatenate([work, acts], axis=1), axis=0, return_counts=True)
             cheapest = work.min(axis=1)
+            modes = len(self.bound_modes)
             self._work[key] = LayerWork(
                 total=float(cheapest.sum()), largest=float(cheapest.max()),
                 params=float(est._local_params(self.graph.params, cfg)),
                 experts=float(est._local_params(est.experts, cfg)),
-                work=rows[:, :len(self.modes)], acts=rows[:, len(self.modes):], counts=counts.astype(float))
+                work=rows[:, :modes], acts=rows[:, modes:], counts=counts.astype(float),
+                layer_work=work, layer_acts=acts)
         return self._work[key]
 
     def bounds(self, c: Candidate) -> tuple[float, float]:
@@ -229,14 +264,34 @@ class Search:
         m, p = c.micro_batches(self.global_batch_size), c.pp
         est = self.estimator(c.variant)
         cfg = c.config()
-        x = max(total / p, lw.largest)
+        p2p = 2 * (p * c.virtual_stages - 1) * self._least_cut(c) if p > 1 else 0.0
+        x = max((total + p2p) / p, lw.largest if c.schedule == "interleaved" else self._largest_stage(c))
         if c.schedule == "interleaved":
             pipe = (m + (p - 1) / c.virtual_stages) * x
         else:
-            pipe = (m - 1) * x + total
+            pipe = (m - 1) * x + total + p2p
         lb_t = pipe + est.optimizer_time(cfg, lw.params / p, lw.experts / p)
         lb_m = sum(est.state_bytes(cfg, lw.params / p, lw.experts / p))
         return lb_t, lb_m
+
+    def _largest_stage(self, c: Candidate) -> float:
+        """The least work of the slowest stage over every contiguous split of the layers (in their
+        cheapest modes) into ``pp`` stages (schedule.balanced_partition), which a 1F1B or GPipe
+        plan's stages are: above ``W / p`` when the layers do not divide evenly."""
+        key = (c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep, c.pp)
+        if key not in self._stage_floor:
+            cheapest = self._layer_work(c).layer_work.min(axis=1)
+            self._stage_floor[key] = (float(cheapest.max()) if c.pp == 1 else
+                                      max(float(cheapest[run].sum()) for run in balanced_partition(cheapest, c.pp)))
+        return self._stage_floor[key]
+
+    def _least_cut(self, c: Candidate) -> float:
+        """The least p2p time of any pipeline cut per micro-batch (as one device beside it sees it)."""
+        key = (c.variant, c.tp, c.cp, c.micro_batch_size, c.pp)
+        if key not in self._cuts:
+            est, cfg = self.estimator(c.variant), c.config()
+            self._cuts[key] = est.least_cut_time(cfg, est.placements(cfg)["pp"])
+        return self._cuts[key]
 
     def refine(self, c: Candidate, lb_t: float, lb_m: float) -> float | None:
         """``LB_T`` with ``W_M``, the work the activations' memory forces, plus the data-parallel
@@ -247,21 +302,37 @@ class Search:
         total = lw.total
         # the memory argument needs every layer's activations held at once: not for an
         # interleaved order with m not a multiple of p (which the space never offers)
-        if self.must_fit and not (c.schedule == "interleaved" and m % c.pp):
-            budget = c.pp * (self.cluster.device.memory - lb_m)
-            if float(lw.acts.min(axis=1) @ lw.counts) > budget:
+        holds = self.must_fit and not (c.schedule == "interleaved" and m % c.pp)
+        if holds:
+            floors = knapsack_floors(lw.work, lw.acts, lw.counts[:, None], np.array([self._budget(c, m, lb_m)]))
+            if floors is None:
                 return None
-            # breakpoints: where a layer's modes r and s (a_r > a_s, c_s > c_r) cost the same
-            dc = lw.work[:, None, :] - lw.work[:, :, None]       # [l, r, s] = c_s - c_r
-            da = lw.acts[:, :, None] - lw.acts[:, None, :]       # [l, r, s] = a_r - a_s
-            ok = (da > 0) & (dc > 0)
-            lam = np.unique(np.concatenate([[0.0], dc[ok] / da[ok]]))
-            g = (lw.work[None] + lam[:, None, None] * lw.acts[None]).min(axis=2) @ lw.counts - lam * budget
-            total = max(total, float(g.max()))
+            total = max(total, float(floors[0]))
         est = self.estimator(c.variant)
         cfg = c.config()
+        lb = self._bounds(c, total)[0]
+        if self._even_split(c):
+            # the layers' places are known: the memory argument device by device (even_bound.py)
+            key = (c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep, c.pp, c.virtual_stages)
+            if key not in self._splits:
+                self._splits[key] = even_splits(est, cfg, lw.layer_work)
+            pipe = even_pipeline_floor(est, cfg, m, self._splits[key], lw.layer_work, lw.layer_acts,
+                                       self.cluster.device.memory if holds else math.inf)
+            if pipe is None:
+                return None
+            lb = max(lb, pipe + est.optimizer_time(cfg, lw.params / c.pp, lw.experts / c.pp))
         floor = est.dp_floor(cfg, m, est.placements(cfg), lw.params / c.pp, lw.experts / c.pp)
-        return max(lb_t, self._bounds(c, total)[0] + floor + est.loss_share_time())
+        return max(lb_t, lb + floor + est.loss_share_time())
+
+    def _budget(self, c: Candidate, m: int, lb_m: float) -> float:
+        """``B``, the most activation bytes one pass of all layers may take (module docstring):
+        device ``d`` holds at least ``f_d`` passes of each of its layers (memory.least_passes), so
+        ``f_d A_d <= M - s_d``; summed with ``sum_d s_d >= p states(P / p)``, ``sum_d A_d`` is at most
+        ``M sum_d 1 / f_d - p states(P / p) / max_d f_d`` (and at most ``p (M - states(P / p))``)."""
+        memory, cfg = self.cluster.device.memory, c.config()
+        passes = [least_passes(cfg, d, m) for d in range(c.pp)]
+        return min(c.pp * (memory - lb_m),
+                   memory * sum(1 / f for f in passes) - c.pp * lb_m / max(passes))
 
     # --- evaluation --------------------------------------------------------------------------
     def evaluate(self, c: Candidate) -> Plan | float:
@@ -271,10 +342,10 @@ class Search:
         m = c.micro_batches(self.global_batch_size)
         memory = self.cluster.device.memory if self.must_fit else math.inf
         if self._even_split(c):
-            plans = self._even(c)
-            fitting = [pl for pl in plans if pl.fits or not self.must_fit]
+            tried = self._even(c)
+            fitting = [pl for pl in tried if isinstance(pl, Plan)]
             if not fitting:
-                return min(pl.peak_memory for pl in plans)
+                return min(pl.peak for pl in tried)
             return min(fitting, key=lambda pl: pl.step_time)
         cfg = self._config(c)
         tables = run_tables(est, cfg, m, self.modes)
@@ -292,37 +363,44 @@ class Search:
         """Whether ``c`` takes Megatron's even split (:meth:`_even`) rather than the stage DP."""
         return c.schedule == "interleaved" or bool(self.fixed.get("recompute_layers"))
 
-    def _even(self, c: Candidate) -> list[Plan]:
+    def _even(self, c: Candidate) -> list[Plan | Unfit]:
         """Megatron's even split (stages.py: an interleaved candidate, or a pinned ``recompute_layers``,
         which the stage DP does not price): one estimate per recompute mode, and for "full" also the
-        fastest partial recomputation that fits (:meth:`_partial`)."""
+        fastest partial recomputation that fits (:meth:`_partial`); a config that does not fit is
+        only priced by its memory."""
         est = self.estimator(c.variant)
-        plans = [estimate_plan(self.graph, self.cluster, c.config(mode), self.global_batch_size, self.precision, est)
-                 for mode in self.modes if mode != "full"]
+        tried = [self._try(est, c, c.config(mode)) for mode in self.modes if mode != "full"]
         if "full" in self.modes:
             # partial recomputation only pays when keeping every activation does not fit
-            keeps_all = any(p.fits and p.config.recompute == "none" for p in plans)
-            plans += self._partial(c, est, bisect=not keeps_all)
-        return plans
+            keeps_all = any(isinstance(p, Plan) and p.fits and p.config.recompute == "none" for p in tried)
+            tried += self._partial(c, est, bisect=not keeps_all)
+        return tried
 
-    def _partial(self, c: Candidate, est: Estimator, bisect: bool = True) -> list[Plan]:
+    def _try(self, est: Estimator, c: Candidate, cfg: ParallelConfig) -> Plan | Unfit:
+        """The plan of ``cfg`` (even split), or its peak memory when it does not fit (the estimate's
+        time is then of no use, and the memory alone costs a third of it)."""
+        m = c.micro_batches(self.global_batch_size)
+        peak = est.peak_memory(cfg, m)
+        if self.must_fit and peak > self.cluster.device.memory:
+            return Unfit(peak, cfg)
+        return estimate_plan(self.graph, self.cluster, cfg, self.global_batch_size, self.precision, est)
+
+    def _partial(self, c: Candidate, est: Estimator, bisect: bool = True) -> list[Plan | Unfit]:
         """Full recomputation of every layer, and of only the first ``k`` layers of each chunk
         (``recompute_layers``) for the least ``k`` that fits: memory falls and time rises as ``k``
         grows, so that ``k`` is the fastest partial plan, found by bisection (skipped, ``bisect``
         False, when no recomputation at all fits: that plan is faster). A pinned
         ``recompute_layers`` is the only one tried."""
-        def plan(k: int) -> Plan:
-            return estimate_plan(self.graph, self.cluster, c.config("full", recompute_layers=k),
-                                 self.global_batch_size, self.precision, est)
-
         def fits(k: int) -> bool:
             m = c.micro_batches(self.global_batch_size)
             return est.peak_memory(c.config("full", recompute_layers=k), m) <= self.cluster.device.memory
         if "recompute_layers" in self.fixed:
-            return [plan(self.fixed["recompute_layers"])]
-        full = plan(0)
+            return [self._try(est, c, c.config("full", recompute_layers=self.fixed["recompute_layers"]))]
+        full = self._try(est, c, c.config("full"))
+        if not isinstance(full, Plan):
+            return [full]
         longest = max(len(ch) for s in full.stages for ch in s.chunks)
-        if not bisect or not full.fits or longest < 2:
+        if not bisect or longest < 2:
             return [full]
         low, high = 1, longest   # recompute_layers = longest recomputes every layer, as full does
         while low < high:
@@ -331,7 +409,7 @@ class Search:
                 high = mid
             else:
                 low = mid + 1
-        return [full] if low >= longest else [full, plan(low)]
+        return [full] if low >= longest else [full, self._try(est, c, c.config("full", recompute_layers=low))]
 
     # --- the loop ----------------------------------------------------------------------------
     def run(self) -> tuple[Plan | None, Candidate | None, Seen]:
@@ -478,8 +556,8 @@ class Search:
         est = self.estimator(c.variant)
         m = c.micro_batches(self.global_batch_size)
         if self._even_split(c):
-            lean = min(self._even(c), key=lambda pl: pl.peak_memory)
-            return lean.peak_memory, lean.config
+            lean = min(self._even(c), key=lambda pl: pl.peak_memory if isinstance(pl, Plan) else pl.peak)
+            return (lean.peak_memory, lean.config) if isinstance(lean, Plan) else lean
         cfg = self._config(c)
         mem, modes = least_memory(run_tables(est, cfg, m, self.modes), cfg, m)
         return mem, c.with_modes(modes)

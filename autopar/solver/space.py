@@ -120,7 +120,7 @@ def recompute_modes(graph: OpGraph, fixed: Mapping[str, Any]) -> tuple[str, ...]
         return ("full",)
     if "recompute" in fixed:
         return (fixed["recompute"],)
-    has_core = any(n.attention_core for n in graph.nodes)
+    has_core = bool(graph.unfused_attention)
     return tuple(m for m in RECOMPUTE_MODES if m != ("op" if has_core else "selective"))
 
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar import ConfigError, ParallelConfig
-from autopar.cost_model.memory import in_flight, interleaved_peak
+from autopar.cost_model.memory import chunk_passes, in_flight, interleaved_peak, least_passes
 from autopar.cost_model.schedule import pipeline_time
 from autopar.codegen.schedules import Action, build, check, format_schedule, simulate
 
@@ -33,7 +33,8 @@ def test_complete_deadlock_free_and_matches_cost_model(kind, p, m, v):
        sizes=st.lists(st.floats(0.0, 10.0), min_size=4, max_size=4))
 def test_interleaved_peak_is_the_runtime_orders_peak(p, groups, v, sizes):
     """The cost model's interleaved activation peak, for chunks of unequal sizes (the head's chunk
-    holds the logits), is the most the runtime's action order holds at once on every device."""
+    holds the logits), is the most the runtime's action order holds at once on every device, and
+    at least memory.chunk_passes passes of each chunk."""
     m, sizes = groups * p, sizes[:v]
     cfg = ParallelConfig(pp=p, schedule="interleaved", virtual_stages=v)
     for d, actions in enumerate(build("interleaved", p, m, v)):
@@ -42,6 +43,10 @@ def test_interleaved_peak_is_the_runtime_orders_peak(p, groups, v, sizes):
             held += sizes[a.stage // p] if a.kind == "F" else -sizes[a.stage // p]
             peak = max(peak, held)
         assert interleaved_peak(cfg, d, m, sizes) == pytest.approx(peak, rel=1e-12, abs=1e-12)
+        # the search's memory bounds: whatever the chunks' sizes, at least chunk_passes of each
+        held = sum(k * size for k, size in zip(chunk_passes(cfg, d, m), sizes))
+        assert peak >= held * (1 - 1e-12) - 1e-12
+        assert held >= least_passes(cfg, d, m) * sum(sizes) * (1 - 1e-12) - 1e-12
         if len(set(sizes)) == 1:   # equal chunks: in_flight passes of one chunk
             assert interleaved_peak(cfg, d, m, sizes) == pytest.approx(in_flight(cfg, d, m) * sizes[0])
 

@@ -224,3 +224,42 @@ def test_memory_bound_is_below_every_plan_and_tightens_some(gpt_graph, fraction)
         if isinstance(result, Plan):
             assert refined <= result.step_time * (1 + 1e-9), (c, refined, result.step_time)
     assert tightened > 0
+
+
+@pytest.fixture(scope="module")
+def deep_graph():
+    """Eight blocks: enough for interleaved pipelines of 2 and 4 stages with 2 to 4 chunks each."""
+    model, inputs = build_gpt(dataclasses.replace(SMALL_GPT, layers=8, hidden=128), batch_size=1, device="meta")
+    return capture(model, inputs)
+
+
+@pytest.mark.parametrize("fixed", [{"schedule": "interleaved"}, {"pp": 4, "recompute_layers": 1}])
+@pytest.mark.parametrize("fraction", [0.2, 0.6])
+def test_even_split_bound_is_below_every_plan(deep_graph, fixed, fraction):
+    """Megatron's even split (interleaved, or pinned recompute_layers) is bounded device by device
+    (even_bound.py): the refined bound is below every plan of the candidate that fits, refuses only
+    candidates nothing of which fits, and is above the summed bound somewhere."""
+    spec, gbs = "1x8xA100-80GB", 16
+    sharding = _sharding(deep_graph, spec)
+    loose = Search(deep_graph, Cluster.from_spec(spec), gbs, sharding.precision, layouts_for(sharding), fixed,
+                   splits_batch=sharding.splits_batch)
+    peaks = sorted(loose.leanest(c)[0] for c in loose._usable() if loose._even_split(c))
+    memory = peaks[0] + fraction * (peaks[-1] - peaks[0])
+    cluster = _cluster(spec, memory)
+    search = Search(deep_graph, cluster, gbs, sharding.precision, layouts_for(sharding), fixed,
+                    splits_batch=sharding.splits_batch)
+    checked = tightened = 0
+    for c in search._usable():
+        lb_t, lb_m = search.bounds(c)
+        if not search._even_split(c) or lb_m > memory:
+            continue
+        refined = search.refine(c, lb_t, lb_m)
+        result = search.evaluate(c)
+        if refined is None:
+            assert not isinstance(result, Plan), c
+            continue
+        if isinstance(result, Plan):
+            checked += 1
+            assert refined <= result.step_time * (1 + 1e-9), (c, refined, result.step_time)
+            tightened += refined > lb_t * (1 + 1e-9)
+    assert checked and tightened
