@@ -148,8 +148,12 @@ class Estimator:
         split = self.split_groups(cfg, groups if groups is not None else self.placements(cfg))
         key = (cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, mode, tp_group, split)
         if key not in self._costs:
-            self._costs[key] = tuple(self.layers.cost(layer, cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size,
-                                                      mode, tp_group, split) for layer in self.graph.layers)
+            kinds: dict[tuple, LayerCost] = {}   # each kind of layer priced once (LayerCostModel.kind)
+            for layer in self.graph.layers:
+                if self.layers.kind(layer) not in kinds:
+                    kinds[self.layers.kind(layer)] = self.layers.cost(
+                        layer, cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, mode, tp_group, split)
+            self._costs[key] = tuple(kinds[self.layers.kind(layer)] for layer in self.graph.layers)
         return self._costs[key]
 
     def peak_memory(self, cfg: ParallelConfig, micro_batches: int,
@@ -247,6 +251,18 @@ class Estimator:
             self._device_params[key] = (names, self._local_params(names, cfg),
                                         self._local_params([n for n in names if n in self.experts], cfg))
         return self._device_params[key]
+
+    def own_params(self, cfg: ParallelConfig) -> tuple[np.ndarray, np.ndarray]:
+        """Per layer, the parameters it owns (shared ones counted at their owner only, so a run's
+        sum is at most what a device holding it holds) and the expert ones among them, after tensor
+        and expert parallelism (cached per tp and ep)."""
+        key = ("own", cfg.tp, cfg.ep)
+        if key not in self._numel:
+            layers = self.graph.layers
+            self._numel[key] = (np.array([self._local_params(l.params, cfg) for l in layers], dtype=float),
+                                np.array([self._local_params([n for n in l.params if n in self.experts], cfg)
+                                          for l in layers], dtype=float))
+        return self._numel[key]
 
     def state_bytes(self, cfg: ParallelConfig, params, experts=0.0):
         """(weights, gradients, optimizer state) bytes of ``params`` parameters on one device, ``experts``

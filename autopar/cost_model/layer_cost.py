@@ -158,11 +158,17 @@ class LayerCostModel:
             self._fused = fused_ops(self.graph, self.precision.kernels)
         return self._fused
 
+    @staticmethod
+    def kind(layer: Layer) -> tuple[str, int]:
+        """What a layer's cost depends on besides the configuration: its signature, and its place
+        unless it is a repeated block (blocks of one signature cost the same)."""
+        return layer.signature, -1 if layer.is_block else layer.index
+
     def cost(self, layer: Layer, tp: int, sp: bool, micro_batch: int, recompute: str,
              tp_group: GroupPlacement, split: SplitGroups = NO_SPLIT) -> LayerCost:
         if not recomputable(self.graph, layer):
             recompute = "none"
-        key = (layer.signature, layer.index if not layer.is_block else -1, tp, sp, micro_batch, split)
+        key = (*self.kind(layer), tp, sp, micro_batch, split)
         if (*key, recompute) not in self._cache:
             if key not in self._timed:
                 self._timed[key] = self._time(layer, tp, sp, micro_batch, tp_group, split)

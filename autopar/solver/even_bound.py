@@ -5,7 +5,9 @@ search.py holds device by device instead of summed over the pipeline.
 Device ``d`` runs chunks ``j = 0..v-1`` (layers ``L_dj``; ``v = 1`` unless interleaved) and holds
 at some moment ``n_dj`` passes of chunk ``j`` (cost_model/memory.chunk_passes: interleaved, what
 its warm-up and first steady forward keep before the first backward). With layer ``l`` in mode
-``r_l`` (activation bytes ``a_l^r``, work ``c_l^r`` per micro-batch) and ``s_d`` its model states::
+``r_l`` (activation bytes ``a_l^r``, work ``c_l^r`` per micro-batch) and ``s_d`` the model states
+of the parameters its layers own (a tied copy it also holds, not counted: fewer bytes, a lower
+bound)::
 
     sum_j n_dj sum_{l in L_dj} a_l^{r_l} <= M - s_d
 
@@ -49,7 +51,7 @@ class Split:
     members: np.ndarray    # (layers, devices): 1 where the device holds the layer
     device: np.ndarray     # (layers,) the layer's device
     chunk: np.ndarray      # (layers,) the layer's chunk among its device's (0..v-1)
-    params: np.ndarray     # (devices,) parameters held, after tensor and expert parallelism
+    params: np.ndarray     # (devices,) parameters owned (a tied copy not counted), after tp and ep
     experts: np.ndarray    # (devices,) of which expert weights
     p2p: np.ndarray        # (devices,) p2p seconds per micro-batch
 
@@ -62,6 +64,7 @@ def even_splits(est: Estimator, cfg: ParallelConfig, work: np.ndarray) -> tuple[
     cuts = est.p2p_cut_times(cfg, est.placements(cfg)["pp"]) if p > 1 else []
     runs = {tuple(tuple(run) for run in even_partition(est.graph, chunks, list(work[:, k])))
             for k in range(work.shape[1])}
+    own, own_experts = est.own_params(cfg)
     out = []
     for split in sorted(runs):
         members = np.zeros((len(work), p))
@@ -72,7 +75,8 @@ def even_splits(est: Estimator, cfg: ParallelConfig, work: np.ndarray) -> tuple[
             for j, c in enumerate(mine):
                 members[list(split[c]), d] = 1.0
                 device[list(split[c])], chunk[list(split[c])] = d, j
-            _, params[d], experts[d] = est._held(tuple(i for c in mine for i in split[c]), cfg)
+            held = [i for c in mine for i in split[c]]
+            params[d], experts[d] = own[held].sum(), own_experts[held].sum()
             p2p[d] = device_p2p(cuts, split, mine)
         out.append(Split(members, device, chunk, params, experts, p2p))
     return tuple(out)

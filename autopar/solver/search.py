@@ -3,16 +3,16 @@ r"""The outer search: the fastest configuration that fits, by best-first branch 
 For every candidate ``c`` of the space (space.py) a lower bound on its step time needs only
 per-layer costs (cached per layer signature)::
 
-    LB_T(c) = (m - 1) max((W + C) / p, w_stage) + W + C + opt(P / p)       (1F1B, GPipe)
-    LB_T(c) = (m + (p - 1) / v) max((W + C) / p, w_max) + opt(P / p)        (interleaved)
+    LB_T(c) = (m - 1) max((W + C) / p, w_p) + W + C + opt(P / p)           (1F1B, GPipe)
+    LB_T(c) = (m + (p - 1) / v) max((W + C) / p, w_p) + opt(P / p)          (interleaved)
     LB_M(c) = states(P / p)
 
 ``W = sum_l c_l`` is the work of one micro-batch through all layers in the cheapest recompute
-mode, ``w_max`` its largest layer, ``w_stage`` the least largest stage over every contiguous
-split into ``p`` stages (what a 1F1B or GPipe plan's stages are; 82 layers on 32 stages put 3
-on some), ``C = 2 (p v - 1) min_cut`` the p2p of the ``p v - 1`` cuts
-between chunks (each seen by its sender and its receiver; ``min_cut`` the cheapest cut of the
-model, ``v = 1`` unless interleaved), ``P`` the parameters after tensor parallelism and
+mode, ``w_p = max_k ceil(k / p) c_(k)`` with ``c_(k)`` the ``k``-th costliest layer (some device
+holds ``ceil(k / p)`` of the ``k`` costliest: 82 blocks on 32 stages put 3 on some),
+``C = 2 (p v - 1) min_cut`` the p2p of the ``p v - 1`` cuts between chunks (each seen by its
+sender and its receiver; ``min_cut`` the cheapest cut of the model, ``v = 1`` unless
+interleaved), ``P`` the parameters after tensor parallelism and
 ``opt``/``states`` the optimizer time and model-state bytes of that many parameters: the
 slowest stage has at least the mean work and the mean parameters, and the pipeline formula
 (cost_model/schedule.py) is increasing in both. A candidate with ``LB_M > M`` cannot fit
@@ -78,7 +78,6 @@ from ..cost_model import Estimator, estimate_plan
 from ..cost_model.compute import MeasuredTimes
 from ..cost_model.layer_cost import LayerCostModel
 from ..cost_model.memory import least_passes
-from ..cost_model.schedule import balanced_partition
 from ..cost_model.tensor_parallel import TPLayout
 from ..plan import Plan
 from ..progress import progress_bar
@@ -102,7 +101,6 @@ class LayerWork:
     sequence, context and expert parallelism and micro-batch size."""
 
     total: float        # W: every layer in its cheapest mode
-    largest: float      # w_max
     params: float       # P: parameters per device after tensor and expert parallelism
     experts: float      # of which expert weights
     work: np.ndarray    # (distinct layers, modes) seconds
@@ -247,7 +245,7 @@ class Search:
             cheapest = work.min(axis=1)
             modes = len(self.bound_modes)
             self._work[key] = LayerWork(
-                total=float(cheapest.sum()), largest=float(cheapest.max()),
+                total=float(cheapest.sum()),
                 params=float(est._local_params(self.graph.params, cfg)),
                 experts=float(est._local_params(est.experts, cfg)),
                 work=rows[:, :modes], acts=rows[:, modes:], counts=counts.astype(float),
@@ -265,7 +263,7 @@ class Search:
         est = self.estimator(c.variant)
         cfg = c.config()
         p2p = 2 * (p * c.virtual_stages - 1) * self._least_cut(c) if p > 1 else 0.0
-        x = max((total + p2p) / p, lw.largest if c.schedule == "interleaved" else self._largest_stage(c))
+        x = max((total + p2p) / p, self._largest_stage(c))
         if c.schedule == "interleaved":
             pipe = (m + (p - 1) / c.virtual_stages) * x
         else:
@@ -275,14 +273,14 @@ class Search:
         return lb_t, lb_m
 
     def _largest_stage(self, c: Candidate) -> float:
-        """The least work of the slowest stage over every contiguous split of the layers (in their
-        cheapest modes) into ``pp`` stages (schedule.balanced_partition), which a 1F1B or GPipe
-        plan's stages are: above ``W / p`` when the layers do not divide evenly."""
+        """A floor on the slowest pipeline device's work, whatever the split: some device holds at
+        least ``ceil(k / p)`` of the ``k`` costliest layers (in their cheapest modes), each costing at
+        least the ``k``-th's, for every ``k`` (82 blocks on 32 stages put 3 on some)."""
         key = (c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep, c.pp)
         if key not in self._stage_floor:
-            cheapest = self._layer_work(c).layer_work.min(axis=1)
-            self._stage_floor[key] = (float(cheapest.max()) if c.pp == 1 else
-                                      max(float(cheapest[run].sum()) for run in balanced_partition(cheapest, c.pp)))
+            costliest = -np.sort(-self._layer_work(c).layer_work.min(axis=1))
+            share = np.ceil(np.arange(1, len(costliest) + 1) / c.pp)
+            self._stage_floor[key] = float((share * costliest).max())
         return self._stage_floor[key]
 
     def _least_cut(self, c: Candidate) -> float:
@@ -295,34 +293,46 @@ class Search:
 
     def refine(self, c: Candidate, lb_t: float, lb_m: float) -> float | None:
         """``LB_T`` with ``W_M``, the work the activations' memory forces, plus the data-parallel
-        communication no overlap hides (module docstring); None when the activations cannot fit
-        in any mode."""
+        communication no overlap hides, and for an even split the device-by-device bound (module
+        docstring); None when the activations cannot fit in any mode."""
+        tighter = self._refine_summed(c, lb_t, lb_m)
+        return tighter if tighter is None or not self._even_split(c) else self._refine_even(c, tighter)
+
+    def _refine_summed(self, c: Candidate, lb_t: float, lb_m: float) -> float | None:
+        """:meth:`refine` without the even split's own bound."""
         m = c.micro_batches(self.global_batch_size)
         lw = self._layer_work(c)
         total = lw.total
-        # the memory argument needs every layer's activations held at once: not for an
-        # interleaved order with m not a multiple of p (which the space never offers)
-        holds = self.must_fit and not (c.schedule == "interleaved" and m % c.pp)
-        if holds:
+        if self._holds(c, m):
             floors = knapsack_floors(lw.work, lw.acts, lw.counts[:, None], np.array([self._budget(c, m, lb_m)]))
             if floors is None:
                 return None
             total = max(total, float(floors[0]))
-        est = self.estimator(c.variant)
-        cfg = c.config()
-        lb = self._bounds(c, total)[0]
-        if self._even_split(c):
-            # the layers' places are known: the memory argument device by device (even_bound.py)
-            key = (c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep, c.pp, c.virtual_stages)
-            if key not in self._splits:
-                self._splits[key] = even_splits(est, cfg, lw.layer_work)
-            pipe = even_pipeline_floor(est, cfg, m, self._splits[key], lw.layer_work, lw.layer_acts,
-                                       self.cluster.device.memory if holds else math.inf)
-            if pipe is None:
-                return None
-            lb = max(lb, pipe + est.optimizer_time(cfg, lw.params / c.pp, lw.experts / c.pp))
-        floor = est.dp_floor(cfg, m, est.placements(cfg), lw.params / c.pp, lw.experts / c.pp)
-        return max(lb_t, lb + floor + est.loss_share_time())
+        return max(lb_t, self._bounds(c, total)[0] + self._tail(c, m))
+
+    def _refine_even(self, c: Candidate, lb_t: float) -> float | None:
+        """The even split's device-by-device bound (even_bound.py), the costlier part of :meth:`refine`:
+        the search takes it only for a candidate whose summed bound reaches the queue's head."""
+        m = c.micro_batches(self.global_batch_size)
+        lw, est, cfg = self._layer_work(c), self.estimator(c.variant), c.config()
+        key = (c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep, c.pp, c.virtual_stages)
+        if key not in self._splits:
+            self._splits[key] = even_splits(est, cfg, lw.layer_work)
+        pipe = even_pipeline_floor(est, cfg, m, self._splits[key], lw.layer_work, lw.layer_acts,
+                                   self.cluster.device.memory if self._holds(c, m) else math.inf)
+        if pipe is None:
+            return None
+        return max(lb_t, pipe + est.optimizer_time(cfg, lw.params / c.pp, lw.experts / c.pp) + self._tail(c, m))
+
+    def _holds(self, c: Candidate, m: int) -> bool:
+        """Whether the memory argument applies: it needs every layer's activations held at once,
+        not so for an interleaved order with m not a multiple of p (which the space never offers)."""
+        return self.must_fit and not (c.schedule == "interleaved" and m % c.pp)
+
+    def _tail(self, c: Candidate, m: int) -> float:
+        """The data-parallel communication no overlap hides and the loss's all-reduce."""
+        lw, est, cfg = self._layer_work(c), self.estimator(c.variant), c.config()
+        return est.dp_floor(cfg, m, est.placements(cfg), lw.params / c.pp, lw.experts / c.pp) + est.loss_share_time()
 
     def _budget(self, c: Candidate, m: int, lb_m: float) -> float:
         """``B``, the most activation bytes one pass of all layers may take (module docstring):
@@ -491,7 +501,7 @@ class Search:
 
     def _queue(self, deadline: float | None) -> list:
         """Every usable candidate not dominated or pruned by memory, as a heap of
-        (bound, sort key, index, memory bound or None once refined, candidate)."""
+        (bound, sort key, index, pending refinement: its memory bound at first (_next), candidate)."""
         queue = []
         for c in self._usable():
             if queue and self._past(deadline):
@@ -512,24 +522,27 @@ class Search:
         return queue
 
     def _next(self, queue: list, limit: float) -> tuple | None:
-        """The queue's next entry with a bound below ``limit``, each refined by memory once before it
-        is returned (a refined bound goes back into the queue); None when none is left below it."""
+        """The queue's next entry with a bound below ``limit``, each refined before it is returned (a
+        refined bound goes back into the queue); None when none is left below it. An entry's
+        ``pending`` is what is left to refine: its memory bound (the summed refinement), "even" (an
+        even split's own bound, taken only once the summed one reaches the head), or None."""
         while queue:
             entry = heapq.heappop(queue)
-            lb_t, key, index, lb_m, c = entry
+            lb_t, key, index, pending, c = entry
             if lb_t >= limit:
                 heapq.heappush(queue, entry)
                 return None
-            if lb_m is not None:
-                tighter = self.refine(c, lb_t, lb_m)
-                if tighter is None:
-                    self.stats.pruned_memory += 1
-                    continue
-                if tighter > lb_t:
-                    heapq.heappush(queue, (tighter, key, index, None, c))   # refined: no lb_m needed
-                    continue
-                entry = (lb_t, key, index, None, c)
-            return entry
+            if pending is None:
+                return entry
+            if pending == "even":
+                tighter, after = self._refine_even(c, lb_t), None
+            else:
+                tighter = self._refine_summed(c, lb_t, pending)
+                after = "even" if self._even_split(c) else None
+            if tighter is None:
+                self.stats.pruned_memory += 1
+                continue
+            heapq.heappush(queue, (tighter, key, index, after, c))
         return None
 
     def least_memory_overall(self) -> tuple[float, ParallelConfig | None]:
