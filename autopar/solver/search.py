@@ -445,7 +445,8 @@ class Search:
             elif not fastest or result.step_time < fastest[0].step_time:
                 fastest[:] = [result]
 
-        bar = progress_bar(iter(lambda: self._next(queue, fastest[0].step_time if fastest else math.inf), None),
+        bar = progress_bar(iter(lambda: self._next(queue, fastest[0].step_time if fastest else math.inf, deadline),
+                                     None),
                            "autopar: searching", total=len(queue), enabled=self.progress)
         for lb_t, _, _, _, c in bar:
             if self._past(deadline) and fastest:
@@ -459,7 +460,7 @@ class Search:
             band = fastest[0].step_time * (1 + self.tie_tolerance) * (1 + TIE)
             deferred = []
             choice = choose((r for _, _, r in seen if isinstance(r, Plan)), self.tie_tolerance)
-            while (entry := self._next(queue, band)) is not None:
+            while (entry := self._next(queue, band, deadline)) is not None:
                 if self._past(deadline):
                     self.stats.timed_out = True   # the choice among ties may not be the simplest
                     deferred.append(entry)
@@ -491,7 +492,7 @@ class Search:
         def best_plain() -> float:
             return min((r.step_time for _, _, r in seen if isinstance(r, Plan) and r.config.zero == 0),
                        default=math.inf)
-        while not self._past(deadline) and (entry := self._next(plain, best_plain())) is not None:
+        while not self._past(deadline) and (entry := self._next(plain, best_plain(), deadline)) is not None:
             evaluate(entry[0], entry[-1])
         queue += plain
 
@@ -521,19 +522,20 @@ class Search:
         heapq.heapify(queue)
         return queue
 
-    def _next(self, queue: list, limit: float) -> tuple | None:
+    def _next(self, queue: list, limit: float, deadline: float | None = None) -> tuple | None:
         """The queue's next entry with a bound below ``limit``, each refined before it is returned (a
         refined bound goes back into the queue); None when none is left below it. An entry's
         ``pending`` is what is left to refine: its memory bound (the summed refinement), "even" (an
-        even split's own bound, taken only once the summed one reaches the head), or None."""
+        even split's own bound, taken only once the summed one reaches the head), or None. Past the
+        ``deadline`` an even split's own bound is skipped (it only prunes, and costs the most)."""
         while queue:
             entry = heapq.heappop(queue)
             lb_t, key, index, pending, c = entry
             if lb_t >= limit:
                 heapq.heappush(queue, entry)
                 return None
-            if pending is None:
-                return entry
+            if pending is None or (pending == "even" and self._past(deadline)):
+                return (lb_t, key, index, None, c)
             if pending == "even":
                 tighter, after = self._refine_even(c, lb_t), None
             else:
