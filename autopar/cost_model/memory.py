@@ -185,7 +185,7 @@ def chunk_passes(cfg: ParallelConfig, stage: int, micro_batches: int) -> tuple[i
     """Micro-batch passes of each of device ``stage``'s chunks (one chunk unless interleaved) that
     it holds at some moment, whatever the sizes of its layers and chunks: its peak activations are
     at least the sum of these times each chunk's bytes of one pass (the outer search's memory
-    bounds, solver/search.py and solver/even_bound.py). :func:`in_flight` unless interleaved;
+    bounds, solver/search.py and solver/even_split.py). :func:`in_flight` unless interleaved;
     interleaved, the warm-up's forwards and the first steady forward, all held before the first
     backward (:func:`interleaved_peak`), counted by chunk."""
     if cfg.schedule != "interleaved" or cfg.pp == 1:

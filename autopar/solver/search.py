@@ -9,7 +9,7 @@ per-layer costs (cached per layer signature)::
 
 ``W = sum_l c_l`` is the work of one micro-batch through all layers in the cheapest recompute
 mode, ``w_p = max_k ceil(k / p) c_(k)`` with ``c_(k)`` the ``k``-th costliest layer (some device
-holds ``ceil(k / p)`` of the ``k`` costliest: 82 blocks on 32 stages put 3 on some),
+holds ``ceil(k / p)`` of the ``k`` costliest: 80 blocks on 32 stages put 3 on some),
 ``C = 2 (p v - 1) min_cut`` the p2p of the ``p v - 1`` cuts between chunks (each seen by its
 sender and its receiver; ``min_cut`` the cheapest cut of the model, ``v = 1`` unless
 interleaved), ``P`` the parameters after tensor parallelism and
@@ -37,7 +37,7 @@ any plan's modes satisfy::
 (1F1B on 32 stages: ``sum_d 1 / f_d`` is 4.1 where one pass per device gave 32). A candidate
 on Megatron's even split (interleaved, or a pinned ``recompute_layers``) has its layers' places
 known, and the same argument holds device by device, each with its own passes of each chunk
-(even_bound.py). Its work is then at least the Lagrangian bound
+(even_split.py). Its work is then at least the Lagrangian bound
 of that multiple-choice knapsack::
 
     W_M = max_{lambda >= 0}  sum_l min_r (c_l^r + lambda a_l^r) - lambda B
@@ -67,7 +67,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -82,17 +82,10 @@ from ..cost_model.tensor_parallel import TPLayout
 from ..plan import Plan
 from ..progress import progress_bar
 from .choice import TIE, DEFAULT_TIE_TOLERANCE, Seen, choose, could_beat
-from .even_bound import Split, even_pipeline_floor, even_splits, knapsack_floors
+from .even_split import EvenSplitPlans, Split, even_pipeline_floor, even_splits, knapsack_floors
 from .sharding import WHOLE_BATCH
 from .space import Candidate, candidates, placeable, recompute_modes
 from .stages import least_memory, partition, run_tables
-
-
-class Unfit(NamedTuple):
-    """A configuration the search tried that does not fit: its peak memory per device (bytes)."""
-
-    peak: float
-    config: ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -139,7 +132,7 @@ class SearchStats:
 
 
 @dataclass
-class Search:
+class Search(EvenSplitPlans):
     """One search of one graph on one cluster and global batch."""
 
     graph: OpGraph
@@ -275,7 +268,7 @@ class Search:
     def _largest_stage(self, c: Candidate) -> float:
         """A floor on the slowest pipeline device's work, whatever the split: some device holds at
         least ``ceil(k / p)`` of the ``k`` costliest layers (in their cheapest modes), each costing at
-        least the ``k``-th's, for every ``k`` (82 blocks on 32 stages put 3 on some)."""
+        least the ``k``-th's, for every ``k`` (80 blocks on 32 stages put 3 on some)."""
         key = (c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep, c.pp)
         if key not in self._stage_floor:
             costliest = -np.sort(-self._layer_work(c).layer_work.min(axis=1))
@@ -311,7 +304,7 @@ class Search:
         return max(lb_t, self._bounds(c, total)[0] + self._tail(c, m))
 
     def _refine_even(self, c: Candidate, lb_t: float) -> float | None:
-        """The even split's device-by-device bound (even_bound.py), the costlier part of :meth:`refine`:
+        """The even split's device-by-device bound (even_split.py), the costlier part of :meth:`refine`:
         the search takes it only for a candidate whose summed bound reaches the queue's head."""
         m = c.micro_batches(self.global_batch_size)
         lw, est, cfg = self._layer_work(c), self.estimator(c.variant), c.config()
@@ -368,58 +361,6 @@ class Search:
     def _config(self, c: Candidate) -> ParallelConfig:
         """The candidate's config for the stage DP, with the recompute mode of each stage when pinned."""
         return c.config(self.fixed.get("recompute", "none"), tuple(self.fixed.get("stage_recompute") or ()))
-
-    def _even_split(self, c: Candidate) -> bool:
-        """Whether ``c`` takes Megatron's even split (:meth:`_even`) rather than the stage DP."""
-        return c.schedule == "interleaved" or bool(self.fixed.get("recompute_layers"))
-
-    def _even(self, c: Candidate) -> list[Plan | Unfit]:
-        """Megatron's even split (stages.py: an interleaved candidate, or a pinned ``recompute_layers``,
-        which the stage DP does not price): one estimate per recompute mode, and for "full" also the
-        fastest partial recomputation that fits (:meth:`_partial`); a config that does not fit is
-        only priced by its memory."""
-        est = self.estimator(c.variant)
-        tried = [self._try(est, c, c.config(mode)) for mode in self.modes if mode != "full"]
-        if "full" in self.modes:
-            # partial recomputation only pays when keeping every activation does not fit
-            keeps_all = any(isinstance(p, Plan) and p.fits and p.config.recompute == "none" for p in tried)
-            tried += self._partial(c, est, bisect=not keeps_all)
-        return tried
-
-    def _try(self, est: Estimator, c: Candidate, cfg: ParallelConfig) -> Plan | Unfit:
-        """The plan of ``cfg`` (even split), or its peak memory when it does not fit (the estimate's
-        time is then of no use, and the memory alone costs a third of it)."""
-        m = c.micro_batches(self.global_batch_size)
-        peak = est.peak_memory(cfg, m)
-        if self.must_fit and peak > self.cluster.device.memory:
-            return Unfit(peak, cfg)
-        return estimate_plan(self.graph, self.cluster, cfg, self.global_batch_size, self.precision, est)
-
-    def _partial(self, c: Candidate, est: Estimator, bisect: bool = True) -> list[Plan | Unfit]:
-        """Full recomputation of every layer, and of only the first ``k`` layers of each chunk
-        (``recompute_layers``) for the least ``k`` that fits: memory falls and time rises as ``k``
-        grows, so that ``k`` is the fastest partial plan, found by bisection (skipped, ``bisect``
-        False, when no recomputation at all fits: that plan is faster). A pinned
-        ``recompute_layers`` is the only one tried."""
-        def fits(k: int) -> bool:
-            m = c.micro_batches(self.global_batch_size)
-            return est.peak_memory(c.config("full", recompute_layers=k), m) <= self.cluster.device.memory
-        if "recompute_layers" in self.fixed:
-            return [self._try(est, c, c.config("full", recompute_layers=self.fixed["recompute_layers"]))]
-        full = self._try(est, c, c.config("full"))
-        if not isinstance(full, Plan):
-            return [full]
-        longest = max(len(ch) for s in full.stages for ch in s.chunks)
-        if not bisect or longest < 2:
-            return [full]
-        low, high = 1, longest   # recompute_layers = longest recomputes every layer, as full does
-        while low < high:
-            mid = (low + high) // 2
-            if fits(mid):
-                high = mid
-            else:
-                low = mid + 1
-        return [full] if low >= longest else [full, self._try(est, c, c.config("full", recompute_layers=low))]
 
     # --- the loop ----------------------------------------------------------------------------
     def run(self) -> tuple[Plan | None, Candidate | None, Seen]:

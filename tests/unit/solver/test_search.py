@@ -237,7 +237,7 @@ def deep_graph():
 @pytest.mark.parametrize("fraction", [0.2, 0.6])
 def test_even_split_bound_is_below_every_plan(deep_graph, fixed, fraction):
     """Megatron's even split (interleaved, or pinned recompute_layers) is bounded device by device
-    (even_bound.py): the refined bound is below every plan of the candidate that fits, refuses only
+    (even_split.py): the refined bound is below every plan of the candidate that fits, refuses only
     candidates nothing of which fits, and is above the summed bound somewhere."""
     spec, gbs = "1x8xA100-80GB", 16
     sharding = _sharding(deep_graph, spec)

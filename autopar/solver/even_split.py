@@ -1,5 +1,6 @@
-r"""A lower bound on the pipeline time of a candidate that runs Megatron's even split (interleaved
-1F1B, or a pinned ``recompute_layers``): where its layers go is known, so the memory argument of
+r"""Megatron's even split (interleaved 1F1B, or a pinned ``recompute_layers``): a candidate's plans
+(:class:`EvenSplitPlans`, one per recompute mode and the fastest partial recomputation that fits)
+and a lower bound on its pipeline time. Where its layers go is known, so the memory argument of
 search.py holds device by device instead of summed over the pipeline.
 
 Device ``d`` runs chunks ``j = 0..v-1`` (layers ``L_dj``; ``v = 1`` unless interleaved) and holds
@@ -33,15 +34,17 @@ an interleaved pipeline) left interleaved candidates 30% below their step time: 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from ..config import ParallelConfig
-from ..cost_model import Estimator
+from ..cost_model import Estimator, estimate_plan
 from ..cost_model.estimator import device_p2p
 from ..cost_model.memory import chunk_passes
 from ..cost_model.schedule import even_partition, pipeline_time
+from ..plan import Plan
+from .space import Candidate
 
 
 @dataclass(frozen=True)
@@ -117,3 +120,68 @@ def knapsack_floors(work: np.ndarray, acts: np.ndarray, members: np.ndarray, roo
     lam = np.unique(np.concatenate([[0.0], dc[ok] / da[ok]]))
     g = (work[None] + lam[:, None, None] * acts[None]).min(axis=2) @ members - lam[:, None] * room[None, :]
     return g.max(axis=0)
+
+
+class Unfit(NamedTuple):
+    """A configuration the search tried that does not fit: its peak memory per device (bytes)."""
+
+    peak: float
+    config: ParallelConfig
+
+
+class EvenSplitPlans:
+    """The plans of a candidate on Megatron's even split, for the outer search (search.Search, which
+    provides ``estimator``, ``graph``, ``cluster``, ``global_batch_size``, ``precision``, ``modes``,
+    ``fixed`` and ``must_fit``)."""
+
+    def _even_split(self, c: Candidate) -> bool:
+        """Whether ``c`` takes Megatron's even split (:meth:`_even`) rather than the stage DP."""
+        return c.schedule == "interleaved" or bool(self.fixed.get("recompute_layers"))
+
+    def _even(self, c: Candidate) -> list[Plan | Unfit]:
+        """Megatron's even split (stages.py: an interleaved candidate, or a pinned ``recompute_layers``,
+        which the stage DP does not price): one estimate per recompute mode, and for "full" also the
+        fastest partial recomputation that fits (:meth:`_partial`); a config that does not fit is
+        only priced by its memory."""
+        est = self.estimator(c.variant)
+        tried = [self._try(est, c, c.config(mode)) for mode in self.modes if mode != "full"]
+        if "full" in self.modes:
+            # partial recomputation only pays when keeping every activation does not fit
+            keeps_all = any(isinstance(p, Plan) and p.fits and p.config.recompute == "none" for p in tried)
+            tried += self._partial(c, est, bisect=not keeps_all)
+        return tried
+
+    def _try(self, est: Estimator, c: Candidate, cfg: ParallelConfig) -> Plan | Unfit:
+        """The plan of ``cfg`` (even split), or its peak memory when it does not fit (the estimate's
+        time is then of no use, and the memory alone costs a third of it)."""
+        m = c.micro_batches(self.global_batch_size)
+        peak = est.peak_memory(cfg, m)
+        if self.must_fit and peak > self.cluster.device.memory:
+            return Unfit(peak, cfg)
+        return estimate_plan(self.graph, self.cluster, cfg, self.global_batch_size, self.precision, est)
+
+    def _partial(self, c: Candidate, est: Estimator, bisect: bool = True) -> list[Plan | Unfit]:
+        """Full recomputation of every layer, and of only the first ``k`` layers of each chunk
+        (``recompute_layers``) for the least ``k`` that fits: memory falls and time rises as ``k``
+        grows, so that ``k`` is the fastest partial plan, found by bisection (skipped, ``bisect``
+        False, when no recomputation at all fits: that plan is faster). A pinned
+        ``recompute_layers`` is the only one tried."""
+        def fits(k: int) -> bool:
+            m = c.micro_batches(self.global_batch_size)
+            return est.peak_memory(c.config("full", recompute_layers=k), m) <= self.cluster.device.memory
+        if "recompute_layers" in self.fixed:
+            return [self._try(est, c, c.config("full", recompute_layers=self.fixed["recompute_layers"]))]
+        full = self._try(est, c, c.config("full"))
+        if not isinstance(full, Plan):
+            return [full]
+        longest = max(len(ch) for s in full.stages for ch in s.chunks)
+        if not bisect or longest < 2:
+            return [full]
+        low, high = 1, longest   # recompute_layers = longest recomputes every layer, as full does
+        while low < high:
+            mid = (low + high) // 2
+            if fits(mid):
+                high = mid
+            else:
+                low = mid + 1
+        return [full] if low >= longest else [full, self._try(est, c, c.config("full", recompute_layers=low))]
