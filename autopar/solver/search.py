@@ -81,7 +81,7 @@ from ..cost_model.memory import least_passes
 from ..cost_model.tensor_parallel import TPLayout
 from ..plan import Plan
 from ..progress import progress_bar
-from .choice import TIE, DEFAULT_TIE_TOLERANCE, Seen, choose, could_beat
+from .choice import TIE, TOP_ALTERNATIVES, DEFAULT_TIE_TOLERANCE, Seen, choose, could_beat
 from .even_split import EvenSplitPlans, Split, even_pipeline_floor, even_splits, knapsack_floors
 from .sharding import WHOLE_BATCH
 from .space import Candidate, candidates, placeable, recompute_modes
@@ -417,11 +417,24 @@ class Search(EvenSplitPlans):
         best = choose(plans, self.tie_tolerance)
         if best is not None and best.config.zero and not self._past(deadline):
             self._plain(queue, seen, evaluate, deadline)
+        if best is not None:
+            self._runners_up(best, queue, seen, evaluate, deadline)
         self.stats.pruned_bound = self.stats.candidates - self.stats.dominated - self.stats.pruned_memory \
             - self.stats.evaluated
         self.stats.search_seconds = time.perf_counter() - t0
         best_c = next((c for _, c, r in seen if r is best), None)
         return best, best_c, seen
+
+    def _runners_up(self, best: Plan, queue: list, seen: Seen, evaluate: Callable[[float, Candidate], None],
+                    deadline: float | None) -> None:
+        """Evaluate the next candidates in bound order until TOP_ALTERNATIVES configurations other than
+        ``best``'s have a plan (the runners-up plan.explain() shows): where the bounds are tight the
+        search proves its choice with few evaluations, and a user still sees what came next."""
+        def others() -> int:
+            return len({r.config for _, _, r in seen if isinstance(r, Plan) and r.config != best.config})
+        while others() < TOP_ALTERNATIVES and not self._past(deadline) and \
+                (entry := self._next(queue, math.inf, deadline)) is not None:
+            evaluate(entry[0], entry[-1])
 
     def _plain(self, queue: list, seen: Seen, evaluate: Callable[[float, Candidate], None],
                deadline: float | None) -> None:
