@@ -199,24 +199,21 @@ class Estimator:
         ``1/t`` of a batch-dependent tensor from each rank."""
         key = (cfg.tp, cfg.cp, cfg.micro_batch_size, group)
         if key not in self._cuts:
-            scale = cfg.micro_batch_size / (self.graph.batch_size * cfg.cp)
-            out = []
-            for cut in range(len(self.graph.layers) - 1):
-                bd, const = self.layers.crossing_numel(cut)
-                nbytes = (bd * scale / cfg.tp + const) * self.precision.activation_bytes
-                out.append(collective_time(Collective.P2P, nbytes, group, self.cluster))
-            self._cuts[key] = out
+            self._cuts[key] = [collective_time(Collective.P2P, float(b), group, self.cluster)
+                               for b in self._cut_bytes(cfg)]
         return self._cuts[key]
 
     def least_cut_time(self, cfg: ParallelConfig, group: GroupPlacement) -> float:
         """The least of :meth:`p2p_cut_times` (0 for a model of one layer), with one collective's
         pricing: a p2p's time grows with its bytes."""
-        if len(self.graph.layers) < 2:
-            return 0.0
+        nbytes = self._cut_bytes(cfg)
+        return collective_time(Collective.P2P, float(nbytes.min()), group, self.cluster) if len(nbytes) else 0.0
+
+    def _cut_bytes(self, cfg: ParallelConfig) -> np.ndarray:
+        """Bytes one device sends across the cut after each layer but the last, per micro-batch."""
         bd, const = (a[:len(self.graph.layers) - 1] for a in self.layers.crossing_numels)
         scale = cfg.micro_batch_size / (self.graph.batch_size * cfg.cp)
-        nbytes = float(((bd * scale / cfg.tp + const) * self.precision.activation_bytes).min())
-        return collective_time(Collective.P2P, nbytes, group, self.cluster)
+        return (bd * scale / cfg.tp + const) * self.precision.activation_bytes
 
     def _device(self, cfg: ParallelConfig, d: int, chunks: list[tuple[int, ...]], p2p: float,
                 costs: Mapping[int, LayerCost], micro_batches: int) -> DeviceCost:

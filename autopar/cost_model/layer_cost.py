@@ -274,17 +274,12 @@ class LayerCostModel:
                                         if c.phase == "step") * self.precision.grad_bytes
         return self._step_bytes[key]
 
-    def crossing_numel(self, cut_after: int) -> tuple[int, int]:
-        """(batch-dependent, constant) elements produced at or before layer ``cut_after`` and used after it.
-
-        Graph inputs are excluded: every rank has the batch."""
-        bd, const = self.crossing_numels
-        return int(bd[cut_after]), int(const[cut_after])
-
     @functools.cached_property
     def crossing_numels(self) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`crossing_numel` of every cut, in one pass: a tensor produced in layer ``a`` whose last
-        user is in layer ``b > a`` crosses the cuts after ``a, ..., b - 1``."""
+        """(batch-dependent, constant) elements produced at or before layer ``l`` and used after it,
+        for every cut ``l`` (graph inputs excluded: every rank has the batch), in one pass: a tensor
+        produced in layer ``a`` whose last user is in layer ``b > a`` crosses the cuts after
+        ``a, ..., b - 1``."""
         graph = self.graph
         last: dict[str, int] = {}
         for layer in graph.layers:
