@@ -1,59 +1,19 @@
 r"""The outer search: the fastest configuration that fits, by best-first branch and bound.
 
-For every candidate ``c`` of the space (space.py) a lower bound on its step time needs only
-per-layer costs (cached per layer signature)::
-
-    LB_T(c) = (m - 1) max((W + C) / p, w_p) + W + C + opt(P / p)           (1F1B, GPipe)
-    LB_T(c) = (m + (p - 1) / v) max((W + C) / p, w_p) + opt(P / p)          (interleaved)
-    LB_M(c) = states(P / p)
-
-``W = sum_l c_l`` is the work of one micro-batch through all layers in the cheapest recompute
-mode, ``w_p = max_k ceil(k / p) c_(k)`` with ``c_(k)`` the ``k``-th costliest layer (some device
-holds ``ceil(k / p)`` of the ``k`` costliest: 80 blocks on 32 stages put 3 on some),
-``C = 2 (p v - 1) min_cut`` the p2p of the ``p v - 1`` cuts between chunks (each seen by its
-sender and its receiver; ``min_cut`` the cheapest cut of the model, ``v = 1`` unless
-interleaved), ``P`` the parameters after tensor parallelism and
-``opt``/``states`` the optimizer time and model-state bytes of that many parameters: the
-slowest stage has at least the mean work and the mean parameters, and the pipeline formula
-(cost_model/schedule.py) is increasing in both. A candidate with ``LB_M > M`` cannot fit
-(pruned by memory). The rest are visited in increasing ``LB_T``; each is solved exactly by the
-stage DP (stages.py) and estimated; the search stops when the next bound reaches the best
-step time found (every remaining candidate is pruned by the bound). GPipe is never visited
-unless pinned: under this cost model it takes the same time as 1F1B and holds more
-micro-batches (dominated).
-
-Where activations do not fit, the cheapest mode is not reachable and ``W`` is loose (a 405B
-model at sequence 8192 recomputes on every plan: a third more work). When a candidate reaches
-the head of the queue its ``W`` is tightened by memory (:meth:`Search.refine`) and it goes back
-into the queue with the new bound. Pipeline device ``d`` holds at least ``f_d`` micro-batch
-passes of each of its layers at its peak (cost_model/memory.least_passes; 1F1B ``min(m, p - d)``;
-interleaved with ``m`` a multiple of ``p``, the chunk its warm-up runs fewest times, at least
-one), so its layers' activations ``A_d`` satisfy ``f_d A_d <= M - s_d``. Summed over devices, with
-``a_l^r`` the activation bytes of layer ``l`` in mode ``r`` and ``sum_d s_d >= p states(P / p)``,
-any plan's modes satisfy::
-
-    sum_l a_l^{r_l} <= B = min(p (M - states(P / p)),  M sum_d 1 / f_d - p states(P / p) / max_d f_d)
-
-(1F1B on 32 stages: ``sum_d 1 / f_d`` is 4.1 where one pass per device gave 32). A candidate
-on Megatron's even split (interleaved, or a pinned ``recompute_layers``) has its layers' places
-known, and the same argument holds device by device, each with its own passes of each chunk
-(even_split.py). Its work is then at least the Lagrangian bound
-of that multiple-choice knapsack::
-
-    W_M = max_{lambda >= 0}  sum_l min_r (c_l^r + lambda a_l^r) - lambda B
-
-(concave and piecewise linear in ``lambda``: its maximum is at 0 or a breakpoint where a layer's
-cheapest mode changes), and ``W_M`` replaces ``W`` above. When even ``sum_l min_r a_l^r > B``
-the candidate cannot fit (pruned by memory). The refined bound also adds the data-parallel
-communication of ``P / p`` parameters that no overlap hides (``Estimator.dp_floor``: the
-device with the most parameters pays at least that much after its pipeline) and the loss's
-all-reduce.
+Every candidate ``c`` of the space (space.py) gets a lower bound on its step time and on its memory
+from per-layer costs alone (bounds.py, where the maths is). The rest are visited in increasing
+bound; each is solved exactly by the stage DP (stages.py), or on Megatron's even split
+(even_split.py), and estimated; the search stops when the next bound reaches the best step time
+found (every remaining candidate is pruned by the bound). A bound is tightened in steps as its
+candidate reaches the queue's head: by the memory its activations force, then, for an even split,
+device by device.
 
 The search returns the simplest plan within ``tie_tolerance`` of the fastest (choice.py): once the
 fastest is found, the candidates whose bound lies within the tolerance of it are evaluated too when
 their moving parts (counted without recomputation, a lower bound) could come before the choice so
 far; when the choice uses ZeRO, the zero=0 candidates are then visited in bound order up to the best
-of them, a runner-up the user always sees.
+of them, a runner-up the user always sees; and the next candidates in bound order until five other
+configurations have plans (the runners-up plan.explain() shows).
 
 The layout variants (the sharding ILP's "fast" and "lean" solutions, sharding.py) are
 separate candidates with their own layer costs, so the global step time, not the ILP's
@@ -69,38 +29,21 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
-import numpy as np
-
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
 from ..config import ParallelConfig, Precision
 from ..cost_model import Estimator, estimate_plan
 from ..cost_model.compute import MeasuredTimes
 from ..cost_model.layer_cost import LayerCostModel
-from ..cost_model.memory import least_passes
 from ..cost_model.tensor_parallel import TPLayout
 from ..plan import Plan
 from ..progress import progress_bar
 from .choice import TIE, TOP_ALTERNATIVES, DEFAULT_TIE_TOLERANCE, Seen, choose, could_beat
-from .even_split import EvenSplitPlans, Split, even_pipeline_floor, even_splits, knapsack_floors
+from .bounds import LayerWork, SearchBounds
+from .even_split import EvenSplitPlans, Split
 from .sharding import WHOLE_BATCH
 from .space import Candidate, candidates, placeable, recompute_modes
 from .stages import least_memory, partition, run_tables
-
-
-@dataclass(frozen=True)
-class LayerWork:
-    """What a candidate's bounds need from its layers (one micro-batch), by layout, tensor,
-    sequence, context and expert parallelism and micro-batch size."""
-
-    total: float        # W: every layer in its cheapest mode
-    params: float       # P: parameters per device after tensor and expert parallelism
-    experts: float      # of which expert weights
-    work: np.ndarray    # (distinct layers, modes) seconds
-    acts: np.ndarray    # (distinct layers, modes) activation bytes
-    counts: np.ndarray  # layers of each distinct row
-    layer_work: np.ndarray   # (layers, modes) seconds, in layer order
-    layer_acts: np.ndarray   # (layers, modes) activation bytes, in layer order
 
 
 @dataclass
@@ -132,7 +75,7 @@ class SearchStats:
 
 
 @dataclass
-class Search(EvenSplitPlans):
+class Search(SearchBounds, EvenSplitPlans):
     """One search of one graph on one cluster and global batch."""
 
     graph: OpGraph
@@ -166,12 +109,6 @@ class Search(EvenSplitPlans):
     @functools.cached_property
     def modes(self) -> tuple[str, ...]:
         return recompute_modes(self.graph, self.fixed)
-
-    @functools.cached_property
-    def bound_modes(self) -> tuple[str, ...]:
-        """The modes the bounds choose from: the search's, and "none" beside "full" (a partial
-        recomputation, :meth:`_partial`, leaves the layers after each chunk's first unrecomputed)."""
-        return self.modes + (("none",) if "full" in self.modes and "none" not in self.modes else ())
 
     def _usable(self):
         """The space's candidates whose mesh places uniformly on the topology, each with a layout that
@@ -221,121 +158,6 @@ class Search(EvenSplitPlans):
             splits = self.splits_batch is not None and self.splits_batch(c.tp, c.variant)
             self._layout_facts[key] = (duplicate, splits)
         return self._layout_facts[key]
-
-    # --- bounds ------------------------------------------------------------------------------
-    def _layer_work(self, c: Candidate) -> LayerWork:
-        """Per-layer work and activations in every mode, parameters after tensor and expert
-        parallelism, and the expert ones among them (cached: the same for every mesh around them)."""
-        key = (c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep)
-        if key not in self._work:
-            est = self.estimator(c.variant)
-            cfg = c.config()
-            groups = est.placements(cfg)
-            costs = [est.layer_costs(cfg, groups["tp"], m, groups) for m in self.bound_modes]
-            work = np.array([[x.work for x in col] for col in costs]).T            # (layers, modes)
-            acts = np.array([[x.activations for x in col] for col in costs]).T
-            rows, counts = np.unique(np.concatenate([work, acts], axis=1), axis=0, return_counts=True)
-            cheapest = work.min(axis=1)
-            modes = len(self.bound_modes)
-            self._work[key] = LayerWork(
-                total=float(cheapest.sum()),
-                params=float(est._local_params(self.graph.params, cfg)),
-                experts=float(est._local_params(est.experts, cfg)),
-                work=rows[:, :modes], acts=rows[:, modes:], counts=counts.astype(float),
-                layer_work=work, layer_acts=acts)
-        return self._work[key]
-
-    def bounds(self, c: Candidate) -> tuple[float, float]:
-        """(LB_T, LB_M) of the module docstring."""
-        return self._bounds(c, self._layer_work(c).total)
-
-    def _bounds(self, c: Candidate, total: float) -> tuple[float, float]:
-        """(LB_T, LB_M) with ``total`` for ``W``."""
-        lw = self._layer_work(c)
-        m, p = c.micro_batches(self.global_batch_size), c.pp
-        est = self.estimator(c.variant)
-        cfg = c.config()
-        p2p = 2 * (p * c.virtual_stages - 1) * self._least_cut(c) if p > 1 else 0.0
-        x = max((total + p2p) / p, self._largest_stage(c))
-        if c.schedule == "interleaved":
-            pipe = (m + (p - 1) / c.virtual_stages) * x
-        else:
-            pipe = (m - 1) * x + total + p2p
-        lb_t = pipe + est.optimizer_time(cfg, lw.params / p, lw.experts / p)
-        lb_m = sum(est.state_bytes(cfg, lw.params / p, lw.experts / p))
-        return lb_t, lb_m
-
-    def _largest_stage(self, c: Candidate) -> float:
-        """A floor on the slowest pipeline device's work, whatever the split: some device holds at
-        least ``ceil(k / p)`` of the ``k`` costliest layers (in their cheapest modes), each costing at
-        least the ``k``-th's, for every ``k`` (80 blocks on 32 stages put 3 on some)."""
-        key = (c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep, c.pp)
-        if key not in self._stage_floor:
-            costliest = -np.sort(-self._layer_work(c).layer_work.min(axis=1))
-            share = np.ceil(np.arange(1, len(costliest) + 1) / c.pp)
-            self._stage_floor[key] = float((share * costliest).max())
-        return self._stage_floor[key]
-
-    def _least_cut(self, c: Candidate) -> float:
-        """The least p2p time of any pipeline cut per micro-batch (as one device beside it sees it)."""
-        key = (c.variant, c.tp, c.cp, c.micro_batch_size, c.pp)
-        if key not in self._cuts:
-            est, cfg = self.estimator(c.variant), c.config()
-            self._cuts[key] = est.least_cut_time(cfg, est.placements(cfg)["pp"])
-        return self._cuts[key]
-
-    def refine(self, c: Candidate, lb_t: float, lb_m: float) -> float | None:
-        """``LB_T`` with ``W_M``, the work the activations' memory forces, plus the data-parallel
-        communication no overlap hides, and for an even split the device-by-device bound (module
-        docstring); None when the activations cannot fit in any mode."""
-        tighter = self._refine_summed(c, lb_t, lb_m)
-        return tighter if tighter is None or not self._even_split(c) else self._refine_even(c, tighter)
-
-    def _refine_summed(self, c: Candidate, lb_t: float, lb_m: float) -> float | None:
-        """:meth:`refine` without the even split's own bound."""
-        m = c.micro_batches(self.global_batch_size)
-        lw = self._layer_work(c)
-        total = lw.total
-        if self._holds(c, m):
-            floors = knapsack_floors(lw.work, lw.acts, lw.counts[:, None], np.array([self._budget(c, m, lb_m)]))
-            if floors is None:
-                return None
-            total = max(total, float(floors[0]))
-        return max(lb_t, self._bounds(c, total)[0] + self._tail(c, m))
-
-    def _refine_even(self, c: Candidate, lb_t: float) -> float | None:
-        """The even split's device-by-device bound (even_split.py), the costlier part of :meth:`refine`:
-        the search takes it only for a candidate whose summed bound reaches the queue's head."""
-        m = c.micro_batches(self.global_batch_size)
-        lw, est, cfg = self._layer_work(c), self.estimator(c.variant), c.config()
-        key = (c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep, c.pp, c.virtual_stages)
-        if key not in self._splits:
-            self._splits[key] = even_splits(est, cfg, lw.layer_work)
-        pipe = even_pipeline_floor(est, cfg, m, self._splits[key], lw.layer_work, lw.layer_acts,
-                                   self.cluster.device.memory if self._holds(c, m) else math.inf)
-        if pipe is None:
-            return None
-        return max(lb_t, pipe + est.optimizer_time(cfg, lw.params / c.pp, lw.experts / c.pp) + self._tail(c, m))
-
-    def _holds(self, c: Candidate, m: int) -> bool:
-        """Whether the memory argument applies: it needs every layer's activations held at once,
-        not so for an interleaved order with m not a multiple of p (which the space never offers)."""
-        return self.must_fit and not (c.schedule == "interleaved" and m % c.pp)
-
-    def _tail(self, c: Candidate, m: int) -> float:
-        """The data-parallel communication no overlap hides and the loss's all-reduce."""
-        lw, est, cfg = self._layer_work(c), self.estimator(c.variant), c.config()
-        return est.dp_floor(cfg, m, est.placements(cfg), lw.params / c.pp, lw.experts / c.pp) + est.loss_share_time()
-
-    def _budget(self, c: Candidate, m: int, lb_m: float) -> float:
-        """``B``, the most activation bytes one pass of all layers may take (module docstring):
-        device ``d`` holds at least ``f_d`` passes of each of its layers (memory.least_passes), so
-        ``f_d A_d <= M - s_d``; summed with ``sum_d s_d >= p states(P / p)``, ``sum_d A_d`` is at most
-        ``M sum_d 1 / f_d - p states(P / p) / max_d f_d`` (and at most ``p (M - states(P / p))``)."""
-        memory, cfg = self.cluster.device.memory, c.config()
-        passes = [least_passes(cfg, d, m) for d in range(c.pp)]
-        return min(c.pp * (memory - lb_m),
-                   memory * sum(1 / f for f in passes) - c.pp * lb_m / max(passes))
 
     # --- evaluation --------------------------------------------------------------------------
     def evaluate(self, c: Candidate) -> Plan | float:
