@@ -5,7 +5,7 @@ per-layer costs (cached per layer signature)::
 
     LB_T(c) = (m - 1) max((W + C) / p, w_p) + W + C + opt(P / p)           (1F1B, GPipe)
     LB_T(c) = (m + (p - 1) / v) max((W + C) / p, w_p) + opt(P / p)          (interleaved)
-    LB_M(c) = states(P / p)
+    LB_M(c) = states(P / p) + sum_l min_r a_l^r / p
 
 ``W = sum_l c_l`` is the work of one micro-batch through all layers in the cheapest recompute
 mode, ``w_p = max_k ceil(k / p) c_(k)`` with ``c_(k)`` the ``k``-th costliest layer (some device
@@ -15,7 +15,10 @@ sender and its receiver; ``min_cut`` the cheapest cut of the model, ``v = 1`` un
 interleaved), ``P`` the parameters after tensor parallelism and
 ``opt``/``states`` the optimizer time and model-state bytes of that many parameters: the
 slowest stage has at least the mean work and the mean parameters, and the pipeline formula
-(cost_model/schedule.py) is increasing in both. A candidate with ``LB_M > M`` cannot fit
+(cost_model/schedule.py) is increasing in both. In ``LB_M``, ``a_l^r`` are the activation bytes
+of layer ``l`` in mode ``r``: every device holds at least one pass of each of its layers at its
+peak (below), so the fullest holds at least the mean of states and activations (a micro-batch
+of 1024 sequences is refused here, not after its stage DP). A candidate with ``LB_M > M`` cannot fit
 (pruned by memory). The rest are visited in increasing ``LB_T``; each is solved exactly by the
 stage DP (stages.py) and estimated; the search stops when the next bound reaches the best
 step time found (every remaining candidate is pruned by the bound). GPipe is never visited
@@ -58,6 +61,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..config import ParallelConfig
 from ..cost_model.memory import least_passes
 from .even_split import even_pipeline_floor, even_splits, knapsack_floors
 from .space import Candidate
@@ -76,12 +80,13 @@ class LayerWork:
     counts: np.ndarray  # layers of each distinct row
     layer_work: np.ndarray   # (layers, modes) seconds, in layer order
     layer_acts: np.ndarray   # (layers, modes) activation bytes, in layer order
+    least_acts: float        # sum_l min_r a_l^r: one pass of every layer in its leanest mode
 
 
 class SearchBounds:
     """The bounds of search.Search's candidates (a mixin: Search provides ``estimator``, ``graph``,
     ``cluster``, ``global_batch_size``, ``must_fit``, ``modes``, ``_even_split`` and the caches
-    ``_work``, ``_cuts``, ``_splits`` and ``_stage_floor``)."""
+    ``_work``, ``_cuts``, ``_splits``, ``_stage_floor`` and ``_held``)."""
 
     @functools.cached_property
     def bound_modes(self) -> tuple[str, ...]:
@@ -108,7 +113,7 @@ class SearchBounds:
                 params=float(est._local_params(self.graph.params, cfg)),
                 experts=float(est._local_params(est.experts, cfg)),
                 work=rows[:, :modes], acts=rows[:, modes:], counts=counts.astype(float),
-                layer_work=work, layer_acts=acts)
+                layer_work=work, layer_acts=acts, least_acts=float(acts.min(axis=1).sum()))
         return self._work[key]
 
     def bounds(self, c: Candidate) -> tuple[float, float]:
@@ -128,8 +133,26 @@ class SearchBounds:
         else:
             pipe = (m - 1) * x + total + p2p
         lb_t = pipe + est.optimizer_time(cfg, lw.params / p, lw.experts / p)
-        lb_m = sum(est.state_bytes(cfg, lw.params / p, lw.experts / p))
-        return lb_t, lb_m
+        states = self._states(c, cfg)
+        if not self._all_held(c, m):
+            return lb_t, states
+        inverse, most = self._passes(c, m)
+        return lb_t, max(states + lw.least_acts / p, (lw.least_acts + p * states / most) / inverse)
+
+    def _passes(self, c: Candidate, m: int) -> tuple[float, int]:
+        """``(sum_d 1 / f_d, max_d f_d)``, ``f_d`` the passes of each of its layers pipeline device ``d``
+        holds at least at its peak (memory.least_passes); cached by schedule, pp, chunks and m."""
+        key = (c.schedule, c.pp, c.virtual_stages, m)
+        if key not in self._held:
+            cfg = c.config()
+            passes = [least_passes(cfg, d, m) for d in range(c.pp)]
+            self._held[key] = (sum(1 / f for f in passes), max(passes))
+        return self._held[key]
+
+    def _states(self, c: Candidate, cfg: ParallelConfig) -> float:
+        """``states(P / p)``: the model-state bytes of the mean pipeline device."""
+        lw, p = self._layer_work(c), c.pp
+        return sum(self.estimator(c.variant).state_bytes(cfg, lw.params / p, lw.experts / p))
 
     def _largest_stage(self, c: Candidate) -> float:
         """A floor on the slowest pipeline device's work, whatever the split: some device holds at
@@ -150,20 +173,20 @@ class SearchBounds:
             self._cuts[key] = est.least_cut_time(cfg, est.placements(cfg)["pp"])
         return self._cuts[key]
 
-    def refine(self, c: Candidate, lb_t: float, lb_m: float) -> float | None:
+    def refine(self, c: Candidate, lb_t: float) -> float | None:
         """``LB_T`` with ``W_M``, the work the activations' memory forces, plus the data-parallel
         communication no overlap hides, and for an even split the device-by-device bound (module
         docstring); None when the activations cannot fit in any mode."""
-        tighter = self._refine_summed(c, lb_t, lb_m)
+        tighter = self._refine_summed(c, lb_t)
         return tighter if tighter is None or not self._even_split(c) else self._refine_even(c, tighter)
 
-    def _refine_summed(self, c: Candidate, lb_t: float, lb_m: float) -> float | None:
+    def _refine_summed(self, c: Candidate, lb_t: float) -> float | None:
         """:meth:`refine` without the even split's own bound."""
         m = c.micro_batches(self.global_batch_size)
         lw = self._layer_work(c)
         total = lw.total
         if self._holds(c, m):
-            floors = knapsack_floors(lw.work, lw.acts, lw.counts[:, None], np.array([self._budget(c, m, lb_m)]))
+            floors = knapsack_floors(lw.work, lw.acts, lw.counts[:, None], np.array([self._budget(c, m)]))
             if floors is None:
                 return None
             total = max(total, float(floors[0]))
@@ -184,21 +207,25 @@ class SearchBounds:
         return max(lb_t, pipe + est.optimizer_time(cfg, lw.params / c.pp, lw.experts / c.pp) + self._tail(c, m))
 
     def _holds(self, c: Candidate, m: int) -> bool:
-        """Whether the memory argument applies: it needs every layer's activations held at once,
-        not so for an interleaved order with m not a multiple of p (which the space never offers)."""
-        return self.must_fit and not (c.schedule == "interleaved" and m % c.pp)
+        """Whether the memory argument bounds the work: the plan must fit, and :meth:`_all_held`."""
+        return self.must_fit and self._all_held(c, m)
+
+    @staticmethod
+    def _all_held(c: Candidate, m: int) -> bool:
+        """Whether each device holds a pass of every one of its layers at its peak: not so for an
+        interleaved order with m not a multiple of p (which the space never offers)."""
+        return not (c.schedule == "interleaved" and m % c.pp)
 
     def _tail(self, c: Candidate, m: int) -> float:
         """The data-parallel communication no overlap hides and the loss's all-reduce."""
         lw, est, cfg = self._layer_work(c), self.estimator(c.variant), c.config()
         return est.dp_floor(cfg, m, est.placements(cfg), lw.params / c.pp, lw.experts / c.pp) + est.loss_share_time()
 
-    def _budget(self, c: Candidate, m: int, lb_m: float) -> float:
+    def _budget(self, c: Candidate, m: int) -> float:
         """``B``, the most activation bytes one pass of all layers may take (module docstring):
         device ``d`` holds at least ``f_d`` passes of each of its layers (memory.least_passes), so
         ``f_d A_d <= M - s_d``; summed with ``sum_d s_d >= p states(P / p)``, ``sum_d A_d`` is at most
         ``M sum_d 1 / f_d - p states(P / p) / max_d f_d`` (and at most ``p (M - states(P / p))``)."""
-        memory, cfg = self.cluster.device.memory, c.config()
-        passes = [least_passes(cfg, d, m) for d in range(c.pp)]
-        return min(c.pp * (memory - lb_m),
-                   memory * sum(1 / f for f in passes) - c.pp * lb_m / max(passes))
+        memory, states = self.cluster.device.memory, self._states(c, c.config())
+        inverse, most = self._passes(c, m)
+        return min(c.pp * (memory - states), memory * inverse - c.pp * states / most)

@@ -98,6 +98,7 @@ class Search(SearchBounds, EvenSplitPlans):
     _cuts: dict[tuple, float] = field(default_factory=dict)   # (variant, tp, cp, mb, pp) -> least p2p cut
     _splits: dict[tuple, tuple[Split, ...]] = field(default_factory=dict)   # even splits of a layer work and mesh
     _stage_floor: dict[tuple, float] = field(default_factory=dict)    # _largest_stage
+    _held: dict[tuple, tuple[float, int]] = field(default_factory=dict)   # _passes
 
     def estimator(self, variant: str) -> Estimator:
         if variant not in self._estimators:
@@ -278,7 +279,7 @@ class Search(SearchBounds, EvenSplitPlans):
 
     def _queue(self, deadline: float | None) -> list:
         """Every usable candidate not dominated or pruned by memory, as a heap of
-        (bound, sort key, index, pending refinement: its memory bound at first (_next), candidate)."""
+        (bound, sort key, index, pending refinement: "summed" at first (_next), candidate)."""
         queue = []
         for c in self._usable():
             if queue and self._past(deadline):
@@ -294,14 +295,14 @@ class Search(SearchBounds, EvenSplitPlans):
             if lb_m > self.cluster.device.memory and self.must_fit:
                 self.stats.pruned_memory += 1
                 continue
-            queue.append((lb_t, c.sort_key(), len(queue), lb_m, c))   # the index keeps ties ordered
+            queue.append((lb_t, c.sort_key(), len(queue), "summed", c))   # the index keeps ties ordered
         heapq.heapify(queue)
         return queue
 
     def _next(self, queue: list, limit: float, deadline: float | None = None) -> tuple | None:
         """The queue's next entry with a bound below ``limit``, each refined before it is returned (a
         refined bound goes back into the queue); None when none is left below it. An entry's
-        ``pending`` is what is left to refine: its memory bound (the summed refinement), "even" (an
+        ``pending`` is what is left to refine: "summed" (the summed refinement), "even" (an
         even split's own bound, taken only once the summed one reaches the head), or None. Past the
         ``deadline`` an even split's own bound is skipped (it only prunes, and costs the most)."""
         while queue:
@@ -315,7 +316,7 @@ class Search(SearchBounds, EvenSplitPlans):
             if pending == "even":
                 tighter, after = self._refine_even(c, lb_t), None
             else:
-                tighter = self._refine_summed(c, lb_t, pending)
+                tighter = self._refine_summed(c, lb_t)
                 after = "even" if self._even_split(c) else None
             if tighter is None:
                 self.stats.pruned_memory += 1
