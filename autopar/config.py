@@ -8,7 +8,7 @@ the allowed range.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Sequence
 
 from .errors import ConfigError
 
@@ -98,10 +98,11 @@ class ParallelConfig:
     everywhere. The first stages of a 1F1B pipeline hold the most micro-batches, so they may
     recompute while the last ones do not."""
     recompute_layers: int = 0
-    """With ``recompute="full"``: recompute only the first ``recompute_layers`` layers of each model
+    """With ``recompute="full"``: recompute only the first ``recompute_layers`` blocks of each model
     chunk and keep the activations of the rest (Megatron-LM's ``--recompute-method block
-    --recompute-num-layers``); 0: every layer. Between no recomputation and full, for memory that
-    holds some layers' activations but not all."""
+    --recompute-num-layers``, which counts transformer layers: the embedding and the head, never
+    recomputed beside repeated blocks, are not counted); 0: every block. Between no recomputation
+    and full, for memory that holds some layers' activations but not all."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stage_recompute, list):
@@ -141,14 +142,21 @@ class ParallelConfig:
                                   "chunks from every part of the model): use recompute= instead")
 
     def stage_mode(self, stage: int) -> str:
-        """The recompute mode of pipeline stage ``stage`` (with ``recompute_layers``, of its first layers
-        in each chunk: :meth:`layer_mode`)."""
+        """The recompute mode of pipeline stage ``stage`` (with ``recompute_layers``, of its first blocks
+        in each chunk: :meth:`chunk_modes`)."""
         return self.stage_recompute[stage] if self.stage_recompute else self.recompute
 
-    def layer_mode(self, stage: int, position: int) -> str:
-        """The recompute mode of the layer at ``position`` (from 0) of a model chunk on stage ``stage``."""
-        mode = self.stage_mode(stage)
-        return "none" if self.recompute_layers and position >= self.recompute_layers else mode
+    def chunk_modes(self, stage: int, recomputable: Sequence[bool]) -> tuple[str, ...]:
+        """The recompute mode of each layer of a model chunk on stage ``stage``, ``recomputable`` telling
+        which of them recomputation applies to (OpGraph.recomputable: not the embedding or the head
+        beside repeated blocks, "none" here): the stage's mode, and with ``recompute_layers = k``
+        only for the chunk's first ``k`` recomputable layers (Megatron's ``--recompute-num-layers``
+        counts transformer layers)."""
+        mode, out, counted = self.stage_mode(stage), [], 0
+        for ok in recomputable:
+            counted += ok
+            out.append(mode if ok and not (self.recompute_layers and counted > self.recompute_layers) else "none")
+        return tuple(out)
 
     @property
     def devices(self) -> int:

@@ -285,6 +285,14 @@ class OpGraph:
         return tuple(n for n in self.nodes if n.attention_core and n.kind is not OpKind.ATTENTION)
 
     @cached_property
+    def recomputable(self) -> tuple[bool, ...]:
+        """Per layer, whether recomputation applies to it: the repeated blocks (Megatron-LM leaves the
+        embedding and the head alone, and counts ``--recompute-num-layers`` in blocks); a model
+        without repeated blocks recomputes every layer."""
+        blocks = any(layer.is_block for layer in self.layers)
+        return tuple(layer.is_block or not blocks for layer in self.layers)
+
+    @cached_property
     def param_numel(self) -> int:
         return sum(t.numel for t in self.params.values())
 

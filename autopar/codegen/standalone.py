@@ -123,7 +123,7 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     torch.save({k: v.detach().cpu() for k, v in split.buffer_value.items()}, os.path.join(out_dir, BUFFERS))
     layers, chunk_classes = [], []
     for chunk in split.chunks:
-        mode = [cfg.layer_mode(chunk.index % cfg.pp, k) for k in range(len(chunk.layers))]
+        mode = cfg.chunk_modes(chunk.index % cfg.pp, [graph.recomputable[s.index] for s in chunk.layers])
         text, chunk_layers = _chunk(chunk, split, lowered, mode, crossing)
         layers += chunk_layers
         chunk_classes.append(text)

@@ -12,7 +12,7 @@ from ..config import ParallelConfig, Precision
 from .estimator import Estimator
 from .mesh import check_config
 from .compute import MeasuredTimes
-from .layer_cost import LayerCostModel, recomputable
+from .layer_cost import LayerCostModel
 from .memory import MemoryBreakdown
 from .schedule import pipeline_time
 
@@ -99,14 +99,15 @@ def _flops(est: Estimator, cfg: ParallelConfig, scale: float, devices) -> tuple[
     """(model FLOPs, recomputation FLOPs) per step over the global batch."""
     graph, per_layer = est.graph, est.layer_flops
     model = sum(f[0] * scale + f[1] for f in per_layer)
-    mode = {i: cfg.layer_mode(d, k) for d, dev in enumerate(devices) for c in dev.chunks for k, i in enumerate(c)}
+    mode = {i: m for d, dev in enumerate(devices) for c in dev.chunks
+            for i, m in zip(c, cfg.chunk_modes(d, [graph.recomputable[i] for i in c]))}
     rec = 0.0
     for i, f in enumerate(per_layer):
         m = mode.get(i, "none")
-        if m == "full" and recomputable(graph, graph.layers[i]):
+        if m == "full":
             rec += f[2] * scale + f[3]
         elif m == "selective":
             rec += f[4] * scale + f[5]
-        elif m == "op" and recomputable(graph, graph.layers[i]):
+        elif m == "op":
             rec += f[6] * scale + f[7]
     return model, rec

@@ -176,19 +176,22 @@ class Estimator:
     def _devices(self, cfg: ParallelConfig, micro_batches: int,
                  chunks: Sequence[Sequence[int]] | None) -> list[DeviceCost]:
         groups = self.placements(cfg)
-        modes = sorted({cfg.stage_mode(d) for d in range(cfg.pp)} | ({"none"} if cfg.recompute_layers else set()))
-        costs = {mode: self.layer_costs(cfg, groups["tp"], mode, groups) for mode in modes}
+
+        def costs(mode: str) -> tuple[LayerCost, ...]:
+            return self.layer_costs(cfg, groups["tp"], mode, groups)
         if chunks is None:
-            uniform = costs[cfg.stage_mode(0)]
+            uniform = costs(cfg.stage_mode(0))
             chunks = even_partition(self.graph, cfg.pp * cfg.virtual_stages, [c.work for c in uniform])
         chunks = [list(c) for c in chunks]
         cuts = self.p2p_cut_times(cfg, groups["pp"])
+        recomputable = self.graph.recomputable
         out = []
         for d in range(cfg.pp):
             mine = [c for c in range(len(chunks)) if c % cfg.pp == d]
             p2p = device_p2p(cuts, chunks, mine)
-            # each layer at its own mode: with recompute_layers only a chunk's first layers recompute
-            held = {i: costs[cfg.layer_mode(d, k)][i] for c in mine for k, i in enumerate(chunks[c])}
+            # each layer at its own mode: with recompute_layers only a chunk's first blocks recompute
+            held = {i: costs(m)[i] for c in mine
+                    for i, m in zip(chunks[c], cfg.chunk_modes(d, [recomputable[i] for i in chunks[c]]))}
             out.append(self._device(cfg, d, [tuple(chunks[c]) for c in mine], p2p, held, micro_batches))
         return out
 

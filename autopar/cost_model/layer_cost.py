@@ -65,12 +65,6 @@ _COLLECTIVES = {"all_reduce": Collective.ALL_REDUCE, "all_gather": Collective.AL
 _SELF_TRANSPOSED = (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL)
 
 
-def recomputable(graph: OpGraph, layer: Layer) -> bool:
-    """Recomputation applies to the repeated blocks (Megatron-LM leaves the embedding and the head
-    alone); a model without repeated blocks recomputes every layer."""
-    return layer.is_block or not any(other.is_block for other in graph.layers)
-
-
 def split_dim(node: OpNode, layout: TPLayout) -> str:
     """GEMM dimension tensor parallelism splits for this node: "n", "k", "batch" or ""."""
     if layout.tp == 1 or node.gemm is None:
@@ -166,7 +160,7 @@ class LayerCostModel:
 
     def cost(self, layer: Layer, tp: int, sp: bool, micro_batch: int, recompute: str,
              tp_group: GroupPlacement, split: SplitGroups = NO_SPLIT) -> LayerCost:
-        if not recomputable(self.graph, layer):
+        if not self.graph.recomputable[layer.index]:
             recompute = "none"
         key = (*self.kind(layer), tp, sp, micro_batch, split)
         if (*key, recompute) not in self._cache:

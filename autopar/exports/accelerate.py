@@ -126,7 +126,7 @@ def _recompute(plan: "Plan", add, warnings: list[str]) -> None:
         warnings.append(f"config.recompute = {mode!r} ({RECOMPUTE_PART[mode]}): accelerate checkpoints whole "
                         "blocks; written as full, which keeps less and recomputes more")
     elif mode == "full" and cfg.recompute_layers:
-        warnings.append(f"config.recompute_layers = {cfg.recompute_layers} (the first layers of each chunk): accelerate "
+        warnings.append(f"config.recompute_layers = {cfg.recompute_layers} (the first blocks of each chunk): accelerate "
                         "checkpoints every block; written as full for all of them")
 
 

@@ -149,7 +149,7 @@ def _pipeline(plan: "Plan", add, warnings: list[str]) -> None:
                         "layers; written as activation_checkpoint_interval 1 (full), which keeps less and recomputes "
                         "more")
     elif cfg.recompute_layers:
-        warnings.append(f"config.recompute_layers = {cfg.recompute_layers} (the first layers of each chunk): DeepSpeed "
+        warnings.append(f"config.recompute_layers = {cfg.recompute_layers} (the first blocks of each chunk): DeepSpeed "
                         "checkpoints every layer or none; written as activation_checkpoint_interval 1 (every layer)")
     starts = ", ".join(chunk[0] for chunk in chunks_in_order(plan))
     warnings.append(f"config.pp = {cfg.pp}: DeepSpeed's pipeline is built in code, PipelineModule(layers, "

@@ -21,7 +21,7 @@ Every flag is one of ``megatron/training/arguments.py`` (its argument groups ``_
   ``--recompute-modules core_attn``: the plan's selective); "full" is ``--recompute-granularity full
   --recompute-method uniform --recompute-num-layers 1`` (every layer's input kept, the layer
   recomputed), and with ``recompute_layers = k`` ``--recompute-method block --recompute-num-layers k``
-  (the first k layers of each chunk, which is where the plan's field comes from). "op" (per-op) has no
+  (the first k blocks of each chunk, which is where the plan's field comes from). "op" (per-op) has no
   Megatron-LM equivalent: written as full, and said so.
 - ZeRO: 1 is ``--use-distributed-optimizer`` (optimizer state sharded over the data-parallel ranks);
   2 and 3 are Megatron FSDP (``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads`` or
@@ -165,7 +165,7 @@ def _recompute(plan: "Plan", add, warnings: list[str]) -> None:
     if mode == "full":
         if cfg.recompute_layers:
             add("--recompute-method", "block", ("config.recompute_layers",), _doc(train, "--recompute-method"),
-                "the first layers of each chunk")
+                "the first blocks of each chunk")
             add("--recompute-num-layers", cfg.recompute_layers, ("config.recompute_layers",),
                 _doc(train, "--recompute-num-layers"))
         else:

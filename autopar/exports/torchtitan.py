@@ -239,7 +239,7 @@ def _naming(layers) -> str:
 
 
 def _partial_full(plan: "Plan", add, warnings: list[str]) -> None:
-    """recompute_layers = k: the first k layers of each chunk in full. torchtitan's layer-level selective
+    """recompute_layers = k: the first k blocks of each chunk in full. torchtitan's layer-level selective
     mode checkpoints every n-th transformer block (its counter runs over consecutive blocks); with n =
     L / k over chunks of L blocks each, every chunk recomputes k blocks, the same count as the plan."""
     cfg = plan.config
@@ -255,7 +255,7 @@ def _partial_full(plan: "Plan", add, warnings: list[str]) -> None:
             f"every {per // k}th block in full: {k} of each chunk's {per}, as the plan (other positions)")
         return
     add("activation_checkpoint.mode", "full", src, _doc("ActivationCheckpoint.mode"))
-    warnings.append(f"config.recompute_layers = {k} (the first {k} layers of each chunk in full, the rest kept): "
+    warnings.append(f"config.recompute_layers = {k} (the first {k} blocks of each chunk in full, the rest kept): "
                     "torchtitan checkpoints every block or every n-th block, and the chunks' block counts "
                     f"({', '.join(str(c) for c in counts)}) are not multiples of {k}; written as full, which "
                     "keeps less and recomputes every block")

@@ -123,7 +123,8 @@ class Assembly:
         experts = {r.output: ExpertsModule(r, self.params[r.gate_up], self.params[r.down], self.ep_group,
                                            self.timeout)
                    for r in self.regions if r.gate_up in self.params}
-        modes = {c: [cfg.layer_mode(self.pp_rank, k) for k in range(len(self.split.chunks[c].layers))]
+        recomputable = self.graph.recomputable
+        modes = {c: cfg.chunk_modes(self.pp_rank, [recomputable[s.index] for s in self.split.chunks[c].layers])
                  for c in self.my_chunks}
         self.chunks = {c: ChunkModule(self.split.chunks[c], self.split, self.node_runner, self.params, modes[c],
                                       experts) for c in self.my_chunks}

@@ -155,7 +155,7 @@ class ChunkModule(nn.Module):
     def __init__(self, spec: ChunkSpec, split: SplitGraph, runner: NodeRunner,
                  params: Mapping[str, nn.Parameter], recompute: Sequence[str],
                  experts: Mapping[str, nn.Module] | None = None) -> None:
-        """``recompute``: the recompute mode of each of the chunk's layers (ParallelConfig.layer_mode)."""
+        """``recompute``: the recompute mode of each of the chunk's layers (ParallelConfig.chunk_modes)."""
         super().__init__()
         self.spec = spec
         experts = experts or {}

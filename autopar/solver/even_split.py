@@ -161,7 +161,7 @@ class EvenSplitPlans:
         return estimate_plan(self.graph, self.cluster, cfg, self.global_batch_size, self.precision, est)
 
     def _partial(self, c: Candidate, est: Estimator, bisect: bool = True) -> list[Plan | Unfit]:
-        """Full recomputation of every layer, and of only the first ``k`` layers of each chunk
+        """Full recomputation of every block, and of only the first ``k`` blocks of each chunk
         (``recompute_layers``) for the least ``k`` that fits: memory falls and time rises as ``k``
         grows, so that ``k`` is the fastest partial plan, found by bisection (skipped, ``bisect``
         False, when no recomputation at all fits: that plan is faster). A pinned
@@ -174,10 +174,11 @@ class EvenSplitPlans:
         full = self._try(est, c, c.config("full"))
         if not isinstance(full, Plan):
             return [full]
-        longest = max(len(ch) for s in full.stages for ch in s.chunks)
+        recomputable = {layer.name: ok for layer, ok in zip(self.graph.layers, self.graph.recomputable)}
+        longest = max(sum(recomputable[name] for name in ch) for s in full.stages for ch in s.chunks)
         if not bisect or longest < 2:
             return [full]
-        low, high = 1, longest   # recompute_layers = longest recomputes every layer, as full does
+        low, high = 1, longest   # recompute_layers = longest recomputes every block, as full does
         while low < high:
             mid = (low + high) // 2
             if fits(mid):

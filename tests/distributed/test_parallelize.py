@@ -74,7 +74,7 @@ SELECTIVE += [Case("llama-tp2_sp_recompute_op", "llama", {**BASE, "tp": 2, "micr
                                                           "sequence_parallel": True, "recompute": "op"}, 2)]
 if ALL_CASES:   # the ring's transfers rerun in the backward, its attention blocks kept
     SELECTIVE += [Case("gpt-sdpa-cp2_recompute_op", "gpt-sdpa", {**BASE, "cp": 2, "recompute": "op"}, 2)]
-# Recomputing only the first layers of each chunk (recompute_layers): interleaved chunks, and one
+# Recomputing only the first blocks of each chunk (recompute_layers): interleaved chunks, and one
 # whole-model chunk with data parallelism.
 PARTIAL = [Case("gpt-recompute_layers_interleaved", "gpt", {**BASE, "pp": 2, "schedule": "interleaved",
                                                             "virtual_stages": 2, "recompute": "full",

@@ -49,8 +49,8 @@ def configs(graph, devices: int, global_batch: int, modes, valid=lambda cfg: Tru
                     if sched == "interleaved":
                         for mode in modes:
                             yield ParallelConfig(**base, recompute=mode), None
-                            if mode == "full":   # the first k layers of each chunk only
-                                for k in range(1, n):
+                            if mode == "full":   # the first k blocks of each chunk only
+                                for k in range(1, blocks or n):
                                     yield ParallelConfig(**base, recompute=mode, recompute_layers=k), None
                         continue
                     for stage_modes in itertools.product(modes, repeat=pp):
