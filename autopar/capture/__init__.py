@@ -13,6 +13,7 @@ from .layers import build_layers
 from .moe import count_routed_flops, eager_warning, find_regions
 from .opgraph import (FLOAT_DTYPES, Gemm, GraphInput, Layer, MoERegion, OpGraph, OpKind, OpNode, SavedTensor,
                       TensorMeta)
+from .replicated import replicated_values
 from .structure import ModelStructure, first_difference, structure_of
 
 __all__ = ["capture", "OpGraph", "OpNode", "Layer", "OpKind", "TensorMeta", "SavedTensor", "Gemm",
@@ -57,4 +58,5 @@ def graph_of(model: nn.Module, program) -> OpGraph:
     warnings += tuple(w for w in (eager_warning(model),) if w)
     return OpGraph(model_name=type(model).__name__, nodes=nodes_t, layers=layers, params=dict(walk.params),
                    buffers=dict(walk.buffers), inputs=tuple(walk.inputs), batch_size=batch_size_of(walk.inputs),
-                   structure=structure_of(nodes_t, layers, walk.params), warnings=warnings, moe=moe)
+                   structure=structure_of(nodes_t, layers, walk.params), warnings=warnings, moe=moe,
+                   replicated=replicated_values(program))

@@ -17,6 +17,7 @@ What a chunk needs and gives:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Mapping, Sequence
@@ -127,21 +128,29 @@ def split_graph(program: ExportedProgram, graph: OpGraph, chunk_layers: Sequence
                 if where[u.name] != where[n.name]:
                     consumers.setdefault(n.name, set()).add(where[u.name])
     order = {n.name: i for i, n in enumerate(fx_nodes)}
+    fx_by_name = {n.name: n for n in fx_nodes}
+    # each chunk's layers, computing again what it would receive that reads the batch and buffers alone
+    computed = [_compute_again(c, tuple(layers[layer_index[name]] for name in names), by_layer, fx_by_name, where,
+                               users, order, layer_of, param_of, set(user_inputs), graph, loss.name)
+                for c, names in enumerate(chunk_layers)]
+    for c, (_, again) in enumerate(computed):
+        for v in again:
+            consumers.get(v, set()).discard(c)
     chunks = []
-    for c, names in enumerate(chunk_layers):
-        specs = tuple(layers[layer_index[name]] for name in names)
+    for c, (specs, again) in enumerate(computed):
         reads = [v for spec in specs for v in spec.inputs]
         chunks.append(ChunkSpec(
             index=c, layers=specs,
             graph_inputs=tuple(dict.fromkeys(v for v in reads if v in user_inputs)),
             # in graph order, the order the producers send in (NCCL matches sends to receives by order)
-            recv=tuple(sorted(dict.fromkeys(v for v in reads if v in where and where[v] != c), key=order.__getitem__)),
-            send=tuple(v for v in (n.name for n in fx_nodes) if where.get(v) == c and v in consumers)
+            recv=tuple(sorted(dict.fromkeys(v for v in reads if v in where and where[v] != c and v not in again),
+                              key=order.__getitem__)),
+            send=tuple(v for v in (n.name for n in fx_nodes) if where.get(v) == c and consumers.get(v))
             + ((loss.name,) if where.get(loss.name) == c else ()),
             params=tuple(dict.fromkeys(p for spec in specs for p in spec.params)),
             buffers=tuple(dict.fromkeys(b for spec in specs for b in spec.buffers))))
     return SplitGraph(program=program, chunks=tuple(chunks), producer=where,
-                      consumers={k: tuple(sorted(v)) for k, v in consumers.items()}, param_of=param_of,
+                      consumers={k: tuple(sorted(v)) for k, v in consumers.items() if v}, param_of=param_of,
                       buffer_value=buffer_value, user_inputs=user_inputs, in_spec=program.call_spec.in_spec,
                       loss=loss.name)
 
@@ -197,6 +206,35 @@ def _layer_of_nodes(fx_nodes: Sequence[torch.fx.Node], graph: OpGraph) -> dict[s
         current = captured.get(n.name, current)
         out[n.name] = current
     return out
+
+
+def _compute_again(c: int, specs: tuple[LayerSpec, ...], by_layer: Mapping[int, list[torch.fx.Node]],
+                   fx_by_name: Mapping[str, torch.fx.Node], where: Mapping[str, int], users: Mapping[str, list], order: Mapping[str, int],
+                   layer_of: Mapping[str, int], param_of: Mapping[str, str], user_inputs: set[str], graph: OpGraph,
+                   loss: str) -> tuple[tuple[LayerSpec, ...], frozenset[str]]:
+    """Chunk ``c``'s layers with the values it reads from earlier chunks that are computed from the batch
+    and buffers alone (OpGraph.replicated, capture/replicated.py) computed again at the start of its
+    first layer, with what they are computed from, instead of received; and the names computed again."""
+    wanted = [v for spec in specs for v in spec.inputs if v in graph.replicated and where.get(v, c) != c]
+    again: dict[str, torch.fx.Node] = {}
+    stack = [fx_by_name[v] for v in wanted]
+    while stack:
+        node = stack.pop()
+        if node.name in again:
+            continue
+        again[node.name] = node
+        stack += [a for a in node.all_input_nodes if a.op == "call_function"]
+    if not again:
+        return specs, frozenset()
+    first = specs[0].index
+    nodes = sorted(again.values(), key=lambda n: order[n.name]) + list(by_layer[first])
+    here = {**layer_of, **{v: first for v in again}}
+    spec = _layer_spec(specs[0].name, first, nodes, here, users, param_of, user_inputs, graph, loss)
+    others = {s.index for s in specs[1:]}
+    # what it computes again is an output only where a later layer of this chunk reads it
+    outputs = tuple(v for v in spec.outputs
+                    if v not in again or any(where.get(u.name) == c and layer_of[u.name] in others for u in users[v]))
+    return (dataclasses.replace(spec, outputs=outputs), *specs[1:]), frozenset(again)
 
 
 def _layer_spec(name: str, index: int, nodes: list[torch.fx.Node], layer_of: Mapping[str, int],

@@ -271,9 +271,10 @@ class LayerCostModel:
     @functools.cached_property
     def crossing_numels(self) -> tuple[np.ndarray, np.ndarray]:
         """(batch-dependent, constant) elements produced at or before layer ``l`` and used after it,
-        for every cut ``l`` (graph inputs excluded: every rank has the batch), in one pass: a tensor
-        produced in layer ``a`` whose last user is in layer ``b > a`` crosses the cuts after
-        ``a, ..., b - 1``."""
+        for every cut ``l`` (graph inputs excluded: every rank has the batch; and the values computed
+        from the batch and buffers alone, which each reading chunk computes again: capture/replicated.py),
+        in one pass: a tensor produced in layer ``a`` whose last user is in layer ``b > a`` crosses the
+        cuts after ``a, ..., b - 1``."""
         graph = self.graph
         last: dict[str, int] = {}
         for layer in graph.layers:
@@ -284,7 +285,7 @@ class LayerCostModel:
             if name not in graph.node_index:
                 continue
             node = graph.node(name)
-            if node.kind is OpKind.CREATION or node.layer >= used:
+            if name in graph.replicated or node.layer >= used:
                 continue
             out = bd if node.batch_dependent else const
             out[node.layer] += node.outputs[0].numel

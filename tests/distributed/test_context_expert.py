@@ -51,6 +51,7 @@ TWO = [
 FOUR = [
     ("llama-cp2-dp2", "llama", dict(cp=2, dp=2)),
     ("gpt-cp2-pp2", "gpt-sdpa", dict(cp=2, pp=2)),
+    ("llama-cp2-pp2", "llama", dict(cp=2, pp=2)),               # the second stage computes its rotary cos/sin
     ("mixtral-dp2-ep2-tp2", "mixtral", dict(dp=2, ep=2, tp=2)),
     ("moe-dp2-cp2-ep2", "moe", dict(dp=2, cp=2, ep=2)),
     ("moe-dp4-ep2-zero3", "moe", dict(dp=4, ep=2, zero=3)),     # expert weights FSDP-sharded over 2 replicas
@@ -71,8 +72,10 @@ REFUSED = [
      "capacity"),
 ]
 # make bench (AUTOPAR_ALL_CASES=1) runs every case; the suite leaves out those another case contains
-# (the same layout with ZeRO, sequence parallelism, experts or micro-batch 2 on top)
-CONTAINED = {"llama-cp2", "mixtral-ep2", "moe-ep2", "llama-cp2-tp2", "moe-capacity-ep2", "llama-cp2-dp2"}
+# (the same layout with ZeRO, sequence parallelism, experts or micro-batch 2 on top; cp x pp on the Llama,
+# whose second stage also computes its rotary embedding again, over the GPT's)
+CONTAINED = {"llama-cp2", "mixtral-ep2", "moe-ep2", "llama-cp2-tp2", "moe-capacity-ep2", "llama-cp2-dp2",
+             "gpt-cp2-pp2"}
 if not ALL_CASES:
     TWO = [t for t in TWO if t[0] not in CONTAINED]
     FOUR = [t for t in FOUR if t[0] not in CONTAINED]
