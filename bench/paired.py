@@ -1,6 +1,8 @@
 """Paired timing of two step functions on the same ranks: ours and a torch-native program alternate
-step by step, and the ratio is the median over steps of (ours / theirs right after it), which
-cancels most of a shared VM's drift (the runtime and host overhead benches)."""
+step by step, and the ratio is the median over pairs of (ours / theirs beside it), which cancels
+most of a shared VM's drift (the runtime and host overhead benches). Which of the two runs first in
+a pair alternates, so that neither always pays for what the other leaves behind (its garbage, the
+caches it evicts)."""
 
 from __future__ import annotations
 
@@ -29,8 +31,12 @@ def paired(mine: Callable[[], object], theirs: Callable[[], object], steps: int,
         mine()
         theirs()
     a, b = [], []
-    for _ in range(steps):
-        a.append(timed(mine))
-        b.append(timed(theirs))
+    for k in range(steps):
+        if k % 2:
+            b.append(timed(theirs))
+            a.append(timed(mine))
+        else:
+            a.append(timed(mine))
+            b.append(timed(theirs))
     return {"ours": statistics.median(a), "native": statistics.median(b),
             "ratio": statistics.median(x / y for x, y in zip(a, b))}

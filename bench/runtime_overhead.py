@@ -13,8 +13,8 @@ The model is a stack of pre-norm transformer MLP blocks (``x + fc2(gelu(fc1(ln(x
 hidden 512, 4x expansion, 4 blocks) on [8, 64, 512] inputs, loss = mean of squares, AdamW.
 A step is forward + backward + optimizer step over the global batch. The two programs of a
 pair alternate step by step (after 2 warm-up steps each); the table gives each one's median step
-time and the ratio, the median over steps of (our step / their step right after it), which
-cancels most of this shared VM's drift. Target: <= 1.05 each.
+time and the ratio, the median over steps of (our step / their step beside it; which goes first
+alternates, paired.py), which cancels most of this shared VM's drift. Target: <= 1.05 each.
 
 Then each of our four programs with ``compile=True`` (inductor: each chunk, each layer under
 ZeRO-3) against the same program eager, paired the same way. Target (issue 19): faster, a

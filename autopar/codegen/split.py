@@ -12,7 +12,10 @@ What a chunk needs and gives:
 - *parameters, buffers, constants*: held by the chunk (a parameter read by two chunks, a
   tied embedding and head, is held by both; their gradients are summed after backward);
 - *values*: a node's output read by a later chunk crosses the cut (point-to-point), including
-  skip connections to a chunk further on; the last chunk gives the loss.
+  skip connections to a chunk further on; the last chunk gives the loss. A value computed from
+  the batch and buffers alone (``OpGraph.replicated``: rotary cos/sin, positions) is computed again
+  at the start of the reading chunk's first layer instead, as each stage of torchtitan computes
+  its own (the cost model sends the same values).
 """
 
 from __future__ import annotations
@@ -209,9 +212,9 @@ def _layer_of_nodes(fx_nodes: Sequence[torch.fx.Node], graph: OpGraph) -> dict[s
 
 
 def _compute_again(c: int, specs: tuple[LayerSpec, ...], by_layer: Mapping[int, list[torch.fx.Node]],
-                   fx_by_name: Mapping[str, torch.fx.Node], where: Mapping[str, int], users: Mapping[str, list], order: Mapping[str, int],
-                   layer_of: Mapping[str, int], param_of: Mapping[str, str], user_inputs: set[str], graph: OpGraph,
-                   loss: str) -> tuple[tuple[LayerSpec, ...], frozenset[str]]:
+                   fx_by_name: Mapping[str, torch.fx.Node], where: Mapping[str, int], users: Mapping[str, list],
+                   order: Mapping[str, int], layer_of: Mapping[str, int], param_of: Mapping[str, str],
+                   user_inputs: set[str], graph: OpGraph, loss: str) -> tuple[tuple[LayerSpec, ...], frozenset[str]]:
     """Chunk ``c``'s layers with the values it reads from earlier chunks that are computed from the batch
     and buffers alone (OpGraph.replicated, capture/replicated.py) computed again at the start of its
     first layer, with what they are computed from, instead of received; and the names computed again."""

@@ -76,5 +76,6 @@ def test_a_later_chunk_computes_the_rotary_embedding_again() -> None:
     again = first & second
     assert again and again <= graph.replicated and {"cos", "sin"} <= _targets(program, again)
     cluster = Cluster.from_spec("1x2xcpu")
-    batch_dependent, constant = LayerCostModel(graph, cluster, Precision.for_device(cluster.device.name)).crossing_numels
+    costs = LayerCostModel(graph, cluster, Precision.for_device(cluster.device.name))
+    batch_dependent, constant = costs.crossing_numels
     assert (batch_dependent[cut - 1], constant[cut - 1]) == (2 * 8 * 32, 0)
