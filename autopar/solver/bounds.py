@@ -86,7 +86,7 @@ class LayerWork:
 class SearchBounds:
     """The bounds of search.Search's candidates (a mixin: Search provides ``estimator``, ``graph``,
     ``cluster``, ``global_batch_size``, ``must_fit``, ``modes``, ``_even_split`` and the caches
-    ``_work``, ``_cuts``, ``_splits``, ``_stage_floor`` and ``_held``)."""
+    ``_work``, ``_cuts``, ``_splits``, ``_stage_floor``, ``_held``, ``_params`` and ``_fixed``)."""
 
     @functools.cached_property
     def bound_modes(self) -> tuple[str, ...]:
@@ -108,13 +108,22 @@ class SearchBounds:
             rows, counts = np.unique(np.concatenate([work, acts], axis=1), axis=0, return_counts=True)
             cheapest = work.min(axis=1)
             modes = len(self.bound_modes)
+            params, experts = self._local_params(c, cfg)
             self._work[key] = LayerWork(
-                total=float(cheapest.sum()),
-                params=float(est._local_params(self.graph.params, cfg)),
-                experts=float(est._local_params(est.experts, cfg)),
+                total=float(cheapest.sum()), params=params, experts=experts,
                 work=rows[:, :modes], acts=rows[:, modes:], counts=counts.astype(float),
                 layer_work=work, layer_acts=acts, least_acts=float(acts.min(axis=1).sum()))
         return self._work[key]
+
+    def _local_params(self, c: Candidate, cfg: ParallelConfig) -> tuple[float, float]:
+        """(parameters per device after tensor and expert parallelism, the expert ones among them):
+        the same for every candidate of one layout, tp and ep."""
+        key = (c.variant, c.tp, c.ep)
+        if key not in self._params:
+            est = self.estimator(c.variant)
+            self._params[key] = (float(est._local_params(self.graph.params, cfg)),
+                                 float(est._local_params(est.experts, cfg)))
+        return self._params[key]
 
     def bounds(self, c: Candidate) -> tuple[float, float]:
         """(LB_T, LB_M) of the module docstring."""
@@ -124,16 +133,14 @@ class SearchBounds:
         """(LB_T, LB_M) with ``total`` for ``W``."""
         lw = self._layer_work(c)
         m, p = c.micro_batches(self.global_batch_size), c.pp
-        est = self.estimator(c.variant)
-        cfg = c.config()
         p2p = 2 * (p * c.virtual_stages - 1) * self._least_cut(c) if p > 1 else 0.0
         x = max((total + p2p) / p, self._largest_stage(c))
         if c.schedule == "interleaved":
             pipe = (m + (p - 1) / c.virtual_stages) * x
         else:
             pipe = (m - 1) * x + total + p2p
-        lb_t = pipe + est.optimizer_time(cfg, lw.params / p, lw.experts / p)
-        states = self._states(c, cfg)
+        optimizer, states = self._per_step(c)
+        lb_t = pipe + optimizer
         if not self._all_held(c, m):
             return lb_t, states
         inverse, most = self._passes(c, m)
@@ -149,10 +156,15 @@ class SearchBounds:
             self._held[key] = (sum(1 / f for f in passes), max(passes))
         return self._held[key]
 
-    def _states(self, c: Candidate, cfg: ParallelConfig) -> float:
-        """``states(P / p)``: the model-state bytes of the mean pipeline device."""
-        lw, p = self._layer_work(c), c.pp
-        return sum(self.estimator(c.variant).state_bytes(cfg, lw.params / p, lw.experts / p))
+    def _per_step(self, c: Candidate) -> tuple[float, float]:
+        """``(opt(P / p), states(P / p))``: the optimizer step's seconds and the model-state bytes of
+        the mean pipeline device; cached by what they depend on (not the micro-batch or schedule)."""
+        key = (c.variant, c.tp, c.sequence_parallel, c.cp, c.ep, c.pp, c.dp, c.zero)
+        if key not in self._fixed:
+            lw, p, est, cfg = self._layer_work(c), c.pp, self.estimator(c.variant), c.config()
+            self._fixed[key] = (float(est.optimizer_time(cfg, lw.params / p, lw.experts / p)),
+                                float(sum(est.state_bytes(cfg, lw.params / p, lw.experts / p))))
+        return self._fixed[key]
 
     def _largest_stage(self, c: Candidate) -> float:
         """A floor on the slowest pipeline device's work, whatever the split: some device holds at
@@ -204,7 +216,7 @@ class SearchBounds:
                                    self.cluster.device.memory if self._holds(c, m) else math.inf)
         if pipe is None:
             return None
-        return max(lb_t, pipe + est.optimizer_time(cfg, lw.params / c.pp, lw.experts / c.pp) + self._tail(c, m))
+        return max(lb_t, pipe + self._per_step(c)[0] + self._tail(c, m))
 
     def _holds(self, c: Candidate, m: int) -> bool:
         """Whether the memory argument bounds the work: the plan must fit, and :meth:`_all_held`."""
@@ -226,6 +238,6 @@ class SearchBounds:
         device ``d`` holds at least ``f_d`` passes of each of its layers (memory.least_passes), so
         ``f_d A_d <= M - s_d``; summed with ``sum_d s_d >= p states(P / p)``, ``sum_d A_d`` is at most
         ``M sum_d 1 / f_d - p states(P / p) / max_d f_d`` (and at most ``p (M - states(P / p))``)."""
-        memory, states = self.cluster.device.memory, self._states(c, c.config())
+        memory, states = self.cluster.device.memory, self._per_step(c)[1]
         inverse, most = self._passes(c, m)
         return min(c.pp * (memory - states), memory * inverse - c.pp * states / most)

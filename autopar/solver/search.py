@@ -99,6 +99,8 @@ class Search(SearchBounds, EvenSplitPlans):
     _splits: dict[tuple, tuple[Split, ...]] = field(default_factory=dict)   # even splits of a layer work and mesh
     _stage_floor: dict[tuple, float] = field(default_factory=dict)    # _largest_stage
     _held: dict[tuple, tuple[float, int]] = field(default_factory=dict)   # _passes
+    _params: dict[tuple, tuple[float, float]] = field(default_factory=dict)   # _local_params
+    _fixed: dict[tuple, tuple[float, float]] = field(default_factory=dict)    # _per_step
 
     def estimator(self, variant: str) -> Estimator:
         if variant not in self._estimators:
