@@ -217,7 +217,7 @@ class OpGraph:
     warnings: tuple[str, ...] = field(default=())
     moe: tuple[MoERegion, ...] = field(default=())   # mixture-of-experts regions, in graph order
     saves: str = "autograd"               # what ``saved`` holds: autograd's saves, or a compiled program's cut
-    replicated: frozenset[str] = field(default=frozenset())   # computed from the batch and buffers alone (replicated.py)
+    replicated: frozenset[str] = field(default=frozenset())   # read the batch and buffers alone (replicated.py)
 
     @cached_property
     def node_index(self) -> Mapping[str, int]:
