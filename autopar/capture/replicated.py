@@ -8,9 +8,11 @@ costs a point-to-point transfer per value and micro-batch (on a tiny Llama, 3 se
 hidden state alone needs 1).
 
 A node is *replicated* when it is a call_function node whose every input is a user input, a buffer
-or constant, a higher-order op's body, or another replicated node, and whose op is deterministic
+or constant, a higher-order op's body, or another replicated node, whose op is deterministic
 (no ``nondeterministic_seeded`` tag: a dropout mask drawn again would differ) and writes nothing
-in place (a write would act twice). The set is the closure of that rule in graph order. The cost
+in place (a write would act twice), and whose value no op writes in place, directly or through a
+view (the exported graph keeps ``x.mul_(y)``: the value a later chunk reads is the written one,
+which computing it again would miss). The set is the closure of that rule in graph order. The cost
 model sends none of them across a cut (cost_model/layer_cost.py ``crossing_numels``) and the split
 makes each reading chunk compute them (codegen/split.py), so what is priced is what runs. Their
 compute on a reading chunk is not priced: elementwise work on inputs and buffers, small beside a
@@ -33,9 +35,10 @@ def replicated_values(program: ExportedProgram) -> frozenset[str]:
     leaves = {s.arg.name for s in program.graph_signature.input_specs
               if s.kind in _LEAVES and hasattr(s.arg, "name")}
     bodies = {n.name for n in program.graph.nodes if n.op == "get_attr"}
+    written = _written(program.graph)
     out: set[str] = set()
     for node in program.graph.nodes:
-        if node.op != "call_function" or not _deterministic(node, program.graph_module):
+        if node.op != "call_function" or node.name in written or not _deterministic(node, program.graph_module):
             continue
         if all(a.name in leaves or a.name in bodies or a.name in out for a in node.all_input_nodes):
             out.add(node.name)
@@ -59,3 +62,27 @@ def _deterministic(node: fx.Node, root: torch.nn.Module) -> bool:
             return False
         return True
     return target.__module__ == "_operator"   # getitem and arithmetic on sizes
+
+
+def _written(graph: fx.Graph) -> set[str]:
+    """The nodes whose value some op writes in place (``Tensor(a!)`` in its schema), directly or through
+    a view of it (a return marked ``Tensor(a)``: the view's writes reach the tensor it views)."""
+    base: dict[str, str] = {}
+    written: set[str] = set()
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None:
+            continue
+        for i, arg in enumerate(schema.arguments):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if not isinstance(value, fx.Node) or arg.alias_info is None:
+                continue
+            if arg.alias_info.is_write:
+                written.add(value.name)
+            elif any(r.alias_info is not None for r in schema.returns):
+                base[node.name] = value.name          # a view of ``value``
+    for name in list(written):
+        while name in base:
+            name = base[name]
+            written.add(name)
+    return written

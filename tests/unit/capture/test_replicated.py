@@ -50,6 +50,30 @@ def test_replicated_are_what_reads_the_batch_and_buffers_alone() -> None:
     assert "add" in ops and "add" not in graph.replicated    # the loss
 
 
+class _Written(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1]).float() + 1.0
+        positions.view(-1).mul_(self.proj.weight.sum())    # written in place through a view
+        steps = torch.arange(x.shape[1]) * 2                 # never written
+        return (self.proj(x) * positions).sum() + steps.sum()
+
+
+def test_a_value_written_in_place_is_not_replicated() -> None:
+    """The exported graph keeps in-place writes: a value some op writes (here through a view, with a
+    parameter) is not computed again elsewhere, nor is what reads it; an untouched one still is."""
+    program = run_export(_Written(), (torch.randn(2, 4),), lambda out, _: out)
+    graph = graph_of(_Written(), program)
+    ops = {n.name: str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert any(op.endswith("mul_.Tensor") for op in ops.values())          # the write survived export
+    added = next(name for name, op in ops.items() if op == "aten.add.Tensor")
+    assert added not in graph.replicated
+    assert any(ops[n] == "aten.mul.Tensor" for n in graph.replicated)     # steps
+
+
 def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
