@@ -21,6 +21,8 @@ layer's.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch.export import ExportedProgram
@@ -70,6 +72,9 @@ def _written(graph: fx.Graph) -> set[str]:
     base: dict[str, str] = {}
     written: set[str] = set()
     for node in graph.nodes:
+        if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            base[node.name] = node.args[0].name       # a piece of a list of views (split) is a view too
+            continue
         schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
         if schema is None:
             continue
