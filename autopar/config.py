@@ -37,7 +37,7 @@ def dp_bucket_bytes(ranks: int, element_bytes: int) -> int:
     DDP's 25 MB, grown with the group as Megatron-Core grows its buckets (1M elements per rank,
     ``DistributedDataParallelConfig.bucket_size``) so that each collective of a large group stays
     bound by bandwidth rather than by its ring's ``ranks - 1`` step latencies. The runtime's
-    GradReducer and the cost model's Estimator.dp_time both use it."""
+    GradReducer and the cost model's StepTail.dp_time both use it."""
     return max(DDP_BUCKET_BYTES, BUCKET_ELEMENTS_PER_RANK * ranks * element_bytes)
 
 

@@ -82,7 +82,7 @@ class Device:
     overlap_slowdown: float = 0.0
     """Seconds of compute lost per second of a collective it overlaps, in [0, 1): communication
     kernels take SMs and memory bandwidth from the compute beside them, so a hidden collective still
-    costs this share of its time (cost_model/estimator.py). 0: the overlap is free (CPU ranks, whose
+    costs this share of its time (cost_model/step_tail.py). 0: the overlap is free (CPU ranks, whose
     measured ``Link.overlap`` already says what gloo's threads take)."""
 
     def __post_init__(self) -> None:

@@ -35,9 +35,9 @@ def estimate_plan(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_
     devices = est.devices(cfg, m, chunks)
     groups = est.placements(cfg)
     pipe = pipeline_time([d.work for d in devices], m, cfg.schedule, cfg.virtual_stages)
-    loss = est.loss_share_time()
+    loss = est.tail.loss_share_time(cfg)
     dp = [est.dp_exposed(cfg, d, m, groups) + loss for d in devices]
-    opt = [est.optimizer_time(cfg, d) for d in devices]
+    opt = [est.tail.optimizer_time(cfg, d.params, d.expert_params, d.param_tensors) for d in devices]
     slowest = max(range(len(devices)), key=lambda i: devices[i].work)
     tail = max(range(len(devices)), key=lambda i: dp[i] + opt[i])
     s = devices[slowest]

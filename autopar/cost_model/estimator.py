@@ -9,44 +9,9 @@ backward, recomputation and tensor-parallel collectives (layer_cost.py) and two 
 transfers per model chunk boundary (activations forward, gradients backward; with
 tensor parallelism the Megatron scatter/gather optimisation sends ``1/t`` of them).
 
-Data parallelism runs over the ``dp * cp`` ranks holding the same dense weights (context-
-parallel ranks see different tokens of the same sequences, so their gradients are reduced
-together, as Megatron-Core does), expert weights over the ``dp * cp / ep`` ranks holding the
-same experts (expert_parallel.py); ZeRO shards over the same groups. Gradients (ZeRO 0-1) are
-all-reduced (ZeRO 1: reduce-scattered, then the updated weights all-gathered) once per step in
-buckets (``config.dp_bucket_bytes``: DDP's 25 MB, grown with the group as Megatron-Core grows
-them, one collective and one ring latency each) that overlap the backward pass of the last
-micro-batch. With ``o`` the fraction of a
-collective's time that compute issued meanwhile hides (``Link.overlap``: 1 for NCCL, measured
-for gloo, whose threads share the CPU cores) times ``1 - k``, where ``k`` is the compute the
-overlapped collective slows down per second of it (``Device.overlap_slowdown``: its kernels take
-SMs and memory bandwidth), what is exposed is
-``T_dp - o * min(B_last, T_dp - T_dp / n_buckets)`` (the last bucket never hides; with
-``o = 1`` this is ``max(T_dp - B_last, T_dp / n_buckets)``).
-ZeRO 3 gathers each unit's weights in forward and again in backward (``T_ag'``: all but the kept
-units: the chunk's root, which holds the runs outside the repeated block too small for a unit of
-their own, and the model's last unit, the final norm and head, whose backward follows its forward at
-once; both stay gathered in between, as FSDP2 keeps its root and torchtitan wraps the head) and
-reduce-scatters its gradients (one collective per unit: each repeated block, each large run of the
-other layers, the root; ModelStructure.shard_units, as the runtime wraps them), for every micro-batch,
-prefetched under compute: exposed ``T_ag - o_f min(T_ag, F) + T_ag' + T_rs - o min(T_ag' + T_rs, B)``
-per micro-batch, plus the hidden share of the first unit's gather, which nothing hides.
-ZeRO 2 (FSDP2 without resharding after forward, and none between the step's micro-batches, as
-the runtime runs it) gathers each unit's weights once per step, under the first forward, and
-reduce-scatters its gradients after every backward, so that only a shard of them is ever held:
-``T_ag - o_f min(T_ag, F)`` plus ``T_rs - o min(T_rs, B)`` per micro-batch, plus the first gather.
-Forward prefetch (``o_f = o``) needs a host that runs ahead of its device, as with GPU
-streams; on a CPU the compute runs on the thread that would issue the next gather
-(FSDP2 prefetches explicitly only in backward), so ``o_f = 0`` there.
-
-The runtime also all-reduces the step's loss (one float) over every device, which is
-counted with ``T_dp_exposed``.
-
-The optimizer step streams the local shard's weights, gradients and states through
-memory once: ``Psi_local (2 K + g + w) / (W e_mem)``; profiled, it is the measured seconds
-per parameter of an AdamW step on the model's own parameters times ``Psi_local``, plus, for
-DTensor parameters (tensor parallelism, ZeRO-3), the device's per-op dispatch overhead for
-each of the update's ADAM_OPS_PER_TENSOR ops on each parameter tensor.
+The step's tail, ``T_dp_exposed + T_opt`` (gradient synchronisation, ZeRO's gathers, the loss's
+all-reduce, the optimizer step), is priced in step_tail.py; this module assembles each pipeline
+device's layers, p2p, memory and ZeRO units.
 """
 
 from __future__ import annotations
@@ -59,17 +24,14 @@ import numpy as np
 from ..capture.opgraph import OpGraph
 from ..capture.structure import ShardUnits
 from ..cluster import Cluster
-from ..config import ParallelConfig, Precision, dp_bucket_bytes
+from ..config import ParallelConfig, Precision
 from . import context_parallel, expert_parallel
-from .comm import Collective, GroupPlacement, collective_lines, collective_time, place_axes
+from .comm import Collective, GroupPlacement, collective_time
 from .layer_cost import LayerCost, LayerCostModel, SplitGroups
 from .memory import MemoryBreakdown, in_flight, interleaved_peak, model_state_bytes, op_kept
 from .mesh import mesh_groups
 from .schedule import even_partition
-
-# Tensor ops per parameter of torch's single-tensor AdamW (the CPU default): weight decay, the two
-# moment updates (lerp_, mul_ + addcmul_), sqrt, div, add_ (eps) and addcdiv_ (torch/optim/adam.py)
-ADAM_OPS_PER_TENSOR = 8
+from .step_tail import StepTail
 
 
 @dataclass(frozen=True)
@@ -114,7 +76,6 @@ class Estimator:
     cluster: Cluster
     precision: Precision
     layers: LayerCostModel | None = None
-    _lines: dict = field(default_factory=dict)
     _cuts: dict = field(default_factory=dict)
     _numel: dict = field(default_factory=dict)
     _units: dict = field(default_factory=dict)
@@ -124,6 +85,7 @@ class Estimator:
     experts: frozenset[str] = field(init=False)   # the expert parameters (divided by ep)
     layer_flops: tuple[tuple[float, ...], ...] = field(init=False)   # _layer_flops
     sequence_length: int | None = field(init=False)   # what fused attention runs over (context_parallel.py)
+    tail: StepTail = field(init=False)   # the step's gradient synchronisation and optimizer (step_tail.py)
 
     def __post_init__(self) -> None:
         self.graph = self.graph.for_kernels(self.precision.kernels)   # what the program's kernels keep
@@ -132,6 +94,7 @@ class Estimator:
         self.experts = expert_parallel.expert_params(self.graph)
         self.layer_flops = _layer_flops(self.graph)
         self.sequence_length = context_parallel.sequence_length(self.graph)
+        self.tail = StepTail(self.cluster, self.precision, self.layers.measured)
 
     def placements(self, cfg: ParallelConfig) -> dict[str, GroupPlacement]:
         return mesh_groups(self.cluster, cfg)
@@ -345,145 +308,16 @@ class Estimator:
             self._numel[key] = self._local_params(self._layer_param_names(i), cfg)
         return self._numel[key]
 
-    def _ct(self, kind: Collective, nbytes, group: GroupPlacement, calls=1):
-        """collective_time on floats or arrays, for ``nbytes`` moved in ``calls`` equal collectives:
-        ``min(calls * alpha + beta * nbytes)`` over the collective's lines; 0 for 0 bytes."""
-        key = (kind, group)
-        if key not in self._lines:
-            self._lines[key] = collective_lines(kind, group, self.cluster)
-        nbytes = np.asarray(nbytes, dtype=float)
-        best = np.min([calls * alpha + beta * nbytes for alpha, beta in self._lines[key]], axis=0)
-        return np.where(nbytes > 0, best, 0.0)
-
     def dp_exposed(self, cfg: ParallelConfig, dev: DeviceCost, micro_batches: int,
                    groups: dict[str, GroupPlacement]) -> float:
         """Data-parallel / ZeRO communication of one device that compute does not hide, per step
         (with the tensor-parallel group's own gradient all-reduce, when the layout has one)."""
         chunks = [self.shard_units(c, cfg) for c in dev.chunks]
         kept = [u for c in chunks for u in c.kept]
-        return float(self.dp_time(cfg, micro_batches, groups, dev.params, dev.fwd, dev.bwd, dev.recompute,
+        return float(self.tail.dp_time(cfg, micro_batches, groups, dev.params, dev.fwd, dev.bwd, dev.recompute,
                                   dev.tp_comm, dev.tp_grad_bytes, sum(len(c.units) for c in chunks),
                                   dev.expert_params, sum(self._layer_params(i, cfg) for u in kept for i in u),
                                   len(kept)))
-
-    def dp_time(self, cfg: ParallelConfig, micro_batches: int, groups: dict[str, GroupPlacement],
-                params, fwd, bwd, recompute, tp_comm, tp_grad_bytes, units, experts=0.0, kept=0.0, n_kept=0.0):
-        """:meth:`dp_exposed` on floats or numpy arrays (the stage DP evaluates every layer run at once).
-
-        Gradients go in ``dp_bucket_bytes`` buckets (one collective each); ZeRO-2 and 3 gather and
-        reduce-scatter unit by unit (one collective per unit held, ``units``: :meth:`shard_units`);
-        ZeRO-3 gathers again for backward every unit but the ``n_kept`` units of ``kept`` parameters
-        (``ShardUnits.kept``).
-        Dense weights synchronise over ``groups["dp"]`` (dp * cp ranks), the ``experts`` of ``params``
-        over ``groups["edp"]``."""
-        group, tp_group = groups["dp"], groups["tp"] if cfg.tp > 1 else None
-        params = np.asarray(params, dtype=float)
-        experts = np.asarray(experts, dtype=float)
-        hidden = bwd + recompute
-        parts = [(params - experts, group), (experts, groups["edp"])]
-        tp_bytes = np.asarray(tp_grad_bytes, dtype=float)
-        g_b, w_b = self.precision.grad_bytes, self.precision.weight_bytes
-        tp_buckets = _buckets(tp_bytes, cfg.tp, g_b)
-        tp_sync = (self._ct(Collective.ALL_REDUCE, tp_bytes, tp_group, tp_buckets) if tp_group is not None else 0.0)
-        if cfg.grad_replicas == 1:
-            total = tp_sync + 0.0 * params
-            return total - self._overlap(tp_group) * np.minimum(hidden, total - total / tp_buckets)
-        o = self._overlap(group)
-        if cfg.zero >= 2:
-            ag = sum(self._ct(Collective.ALL_GATHER, n * w_b, grp, units) for n, grp in parts)
-            rs = sum(self._ct(Collective.REDUCE_SCATTER, n * g_b, grp, units) for n, grp in parts)
-            fwd_c, bwd_c = fwd + tp_comm / 2, hidden + tp_comm / 2
-            # forward prefetch needs a host that runs ahead of its device (GPU streams); a CPU rank
-            # computes on the thread that would issue the next gather, so forward hides nothing there
-            o_fwd = 0.0 if self.cluster.device.is_cpu else o
-            gather = ag - o_fwd * np.minimum(ag, fwd_c)
-            first = o_fwd * ag / np.maximum(1, units)  # the first unit's gather is never hidden
-            if cfg.zero == 3:   # gathered again for backward, every micro-batch, all but the kept units
-                kept = np.asarray(kept, dtype=float)
-                again = (self._ct(Collective.ALL_GATHER, (parts[0][0] - kept) * w_b, group, units - n_kept)
-                         + self._ct(Collective.ALL_GATHER, experts * w_b, groups["edp"], units))
-                return micro_batches * (gather + again + rs - o * np.minimum(again + rs, bwd_c)) + first + tp_sync
-            return gather + first + micro_batches * (rs - o * np.minimum(rs, bwd_c)) + tp_sync
-        total, buckets = 0.0, 0.0
-        for n, grp in parts:
-            nb = _buckets(n * g_b, grp.size, g_b)
-            buckets = buckets + np.where(n > 0, nb, 0.0)
-            if cfg.zero == 0:
-                total = total + self._ct(Collective.ALL_REDUCE, n * g_b, grp, nb)
-            else:
-                total = total + (self._ct(Collective.REDUCE_SCATTER, n * g_b, grp, nb)
-                                 + self._ct(Collective.ALL_GATHER, n * w_b, grp, nb))
-        buckets = np.maximum(1.0, buckets)
-        total = total + tp_sync
-        return total - o * np.minimum(hidden, total - total / buckets)
-
-    def dp_floor(self, cfg: ParallelConfig, micro_batches: int, groups: dict[str, GroupPlacement],
-                 params: float, experts: float = 0.0) -> float:
-        """A lower bound on :meth:`dp_time` of any device holding at least ``params`` parameters
-        (``experts`` of the total expert ones, for the mix of groups), whatever its compute: the
-        part of each collective compute never hides, ``(1 - o)``, with one call each. Collective
-        times are subadditive in bytes (``min`` of ``alpha + beta n`` lines, 0 at 0 bytes), so the
-        dense and expert parts together take at least the cheaper group's time for their sum."""
-        if cfg.grad_replicas == 1 or params <= 0:
-            return 0.0
-        spans = [groups["dp"]] + ([groups["edp"]] if experts > 0 else [])
-
-        def least(kind: Collective, nbytes: float) -> float:
-            return min(float(self._ct(kind, nbytes, g)) for g in spans)
-        o = self._overlap(groups["dp"])
-        g_b, w_b = self.precision.grad_bytes * params, self.precision.weight_bytes * params
-        if cfg.zero >= 2:
-            o_fwd = 0.0 if self.cluster.device.is_cpu else o
-            ag, rs = least(Collective.ALL_GATHER, w_b), least(Collective.REDUCE_SCATTER, g_b)
-            if cfg.zero == 2:
-                return (1 - o_fwd) * ag + micro_batches * (1 - o) * rs
-            return micro_batches * ((1 - o_fwd) * ag + (1 - o) * (ag + rs))
-        if cfg.zero == 0:
-            return (1 - o) * least(Collective.ALL_REDUCE, g_b)
-        return (1 - o) * (least(Collective.REDUCE_SCATTER, g_b) + least(Collective.ALL_GATHER, w_b))
-
-    def _overlap(self, group: GroupPlacement | None) -> float:
-        """The fraction of a collective's time compute hides on the links ``group`` uses, net of the
-        compute the overlap slows down (``Device.overlap_slowdown``)."""
-        kept = 1.0 - self.cluster.device.overlap_slowdown
-        if group is None:
-            return kept
-        return kept * (self.cluster.intra_node if group.nodes == 1 else self.cluster.inter_node).overlap
-
-    def loss_share_time(self) -> float:
-        """The step's loss, one float, all-reduced over every device once per step (the runtime's
-        ``train_step`` returns it on every rank); counted with the data-parallel communication."""
-        world = place_axes(self.cluster, [("world", self.cluster.devices)])["world"]
-        return collective_time(Collective.ALL_REDUCE, 4.0, world, self.cluster)
-
-    def optimizer_time(self, cfg: ParallelConfig, dev: DeviceCost | float, experts=0.0):
-        """The optimizer step of one device (its parameters, ``experts`` of them expert weights, or a
-        DeviceCost); floats or arrays. ZeRO divides the dense ones by dp * cp, the experts by dp * cp / ep."""
-        params = dev.params if isinstance(dev, DeviceCost) else dev
-        params, experts = np.asarray(params, dtype=float), np.asarray(experts, dtype=float)
-        if isinstance(dev, DeviceCost):
-            experts = np.asarray(float(dev.expert_params))
-        local = params if cfg.zero == 0 else (params - experts) / cfg.grad_replicas + experts / cfg.expert_replicas
-        measured = self.layers.measured.optimizer_seconds_per_param() if self.layers.measured is not None else None
-        if measured is not None:
-            out = local * measured
-            if isinstance(dev, DeviceCost) and (cfg.tp > 1 or cfg.zero == 3):
-                # DTensor parameters (tensor parallelism, FSDP2): every op of the per-tensor update pays
-                # the runtime's dispatch overhead
-                out = out + dev.param_tensors * ADAM_OPS_PER_TENSOR * self.cluster.device.dispatch_overhead
-        else:
-            p = self.precision
-            per_param = 2 * p.optimizer_bytes + p.grad_bytes + p.weight_bytes
-            bandwidth = self.cluster.device.memory_bandwidth * self.cluster.device.memory_efficiency
-            out = local * per_param / bandwidth
-        out = out * self.cluster.device.concurrency_slowdown   # every rank steps at once (compute.py)
-        return float(out) if out.ndim == 0 else out
-
-
-def _buckets(nbytes, ranks: int, element_bytes: int):
-    """Gradient buckets of ``dp_bucket_bytes(ranks, element_bytes)`` (at least one)."""
-    return np.maximum(1.0, np.ceil(np.asarray(nbytes, dtype=float) / dp_bucket_bytes(ranks, element_bytes)))
-
 
 def _layer_flops(graph: OpGraph) -> tuple[tuple[float, ...], ...]:
     """Per layer, FLOPs at the captured batch, each split into (batch-dependent ops, the others): forward

@@ -34,7 +34,7 @@ in fewer, larger GEMMs, which the compute model's efficiency curve rewards:
 
 Memory: a rank holds ``E / e`` experts of each layer; their weights' gradients already sum
 every rank's tokens (the all-to-all's backward brings them), so they are reduced (and ZeRO
-sharded) only over the ``dp cp / e`` ranks holding the same experts (estimator.py).
+sharded) only over the ``dp cp / e`` ranks holding the same experts (step_tail.py).
 """
 
 from __future__ import annotations

@@ -277,7 +277,7 @@ class Program(Assembly):
     def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """Every replica's micro-batch losses on every rank (``micro_losses``); returns their mean."""
         cfg, m = self.cfg, self.micro_batches
-        if self.plan.devices == 1:   # nothing to share: no collective, no copies
+        if cfg.dp == cfg.pp == cfg.cp == 1:   # every rank computed every loss (tp ranks alike): no collective
             self.micro_losses = torch.stack(losses).detach().float().reshape(m)
             return self.micro_losses.mean()
         owner = self.pp_rank == cfg.pp - 1 and self.tp_rank == 0

@@ -48,7 +48,7 @@ of that multiple-choice knapsack::
 (concave and piecewise linear in ``lambda``: its maximum is at 0 or a breakpoint where a layer's
 cheapest mode changes), and ``W_M`` replaces ``W`` above. When even ``sum_l min_r a_l^r > B``
 the candidate cannot fit (pruned by memory). The refined bound also adds the data-parallel
-communication of ``P / p`` parameters that no overlap hides (``Estimator.dp_floor``: the
+communication of ``P / p`` parameters that no overlap hides (``StepTail.dp_floor``: the
 device with the most parameters pays at least that much after its pipeline) and the loss's
 all-reduce.
 """
@@ -162,7 +162,7 @@ class SearchBounds:
         key = (c.variant, c.tp, c.sequence_parallel, c.cp, c.ep, c.pp, c.dp, c.zero)
         if key not in self._fixed:
             lw, p, est, cfg = self._layer_work(c), c.pp, self.estimator(c.variant), c.config()
-            self._fixed[key] = (float(est.optimizer_time(cfg, lw.params / p, lw.experts / p)),
+            self._fixed[key] = (float(est.tail.optimizer_time(cfg, lw.params / p, lw.experts / p)),
                                 float(sum(est.state_bytes(cfg, lw.params / p, lw.experts / p))))
         return self._fixed[key]
 
@@ -231,7 +231,8 @@ class SearchBounds:
     def _tail(self, c: Candidate, m: int) -> float:
         """The data-parallel communication no overlap hides and the loss's all-reduce."""
         lw, est, cfg = self._layer_work(c), self.estimator(c.variant), c.config()
-        return est.dp_floor(cfg, m, est.placements(cfg), lw.params / c.pp, lw.experts / c.pp) + est.loss_share_time()
+        return (est.tail.dp_floor(cfg, m, est.placements(cfg), lw.params / c.pp, lw.experts / c.pp)
+                + est.tail.loss_share_time(cfg))
 
     def _budget(self, c: Candidate, m: int) -> float:
         """``B``, the most activation bytes one pass of all layers may take (module docstring):

@@ -96,9 +96,9 @@ def run_tables(est: Estimator, cfg: ParallelConfig, micro_batches: int, modes: S
         tp = _run_sum(col("tp_fwd") + col("tp_bwd"))
         other = _run_sum(col("cp_fwd") + col("cp_bwd") + col("ep_fwd") + col("ep_bwd"))
         work = fwd + bwd + rec + tp + other + q_in[:, None] + cuts[None, :]
-        dp = est.dp_time(cfg, micro_batches, groups, params, fwd, bwd, rec, tp, _run_sum(step), units, experts, kept,
-                         n_kept)
-        tail = dp + est.optimizer_time(cfg, params, experts)
+        dp = est.tail.dp_time(cfg, micro_batches, groups, params, fwd, bwd, rec, tp, _run_sum(step), units, experts,
+                              kept, n_kept)
+        tail = dp + est.tail.optimizer_time(cfg, params, experts)
         buffers = est.buffer_bytes(cfg, mode, _run_max(col("largest_tensor")), _run_max(col("activations_full")),
                                    unit_params)
         works.append(np.where(valid, work, INF))

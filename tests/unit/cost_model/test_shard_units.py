@@ -88,9 +88,10 @@ def test_zero3_gathers_the_kept_unit_once_per_micro_batch():
     params = sum(est._layer_params(k, cfg) for k in range(n))
     args = (cfg, 4, groups, params, 0.0, 0.0, 0.0, 0.0, 0.0, count[0, n - 1], 0.0)
     assert n_kept[0, n - 1] == 1
-    with_kept, without = est.dp_time(*args, kept[0, n - 1], 1), est.dp_time(*args, 0.0, 0)
+    with_kept, without = est.tail.dp_time(*args, kept[0, n - 1], 1), est.tail.dp_time(*args, 0.0, 0)
     from autopar.cost_model.comm import Collective
     w_b = est.precision.weight_bytes
-    regather = lambda nbytes, calls: float(est._ct(Collective.ALL_GATHER, nbytes, groups["dp"], calls))  # noqa: E731
+    regather = lambda nbytes, calls: float(  # noqa: E731
+        est.tail.collective(Collective.ALL_GATHER, nbytes, groups["dp"], calls))
     gap = 4 * (regather(params * w_b, count[0, n - 1]) - regather((params - kept[0, n - 1]) * w_b, count[0, n - 1] - 1))
     assert without - with_kept == pytest.approx(gap, rel=1e-9) and gap > 0
