@@ -103,7 +103,7 @@ class LoweredGraph:
     def collectives(self) -> int:
         """How many collectives a forward pass runs: its conversions' communicating steps (a split
         takes a slice, ``copy`` communicates in backward only) and the ops' own."""
-        own = {How.VOCAB_LOSS: 2, How.ROW_LOSS: 2, How.REDUCE_SUM: 1, How.REDUCE_MAX: 1, How.REDUCE_MIN: 1}
+        own = {How.VOCAB_LOSS: 1, How.ROW_LOSS: 2, How.REDUCE_SUM: 1, How.REDUCE_MAX: 1, How.REDUCE_MIN: 1}
         steps = [s for op in self.ops.values() for read in (*op.reads.values(), op.after) for s in read]
         return sum(1 for s in steps if s.kind in COMMUNICATING) + sum(own.get(op.how, 0) for op in self.ops.values())
 

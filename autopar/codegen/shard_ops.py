@@ -6,9 +6,14 @@ tensor-parallel process group:
 - :func:`vocab_embedding`: the table split along the vocabulary; each rank looks up the tokens in
   its rows and zeros the others: the output is partial (Megatron's VocabParallelEmbedding);
 - :func:`vocab_cross_entropy` / :func:`vocab_nll`: logits (log-probabilities) split along the class
-  dim; three all-reduces of one value per row (the row max, the sum of exponentials, the target
-  logit), the loss of every row on every rank, the gradient computed on the shard (Megatron's
-  vocab_parallel_cross_entropy, with ignore_index and label smoothing as torch defines them);
+  dim; the loss of every row on every rank, the gradient computed on the shard (Megatron's
+  vocab_parallel_cross_entropy, with ignore_index and label smoothing as torch defines them).
+  Where Megatron makes three all-reduces of one value per row (the row max, the target logit, the
+  sum of exponentials), each rank here shares its shard's max ``m_r``, exponential sum ``s_r`` (about
+  ``m_r``), target logit (0 off the shard) and, with label smoothing, logit sum, in one collective;
+  every rank then combines them as a streaming softmax does: ``m = max_r m_r``,
+  ``S = sum_r s_r exp(m_r - m)``, ``loss = log S + m - x_target``. One latency instead of three: at
+  small sizes (and on GPUs, for any layer short enough) that latency is the loss's cost;
 - :func:`row_total`: a loss over this rank's rows from its local sum: all-reduces of the sum and,
   for a mean, of the count of terms;
 - :func:`expect_shape`: the check a generated program makes of each shard it computes.
@@ -45,26 +50,38 @@ class _VocabCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, group, ignore_index, smoothing):
-        vocab = logits.shape[-1]
-        start = dist.get_rank(group) * vocab
+        vocab, ranks = logits.shape[-1], dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        start = rank * vocab
         top = logits.detach().amax(-1)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        z = logits - top.unsqueeze(-1)
+        shift = torch.where(top.isfinite(), top, torch.zeros_like(top))   # a shard of -inf logits: exp 0
+        z = logits - shift.unsqueeze(-1)
         exp = z.exp()
-        total = exp.sum(-1)
         inside = (target >= start) & (target < start + vocab)
         index = torch.where(inside, target - start, torch.zeros_like(target))
-        picked = z.gather(-1, index.unsqueeze(-1)).squeeze(-1) * inside.to(z.dtype)
-        sums = torch.stack([total, picked] + ([z.sum(-1)] if smoothing else []))
-        dist.all_reduce(sums, group=group)
-        log_total = sums[0].log()
-        loss = log_total - sums[1]
-        full_vocab = vocab * dist.get_world_size(group)
-        if smoothing:
-            loss = (1 - smoothing) * loss + smoothing * (log_total - sums[2] / full_vocab)
+        picked = z.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+        picked = torch.where(inside, picked, torch.zeros_like(picked))
+        mine = [top, exp.sum(-1), picked] + ([z.sum(-1)] if smoothing else [])
+        # every rank's statistics in one all-reduce, each rank filling its own slot: an all-gather
+        # whose backward is nothing (the gradient below is local), priced as the all-reduce it is
+        shared = torch.zeros((ranks, len(mine)) + top.shape, dtype=logits.dtype, device=logits.device)
+        shared[rank] = torch.stack(mine)
+        dist.all_reduce(shared, group=group)
+        tops = shared[:, 0]
+        best = tops.amax(0)
+        scale = (tops - best).exp()   # each rank's exponentials, from its own max to the global one
+        total = (shared[:, 1] * scale).sum(0)
+        log_total = total.log()       # log sum_j exp(x_j - best)
+        owner = (target // vocab).clamp(0, ranks - 1)   # the rank holding each row's target
+        target_z = shared[:, 2].sum(0) + tops.gather(0, owner.unsqueeze(0)).squeeze(0) - best   # x_target - best
+        loss = log_total - target_z
+        full_vocab = vocab * ranks
+        if smoothing:   # sum_j (x_j - best), from each rank's sum about its own max
+            z_sum = (shared[:, 3] + vocab * (tops - best)).sum(0)
+            loss = (1 - smoothing) * loss + smoothing * (log_total - z_sum / full_vocab)
         valid = target != ignore_index
         loss = torch.where(valid, loss, torch.zeros_like(loss))
-        ctx.save_for_backward(exp / sums[0].unsqueeze(-1), index, inside, valid)
+        ctx.save_for_backward(exp * (scale[rank] / total).unsqueeze(-1), index, inside, valid)
         ctx.smoothing, ctx.full_vocab = smoothing, full_vocab
         return loss
 

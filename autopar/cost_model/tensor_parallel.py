@@ -23,7 +23,7 @@ Rules (Shoeybi et al. 2019, Megatron-LM section 3):
 - an embedding of the batch's tokens is vocabulary parallel: output ``R`` after a forward
   all-reduce (a table looked up by batch-independent indices, as positions, stays whole);
 - a loss on ``S`` logits is the vocabulary-parallel cross entropy (three all-reduces of
-  one value per token);
+  one value per token: the max, the target logit, the exp-sum);
 - any other op with an ``S`` input is ``S`` (it works on its shard), unless it also reads
   an ``R`` activation or normalises/reduces its input, in which case the ``S`` input is
   all-gathered first (a cost, never silently wrong);
@@ -204,7 +204,8 @@ def megatron_layout(graph: OpGraph, tp: int) -> TPLayout:
         elif node.kind is OpKind.LOSS and has_s:
             logits = graph.node(node.inputs[0]).outputs[0]
             rows = out_numel if node.outputs[0].shape else max(1, logits.numel // max(1, logits.shape[-1]))
-            add(node, "all_reduce", "fwd", 3 * rows)
+            for _ in range(3):
+                add(node, "all_reduce", "fwd", rows)
             state[node.name] = R
         elif has_s and (act_r or node.kind in (OpKind.NORM, OpKind.REDUCTION, OpKind.LOSS)):
             add(node, "all_gather", "fwd", split_numel(node))

@@ -27,8 +27,9 @@ group). The rules by op class:
 - convolution: replicate, ``split(0)`` (batch), column (output channels), row (input channels, ``P``);
 - embedding: replicate, vocab (weight ``S(0)``, output ``P``), hidden (weight ``S(1)``, output
   ``S(-1)``), ``split(d)`` of an index dim;
-- class losses: vocab (logits split on the class dim: the vocabulary-parallel cross entropy,
-  three all-reduces of one value per row), ``split(d)`` of a row dim (an all-reduce of the loss);
+- class losses: vocab (logits split on the class dim: the vocabulary-parallel cross entropy, one
+  all-reduce of every rank's row max, exp-sum and target logit, as codegen/shard_ops.py runs it;
+  nll: one of the target's value), ``split(d)`` of a row dim (an all-reduce of the loss);
 - norms, softmax, reductions, element-wise ops, pooling: ``split(d)`` of any output dim whose
   source dims are not reduced (batch norm may split its batch dim: per-rank statistics, as
   DDP without SyncBatchNorm does); sum/mean/amax/amin also split a reduced dim and
@@ -56,8 +57,15 @@ _LINEAR_REDUCTIONS = frozenset("sum amax amin max min".split())
 _BATCH_NORMS = frozenset(("batch_norm native_batch_norm _native_batch_norm_legit "
                           "_native_batch_norm_legit_functional").split())
 _CHANNEL_NORMS = _BATCH_NORMS | {"_native_batch_norm_legit_no_training"}
-_VOCAB_LOSSES = {"cross_entropy_loss": 3, "nll_loss": 1, "nll_loss_forward": 1, "nll_loss2d": 1,
-                 "nll_loss2d_forward": 1}  # all-reduces of one value per row
+# a vocabulary-parallel loss's one all-reduce: values per row, and whether each rank has a slot of its own
+# (cross entropy's row statistics; label smoothing adds a fourth value, left out)
+_VOCAB_LOSSES = {"cross_entropy_loss": (3, True), "nll_loss": (1, False), "nll_loss_forward": (1, False),
+                 "nll_loss2d": (1, False), "nll_loss2d_forward": (1, False)}
+
+
+def _vocab_loss_numel(base: str, rows: int, t: int) -> int:
+    per_row, slots = _VOCAB_LOSSES[base]
+    return per_row * rows * (t if slots else 1)
 
 
 def S(d: int) -> str:
@@ -404,7 +412,7 @@ def _loss(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     rows = out.numel if out.shape else max(1, logits.numel // max(1, logits.shape[cls]))
     if base in _VOCAB_LOSSES and len(node.reduced) == 1 and ctx.splittable(node.inputs[0], cls, t):
         res.append(Strategy("vocab", (S(cls),) + rest, R, (),
-                            comms=(Comm("all_reduce", "fwd", _VOCAB_LOSSES[base] * rows, node.batch_dependent),)))
+                            comms=(Comm("all_reduce", "fwd", _vocab_loss_numel(base, rows, t), node.batch_dependent),)))
     if out.shape:
         return res + [s for s in _generic(ctx, node, t)[1:]]
     for d in range(len(logits.shape)):
