@@ -39,8 +39,9 @@ runtime all-reduces them (a few floats) over every device once per step, counted
 The optimizer step streams the local shard's weights, gradients and states through
 memory once: ``Psi_local (2 K + g + w) / (W e_mem)``; profiled, it is the measured seconds
 per parameter of an AdamW step on the model's own parameters times ``Psi_local``, plus, for
-DTensor parameters (tensor parallelism, ZeRO-3), the device's per-op dispatch overhead for
-each of the update's ADAM_OPS_PER_TENSOR ops on each parameter tensor.
+DTensor parameters (FSDP2's, ZeRO-2/3), the device's per-op dispatch overhead for each of the
+update's ADAM_OPS_PER_TENSOR ops on each parameter tensor. Tensor-parallel shards are stepped as
+plain tensors (runtime/assembly.py), as Megatron's optimizer steps them: no dispatch term.
 
 Every function takes floats or numpy arrays alike: the stage DP prices every run of layers at once.
 """
@@ -185,9 +186,8 @@ class StepTail:
         measured = self.measured.optimizer_seconds_per_param() if self.measured is not None else None
         if measured is not None:
             out = local * measured
-            if cfg.tp > 1 or cfg.zero == 3:
-                # DTensor parameters (tensor parallelism, FSDP2): every op of the per-tensor update pays
-                # the runtime's dispatch overhead
+            if cfg.zero >= 2 and cfg.grad_replicas > 1:
+                # FSDP2's DTensor parameters: every op of the per-tensor update pays the dispatch overhead
                 out = out + param_tensors * ADAM_OPS_PER_TENSOR * self.cluster.device.dispatch_overhead
         else:
             p = self.precision

@@ -270,11 +270,18 @@ class Assembly:
                           None if context is None else context.plan.local_shape)
 
     def _optimizer(self, factory: OptimizerFactory | None):
+        # what the optimizer steps: without FSDP2, a tensor-parallel parameter's local shard (a plain
+        # tensor on its storage) rather than the DTensor, as Megatron's optimizer steps plain shards:
+        # every op of an update on a DTensor pays its dispatch (about 8 per tensor in AdamW's
+        # single-tensor loop), and the state it keeps is plain too. _finish_grads hands each shard its
+        # gradient; checkpoint.py presents both with the parameter's layout.
+        self.stepped = {fqn: local(p) if isinstance(p, DTensor) and not self.fsdp else p
+                        for fqn, p in self.params.items()}
         if factory is None:
             return None
-        params = list(self.parameters())
+        params = list({id(p): p for p in self.stepped.values()}.values())
         if self.zero == 1:
-            experts = {id(self.params[f]) for f in self.expert_fqns if f in self.params}
+            experts = {id(self.stepped[f]) for f in self.expert_fqns if f in self.stepped}
             partitions = [([p for p in params if id(p) not in experts], self.dp_group,
                            dist.get_process_group_ranks(self.dp_group))]
             if experts:

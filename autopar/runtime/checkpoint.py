@@ -19,9 +19,11 @@ loader restores the whole model.
 How each tensor carries its global layout:
 
 - tensor-parallel and FSDP2 (ZeRO-2/3) parameters are DTensors already, and so is the optimizer
-  state AdamW keeps for them (``zeros_like`` of a DTensor); DCP writes ``to_local()`` at the
+  state AdamW keeps for FSDP2's (``zeros_like`` of a DTensor); DCP writes ``to_local()`` at the
   offset ``compute_local_shape_and_global_offset`` gives (uneven FSDP2 shards included: both use
-  ``torch.chunk``'s split);
+  ``torch.chunk``'s split). Without FSDP2 the optimizer steps a tensor-parallel parameter's local
+  shard (``Program.stepped``), and its state is plain: both are presented as DTensors of the
+  parameter's mesh and placements, views of the same memory;
 - expert weights under expert parallelism (``ep > 1``) are plain tensors of this rank's ``E/ep``
   experts (or an FSDP2 shard of them over the expert replicas): they are presented as a DTensor
   of global shape ``[E, ...]`` on a 2-D ``(ep, expert replica)`` mesh with placements
@@ -79,7 +81,7 @@ def save_program(program: Any, path: str | os.PathLike) -> None:
         state[fqn] = present(fqn, p.detach())
     optimizer = _inner(program.optimizer)
     if optimizer is not None:
-        state.update(optimizer_state(optimizer, param_names(program.params), present))
+        state.update(optimizer_state(optimizer, param_names(program.stepped), present))
     state[STEPS] = int(program.steps)
     dcp.save(state, checkpoint_id=os.fspath(path))
 
@@ -97,7 +99,7 @@ def load_program(program: Any, path: str | os.PathLike) -> None:
     optimizer = _inner(program.optimizer)
     fill = None
     if optimizer is not None:
-        fill = optimizer_targets(optimizer, param_names(program.params), saved, present,
+        fill = optimizer_targets(optimizer, param_names(program.stepped), saved, present,
                                  lambda fqn, p: _global_shape(program, fqn, p), state, ConfigError)
     if STEPS in saved:
         state[STEPS] = 0
@@ -144,17 +146,21 @@ def _inner(optimizer: Any) -> torch.optim.Optimizer | None:
 def _global_shape(program: Any, fqn: str, p: torch.Tensor) -> torch.Size:
     if fqn in program.expert_fqns and program.cfg.ep > 1:
         return torch.Size(program.graph.params[fqn].shape)
-    return p.shape
+    return program.params[fqn].shape   # a DTensor's global shape, also for the local shard the optimizer steps
 
 
 def _presenter(program: Any) -> Present:
-    """The function giving DCP a tensor of ``fqn``'s layout with its global layout."""
-    if not (program.expert_fqns and program.cfg.ep > 1):
-        return lambda fqn, t: t
-    mesh = _expert_mesh(program)
+    """The function giving DCP a tensor of ``fqn``'s layout with its global layout: a tensor-parallel
+    parameter's local shard (what the optimizer steps, and its state) as a DTensor of the parameter's
+    mesh and placements (no copy: DCP reads and fills the shard itself)."""
+    mesh = _expert_mesh(program) if program.expert_fqns and program.cfg.ep > 1 else None
 
     def present(fqn: str, t: torch.Tensor) -> Any:
-        if fqn not in program.expert_fqns:
+        p = program.params[fqn]
+        if isinstance(p, DTensor) and not isinstance(t, DTensor):
+            return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                      stride=p.stride())
+        if mesh is None or fqn not in program.expert_fqns:
             return t
         shape = _global_shape(program, fqn, t)
         # an FSDP2 expert shard is a DTensor over the replicas: Shard(0) of this rank's E/ep block

@@ -273,6 +273,10 @@ class Program(Assembly):
             works.append((dist.all_reduce(local(p.grad), group=group, async_op=True), fqn, group))
         for work, fqn, group in works:
             wait_or_fail(work, self.timeout, f"all_reduce of tied parameter {fqn}'s gradient", group)
+        for fqn, p in self.params.items():   # the local shards the optimizer steps (Assembly._optimizer)
+            shard = self.stepped[fqn]
+            if shard is not p:
+                shard.grad = None if p.grad is None else local(p.grad)
 
     def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """Every replica's micro-batch losses on every rank (``micro_losses``); returns their mean."""

@@ -44,6 +44,8 @@ SCENARIOS = {
     "moe-ep2-zero3": ("moe", dict(dp=2, ep=2, zero=3), {"dp2": dict(dp=2), "ep2-zero1": dict(dp=2, ep=2, zero=1)}),
     # ZeRO-1: each parameter's optimizer state saved by its owner; expert weights plain tensors
     "moe-ep2-zero1": ("moe", dict(dp=2, ep=2, zero=1), {}),
+    # the optimizer steps tensor-parallel shards as plain tensors: saved (and resumed) as DTensors
+    "gpt-tp2": ("gpt", dict(tp=2, micro_batch_size=2), {"dp2-zero3": dict(dp=2, zero=3)}),
 }
 TARGETS = [(s, t) for s, (_, _, targets) in SCENARIOS.items() for t in [*targets, "one_process"]]
 
