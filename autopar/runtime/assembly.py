@@ -222,6 +222,9 @@ class Assembly:
             if self.expert_fqns:
                 expert = [[p for fqn, p in ps.items() if fqn in self.expert_fqns] for ps in named]
                 self.reducers.append(GradReducer(expert, self.expert_group, replicas, self.timeout))
+            if self.compile:
+                for k, c in enumerate(self.my_chunks):
+                    self.chunks[c].break_before(_bucket_starts(self.chunks[c], [r.buckets[k] for r in self.reducers]))
 
     def _tied_groups(self) -> None:
         """A process group per parameter held by several pipeline stages, over those stages' ranks."""
@@ -288,6 +291,19 @@ class Assembly:
                 partitions.append(([p for p in params if id(p) in experts], self.expert_group, self.expert_ranks))
             return Zero1Optimizer(partitions, factory, self.rank, self.timeout)
         return factory(params)
+
+
+def _bucket_starts(chunk: ChunkModule, buckets: Iterable[Iterable[Any]]) -> list[int]:
+    """For each gradient bucket of ``chunk``, the first of its layers whose backward writes one of the
+    bucket's gradients (the last to run in backward): once the backward of the layers from there on
+    has run, the bucket is complete."""
+    params = chunk.named_model_parameters()
+    first: dict[int, int] = {}
+    for i, layer in enumerate(chunk.layers):
+        experts = [fqn for m in layer.experts.values() for fqn in m.named_model_parameters()]
+        for fqn in (*layer.own, *layer.shared, *experts):
+            first.setdefault(id(params[fqn]), i)
+    return sorted({min(first.get(id(p), 0) for p in bucket.params) for group in buckets for bucket in group})
 
 
 def _dedupe(per_chunk: list[list[nn.Parameter]]) -> list[list[nn.Parameter]]:

@@ -168,6 +168,7 @@ class ChunkModule(nn.Module):
         for fqn in self.shared_params:
             self.register_parameter(attr_name(fqn), params[fqn])
         self.layers = nn.ModuleList()
+        self.breaks: frozenset[int] = frozenset()   # break_before
         for layer, mode in zip(spec.layers, recompute, strict=True):
             own = [p for p in layer.params if use_count[p] == 1 and p not in held]
             shared = [p for p in layer.params if use_count[p] > 1 and p not in held]
@@ -177,11 +178,21 @@ class ChunkModule(nn.Module):
                 module.register_parameter(attr_name(fqn), params[fqn])
             self.layers.append(module)
 
+    def break_before(self, layers: Sequence[int]) -> None:
+        """Compiled (``Module.compile``), end a compiled region before each of these layers (their indices
+        in the chunk), as torch's DDPOptimizer splits a DDP model at its gradient buckets: AOTAutograd
+        runs a region's backward as one node, so only a region's end makes its gradients ready, and a
+        bucket whose parameters all come after a break is all-reduced while the regions before it run
+        their backward. Eager, nothing changes."""
+        self.breaks = frozenset(i for i in layers if 0 < i < len(self.layers))
+
     def forward(self, *values: Any) -> tuple[Any, ...]:
         names = self.spec.graph_inputs + self.spec.recv
         env: dict[str, Any] = dict(zip(names, values))
         shared = {fqn: getattr(self, attr_name(fqn)) for fqn in self.shared_params}
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i in self.breaks:
+                torch._dynamo.graph_break()
             ins = [env[v] for v in layer.spec.inputs] + [shared[p] for p in layer.shared]
             env.update(zip(layer.spec.outputs + layer.written, layer(*ins)))
         return tuple(env[v] for v in self.spec.send)
