@@ -49,6 +49,7 @@ from ..capture.build import module_path
 from ..errors import ConfigError
 from ..solver.strategies import spec_dim
 from . import collectives, context_ops, shard_ops
+from .bindings import use_bindings
 from .context_state import ContextRank, Local, holds_tensor
 from .lower import CONTEXT_HOPS, SKIPPED_TARGETS, How, LoweredGraph, LoweredOp, Step
 
@@ -126,6 +127,7 @@ class _Emitter:
             self._node(self.nodes[n])
         self._core(segment, io)
         self.graph.output(tuple(self.env[v] for v in (*io.outputs, *io.written)))
+        use_bindings(self.graph)
         module = fx.GraphModule(self.attrs, self.graph, class_name=name)
         return module
 
