@@ -61,7 +61,8 @@ def test_compiled_regions_start_at_buckets(results):
     for rank, got in enumerate(results):
         assert "error" not in got, got["error"]
         eager, compiled = got["eager"], got["aot_eager"]
-        assert compiled["buckets"] >= 3 and len(compiled["breaks"]) >= 2, (rank, compiled["buckets"], compiled["breaks"])
+        assert compiled["buckets"] >= 3 and len(compiled["breaks"]) >= 2, (rank, compiled["buckets"],
+                                                                            compiled["breaks"])
         assert eager["breaks"] == [] and compiled["graphs"] > len(compiled["breaks"]), (rank, compiled)
 
 

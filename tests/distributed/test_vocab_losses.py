@@ -53,7 +53,8 @@ CASES = ([Case("cross_entropy", r, s) for r in REDUCTIONS for s in ("rows", "spa
          + [Case("cross_entropy", "mean", "rows", ignore=3), Case("cross_entropy", "mean", "rows", smoothing=0.1),
             Case("cross_entropy", "sum", "spatial", smoothing=0.2, ignore=5),
             Case("cross_entropy", "mean", "rows", masked=True), Case("cross_entropy", "none", "rows", masked=True),
-            Case("cross_entropy", "mean", "rows", offset=1000.0), Case("cross_entropy", "mean", "spatial", offset=-500.0)])
+            Case("cross_entropy", "mean", "rows", offset=1000.0),
+            Case("cross_entropy", "mean", "spatial", offset=-500.0)])
 
 
 def make_inputs(case: Case) -> dict:
