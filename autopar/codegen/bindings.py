@@ -22,7 +22,7 @@ Imports only torch: generated source runs without autopar.
 from __future__ import annotations
 
 import types
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -73,11 +73,6 @@ def _table() -> dict[Any, tuple[str, Any]]:
 
 
 TABLE = _table()
-
-
-def binding(op: Any) -> tuple[str, Callable | str] | None:
-    """How the generated code calls ``op``: ("function", fn), ("method", name), or None (the overload)."""
-    return TABLE.get(op)
 
 
 def use_bindings(graph: fx.Graph) -> None:
