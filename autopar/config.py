@@ -175,6 +175,13 @@ class ParallelConfig:
         """Ranks holding the same experts (``dp * cp / ep``): the expert weights' gradient and ZeRO group."""
         return self.dp * self.cp // self.ep
 
+    @property
+    def shares_losses(self) -> bool:
+        """Whether the step's losses are all-reduced so that every rank holds them: not when every rank
+        computes every loss already (tensor parallelism alone: its ranks end with the same loss). The
+        runtime (Program._share_loss) and the cost model (StepTail.loss_share_time) both read this."""
+        return not self.dp == self.pp == self.cp == 1
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["stage_recompute"] = list(self.stage_recompute)

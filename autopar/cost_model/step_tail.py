@@ -172,7 +172,7 @@ class StepTail:
     def loss_share_time(self, cfg: ParallelConfig) -> float:
         """The step's losses all-reduced over every device once per step (the runtime's ``train_step``
         returns them on every rank); none when every rank computes every loss (tensor parallelism alone)."""
-        if cfg.dp == cfg.pp == cfg.cp == 1:
+        if not cfg.shares_losses:
             return 0.0
         world = place_axes(self.cluster, [("world", self.cluster.devices)])["world"]
         return collective_time(Collective.ALL_REDUCE, 4.0, world, self.cluster)

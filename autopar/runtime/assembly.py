@@ -280,6 +280,8 @@ class Assembly:
         # gradient; checkpoint.py presents both with the parameter's layout.
         self.stepped = {fqn: local(p) if isinstance(p, DTensor) and not self.fsdp else p
                         for fqn, p in self.params.items()}
+        self.shards = list({id(p): (p, s) for p, s in zip(self.params.values(), self.stepped.values())
+                            if s is not p}.values())   # (parameter, the shard stepped), each once
         if factory is None:
             return None
         params = list({id(p): p for p in self.stepped.values()}.values())

@@ -273,15 +273,13 @@ class Program(Assembly):
             works.append((dist.all_reduce(local(p.grad), group=group, async_op=True), fqn, group))
         for work, fqn, group in works:
             wait_or_fail(work, self.timeout, f"all_reduce of tied parameter {fqn}'s gradient", group)
-        for fqn, p in self.params.items():   # the local shards the optimizer steps (Assembly._optimizer)
-            shard = self.stepped[fqn]
-            if shard is not p:
-                shard.grad = None if p.grad is None else local(p.grad)
+        for p, shard in self.shards:   # the local shards the optimizer steps (Assembly._optimizer)
+            shard.grad = None if p.grad is None else local(p.grad)
 
     def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """Every replica's micro-batch losses on every rank (``micro_losses``); returns their mean."""
         cfg, m = self.cfg, self.micro_batches
-        if cfg.dp == cfg.pp == cfg.cp == 1:   # every rank computed every loss (tp ranks alike): no collective
+        if not cfg.shares_losses:   # every rank computed every loss (tp ranks alike): no collective
             self.micro_losses = torch.stack(losses).detach().float().reshape(m)
             return self.micro_losses.mean()
         owner = self.pp_rank == cfg.pp - 1 and self.tp_rank == 0
