@@ -20,8 +20,8 @@ backward + optimizer step of the global batch. Pairs:
   (``pipelining.pipeline()``, the tracer, fails to run this Hugging Face model's first stage.)
 
 Each pair runs eager, then compiled: ``parallelize(..., compile=True)`` (every layer's generated
-code through torch.compile, inductor) against the same torch-native program through
-``torch.compile``. The programs of a pair alternate step by step after 3 warm-up steps each (the
+code and the optimizer step through torch.compile, inductor) against the same torch-native program
+through ``torch.compile``, its optimizer step too (torch's recipe: ``torch.compile(opt.step)``). The programs of a pair alternate step by step after 3 warm-up steps each (the
 compiled ones compile during theirs), which of the two goes first alternating (paired.py); the ratio
 is the median over steps of (ours / theirs beside it). The whole is run ``--repeats`` times, each in
 fresh processes (a run's ratios move by up to 0.1 with its processes' state on this VM), and each
@@ -84,14 +84,24 @@ def plans() -> dict:
                             fixed=v).to_dict() for k, (n, v) in fixed.items()}
 
 
+def _optimizer_step(opt, compiled: bool):
+    """``opt.step``, compiled from its second call on when ``compiled`` (torch's recipe for compiling the
+    optimizer; the first call makes its state), as ``parallelize(..., compile=True)`` steps its own."""
+    if not compiled:
+        return opt.step
+    compiled_step = torch.compile(opt.step)
+    return lambda: (compiled_step if opt.state else opt.step)()
+
+
 def _eager_step(m, x, compiled: bool):
     opt = optimizer(m.parameters())
     run = torch.compile(m) if compiled else m
+    opt_step = _optimizer_step(opt, compiled)
 
     def step():
         opt.zero_grad()
         run(**x).loss.backward()
-        opt.step()
+        opt_step()
     return step
 
 
@@ -152,6 +162,7 @@ def _pipeline_step(rank: int, compiled: bool):
                             loss_fn=lambda logits, labels: stage_module.m.loss_function(logits=logits, labels=labels,
                                                                                        vocab_size=VOCAB))
     opt = optimizer(stage_module.parameters())
+    opt_step = _optimizer_step(opt, compiled)
     x = batch()
 
     def step():
@@ -160,7 +171,7 @@ def _pipeline_step(rank: int, compiled: bool):
             schedule.step(x["input_ids"])
         else:
             schedule.step(target=x["labels"], losses=[])
-        opt.step()
+        opt_step()
     return step
 
 
@@ -179,6 +190,9 @@ def _worker(rank: int, world: int, port: int, kinds: list[str], plan_dicts: dict
     results = {}
     for compiled in modes:
         for kind in kinds:
+            # each pair compiles its own two optimizers' steps: the previous pairs' compiled code is let go
+            # (dynamo keeps 8 versions of a function, AdamW.step among them, then runs it eager)
+            torch._dynamo.reset()
             results[f"{kind}{'+compile' if compiled else ''}"] = paired(
                 ours(plan_dicts[kind], compiled), native(kind, rank, compiled), steps, warmup=3)
     if rank == 0:

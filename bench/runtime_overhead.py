@@ -17,7 +17,7 @@ time and the ratio, the median over steps of (our step / their step beside it; w
 alternates, paired.py), which cancels most of this shared VM's drift. Target: <= 1.05 each.
 
 Then each of our four programs with ``compile=True`` (inductor: each chunk, each layer under
-ZeRO-3) against the same program eager, paired the same way. Target (issue 19): faster, a
+ZeRO-3, and the optimizer step) against the same program eager, paired the same way. Target (issue 19): faster, a
 ratio < 1.0 each. Exits 1 on a miss.
 
 Run: .venv/bin/python bench/runtime_overhead.py [--steps 20] [--eager-only]

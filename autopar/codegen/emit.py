@@ -160,8 +160,8 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=0, help="with --checkpoint: also every N steps")
     parser.add_argument("--resume", default=None, help="start from a checkpoint (a step<N> folder, or a "
                         "--checkpoint DIR: its latest one) saved under this or any other plan")
-    parser.add_argument("--compile", action="store_true", help="run every layer's generated code through "
-                        "torch.compile (the default follows the plan's Precision(kernels=...))")
+    parser.add_argument("--compile", action="store_true", help="run every layer's generated code and the "
+                        "optimizer step through torch.compile (the default follows the plan's Precision(kernels=...))")
     parser.add_argument("--no-source", action="store_true", help="do not write program/stage<P>.py, the "
                         "code each pipeline stage runs, beside this script")
     args = parser.parse_args()

@@ -11,10 +11,11 @@ The folder holds
 - ``train.py`` (standalone_train.py, copied): torchrun entry point: process groups, the model
   from the user's factory, each rank's shards of its weights, FSDP2 for ZeRO-2/3, the pipeline
   schedule, gradient reductions, AdamW, the loss file, sharded checkpoints;
-- ``pipeline.py``, ``batches.py``, ``collectives.py``, ``shard_ops.py``, ``dcp_state.py``, ``recompute.py``:
-  autopar's own (each imports only torch), the same files the in-process runtime runs (dcp_state.py:
-  the checkpoint format of ``Program.save_checkpoint``, which this folder writes and reads too;
-  recompute.py: the per-op recomputation policy);
+- ``pipeline.py``, ``batches.py``, ``collectives.py``, ``shard_ops.py``, ``dcp_state.py``, ``recompute.py``,
+  ``optim.py``: autopar's own (each imports only torch), the same files the in-process runtime runs
+  (dcp_state.py: the checkpoint format of ``Program.save_checkpoint``, which this folder writes and
+  reads too; recompute.py: the per-op recomputation policy; optim.py: the optimizer step compiled
+  under ``--compile``);
 - ``buffers.pt``: the buffers and constants the graph reads (rotary tables, masks).
 
 What the folder cannot run yet is refused at emit time with what to change: context or expert
@@ -41,7 +42,7 @@ from ..capture import graph_of, param_aliases
 from ..capture.export import normalize_inputs, run_export
 from ..errors import ConfigError
 from ..plan import Plan
-from . import batches, dcp_state, pipeline, recompute, schedules
+from . import batches, dcp_state, optim, pipeline, recompute, schedules
 
 
 from .split import check_structure, cut_values, plan_chunks, split_graph
@@ -117,7 +118,7 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     lowered = lower(split.node_map, graph, split.chunks, specs, split.param_of, dims, cfg.tp) if cfg.tp > 1 else None
     os.makedirs(out_dir, exist_ok=True)
     write_support(out_dir)
-    for module in (pipeline, batches, dcp_state, recompute):
+    for module in (pipeline, batches, dcp_state, recompute, optim):
         shutil.copyfile(module.__file__, os.path.join(out_dir, os.path.basename(module.__file__)))
     shutil.copyfile(TRAIN_TEMPLATE, os.path.join(out_dir, TRAIN))
     torch.save({k: v.detach().cpu() for k, v in split.buffer_value.items()}, os.path.join(out_dir, BUFFERS))

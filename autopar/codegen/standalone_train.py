@@ -5,6 +5,7 @@ Run on each node:  torchrun --nproc-per-node <ranks per node> train.py --steps 1
 
 program.py (beside this file) holds the plan's constants, each layer's code on its shards and each
 chunk's dataflow; pipeline.py runs the schedule; batches.py cuts the global batch into micro-batches;
+optim.py compiles the optimizer step under --compile;
 collectives.py / shard_ops.py are the explicit collectives. This file builds a rank's share: its
 process groups, its shards of the weights of the model ``MODEL_FACTORY`` builds (the same seed on
 every rank, so the same weights), FSDP2 for ZeRO-2/3, AdamW; then per step: the rank's micro-batches through the schedule, the gradient
@@ -33,6 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import batches  # noqa: E402
 import dcp_state  # noqa: E402
+import optim  # noqa: E402
 import pipeline  # noqa: E402
 import program as P  # noqa: E402
 
@@ -114,7 +116,7 @@ def main():
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait on a silent peer")
     parser.add_argument("--loss-file", default=None, help="rank 0 appends each step's loss here")
     parser.add_argument("--compile", action="store_true", help="run each chunk (each layer under ZeRO-2/3) "
-                        "through torch.compile")
+                        "and the optimizer step through torch.compile")
     parser.add_argument("--checkpoint", default=None, help="save a sharded checkpoint (parameters, optimizer "
                         "state, step) into DIR/step<N> after the last step (torch.distributed.checkpoint)")
     parser.add_argument("--save-every", type=int, default=0, help="with --checkpoint: also every N steps")
@@ -171,6 +173,8 @@ def main():
                 module.compile()
     parameters = list({id(p): p for c in chunks.values() for p in c.parameters()}.values())
     optimizer = torch.optim.AdamW(parameters, lr=args.lr)
+    if args.compile:   # and its step, from the second on (optim.py)
+        optim.compile_step(optimizer, "inductor")
     named = {fqn: p for c in chunks.values() for fqn, p in _named(c).items()}
 
     io = {c: pipeline.ChunkIO(*P.CHUNK_IO[c]) for c in P.CHUNK_IO}

@@ -57,8 +57,9 @@ class MeasuredTimes(Protocol):
     def lookup(self, node: OpNode, batch_scale: float, shard: int, split_dim: str, dtype: str
                ) -> tuple[float, float] | None: ...
 
-    def optimizer_seconds_per_param(self) -> float | None:
-        """Measured seconds of one optimizer step per parameter, or None."""
+    def optimizer_seconds_per_param(self, kernels: str) -> float | None:
+        """Measured seconds of one optimizer step per parameter as a program running ``kernels`` steps it
+        (compiled: through torch.compile, codegen/optim.py), or None."""
 
 
 @dataclass(frozen=True)

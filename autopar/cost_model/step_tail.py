@@ -38,10 +38,13 @@ runtime all-reduces them (a few floats) over every device once per step, counted
 
 The optimizer step streams the local shard's weights, gradients and states through
 memory once: ``Psi_local (2 K + g + w) / (W e_mem)``; profiled, it is the measured seconds
-per parameter of an AdamW step on the model's own parameters times ``Psi_local``, plus, for
-DTensor parameters (FSDP2's, ZeRO-2/3), the device's per-op dispatch overhead for each of the
-update's ADAM_OPS_PER_TENSOR ops on each parameter tensor. Tensor-parallel shards are stepped as
-plain tensors (runtime/assembly.py), as Megatron's optimizer steps them: no dispatch term.
+per parameter of an AdamW step on the model's own parameters times ``Psi_local``, the step as
+the program runs it: eager, torch's default implementation, plus, for DTensor parameters
+(FSDP2's, ZeRO-2/3), the device's per-op dispatch overhead for each of the update's
+ADAM_OPS_PER_TENSOR ops on each parameter tensor; compiled (``Precision.kernels`` not "eager"),
+the step through torch.compile, as compiled programs run it (codegen/optim.py), whose generated
+code runs on the local tensors: no dispatch term. Tensor-parallel shards are stepped as plain
+tensors (runtime/assembly.py), as Megatron's optimizer steps them: no dispatch term either.
 
 Every function takes floats or numpy arrays alike: the stage DP prices every run of layers at once.
 """
@@ -183,10 +186,11 @@ class StepTail:
         ones by dp * cp, the experts by dp * cp / ep."""
         params, experts = np.asarray(params, dtype=float), np.asarray(experts, dtype=float)
         local = params if cfg.zero == 0 else (params - experts) / cfg.grad_replicas + experts / cfg.expert_replicas
-        measured = self.measured.optimizer_seconds_per_param() if self.measured is not None else None
+        kernels = self.precision.kernels
+        measured = self.measured.optimizer_seconds_per_param(kernels) if self.measured is not None else None
         if measured is not None:
             out = local * measured
-            if cfg.zero >= 2 and cfg.grad_replicas > 1:
+            if cfg.zero >= 2 and cfg.grad_replicas > 1 and kernels == "eager":
                 # FSDP2's DTensor parameters: every op of the per-tensor update pays the dispatch overhead
                 out = out + param_tensors * ADAM_OPS_PER_TENSOR * self.cluster.device.dispatch_overhead
         else:

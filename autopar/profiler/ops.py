@@ -49,6 +49,7 @@ from ..capture import graph_of, param_aliases
 from ..capture.export import LossFn, LossWrapper, normalize_inputs, run_export
 from ..capture.opgraph import Gemm, OpGraph, OpKind, OpNode
 from ..capture.structure import align
+from ..codegen.optim import compile_step
 from ..errors import ConfigError
 from .database import ProfileDB
 from ..progress import progress_bar
@@ -233,7 +234,7 @@ class OpProfiler:
     reused: int = 0                      # op calls whose signature was in the database
     untimed: set[str] = field(default_factory=set)  # ops that could not run alone (priced analytically)
     in_context: dict[int, tuple[float, float]] = field(default_factory=dict)  # mbs -> (fwd, bwd) whole / sum
-    _optimizer: float | None = None
+    _optimizer: dict[bool, float] = field(default_factory=dict)   # compiled? -> seconds per parameter
 
     def __post_init__(self) -> None:
         dtypes = {p.dtype for p in self.model.parameters() if p.is_floating_point()}
@@ -275,25 +276,35 @@ class OpProfiler:
                 f"timed, {self.reused} op calls found in {self.db.path}; whole pass / sum of ops (fwd/bwd) "
                 f"{factors}{left}")
 
-    def optimizer_seconds_per_param(self) -> float:
-        """Seconds per parameter of one ``torch.optim.AdamW`` step (its default implementation for the
-        device: single-tensor on a CPU, multi-tensor on CUDA) on tensors shaped like the model's
-        trainable parameters, random gradients."""
-        if self._optimizer is None:
-            key = f"adamw {self.graph.content_hash}"
+    def optimizer_seconds_per_param(self, kernels: str = "eager") -> float:
+        """Seconds per parameter of one ``torch.optim.AdamW`` step on tensors shaped like the model's
+        trainable parameters, random gradients, as a program running ``kernels`` steps it: eager, the
+        default implementation for the device (single-tensor on a CPU, multi-tensor on CUDA), on every
+        parameter's shape; otherwise through ``torch.compile`` as a compiled program steps it
+        (codegen/optim.py), on one tensor of each distinct shape (compiling costs about a quarter of a
+        second per tensor on a CPU, and the compiled update's time is its elements' streaming)."""
+        compiled = kernels != "eager"
+        if compiled not in self._optimizer:
+            key = f"adamw{' compiled' if compiled else ''} {self.graph.content_hash}"
             record = self.db.get(self.device_name, "ops", key)
             if record is None:
-                params = [torch.randn_like(p).requires_grad_() for p in self.model.parameters() if p.requires_grad]
+                params = [p for p in self.model.parameters() if p.requires_grad]
+                if compiled:
+                    params = list({(tuple(p.shape), p.dtype): p for p in params}.values())
+                params = [torch.randn_like(p).requires_grad_() for p in params]
                 for p in params:
                     p.grad = torch.randn_like(p)
                 opt = torch.optim.AdamW(params, lr=1e-4)
+                if compiled:   # its first call eager (the state), the second compiles
+                    compile_step(opt, "inductor")
                 with torch_threads(self.threads):
-                    seconds = median_time(opt.step, self.device, warmup=self.warmup, repeats=self.repeats)
+                    seconds = median_time(opt.step, self.device, warmup=self.warmup + 2 * compiled,
+                                          repeats=self.repeats)
                 record = {"step_seconds": seconds, "params": sum(p.numel() for p in params)}
                 self.db.put(self.device_name, "ops", key, record)
                 self.db.save()
-            self._optimizer = record["step_seconds"] / max(1, record["params"])
-        return self._optimizer
+            self._optimizer[compiled] = record["step_seconds"] / max(1, record["params"])
+        return self._optimizer[compiled]
 
     # --- profiling --------------------------------------------------------------------------
     def timings(self, micro_batch: int) -> dict[str, OpTiming]:

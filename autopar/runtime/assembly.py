@@ -23,6 +23,7 @@ from ..capture import graph_of, param_aliases
 from ..capture.export import LossFn, run_export
 from ..capture.opgraph import OpKind
 from ..codegen.lower import R, cut_spec, lower
+from ..codegen.optim import compile_step
 from ..errors import ConfigError
 from .chunk import ChunkModule, NodeRunner
 from ..codegen.context import analyse
@@ -291,8 +292,13 @@ class Assembly:
                            dist.get_process_group_ranks(self.dp_group))]
             if experts:
                 partitions.append(([p for p in params if id(p) in experts], self.expert_group, self.expert_ranks))
-            return Zero1Optimizer(partitions, factory, self.rank, self.timeout)
-        return factory(params)
+            optimizer = Zero1Optimizer(partitions, factory, self.rank, self.timeout)
+            inner = optimizer.inner
+        else:
+            optimizer = inner = factory(params)
+        if self.compile and inner is not None:
+            compile_step(inner, self.compile)
+        return optimizer
 
 
 def _bucket_starts(chunk: ChunkModule, buckets: Iterable[Iterable[Any]]) -> list[int]:

@@ -103,7 +103,9 @@ def parallelize(model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None
 
     ``compile``: run the generated code through ``torch.compile`` (True: inductor; a string names
     another backend, e.g. "aot_eager"): each chunk as one compiled region, or each layer under
-    ZeRO-2/3 (FSDP2's hooks surround every layer). The default follows the plan: a plan
+    ZeRO-2/3 (FSDP2's hooks surround every layer); and the optimizer's step from its second call on
+    (codegen/optim.py; dynamo keeps 8 versions of a function, so past the eighth compiled program
+    in one process the optimizer's step runs eager, with a warning). The default follows the plan: a plan
     priced for compiled kernels (``Precision(kernels="compiled")``) is compiled, an eager one is not.
     Compiling an eager plan is allowed (it runs faster, and keeps less for backward, than the plan
     priced).

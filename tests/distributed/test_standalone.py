@@ -74,7 +74,7 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 for item in sys.argv[1:]:
     folder, losses = item.split("=")
-    for name in ("program", "pipeline", "collectives", "shard_ops", "dcp_state", "recompute"):
+    for name in ("program", "pipeline", "collectives", "shard_ops", "dcp_state", "recompute", "optim"):
         sys.modules.pop(name, None)
     common = ["--loss-file", losses, "--timeout", "120"]
     ckpt = os.path.join(folder, "ckpt")

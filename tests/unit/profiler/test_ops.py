@@ -17,6 +17,7 @@ from autopar.profiler.host import device_name
 from autopar.profiler.ops import OpProfiler, OpTiming, signature, tile_inputs
 
 CFG = GPTConfig(vocab_size=64, hidden=32, heads=4, layers=2, seq_len=16, dropout=0.0)
+TEST_DEVICE = "cpu test-device x1 thread"   # the ProfileDB key of _profiler's device
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def gpt():
 
 def _profiler(gpt, path, **kw) -> OpProfiler:
     model, inputs, graph = gpt
-    return OpProfiler(model, inputs, graph, "cpu test-device x1 thread", ProfileDB(path), threads=1, warmup=1,
+    return OpProfiler(model, inputs, graph, TEST_DEVICE, ProfileDB(path), threads=1, warmup=1,
                       repeats=2, progress=False, **kw)
 
 
@@ -134,3 +135,24 @@ def test_estimate_and_plan_with_profile_use_the_measured_times(gpt, tmp_path) ->
     best = autopar.plan(model, cluster, inputs, global_batch_size=4, profile=True, profile_db=db)
     assert best.fits and best.step_time > 0
     assert any("op times measured on" in note for note in best.notes)
+
+
+def test_a_compiled_plan_prices_the_optimizer_step_a_compiled_program_runs(gpt, tmp_path) -> None:
+    """A compiled program compiles its optimizer step (codegen/optim.py): profiled, a compiled plan's
+    optimizer is priced from the compiled step's own measurement, an eager plan's from the eager one."""
+    model, inputs, graph = gpt
+    cluster = _local_cluster()
+    db = ProfileDB(tmp_path / "db.json")
+    for key, seconds in ((f"adamw {graph.content_hash}", 8.0), (f"adamw compiled {graph.content_hash}", 2.0)):
+        for device in (cluster.device.name, TEST_DEVICE):   # estimate's profiler's, and _profiler's
+            db.put(device, "ops", key, {"step_seconds": seconds, "params": 1000})
+    db.save()
+    prof = _profiler(gpt, tmp_path / "db.json")
+    assert prof.optimizer_seconds_per_param("eager") == pytest.approx(8e-3)
+    assert prof.optimizer_seconds_per_param("compiled") == pytest.approx(2e-3)
+    cfg = ParallelConfig(dp=2, micro_batch_size=2)
+    steps = {kernels: autopar.estimate(model, cluster, inputs, cfg, global_batch_size=4, profile=True,
+                                       profile_db=tmp_path / "db.json",
+                                       precision=autopar.Precision(kernels=kernels)).breakdown.optimizer
+             for kernels in ("eager", "compiled")}
+    assert steps["eager"] == pytest.approx(4 * steps["compiled"]) and steps["compiled"] > 0
