@@ -92,16 +92,20 @@ class PipelineRunner:
     crossing a cut; ``loss``: the loss value's name; ``to_cut(chunk, name, value)``: a value as it
     is sent (in the spec it crosses the cut in); ``before_backward(chunk, last)``: called before
     each backward (``last``: the chunk's last of the step); ``wait(work, what, peer)``: waits for a
-    point-to-point operation or raises."""
+    point-to-point operation or raises; ``after_forwards(losses)``: called once a step, after this
+    rank's last forward, with the losses so far (all of the step's on the rank computing them), so
+    that sharing them can start under the backward passes left."""
 
     def __init__(self, chunks: Mapping[int, torch.nn.Module], io: Mapping[int, ChunkIO],
                  values: Mapping[str, Value], loss: str, topo: Topology,
                  to_cut: Callable[[int, str, torch.Tensor], torch.Tensor] | None,
                  before_backward: Callable[[int, bool], None] | None, wait: Callable[[Any, str, int], None],
-                 device: torch.device) -> None:
+                 device: torch.device,
+                 after_forwards: Callable[[list[torch.Tensor]], None] | None = None) -> None:
         self.chunks, self.io, self.values, self.loss, self.topo = chunks, io, values, loss, topo
         self.to_cut = to_cut or (lambda chunk, name, value: value)
         self.before_backward = before_backward or (lambda chunk, last: None)
+        self.after_forwards = after_forwards or (lambda losses: None)
         self.wait = wait
         self.device = device
         self.n_chunks = len(io)
@@ -115,16 +119,20 @@ class PipelineRunner:
         self.passes: dict[tuple[int, int], _Pass] = {}
         self.mailbox: dict[tuple, torch.Tensor] = {}
         self.pending: list[tuple[Any, str, int]] = []
-        last_b = {}
+        last_b, last_f = {}, -1
         for k, a in enumerate(actions):
             if a.kind == "B":
                 last_b[a.stage] = k
+            else:
+                last_f = k
         losses: list[torch.Tensor] = []
         for k, action in enumerate(actions):
             if action.kind == "F":
                 loss = self._forward(action.stage, action.micro_batch, micro[action.micro_batch])
                 if loss is not None:
                     losses.append(loss)
+                if k == last_f:
+                    self.after_forwards(losses)
             else:
                 self.before_backward(action.stage, last_b[action.stage] == k)
                 self._backward(action.stage, action.micro_batch, scale)

@@ -181,8 +181,15 @@ def main():
     values = {v: pipeline.Value(prod, readers, shape, getattr(torch, dtype.removeprefix("torch.")), grad)
               for v, (prod, readers, shape, dtype, grad) in P.VALUES.items()}
     stages = [tp_rank + P.TP * (dp_rank + P.DP * s) for s in range(P.PP)]
+    shared = []   # the step's loss sum and its all-reduce, started under the backward passes left
+
+    def share(losses):   # after this rank's last forward of the step
+        total = torch.zeros(1, device=device)
+        if pp_rank == P.PP - 1 and tp_rank == 0:
+            total += torch.stack(losses).float().sum()
+        shared[:] = [total, dist.all_reduce(total, async_op=True)]
     runner = pipeline.PipelineRunner(chunks, io, values, P.LOSS, pipeline.Topology(P.PP, stages, pp_rank), None,
-                                     None, pipeline.wait_for(args.timeout), device)
+                                     None, pipeline.wait_for(args.timeout), device, after_forwards=share)
     schedule = actions(P.SCHEDULE[pp_rank])
     batch_of = load(P.BATCH_FACTORY) if P.BATCH_FACTORY else (lambda step, n: batches.example_at(P.EXAMPLE, n))
     present = presenter(rank, g, fsdp, shapes, device) if checkpointing else None
@@ -193,8 +200,7 @@ def main():
             print(f"resumed from {args.resume} at step {start}", flush=True)
     for step in range(start, args.steps):
         optimizer.zero_grad(set_to_none=True)
-        losses = runner.run(schedule, micro_batches(batch_of(step, P.GLOBAL_BATCH), dp_rank, device),
-                            1.0 / P.MICRO_BATCHES)
+        runner.run(schedule, micro_batches(batch_of(step, P.GLOBAL_BATCH), dp_rank, device), 1.0 / P.MICRO_BATCHES)
         for p in parameters:   # data-parallel mean (FSDP2 reduce-scatters its own)
             if not fsdp and P.DP > 1 and p.grad is not None:
                 dist.all_reduce(p.grad, group=g["dp"])
@@ -204,10 +210,8 @@ def main():
                 _all_reduce_grad(named[fqn], g["tp"])
         for fqn, group in g["tied"].items():
             _all_reduce_grad(named[fqn], group)
-        total = torch.zeros(1, device=device)
-        if pp_rank == P.PP - 1 and tp_rank == 0:
-            total += torch.stack(losses).float().sum()
-        dist.all_reduce(total)
+        total, work = shared
+        work.wait()
         loss = total.item() / (P.DP * P.MICRO_BATCHES)
         optimizer.step()
         if rank == 0:

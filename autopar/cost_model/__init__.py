@@ -35,7 +35,8 @@ def estimate_plan(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_
     devices = est.devices(cfg, m, chunks)
     groups = est.placements(cfg)
     pipe = pipeline_time([d.work for d in devices], m, cfg.schedule, cfg.virtual_stages)
-    loss = est.tail.loss_share_time(cfg)
+    last = devices[-1]   # the losses' stage: one micro-batch's backward of its last chunk follows the last loss
+    loss = est.tail.loss_share_time(cfg, (last.bwd + last.recompute) / cfg.virtual_stages)
     dp = [est.dp_exposed(cfg, d, m, groups) + loss for d in devices]
     opt = [est.tail.optimizer_time(cfg, d.params, d.expert_params, d.param_tensors) for d in devices]
     slowest = max(range(len(devices)), key=lambda i: devices[i].work)

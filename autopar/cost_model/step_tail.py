@@ -34,7 +34,10 @@ streams; on a CPU the compute runs on the thread that would issue the next gathe
 
 When the losses are not all on every rank already (data or pipeline or context parallelism), the
 runtime all-reduces them (a few floats) over every device once per step, counted with
-``T_dp_exposed``.
+``T_dp_exposed``. Each rank starts it after its last forward of the step (the rank computing the
+losses has them all by then), so that it runs under the backward passes left: exposed
+``T_ar - o min(T_ar, B_last)`` with ``B_last`` the backward that follows the last loss on its stage
+(one micro-batch of the last chunk; on the stages before it, more backward follows still).
 
 The optimizer step streams the local shard's weights, gradients and states through
 memory once: ``Psi_local (2 K + g + w) / (W e_mem)``; profiled, it is the measured seconds
@@ -172,13 +175,16 @@ class StepTail:
             return kept
         return kept * (self.cluster.intra_node if group.nodes == 1 else self.cluster.inter_node).overlap
 
-    def loss_share_time(self, cfg: ParallelConfig) -> float:
+    def loss_share_time(self, cfg: ParallelConfig, hidden: float = float("inf")) -> float:
         """The step's losses all-reduced over every device once per step (the runtime's ``train_step``
-        returns them on every rank); none when every rank computes every loss (tensor parallelism alone)."""
+        returns them on every rank), not hidden by the ``hidden`` seconds of backward that follow the last
+        loss (the default, unbounded, gives the least it can expose); none when every rank computes every
+        loss (tensor parallelism alone)."""
         if not cfg.shares_losses:
             return 0.0
         world = place_axes(self.cluster, [("world", self.cluster.devices)])["world"]
-        return collective_time(Collective.ALL_REDUCE, 4.0, world, self.cluster)
+        t = collective_time(Collective.ALL_REDUCE, 4.0, world, self.cluster)
+        return t - self.overlap(world) * min(t, hidden)
 
     def optimizer_time(self, cfg: ParallelConfig, params, experts=0.0, param_tensors: int = 0):
         """The optimizer step of one device holding ``params`` parameters, ``experts`` of them expert

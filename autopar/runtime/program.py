@@ -161,6 +161,7 @@ class Program(Assembly):
         self.buffers = {k: self._value(k, v).cpu().clone() for k, v in state.items() if k not in self.aliases}
         self.steps = 0                      # forward_backward calls so far (the step failures name)
         self.micro_losses: torch.Tensor | None = None
+        self.loss_share: tuple[Any, torch.Tensor] | None = None   # the losses' all-reduce under way
         self._mesh()
         self._expert_groups()
         self._build_chunks(model)
@@ -178,7 +179,8 @@ class Program(Assembly):
         self.runner = PipelineRunner(
             self.chunks, {c.index: ChunkIO(c.graph_inputs, c.recv, c.send) for c in self.split.chunks},
             self._cut_values(), self.split.loss, self._topology(), self._to_cut, self._before_backward,
-            lambda work, what, peer: wait_or_fail(work, self.timeout, what, peers=[peer]), self.device)
+            lambda work, what, peer: wait_or_fail(work, self.timeout, what, peers=[peer]), self.device,
+            self._post_losses)
         self.optimizer = self._optimizer(optimizer)
         self.materializer = None   # its last module's values and the meta model are not needed any more
 
@@ -278,19 +280,27 @@ class Program(Assembly):
         for p, shard in self.shards:   # the local shards the optimizer steps (Assembly._optimizer)
             shard.grad = None if p.grad is None else local(p.grad)
 
+    def _post_losses(self, losses: list[torch.Tensor]) -> None:
+        """Start sharing the step's micro-batch losses (the runner calls this after this rank's last
+        forward): an all-reduce of every replica's losses that runs under the backward passes left, and
+        that ``_share_loss`` waits for. None when every rank computed every loss (tp ranks alike)."""
+        cfg, m = self.cfg, self.micro_batches
+        self.loss_share = None
+        if not cfg.shares_losses:
+            return
+        per = torch.zeros(cfg.dp * m, device=self.device)
+        if self.pp_rank == cfg.pp - 1 and self.tp_rank == 0:   # the rank that computed them
+            per[self.dp_rank * m:(self.dp_rank + 1) * m] = torch.stack(losses).detach().float().reshape(m)
+        self.loss_share = (dist.all_reduce(per, async_op=True), per)
+
     def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """Every replica's micro-batch losses on every rank (``micro_losses``); returns their mean."""
-        cfg, m = self.cfg, self.micro_batches
-        if not cfg.shares_losses:   # every rank computed every loss (tp ranks alike): no collective
-            self.micro_losses = torch.stack(losses).detach().float().reshape(m)
+        if self.loss_share is None:   # every rank computed every loss: no collective
+            self.micro_losses = torch.stack(losses).detach().float().reshape(self.micro_batches)
             return self.micro_losses.mean()
-        owner = self.pp_rank == cfg.pp - 1 and self.tp_rank == 0
-        per = torch.zeros(cfg.dp * m, device=self.device)
-        if owner:
-            per[self.dp_rank * m:(self.dp_rank + 1) * m] = torch.stack(losses).detach().float().reshape(m)
-        work = dist.all_reduce(per, async_op=True)
+        work, per = self.loss_share
         wait_or_fail(work, self.timeout, "all_reduce of the step's losses")
-        self.micro_losses = (per / cfg.cp).cpu()   # each cp rank reports its share (context.py)
+        self.micro_losses = (per / self.cfg.cp).cpu()   # each cp rank reports its share (context.py)
         return self.micro_losses.mean().to(self.device)
 
     # --- the generated code ----------------------------------------------------------------------

@@ -229,7 +229,8 @@ class SearchBounds:
         return not (c.schedule == "interleaved" and m % c.pp)
 
     def _tail(self, c: Candidate, m: int) -> float:
-        """The data-parallel communication no overlap hides and the loss's all-reduce."""
+        """The data-parallel communication no overlap hides and the loss's all-reduce (the least of it that
+        any backward leaves exposed)."""
         lw, est, cfg = self._layer_work(c), self.estimator(c.variant), c.config()
         return (est.tail.dp_floor(cfg, m, est.placements(cfg), lw.params / c.pp, lw.experts / c.pp)
                 + est.tail.loss_share_time(cfg))
