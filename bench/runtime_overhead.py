@@ -13,14 +13,15 @@ The model is a stack of pre-norm transformer MLP blocks (``x + fc2(gelu(fc1(ln(x
 hidden 512, 4x expansion, 4 blocks) on [8, 64, 512] inputs, loss = mean of squares, AdamW.
 A step is forward + backward + optimizer step over the global batch. The two programs of a
 pair alternate step by step (after 2 warm-up steps each); the table gives each one's median step
-time and the ratio, the median over steps of (our step / their step beside it; which goes first
-alternates, paired.py), which cancels most of this shared VM's drift. Target: <= 1.05 each.
+time and the ratio over the pairs of (our step / their step beside it): which goes first
+alternates, and the ratio is the geometric mean of the two orders' medians (paired.py), which
+cancels most of this shared VM's drift. Target: <= 1.05 each.
 
 Then each of our four programs with ``compile=True`` (inductor: each chunk, each layer under
-ZeRO-3, and the optimizer step) against the same program eager, paired the same way. Target (issue 19): faster, a
-ratio < 1.0 each. Exits 1 on a miss.
+ZeRO-3, and the optimizer step) against the same program eager, paired the same way. Target
+(issue 19): faster, a ratio < 1.0 each. Exits 1 on a miss.
 
-Run: .venv/bin/python bench/runtime_overhead.py [--steps 20] [--eager-only]
+Run: .venv/bin/python bench/runtime_overhead.py [--steps 30] [--eager-only]
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ def _worker(rank: int, port: int, plan_dicts: dict, steps: int, out: str, compil
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--eager-only", action="store_true", help="skip the compiled pairs (minutes of compiling)")
     args = parser.parse_args()
     plan_dicts = plans(2)
