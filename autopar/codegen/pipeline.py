@@ -71,6 +71,18 @@ class Topology:
         return chunk % self.pp == self.my_stage
 
 
+def share_losses(losses: Sequence[torch.Tensor], owner: bool, replicas: int, replica: int, micro_batches: int,
+                 device: torch.device) -> tuple[Any, torch.Tensor]:
+    """Start the all-reduce that gives every rank each replica's micro-batch losses (``replicas *
+    micro_batches`` values, replica-major), the ``owner`` of this replica's (its last pipeline stage's
+    first tensor-parallel rank) contributing them, every other rank zeros; returns (the work, the
+    values once it completes). A runner's ``after_forwards`` starts it, under the backward passes left."""
+    per = torch.zeros(replicas * micro_batches, device=device)
+    if owner:
+        per[replica * micro_batches:(replica + 1) * micro_batches] = torch.stack(list(losses)).detach().float()
+    return dist.all_reduce(per, async_op=True), per
+
+
 def wait_for(timeout: float) -> Callable[[Any, str, int], None]:
     """A ``wait(work, what, peer)`` that raises RuntimeError naming what did not complete."""
     def wait(work: Any, what: str, peer: int) -> None:

@@ -181,13 +181,14 @@ def main():
     values = {v: pipeline.Value(prod, readers, shape, getattr(torch, dtype.removeprefix("torch.")), grad)
               for v, (prod, readers, shape, dtype, grad) in P.VALUES.items()}
     stages = [tp_rank + P.TP * (dp_rank + P.DP * s) for s in range(P.PP)]
-    shared = []   # the step's loss sum and its all-reduce, started under the backward passes left
+    shared = []   # the all-reduce of the step's losses, started under the backward passes left
 
     def share(losses):   # after this rank's last forward of the step
-        total = torch.zeros(1, device=device)
-        if pp_rank == P.PP - 1 and tp_rank == 0:
-            total += torch.stack(losses).float().sum()
-        shared[:] = [total, dist.all_reduce(total, async_op=True)]
+        if P.DP == P.PP == 1:   # every rank computed every loss (tensor parallelism alone): nothing to share
+            shared[:] = [None, torch.stack(losses).detach().float()]
+        else:
+            shared[:] = pipeline.share_losses(losses, pp_rank == P.PP - 1 and tp_rank == 0, P.DP, dp_rank,
+                                              P.MICRO_BATCHES, device)
     runner = pipeline.PipelineRunner(chunks, io, values, P.LOSS, pipeline.Topology(P.PP, stages, pp_rank), None,
                                      None, pipeline.wait_for(args.timeout), device, after_forwards=share)
     schedule = actions(P.SCHEDULE[pp_rank])
@@ -210,9 +211,10 @@ def main():
                 _all_reduce_grad(named[fqn], g["tp"])
         for fqn, group in g["tied"].items():
             _all_reduce_grad(named[fqn], group)
-        total, work = shared
-        work.wait()
-        loss = total.item() / (P.DP * P.MICRO_BATCHES)
+        work, losses = shared
+        if work is not None:
+            work.wait()
+        loss = losses.mean().item()
         optimizer.step()
         if rank == 0:
             print(f"step {step} loss {loss:.6f}", flush=True)

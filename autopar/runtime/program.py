@@ -77,7 +77,7 @@ from ..codegen.batches import slice_batch
 from ..codegen.context_ops import shard_inputs
 from ..codegen.inputs import check_batch
 from .materialize import InitFn, Materializer, has_meta
-from ..codegen.pipeline import ChunkIO, PipelineRunner
+from ..codegen.pipeline import ChunkIO, PipelineRunner, share_losses
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits on a peer before failing
 
@@ -284,14 +284,10 @@ class Program(Assembly):
         """Start sharing the step's micro-batch losses (the runner calls this after this rank's last
         forward): an all-reduce of every replica's losses that runs under the backward passes left, and
         that ``_share_loss`` waits for. None when every rank computed every loss (tp ranks alike)."""
-        cfg, m = self.cfg, self.micro_batches
-        self.loss_share = None
-        if not cfg.shares_losses:
-            return
-        per = torch.zeros(cfg.dp * m, device=self.device)
-        if self.pp_rank == cfg.pp - 1 and self.tp_rank == 0:   # the rank that computed them
-            per[self.dp_rank * m:(self.dp_rank + 1) * m] = torch.stack(losses).detach().float().reshape(m)
-        self.loss_share = (dist.all_reduce(per, async_op=True), per)
+        cfg = self.cfg
+        owner = self.pp_rank == cfg.pp - 1 and self.tp_rank == 0   # the rank that computed them
+        self.loss_share = share_losses(losses, owner, cfg.dp, self.dp_rank, self.micro_batches, self.device) \
+            if cfg.shares_losses else None
 
     def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """Every replica's micro-batch losses on every rank (``micro_losses``); returns their mean."""
