@@ -179,7 +179,8 @@ class ParallelConfig:
     def shares_losses(self) -> bool:
         """Whether the step's losses are all-reduced so that every rank holds them: not when every rank
         computes every loss already (tensor parallelism alone: its ranks end with the same loss). The
-        runtime (Program._share_loss) and the cost model (StepTail.loss_share_time) both read this."""
+        runtime (Program._post_losses), the standalone train.py (SHARES_LOSSES) and the cost model
+        (StepTail.loss_share_time) all read this."""
         return not self.dp == self.pp == self.cp == 1
 
     def to_dict(self) -> dict[str, Any]:

@@ -212,6 +212,8 @@ def _constants(plan: Plan, split: Any, graph: Any, dims: dict, lowered: Any, cro
             f"ZERO, MICRO_BATCH_SIZE, MICRO_BATCHES, GLOBAL_BATCH = {cfg.zero}, {cfg.micro_batch_size}, "
             f"{plan.micro_batches}, {plan.global_batch_size}\n"
             f"CHUNKS, LOSS = {n}, {split.loss!r}\n"
+            f"# whether the step's losses are all-reduced (not when every rank computes them all: tp alone)\n"
+            f"SHARES_LOSSES = {cfg.shares_losses}\n"
             f"# each stage's actions: F<chunk>.<micro-batch> / B<chunk>.<micro-batch>\n"
             f"SCHEDULE = {fmt({d: ' '.join(str(a) for a in acts) for d, acts in enumerate(schedule)})}\n"
             f"# the batch: graph input -> key (a dict batch) or position (a tuple); example shapes per sample\n"

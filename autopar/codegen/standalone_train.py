@@ -184,7 +184,7 @@ def main():
     shared = []   # the all-reduce of the step's losses, started under the backward passes left
 
     def share(losses):   # after this rank's last forward of the step
-        if P.DP == P.PP == 1:   # every rank computed every loss (tensor parallelism alone): nothing to share
+        if not P.SHARES_LOSSES:   # every rank computed every loss (tensor parallelism alone)
             shared[:] = [None, torch.stack(losses).detach().float()]
         else:
             shared[:] = pipeline.share_losses(losses, pp_rank == P.PP - 1 and tp_rank == 0, P.DP, dp_rank,
