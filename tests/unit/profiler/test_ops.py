@@ -92,13 +92,18 @@ def test_whole_pass_scales_the_op_times(gpt, tmp_path) -> None:
 
 def test_lookup_scales_shards_and_refuses_other_dtypes(gpt, tmp_path) -> None:
     _, _, graph = gpt
-    prof = _profiler(gpt, tmp_path / "db.json", kernel_overhead=1e-6)
+    prof = _profiler(gpt, tmp_path / "db.json")
     timings = prof.timings(1)
     gelu = next(n for n in graph.nodes if n.kind is OpKind.ELEMENTWISE and n.name in timings and n.batch_dependent)
     t = timings[gelu.name]
     assert prof.lookup(gelu, 1.0, 1, "", "fp32") == (t.fwd_seconds, t.bwd_seconds)
+    # the per-op overhead stays whole and the rest is divided; set relative to the measured time, which varies
+    prof.kernel_overhead = t.fwd_seconds / 4
     half = prof.lookup(gelu, 1.0, 2, "", "fp32")
-    assert half[0] == pytest.approx(1e-6 + (t.fwd_seconds - 1e-6) / 2)
+    assert half[0] == pytest.approx(t.fwd_seconds / 4 + (t.fwd_seconds * 3 / 4) / 2)
+    prof.kernel_overhead = t.fwd_seconds * 2      # an op faster than the overhead costs the overhead, not less
+    assert prof.lookup(gelu, 1.0, 2, "", "fp32")[0] == pytest.approx(t.fwd_seconds * 2)
+    prof.kernel_overhead = 0.0
     assert prof.lookup(gelu, 1.0, 1, "", "bf16") is None
     view = next(n for n in graph.nodes if n.kind is OpKind.VIEW)
     assert prof.lookup(view, 1.0, 1, "", "fp32") is None
