@@ -18,7 +18,10 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import AutoparError, RuntimeFailure
+try:
+    from ..errors import AutoparError, RuntimeFailure
+except ImportError:   # copied into a standalone folder (codegen/standalone.py), which runs with torch alone
+    AutoparError = RuntimeFailure = RuntimeError
 
 _STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar("autopar_step", default=None)
 

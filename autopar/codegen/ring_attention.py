@@ -57,8 +57,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError
-from .failures import wait_or_fail
+try:
+    from ..errors import ConfigError
+    from .failures import wait_or_fail
+except ImportError:   # copied into a standalone folder (codegen/standalone.py): torch alone, its siblings beside it
+    from failures import wait_or_fail
+    ConfigError = ValueError
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for one p2p transfer before failing the run
 _NEG_INF = float("-inf")

@@ -15,12 +15,16 @@ The folder holds
   ``optim.py``: autopar's own (each imports only torch), the same files the in-process runtime runs
   (dcp_state.py: the checkpoint format of ``Program.save_checkpoint``, which this folder writes and
   reads too; recompute.py: the per-op recomputation policy; optim.py: the optimizer step compiled
-  under ``--compile``);
+  under ``--compile``), and ``context_ops.py``, ``ring_attention.py``, ``context_state.py``,
+  ``failures.py``: context parallelism's (each imports torch and its siblings beside it);
 - ``buffers.pt``: the buffers and constants the graph reads (rotary tables, masks).
 
-What the folder cannot run yet is refused at emit time with what to change: context or expert
-parallelism, MoE regions run as one call, a batch that is not a flat tuple or dict of tensors, a
-model factory that builds on the meta device.
+Context parallelism runs as in-process: the same analysis (context.py), the same generated calls
+(context_ops.py, ring_attention.py, copied beside), one program for every rank of a
+context-parallel group (its place in the group is program.py's ``CP_RANK``, which train.py sets).
+What the folder cannot run yet is refused at emit time with what to change: expert parallelism,
+MoE regions run as one call (ep > 1, or cp > 1 on an MoE model), a batch that is not a flat tuple or
+dict of tensors, a model factory that builds on the meta device.
 
 The model is built once here (from ``model_factory``, on the CPU) and exported at one micro-batch,
 as each rank of ``autopar.parallelize`` does: the same lowering, the same generated layers
@@ -38,19 +42,21 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ..capture import graph_of, param_aliases
+from ..capture import OpKind, graph_of, param_aliases
 from ..capture.export import normalize_inputs, run_export
 from ..errors import ConfigError
 from ..plan import Plan
 from . import batches, dcp_state, optim, pipeline, recompute, schedules
 
 
+from .context import analyse
+from .context_state import ContextRank
 from .split import check_structure, cut_values, plan_chunks, split_graph
 from .inputs import example_at
 from .specs import plan_specs
 from .layers import LayerIO, class_name, layer_module
-from .lower import R, convert, cut_spec, lower, normal, written_inputs
-from .source import program_source, write_support
+from .lower import SKIPPED_TARGETS, R, convert, cut_spec, lower, normal, written_inputs
+from .source import Written, program_source, write_support
 
 PROGRAM, TRAIN, BUFFERS = "program.py", "train.py", "buffers.pt"
 TRAIN_TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standalone_train.py")
@@ -91,7 +97,7 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     """Write the folder (see the module docstring); return the path of its train.py."""
     cfg = plan.config
     refusals = [why for bad, why in (
-        (cfg.cp > 1, "context parallelism"), (cfg.ep > 1, "expert parallelism"),
+        (cfg.ep > 1, "expert parallelism"),
         (plan.precision.kernels == "fused", "hand-written fused kernels")) if bad]
     if refusals:
         raise ConfigError(f"a standalone program cannot run {refusals[0]} ({cfg.short()}) yet: emit the script "
@@ -109,6 +115,9 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     exported = run_export(model, example_at(record, cfg.micro_batch_size), loss, train_mode=False)
     graph = graph_of(model, exported)
     check_structure(plan, graph)
+    if cfg.cp > 1 and graph.moe:
+        raise ConfigError(f"a standalone program cannot run MoE regions as one call, as context parallelism needs "
+                          f"them ({cfg.short()}) yet: emit with standalone=False, or re-plan with cp=1")
     split = split_graph(exported, graph, plan_chunks(plan), param_aliases(model))
     specs, dims = plan_specs(plan, graph)
 
@@ -116,6 +125,12 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
         return R if v == split.loss else cut_spec(specs.get(v))
 
     lowered = lower(split.node_map, graph, split.chunks, specs, split.param_of, dims, cfg.tp) if cfg.tp > 1 else None
+    context = None
+    if cfg.cp > 1:   # the analysis parallelize makes; each rank's place in the group read from program.py
+        attention = frozenset(n.name for n in graph.nodes if n.kind is OpKind.ATTENTION)
+        skipped = frozenset(n for n, node in split.node_map.items() if str(node.target) in SKIPPED_TARGETS)
+        context = ContextRank(analyse(split.program, cfg.cp, attention, {}, skipped), None, Written("CP_RANK"),
+                              Written("TIMEOUT"))
     os.makedirs(out_dir, exist_ok=True)
     write_support(out_dir)
     for module in (pipeline, batches, dcp_state, recompute, optim):
@@ -125,14 +140,14 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     layers, chunk_classes = [], []
     for chunk in split.chunks:
         mode = cfg.chunk_modes(chunk.index % cfg.pp, [graph.recomputable[s.index] for s in chunk.layers])
-        text, chunk_layers = _chunk(chunk, split, lowered, mode, crossing)
+        text, chunk_layers = _chunk(chunk, split, lowered, mode, crossing, context)
         layers += chunk_layers
         chunk_classes.append(text)
     source = program_source(layers, f"{plan.model_name} under {cfg.short()}: every chunk's layers and dataflow.")
     loss_name = loss_fn or "the model's own"
     factories = (f"# the loss ({loss_name}) is part of the exported graph, in the last chunk\n"
                  f"MODEL_FACTORY, BATCH_FACTORY, LR = {model_factory!r}, {batch_factory!r}, {lr!r}\n")
-    constants = _constants(plan, split, graph, dims, lowered, crossing, record)
+    constants = _constants(plan, split, graph, dims, lowered, crossing, record, context)
     with open(os.path.join(out_dir, PROGRAM), "w") as fh:
         fh.write(source + "\n" + _HELD + "\n\n" + "\n\n".join(chunk_classes) + "\n" + constants + factories)
     return os.path.join(out_dir, TRAIN)
@@ -143,7 +158,8 @@ def _load(ref: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _chunk(chunk: Any, split: Any, lowered: Any, modes: list[str], crossing) -> tuple[str, list]:
+def _chunk(chunk: Any, split: Any, lowered: Any, modes: list[str], crossing, context: ContextRank | None
+           ) -> tuple[str, list]:
     """Chunk ``c``'s class (its layers wired together) and its layers' generated modules."""
     use = _param_uses(chunk)
     shared = [p for p in chunk.params if use[p] > 1]
@@ -157,8 +173,8 @@ def _chunk(chunk: Any, split: Any, lowered: Any, modes: list[str], crossing) -> 
                      layer.buffers, written, layer.attention_core if mode == "selective" else frozenset())
         name = class_name(layer.name)
         generated.append((name, layer_module(io, split.node_map, split.program.graph_module, lowered, None,
-                                             name=name)))
-        build.append(f"            Held({name}(tp_group), {{f: params[f] for f in {own!r}}}, "
+                                             name=name, context=context)))
+        build.append(f"            Held({name}(tp_group, cp_group=cp_group), {{f: params[f] for f in {own!r}}}, "
                      f"[buffers[b] for b in {list(layer.buffers)!r}], {mode!r}),   # {layer.name}")
         outs = [*layer.outputs, *written]
         args = [*layer.inputs, *(f"shared[{_attr(p)!r}]" for p in mine)]
@@ -176,7 +192,7 @@ def _chunk(chunk: Any, split: Any, lowered: Any, modes: list[str], crossing) -> 
     text = (f"class Chunk{chunk.index}(torch.nn.Module):\n"
             f'    """Chunk {chunk.index} (layers {layer_names}): reads {list(chunk.graph_inputs + chunk.recv)}, '
             f'sends {list(chunk.send)}."""\n\n'
-            f"    def __init__(self, tp_group, params, buffers):\n"
+            f"    def __init__(self, tp_group, params, buffers, cp_group=None):\n"
             f"        super().__init__()\n        self.tp_group = tp_group\n"
             + "".join(f"        self.register_parameter({_attr(p)!r}, params[{p!r}])\n" for p in shared)
             + "        self.layers = torch.nn.ModuleList([\n" + "\n".join(build) + "\n        ])\n\n"
@@ -190,12 +206,15 @@ def _attr(fqn: str) -> str:
     return fqn.replace(".", "__")
 
 
-def _constants(plan: Plan, split: Any, graph: Any, dims: dict, lowered: Any, crossing, record: dict) -> str:
+def _constants(plan: Plan, split: Any, graph: Any, dims: dict, lowered: Any, crossing, record: dict,
+               context: ContextRank | None) -> str:
     cfg = plan.config
     n = len(split.chunks)
     schedule = schedules.build(cfg.schedule, cfg.pp, plan.micro_batches, cfg.virtual_stages)
+    tokens = context.plan.local_shape if context is not None else None
     values = {v: (x.producer, x.consumers, x.shape, str(x.dtype), x.requires_grad)
-              for v, x in sorted(cut_values(split, graph, crossing, cfg.tp).items())}
+              for v, x in sorted(cut_values(split, graph, crossing, cfg.tp, tokens).items())}
+    seeds = {name: (s.dim, s.seq, s.outer, s.inner) for name, s in context.plan.inputs.items()} if context else {}
     stage_params = {p: sorted({f for c in split.chunks if c.index % cfg.pp == p for f in c.params})
                     for p in range(cfg.pp)}
     held_by = {}
@@ -207,8 +226,8 @@ def _constants(plan: Plan, split: Any, graph: Any, dims: dict, lowered: Any, cro
     units = {c.index: _units(c, graph) for c in split.chunks}
     fmt = lambda x: pprint.pformat(x, width=110, sort_dicts=False)   # noqa: E731
     return ("\n# --- the plan ------------------------------------------------------------------------------\n"
-            "# rank = tp_rank + TP * (dp_rank + DP * pp_rank); chunk c runs on pipeline rank c % PP\n"
-            f"DP, TP, PP, DEVICES = {cfg.dp}, {cfg.tp}, {cfg.pp}, {plan.devices}\n"
+            "# rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank)); chunk c runs on pipeline rank c % PP\n"
+            f"DP, CP, TP, PP, DEVICES = {cfg.dp}, {cfg.cp}, {cfg.tp}, {cfg.pp}, {plan.devices}\n"
             f"ZERO, MICRO_BATCH_SIZE, MICRO_BATCHES, GLOBAL_BATCH = {cfg.zero}, {cfg.micro_batch_size}, "
             f"{plan.micro_batches}, {plan.global_batch_size}\n"
             f"CHUNKS, LOSS = {n}, {split.loss!r}\n"
@@ -219,6 +238,8 @@ def _constants(plan: Plan, split: Any, graph: Any, dims: dict, lowered: Any, cro
             f"# the batch: graph input -> key (a dict batch) or position (a tuple); example shapes per sample\n"
             f"INPUTS = {fmt(inputs)}\n"
             f"EXAMPLE = {fmt(record)}\n"
+            f"# context parallelism: the graph inputs each rank takes its tokens of, (dim, sequence, outer, inner)\n"
+            f"CONTEXT_INPUTS = {fmt(seeds)}\n"
             f"# parameters each pipeline stage holds, and the dim tensor parallelism splits (absent: whole)\n"
             f"STAGE_PARAMS = {fmt(stage_params)}\n"
             f"TP_DIMS = {fmt({f: d for f, d in sorted(dims.items()) if d is not None})}\n"

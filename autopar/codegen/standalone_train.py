@@ -6,11 +6,13 @@ Run on each node:  torchrun --nproc-per-node <ranks per node> train.py --steps 1
 program.py (beside this file) holds the plan's constants, each layer's code on its shards and each
 chunk's dataflow; pipeline.py runs the schedule; batches.py cuts the global batch into micro-batches;
 optim.py compiles the optimizer step under --compile;
-collectives.py / shard_ops.py are the explicit collectives. This file builds a rank's share: its
-process groups, its shards of the weights of the model ``MODEL_FACTORY`` builds (the same seed on
-every rank, so the same weights), FSDP2 for ZeRO-2/3, AdamW; then per step: the rank's micro-batches through the schedule, the gradient
-reductions (data-parallel mean, tied parameters, tensor-parallel partial sums), the optimizer
-step, and the mean loss over the global batch (rank 0 prints it and appends it to --loss-file).
+collectives.py / shard_ops.py / context_ops.py are the explicit collectives. This file builds a rank's
+share: its process groups, its shards of the weights of the model ``MODEL_FACTORY`` builds (the same
+seed on every rank, so the same weights), FSDP2 for ZeRO-2/3, AdamW; then per step: the rank's
+micro-batches (under context parallelism its tokens of each sequence) through the schedule, the
+gradient reductions (the mean over the data- and context-parallel replicas, tied parameters,
+tensor-parallel partial sums), the optimizer step, and the mean loss over the global batch (rank 0
+prints it and appends it to --loss-file).
 --checkpoint / --resume write and read sharded checkpoints (torch.distributed.checkpoint) in the
 format of dcp_state.py, the one ``autopar.parallelize``'s programs write (the same keys, each tensor
 with its global layout, so DCP reshards it to the reader's plan); ``autopar.load_checkpoint``
@@ -33,6 +35,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import batches  # noqa: E402
+import context_ops  # noqa: E402
+import context_state  # noqa: E402
 import dcp_state  # noqa: E402
 import optim  # noqa: E402
 import pipeline  # noqa: E402
@@ -51,30 +55,42 @@ def actions(text):
     return [Action(a[0], int(a[1:].split(".")[0]), int(a.split(".")[1])) for a in text.split()]
 
 
-def groups(rank):
-    """This rank's tensor-, data-parallel and tied-parameter groups (every rank creates every group, in
-    the same order, as torch.distributed requires)."""
-    def rank_of(pp, dp, tp):
-        return tp + P.TP * (dp + P.DP * pp)
+# The ranks a weight's gradient is averaged over: the data-parallel ranks and, within each, the
+# context-parallel ones (each holds every weight and its tokens' gradient): replica = cp + CP * dp,
+# rank = tp + TP * (replica + REPLICAS * pp).
+REPLICAS = P.DP * P.CP
 
-    mine = {}
+
+def rank_of(pp, replica, tp):
+    return tp + P.TP * (replica + REPLICAS * pp)
+
+
+def groups(rank):
+    """This rank's tensor-parallel, context-parallel, gradient (data x context) and tied-parameter
+    groups (every rank creates every group, in the same order, as torch.distributed requires)."""
+    mine = {"cp": None}
     for pp in range(P.PP):
-        for dp in range(P.DP):
-            ranks = [rank_of(pp, dp, t) for t in range(P.TP)]
+        for r in range(REPLICAS):
+            ranks = [rank_of(pp, r, t) for t in range(P.TP)]
             g = dist.new_group(ranks) if P.TP > 1 else None
             if rank in ranks:
                 mine["tp"] = g
     for pp in range(P.PP):
         for tp in range(P.TP):
-            ranks = [rank_of(pp, d, tp) for d in range(P.DP)]
-            g = dist.new_group(ranks) if P.DP > 1 else None
+            ranks = [rank_of(pp, r, tp) for r in range(REPLICAS)]
+            g = dist.new_group(ranks) if REPLICAS > 1 else None
             if rank in ranks:
                 mine["dp"] = g
+            for dp in range(P.DP if P.CP > 1 else 0):
+                ranks = [rank_of(pp, c + P.CP * dp, tp) for c in range(P.CP)]
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    mine["cp"] = g
     mine["tied"] = {}
     for fqn, stages in sorted(P.TIED.items()):
-        for dp in range(P.DP):
+        for r in range(REPLICAS):
             for tp in range(P.TP):
-                ranks = [rank_of(s, dp, tp) for s in stages]
+                ranks = [rank_of(s, r, tp) for s in stages]
                 g = dist.new_group(ranks)
                 if rank in ranks:
                     mine["tied"][fqn] = g
@@ -94,8 +110,9 @@ def shards(model, pp_rank, tp_rank, device):
     return out
 
 
-def micro_batches(batch, dp_rank, device):
-    """This replica's micro-batches: graph input -> rows of the global batch."""
+def micro_batches(batch, dp_rank, cp_rank, device):
+    """This replica's micro-batches: graph input -> rows of the global batch (under context
+    parallelism, of the inputs that start sharded, this rank's tokens)."""
     if isinstance(batch, torch.Tensor):
         batch = (batch,)
     per = P.GLOBAL_BATCH // P.DP
@@ -103,8 +120,12 @@ def micro_batches(batch, dp_rank, device):
     for i in range(P.MICRO_BATCHES):
         start = dp_rank * per + i * P.MICRO_BATCH_SIZE
         rows = batches.slice_batch(batch, start, start + P.MICRO_BATCH_SIZE, P.GLOBAL_BATCH)
-        out.append({name: rows[key].to(device) if isinstance(rows[key], torch.Tensor) else rows[key]
-                    for name, key in P.INPUTS})
+        inputs = {name: rows[key].to(device) if isinstance(rows[key], torch.Tensor) else rows[key]
+                  for name, key in P.INPUTS}
+        if P.CP > 1:
+            seeds = {name: context_state.Local(*layout) for name, layout in P.CONTEXT_INPUTS.items()}
+            inputs = context_ops.shard_inputs(inputs, seeds, P.CP, cp_rank)
+        out.append(inputs)
     return out
 
 
@@ -137,7 +158,10 @@ def main():
     rank = dist.get_rank()
     if dist.get_world_size() != P.DEVICES:
         raise SystemExit(f"the plan runs on {P.DEVICES} ranks, not {dist.get_world_size()}")
-    tp_rank, dp_rank, pp_rank = rank % P.TP, (rank // P.TP) % P.DP, rank // (P.TP * P.DP)
+    tp_rank, replica, pp_rank = rank % P.TP, (rank // P.TP) % REPLICAS, rank // (P.TP * REPLICAS)
+    dp_rank, cp_rank = divmod(replica, P.CP)
+    if P.CP > 1:   # what the generated code's context-parallel calls read
+        P.CP_RANK, P.TIMEOUT = cp_rank, args.timeout
     g = groups(rank)
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -151,14 +175,14 @@ def main():
     buffers = {k: v.to(device) for k, v in torch.load(os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                   "buffers.pt")).items()}
     mine = [c for c in range(P.CHUNKS) if c % P.PP == pp_rank]
-    chunks = {c: getattr(P, f"Chunk{c}")(g["tp"], params, buffers) for c in mine}
-    fsdp = P.ZERO >= 2 and P.DP > 1
-    if fsdp:   # ZeRO-2/3: each unit's parameters sharded over the data-parallel ranks, gathered around it
+    chunks = {c: getattr(P, f"Chunk{c}")(g["tp"], params, buffers, cp_group=g["cp"]) for c in mine}
+    fsdp = P.ZERO >= 2 and REPLICAS > 1
+    if fsdp:   # ZeRO-2/3: each unit's parameters sharded over the gradient replicas, gathered around it
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        # the whole world's mesh, its dp dimension taken (every rank builds every group of it, as
-        # torch.distributed requires); with tp > 1 each tp rank's shards are sharded again over dp
-        mesh = init_device_mesh(device.type, (P.PP, P.DP, P.TP), mesh_dim_names=("pp", "dp", "tp"))["dp"]
+        # the whole world's mesh, its replica (dp x cp) dimension taken (every rank builds every group
+        # of it, as torch.distributed requires); with tp > 1 each tp rank's shards are sharded again over it
+        mesh = init_device_mesh(device.type, (P.PP, REPLICAS, P.TP), mesh_dim_names=("pp", "dp", "tp"))["dp"]
         def shard(modules, reshard):   # a parameter with no elements stays whole (FSDP2 cannot reduce-scatter it)
             empty = {p for m in modules for p in m.parameters() if p.numel() == 0}
             fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=reshard,
@@ -180,7 +204,7 @@ def main():
     io = {c: pipeline.ChunkIO(*P.CHUNK_IO[c]) for c in P.CHUNK_IO}
     values = {v: pipeline.Value(prod, readers, shape, getattr(torch, dtype.removeprefix("torch.")), grad)
               for v, (prod, readers, shape, dtype, grad) in P.VALUES.items()}
-    stages = [tp_rank + P.TP * (dp_rank + P.DP * s) for s in range(P.PP)]
+    stages = [rank_of(s, replica, tp_rank) for s in range(P.PP)]
     shared = []   # the all-reduce of the step's losses, started under the backward passes left
 
     def share(losses):   # after this rank's last forward of the step
@@ -201,11 +225,12 @@ def main():
             print(f"resumed from {args.resume} at step {start}", flush=True)
     for step in range(start, args.steps):
         optimizer.zero_grad(set_to_none=True)
-        runner.run(schedule, micro_batches(batch_of(step, P.GLOBAL_BATCH), dp_rank, device), 1.0 / P.MICRO_BATCHES)
-        for p in parameters:   # data-parallel mean (FSDP2 reduce-scatters its own)
-            if not fsdp and P.DP > 1 and p.grad is not None:
+        runner.run(schedule, micro_batches(batch_of(step, P.GLOBAL_BATCH), dp_rank, cp_rank, device),
+                   1.0 / P.MICRO_BATCHES)
+        for p in parameters:   # the mean over the replicas (FSDP2 reduce-scatters its own)
+            if not fsdp and REPLICAS > 1 and p.grad is not None:
                 dist.all_reduce(p.grad, group=g["dp"])
-                p.grad /= P.DP
+                p.grad /= REPLICAS
         for fqn in P.TP_PARTIAL:
             if fqn in named:
                 _all_reduce_grad(named[fqn], g["tp"])
@@ -214,7 +239,7 @@ def main():
         work, losses = shared
         if work is not None:
             work.wait()
-        loss = losses.mean().item()
+        loss = losses.mean().item() / P.CP   # each rank of a context-parallel group gave its share
         optimizer.step()
         if rank == 0:
             print(f"step {step} loss {loss:.6f}", flush=True)
@@ -256,13 +281,13 @@ def presenter(rank, g, fsdp, shapes, device):
     held whole by the tp ranks is FSDP2's own DTensor already; anything else is whole."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    pp_rank, dp_rank = rank // (P.TP * P.DP), (rank // P.TP) % P.DP
-    ranks = [[tp + P.TP * (dp + P.DP * pp_rank) for dp in range(P.DP)] for tp in range(P.TP)]
+    pp_rank, replica = rank // (P.TP * REPLICAS), (rank // P.TP) % REPLICAS
+    ranks = [[rank_of(pp_rank, r, tp) for r in range(REPLICAS)] for tp in range(P.TP)]
     mesh = None
     if P.TP > 1 and fsdp:
         mesh = DeviceMesh.from_group([g["tp"], g["dp"]], device.type, mesh=ranks, mesh_dim_names=("tp", "dp"))
     elif P.TP > 1:
-        mesh = DeviceMesh.from_group(g["tp"], device.type, mesh=[row[dp_rank] for row in ranks])
+        mesh = DeviceMesh.from_group(g["tp"], device.type, mesh=[row[replica] for row in ranks])
 
     def present(fqn, t):
         d = P.TP_DIMS.get(fqn)

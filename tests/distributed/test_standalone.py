@@ -1,8 +1,9 @@
 """``emit(..., standalone=True)`` compiles a plan into a folder that trains with torch alone: run under
 torchrun on 2 gloo ranks with an import hook that refuses autopar, a Hugging Face Llama built by a
 factory that imports only transformers, planned from batch-1 example inputs as the README shows,
-at tp=2 (+ sequence parallelism), pp=2 1F1B and dp=2 ZeRO-3 (and, in make bench, tp=2 x dp=2 ZeRO-3
-on 4 ranks: FSDP2 shards each tensor-parallel shard again over the data-parallel ranks): its
+at tp=2 (+ sequence parallelism), pp=2 1F1B, dp=2 ZeRO-3 and cp=2 (ring attention; and, in make bench,
+tp=2 x dp=2 ZeRO-3 on 4 ranks, FSDP2 sharding each tensor-parallel shard again over the data-parallel
+ranks, and cp=2 x tp=2): its
 losses equal one process's (fp32, relative 1e-5: only the order of additions differs). Each run
 stops after step 1 with a checkpoint and a second run resumes from it: the losses of the steps after
 (AdamW's state included) are still equal, and ``autopar.load_checkpoint`` reads that checkpoint
@@ -31,9 +32,11 @@ CASES = {   # name -> (ranks, pinned fields)
     "tp2_sp": (2, dict(tp=2, sequence_parallel=True, recompute="op")),
     "pp2_1f1b": (2, dict(pp=2, micro_batch_size=1)),
     "dp2_zero3": (2, dict(dp=2, zero=3, micro_batch_size=2)),
+    "cp2": (2, dict(cp=2, micro_batch_size=2)),   # ring attention; gradients averaged over the cp ranks
 }
 if ALL_CASES:   # a second torchrun, of 4 ranks (4 processes on 2 cores: make bench only)
     CASES["tp2_dp2_zero3"] = (4, dict(tp=2, dp=2, zero=3, micro_batch_size=2, sequence_parallel=True))
+    CASES["cp2_tp2"] = (4, dict(cp=2, tp=2))
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +77,8 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 for item in sys.argv[1:]:
     folder, losses = item.split("=")
-    for name in ("program", "pipeline", "collectives", "shard_ops", "dcp_state", "recompute", "optim"):
+    for name in ("program", "pipeline", "collectives", "shard_ops", "dcp_state", "recompute", "optim", "batches",
+                 "context_ops", "context_state", "ring_attention", "failures"):
         sys.modules.pop(name, None)
     common = ["--loss-file", losses, "--timeout", "120"]
     ckpt = os.path.join(folder, "ckpt")
@@ -122,6 +126,8 @@ def test_standalone_program_trains_like_one_process(name, runs, reference):
     assert "import autopar" not in text and "class Chunk0(torch.nn.Module)" in text
     if name.startswith("tp2"):
         assert "collectives.gather_partial(" in text and "collectives.reduce_scatter(" in text
+    if name.startswith("cp2"):
+        assert "context_ops.ring(" in text and "CONTEXT_INPUTS = {" in text
     if "zero3" in name:   # the FSDP2 units the cost model priced: each block; embedding, final norm and
         # head (small) in the chunk's root unit
         assert "UNITS = {0: [([1], False), ([2], False)]}" in text
