@@ -8,7 +8,7 @@ from .errors import (AutoparError, CaptureError, ConfigError, InfeasiblePlanErro
                      PlanMismatchError, RuntimeFailure)
 from .plan import Alternative, Plan, load_plan
 from .runtime.checkpoint import load_checkpoint
-from .runtime.materialize import init_weights
+from .codegen.sharded_init import init_weights
 from .runtime.program import Program, parallelize
 from .sweep import Sweep, SweepRow, sweep  # autopar.sweep is the function, as autopar.plan is plan()
 

@@ -33,7 +33,7 @@ from torch.export.graph_signature import InputKind
 from ..capture import first_difference
 from ..capture.build import strip_wrapper
 from ..capture.opgraph import OpGraph
-from ..errors import PlanMismatchError
+from ..errors import ConfigError, PlanMismatchError
 from ..plan import Plan
 from .lower import local_shape
 from .pipeline import Value
@@ -176,6 +176,34 @@ def on_device(program: ExportedProgram, device: torch.device) -> None:
                 if node.target is torch.ops.higher_order.wrap_with_autocast:   # (device_type, dtype, ...)
                     node.args = (device.type, *node.args[1:])
         module.recompile()
+
+
+def meta_buffers(program: ExportedProgram, model_name: str) -> dict[str, tuple[str, str | None]]:
+    """The buffers and constants ``program`` reads that are on the meta device (a model built there):
+    placeholder -> (its ``program.state_dict`` / ``program.constants`` key, the model's name of the
+    buffer), for a rank to give values (codegen/sharded_init.py; buffers are small: a rank holds every
+    one its chunks read); the name is None for an empty constant (Hugging Face's cache placeholders,
+    ``torch.tensor([])``), whose value is any empty tensor. Any other tensor the forward made on the
+    meta device (a lifted constant) has no value to run with: raises."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for spec in program.graph_signature.input_specs:
+        if spec.kind is InputKind.BUFFER:
+            store = program.state_dict if spec.persistent is not False else program.constants
+            if store[spec.target].is_meta:
+                out[spec.arg.name] = (spec.target, strip_wrapper(spec.target))
+        elif spec.kind is InputKind.CONSTANT_TENSOR and program.constants[spec.target].is_meta:
+            if program.constants[spec.target].numel() == 0:
+                out[spec.arg.name] = (spec.target, None)
+                continue
+            raise ConfigError(f"{model_name}'s forward reads a tensor it made on the meta device ({spec.target}), "
+                              "which has no value to run with: create it on the device of the inputs in the "
+                              "forward, or build the model on the CPU")
+    return out
+
+
+def empty_like_meta(t: torch.Tensor) -> torch.Tensor:
+    """An empty meta tensor's value (on the CPU)."""
+    return torch.empty(t.shape, dtype=t.dtype)
 
 
 def placeholders(program: ExportedProgram, aliases: Mapping[str, str]) -> tuple[dict, dict]:

@@ -16,15 +16,19 @@ The folder holds
   (dcp_state.py: the checkpoint format of ``Program.save_checkpoint``, which this folder writes and
   reads too; recompute.py: the per-op recomputation policy; optim.py: the optimizer step compiled
   under ``--compile``), and ``context_ops.py``, ``ring_attention.py``, ``context_state.py``,
-  ``failures.py``: context parallelism's (each imports torch and its siblings beside it);
+  ``failures.py``: context parallelism's (each imports torch and its siblings beside it), and
+  ``sharded_init.py``: a meta-built model's values;
 - ``buffers.pt``: the buffers and constants the graph reads (rotary tables, masks).
 
 Context parallelism runs as in-process: the same analysis (context.py), the same generated calls
 (context_ops.py, ring_attention.py, copied beside), one program for every rank of a
 context-parallel group (its place in the group is program.py's ``CP_RANK``, which train.py sets).
+A model factory that builds on the meta device works as in ``parallelize``: each rank gives values
+to the parameters and buffers it holds, one module at a time, from ``(--seed, module name)``
+(sharded_init.py, copied beside), the values ``parallelize(..., init_seed=)`` gives.
 What the folder cannot run yet is refused at emit time with what to change: expert parallelism,
 MoE regions run as one call (ep > 1, or cp > 1 on an MoE model), a batch that is not a flat tuple or
-dict of tensors, a model factory that builds on the meta device.
+dict of tensors.
 
 The model is built once here (from ``model_factory``, on the CPU) and exported at one micro-batch,
 as each rank of ``autopar.parallelize`` does: the same lowering, the same generated layers
@@ -46,12 +50,12 @@ from ..capture import OpKind, graph_of, param_aliases
 from ..capture.export import normalize_inputs, run_export
 from ..errors import ConfigError
 from ..plan import Plan
-from . import batches, dcp_state, optim, pipeline, recompute, schedules
+from . import batches, dcp_state, optim, pipeline, recompute, schedules, sharded_init
 
 
 from .context import analyse
 from .context_state import ContextRank
-from .split import check_structure, cut_values, plan_chunks, split_graph
+from .split import check_structure, cut_values, empty_like_meta, meta_buffers, plan_chunks, split_graph
 from .inputs import example_at
 from .specs import plan_specs
 from .layers import LayerIO, class_name, layer_module
@@ -104,15 +108,14 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
                           "that runs autopar.parallelize (standalone=False), or re-plan without it")
     model = _load(model_factory)()
     model = model[0] if isinstance(model, tuple) else model
-    if any(p.is_meta for p in model.parameters()):
-        raise ConfigError(f"{model_factory} builds the model on the meta device: a standalone program takes "
-                          "its weights from the factory on every rank, so it must build real ones (or emit with "
-                          "standalone=False, whose ranks materialise their shards)")
     loss = _load(loss_fn) if loss_fn else None
     record = plan.extra.get("inputs")
     if record is None:
         raise ConfigError("the plan does not record its example inputs: re-plan with autopar.plan")
-    exported = run_export(model, example_at(record, cfg.micro_batch_size), loss, train_mode=False)
+    # on inputs on the model's device: a meta-built model's are meta (it does not move its inputs, as
+    # Hugging Face's do not); the generated code creates its tensors on the rank's DEVICE either way
+    where = torch.device("meta") if sharded_init.has_meta(model) else torch.device("cpu")
+    exported = run_export(model, example_at(record, cfg.micro_batch_size, where), loss, train_mode=False)
     graph = graph_of(model, exported)
     check_structure(plan, graph)
     if cfg.cp > 1 and graph.moe:
@@ -133,10 +136,13 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
                               Written("TIMEOUT"))
     os.makedirs(out_dir, exist_ok=True)
     write_support(out_dir)
-    for module in (pipeline, batches, dcp_state, recompute, optim):
+    for module in (pipeline, batches, dcp_state, recompute, optim, sharded_init):
         shutil.copyfile(module.__file__, os.path.join(out_dir, os.path.basename(module.__file__)))
     shutil.copyfile(TRAIN_TEMPLATE, os.path.join(out_dir, TRAIN))
-    torch.save({k: v.detach().cpu() for k, v in split.buffer_value.items()}, os.path.join(out_dir, BUFFERS))
+    # a meta-built model's buffers: given values by each rank (META_BUFFERS); an empty constant any empty value
+    unset = {k: fqn for k, (_, fqn) in meta_buffers(exported, type(model).__name__).items() if fqn is not None}
+    torch.save({k: empty_like_meta(v) if v.is_meta else v.detach().cpu() for k, v in split.buffer_value.items()
+                if k not in unset}, os.path.join(out_dir, BUFFERS))
     layers, chunk_classes = [], []
     for chunk in split.chunks:
         mode = cfg.chunk_modes(chunk.index % cfg.pp, [graph.recomputable[s.index] for s in chunk.layers])
@@ -147,7 +153,7 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     loss_name = loss_fn or "the model's own"
     factories = (f"# the loss ({loss_name}) is part of the exported graph, in the last chunk\n"
                  f"MODEL_FACTORY, BATCH_FACTORY, LR = {model_factory!r}, {batch_factory!r}, {lr!r}\n")
-    constants = _constants(plan, split, graph, dims, lowered, crossing, record, context)
+    constants = _constants(plan, split, graph, dims, lowered, crossing, record, context, unset)
     with open(os.path.join(out_dir, PROGRAM), "w") as fh:
         fh.write(source + "\n" + _HELD + "\n\n" + "\n\n".join(chunk_classes) + "\n" + constants + factories)
     return os.path.join(out_dir, TRAIN)
@@ -207,7 +213,7 @@ def _attr(fqn: str) -> str:
 
 
 def _constants(plan: Plan, split: Any, graph: Any, dims: dict, lowered: Any, crossing, record: dict,
-               context: ContextRank | None) -> str:
+               context: ContextRank | None, unset: dict[str, str]) -> str:
     cfg = plan.config
     n = len(split.chunks)
     schedule = schedules.build(cfg.schedule, cfg.pp, plan.micro_batches, cfg.virtual_stages)
@@ -253,7 +259,9 @@ def _constants(plan: Plan, split: Any, graph: Any, dims: dict, lowered: Any, cro
             f"# ZeRO-2/3: each chunk's FSDP2 units (positions in its layers, the units the cost model priced), each\n"
             f"# with whether ZeRO-3 keeps it gathered from forward to backward (the unit that ends the model)\n"
             f"UNITS = {fmt(units)}\n"
-            f"VALUES = {fmt(values)}\n")
+            f"VALUES = {fmt(values)}\n"
+            f"# buffers of a model built on the meta device (not in buffers.pt): given values by each rank\n"
+            f"META_BUFFERS = {fmt(unset)}\n")
 
 
 def _param_uses(chunk: Any) -> dict[str, int]:

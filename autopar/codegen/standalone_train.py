@@ -8,7 +8,9 @@ chunk's dataflow; pipeline.py runs the schedule; batches.py cuts the global batc
 optim.py compiles the optimizer step under --compile;
 collectives.py / shard_ops.py / context_ops.py are the explicit collectives. This file builds a rank's
 share: its process groups, its shards of the weights of the model ``MODEL_FACTORY`` builds (the same
-seed on every rank, so the same weights), FSDP2 for ZeRO-2/3, AdamW; then per step: the rank's
+seed on every rank, so the same weights; a model built on the meta device gets the values of the
+parameters and buffers this rank holds only, one module at a time: sharded_init.py), FSDP2 for
+ZeRO-2/3, AdamW; then per step: the rank's
 micro-batches (under context parallelism its tokens of each sequence) through the schedule, the
 gradient reductions (the mean over the data- and context-parallel replicas, tied parameters,
 tensor-parallel partial sums), the optimizer step, and the mean loss over the global batch (rank 0
@@ -41,6 +43,7 @@ import dcp_state  # noqa: E402
 import optim  # noqa: E402
 import pipeline  # noqa: E402
 import program as P  # noqa: E402
+import sharded_init  # noqa: E402
 
 Action = namedtuple("Action", "kind stage micro_batch")
 
@@ -97,16 +100,23 @@ def groups(rank):
     return mine
 
 
-def shards(model, pp_rank, tp_rank, device):
+def value_of(model, values):
+    """fqn -> a parameter's or buffer's full value: the model's, or for one on the meta device the
+    value ``values`` (a sharded_init.Materializer) gives it, one module at a time."""
+    full = {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
+    return lambda fqn: values.tensor(fqn) if full[fqn].is_meta else full[fqn].detach()
+
+
+def shards(model, value, pp_rank, tp_rank, device):
     """This rank's parameters on ``device``: its stage's, each its block along the tensor-parallel split dim."""
     full = dict(model.named_parameters(remove_duplicate=False))
     out = {}
     for fqn in P.STAGE_PARAMS[pp_rank]:
-        value = full[fqn].detach()
+        piece = value(fqn)
         d = P.TP_DIMS.get(fqn)
         if d is not None:
-            value = value.chunk(P.TP, d)[tp_rank]
-        out[fqn] = torch.nn.Parameter(value.to(device, copy=True), requires_grad=full[fqn].requires_grad)
+            piece = piece.chunk(P.TP, d)[tp_rank]
+        out[fqn] = torch.nn.Parameter(piece.to(device, copy=True), requires_grad=full[fqn].requires_grad)
     return out
 
 
@@ -133,7 +143,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--lr", type=float, default=P.LR)
-    parser.add_argument("--seed", type=int, default=0, help="seeds the model's initial weights, the same on every rank")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the model's initial weights, the same on every "
+                        "rank (a model built on the meta device: each module's from the seed and its name, as "
+                        "autopar.parallelize's init_seed)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait on a silent peer")
     parser.add_argument("--loss-file", default=None, help="rank 0 appends each step's loss here")
     parser.add_argument("--compile", action="store_true", help="run each chunk (each layer under ZeRO-2/3) "
@@ -167,13 +179,15 @@ def main():
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = load(P.MODEL_FACTORY)()
     model = model[0] if isinstance(model, tuple) else model
-    params = shards(model, pp_rank, tp_rank, device)
+    value = value_of(model, sharded_init.Materializer(model, args.seed) if sharded_init.has_meta(model) else None)
+    params = shards(model, value, pp_rank, tp_rank, device)
     checkpointing = bool(args.checkpoint or args.resume)
-    whole = whole_entries(model) if checkpointing else {}
+    whole = whole_entries(model, value) if checkpointing else {}
     shapes = {fqn: p.shape for fqn, p in model.named_parameters()}   # global shapes, for the checkpoint's layouts
-    del model
-    buffers = {k: v.to(device) for k, v in torch.load(os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                                  "buffers.pt")).items()}
+    buffers = torch.load(os.path.join(os.path.dirname(os.path.abspath(__file__)), "buffers.pt"))
+    buffers.update({k: value(fqn) for k, fqn in P.META_BUFFERS.items()})
+    buffers = {k: v.to(device) for k, v in buffers.items()}
+    del model, value
     mine = [c for c in range(P.CHUNKS) if c % P.PP == pp_rank]
     chunks = {c: getattr(P, f"Chunk{c}")(g["tp"], params, buffers, cp_group=g["cp"]) for c in mine}
     fsdp = P.ZERO >= 2 and REPLICAS > 1
@@ -263,13 +277,13 @@ def _named(chunk):
     return out
 
 
-def whole_entries(model):
+def whole_entries(model, value):
     """What a checkpoint holds besides the stages' parameters, the same on every rank: the model's
     persistent buffers and the parameters no stage holds, under their own names."""
     held = {fqn for fqns in P.STAGE_PARAMS.values() for fqn in fqns}
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    out = {k: v.detach().clone() for k, v in model.state_dict().items() if k not in aliases}
-    out.update({fqn: p.detach().clone() for fqn, p in model.named_parameters() if fqn not in held})
+    out = {k: value(k).clone() for k in model.state_dict() if k not in aliases}
+    out.update({fqn: value(fqn).clone() for fqn, _ in model.named_parameters() if fqn not in held})
     return out
 
 

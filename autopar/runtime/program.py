@@ -76,7 +76,7 @@ from ..codegen.split import flatten_batch
 from ..codegen.batches import slice_batch
 from ..codegen.context_ops import shard_inputs
 from ..codegen.inputs import check_batch
-from .materialize import InitFn, Materializer, has_meta
+from ..codegen.sharded_init import InitFn, Materializer, has_meta
 from ..codegen.pipeline import ChunkIO, PipelineRunner, share_losses
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits on a peer before failing
@@ -96,7 +96,7 @@ def parallelize(model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None
 
     A model built on the meta device (``with torch.device("meta"): model = ...``) is materialised
     shard by shard: each rank initialises only what it holds, with the model's own init seeded by
-    ``init_seed`` and each module's name (materialize.py: every plan, and
+    ``init_seed`` and each module's name (codegen/sharded_init.py: every plan, and
     ``autopar.init_weights(model, init_seed)`` in one process, give the same values). ``init(module)``
     replaces the model's ``_init_weights`` where a module's own ``reset_parameters`` is not enough.
     A model on a real device is used as it is (``init_seed`` and ``init`` are ignored).
@@ -149,7 +149,7 @@ class Program(Assembly):
             raise PlanMismatchError(f"plan's global batch {plan.global_batch_size} over dp={cfg.dp} is not "
                                     f"{self.micro_batches} micro-batches of {cfg.micro_batch_size}: re-plan")
         self.device = _device()
-        # a model on meta: each rank materialises what it holds (materialize.py); ZeRO-2/3 parameters
+        # a model on meta: each rank materialises what it holds (codegen/sharded_init.py); ZeRO-2/3 parameters
         # only once sharded (after fully_shard), so that no rank ever holds its stage's whole weights
         self.materializer = Materializer(model, init_seed, init) if has_meta(model) else None
         self.fsdp = cfg.zero >= 2 and cfg.grad_replicas > 1

@@ -160,7 +160,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "gpt-2l": lambda: _gpt(layers=2), "gpt-sdpa-2l": lambda: _gpt_sdpa(layers=2),
 }
 # Built on the meta device: parallelize materialises each rank's shards, and the single-process
-# reference is autopar.init_weights of the same meta model (runtime/materialize.py).
+# reference is autopar.init_weights of the same meta model (codegen/sharded_init.py).
 def _on_meta(make: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
     def build() -> torch.nn.Module:
         with torch.device("meta"):
@@ -245,7 +245,7 @@ def reference(case: Case) -> dict[str, Any]:
     """The single-process reference of the case's model and global batch (the same for every plan of
     them: computed once)."""
     from autopar import init_weights
-    from autopar.runtime.materialize import has_meta
+    from autopar.codegen.sharded_init import has_meta
     key = (case.model, case.global_batch)
     if key not in _REFERENCES:
         model = fresh(case.model)

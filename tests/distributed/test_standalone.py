@@ -1,7 +1,9 @@
 """``emit(..., standalone=True)`` compiles a plan into a folder that trains with torch alone: run under
 torchrun on 2 gloo ranks with an import hook that refuses autopar, a Hugging Face Llama built by a
 factory that imports only transformers, planned from batch-1 example inputs as the README shows,
-at tp=2 (+ sequence parallelism), pp=2 1F1B, dp=2 ZeRO-3 and cp=2 (ring attention; and, in make bench,
+at tp=2 (+ sequence parallelism), pp=2 1F1B, dp=2 ZeRO-3, cp=2 (ring attention), pp=2 of a model
+built on the meta device (each rank gives values to what it holds, equal to autopar.init_weights;
+and, in make bench,
 tp=2 x dp=2 ZeRO-3 on 4 ranks, FSDP2 sharding each tensor-parallel shard again over the data-parallel
 ranks, and cp=2 x tp=2): its
 losses equal one process's (fp32, relative 1e-5: only the order of additions differs). Each run
@@ -33,10 +35,14 @@ CASES = {   # name -> (ranks, pinned fields)
     "pp2_1f1b": (2, dict(pp=2, micro_batch_size=1)),
     "dp2_zero3": (2, dict(dp=2, zero=3, micro_batch_size=2)),
     "cp2": (2, dict(cp=2, micro_batch_size=2)),   # ring attention; gradients averaged over the cp ranks
+    # built on the meta device: each stage gives values to its own parameters and buffers (rotary tables)
+    "pp2_meta": (2, dict(pp=2, micro_batch_size=2)),
 }
+FACTORY = {name: "llama_on_meta" if name.endswith("_meta") else "llama" for name in CASES}
 if ALL_CASES:   # a second torchrun, of 4 ranks (4 processes on 2 cores: make bench only)
     CASES["tp2_dp2_zero3"] = (4, dict(tp=2, dp=2, zero=3, micro_batch_size=2, sequence_parallel=True))
     CASES["cp2_tp2"] = (4, dict(cp=2, tp=2))
+    FACTORY.update(tp2_dp2_zero3="llama", cp2_tp2="llama")
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +57,14 @@ def hook(tmp_path_factory):
     return env
 
 
-@pytest.fixture(scope="module")
-def reference():
+def _one_process(factory: str):
+    """One process's losses and the weights after its first step: the factory's model under
+    torch.manual_seed(0), or a meta-built one given the values every plan gives it (init_weights, seed 0)."""
+    import autopar
     torch.manual_seed(0)
-    model = plain_factories.llama()
+    model = getattr(plain_factories, factory)()
+    if factory.endswith("_meta"):
+        model = autopar.init_weights(model, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     out, after_first = [], None
     for step in range(STEPS):
@@ -68,6 +78,16 @@ def reference():
     return out, after_first
 
 
+@pytest.fixture(scope="module")
+def references():
+    return {f: _one_process(f) for f in sorted(set(FACTORY.values()))}
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references["llama"]
+
+
 DRIVER = '''import os, runpy, sys
 
 import torch.distributed as dist
@@ -78,7 +98,7 @@ dist.init_process_group("gloo")
 for item in sys.argv[1:]:
     folder, losses = item.split("=")
     for name in ("program", "pipeline", "collectives", "shard_ops", "dcp_state", "recompute", "optim", "batches",
-                 "context_ops", "context_state", "ring_attention", "failures"):
+                 "context_ops", "context_state", "ring_attention", "failures", "sharded_init"):
         sys.modules.pop(name, None)
     common = ["--loss-file", losses, "--timeout", "120"]
     ckpt = os.path.join(folder, "ckpt")
@@ -101,10 +121,11 @@ def runs(hook, tmp_path_factory):
     torch.manual_seed(0)
     for name, (world, config) in CASES.items():
         example = {k: v[:1] for k, v in plain_factories.llama_batch(0, GLOBAL).items()}
-        plan = autopar.plan(plain_factories.llama(), Cluster.from_spec(f"1x{world}xcpu"), example,
+        model = getattr(plain_factories, FACTORY[name])()   # a meta one planned on meta, as the README shows
+        plan = autopar.plan(model, Cluster.from_spec(f"1x{world}xcpu"), example,
                             global_batch_size=GLOBAL, fixed={**BASE, **config}, verbose=False)
-        autopar.codegen.emit(plan, root / name, "plain_factories:llama", batch_factory="plain_factories:llama_batch",
-                             lr=LR, standalone=True)
+        autopar.codegen.emit(plan, root / name, f"plain_factories:{FACTORY[name]}",
+                             batch_factory="plain_factories:llama_batch", lr=LR, standalone=True)
         texts[name] = (root / name / "program.py").read_text()
         items.setdefault(world, []).append(f"{root / name}={root / (name + '.losses')}")
     driver = root / "driver.py"
@@ -119,13 +140,15 @@ def runs(hook, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_standalone_program_trains_like_one_process(name, runs, reference):
+def test_standalone_program_trains_like_one_process(name, runs, references):
     import autopar
     text, got, checkpoint = runs[name]
-    losses, after_first = reference
+    losses, after_first = references[FACTORY[name]]
     assert "import autopar" not in text and "class Chunk0(torch.nn.Module)" in text
     if name.startswith("tp2"):
         assert "collectives.gather_partial(" in text and "collectives.reduce_scatter(" in text
+    if name.endswith("_meta"):   # the rotary tables: given values on each rank, not in buffers.pt
+        assert "META_BUFFERS = {'b_model_model_rotary_emb_inv_freq'" in text
     if name.startswith("cp2"):
         assert "context_ops.ring(" in text and "CONTEXT_INPUTS = {" in text
     if "zero3" in name:   # the FSDP2 units the cost model priced: each block; embedding, final norm and
@@ -156,15 +179,3 @@ def test_parallelize_resumes_a_standalone_checkpoint_under_another_plan(runs, re
         assert len(per_rank) == STEPS - 1
         for g, w in zip(per_rank, reference[0][1:]):
             assert math.isclose(g, w, rel_tol=1e-5), (per_rank, reference[0])
-
-
-def test_refuses_a_factory_that_builds_on_meta(tmp_path):
-    """A standalone program takes its weights from the factory on every rank: a meta factory is refused
-    at emit time, saying what to do instead."""
-    import autopar
-    from autopar import Cluster
-    example = {k: v[:1] for k, v in plain_factories.llama_batch(0, GLOBAL).items()}
-    plan = autopar.plan(plain_factories.llama(), Cluster.from_spec("1x2xcpu"), example, global_batch_size=GLOBAL,
-                        fixed={**BASE, "dp": 2, "micro_batch_size": 2}, verbose=False)
-    with pytest.raises(autopar.ConfigError, match="meta device.*standalone=False"):
-        autopar.codegen.emit(plan, tmp_path / "run", "plain_factories:llama_on_meta", standalone=True)

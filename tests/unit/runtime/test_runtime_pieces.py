@@ -125,3 +125,32 @@ def test_parallelize_needs_a_module(gpt):
     plan = autopar.estimate(model, Cluster.from_spec("1x2xcpu"), inputs, ParallelConfig(dp=2), global_batch_size=2)
     with pytest.raises(ConfigError, match="torch.nn.Module"):
         autopar.parallelize("not a model", plan)
+
+
+def test_a_meta_models_buffers_and_empty_constants_get_values() -> None:
+    """A Hugging Face model built on meta from its own config (use_cache on: its attention lifts empty
+    cache placeholders into the exported program as constants): the buffers are named for a rank to
+    give values, the empty constants get empty values, and nothing the program reads stays on meta."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autopar.capture.export import run_export
+    from autopar.codegen.sharded_init import Materializer
+    from autopar.codegen.split import meta_buffers
+    from autopar.runtime.materialize import materialize_buffers
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=8)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+        ids = torch.zeros(1, 8, dtype=torch.long)
+    program = run_export(model, {"input_ids": ids, "labels": ids}, None, train_mode=False)
+    unset = meta_buffers(program, "LlamaForCausalLM")
+    named = {fqn for _, fqn in unset.values() if fqn is not None}
+    assert "model.rotary_emb.inv_freq" in named
+    empties = [key for key, fqn in unset.values() if fqn is None]
+    assert empties and all(program.constants[k].numel() == 0 for k in empties)
+    materialize_buffers(program, Materializer(model, seed=0))
+    assert not any(t.is_meta for t in program.constants.values())
+    assert not meta_buffers(program, "LlamaForCausalLM")   # no buffer left on meta either
+    assert torch.equal(program.constants["model.model.rotary_emb.inv_freq"] if "model.model.rotary_emb.inv_freq"
+                       in program.constants else program.state_dict["model.model.rotary_emb.inv_freq"],
+                       LlamaForCausalLM(config).model.rotary_emb.inv_freq)   # the value a CPU build computes
