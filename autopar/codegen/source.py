@@ -29,9 +29,11 @@ import torch.fx as fx
 from ..errors import ConfigError
 from . import collectives, context_ops, context_state, failures, ring_attention, shard_ops
 
-SUPPORT = tuple(m.__file__ for m in (collectives, shard_ops, context_ops, ring_attention, context_state, failures))
-"""The modules generated source imports besides torch, and theirs: each runs with torch alone (the
-context-parallel ones import their siblings, and autopar's error types when inside autopar)."""
+SUPPORT = (collectives.__file__, shard_ops.__file__)
+"""The modules generated source imports besides torch (each imports only torch)."""
+CONTEXT_SUPPORT = tuple(m.__file__ for m in (context_ops, ring_attention, context_state, failures))
+"""And those of context-parallel code: context_ops.py and what it imports (each runs with torch and its
+siblings alone, and imports autopar's error types when inside autopar)."""
 
 _OURS = {collectives.__name__: "collectives", shard_ops.__name__: "shard_ops", context_ops.__name__: "context_ops"}
 _FX_GLOBALS = frozenset({"inf", "nan", "NoneType", "torch", "device", "fx_pytree", "pytree"})
@@ -61,9 +63,10 @@ def program_source(layers: Sequence[tuple[str, fx.GraphModule]], title: str) -> 
     return head + prelude + extra + "\n\n" + "\n\n".join(classes)
 
 
-def write_support(folder: str) -> None:
-    """Copy collectives.py and shard_ops.py into ``folder`` (what generated source imports)."""
-    for path in SUPPORT:
+def write_support(folder: str, source: str) -> None:
+    """Copy into ``folder`` what the generated ``source`` imports: collectives.py and shard_ops.py, and
+    context parallelism's modules when it calls them."""
+    for path in (*SUPPORT, *(CONTEXT_SUPPORT if "import context_ops\n" in source else ())):
         with open(path) as src, open(os.path.join(folder, os.path.basename(path)), "w") as dst:
             dst.write(src.read())
 

@@ -15,9 +15,9 @@ The folder holds
   ``optim.py``: autopar's own (each imports only torch), the same files the in-process runtime runs
   (dcp_state.py: the checkpoint format of ``Program.save_checkpoint``, which this folder writes and
   reads too; recompute.py: the per-op recomputation policy; optim.py: the optimizer step compiled
-  under ``--compile``), and ``context_ops.py``, ``ring_attention.py``, ``context_state.py``,
-  ``failures.py``: context parallelism's (each imports torch and its siblings beside it), and
-  ``sharded_init.py``: a meta-built model's values;
+  under ``--compile``), ``sharded_init.py`` (a meta-built model's values), and for a
+  context-parallel plan ``context_ops.py``, ``ring_attention.py``, ``context_state.py``,
+  ``failures.py`` (each imports torch and its siblings beside it);
 - ``buffers.pt``: the buffers and constants the graph reads (rotary tables, masks).
 
 Context parallelism runs as in-process: the same analysis (context.py), the same generated calls
@@ -135,7 +135,6 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
         context = ContextRank(analyse(split.program, cfg.cp, attention, {}, skipped), None, Written("CP_RANK"),
                               Written("TIMEOUT"))
     os.makedirs(out_dir, exist_ok=True)
-    write_support(out_dir)
     for module in (pipeline, batches, dcp_state, recompute, optim, sharded_init):
         shutil.copyfile(module.__file__, os.path.join(out_dir, os.path.basename(module.__file__)))
     shutil.copyfile(TRAIN_TEMPLATE, os.path.join(out_dir, TRAIN))
@@ -150,6 +149,7 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
         layers += chunk_layers
         chunk_classes.append(text)
     source = program_source(layers, f"{plan.model_name} under {cfg.short()}: every chunk's layers and dataflow.")
+    write_support(out_dir, source)
     loss_name = loss_fn or "the model's own"
     factories = (f"# the loss ({loss_name}) is part of the exported graph, in the last chunk\n"
                  f"MODEL_FACTORY, BATCH_FACTORY, LR = {model_factory!r}, {batch_factory!r}, {lr!r}\n")

@@ -10,11 +10,10 @@ collectives.py / shard_ops.py / context_ops.py are the explicit collectives. Thi
 share: its process groups, its shards of the weights of the model ``MODEL_FACTORY`` builds (the same
 seed on every rank, so the same weights; a model built on the meta device gets the values of the
 parameters and buffers this rank holds only, one module at a time: sharded_init.py), FSDP2 for
-ZeRO-2/3, AdamW; then per step: the rank's
-micro-batches (under context parallelism its tokens of each sequence) through the schedule, the
-gradient reductions (the mean over the data- and context-parallel replicas, tied parameters,
-tensor-parallel partial sums), the optimizer step, and the mean loss over the global batch (rank 0
-prints it and appends it to --loss-file).
+ZeRO-2/3, AdamW; then per step: the rank's micro-batches (under context parallelism its tokens of
+each sequence) through the schedule, the gradient reductions (the mean over the data- and
+context-parallel replicas, tied parameters, tensor-parallel partial sums), the optimizer step, and
+the mean loss over the global batch (rank 0 prints it and appends it to --loss-file).
 --checkpoint / --resume write and read sharded checkpoints (torch.distributed.checkpoint) in the
 format of dcp_state.py, the one ``autopar.parallelize``'s programs write (the same keys, each tensor
 with its global layout, so DCP reshards it to the reader's plan); ``autopar.load_checkpoint``
@@ -37,13 +36,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import batches  # noqa: E402
-import context_ops  # noqa: E402
-import context_state  # noqa: E402
 import dcp_state  # noqa: E402
 import optim  # noqa: E402
 import pipeline  # noqa: E402
 import program as P  # noqa: E402
 import sharded_init  # noqa: E402
+
+if P.CP > 1:   # context parallelism's (program.py's code calls them; emit copies them beside it then)
+    import context_ops
+    import context_state
 
 Action = namedtuple("Action", "kind stage micro_batch")
 

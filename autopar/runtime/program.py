@@ -313,10 +313,11 @@ class Program(Assembly):
     def write_source(self, folder: str, name: str) -> str:
         """Write :meth:`source` as ``folder/name`` beside the collectives it imports; returns its path."""
         os.makedirs(folder, exist_ok=True)
-        write_support(folder)
+        text = self.source()
+        write_support(folder, text)
         path = os.path.join(folder, name)
         with open(path, "w") as fh:
-            fh.write(self.source())
+            fh.write(text)
         return path
 
     # --- full tensors on every rank -------------------------------------------------------------
