@@ -77,6 +77,7 @@ from torch.export.graph_signature import InputKind
 from ..capture.dims import bound_args, broadcast_map, op_dims, shape_of
 from ..capture.rules import op_name
 from ..errors import ConfigError
+from .lower import SKIPPED_TARGETS
 from .context_state import FULL, PARTIAL, ContextPlan, Conv, Local, State, Step, holds_tensor
 
 
@@ -99,9 +100,10 @@ def analyse(program: ExportedProgram, cp: int, attention: frozenset[str],
     """States and steps of every node (the module docstring's rules).
 
     ``attention``: the fused attention nodes; ``regions``: MoE output node -> (tokens, ids, weights)
-    inputs, run as one token-wise op; ``skipped``: nodes not run at all (the rest of each region,
-    metadata asserts)."""
+    inputs, run as one token-wise op; ``skipped``: nodes not run at all (the rest of each region)
+    besides the metadata asserts, which no rank runs (lower.SKIPPED_TARGETS)."""
     nodes = list(program.graph.nodes)
+    skipped = skipped | {n.name for n in nodes if str(n.target) in SKIPPED_TARGETS}
     seqs = _sequence_lengths(nodes, attention, cp)
     user = {s.arg.name for s in program.graph_signature.input_specs if s.kind is InputKind.USER_INPUT}
     states: dict[str, State] = {}

@@ -59,7 +59,7 @@ from .split import check_structure, cut_values, empty_like_meta, meta_buffers, p
 from .inputs import example_at
 from .specs import plan_specs
 from .layers import LayerIO, class_name, layer_module
-from .lower import SKIPPED_TARGETS, R, convert, cut_spec, lower, normal, written_inputs
+from .lower import R, convert, cut_spec, lower, normal, written_inputs
 from .source import Written, program_source, write_support
 
 PROGRAM, TRAIN, BUFFERS = "program.py", "train.py", "buffers.pt"
@@ -131,9 +131,7 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     context = None
     if cfg.cp > 1:   # the analysis parallelize makes; each rank's place in the group read from program.py
         attention = frozenset(n.name for n in graph.nodes if n.kind is OpKind.ATTENTION)
-        skipped = frozenset(n for n, node in split.node_map.items() if str(node.target) in SKIPPED_TARGETS)
-        context = ContextRank(analyse(split.program, cfg.cp, attention, {}, skipped), None, Written("CP_RANK"),
-                              Written("TIMEOUT"))
+        context = ContextRank(analyse(split.program, cfg.cp, attention), None, Written("CP_RANK"), Written("TIMEOUT"))
     os.makedirs(out_dir, exist_ok=True)
     for module in (pipeline, batches, dcp_state, recompute, optim, sharded_init):
         shutil.copyfile(module.__file__, os.path.join(out_dir, os.path.basename(module.__file__)))

@@ -110,7 +110,7 @@ class Assembly:
         if cfg.cp > 1:
             plan = analyse(self.split.program, cfg.cp, attention,
                            {r.output: (r.hidden_input, r.index_input, r.weight_input) for r in self.regions},
-                           self.node_runner.skipped | self.node_runner.moe_skip)
+                           self.node_runner.moe_skip)
             self.node_runner.context = ContextRank(plan, self.cp_group, self.cp_rank, self.timeout)
         full = dict(model.named_parameters())
         self.my_chunks = [c for c in range(len(self.split.chunks)) if c % cfg.pp == self.pp_rank]
