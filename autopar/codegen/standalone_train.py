@@ -101,13 +101,6 @@ def groups(rank):
     return mine
 
 
-def value_of(model, values):
-    """fqn -> a parameter's or buffer's full value: the model's, or for one on the meta device the
-    value ``values`` (a sharded_init.Materializer) gives it, one module at a time."""
-    full = {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
-    return lambda fqn: values.tensor(fqn) if full[fqn].is_meta else full[fqn].detach()
-
-
 def shards(model, value, pp_rank, tp_rank, device):
     """This rank's parameters on ``device``: its stage's, each its block along the tensor-parallel split dim."""
     full = dict(model.named_parameters(remove_duplicate=False))
@@ -180,7 +173,9 @@ def main():
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = load(P.MODEL_FACTORY)()
     model = model[0] if isinstance(model, tuple) else model
-    value = value_of(model, sharded_init.Materializer(model, args.seed) if sharded_init.has_meta(model) else None)
+    # fqn -> a parameter's or buffer's full value: the model's own, or for one on the meta device the
+    # value sharded_init gives it, one module at a time
+    value = sharded_init.Materializer(model, args.seed).tensor
     params = shards(model, value, pp_rank, tp_rank, device)
     checkpointing = bool(args.checkpoint or args.resume)
     whole = whole_entries(model, value) if checkpointing else {}
