@@ -42,3 +42,12 @@ sys.meta_path.insert(0, _RefuseAutopar())
 '''
 """A sitecustomize.py that refuses ``import autopar`` in every process started with its folder on
 PYTHONPATH (test_standalone.py, bench/cuda_check.py)."""
+
+
+def mixtral():
+    """A tiny Hugging Face Mixtral (4 experts, top 2), for what a standalone folder refuses."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    config = MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ,
+                           num_local_experts=4, num_experts_per_tok=2)
+    return MixtralForCausalLM(config)

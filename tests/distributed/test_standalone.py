@@ -181,3 +181,17 @@ def test_parallelize_resumes_a_standalone_checkpoint_under_another_plan(runs, re
         assert len(per_rank) == STEPS - 1
         for g, w in zip(per_rank, reference[0][1:]):
             assert math.isclose(g, w, rel_tol=1e-5), (per_rank, reference[0])
+
+
+@pytest.mark.parametrize("fixed, says", [({"cp": 2}, "MoE regions as one call, as context parallelism"),
+                                         ({"dp": 2, "ep": 2}, "expert parallelism")])
+def test_refuses_what_it_cannot_run_yet_saying_what_to_do(tmp_path, fixed, says):
+    """Expert parallelism, and an MoE model under context parallelism (both run MoE regions as one
+    call, which the folder cannot yet), are refused at emit time, naming the way that runs them."""
+    import autopar
+    from autopar import Cluster
+    example = {k: v[:1] for k, v in plain_factories.llama_batch(0, GLOBAL).items()}
+    plan = autopar.plan(plain_factories.mixtral(), Cluster.from_spec("1x2xcpu"), example, global_batch_size=GLOBAL,
+                        fixed={**BASE, "micro_batch_size": 2, **fixed}, verbose=False)
+    with pytest.raises(autopar.ConfigError, match=f"cannot run {says}.*standalone=False"):
+        autopar.codegen.emit(plan, tmp_path / "run", "plain_factories:mixtral", standalone=True)
