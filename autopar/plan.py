@@ -12,6 +12,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Mapping
 
+from .capture.loss import LossSource
 from .capture.structure import ModelStructure
 from .cluster import Cluster
 from .config import ParallelConfig, Precision
@@ -117,6 +118,8 @@ class Plan:
     sharding: tuple[Mapping[str, Any], ...] = ()  # per layer group: each op's tensor-parallel strategy
     structure: ModelStructure | None = None    # the layers, ops and parameters the plan relies on (None in
                                                # plans of schema 1, which parallelize refuses)
+    loss: LossSource | None = None             # how the loss priced was made (capture/loss.py; None in plans
+                                               # written before it was recorded)
     schema_version: int = SCHEMA_VERSION
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -174,6 +177,7 @@ class Plan:
         data["alternatives"] = [a.to_dict() for a in self.alternatives]
         data["sharding"] = [dict(g) for g in self.sharding]
         data["structure"] = None if self.structure is None else self.structure.to_dict()
+        data["loss"] = None if self.loss is None else self.loss.to_dict()
         data["extra"] = dict(self.extra)
         return _json_native(data)
 

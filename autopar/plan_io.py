@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
+from .capture.loss import LossSource
 from .capture.structure import ModelStructure
 from .cluster import Cluster
 from .config import ParallelConfig, Precision
@@ -127,7 +128,7 @@ def _plan(data: Mapping[str, Any], version: int) -> Plan:
         extra=_object(data.get("extra", {}), "", "extra"),
         alternatives=tuple(_alternative(a, i) for i, a in enumerate(_list(data, "alternatives", ""))),
         sharding=tuple(_object(g, "", f"sharding[{i}]") for i, g in enumerate(_list(data, "sharding", ""))),
-        structure=_structure(data, version))
+        structure=_structure(data, version), loss=_loss(data))
 
 
 def _structure(data: Mapping[str, Any], version: int) -> ModelStructure | None:
@@ -136,6 +137,18 @@ def _structure(data: Mapping[str, Any], version: int) -> ModelStructure | None:
         return None
     try:
         return ModelStructure.from_dict(_require(data, "structure", ""))
+    except ValueError as exc:
+        raise PlanFormatError(f"plan field {exc}: {_FIX}") from None
+
+
+def _loss(data: Mapping[str, Any]) -> LossSource | None:
+    """Optional: plans written before it was recorded have none (parallelize then refuses only a stand-in,
+    which the rank's own export shows)."""
+    loss = data.get("loss")
+    if loss is None:
+        return None
+    try:
+        return LossSource.from_dict(loss)
     except ValueError as exc:
         raise PlanFormatError(f"plan field {exc}: {_FIX}") from None
 

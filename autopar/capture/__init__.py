@@ -8,8 +8,9 @@ from torch import nn
 
 from ..errors import CaptureError
 from .build import GraphWalk, batch_size_of, node_stacks
-from .export import LossFn, run_export
+from .export import LossFn, loss_source, run_export
 from .layers import build_layers
+from .loss import HOW_TO_PLAN, STAND_IN, LossSource
 from .moe import count_routed_flops, eager_warning, find_regions
 from .opgraph import (FLOAT_DTYPES, Gemm, GraphInput, Layer, MoERegion, OpGraph, OpKind, OpNode, SavedTensor,
                       TensorMeta)
@@ -17,7 +18,7 @@ from .replicated import replicated_values
 from .structure import ModelStructure, first_difference, structure_of
 
 __all__ = ["capture", "OpGraph", "OpNode", "Layer", "OpKind", "TensorMeta", "SavedTensor", "Gemm",
-           "GraphInput", "MoERegion", "FLOAT_DTYPES", "ModelStructure", "first_difference"]
+           "GraphInput", "MoERegion", "FLOAT_DTYPES", "ModelStructure", "first_difference", "LossSource"]
 
 
 def param_aliases(model: nn.Module) -> dict[str, str]:
@@ -56,7 +57,11 @@ def graph_of(model: nn.Module, program) -> OpGraph:
     nodes_t = count_routed_flops(nodes_t, moe, walk.params)
     warnings = tuple(f"FLOPs not counted for {f}" for f in walk.flop_cache.failures)
     warnings += tuple(w for w in (eager_warning(model),) if w)
+    loss = loss_source(program)
+    if loss.kind == STAND_IN:
+        warnings += (f"priced with {loss.describe()}; a plan of it cannot train (parallelize and codegen.emit "
+                     f"refuse it): {HOW_TO_PLAN}, and pass the same loss_fn to parallelize",)
     return OpGraph(model_name=type(model).__name__, nodes=nodes_t, layers=layers, params=dict(walk.params),
                    buffers=dict(walk.buffers), inputs=tuple(walk.inputs), batch_size=batch_size_of(walk.inputs),
-                   structure=structure_of(nodes_t, layers, walk.params), warnings=warnings, moe=moe,
+                   structure=structure_of(nodes_t, layers, walk.params), loss=loss, warnings=warnings, moe=moe,
                    replicated=replicated_values(program))

@@ -4,7 +4,15 @@ The exported program is the forward pass *to a scalar loss*: Hugging Face models
 return a ModelOutput whose ``loss`` we keep (a cache object or logits beside it are
 dropped, so ``use_cache=True`` is harmless); other models go through
 ``loss_fn(output, inputs)``, or, when none is given, the mean of their (first)
-floating output, a stand-in that costs nothing next to the model.
+floating output, a stand-in that costs nothing next to the model. Which of these made the loss is
+a :class:`~autopar.capture.loss.LossSource` the program carries (:func:`loss_source`): plans record
+it, and training refuses a stand-in (loss.py).
+
+``loss_fn`` receives every example input; ``forward`` only the keyword inputs its signature takes
+(an untyped ``**kwargs`` takes every key, a typed one, ``Unpack[SomeTypedDict]`` as Hugging Face's,
+that dict's keys). Targets and masks that only the loss reads are keys forward does
+not take: they are inputs of the exported program like any other, read by the loss's ops alone, so
+they are micro-batched, sharded and sent to the pipeline stage that computes the loss like the rest.
 
 Nodes carry no stack traces (recording one per node cost 10-25% of a small model's export and 19%
 of GPT-3 175B's capture, bench/capture_175b.py): only a capture error names a source line, and
@@ -23,6 +31,7 @@ import contextlib
 import inspect
 import os
 import traceback
+import typing
 from typing import Any, Callable, Mapping
 
 import torch
@@ -32,45 +41,62 @@ from ..errors import CaptureError, ConfigError
 from . import functions
 from .causal import causal_masks
 from .last_selected import last_selected
+from .loss import MODEL, STAND_IN, LossSource
 from .moe import static_experts
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+LOSS_META = "autopar_loss"   # the exported graph module's meta key of its LossSource (run_export)
 # Frames that are not the user's model code: torch, autopar's capture, transformers' wrappers.
 INTERNAL_PATHS = (os.sep + "torch" + os.sep, os.sep + "autopar" + os.sep + "capture" + os.sep, "<frozen",
                   "contextlib.py", os.sep + "transformers" + os.sep + "utils" + os.sep)
 
 
 class LossWrapper(nn.Module):
-    """``forward(*args, **kwargs) -> scalar loss`` around a user model."""
+    """``forward(*args, **kwargs) -> scalar loss`` around a user model: the model gets the keyword inputs
+    its ``forward`` takes, ``loss_fn`` all of them. ``on_loss`` is told how the loss was made."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn | None, inputs: Any) -> None:
+    def __init__(self, model: nn.Module, loss_fn: LossFn | None, inputs: Any,
+                 on_loss: Callable[[LossSource], None] | None = None) -> None:
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self._inputs = inputs  # passed to loss_fn as given (dict or tuple)
+        self._keys = forward_keys(model)
+        self._on_loss = on_loss
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        out = self.model(*args, **kwargs)
+        taken = kwargs if self._keys is None else {k: v for k, v in kwargs.items() if k in self._keys}
+        out = self.model(*args, **taken)
         if self.loss_fn is not None:
-            return self.loss_fn(out, kwargs if kwargs else args)
-        return extract_loss(out)
+            loss, source = self.loss_fn(out, kwargs if kwargs else args), LossSource.of(self.loss_fn)
+        else:
+            loss, source = extract_loss(out)
+        if self._on_loss is not None:
+            self._on_loss(source)
+        return loss
 
 
-def extract_loss(out: Any) -> torch.Tensor:
-    """The scalar loss in a model output: ``out.loss``, a scalar tensor, or a stand-in mean."""
+def extract_loss(out: Any) -> tuple[torch.Tensor, LossSource]:
+    """The scalar loss in a model output and how it was made: ``out.loss`` or a scalar tensor (the
+    model's own), else the mean of its first floating tensor (a stand-in)."""
     loss = getattr(out, "loss", None)
     if loss is None and isinstance(out, Mapping):
         loss = out.get("loss")
     if isinstance(loss, torch.Tensor):
-        return loss
-    if isinstance(out, torch.Tensor):
-        return out if out.dim() == 0 else out.float().mean()
+        return loss, LossSource(MODEL)
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out, LossSource(MODEL)
     first = _first_float_tensor(out)
     if first is None:
         raise CaptureError(
             f"the model returned {type(out).__name__} with no loss and no floating tensor: pass "
             "labels in example_inputs (Hugging Face models) or loss_fn=lambda output, inputs: ...")
-    return first.float().mean()
+    return first.float().mean(), LossSource(STAND_IN)
+
+
+def loss_source(program: torch.export.ExportedProgram) -> LossSource:
+    """How the loss of a program :func:`run_export` made was made."""
+    return program.graph_module.meta[LOSS_META]
 
 
 def _first_float_tensor(out: Any) -> torch.Tensor | None:
@@ -141,21 +167,42 @@ def all_on_meta(model: nn.Module):
             getattr(module, slot)[name] = t
 
 
-def check_inputs_signature(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Name unknown keyword inputs before export turns them into an obscure TypeError."""
+def forward_keys(model: nn.Module) -> frozenset[str] | None:
+    """The keyword inputs ``model.forward`` takes: its named parameters, and the keys of a typed
+    ``**kwargs: Unpack[SomeTypedDict]`` (Hugging Face's TransformersKwargs). None: any (an untyped
+    ``**kwargs``, or no signature)."""
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None
+    keys = {k for k, p in sig.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            typed = typing.get_args(p.annotation) if typing.get_origin(p.annotation) is typing.Unpack else ()
+            if not (typed and typing.is_typeddict(typed[0])):
+                return None
+            keys |= typed[0].__required_keys__ | typed[0].__optional_keys__
+    return frozenset(keys)
+
+
+def check_inputs_signature(model: nn.Module, args: tuple, kwargs: dict, loss_fn: LossFn | None) -> None:
+    """Name keyword inputs forward does not take, which only a loss_fn reads, and inputs that do not bind,
+    before export turns them into an obscure TypeError."""
     try:
         sig = inspect.signature(model.forward)
     except (TypeError, ValueError):
         return
-    has_var_kw = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-    unknown = [k for k in kwargs if k not in sig.parameters]
-    if unknown and not has_var_kw:
-        raise CaptureError(f"example_inputs key(s) {unknown} are not parameters of "
-                           f"{type(model).__name__}.forward{sig}: rename or drop them")
+    keys = forward_keys(model)
+    extra = [] if keys is None else [k for k in kwargs if k not in keys]
+    if extra and loss_fn is None:
+        raise CaptureError(f"example_inputs key(s) {extra} are not parameters of {type(model).__name__}.forward{sig}: "
+                           "keys forward does not take (targets, masks) go to loss_fn alone: pass a "
+                           "loss_fn(output, inputs) that reads them (inputs holds every key), or drop them")
     try:
-        sig.bind(*args, **kwargs)
+        sig.bind(*args, **{k: v for k, v in kwargs.items() if k not in extra})
     except TypeError as exc:
-        raise CaptureError(f"example_inputs do not match {type(model).__name__}.forward{sig}: {exc}") from None
+        aside = f" (key(s) {extra}, which forward does not take, go to loss_fn alone: a misspelling?)" if extra else ""
+        raise CaptureError(f"example_inputs do not match {type(model).__name__}.forward{sig}: {exc}{aside}") from None
 
 
 def user_frame(exc: BaseException) -> str:
@@ -189,8 +236,9 @@ def run_export(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None, *,
     ``stack_traces``: record each node's ``meta["stack_trace"]`` (the model line that made it)."""
     check_model(model, meta_mix=train_mode)
     args, kwargs = normalize_inputs(example_inputs)
-    check_inputs_signature(model, args, kwargs)
-    wrapper = LossWrapper(model, loss_fn, example_inputs)
+    check_inputs_signature(model, args, kwargs, loss_fn)
+    made: list[LossSource] = []
+    wrapper = LossWrapper(model, loss_fn, example_inputs, made.append)
     with (training(model) if train_mode else contextlib.nullcontext()), static_experts(model), \
             all_on_meta(model), functions.recording() as calls, _recording_stack_traces(stack_traces):
         try:
@@ -200,6 +248,7 @@ def run_export(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None, *,
         except Exception as exc:  # noqa: BLE001 - re-raised as CaptureError with the user's source line
             raise _capture_error(model, exc, call="**" if kwargs else "*") from exc
     functions.check(calls, type(model).__name__)
+    program.graph_module.meta[LOSS_META] = made[-1]
     last_selected(program)
     causal_masks(program)
     return program

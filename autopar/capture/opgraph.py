@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Iterator, Mapping
 
+from .loss import LossSource
+
 if TYPE_CHECKING:
     from .structure import ModelStructure
 
@@ -214,6 +216,7 @@ class OpGraph:
     inputs: tuple[GraphInput, ...]
     batch_size: int
     structure: "ModelStructure"           # what a plan relies on (capture/structure.py)
+    loss: LossSource                      # how the loss the graph ends in was made (loss.py)
     warnings: tuple[str, ...] = field(default=())
     moe: tuple[MoERegion, ...] = field(default=())   # mixture-of-experts regions, in graph order
     saves: str = "autograd"               # what ``saved`` holds: autograd's saves, or a compiled program's cut

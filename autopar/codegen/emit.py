@@ -18,6 +18,7 @@ import pprint
 import textwrap
 from typing import Any
 
+from ..capture.loss import EMIT, LOSS_FN, LossSource, check_loss
 from ..errors import ConfigError
 from ..plan import Plan
 from . import schedules
@@ -37,7 +38,9 @@ def emit(plan: Plan, out_dir: str | os.PathLike, model_factory: str, *, batch_fa
     ``batch_factory`` ("pkg.module:function", ``fn(step, global_batch_size) -> batch``) gives the
     global batch of a step (default: zero-filled inputs shaped like the plan's example inputs);
     ``loss_fn`` ("pkg.module:function") is the loss the plan was made with, for models that do
-    not return one. Run it with ``torchrun --nproc-per-node <plan.devices> train.py``.
+    not return one: a plan priced with a stand-in loss, without the ``loss_fn`` it was made with or
+    with another is refused (PlanMismatchError, capture/loss.py). Run it with
+    ``torchrun --nproc-per-node <plan.devices> train.py``.
 
     ``standalone``: compile the plan into a folder that trains with torch alone (standalone.py: the
     generated program, its pipeline executor and collectives; no import of autopar). The model is
@@ -48,6 +51,7 @@ def emit(plan: Plan, out_dir: str | os.PathLike, model_factory: str, *, batch_fa
             raise ConfigError(f"{name}={ref!r} must be 'package.module:function' (importable on every rank)")
     if not isinstance(plan, Plan):
         raise ConfigError(f"plan must be an autopar.Plan, got {type(plan).__name__}")
+    check_loss(plan.loss, LossSource(LOSS_FN, loss_fn) if loss_fn else None, to=EMIT)
     os.makedirs(out_dir, exist_ok=True)
     plan.save(os.path.join(out_dir, PLAN_FILE))
     if standalone:

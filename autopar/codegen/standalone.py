@@ -47,7 +47,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from ..capture import OpKind, graph_of, param_aliases
-from ..capture.export import normalize_inputs, run_export
+from ..capture.export import loss_source, normalize_inputs, run_export
+from ..capture.loss import EMIT, check_loss
 from ..errors import ConfigError
 from ..plan import Plan
 from . import batches, dcp_state, optim, pipeline, recompute, schedules, sharded_init
@@ -116,6 +117,7 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     # Hugging Face's do not); the generated code creates its tensors on the rank's DEVICE either way
     where = torch.device("meta") if sharded_init.has_meta(model) else torch.device("cpu")
     exported = run_export(model, example_at(record, cfg.micro_batch_size, where), loss, train_mode=False)
+    check_loss(plan.loss, loss_source(exported), to=EMIT)   # a plan without its record: a stand-in shows here
     graph = graph_of(model, exported)
     check_structure(plan, graph)
     if cfg.cp > 1 and graph.moe:

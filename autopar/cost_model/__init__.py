@@ -59,7 +59,7 @@ def estimate_plan(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_
     model_flops, recompute_flops = _flops(est, cfg, scale, devices)
     notes = _layout_notes(graph, est.layers.layout(cfg.tp)) + tuple(graph.warnings)
     return Plan(model_name=graph.model_name, fingerprint=graph.fingerprint, structure=graph.structure,
-                cluster=cluster, config=cfg,
+                loss=graph.loss, cluster=cluster, config=cfg,
                 precision=precision, global_batch_size=global_batch_size, micro_batches=m, step_time=step,
                 peak_memory=peak, throughput=global_batch_size / step, model_flops=model_flops,
                 hardware_flops=model_flops + recompute_flops, breakdown=breakdown, stages=stages,

@@ -20,7 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..capture import graph_of, param_aliases
-from ..capture.export import LossFn, run_export
+from ..capture.export import LossFn, loss_source, run_export
+from ..capture.loss import PARALLELIZE, LossSource, check_loss
 from ..capture.opgraph import OpKind
 from ..codegen.lower import R, cut_spec, lower
 from ..codegen.optim import compile_step
@@ -46,7 +47,7 @@ class Assembly:
     # --- construction -------------------------------------------------------------------------
     def _export(self, model: nn.Module, loss_fn: LossFn | None, example_inputs: Any) -> None:
         """Export the model at one micro-batch, in the mode it is in (as DDP and FSDP run it), and check it
-        is the plan's model."""
+        is the plan's model with the plan's loss."""
         if example_inputs is not None:
             self.inputs_record = describe_inputs(example_inputs)
         if self.inputs_record is None:
@@ -58,7 +59,10 @@ class Assembly:
         where = torch.device("meta") if self.materializer is not None else \
             next((p.device for p in model.parameters()), self.device)
         inputs = example_at(self.inputs_record, self.cfg.micro_batch_size, where)
+        # the plan's loss: the loss_fn given (a missing or another one), then what the export made (a stand-in)
+        check_loss(self.plan.loss, None if loss_fn is None else LossSource.of(loss_fn), to=PARALLELIZE)
         program = run_export(model, inputs, loss_fn, train_mode=False)
+        check_loss(self.plan.loss, loss_source(program), to=PARALLELIZE)
         self.graph = graph_of(model, program)
         check_structure(self.plan, self.graph)
         on_device(program, self.device)
