@@ -98,7 +98,7 @@ def check_loss(planned: LossSource | None, used: LossSource | None, *, to: str) 
         raise PlanMismatchError(f"the plan was priced with {planned.describe()}, which cannot train: {fix}, then "
                                 f"{_pass('that loss_fn', to)}")
     if planned is not None and planned.kind == LOSS_FN:
-        if fn == planned.name:
+        if fn == planned.name and (to != EMIT or importable(fn)):
             return
         fix = _pass(planned.name, to) + ", as the plan was made with it"
         if to == EMIT and not importable(planned.name):

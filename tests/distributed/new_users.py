@@ -1,5 +1,6 @@
-"""Models as a new user brings them: Hugging Face architectures built from tiny configs, and a small
-U-Net with batch norm and skip connections; their batches; and a single-process reference that
+"""Models as a new user brings them: Hugging Face architectures built from tiny configs, a small
+U-Net with batch norm and skip connections, and a per-token regressor whose loss reads targets and a
+mask that its forward does not take; their batches; and a single-process reference that
 accumulates gradients over the plan's micro-batches.
 
 Every builder takes ``device`` (``"meta"`` to plan, ``"cpu"`` to run, as README and ``autopar
@@ -18,7 +19,7 @@ from torch import nn
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-VOCAB, SEQ, CLASSES, IMAGE = 64, 8, 3, 16
+VOCAB, SEQ, CLASSES, IMAGE, TAGS = 64, 8, 3, 16, 4
 
 
 def _tf():
@@ -105,9 +106,37 @@ def unet_loss(out: torch.Tensor, inputs: Any) -> torch.Tensor:
     return out.float().pow(2).mean()
 
 
+class Tagger(nn.Module):
+    """A custom per-token regressor: ``forward(x)`` returns predictions (batch, sequence, TAGS) and no
+    loss; its loss (tagger_loss) reads the batch's ``targets`` and ``mask``, keys forward does not take."""
+
+    def __init__(self, width: int = 16, hidden: int = 32, depth: int = 2, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, hidden), nn.GELU(),
+                                                  nn.Linear(hidden, width), nn.Dropout(dropout))
+                                    for _ in range(depth))
+        self.head = nn.Linear(width, TAGS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def tagger(dropout: float):
+    return Tagger(dropout=dropout)
+
+
+def tagger_loss(out: torch.Tensor, inputs: Any) -> torch.Tensor:
+    """Mean squared error over the tokens the mask keeps."""
+    mask = inputs["mask"].float()
+    return ((out.float() - inputs["targets"]).pow(2).mean(-1) * mask).sum() / mask.sum().clamp(min=1.0)
+
+
 BUILDERS: dict[str, Callable[[float], nn.Module]] = {
-    "llama": llama, "qwen2": qwen2, "gpt2": gpt2, "bert": bert, "t5": t5, "vit": vit, "unet": unet}
-LOSS_FNS = {"unet": unet_loss}
+    "llama": llama, "qwen2": qwen2, "gpt2": gpt2, "bert": bert, "t5": t5, "vit": vit, "unet": unet,
+    "tagger": tagger}
+LOSS_FNS = {"unet": unet_loss, "tagger": tagger_loss}
 
 
 _BUILT: dict[tuple[str, str, float], nn.Module] = {}
@@ -132,6 +161,10 @@ def batches(name: str, n: int, global_batch: int, device: str = "cpu") -> list[A
     for _ in range(n):
         if name == "unet":
             out.append((torch.randn(global_batch, 3, IMAGE, IMAGE, generator=g),))
+        elif name == "tagger":
+            out.append({"x": torch.randn(global_batch, SEQ, 16, generator=g),
+                        "targets": torch.randn(global_batch, SEQ, TAGS, generator=g),
+                        "mask": torch.rand(global_batch, SEQ, generator=g) > 0.25})
         elif name == "vit":
             out.append({"pixel_values": torch.randn(global_batch, 3, IMAGE, IMAGE, generator=g),
                         "labels": torch.randint(0, CLASSES, (global_batch,), generator=g)})

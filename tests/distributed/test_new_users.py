@@ -1,8 +1,10 @@
 """Plans made the way a new user makes them run on the model they were made for, equal to one process.
 
-Seven models a user brings (tests/distributed/new_users.py: Hugging Face Llama, Qwen2, GPT-2, BERT
-and ViT with a classification head, T5, and a small U-Net with batch norm and skip connections),
-each planned two ways:
+Eight models a user brings (tests/distributed/new_users.py: Hugging Face Llama, Qwen2, GPT-2, BERT
+and ViT with a classification head, T5, a small U-Net with batch norm and skip connections, and a
+custom per-token regressor whose ``loss_fn`` reads ``targets`` and ``mask`` keys of the batch that its
+forward does not take: they reach the loss micro-batched, split over the replicas and on the last
+pipeline stage), each planned two ways:
 
 - ``meta-b1``: on the meta device from batch-1 example inputs, as the README quickstart does;
 - ``cpu-b8``: on the CPU from an example batch of 8, larger than every micro-batch below;
@@ -81,7 +83,14 @@ SHAPED = ("tp2", "pp2_1f1b", "dp2_zero3")
 CPU_B8 = ("pp2_1f1b", "dp2_zero1")
 
 
+# The regressor's targets and mask at every parallelism that moves them (dp splits them, tp replicates
+# them, pp needs them on the last stage), and at micro-batches smaller than the example batch.
+TARGETS = {("meta-b1", "dp2"), ("meta-b1", "tp2"), ("meta-b1", "pp2_1f1b"), ("cpu-b8", "pp2_1f1b")}
+
+
 def _in_suite(model: str, source: str, config: str) -> bool:
+    if model == "tagger":
+        return (source, config) in TARGETS
     if source == "cpu-b8":
         return model in ("llama", "qwen2") and config in CPU_B8
     return config in SHAPED or (model in EVERY and (config != "dp2_zero1" or model == "llama"))

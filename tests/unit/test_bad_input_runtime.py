@@ -196,3 +196,81 @@ def test_compile_follows_the_plans_kernels(world, plan) -> None:
     first = prog.train_step(batch(0))
     assert all(chunk._compiled_call_impl is not None for chunk in prog.chunks.values())
     assert torch.isfinite(first) and torch.isfinite(prog.train_step(batch(1)))
+
+
+# --- the plan's loss (capture/loss.py) ------------------------------------------------------------
+LOSS_NAME = f"{loss_fn.__module__}:loss_fn"
+
+
+def test_parallelize_refuses_a_missing_or_another_loss_fn(world, plan) -> None:
+    """A plan made with loss_fn: without it the model's output mean would be trained on (the U-Net of
+    issue 48 trained on -0.20 instead of 1.05), with another loss_fn another loss."""
+    with pytest.raises(PlanMismatchError, match=f"given no loss_fn: pass loss_fn={LOSS_NAME} to autopar.parallelize"):
+        autopar.parallelize(make_model(), plan)
+    with pytest.raises(PlanMismatchError, match=f"given loss_fn=.*<lambda>: pass loss_fn={LOSS_NAME}"):
+        autopar.parallelize(make_model(), plan, loss_fn=lambda out, inputs: out.pow(2).mean())
+    assert plan.loss.name == LOSS_NAME
+
+
+@pytest.fixture(scope="module")
+def stand_in():
+    """A plan of the model without loss_fn: priced with the mean of its output."""
+    return autopar.plan(make_model(), ONE, batch(), global_batch_size=BATCH, fixed={"micro_batch_size": 1},
+                        verbose=False)
+
+
+def test_parallelize_refuses_a_stand_in(world, stand_in) -> None:
+    with pytest.raises(PlanMismatchError, match=r"stand-in loss.*cannot train.*labels in example_inputs.*loss_fn="):
+        autopar.parallelize(make_model(), stand_in)
+    with pytest.raises(PlanMismatchError, match=f"stand-in.*re-plan with loss_fn={LOSS_NAME}"):
+        autopar.parallelize(make_model(), stand_in, loss_fn=loss_fn)
+    assert stand_in.loss.kind == "stand-in"
+
+
+def test_a_plan_without_its_loss_record_refuses_a_stand_in(world, plan) -> None:
+    """A plan written before the loss was recorded loads; the rank's own export shows a stand-in."""
+    data = plan.to_dict()
+    data.pop("loss", None)
+    old = autopar.Plan.from_dict(data)
+    with pytest.raises(PlanMismatchError, match=r"returns no loss.*pass the loss_fn the plan was made with"):
+        autopar.parallelize(make_model(), old)
+    assert old.loss is None
+    program(old).train_step(batch())
+
+
+class Tagger(nn.Module):
+    """forward(x) returns per-token predictions; its loss reads targets and a mask forward does not take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
+def tagger_loss(out, inputs):
+    mask = inputs["mask"].float()
+    return ((out - inputs["targets"]).pow(2).mean(-1) * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def test_loss_fn_reads_keys_forward_does_not_take(world) -> None:
+    """Targets and a mask reach loss_fn, micro-batched (micro-batches of 2 from an example batch of 8), never
+    forward; the loss and gradients are one process's over the same micro-batches."""
+    g = torch.Generator().manual_seed(0)
+    data = {"x": torch.randn(8, 5, 8, generator=g), "targets": torch.randn(8, 5, 3, generator=g),
+            "mask": torch.rand(8, 5, generator=g) > 0.3}
+    torch.manual_seed(0)
+    model = Tagger()
+    plan = autopar.plan(model, ONE, data, global_batch_size=8, fixed={"micro_batch_size": 2}, loss_fn=tagger_loss,
+                        verbose=False)
+    assert plan.micro_batches == 4
+    prog = autopar.parallelize(model, plan, loss_fn=tagger_loss)
+    loss = prog.forward_backward(data)
+    grads = prog.full_grads()
+    parts = [{k: v[i:i + 2] for k, v in data.items()} for i in range(0, 8, 2)]
+    want = sum(tagger_loss(model(p["x"]), p) for p in parts) / len(parts)
+    want.backward()
+    assert torch.allclose(loss, want, rtol=1e-6)   # the same ops in the same order: fp32 rounding only
+    for name, p in model.named_parameters():
+        assert torch.allclose(grads[name], p.grad, rtol=1e-5, atol=1e-7), name
