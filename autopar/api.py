@@ -43,6 +43,9 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *, global_batc
     ``profile=True`` times the model's own ops on this machine (``cluster`` must be
     :meth:`Cluster.local`), cached in ``profile_db`` (default ``~/.cache/autopar/profile.json``).
     ``verbose=False`` hides the progress bars (shown on a terminal for work over a second).
+    ``loss_fn(output, inputs)`` is the loss of a model that returns none (``inputs``: the example inputs,
+    keys ``forward`` does not take, such as targets, included); without it such a model is priced with
+    the mean of its output, a stand-in the plan's notes name and ``parallelize`` refuses to train on.
     """
     _check_cluster(cluster)
     graph = capture(model, example_inputs, loss_fn)

@@ -214,7 +214,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                      help="function building the model with real weights (default: the plan's own MODEL)")
     gen.add_argument("--batch-factory", default=None, metavar="PKG.MOD:FN",
                      help="fn(step, global_batch_size) -> batch (default: zero inputs shaped like the plan's)")
-    gen.add_argument("--loss-fn", default=None, metavar="PKG.MOD:FN", help="loss for models that return no loss")
+    gen.add_argument("--loss-fn", default=None, metavar="PKG.MOD:FN", help="for models that return no loss: the "
+                     "loss_fn the plan was made with (its module:qualname, as the plan records it)")
     gen.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
     gen.add_argument("--standalone", action="store_true", help="compile the plan into OUT/program.py (each "
                      "layer's code on its shards, each chunk's dataflow) with a train.py that needs torch alone, "

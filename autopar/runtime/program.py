@@ -89,7 +89,9 @@ def parallelize(model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None
     """This rank's share of ``plan`` for ``model``: a :class:`Program` that trains it.
 
     ``optimizer`` maps parameters to an optimizer (``lambda ps: torch.optim.AdamW(ps, lr=1e-3)``);
-    ``loss_fn`` must be the one the plan was made with; ``example_inputs`` is needed only for a
+    ``loss_fn`` must be the one the plan was made with (the plan records its ``module:qualname``; a
+    missing or another one, or a plan priced with a stand-in loss, is a PlanMismatchError saying what
+    to pass: capture/loss.py); ``example_inputs`` is needed only for a
     plan without recorded inputs (one made before they were recorded). ``timeout`` (seconds)
     bounds every wait on a peer. Raises PlanMismatchError when the plan's device count is not
     the world size or the plan was made for another model.
