@@ -10,7 +10,7 @@ from ..errors import CaptureError
 from .build import GraphWalk, batch_size_of, node_stacks
 from .export import LossFn, loss_source, run_export
 from .layers import build_layers
-from .loss import HOW_TO_PLAN, STAND_IN, LossSource
+from .loss import LossSource
 from .moe import count_routed_flops, eager_warning, find_regions
 from .opgraph import (FLOAT_DTYPES, Gemm, GraphInput, Layer, MoERegion, OpGraph, OpKind, OpNode, SavedTensor,
                       TensorMeta)
@@ -58,9 +58,7 @@ def graph_of(model: nn.Module, program) -> OpGraph:
     warnings = tuple(f"FLOPs not counted for {f}" for f in walk.flop_cache.failures)
     warnings += tuple(w for w in (eager_warning(model),) if w)
     loss = loss_source(program)
-    if loss.kind == STAND_IN:
-        warnings += (f"priced with {loss.describe()}; a plan of it cannot train (parallelize and codegen.emit "
-                     f"refuse it): {HOW_TO_PLAN}, and pass the same loss_fn to parallelize",)
+    warnings += tuple(n for n in (loss.note,) if n)
     return OpGraph(model_name=type(model).__name__, nodes=nodes_t, layers=layers, params=dict(walk.params),
                    buffers=dict(walk.buffers), inputs=tuple(walk.inputs), batch_size=batch_size_of(walk.inputs),
                    structure=structure_of(nodes_t, layers, walk.params), loss=loss, warnings=warnings, moe=moe,

@@ -58,6 +58,14 @@ class LossSource:
                 STAND_IN: "a stand-in loss (the mean of the model's output: the model returned no loss and no "
                           "loss_fn was given)"}[self.kind]
 
+    @property
+    def note(self) -> str | None:
+        """What a plan priced with this loss says in its notes (a stand-in only)."""
+        if self.kind != STAND_IN:
+            return None
+        return (f"priced with {self.describe()}; a plan of it cannot train (parallelize and codegen.emit refuse "
+                f"it): {HOW_TO_PLAN}, and pass the same loss_fn to parallelize")
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "name": self.name}
 

@@ -42,8 +42,9 @@ def sweep_table(sweep: "Sweep") -> str:
     def join(items: list[str]) -> str:      # the plan column left-aligned, numbers right-aligned
         return "  ".join(s.ljust(w) if i == 2 else s.rjust(w) for i, (s, w) in enumerate(zip(items, widths))).rstrip()
 
+    notes = list(dict.fromkeys(p.loss.note for p in sweep.plans if p is not None and p.loss and p.loss.note))
     return "\n".join([_title(sweep), "  " + join(heads), *("  " + join(line) for line in cells), *reasons,
-                      *_footer(sweep)])
+                      *(f"note: {n}" for n in notes), *_footer(sweep)])
 
 
 def _columns(sweep: "Sweep") -> list[tuple[str, Callable[["SweepRow"], str]]]:

@@ -97,14 +97,15 @@ def test_a_stand_in_is_noted_by_estimate_plan_and_sweep(with_fn) -> None:
         return [n for n in plan.notes if "stand-in" in n]
 
     assert not noted(with_fn)
+    sweep = autopar.sweep(Regressor(), CPU2, X, nodes=[1], global_batch_size=4, workers=1, verbose=False)
     made = [autopar.estimate(Regressor(), CPU2, X, ParallelConfig(dp=2), global_batch_size=4),
-            autopar.plan(Regressor(), CPU2, X, global_batch_size=4, verbose=False),
-            autopar.sweep(Regressor(), CPU2, X, nodes=[1], global_batch_size=4, workers=1, verbose=False).rows[0].plan]
+            autopar.plan(Regressor(), CPU2, X, global_batch_size=4, verbose=False), sweep.rows[0].plan]
     for plan in made:
         assert plan.loss == LossSource(STAND_IN)
         [note] = noted(plan)
         assert "cannot train" in note and "labels in example_inputs" in note and "loss_fn=" in note, note
         assert f"note: {note}" in plan.summary()   # what `autopar plan` / `estimate` print
+    assert f"note: {note}" in sweep.table()         # and `autopar sweep`
 
 
 # --- the check -----------------------------------------------------------------------------------
