@@ -51,3 +51,38 @@ def mixtral():
                            num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ,
                            num_local_experts=4, num_experts_per_tok=2)
     return MixtralForCausalLM(config)
+
+
+class Tagger(torch.nn.Module):
+    """A per-token regressor (plain torch): ``forward(x)`` returns predictions and no loss; its loss
+    (tagger_loss) reads the batch's ``targets`` and ``mask``, keys forward does not take."""
+
+    def __init__(self, width: int = 16, hidden: int = 32, depth: int = 2, tags: int = 4) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.LayerNorm(width), torch.nn.Linear(width, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, width))
+            for _ in range(depth))
+        self.head = torch.nn.Linear(width, tags)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def tagger():
+    return Tagger()
+
+
+def tagger_batch(step: int, global_batch: int) -> dict:
+    g = torch.Generator().manual_seed(200 + step)
+    return {"x": torch.randn(global_batch, SEQ, 16, generator=g), "targets": torch.randn(global_batch, SEQ, 4, generator=g),
+            "mask": torch.rand(global_batch, SEQ, generator=g) > 0.25}
+
+
+def tagger_loss(out: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """Each sample's squared error over the tokens its mask keeps, averaged over the samples (so the mean of
+    equal micro-batches' losses is the whole batch's)."""
+    mask = inputs["mask"].float()
+    per_sample = ((out - inputs["targets"]).pow(2).mean(-1) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    return per_sample.mean()

@@ -2,8 +2,9 @@
 torchrun on 2 gloo ranks with an import hook that refuses autopar, a Hugging Face Llama built by a
 factory that imports only transformers, planned from batch-1 example inputs as the README shows,
 at tp=2 (+ sequence parallelism), pp=2 1F1B, dp=2 ZeRO-3, cp=2 (ring attention), pp=2 of a model
-built on the meta device (each rank gives values to what it holds, equal to autopar.init_weights;
-and, in make bench,
+built on the meta device (each rank gives values to what it holds, equal to autopar.init_weights),
+pp=2 of a plain-torch regressor whose loss_fn reads targets and a mask its forward does not take
+(they reach the last stage's loss; and, in make bench,
 tp=2 x dp=2 ZeRO-3 on 4 ranks, FSDP2 sharding each tensor-parallel shard again over the data-parallel
 ranks, and cp=2 x tp=2): its
 losses equal one process's (fp32, relative 1e-5: only the order of additions differs). Each run
@@ -37,8 +38,12 @@ CASES = {   # name -> (ranks, pinned fields)
     "cp2": (2, dict(cp=2, micro_batch_size=2)),   # ring attention; gradients averaged over the cp ranks
     # built on the meta device: each stage gives values to its own parameters and buffers (rotary tables)
     "pp2_meta": (2, dict(pp=2, micro_batch_size=2)),
+    "pp2_targets": (2, dict(pp=2, micro_batch_size=1)),   # loss_fn reads batch keys forward does not take
 }
-FACTORY = {name: "llama_on_meta" if name.endswith("_meta") else "llama" for name in CASES}
+FACTORY = {name: "llama_on_meta" if name.endswith("_meta") else "tagger" if name.endswith("_targets") else "llama"
+           for name in CASES}
+BATCH = {"tagger": "tagger_batch"}   # factory -> its batch factory (default llama_batch) and loss_fn (default:
+LOSS = {"tagger": "tagger_loss"}     # the model's own), all in plain_factories
 if ALL_CASES:   # a second torchrun, of 4 ranks (4 processes on 2 cores: make bench only)
     CASES["tp2_dp2_zero3"] = (4, dict(tp=2, dp=2, zero=3, micro_batch_size=2, sequence_parallel=True))
     CASES["cp2_tp2"] = (4, dict(cp=2, tp=2))
@@ -61,6 +66,7 @@ def _one_process(factory: str):
     """One process's losses and the weights after its first step: the factory's model under
     torch.manual_seed(0), or a meta-built one given the values every plan gives it (init_weights, seed 0)."""
     import autopar
+    from autopar.capture.export import LossWrapper
     torch.manual_seed(0)
     model = getattr(plain_factories, factory)()
     if factory.endswith("_meta"):
@@ -69,13 +75,22 @@ def _one_process(factory: str):
     out, after_first = [], None
     for step in range(STEPS):
         opt.zero_grad()
-        loss = model(**plain_factories.llama_batch(step, GLOBAL)).loss
+        batch = _batch(factory, step, GLOBAL)
+        loss = LossWrapper(model, _loss_fn(factory), batch)(**batch)
         loss.backward()
         opt.step()
         out.append(loss.item())
         if step == 0:
             after_first = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out, after_first
+
+
+def _batch(factory: str, step: int, size: int) -> dict:
+    return getattr(plain_factories, BATCH.get(factory, "llama_batch"))(step, size)
+
+
+def _loss_fn(factory: str):
+    return getattr(plain_factories, LOSS[factory]) if factory in LOSS else None
 
 
 @pytest.fixture(scope="module")
@@ -120,12 +135,15 @@ def runs(hook, tmp_path_factory):
     texts, items = {}, {}
     torch.manual_seed(0)
     for name, (world, config) in CASES.items():
-        example = {k: v[:1] for k, v in plain_factories.llama_batch(0, GLOBAL).items()}
-        model = getattr(plain_factories, FACTORY[name])()   # a meta one planned on meta, as the README shows
-        plan = autopar.plan(model, Cluster.from_spec(f"1x{world}xcpu"), example,
-                            global_batch_size=GLOBAL, fixed={**BASE, **config}, verbose=False)
-        autopar.codegen.emit(plan, root / name, f"plain_factories:{FACTORY[name]}",
-                             batch_factory="plain_factories:llama_batch", lr=LR, standalone=True)
+        factory = FACTORY[name]
+        example = {k: v[:1] for k, v in _batch(factory, 0, GLOBAL).items()}
+        model = getattr(plain_factories, factory)()   # a meta one planned on meta, as the README shows
+        plan = autopar.plan(model, Cluster.from_spec(f"1x{world}xcpu"), example, global_batch_size=GLOBAL,
+                            fixed={**BASE, **config}, loss_fn=_loss_fn(factory), verbose=False)
+        autopar.codegen.emit(plan, root / name, f"plain_factories:{factory}",
+                             batch_factory=f"plain_factories:{BATCH.get(factory, 'llama_batch')}",
+                             loss_fn=f"plain_factories:{LOSS[factory]}" if factory in LOSS else None, lr=LR,
+                             standalone=True)
         texts[name] = (root / name / "program.py").read_text()
         items.setdefault(world, []).append(f"{root / name}={root / (name + '.losses')}")
     driver = root / "driver.py"
@@ -159,7 +177,8 @@ def test_standalone_program_trains_like_one_process(name, runs, references):
     assert len(got) == STEPS
     for g, w in zip(got, losses):
         assert math.isclose(g, w, rel_tol=1e-5), (got, losses)
-    model = plain_factories.llama()   # autopar's own loader reads the folder's checkpoint into one process
+    # autopar's own loader reads the folder's checkpoint into one process
+    model = getattr(plain_factories, FACTORY[name].removesuffix("_on_meta"))()
     assert autopar.load_checkpoint(str(checkpoint), model) == 1
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), after_first[n], rtol=0, atol=1e-5, msg=n)
