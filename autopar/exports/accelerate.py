@@ -1,12 +1,12 @@
 """accelerate: the plan as an ``accelerate launch --config_file`` YAML with FSDP2.
 
-Keys and meanings are accelerate's (release 1.x): ``accelerate/commands/config/config_args.py``
-(``ClusterConfig``: the top-level keys, unknown ones refused), ``accelerate/commands/launch.py`` (the
-``--fsdp_*`` and ``--parallelism_config_*`` arguments that the ``fsdp_config`` and
-``parallelism_config`` entries become) and ``accelerate/parallelism_config.py`` (``ParallelismConfig``:
-``dp_replicate_size x dp_shard_size x tp_size x cp_size`` processes, tensor and context parallelism only
-with FSDP2, DDP not composed with tensor parallelism). The FSDP guide is
-https://huggingface.co/docs/accelerate/usage_guides/fsdp.
+Keys and meanings are accelerate's (release 1.10 or later, the first with ``parallelism_config``):
+``accelerate/commands/config/config_args.py`` (``ClusterConfig``: the top-level keys, unknown ones
+refused), ``accelerate/commands/launch.py`` (the ``--fsdp_*`` and ``--parallelism_config_*`` arguments
+that the ``fsdp_config`` and ``parallelism_config`` entries become) and
+``accelerate/parallelism_config.py`` (``ParallelismConfig``: ``dp_replicate_size x dp_shard_size x
+tp_size x cp_size`` processes, tensor and context parallelism only with FSDP2, DDP not composed with
+tensor parallelism). The FSDP guide is https://huggingface.co/docs/accelerate/usage_guides/fsdp.
 
 How the plan maps: ZeRO-3 is FSDP2 with ``fsdp_reshard_after_forward: true``, ZeRO-2 with ``false``
 (parameters whole from forward to backward); ZeRO-0 without other parallelism is plain DDP
@@ -19,8 +19,10 @@ Not in accelerate's FSDP config, and so reported: pipeline parallelism (the pipe
 ranks: another plan, which the warning says how to price), expert parallelism, Megatron's sequence
 parallelism (the tensor-parallel layout is the model's ``tp_plan``), selective, per-op and partial
 recomputation, the batch (``DataLoader(batch_size=...)`` and ``Accelerator(gradient_accumulation_steps=
-...)`` in code) and an fp32 gradient reduction under bf16 (``FullyShardedDataParallelPlugin(
-mixed_precision_policy=...)`` in code).
+...)`` in code), an fp32 gradient reduction under bf16 (``FullyShardedDataParallelPlugin(
+mixed_precision_policy=...)`` in code), the optimizer (built in the script and passed to
+``accelerator.prepare`` with the model, which FSDP2 requires) and 16-bit weights without fp32 master
+weights (FSDP2 upcasts trainable parameters to fp32 under mixed precision).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ def export(plan: "Plan") -> Export:
     if cfg.ep > 1:
         warnings.append(f"config.ep = {cfg.ep}: accelerate's config has no expert parallelism; every rank holds every "
                         "expert (more memory than the plan)")
+    _optimizer(plan, kind, warnings)
     _batch(plan, warnings)
     return Export("accelerate", render(plan, fields, warnings), tuple(fields), tuple(warnings),
                   "accelerate_config.yaml")
@@ -161,6 +164,28 @@ def _folded_estimate(plan: "Plan", kind: str) -> str:
               + f",recompute={'none' if mode == 'none' else 'full'}")
     return (f"autopar estimate {model or 'MODEL'} --cluster {spec} --global-batch {plan.global_batch_size} "
             f"--config {fields}")
+
+
+def _optimizer(plan: "Plan", kind: str, warnings: list[str]) -> None:
+    """accelerate's config has no optimizer (nor a setting for its master weights): the script builds it."""
+    prec = plan.precision
+    optimizer = "torch.optim.AdamW" if prec.optimizer == "adam" else "torch.optim.SGD"
+    together = (": FSDP2 moves it onto the sharded parameters and refuses a model or an optimizer prepared alone "
+                "(\"a model and optimizer must be passed together\")" if kind == "FSDP" else "")
+    warnings.append(f"precision.optimizer = {prec.optimizer!r}: accelerate's config has no optimizer; build "
+                    f"{optimizer}(model.parameters(), lr=...) in the training script and pass it with the model in "
+                    f"one accelerator.prepare(model, optimizer){together}")
+    if prec.compute == "fp32" or prec.master_weights:
+        return
+    if kind == "FSDP":
+        warnings.append(f"precision.master_weights = false: accelerate's FSDP2 with mixed_precision {prec.compute} "
+                        "upcasts every trainable parameter to fp32 (utils/fsdp_utils.py fsdp2_prepare_model) and so "
+                        "keeps fp32 master weights, 2 more bytes per parameter (sharded) than the plan, which has "
+                        "no setting to turn it off")
+    else:
+        warnings.append(f"precision.master_weights = false: accelerate's mixed_precision {prec.compute} autocasts and "
+                        f"keeps the weights in the dtype the model is loaded in; load it in {prec.compute} "
+                        "(from_pretrained(torch_dtype=...), or model.to(...)) for the plan's weights without fp32 masters")
 
 
 def _batch(plan: "Plan", warnings: list[str]) -> None:

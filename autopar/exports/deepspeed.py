@@ -3,24 +3,30 @@
 Keys and meanings are DeepSpeed's configuration reference (https://www.deepspeed.ai/docs/config-json/)
 and its source, release 0.19: ``deepspeed/runtime/config.py`` (``DeepSpeedConfig``: the batch triple
 must satisfy ``train_batch_size == train_micro_batch_size_per_gpu * gradient_accumulation_steps *
-data-parallel world size``), ``deepspeed/runtime/zero/config.py`` (``zero_optimization.stage``),
+data-parallel world size``, that world size read from the ``mpu`` given to ``deepspeed.initialize``
+and, without one, every rank), ``deepspeed/runtime/zero/config.py`` (``zero_optimization.stage``),
+``deepspeed/runtime/engine.py`` (``_do_optimizer_sanity_check``: ZeRO runs an optimizer outside
+``ZERO_SUPPORTED_OPTIMIZERS``, such as SGD, only with ``zero_allow_untested_optimizer``),
 ``deepspeed/runtime/tensor_parallel/config.py`` (``tensor_parallel.autotp_size``, AutoTP training),
-``deepspeed/module_inject/auto_ep_config.py`` (``expert_parallel.autoep_size``) and
-``get_pipeline_config`` (``pipeline.activation_checkpoint_interval``, read by the pipeline engine).
+``deepspeed/module_inject/auto_ep_config.py`` (``parse_autoep_config``: ``expert_parallel.enabled``,
+false unless written, and ``autoep_size``) and ``get_pipeline_config``
+(``pipeline.activation_checkpoint_interval``, read by the pipeline engine).
 
 JSON has no comments: every field's source is in :attr:`Export.fields` (``autopar export --trace``
-prints them) and what DeepSpeed cannot express is in :attr:`Export.warnings`, which the command prints.
+prints them) and what DeepSpeed cannot express is in :attr:`Export.warnings`, which ``autopar export``
+prints (on standard error when the file goes to standard output).
 
 What DeepSpeed takes in code rather than in its config, and so is reported, not written: the pipeline
 (``PipelineModule(layers, num_stages=pp, partition_method=...)``: its degree, its partition, which
 ``partition_method`` cannot give layer by layer, and its one schedule, 1F1B without interleaving), the
-optimizer (``deepspeed.initialize(optimizer=...)``) and, without a pipeline, which layers are
-checkpointed. Not in DeepSpeed at all: Megatron's sequence parallelism (AutoTP shards the layers
-only), ring-attention context parallelism (DeepSpeed's Ulysses ``sequence_parallel_size`` all-to-alls
-the heads instead, another algorithm: the plan's context-parallel ranks become data-parallel ranks that
-take whole sequences, with the accumulation steps divided to keep the batch), and ZeRO-2/3 with a
-pipeline (``PipelineEngine``: "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"), written
-as ZeRO-1 with the memory that adds.
+optimizer (``deepspeed.initialize(optimizer=...)``), the ``mpu`` that makes the batch arithmetic hold
+under AutoTP and, without a pipeline, which layers are checkpointed. Not in DeepSpeed at all:
+Megatron's sequence parallelism (AutoTP shards the layers only), ring-attention context parallelism
+(DeepSpeed's Ulysses ``sequence_parallel_size`` all-to-alls the heads instead, another algorithm: the
+plan's context-parallel ranks become data-parallel ranks that take whole sequences, with the
+accumulation steps divided to keep the batch), tensor-parallel experts (AutoEP's
+``expert_tensor_parallel_size`` must be 1) and ZeRO-2/3 with a pipeline (``PipelineEngine``: "ZeRO-2 and
+ZeRO-3 are incompatible with pipeline parallelism"), written as ZeRO-1 with the memory that adds.
 """
 
 from __future__ import annotations
@@ -37,7 +43,10 @@ if TYPE_CHECKING:
 CONFIG_JSON = "https://www.deepspeed.ai/docs/config-json/"
 ZERO = "deepspeed/runtime/zero/config.py DeepSpeedZeroConfig.stage"
 AUTOTP = "deepspeed/runtime/tensor_parallel/config.py TPTrainingConfig.autotp_size (AutoTP training tutorial)"
-AUTOEP = "deepspeed/module_inject/auto_ep_config.py parse_autoep_config: autoep_size"
+AUTOEP = "deepspeed/module_inject/auto_ep_config.py parse_autoep_config"
+FOLDING = "deepspeed/module_inject/auto_ep_folding.py validate_folding_global"
+UNTESTED = ("deepspeed/runtime/engine.py DeepSpeedEngine._do_optimizer_sanity_check; deepspeed/runtime/zero/utils.py "
+            "ZERO_SUPPORTED_OPTIMIZERS")
 PIPELINE = ("deepspeed/runtime/config.py get_pipeline_config: activation_checkpoint_interval "
             "(deepspeed/runtime/pipe/engine.py sets PipelineModule.activation_checkpoint_interval)")
 DTYPES = "deepspeed/runtime/constants.py DATA_TYPES: grad_accum_dtype"
@@ -91,31 +100,95 @@ def export(plan: "Plan") -> Export:
                         "optimizer state: less memory than the plan, the same bytes on the network")
         zero, sources, note = 1, ("config.zero", "precision.grads", "precision.compute"), \
             f"ZeRO keeps {prec.grads} gradients of {prec.compute} weights"
-    add("zero_optimization.stage", zero, sources if zero != cfg.zero else ("config.zero",),
-        CONFIG_JSON + " zero_optimization.stage; " + ZERO, "" if zero == cfg.zero else note)
+    zero_sources = sources if zero != cfg.zero else ("config.zero",)
+    add("zero_optimization.stage", zero, zero_sources, CONFIG_JSON + " zero_optimization.stage; " + ZERO,
+        "" if zero == cfg.zero else note)
+    _optimizer(plan, zero, zero_sources, add, warnings)
 
     _precision(plan, add, warnings)
     if cfg.tp > 1:
-        add("tensor_parallel.autotp_size", cfg.tp, ("config.tp",), AUTOTP)
-        if cfg.pp > 1:
-            warnings.append("config.tp > 1 with a pipeline: AutoTP shards a Hugging Face model's layers, while a "
-                            "PipelineModule takes its tensor parallelism from the model code (Megatron-DeepSpeed's "
-                            "mpu); autotp_size is written for the former")
-        if cfg.sequence_parallel:
-            warnings.append("config.sequence_parallel = true: DeepSpeed's AutoTP shards the linear layers only; the "
-                            "norms and dropout stay whole on every tensor-parallel rank (more activation memory than "
-                            "the plan). Megatron-DeepSpeed's --sequence-parallel is a model-code argument")
+        _tensor_parallel(plan, global_batch, accumulation, add, warnings)
     if cfg.ep > 1:
-        add("expert_parallel.autoep_size", cfg.ep, ("config.ep",), AUTOEP)
+        _expert_parallel(plan, add, warnings)
     if cfg.pp > 1:
         _pipeline(plan, add, warnings)
     else:
         _recompute_in_code(plan, warnings)
-    warnings.append(f"precision.optimizer = {prec.optimizer!r}: DeepSpeed takes the optimizer from the code "
-                    f"(deepspeed.initialize(optimizer=torch.optim.{'AdamW' if prec.optimizer == 'adam' else 'SGD'}"
-                    "(...))) or from an \"optimizer\" section with its learning rate, which the plan does not hold")
     text = json.dumps(_nest(fields), indent=2) + "\n"
     return Export("DeepSpeed", text, tuple(fields), tuple(warnings), "ds_config.json")
+
+
+def _optimizer(plan: "Plan", zero: int, zero_sources: tuple[str, ...], add, warnings: list[str]) -> None:
+    """The optimizer is built in code; ZeRO runs SGD only when the config allows an untested optimizer."""
+    sgd = plan.precision.optimizer == "sgd"
+    optimizer = "torch.optim.SGD" if sgd else "torch.optim.AdamW"
+    allowed = sgd and zero >= 1
+    if allowed:
+        add("zero_allow_untested_optimizer", True, ("precision.optimizer",) + zero_sources, UNTESTED,
+            f"ZeRO-{zero} with {optimizer}, which is not among ZeRO's tested optimizers")
+    if plan.config.ep > 1:   # AutoEP replaces the expert layers inside initialize: build the optimizer after it
+        build = (f"optimizer=lambda params: {optimizer}(configure_moe_param_groups(list(params)), lr=...) (from "
+                 "deepspeed.moe.utils: the replaced experts' parameters in their own groups, which ZeRO-1/2 requires: "
+                 "\"None of the param groups are marked as MoE\")")
+    else:
+        build = f"optimizer={optimizer}(model.parameters(), lr=...)"
+    warnings.append(f"precision.optimizer = {plan.precision.optimizer!r}: DeepSpeed takes the optimizer from the code, "
+                    f"deepspeed.initialize({build}), or from an \"optimizer\" section with its learning rate, which the "
+                    "plan does not hold"
+                    + ("; ZeRO refuses SGD (\"You are using an untested ZeRO Optimizer\") unless "
+                       "zero_allow_untested_optimizer is true, as written here, and then logs \"proceed with caution\""
+                       if allowed else ""))
+
+
+def _tensor_parallel(plan: "Plan", global_batch: int, accumulation: int, add, warnings: list[str]) -> None:
+    cfg = plan.config
+    ranks = cfg.dp * cfg.cp
+    add("tensor_parallel.autotp_size", cfg.tp, ("config.tp",), AUTOTP)
+    if cfg.pp > 1:
+        warnings.append("config.tp > 1 with a pipeline: AutoTP shards a Hugging Face model's layers, while a "
+                        "PipelineModule takes its tensor parallelism from the model code (Megatron-DeepSpeed's "
+                        "mpu); autotp_size is written for the former. DeepSpeedConfig counts the data-parallel ranks "
+                        "of train_batch_size from the PipelineModule's topology: build it with topology="
+                        f"PipeModelDataParallelTopology(num_pp={cfg.pp}, num_mp={cfg.tp}, num_dp={ranks}) (the default "
+                        f"topology counts {ranks * cfg.tp} and refuses this file's train_batch_size)")
+    else:
+        warnings.append(f"config.tp = {cfg.tp} (AutoTP): DeepSpeedConfig checks train_batch_size = "
+                        "train_micro_batch_size_per_gpu x gradient_accumulation_steps x the data-parallel ranks, "
+                        "which it counts from the mpu given to deepspeed.initialize; without one (as in DeepSpeed's "
+                        f"AutoTP tutorial) it counts all {plan.devices} ranks and refuses this file (\"Check batch "
+                        f"related parameters\": {global_batch} != {cfg.micro_batch_size} * {accumulation} * "
+                        f"{plan.devices}). Pass one that counts {ranks}: deepspeed.init_distributed(); from "
+                        "deepspeed.utils import groups; groups._init_tp_mesh_device(tensor_model_parallel_size="
+                        f"{cfg.tp}); deepspeed.initialize(..., mpu=groups)")
+    if cfg.sequence_parallel:
+        warnings.append("config.sequence_parallel = true: DeepSpeed's AutoTP shards the linear layers only; the "
+                        "norms and dropout stay whole on every tensor-parallel rank (more activation memory than "
+                        "the plan). Megatron-DeepSpeed's --sequence-parallel is a model-code argument")
+
+
+def _expert_parallel(plan: "Plan", add, warnings: list[str]) -> None:
+    cfg = plan.config
+    add("expert_parallel.enabled", True, ("config.ep",), AUTOEP + ": enabled (false when absent: every other "
+        "expert_parallel key is then ignored)")
+    add("expert_parallel.autoep_size", cfg.ep, ("config.ep",), AUTOEP + ": autoep_size")
+    warnings.append(f"config.ep = {cfg.ep}: DeepSpeed's AutoEP replaces the mixture-of-experts blocks of the models it "
+                    "has presets for (deepspeed/module_inject/auto_ep_presets: Mixtral, Qwen3-MoE, DeepSeek-V2/V3 and "
+                    "others) or that expert_parallel.moe_layer_pattern, expert_pattern and router_pattern name; in "
+                    "another model it replaces none, without a warning, and every rank holds every expert (more "
+                    "memory than the plan): add those keys for such a model")
+    if cfg.tp > 1:
+        warnings.append(f"config.ep = {cfg.ep} with config.tp = {cfg.tp}: AutoEP does not split experts with tensor "
+                        f"parallelism (expert_parallel.expert_tensor_parallel_size must be 1, {FOLDING}); its expert "
+                        f"groups are {cfg.ep} consecutive ranks across the tensor-parallel lanes, each holding whole "
+                        f"experts: {cfg.tp} x the expert weights per rank of the plan, which splits each expert "
+                        f"{cfg.tp} ways. For the plan's expert memory write autoep_size = {cfg.ep * cfg.tp}, a layout "
+                        "autopar did not price")
+        if cfg.pp > 1:
+            warnings.append(f"config.ep = {cfg.ep} with tp = {cfg.tp} and pp = {cfg.pp}: DeepSpeed refuses AutoEP with "
+                            f"tensor parallelism under a pipeline ({FOLDING}: \"AutoEP+AutoTP folding currently "
+                            "supports pp_size=1 only\"; AutoEP also refuses an mpu's tensor parallelism): "
+                            "deepspeed.initialize raises ValueError with this file. For DeepSpeed, plan with "
+                            "`autopar plan ... --fixed tp=1` or `--fixed pp=1`")
 
 
 def _precision(plan: "Plan", add, warnings: list[str]) -> None:

@@ -1,8 +1,8 @@
 """Each stack's configuration schema, written from its own source and documentation, for the export tests.
 
-These run whether or not the stacks are installed (tests/unit/exports/test_exports.py also loads the
-files with torchtitan's, accelerate's and DeepSpeed's own loaders where those import). Each check
-raises AssertionError naming the key and the rule, and each rule names where the stack states it.
+These run whether or not the stacks are installed (test_loaders.py also loads the files with
+torchtitan's, accelerate's and DeepSpeed's own loaders where those are installed). Each check raises
+AssertionError naming the key and the rule, and each rule names where the stack states it.
 """
 
 from __future__ import annotations
@@ -189,18 +189,21 @@ def check_megatron(arrays: dict[str, list[str]], devices: int) -> argparse.Names
     return args
 
 
-# --- DeepSpeed: https://www.deepspeed.ai/docs/config-json/ and deepspeed/runtime/config.py ------------
+# --- DeepSpeed: https://www.deepspeed.ai/docs/config-json/ and deepspeed/runtime/config.py (0.19) ------
 DTYPE_NAMES = ("fp32", "fp16", "bf16")
 DEEPSPEED = {
     "train_batch_size": int, "train_micro_batch_size_per_gpu": int, "gradient_accumulation_steps": int,
-    "zero_optimization": {"stage": (0, 1, 2, 3)}, "bf16": {"enabled": bool}, "fp16": {"enabled": bool},
+    "zero_optimization": {"stage": (0, 1, 2, 3)}, "zero_allow_untested_optimizer": bool,
+    "bf16": {"enabled": bool}, "fp16": {"enabled": bool},
     "data_types": {"grad_accum_dtype": DTYPE_NAMES}, "communication_data_type": DTYPE_NAMES,
-    "tensor_parallel": {"autotp_size": int}, "expert_parallel": {"autoep_size": int},
+    "tensor_parallel": {"autotp_size": int}, "expert_parallel": {"enabled": bool, "autoep_size": int},
     "pipeline": {"activation_checkpoint_interval": int},
 }
+ZERO_TESTED = ("adam",)   # runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS: torch.optim.Adam/AdamW, Adagrad, ...
 
 
-def check_deepspeed(config: dict[str, Any], devices: int, pp: int) -> None:
+def check_deepspeed(config: dict[str, Any], devices: int, pp: int, optimizer: str = "adam") -> None:
+    """``config`` against DeepSpeed's rules; ``optimizer`` is the plan's (the config names none: code builds it)."""
     for key, value in config.items():
         assert key in DEEPSPEED, f"DeepSpeed: unknown key {key}"
         if isinstance(DEEPSPEED[key], dict):
@@ -209,17 +212,24 @@ def check_deepspeed(config: dict[str, Any], devices: int, pp: int) -> None:
                 _check_type(f"{key}.{sub}", v, DEEPSPEED[key][sub])
         else:
             _check_type(key, value, DEEPSPEED[key])
-    # DeepSpeedConfig._batch_assertion: train = micro * accumulation * data-parallel world size
+    # DeepSpeedConfig._batch_assertion: train = micro * accumulation * data-parallel world size (the mpu's)
     tp = config.get("tensor_parallel", {}).get("autotp_size", 1)
     dp = devices // (tp * pp)
     assert config["train_batch_size"] == (config["train_micro_batch_size_per_gpu"]
                                           * config["gradient_accumulation_steps"] * dp), (config, dp)
     assert not (config["bf16"]["enabled"] and config["fp16"]["enabled"]), "bf16 and fp16 together"
-    if config["zero_optimization"]["stage"] == 0:   # runtime/engine.py _do_optimizer_sanity_check
+    stage = config["zero_optimization"]["stage"]
+    if stage == 0:   # runtime/engine.py _do_optimizer_sanity_check
         weights = "bf16" if config["bf16"]["enabled"] else "fp16" if config["fp16"]["enabled"] else "fp32"
         assert config["data_types"]["grad_accum_dtype"] == weights, "unsupported mix of model and grad_accum dtypes"
+    elif optimizer not in ZERO_TESTED:   # the same check: ZeRO asserts on an optimizer it has not tested
+        assert config.get("zero_allow_untested_optimizer") is True, \
+            f"You are using an untested ZeRO Optimizer ({optimizer}): zero_allow_untested_optimizer must be true"
     if pp > 1:   # runtime/pipe/engine.py: "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
-        assert config["zero_optimization"]["stage"] < 2, "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
+        assert stage < 2, "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
+    if "expert_parallel" in config:   # module_inject/auto_ep_config.py parse_autoep_config: enabled defaults to
+        # false, and then runtime/engine.py _configure_expert_parallel ignores every other key without a word
+        assert config["expert_parallel"].get("enabled") is True, "expert_parallel without enabled: true is ignored"
 
 
 # --- accelerate: accelerate/commands/config/config_args.py, commands/launch.py ------------------------

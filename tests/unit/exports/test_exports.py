@@ -4,11 +4,8 @@ for its stack, and what a stack cannot express said rather than dropped.
 The goldens are GPT-3 175B on 128 x 8 A100 (Megatron-LM's published recipe) and Llama 3 70B on 8 x 8
 H100 (torchtitan's), made from the two plans stored in data/; regenerate them with
 ``python tests/unit/exports/make_goldens.py`` (make_goldens.py says where each recipe comes from).
-Every file is checked against a schema written from its stack's source (export_schemas.py), and,
-where the stack imports, read by the stack's own loader (torchtitan's ConfigManager, accelerate's
-load_config_from_file, DeepSpeed's DeepSpeedConfig). The three stacks are the `stacks` extra
-(pyproject.toml), which `make bench` installs before it runs these tests with the loaders; `make test`
-(dev extras only: the stacks cost a fresh install 27 s) skips the loader tests, never the schema ones.
+Every file is checked against a schema written from its stack's source (export_schemas.py); the
+stacks' own loaders read them in test_loaders.py. The plans beyond the goldens are cases.py's.
 """
 
 from __future__ import annotations
@@ -18,8 +15,6 @@ import difflib
 import importlib
 import importlib.util
 import json
-import os
-import sys
 
 try:
     import tomllib
@@ -33,17 +28,11 @@ from autopar import ConfigError
 from autopar.cli import main
 from autopar.exports import STACKS, export
 
-sys.path.insert(0, os.path.dirname(__file__))
-import export_schemas as schemas  # noqa: E402
-from make_goldens import RECIPES, STACK_FILES, golden_path, plan_path  # noqa: E402
+import export_schemas as schemas
+from cases import CASES, PLANS, RECIPES, VARIANTS, case_plan, variant_plan, with_partition
+from make_goldens import STACK_FILES, golden_path, plan_path
 
-PLANS = sorted(RECIPES)
 CONSTANTS = {("accelerate", "compute_environment"), ("accelerate", "fsdp_config.fsdp_version")}
-
-
-@pytest.fixture(scope="module")
-def plans() -> dict[str, autopar.Plan]:
-    return {name: autopar.load_plan(plan_path(name)) for name in PLANS}
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -179,7 +168,7 @@ def check_export(plan: autopar.Plan, stack: str, tmp_path) -> "autopar.exports.E
         result.write(tmp_path / "args.sh")
         schemas.check_megatron(schemas.bash_arrays(str(tmp_path / "args.sh")), plan.devices)
     elif stack == "deepspeed":
-        schemas.check_deepspeed(json.loads(result.text), plan.devices, plan.config.pp)
+        schemas.check_deepspeed(json.loads(result.text), plan.devices, plan.config.pp, plan.precision.optimizer)
     else:
         schemas.check_accelerate(_yaml(result.text))
     return result
@@ -260,71 +249,15 @@ def test_schemas_refuse_what_the_stacks_refuse(plans, tmp_path):
         schemas.check_deepspeed({**ds, "zero_optimization": {"stage": 3}}, plan.devices, plan.config.pp)
     with pytest.raises(AssertionError, match="unsupported mix"):
         schemas.check_deepspeed({**ds, "data_types": {"grad_accum_dtype": "fp32"}}, plan.devices, plan.config.pp)
+    with pytest.raises(AssertionError, match="untested ZeRO Optimizer"):
+        schemas.check_deepspeed({**ds, "zero_optimization": {"stage": 1}}, plan.devices, plan.config.pp, "sgd")
+    with pytest.raises(AssertionError, match="without enabled: true is ignored"):
+        schemas.check_deepspeed({**ds, "expert_parallel": {"autoep_size": 2}}, plan.devices, plan.config.pp)
     with pytest.raises(AssertionError, match="unknown key"):
         schemas.check_accelerate({**_yaml(export(plan, "accelerate").text), "fsdp_sharding": 1})
 
 
 # --- other configurations: the same checks on plans the goldens do not cover ----------------------
-def with_partition(plan: autopar.Plan, chunks: list[list[str]], **changes) -> autopar.Plan:
-    """``plan`` with other config fields and its layers cut into ``chunks`` (model order: chunk c on
-    device c % pp), for the cases no stored plan has."""
-    cfg = dataclasses.replace(plan.config, **changes)
-    pp, v = cfg.pp, cfg.virtual_stages
-    assert len(chunks) == pp * v
-    stages = []
-    for d in range(pp):
-        own = tuple(tuple(chunks[k * pp + d]) for k in range(v))
-        stages.append(dataclasses.replace(plan.stages[min(d, len(plan.stages) - 1)], index=d, chunks=own,
-                                          layers=tuple(n for c in own for n in c)))
-    return dataclasses.replace(plan, config=cfg, stages=tuple(stages))
-
-
-def even_chunks(plan: autopar.Plan, n: int, shift: int = 0) -> list[list[str]]:
-    """The plan's layers in ``n`` model chunks: the blocks evenly (``shift`` blocks moved from the first
-    chunk to the last), the layers before them in the first, after them in the last."""
-    layers = autopar.exports.common.layers_of(plan)
-    per = len(layers.blocks) // n
-    sizes = [per - shift] + [per] * (n - 2) + [per + shift] if n > 1 else [per]
-    chunks, i = [], 0
-    for size in sizes:
-        chunks.append(list(layers.blocks[i:i + size]))
-        i += size
-    chunks[0][:0] = layers.pre
-    chunks[-1].extend(layers.post)
-    return chunks
-
-
-VARIANTS = [   # (stored plan, config changes, precision changes, blocks moved from the first chunk to the last)
-    ("llama3-70b_8x8xH100", dict(dp=4, tp=4, pp=4, zero=1, recompute="selective"), {}, 0),
-    ("llama3-70b_8x8xH100", dict(dp=2, tp=8, pp=4, schedule="interleaved", virtual_stages=2, zero=0,
-                                 recompute="full", recompute_layers=5), dict(kernels="compiled"), 0),
-    ("llama3-70b_8x8xH100", dict(dp=8, tp=1, pp=8, schedule="gpipe", zero=2, recompute="none",
-                                 stage_recompute=("full",) * 4 + ("selective", "none", "none", "none"),
-                                 sequence_parallel=False), dict(grads="bf16", optimizer="sgd"), 2),
-    ("llama3-70b_8x8xH100", dict(dp=64, tp=1, zero=0, sequence_parallel=False, micro_batch_size=1,
-                                 recompute="op"), dict(compute="fp32", grads="fp32"), 0),
-    ("llama3-70b_8x8xH100", dict(dp=16, tp=2, cp=2, zero=3, micro_batch_size=1), dict(master_weights=False), 0),
-    ("llama3-70b_8x8xH100", dict(dp=8, tp=8, ep=4, zero=2, micro_batch_size=1), {}, 0),
-    ("gpt3-175b_128x8xA100", dict(dp=16, pp=8, schedule="1f1b", virtual_stages=1, zero=3), dict(compute="bf16"), 3),
-]
-
-
-def variant_plan(plans: dict[str, autopar.Plan], variant: int) -> autopar.Plan:
-    name, changes, precision, shift = VARIANTS[variant]
-    plan = plans[name]
-    cfg = dataclasses.replace(plan.config, **changes)
-    plan = with_partition(plan, even_chunks(plan, cfg.pp * cfg.virtual_stages, shift), **changes)
-    return dataclasses.replace(plan, precision=dataclasses.replace(plan.precision, **precision),
-                               micro_batches=plan.global_batch_size // (cfg.dp * cfg.micro_batch_size))
-
-
-CASES = PLANS + [f"variant {i}" for i in range(len(VARIANTS))]
-
-
-def case_plan(plans: dict[str, autopar.Plan], case: str) -> autopar.Plan:
-    return plans[case] if case in plans else variant_plan(plans, int(case.split()[1]))
-
-
 @pytest.mark.parametrize("stack", STACKS)
 @pytest.mark.parametrize("variant", range(len(VARIANTS)))
 def test_other_configurations_export_traced_and_valid(plans, variant, stack, tmp_path):
@@ -342,95 +275,31 @@ def test_other_configurations_export_traced_and_valid(plans, variant, stack, tmp
             assert any("config.recompute = 'op'" in w for w in result.warnings)
 
 
-def _torchtitan_config_manager():
-    """torchtitan's ConfigManager without running torchtitan/__init__.py (which imports its MoE kernels and
-    so triton, absent on a CPU machine): the config package is plain Python over torch and tyro."""
-    if importlib.util.find_spec("tyro") is None:
-        pytest.skip("torchtitan's config needs tyro, which is not installed")
-    if "torchtitan" not in sys.modules:
-        spec = importlib.util.find_spec("torchtitan")
-        if spec is None:
-            pytest.skip("torchtitan (0.1-0.2, the TOML JobConfig) is not installed")
-        sys.modules["torchtitan"] = importlib.util.module_from_spec(spec)   # the package, its __init__ not run
-    try:
-        from torchtitan.config import ConfigManager
-    except ImportError as exc:
-        pytest.skip(f"torchtitan's TOML JobConfig does not import ({exc}): torchtitan 0.3 has no TOML files")
-    return ConfigManager
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_torchtitan_loads_the_toml(plans, name, tmp_path):
-    ConfigManager = _torchtitan_config_manager()
-    from torchtitan.distributed.parallel_dims import ParallelDims
-    plan = case_plan(plans, name)
-    result = export(plan, "torchtitan", tmp_path / "t.toml")
-    config = ConfigManager().parse_args(["--job.config_file", str(tmp_path / "t.toml")])
-    for f in result.fields:
-        section, key = f.key.split(".", 1)
-        assert getattr(getattr(config, section), key) == f.value, f.key
-    par = config.parallelism
-    ParallelDims(dp_replicate=par.data_parallel_replicate_degree, dp_shard=par.data_parallel_shard_degree,
-                 cp=par.context_parallel_degree, tp=par.tensor_parallel_degree, pp=par.pipeline_parallel_degree,
-                 ep=par.expert_parallel_degree, etp=par.expert_tensor_parallel_degree,
-                 world_size=plan.devices)
-    (tmp_path / "bad.toml").write_text(result.text.replace("tensor_parallel_degree", "tensor_parallel_degre"))
-    with pytest.raises(ValueError, match="Invalid field names"):
-        ConfigManager().parse_args(["--job.config_file", str(tmp_path / "bad.toml")])
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_accelerate_loads_the_yaml(plans, name, tmp_path):
-    if importlib.util.find_spec("accelerate") is None:
-        pytest.skip("accelerate is not installed")
-    from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
-    from accelerate.commands.launch import launch_command_parser
-    plan = case_plan(plans, name)
-    result = export(plan, "accelerate", tmp_path / "a.yaml")
-    config = load_config_from_file(str(tmp_path / "a.yaml"))
-    assert isinstance(config, ClusterConfig)
-    assert config.distributed_type.value == result.field("distributed_type").value
-    assert config.num_processes == plan.devices and config.mixed_precision == result.field("mixed_precision").value
-    # launch copies fsdp_config / parallelism_config entries onto its arguments by name: each must be one
-    dests = {a.dest for a in launch_command_parser()._actions}
-    for key in ("fsdp_config", "parallelism_config", "dynamo_config"):
-        assert set(getattr(config, key)) <= dests, (key, set(getattr(config, key)) - dests)
-    (tmp_path / "bad.yaml").write_text(result.text + "fsdp_sharding: 1\n")
-    with pytest.raises(ValueError, match="unknown keys"):
-        load_config_from_file(str(tmp_path / "bad.yaml"))
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_deepspeed_loads_the_json(plans, name, tmp_path, monkeypatch):
-    if importlib.util.find_spec("deepspeed") is None:
-        pytest.skip("deepspeed is not installed")
-    import deepspeed.runtime.config as ds_config
-    plan = case_plan(plans, name)
-    result = export(plan, "deepspeed", tmp_path / "ds.json")
-    cfg = plan.config
-    dp = plan.devices // (cfg.tp * cfg.pp)
-
-    class Mpu:   # what DeepSpeedConfig asks of a model-parallel unit: the data-parallel world size
-        def get_data_parallel_world_size(self):
-            return dp
-    monkeypatch.setattr(ds_config.dist, "get_rank", lambda *a, **k: 0)
-    config = ds_config.DeepSpeedConfig(str(tmp_path / "ds.json"), mpu=Mpu())   # batch assertion included
-    assert config.train_batch_size == result.field("train_batch_size").value
-    assert config.gradient_accumulation_steps == result.field("gradient_accumulation_steps").value
-    if cfg.cp == 1:
-        assert (config.train_batch_size, config.gradient_accumulation_steps) == (plan.global_batch_size,
-                                                                                plan.micro_batches)
-    assert config.zero_optimization_stage == result.field("zero_optimization.stage").value
-    assert config.bfloat16_config.enabled == (plan.precision.compute == "bf16")
-    assert config.float16_config.enabled == (plan.precision.compute == "fp16")
-    assert config.tensor_parallel_config.autotp_size == (cfg.tp if cfg.tp > 1 else 0)
-    bad = json.loads(result.text)
-    bad["train_batch_size"] += 1
-    with pytest.raises(AssertionError):
-        ds_config.DeepSpeedConfig(bad, mpu=Mpu())
-
-
 # --- what a stack cannot express is said ------------------------------------------------------------
+def _held(plan: autopar.Plan) -> list[str]:
+    """The plan fields an export must write (a field's source) or name (a warning) when the stack's default
+    does not already hold them: the optimizer, the batch, the ZeRO stage, the parallel degrees, 16-bit
+    compute and the master-weight choice."""
+    cfg, prec = plan.config, plan.precision
+    paths = ["precision.optimizer", "global_batch_size", "config.micro_batch_size"]
+    paths += [f"config.{k}" for k in ("zero", "tp", "pp", "cp", "ep") if getattr(cfg, k) > (0 if k == "zero" else 1)]
+    if prec.compute != "fp32":
+        paths.append("precision.compute")
+        if not prec.master_weights:
+            paths.append("precision.master_weights")
+    return paths
+
+
+@pytest.mark.parametrize("stack", STACKS)
+@pytest.mark.parametrize("name", CASES)
+def test_nothing_the_plan_holds_is_dropped_without_a_word(plans, name, stack):
+    plan = case_plan(plans, name)
+    result = export(plan, stack)
+    for path in _held(plan):
+        assert any(path in f.sources for f in result.fields) or any(path in w for w in result.warnings), \
+            f"the {stack} export of {name} neither writes nor names {path}"
+
+
 def test_uneven_partition_is_a_megatron_layout_and_torchtitan_module_lists(plans, tmp_path):
     plan = plans["gpt3-175b_128x8xA100"]
     order = [n for c in autopar.exports.common.chunks_in_order(plan) for n in c]
@@ -495,7 +364,12 @@ def test_context_and_expert_parallelism_where_a_stack_has_none(plans):
     assert export(cp, "accelerate").field("parallelism_config.parallelism_config_cp_size").value == 2
     ep = dataclasses.replace(plan, config=dataclasses.replace(plan.config, ep=2))
     assert any("config.ep = 2" in w for w in export(ep, "accelerate").warnings)
-    assert export(ep, "deepspeed").field("expert_parallel.autoep_size").value == 2
+    ds = export(ep, "deepspeed")
+    assert ds.field("expert_parallel.enabled").value is True and ds.field("expert_parallel.autoep_size").value == 2
+    assert any("AutoEP replaces" in w and "moe_layer_pattern" in w for w in ds.warnings)
+    [split] = [w for w in ds.warnings if "does not split experts with tensor parallelism" in w]
+    assert "8 x the expert weights" in split and "autoep_size = 16" in split
+    assert any("configure_moe_param_groups" in w for w in ds.warnings)
     assert export(ep, "torchtitan").field("parallelism.expert_tensor_parallel_degree").value == 8
 
 
