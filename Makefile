@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(PY) bench/fidelity_published.py
 	$(PY) bench/activation_memory.py
 	$(PY) bench/capture_175b.py
+	$(PY) bench/standalone_emit.py
 	$(PY) bench/sharding_ilp.py
 	$(PY) bench/solver_scaling.py
 	$(PY) bench/plan_vs_megatron.py

@@ -108,21 +108,27 @@ MODEL_MODULE = "planned_model"
 
 def run_codegen(args: argparse.Namespace) -> int:
     from ..codegen.emit import SCRIPT, emit, run_hint
+    from ..codegen.folder import staged
     plan = load_plan(args.plan)
     factory = args.model_factory
-    if factory is None:
-        source = plan.extra.get("model")
-        if not source:
-            raise ConfigError(f"{args.plan} does not say how to build its model (it was not made by `autopar plan`): "
-                              "pass --model-factory package.module:function")
-        os.makedirs(args.output, exist_ok=True)
-        with open(os.path.join(args.output, MODEL_MODULE + ".py"), "w") as fh:
-            fh.write(model_module(source))
-        factory = f"{MODEL_MODULE}:build"
-    if args.standalone:   # the factory is imported here, to export the model: from OUT as train.py will
-        sys.path.insert(0, os.path.abspath(args.output))
-    script = emit(plan, args.output, model_factory=factory, batch_factory=args.batch_factory, loss_fn=args.loss_fn,
-                  lr=args.lr, standalone=args.standalone)
+    source = plan.extra.get("model")
+    if factory is None and not source:
+        raise ConfigError(f"{args.plan} does not say how to build its model (it was not made by `autopar plan`): "
+                          "pass --model-factory package.module:function")
+    with staged(args.output) as folder:   # OUT gets the files only if every one was written
+        if factory is None:
+            with open(os.path.join(folder, MODEL_MODULE + ".py"), "w") as fh:
+                fh.write(model_module(source))
+            factory = f"{MODEL_MODULE}:build"
+        # the factory is imported here, to export the model: from OUT as train.py will
+        sys.path.insert(0, folder)
+        sys.modules.pop(MODEL_MODULE, None)   # this folder's, not one an earlier call imported
+        try:
+            script = emit(plan, folder, model_factory=factory, batch_factory=args.batch_factory,
+                          loss_fn=args.loss_fn, lr=args.lr, standalone=args.standalone)
+        finally:
+            sys.path.remove(folder)
+    script = os.path.join(args.output, os.path.basename(script))
     written = [script, os.path.join(args.output, "plan.json")]
     if args.model_factory is None:
         written.append(os.path.join(args.output, MODEL_MODULE + ".py"))
@@ -132,19 +138,20 @@ def run_codegen(args: argparse.Namespace) -> int:
 
 
 def model_module(source: dict[str, Any]) -> str:
-    """``planned_model.py``: builds the plan's model with real weights, the same on every rank."""
+    """``planned_model.py``: ``build()`` builds the plan's model with real weights, the same on every rank;
+    ``build(device="meta")`` its shapes only (what ``codegen --standalone`` exports)."""
     spec, seq_len, dtype = source["model"], source.get("seq_len"), source.get("dtype", "fp32")
     torch_dtype = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16"}[dtype]
     if ":" in spec:
         module, fn = spec.split(":")
         imports = ["import inspect", "", "import torch", "", f"from {module} import {fn} as factory"]
         body = ['    takes_device = "device" in inspect.signature(factory).parameters',
-                '    model, _ = factory(device="cpu") if takes_device else factory()']
+                '    model, _ = factory(device=device) if takes_device else factory()']
     else:
         imports = ["import torch", "", "from autopar.models import registry"]
-        body = [f'    model, _ = registry.build({spec!r}, seq_len={seq_len!r}, device="cpu", dtype={torch_dtype})']
+        body = [f'    model, _ = registry.build({spec!r}, seq_len={seq_len!r}, device=device, dtype={torch_dtype})']
     lines = [f'"""The model the plan was made for: {spec} ({dtype}). Edit build() to load a checkpoint."""', "",
-             *imports, "", "", "def build():", "    torch.manual_seed(0)  # the same weights on every rank",
+             *imports, "", "", 'def build(device="cpu"):', "    torch.manual_seed(0)  # the same weights on every rank",
              *body, "    return model"]
     return "\n".join(lines) + "\n"
 
@@ -211,7 +218,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("plan", help="plan JSON file")
     gen.add_argument("-o", "--output", required=True, metavar="OUT", help="output folder")
     gen.add_argument("--model-factory", default=None, metavar="PKG.MOD:FN",
-                     help="function building the model with real weights (default: the plan's own MODEL)")
+                     help="function building the model with real weights (default: the plan's own MODEL); "
+                          "--standalone builds it with device=\"meta\" when it takes a device: no weights allocated")
     gen.add_argument("--batch-factory", default=None, metavar="PKG.MOD:FN",
                      help="fn(step, global_batch_size) -> batch (default: zero inputs shaped like the plan's)")
     gen.add_argument("--loss-fn", default=None, metavar="PKG.MOD:FN", help="for models that return no loss: the "

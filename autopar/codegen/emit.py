@@ -22,6 +22,7 @@ from ..capture.loss import EMIT, LOSS_FN, LossSource, check_loss
 from ..errors import ConfigError
 from ..plan import Plan
 from . import schedules
+from .folder import staged
 from .split import plan_chunks
 
 SCRIPT = "train.py"
@@ -44,7 +45,11 @@ def emit(plan: Plan, out_dir: str | os.PathLike, model_factory: str, *, batch_fa
 
     ``standalone``: compile the plan into a folder that trains with torch alone (standalone.py: the
     generated program, its pipeline executor and collectives; no import of autopar). The model is
-    built here once, from ``model_factory``, to be exported.
+    built here once, from ``model_factory``, to be exported on the meta device: a factory taking
+    ``device`` is given "meta" (no weights allocated, whatever the model's size).
+
+    The files reach ``out_dir`` only when all were written (codegen/folder.py): an error leaves it as it
+    was; a re-emit replaces the files it writes and keeps the folder's others (a checkpoint).
     """
     for name, ref in (("model_factory", model_factory), ("batch_factory", batch_factory), ("loss_fn", loss_fn)):
         if ref is not None and (not isinstance(ref, str) or ref.count(":") != 1 or not all(ref.split(":"))):
@@ -52,15 +57,16 @@ def emit(plan: Plan, out_dir: str | os.PathLike, model_factory: str, *, batch_fa
     if not isinstance(plan, Plan):
         raise ConfigError(f"plan must be an autopar.Plan, got {type(plan).__name__}")
     check_loss(plan.loss, LossSource(LOSS_FN, loss_fn) if loss_fn else None, to=EMIT)
-    os.makedirs(out_dir, exist_ok=True)
-    plan.save(os.path.join(out_dir, PLAN_FILE))
-    if standalone:
-        from .standalone import emit_standalone
-        return emit_standalone(plan, os.fspath(out_dir), model_factory, batch_factory, loss_fn, lr)
-    path = os.path.join(out_dir, SCRIPT)
-    with open(path, "w") as fh:
-        fh.write(render(plan, model_factory, batch_factory, loss_fn, lr))
-    return path
+    with staged(out_dir) as folder:   # out_dir gets the files only if every one was written (folder.py)
+        plan.save(os.path.join(folder, PLAN_FILE))
+        if standalone:
+            from .standalone import emit_standalone
+            script = emit_standalone(plan, folder, model_factory, batch_factory, loss_fn, lr)
+        else:
+            script = os.path.join(folder, SCRIPT)
+            with open(script, "w") as fh:
+                fh.write(render(plan, model_factory, batch_factory, loss_fn, lr))
+    return os.path.join(out_dir, os.path.basename(script))
 
 
 def render(plan: Plan, model_factory: str, batch_factory: str | None, loss_fn: str | None, lr: float) -> str:

@@ -18,7 +18,7 @@ The folder holds
   under ``--compile``), ``sharded_init.py`` (a meta-built model's values), and for a
   context-parallel plan ``context_ops.py``, ``ring_attention.py``, ``context_state.py``,
   ``failures.py`` (each imports torch and its siblings beside it);
-- ``buffers.pt``: the buffers and constants the graph reads (rotary tables, masks).
+- ``buffers.pt``: the constants the graph reads that the forward makes (not the model's buffers).
 
 Context parallelism runs as in-process: the same analysis (context.py), the same generated calls
 (context_ops.py, ring_attention.py, copied beside), one program for every rank of a
@@ -30,14 +30,21 @@ What the folder cannot run yet is refused at emit time with what to change: expe
 MoE regions run as one call (ep > 1, or cp > 1 on an MoE model), a batch that is not a flat tuple or
 dict of tensors.
 
-The model is built once here (from ``model_factory``, on the CPU) and exported at one micro-batch,
-as each rank of ``autopar.parallelize`` does: the same lowering, the same generated layers
-(tests/distributed/test_standalone.py runs the folder where autopar cannot be imported).
+The model is built once here, from ``model_factory``, on the meta device when the factory takes
+``device`` (``meta_model``: shapes, no weights, whatever the model's size: bench/standalone_emit.py
+measures GPT-3 175B's through the CLI's planned_model.py, target 2 GB), and exported on meta at one
+micro-batch, as each rank of ``autopar.parallelize`` does: the same lowering, the same generated
+layers (tests/distributed/test_standalone.py runs the folder where autopar cannot be imported). The
+buffers the graph reads are given their values by each rank, from the model train.py builds
+(``META_BUFFERS``); ``buffers.pt`` holds the constants the forward makes (constants.py gives those it
+makes on the meta device their values, without weights).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import os
 import pprint
 import shutil
@@ -52,6 +59,7 @@ from ..capture.loss import EMIT, check_loss
 from ..errors import ConfigError
 from ..plan import Plan
 from . import batches, dcp_state, optim, pipeline, recompute, schedules, sharded_init
+from .constants import fill_made_constants
 
 
 from .context import analyse
@@ -107,17 +115,17 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     if refusals:
         raise ConfigError(f"a standalone program cannot run {refusals[0]} ({cfg.short()}) yet: emit the script "
                           "that runs autopar.parallelize (standalone=False), or re-plan without it")
-    model = _load(model_factory)()
-    model = model[0] if isinstance(model, tuple) else model
-    loss = _load(loss_fn) if loss_fn else None
     record = plan.extra.get("inputs")
     if record is None:
         raise ConfigError("the plan does not record its example inputs: re-plan with autopar.plan")
-    # on inputs on the model's device: a meta-built model's are meta (it does not move its inputs, as
-    # Hugging Face's do not); the generated code creates its tensors on the rank's DEVICE either way
-    where = torch.device("meta") if sharded_init.has_meta(model) else torch.device("cpu")
-    exported = run_export(model, example_at(record, cfg.micro_batch_size, where), loss, train_mode=False)
+    model = meta_model(model_factory)
+    loss = _load(loss_fn) if loss_fn else None
+    # on meta inputs too (a model does not move its inputs, as Hugging Face's do not); the generated
+    # code creates its tensors on the rank's DEVICE
+    example = functools.partial(example_at, record, cfg.micro_batch_size)
+    exported = run_export(model, example(torch.device("meta")), loss, train_mode=False)
     check_loss(plan.loss, loss_source(exported), to=EMIT)   # a plan without its record: a stand-in shows here
+    fill_made_constants(exported, model, example, loss)   # constants the forward made from data: their values
     graph = graph_of(model, exported)
     check_structure(plan, graph)
     if cfg.cp > 1 and graph.moe:
@@ -138,7 +146,7 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     for module in (pipeline, batches, dcp_state, recompute, optim, sharded_init):
         shutil.copyfile(module.__file__, os.path.join(out_dir, os.path.basename(module.__file__)))
     shutil.copyfile(TRAIN_TEMPLATE, os.path.join(out_dir, TRAIN))
-    # a meta-built model's buffers: given values by each rank (META_BUFFERS); an empty constant any empty value
+    # the model's buffers (on meta here): given values by each rank (META_BUFFERS); an empty constant any empty value
     unset = {k: fqn for k, (_, fqn) in meta_buffers(exported, type(model).__name__).items() if fqn is not None}
     torch.save({k: empty_like_meta(v) if v.is_meta else v.detach().cpu() for k, v in split.buffer_value.items()
                 if k not in unset}, os.path.join(out_dir, BUFFERS))
@@ -162,6 +170,51 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
 def _load(ref: str) -> Any:
     module, name = ref.split(":")
     return getattr(importlib.import_module(module), name)
+
+
+def meta_model(model_factory: str) -> torch.nn.Module:
+    """The factory's model on the meta device: its graph is all the folder is generated from (the
+    structure check, the split and the lowering read shapes; a value the graph reads comes from the
+    model train.py builds: META_BUFFERS). A factory taking ``device`` is given "meta": no weight is
+    allocated, whatever the model's size. One without is called as it is (it may load a checkpoint, or
+    move the model to a device: not possible on meta) and what it builds elsewhere is moved to meta.
+    train.py calls it with no arguments on every rank: that is what trains."""
+    fn = _load(model_factory)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):   # a builtin or C callable: no signature to read
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind()
+        except TypeError:
+            raise ConfigError(f"model_factory {model_factory} {signature} must be callable with no arguments "
+                              "(train.py calls it so on every rank): give its parameters defaults") from None
+    if signature is None or "device" not in signature.parameters:
+        built = fn()
+    else:
+        try:
+            built = fn(device="meta")
+        except Exception as exc:   # noqa: BLE001 - named, with what to change
+            raise ConfigError(
+                f"model_factory {model_factory} fails with device=\"meta\" ({type(exc).__name__}: {exc}): the "
+                "standalone folder is generated from the model's shapes, never its weights; build it on that "
+                "device without reading values (train.py calls the factory with no arguments: its default device)"
+            ) from exc
+    model = built[0] if isinstance(built, tuple) else built
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model_factory {model_factory} must return an nn.Module (or (model, example_inputs)), "
+                          f"got {type(model).__name__}")
+    moved: dict[int, torch.Tensor] = {}   # what it made elsewhere: on meta too, ties kept
+    for module in model.modules():
+        for slot in ("_parameters", "_buffers"):
+            for name, t in list(getattr(module, slot).items()):
+                if t is not None and not t.is_meta:
+                    if id(t) not in moved:
+                        meta = t.detach().to("meta")
+                        moved[id(t)] = torch.nn.Parameter(meta, t.requires_grad) if slot == "_parameters" else meta
+                    getattr(module, slot)[name] = moved[id(t)]
+    return model
 
 
 def _chunk(chunk: Any, split: Any, lowered: Any, modes: list[str], crossing, context: ContextRank | None
@@ -260,7 +313,7 @@ def _constants(plan: Plan, split: Any, graph: Any, dims: dict, lowered: Any, cro
             f"# with whether ZeRO-3 keeps it gathered from forward to backward (the unit that ends the model)\n"
             f"UNITS = {fmt(units)}\n"
             f"VALUES = {fmt(values)}\n"
-            f"# buffers of a model built on the meta device (not in buffers.pt): given values by each rank\n"
+            f"# the buffers the graph reads (not in buffers.pt): each rank takes their values from its model\n"
             f"META_BUFFERS = {fmt(unset)}\n")
 
 
