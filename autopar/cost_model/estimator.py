@@ -16,6 +16,7 @@ device's layers, p2p, memory and ZeRO units.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -111,13 +112,22 @@ class Estimator:
         split = self.split_groups(cfg, groups if groups is not None else self.placements(cfg))
         key = (cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, mode, tp_group, split)
         if key not in self._costs:
-            kinds: dict[tuple, LayerCost] = {}   # each kind of layer priced once (LayerCostModel.kind)
-            for layer in self.graph.layers:
-                if self.layers.kind(layer) not in kinds:
-                    kinds[self.layers.kind(layer)] = self.layers.cost(
-                        layer, cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, mode, tp_group, split)
-            self._costs[key] = tuple(kinds[self.layers.kind(layer)] for layer in self.graph.layers)
+            kinds, first = self._kinds   # each kind of layer priced once (LayerCostModel.kind)
+            priced = [self.layers.cost(layer, cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, mode, tp_group,
+                                       split) for layer in first]
+            self._costs[key] = tuple(priced[k] for k in kinds)
         return self._costs[key]
+
+    @functools.cached_property
+    def _kinds(self) -> tuple[tuple[int, ...], tuple]:
+        """(each layer's kind as an index, the first layer of each kind), kinds in order of first layer."""
+        index: dict[tuple, int] = {}
+        first = []
+        for layer in self.graph.layers:
+            if self.layers.kind(layer) not in index:
+                index[self.layers.kind(layer)] = len(first)
+                first.append(layer)
+        return tuple(index[self.layers.kind(layer)] for layer in self.graph.layers), tuple(first)
 
     def peak_memory(self, cfg: ParallelConfig, micro_batches: int,
                     chunks: Sequence[Sequence[int]] | None = None) -> float:
