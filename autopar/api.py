@@ -45,7 +45,7 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *, global_batc
     ``verbose=False`` hides the progress bars (shown on a terminal for work over a second).
     """
     _check_cluster(cluster)
-    graph = capture(model, example_inputs, loss_fn)
+    graph = capture(model, example_inputs, loss_fn, progress=verbose)
     measured = _profiler(model, example_inputs, loss_fn, graph, cluster, profile_db) if profile else None
     best, _ = solve(graph, cluster, global_batch_size, precision=precision, fixed=fixed, time_limit=time_limit,
                     measured=measured, progress=verbose, ilp_time_limit=ilp_time_limit, ilp_node_limit=ilp_node_limit,
