@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -82,6 +83,7 @@ class Estimator:
     _units: dict = field(default_factory=dict)
     _device_params: dict = field(default_factory=dict)
     _costs: dict = field(default_factory=dict)
+    _groups: dict = field(default_factory=dict)   # placements, by (tp, cp, dp, ep, pp)
     _last: tuple = ()    # the last even split's (config, micro-batches, devices): memory, then time
     experts: frozenset[str] = field(init=False)   # the expert parameters (divided by ep)
     layer_flops: tuple[tuple[float, ...], ...] = field(init=False)   # _layer_flops
@@ -97,8 +99,13 @@ class Estimator:
         self.sequence_length = context_parallel.sequence_length(self.graph)
         self.tail = StepTail(self.cluster, self.precision, self.layers.measured)
 
-    def placements(self, cfg: ParallelConfig) -> dict[str, GroupPlacement]:
-        return mesh_groups(self.cluster, cfg)
+    def placements(self, cfg: ParallelConfig) -> Mapping[str, GroupPlacement]:
+        """mesh.mesh_groups of ``cfg`` (cached by the degrees it depends on: the search asks for the same
+        mesh under every micro-batch size, schedule and ZeRO stage); read-only."""
+        key = (cfg.tp, cfg.cp, cfg.dp, cfg.ep, cfg.pp)
+        if key not in self._groups:
+            self._groups[key] = MappingProxyType(mesh_groups(self.cluster, cfg))
+        return self._groups[key]
 
     def split_groups(self, cfg: ParallelConfig, groups: dict[str, GroupPlacement]) -> SplitGroups:
         return SplitGroups(cp=cfg.cp, cp_group=groups["cp"] if cfg.cp > 1 else None,
@@ -112,14 +119,14 @@ class Estimator:
         split = self.split_groups(cfg, groups if groups is not None else self.placements(cfg))
         key = (cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, mode, tp_group, split)
         if key not in self._costs:
-            kinds, first = self._kinds   # each kind of layer priced once (LayerCostModel.kind)
+            kinds, first = self.kinds   # each kind of layer priced once (LayerCostModel.kind)
             priced = [self.layers.cost(layer, cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, mode, tp_group,
                                        split) for layer in first]
             self._costs[key] = tuple(priced[k] for k in kinds)
         return self._costs[key]
 
     @functools.cached_property
-    def _kinds(self) -> tuple[tuple[int, ...], tuple]:
+    def kinds(self) -> tuple[tuple[int, ...], tuple]:
         """(each layer's kind as an index, the first layer of each kind), kinds in order of first layer."""
         index: dict[tuple, int] = {}
         first = []
