@@ -48,7 +48,7 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *, global_batc
     the mean of its output, a stand-in the plan's notes name and ``parallelize`` refuses to train on.
     """
     _check_cluster(cluster)
-    graph = capture(model, example_inputs, loss_fn)
+    graph = capture(model, example_inputs, loss_fn, progress=verbose)
     measured = _profiler(model, example_inputs, loss_fn, graph, cluster, profile_db) if profile else None
     best, _ = solve(graph, cluster, global_batch_size, precision=precision, fixed=fixed, time_limit=time_limit,
                     measured=measured, progress=verbose, ilp_time_limit=ilp_time_limit, ilp_node_limit=ilp_node_limit,

@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import CaptureError
+from ..progress import module_calls
 from .build import GraphWalk, batch_size_of, node_stacks
 from .export import LossFn, loss_source, run_export
 from .layers import build_layers
@@ -27,16 +28,19 @@ def param_aliases(model: nn.Module) -> dict[str, str]:
     return {name: canonical[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
 
 
-def capture(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None = None) -> OpGraph:
+def capture(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None = None, *,
+            progress: bool = False) -> OpGraph:
     """Capture ``model`` called on ``example_inputs`` (then ``loss_fn``) as an OpGraph.
 
     The model may live on the meta device; nothing is computed on real data. The
     graph is the training forward pass (dropout on) down to the scalar loss.
     Mixture-of-experts layers become :class:`MoERegion` records (``OpGraph.moe``) whose ops
     count only the routed work (capture/moe.py).
-    Raises :class:`autopar.CaptureError` naming the source line when export fails.
+    Raises :class:`autopar.CaptureError` naming the source line when export fails. ``progress``: a
+    bar of the repeated blocks traced (:func:`repeated_blocks`), on a terminal once it takes a second.
     """
-    program = run_export(model, example_inputs, loss_fn)
+    with module_calls(repeated_blocks(model), "autopar: capturing", "layers", enabled=progress):
+        program = run_export(model, example_inputs, loss_fn)
     try:
         return graph_of(model, program)
     except CaptureError:
@@ -44,6 +48,22 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None = None
         # stack traces, which plain exports leave out (export.py), so that the error names the line
         graph_of(model, run_export(model, example_inputs, loss_fn, stack_traces=True))
         raise
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks, as a progress bar counts them: the children of each ModuleList or
+    Sequential of two or more modules of one class (transformer layers), outermost only (not the
+    experts inside a layer)."""
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside or not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.children())
+        if len(children) > 1 and len({type(c) for c in children}) == 1:
+            blocks += children
+            inside.update(id(m) for c in children for m in c.modules())
+    return blocks
 
 
 def graph_of(model: nn.Module, program) -> OpGraph:

@@ -16,7 +16,9 @@ device's layers, p2p, memory and ZeRO units.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -81,6 +83,7 @@ class Estimator:
     _units: dict = field(default_factory=dict)
     _device_params: dict = field(default_factory=dict)
     _costs: dict = field(default_factory=dict)
+    _groups: dict = field(default_factory=dict)   # placements, by (tp, cp, dp, ep, pp)
     _last: tuple = ()    # the last even split's (config, micro-batches, devices): memory, then time
     experts: frozenset[str] = field(init=False)   # the expert parameters (divided by ep)
     layer_flops: tuple[tuple[float, ...], ...] = field(init=False)   # _layer_flops
@@ -96,8 +99,13 @@ class Estimator:
         self.sequence_length = context_parallel.sequence_length(self.graph)
         self.tail = StepTail(self.cluster, self.precision, self.layers.measured)
 
-    def placements(self, cfg: ParallelConfig) -> dict[str, GroupPlacement]:
-        return mesh_groups(self.cluster, cfg)
+    def placements(self, cfg: ParallelConfig) -> Mapping[str, GroupPlacement]:
+        """mesh.mesh_groups of ``cfg`` (cached by the degrees it depends on: the search asks for the same
+        mesh under every micro-batch size, schedule and ZeRO stage); read-only."""
+        key = (cfg.tp, cfg.cp, cfg.dp, cfg.ep, cfg.pp)
+        if key not in self._groups:
+            self._groups[key] = MappingProxyType(mesh_groups(self.cluster, cfg))
+        return self._groups[key]
 
     def split_groups(self, cfg: ParallelConfig, groups: dict[str, GroupPlacement]) -> SplitGroups:
         return SplitGroups(cp=cfg.cp, cp_group=groups["cp"] if cfg.cp > 1 else None,
@@ -111,13 +119,22 @@ class Estimator:
         split = self.split_groups(cfg, groups if groups is not None else self.placements(cfg))
         key = (cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, mode, tp_group, split)
         if key not in self._costs:
-            kinds: dict[tuple, LayerCost] = {}   # each kind of layer priced once (LayerCostModel.kind)
-            for layer in self.graph.layers:
-                if self.layers.kind(layer) not in kinds:
-                    kinds[self.layers.kind(layer)] = self.layers.cost(
-                        layer, cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, mode, tp_group, split)
-            self._costs[key] = tuple(kinds[self.layers.kind(layer)] for layer in self.graph.layers)
+            kinds, first = self.kinds   # each kind of layer priced once (LayerCostModel.kind)
+            priced = [self.layers.cost(layer, cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, mode, tp_group,
+                                       split) for layer in first]
+            self._costs[key] = tuple(priced[k] for k in kinds)
         return self._costs[key]
+
+    @functools.cached_property
+    def kinds(self) -> tuple[tuple[int, ...], tuple]:
+        """(each layer's kind as an index, the first layer of each kind), kinds in order of first layer."""
+        index: dict[tuple, int] = {}
+        first = []
+        for layer in self.graph.layers:
+            if self.layers.kind(layer) not in index:
+                index[self.layers.kind(layer)] = len(first)
+                first.append(layer)
+        return tuple(index[self.layers.kind(layer)] for layer in self.graph.layers), tuple(first)
 
     def peak_memory(self, cfg: ParallelConfig, micro_batches: int,
                     chunks: Sequence[Sequence[int]] | None = None) -> float:

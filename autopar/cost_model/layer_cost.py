@@ -130,6 +130,9 @@ class LayerCostModel:
     _step_bytes: dict[tuple[int, int], float] = field(default_factory=dict)
     _owner: Mapping[str, int] | None = None
     _fused: frozenset[str] | None = None
+    _acts: dict[tuple[int, bool], ActivationModel] = field(default_factory=dict)   # by (tp, sp)
+    _facts: dict[tuple, tuple] = field(default_factory=dict)   # _node_facts, by (layer, tp, sp)
+    _comms: dict[tuple, tuple] = field(default_factory=dict)   # _layer_comms, by (layer, tp, sp)
     expert_load_cv: float = expert_parallel.DEFAULT_LOAD_CV   # spread of the experts' shares of the rows
 
     def __post_init__(self) -> None:
@@ -191,13 +194,11 @@ class LayerCostModel:
         experts = expert_parallel.region_nodes(self.graph, layer.index) if split.ep > 1 else frozenset()
         imbalance = expert_parallel.imbalance(self.graph, layer.index, split.ep, self.expert_load_cv)
         fwd = bwd = core_fwd = flops = fwd_flops = core_flops = op_fwd = op_flops = 0.0
-        kept = op_kept(self.graph, layer)
         cp_fwd = cp_bwd = 0.0
         ops = grad_ops = 0
-        for node in self.graph.layer_nodes(layer):
+        for node, shard, dim, is_kept in self._node_facts(layer, tp, sp):
             ops += 1
             grad_ops += node.requires_grad
-            shard, dim = compute_shard(node, layout, sp), split_dim(node, layout)
             if split.cp > 1 and node.kind is OpKind.ATTENTION:
                 t = context_parallel.ring_attention_time(model, node, scale * split.cp, shard, dim, split.cp)
             elif node.name in experts:
@@ -219,7 +220,7 @@ class LayerCostModel:
             if node.attention_core:
                 core_fwd += t.fwd
                 core_flops += node.flops_fwd * node_scale
-            if node.name not in kept:
+            if not is_kept:
                 op_fwd += t.fwd * load
                 op_flops += node.flops_fwd * node_scale
         if tp > 1:  # the lowered layer code's host-side cost per op (its conversions, shape forms)
@@ -231,7 +232,7 @@ class LayerCostModel:
             ep_fwd, ep_bwd = expert_parallel.dispatch_time(self.graph, layer.index, layout, sp, scale,
                                                            self.precision.activation_bytes, imbalance,
                                                            split.ep_group, self.cluster)
-        acts = ActivationModel(self.graph, layout, self.precision, sp)
+        acts = self._activations(tp, sp)
         full = acts.layer_bytes(layer, "none", scale, self.owner)
         cost = LayerCost(fwd=fwd, bwd=bwd, recompute=0.0, tp_fwd=tp_fwd, tp_bwd=tp_bwd, activations=full,
                          activations_full=full, largest_tensor=acts.largest_tensor([layer], scale), flops=flops,
@@ -244,10 +245,7 @@ class LayerCostModel:
         """(forward, backward, forward but reduce-scatters: what recompute "op" reruns) seconds."""
         fwd = bwd = rerun = 0.0
         per = self.precision.activation_bytes
-        gathers = sequence_gathers(self.graph, layout, self.graph.layer_nodes(layer)) if sp else []
-        for comm in (*layout.comms.get(layer.index, ()), *gathers):
-            if comm.phase == "step":
-                continue  # gradient synchronisation once per step: Estimator.dp_exposed
+        for comm in self._layer_comms(layer, layout, sp):
             nbytes = comm.numel * per * (scale if comm.batch_dependent else 1.0)
             kind = _COLLECTIVES[comm.kind]
             t = collective_time(kind, nbytes, group, self.cluster)
@@ -259,6 +257,31 @@ class LayerCostModel:
             else:
                 bwd += t
         return fwd, bwd, rerun
+
+    def _node_facts(self, layer: Layer, tp: int, sp: bool) -> tuple[tuple[OpNode, int, str, bool], ...]:
+        """(node, compute shard, split GEMM dim, kept by recompute "op") of each node of ``layer`` under
+        tp's layout: what its pricing needs that no micro-batch size changes (cached)."""
+        key = (layer.index, tp, sp)
+        if key not in self._facts:
+            layout, kept = self.layout(tp), op_kept(self.graph, layer)
+            self._facts[key] = tuple((node, compute_shard(node, layout, sp), split_dim(node, layout), node.name in kept)
+                                     for node in self.graph.layer_nodes(layer))
+        return self._facts[key]
+
+    def _layer_comms(self, layer: Layer, layout: TPLayout, sp: bool) -> tuple:
+        """The layer's tensor-parallel collectives per micro-batch (the layout's, and under sequence
+        parallelism its gathers), without the once-per-step gradient ones (Estimator.dp_exposed); cached."""
+        key = (layer.index, layout.tp, sp)
+        if key not in self._comms:
+            gathers = sequence_gathers(self.graph, layout, self.graph.layer_nodes(layer)) if sp else []
+            self._comms[key] = tuple(c for c in (*layout.comms.get(layer.index, ()), *gathers) if c.phase != "step")
+        return self._comms[key]
+
+    def _activations(self, tp: int, sp: bool) -> ActivationModel:
+        """The activation model of tp's layout (one per layout: it caches each layer's terms)."""
+        if (tp, sp) not in self._acts:
+            self._acts[(tp, sp)] = ActivationModel(self.graph, self.layout(tp), self.precision, sp)
+        return self._acts[(tp, sp)]
 
     def step_comm_bytes(self, layer: Layer, tp: int) -> float:
         """Gradient bytes this layer all-reduces inside its tensor-parallel group once per step."""

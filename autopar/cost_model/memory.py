@@ -31,7 +31,7 @@ codegen/schedules.py runs it) and takes the most its in-flight passes hold at on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
@@ -98,12 +98,18 @@ def op_kept(graph: OpGraph, layer: Layer) -> frozenset[str]:
 
 @dataclass(frozen=True)
 class ActivationModel:
-    """Activation bytes per layer for one graph, tensor-parallel layout and precision."""
+    """Activation bytes per layer for one graph, tensor-parallel layout and precision.
+
+    A tensor's bytes on a device are ``nbytes * (micro-batch scale if it scales with the batch) /
+    shard``; everything but the scale is fixed by the layer, mode and layout, so each layer's terms are
+    listed once (:meth:`_terms`) and only scaled per micro-batch size (the search prices every layer at
+    every micro-batch size)."""
 
     graph: OpGraph
     layout: TPLayout
     precision: Precision
     sequence_parallel: bool = False
+    _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def _saved_in(self, layer: Layer, owner: Mapping[str, int]) -> Iterable[SavedTensor]:
         seen: set[str] = set()
@@ -113,43 +119,62 @@ class ActivationModel:
                     seen.add(st.root)
                     yield st
 
-    def _bytes(self, st: SavedTensor, batch_scale: float) -> float:
-        scale = batch_scale if st.batch_dependent else 1.0
-        return (st.nbytes(self.precision.activation_bytes, self.graph.float_dtype) * scale
-                / self.layout.shard(st.root, self.sequence_parallel))
+    def _term(self, name: str, st: SavedTensor, per: int | None) -> tuple[int, bool, int]:
+        """(bytes unscaled, scales with the batch, shard) of one tensor."""
+        return st.nbytes(per, self.graph.float_dtype), st.batch_dependent, self.layout.shard(name, self.sequence_parallel)
+
+    def _terms(self, what: str, layer: Layer, owner: Mapping[str, int] | None = None) -> tuple[tuple, ...]:
+        """The terms of ``what`` in ``layer``, in summation order (cached): "none" / "selective" the
+        tensors it saves (all, or all but the attention core's), "boundary" those entering it, "outputs"
+        its ops' first outputs, "kept" the outputs of :func:`op_kept`'s nodes."""
+        key = (what, layer.index, id(owner))
+        if key not in self._cache:
+            self._cache[key] = tuple(self._list(what, layer, owner))
+        return self._cache[key]
+
+    def _list(self, what: str, layer: Layer, owner: Mapping[str, int] | None) -> Iterable[tuple]:
+        graph, per = self.graph, self.precision.activation_bytes
+        if what in ("none", "selective"):
+            for st in self._saved_in(layer, owner):
+                if what == "none" or not self._in_core(st.root):
+                    yield self._term(st.root, st, per)
+        elif what == "boundary":
+            for name in layer.inputs:
+                if name in graph.node_index:
+                    node = graph.node(name)
+                    meta, bd = node.outputs[0], node.batch_dependent
+                else:
+                    gi = next((g for g in graph.inputs if g.name == name), None)
+                    if gi is None:
+                        continue
+                    meta, bd = gi.meta, gi.batch_dependent
+                yield self._term(name, SavedTensor(name, meta.numel, meta.dtype, bd), per if meta.is_float else None)
+        else:
+            nodes = (graph.layer_nodes(layer) if what == "outputs"
+                     else (graph.node(name) for name in op_kept(graph, layer)))
+            for node in nodes:
+                meta = node.outputs[0]
+                yield self._term(node.name, SavedTensor(node.name, meta.numel, meta.dtype, node.batch_dependent),
+                                 per if meta.is_float else None)
+
+    @staticmethod
+    def _sum(terms: Iterable[tuple], batch_scale: float, start=0.0) -> float:
+        total = start
+        for nbytes, bd, shard in terms:
+            total += nbytes * (batch_scale if bd else 1.0) / shard
+        return total
 
     def layer_bytes(self, layer: Layer, recompute: str, batch_scale: float, owner: Mapping[str, int]) -> float:
         """Activation bytes one micro-batch leaves in ``layer`` until its backward."""
         if recompute == "full":
             return self.boundary_bytes(layer, batch_scale)
         if recompute == "op":
-            return self.boundary_bytes(layer, batch_scale) + sum(
-                self._output_bytes(self.graph.node(name), batch_scale) for name in op_kept(self.graph, layer))
-        total = 0.0
-        for st in self._saved_in(layer, owner):
-            if recompute == "selective" and self._in_core(st.root):
-                continue
-            total += self._bytes(st, batch_scale)
-        return total
+            return self.boundary_bytes(layer, batch_scale) + self._sum(self._terms("kept", layer), batch_scale, 0)
+        return self._sum(self._terms("selective" if recompute == "selective" else "none", layer, owner), batch_scale)
 
     def boundary_bytes(self, layer: Layer, batch_scale: float) -> float:
         """Bytes of the activations entering ``layer`` from earlier layers (what full recompute keeps)."""
-        total = 0.0
-        graph = self.graph
-        for name in layer.inputs:
-            if name in graph.node_index:
-                node = graph.node(name)
-                meta, bd = node.outputs[0], node.batch_dependent
-            else:
-                gi = next((g for g in graph.inputs if g.name == name), None)
-                if gi is None:
-                    continue
-                meta, bd = gi.meta, gi.batch_dependent
-            per = self.precision.activation_bytes if meta.is_float else None
-            st = SavedTensor(name, meta.numel, meta.dtype, bd)
-            total += (st.nbytes(per, graph.float_dtype) * (batch_scale if bd else 1.0)
-                      / self.layout.shard(name, self.sequence_parallel))
-        return total
+        return self._sum(self._terms("boundary", layer), batch_scale)
 
     def _in_core(self, root: str) -> bool:
         name = root.split(":")[0]
@@ -157,16 +182,14 @@ class ActivationModel:
 
     def largest_tensor(self, layers: Iterable[Layer], batch_scale: float) -> float:
         """Bytes of the largest activation any op of these layers produces (a gradient buffer's size)."""
-        return max((self._output_bytes(node, batch_scale)
-                    for layer in layers for node in self.graph.layer_nodes(layer)), default=0.0)
+        return max((nbytes * (batch_scale if bd else 1.0) / shard
+                    for layer in layers for nbytes, bd, shard in self._distinct_outputs(layer)), default=0.0)
 
-    def _output_bytes(self, node, batch_scale: float) -> float:
-        """Bytes of the node's (first) output on this device."""
-        meta = node.outputs[0]
-        per = self.precision.activation_bytes if meta.is_float else None
-        st = SavedTensor(node.name, meta.numel, meta.dtype, node.batch_dependent)
-        return (st.nbytes(per, self.graph.float_dtype) * (batch_scale if node.batch_dependent else 1.0)
-                / self.layout.shard(node.name, self.sequence_parallel))
+    def _distinct_outputs(self, layer: Layer) -> tuple[tuple, ...]:
+        key = ("distinct", layer.index)
+        if key not in self._cache:
+            self._cache[key] = tuple(dict.fromkeys(self._terms("outputs", layer)))
+        return self._cache[key]
 
 
 def in_flight(cfg: ParallelConfig, stage: int, micro_batches: int) -> int:

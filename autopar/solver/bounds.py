@@ -103,9 +103,12 @@ class SearchBounds:
             cfg = c.config()
             groups = est.placements(cfg)
             costs = [est.layer_costs(cfg, groups["tp"], m, groups) for m in self.bound_modes]
-            work = np.array([[x.work for x in col] for col in costs]).T            # (layers, modes)
-            acts = np.array([[x.activations for x in col] for col in costs]).T
-            rows, counts = np.unique(np.concatenate([work, acts], axis=1), axis=0, return_counts=True)
+            kinds, first = est.kinds    # layers of one kind share their costs: each priced once
+            kind_work = np.array([[col[layer.index].work for col in costs] for layer in first])    # (kinds, modes)
+            kind_acts = np.array([[col[layer.index].activations for col in costs] for layer in first])
+            work, acts = kind_work[list(kinds)], kind_acts[list(kinds)]                          # (layers, modes)
+            rows, inverse = np.unique(np.concatenate([kind_work, kind_acts], axis=1), axis=0, return_inverse=True)
+            counts = np.bincount(np.asarray(inverse).reshape(-1)[list(kinds)], minlength=len(rows))
             cheapest = work.min(axis=1)
             modes = len(self.bound_modes)
             params, experts = self._local_params(c, cfg)

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
+import numpy as np
+
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
 from ..config import ParallelConfig, Precision
@@ -37,7 +39,7 @@ from ..cost_model.compute import MeasuredTimes
 from ..cost_model.layer_cost import LayerCostModel
 from ..cost_model.tensor_parallel import TPLayout
 from ..plan import Plan
-from ..progress import progress_bar
+from ..progress import counter
 from .choice import TIE, TOP_ALTERNATIVES, DEFAULT_TIE_TOLERANCE, Seen, choose, could_beat
 from .bounds import LayerWork, SearchBounds
 from .even_split import EvenSplitPlans, Split
@@ -75,6 +77,27 @@ class SearchStats:
 
 
 @dataclass
+class Settled:
+    """The queued candidates whose fate is known, which the search's bar counts: evaluated, pruned by
+    memory when refined, or with a bound at or above the fastest plan so far (pruned by the bound: the
+    search never visits them, the best only gets faster). Most are settled by the first plans found,
+    so the bar's rate and remaining time are those of the search, not of visiting every candidate."""
+
+    bound: np.ndarray    # by queue index: the candidate's bound, as refined so far
+    done: np.ndarray     # by queue index: evaluated or pruned by memory
+
+    @classmethod
+    def of(cls, queue: list) -> "Settled":
+        bound = np.empty(len(queue))
+        for entry in queue:
+            bound[entry[2]] = entry[0]
+        return cls(bound, np.zeros(len(queue), dtype=bool))
+
+    def count(self, limit: float) -> int:
+        return int(np.count_nonzero(self.done | (self.bound >= limit)))
+
+
+@dataclass
 class Search(SearchBounds, EvenSplitPlans):
     """One search of one graph on one cluster and global batch."""
 
@@ -91,6 +114,7 @@ class Search(SearchBounds, EvenSplitPlans):
     tie_tolerance: float = DEFAULT_TIE_TOLERANCE   # plans this close to the fastest are ties (choice.py)
     must_fit: bool = True      # False: the fastest plan whatever its memory (an estimate of a config that fits nowhere)
     stats: SearchStats = field(default_factory=SearchStats)
+    settled: Settled | None = None     # the run's queue, as its bar counts it
     _estimators: dict[str, Estimator] = field(default_factory=dict)
     _work: dict[tuple, LayerWork] = field(default_factory=dict)
     _mesh_ok: dict[tuple, bool] = field(default_factory=dict)       # (tp, cp, dp, ep, pp) -> placeable
@@ -199,29 +223,41 @@ class Search(SearchBounds, EvenSplitPlans):
         t0 = time.perf_counter()
         deadline = None if self.time_limit is None else t0 + self.time_limit
         queue = self._queue(deadline)
+        self.settled = Settled.of(queue)
+        total = len(queue)
+        with counter("autopar: searching", total=total, unit="candidates", enabled=self.progress) as bar:
+            best, best_c, seen = self._search(queue, deadline, bar)
+            bar.update(total - bar.n)   # the rest are pruned by the bound
+        self.stats.pruned_bound = self.stats.candidates - self.stats.dominated - self.stats.pruned_memory \
+            - self.stats.evaluated
+        self.stats.search_seconds = time.perf_counter() - t0
+        return best, best_c, seen
+
+    def _search(self, queue: list, deadline: float | None, bar) -> tuple[Plan | None, Candidate | None, Seen]:
+        """:meth:`run`'s three passes over the bounded ``queue``, moving ``bar`` by the settled candidates."""
         seen: Seen = []
         fastest: list[Plan] = []      # the fastest plan so far (at most one)
 
-        def evaluate(lb_t: float, c: Candidate) -> None:
+        def evaluate(lb_t: float, index: int, c: Candidate) -> None:
             result = self.evaluate(c)
             self.stats.evaluated += 1
+            self.settled.done[index] = True
             seen.append((lb_t, c, result))
             if not isinstance(result, Plan):
                 self.stats.infeasible += 1
             elif not fastest or result.step_time < fastest[0].step_time:
                 fastest[:] = [result]
+            bar.update(self.settled.count(fastest[0].step_time if fastest else math.inf) - bar.n)
 
-        bar = progress_bar(iter(lambda: self._next(queue, fastest[0].step_time if fastest else math.inf, deadline),
-                                     None),
-                           "autopar: searching", total=len(queue), enabled=self.progress)
-        for lb_t, _, _, _, c in bar:
+        for lb_t, _, index, _, c in iter(lambda: self._next(queue, fastest[0].step_time if fastest else math.inf,
+                                                           deadline), None):
             if self._past(deadline) and fastest:
                 # every candidate left has a bound >= this one's (the queue is in bound order)
                 self.stats.timed_out = True
                 if not self.stats.unbounded:
                     self.stats.gap = max(0.0, (fastest[0].step_time - lb_t) / fastest[0].step_time)
                 break
-            evaluate(lb_t, c)
+            evaluate(lb_t, index, c)
         if fastest and not self.stats.timed_out:
             band = fastest[0].step_time * (1 + self.tie_tolerance) * (1 + TIE)
             deferred = []
@@ -232,7 +268,7 @@ class Search(SearchBounds, EvenSplitPlans):
                     deferred.append(entry)
                     break
                 if could_beat(entry[-1], entry[0], choice):
-                    evaluate(entry[0], entry[-1])
+                    evaluate(entry[0], entry[2], entry[-1])
                     if isinstance(seen[-1][2], Plan):   # no plan here is faster than fastest[0]
                         choice = choose((choice, seen[-1][2]), self.tie_tolerance, fastest[0].step_time)
                 else:
@@ -244,13 +280,10 @@ class Search(SearchBounds, EvenSplitPlans):
             self._plain(queue, seen, evaluate, deadline)
         if best is not None:
             self._runners_up(best, queue, seen, evaluate, deadline)
-        self.stats.pruned_bound = self.stats.candidates - self.stats.dominated - self.stats.pruned_memory \
-            - self.stats.evaluated
-        self.stats.search_seconds = time.perf_counter() - t0
         best_c = next((c for _, c, r in seen if r is best), None)
         return best, best_c, seen
 
-    def _runners_up(self, best: Plan, queue: list, seen: Seen, evaluate: Callable[[float, Candidate], None],
+    def _runners_up(self, best: Plan, queue: list, seen: Seen, evaluate: Callable[[float, int, Candidate], None],
                     deadline: float | None) -> None:
         """Evaluate the next candidates in bound order until TOP_ALTERNATIVES configurations other than
         ``best``'s have a plan (the runners-up plan.explain() shows): where the bounds are tight the
@@ -259,9 +292,9 @@ class Search(SearchBounds, EvenSplitPlans):
             return len({r.config for _, _, r in seen if isinstance(r, Plan) and r.config != best.config})
         while others() < TOP_ALTERNATIVES and not self._past(deadline) and \
                 (entry := self._next(queue, math.inf, deadline)) is not None:
-            evaluate(entry[0], entry[-1])
+            evaluate(entry[0], entry[2], entry[-1])
 
-    def _plain(self, queue: list, seen: Seen, evaluate: Callable[[float, Candidate], None],
+    def _plain(self, queue: list, seen: Seen, evaluate: Callable[[float, int, Candidate], None],
                deadline: float | None) -> None:
         """Evaluate the zero=0 candidates in bound order up to the fastest zero=0 plan (a runner-up)."""
         plain = [e for e in queue if e[-1].zero == 0]
@@ -272,7 +305,7 @@ class Search(SearchBounds, EvenSplitPlans):
             return min((r.step_time for _, _, r in seen if isinstance(r, Plan) and r.config.zero == 0),
                        default=math.inf)
         while not self._past(deadline) and (entry := self._next(plain, best_plain(), deadline)) is not None:
-            evaluate(entry[0], entry[-1])
+            evaluate(entry[0], entry[2], entry[-1])
         queue += plain
 
     @staticmethod
@@ -283,21 +316,23 @@ class Search(SearchBounds, EvenSplitPlans):
         """Every usable candidate not dominated or pruned by memory, as a heap of
         (bound, sort key, index, pending refinement: "summed" at first (_next), candidate)."""
         queue = []
-        for c in self._usable():
-            if queue and self._past(deadline):
-                # past the limit with something to evaluate: the candidates not yet bounded are
-                # left out, so no gap can be claimed for them
-                self.stats.timed_out, self.stats.unbounded = True, True
-                break
-            self.stats.candidates += 1
-            if self._duplicate(c) or (c.schedule == "gpipe" and "schedule" not in self.fixed):
-                self.stats.dominated += 1
-                continue
-            lb_t, lb_m = self.bounds(c)
-            if lb_m > self.cluster.device.memory and self.must_fit:
-                self.stats.pruned_memory += 1
-                continue
-            queue.append((lb_t, c.sort_key(), len(queue), "summed", c))   # the index keeps ties ordered
+        with counter("autopar: bounding", unit="candidates", enabled=self.progress) as bar:
+            for c in self._usable():
+                if queue and self._past(deadline):
+                    # past the limit with something to evaluate: the candidates not yet bounded are
+                    # left out, so no gap can be claimed for them
+                    self.stats.timed_out, self.stats.unbounded = True, True
+                    break
+                self.stats.candidates += 1
+                bar.update(1)
+                if self._duplicate(c) or (c.schedule == "gpipe" and "schedule" not in self.fixed):
+                    self.stats.dominated += 1
+                    continue
+                lb_t, lb_m = self.bounds(c)
+                if lb_m > self.cluster.device.memory and self.must_fit:
+                    self.stats.pruned_memory += 1
+                    continue
+                queue.append((lb_t, c.sort_key(), len(queue), "summed", c))   # the index keeps ties ordered
         heapq.heapify(queue)
         return queue
 
@@ -322,9 +357,19 @@ class Search(SearchBounds, EvenSplitPlans):
                 after = "even" if self._even_split(c) else None
             if tighter is None:
                 self.stats.pruned_memory += 1
+                self._settle(index, None)
                 continue
+            self._settle(index, tighter)
             heapq.heappush(queue, (tighter, key, index, after, c))
         return None
+
+    def _settle(self, index: int, bound: float | None) -> None:
+        """Record a refinement for the bar (:class:`Settled`): the tighter bound, or None: pruned by memory."""
+        if self.settled is not None:
+            if bound is None:
+                self.settled.done[index] = True
+            else:
+                self.settled.bound[index] = bound
 
     def least_memory_overall(self) -> tuple[float, ParallelConfig | None]:
         """The least peak memory per device over every candidate, and the configuration reaching it

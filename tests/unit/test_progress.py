@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import sys
 
 import autopar.progress as progress
+import autopar.solver.search as search_module
+from autopar import Cluster
+from autopar.capture import capture
+from autopar.models.llama import LlamaConfig, build_llama
+from autopar.solver import solve
+
+SMALL_LLAMA = LlamaConfig(vocab_size=512, hidden=256, heads=4, kv_heads=2, layers=3, ffn_hidden=512, seq_len=128)
 
 
 class Terminal(io.StringIO):
@@ -34,3 +42,57 @@ def test_pipe_or_disabled_stays_quiet(monkeypatch):
     for tty, enabled in ((False, True), (True, False)):
         items, shown = _run(monkeypatch, tty=tty, enabled=enabled)
         assert items == list(range(5)) and shown == ""
+
+
+class Recorded:
+    """A bar that records what it was told, for deterministic checks of counts and units."""
+
+    def __init__(self, desc: str, total, unit: str) -> None:
+        self.desc, self.total, self.unit, self.n, self.seen = desc, total, unit, 0, []
+
+    def update(self, k: int) -> None:
+        self.n += k
+        self.seen.append(self.n)
+
+
+def _recording(monkeypatch, module) -> list[Recorded]:
+    bars: list[Recorded] = []
+
+    @contextlib.contextmanager
+    def counter(desc, total=None, unit="it", enabled=True):
+        bar = Recorded(desc, total, unit)
+        if enabled:
+            bars.append(bar)
+        yield bar
+    monkeypatch.setattr(module, "counter", counter)
+    return bars
+
+
+def test_capture_counts_the_repeated_layers_it_traces(monkeypatch):
+    """A bar of the blocks traced, in layers; the graph is the same with and without it."""
+    bars = _recording(monkeypatch, progress)
+    model, inputs = build_llama(SMALL_LLAMA, batch_size=1, device="meta")
+    quiet = capture(model, inputs)
+    assert bars == []
+    shown = capture(model, inputs, progress=True)
+    assert [(b.desc, b.total, b.unit, b.seen) for b in bars] == [("autopar: capturing", 3, "layers", [1, 2, 3])]
+    assert shown.nodes == quiet.nodes and shown.structure.fingerprint == quiet.structure.fingerprint
+
+
+def test_search_bars_count_candidates_bounded_and_settled(monkeypatch):
+    """Bounding counts every candidate; the search's bar counts the queued candidates whose fate is
+    known, most of them pruned by the first plans' step times, so that its remaining time is the
+    search's (a bar of evaluations over every queued candidate showed hours for seconds)."""
+    bars = _recording(monkeypatch, search_module)
+    model, inputs = build_llama(SMALL_LLAMA, batch_size=1, device="meta")
+    graph = capture(model, inputs)
+    _, stats = solve(graph, Cluster.from_spec("4x8xA100-80GB"), 256, progress=True)
+    bounding, searching = bars
+    assert (bounding.desc, bounding.unit, bounding.total, bounding.n) == \
+        ("autopar: bounding", "candidates", None, stats.candidates)
+    assert (searching.desc, searching.unit, searching.n) == ("autopar: searching", "candidates", searching.total)
+    assert stats.evaluated <= searching.total <= stats.candidates - stats.dominated
+    assert searching.seen == sorted(searching.seen)
+    first = searching.seen[0]       # after the first evaluation
+    assert stats.evaluated > 1 and first > searching.total // 2
+

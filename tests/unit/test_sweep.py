@@ -136,7 +136,7 @@ def test_captures_once_and_workers_give_the_same_plans(swept, tiny, monkeypatch)
     model, inputs = tiny
     calls = []
     real = SWEEP.capture
-    monkeypatch.setattr(SWEEP, "capture", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(SWEEP, "capture", lambda *a, **k: calls.append(1) or real(*a, **k))
     parallel = autopar.sweep(model, NODE, inputs, nodes=[1, 2, 4], global_batch_size=BATCH, fixed={"dp": 4},
                              tokens=TOKENS, price_per_gpu_hour=PRICE, workers=2, verbose=False)
     assert len(calls) == 1
