@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import nn
 
 from ..errors import CaptureError
 from .build import GraphWalk, batch_size_of, node_stacks
+from .dtypes import check_dtypes
 from .export import LossFn, run_export
 from .layers import build_layers
 from .moe import count_routed_flops, eager_warning, find_regions
@@ -33,11 +35,14 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None = None
     graph is the training forward pass (dropout on) down to the scalar loss.
     Mixture-of-experts layers become :class:`MoERegion` records (``OpGraph.moe``) whose ops
     count only the routed work (capture/moe.py).
-    Raises :class:`autopar.CaptureError` naming the source line when export fails.
+    Raises :class:`autopar.CaptureError` naming the source line when export fails, and naming the
+    example input when an op mixes dtypes a real kernel refuses (capture/dtypes.py).
     """
     program = run_export(model, example_inputs, loss_fn)
+    casts = check_dtypes(program, type(model).__name__, example_inputs)   # raises where a real kernel would
     try:
-        return graph_of(model, program)
+        graph = graph_of(model, program)
+        return dataclasses.replace(graph, warnings=graph.warnings + casts) if casts else graph
     except CaptureError:
         # the graph cannot be planned (an op whose shape depends on tensor values): exported again with
         # stack traces, which plain exports leave out (export.py), so that the error names the line
