@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import nn
@@ -9,6 +10,7 @@ from torch import nn
 from ..errors import CaptureError
 from ..progress import module_calls
 from .build import GraphWalk, batch_size_of, node_stacks
+from .dtypes import check_dtypes
 from .export import LossFn, loss_source, run_export
 from .layers import build_layers
 from .loss import LossSource
@@ -36,13 +38,16 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None = None
     graph is the training forward pass (dropout on) down to the scalar loss.
     Mixture-of-experts layers become :class:`MoERegion` records (``OpGraph.moe``) whose ops
     count only the routed work (capture/moe.py).
-    Raises :class:`autopar.CaptureError` naming the source line when export fails. ``progress``: a
+    Raises :class:`autopar.CaptureError` naming the source line when export fails, and naming the
+    example input when an op mixes dtypes a real kernel refuses (capture/dtypes.py). ``progress``: a
     bar of the repeated blocks traced (:func:`repeated_blocks`), on a terminal once it takes a second.
     """
     with module_calls(repeated_blocks(model), "autopar: capturing", "layers", enabled=progress):
         program = run_export(model, example_inputs, loss_fn)
+    casts = check_dtypes(program, type(model).__name__, example_inputs)   # raises where a real kernel would
     try:
-        return graph_of(model, program)
+        graph = graph_of(model, program)
+        return dataclasses.replace(graph, warnings=graph.warnings + casts) if casts else graph
     except CaptureError:
         # the graph cannot be planned (an op whose shape depends on tensor values): exported again with
         # stack traces, which plain exports leave out (export.py), so that the error names the line
