@@ -235,14 +235,22 @@ def _config(arch: Architecture) -> Any:
     return config
 
 
+_DROPOUTS = ("dropout", "layerdrop", "drop_path", "drop_rate")
+
+
 def _set_dropout(config: Any, p: float) -> None:
-    """Every dropout probability of ``config`` and its sub-configs set to ``p``, LayerDrop's (a whole
-    layer skipped at random: a branch on a random number, which a static graph cannot hold) too."""
+    """Every dropout probability of ``config`` and its sub-configs set to ``p`` (a per-stage list's every
+    entry), LayerDrop's (a whole layer skipped at random: a branch on a random number, which a static
+    graph cannot hold) and stochastic depth's (``drop_path_rate``: a sample's residual branch dropped at
+    random, BEiT's 0.1) too."""
     for name, value in list(vars(config).items()):
         if _is_config(value):
             _set_dropout(value, p)
-        elif ("dropout" in name or "layerdrop" in name or name.endswith("pdrop")) and isinstance(value, float):
-            setattr(config, name, p)
+        elif any(k in name for k in _DROPOUTS) or name.endswith("pdrop"):
+            if isinstance(value, float):
+                setattr(config, name, p)
+            elif isinstance(value, (list, tuple)) and value and all(isinstance(v, float) for v in value):
+                setattr(config, name, type(value)(p for _ in value))
 
 
 def build(arch: Architecture, device: str = "cpu", seed: int = 0, dropout: float | None = None) -> torch.nn.Module:
@@ -271,16 +279,17 @@ def example(arch: Architecture, model: torch.nn.Module, batch: int, seed: int = 
             device: str = "cpu") -> dict[str, torch.Tensor]:
     """``input_ids`` and ``labels`` for ``batch`` sequences of SEQ tokens (labels: the tokens for
     language models, a class per sequence for classification); for an image classifier
-    ``pixel_values`` (float, the channels and image size of its config, or of its vision config) and
-    a class per image."""
+    ``pixel_values`` (the channels and image size of its config, or of its vision config; in the
+    model's floating dtype) and a class per image."""
     g = torch.Generator().manual_seed(seed)
     if arch.task == "image-classification":
         vision = getattr(model.config, "vision_config", None) or model.config
         size = getattr(vision, "image_size", IMAGE)
         height, width = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         pixels = torch.randn(batch, getattr(vision, "num_channels", 3), height, width, generator=g)
         labels = torch.randint(0, CLASSES, (batch,), generator=g)
-        return {"pixel_values": pixels.to(device), "labels": labels.to(device)}
+        return {"pixel_values": pixels.to(device, dtype), "labels": labels.to(device)}
     vocab = getattr(model.config, "vocab_size", None) or getattr(model.config.get_text_config(), "vocab_size", VOCAB)
     ids = torch.randint(1, min(vocab, VOCAB), (batch, SEQ), generator=g)
     eos = getattr(model.config, "eos_token_id", None)

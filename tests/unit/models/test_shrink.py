@@ -8,6 +8,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402
 
 from autopar.models import shrink  # noqa: E402
 
@@ -119,3 +120,13 @@ def test_a_stage_wise_encoder_keeps_its_stages():
     assert config.hidden_size == config.embed_dim * 8
     assert all((config.embed_dim * 2 ** i) % h == 0 for i, h in enumerate(config.num_heads))
     assert config.window_size <= shrink.IMAGE // config.patch_size // 8
+
+
+def test_dropout_off_turns_stochastic_depth_off_and_pixels_follow_the_dtype():
+    """BEiT drops a sample's residual branch at random (drop_path_rate 0.1): with it on, its dp=2 loss
+    differed from one process's. A float64 model (the sweep's second look) gets float64 pixels."""
+    arch = next(a for a in shrink.architectures() if a.name == "BeitForImageClassification")
+    assert transformers.BeitConfig().drop_path_rate > 0
+    model = shrink.build(arch, "meta", dropout=0.0)
+    assert model.config.drop_path_rate == 0.0
+    assert shrink.example(arch, model.double(), 1, device="meta")["pixel_values"].dtype == torch.float64
