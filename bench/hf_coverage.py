@@ -128,7 +128,9 @@ def write_doc(rows: dict[str, dict], tasks: dict[str, str], version: str, everyt
     lines += ["", "## Equal to one process only in float64", "",
               "Float32 rounding that the 3 AdamW steps grow past the tolerance (eps 1e-4 turns a gradient entry "
               "near it into a different update; large activations or an exponential recurrence grow that at each "
-              "step); in float64 the same configuration is equal to one process (tests/distributed/hf_sweep.py, "
+              "step), or that a batch norm over a few values per channel amplifies in the first step's gradients "
+              "(the image classifiers' last stage: 2x2 pixels, its variance dividing every gradient below it); in "
+              "float64 the same configuration is equal to one process (tests/distributed/hf_sweep.py, "
               "float64_look).", ""]
     lines += [f"- {name} ({c}): {detail[:240]}" for name, c, detail in only64] or ["None."]
     for status, title in (("failed", "Failures"), ("refused", "Refusals")):
@@ -143,7 +145,7 @@ def write_doc(rows: dict[str, dict], tasks: dict[str, str], version: str, everyt
               "(or pixels).", ""]
     for name, row in rows.items():
         if "build" in row:
-            lines.append(f"- {name}: {row['build']['detail'][:240]}")
+            lines.append(f"- {name}: {' '.join(row['build']['detail'].split())[:240]}")
     return "\n".join(lines) + "\n"
 
 
