@@ -11,7 +11,7 @@ from ..errors import CaptureError
 from ..progress import module_calls
 from .build import GraphWalk, batch_size_of, node_stacks
 from .dtypes import check_dtypes
-from .export import LossFn, loss_source, run_export
+from .export import LossFn, check_model, loss_source, run_export
 from .layers import build_layers
 from .loss import LossSource
 from .moe import count_routed_flops, eager_warning, find_regions
@@ -42,6 +42,7 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None = None
     example input when an op mixes dtypes a real kernel refuses (capture/dtypes.py). ``progress``: a
     bar of the repeated blocks traced (:func:`repeated_blocks`), on a terminal once it takes a second.
     """
+    check_model(model, meta_mix=True)   # before the bar walks its modules
     with module_calls(repeated_blocks(model), "autopar: capturing", "layers", enabled=progress):
         program = run_export(model, example_inputs, loss_fn)
     casts = check_dtypes(program, type(model).__name__, example_inputs)   # raises where a real kernel would
