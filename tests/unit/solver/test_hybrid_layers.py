@@ -5,7 +5,8 @@ Its sharding ILP's second solve (least memory among the fastest layouts, ties br
 order) spent hundreds of branch-and-bound nodes proving which of two layouts a few bytes apart is
 the smaller, 20 s and more a solve on this machine (the registry sweep reported it too slow to
 plan). The second solve now stops within half a tie step or 0.01% of its optimum (solver/sharding.py),
-so a node limit of 50 per solve, deterministic work, is never reached."""
+so a node limit of 50 per solve, deterministic work, is never reached. Capturing and planning the layer
+takes 25 s: make bench runs it (AUTOPAR_ALL_CASES=1), the suite only the node-limit stop below."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from autopar import Cluster  # noqa: E402
 from autopar.capture import capture  # noqa: E402
 from autopar.models import shrink  # noqa: E402
 from autopar.solver import solve  # noqa: E402
+from suite import ALL_CASES  # noqa: E402
 
 CLUSTER = Cluster.from_spec("1x2xcpu", intra_node_bandwidth=1e12, intra_node_latency=1e-9)
 TP2 = dict(dp=1, tp=2, pp=1, micro_batch_size=4, zero=0, recompute="none", schedule="1f1b", virtual_stages=1)
@@ -32,6 +34,7 @@ def qwen3_next():
     return capture(model, shrink.example(arch, model, 1, device="meta"))
 
 
+@pytest.mark.skipif(not ALL_CASES, reason="25 s: make bench runs it (AUTOPAR_ALL_CASES=1)")
 def test_qwen3_next_plans_within_fifty_nodes_per_solve(qwen3_next):
     assert max(len(layer.nodes) for layer in qwen3_next.layers) > 900   # the unrolled recurrence
     plan, stats = solve(qwen3_next, CLUSTER, 8, fixed=TP2, ilp_node_limit=50)
