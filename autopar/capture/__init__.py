@@ -7,7 +7,6 @@ from typing import Any
 from torch import nn
 
 from ..errors import CaptureError
-from ..progress import module_calls
 from .build import GraphWalk, batch_size_of, node_stacks
 from .export import LossFn, loss_source, run_export
 from .layers import build_layers
@@ -15,6 +14,7 @@ from .loss import LossSource
 from .moe import count_routed_flops, eager_warning, find_regions
 from .opgraph import (FLOAT_DTYPES, Gemm, GraphInput, Layer, MoERegion, OpGraph, OpKind, OpNode, SavedTensor,
                       TensorMeta)
+from .repeat import export_program, repeated_blocks
 from .replicated import replicated_values
 from .structure import ModelStructure, first_difference, structure_of
 
@@ -36,34 +36,20 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None = None
     graph is the training forward pass (dropout on) down to the scalar loss.
     Mixture-of-experts layers become :class:`MoERegion` records (``OpGraph.moe``) whose ops
     count only the routed work (capture/moe.py).
+    Repeated blocks (transformer layers) are traced a few times and copied to the model's depth,
+    the same graph as tracing every one (capture/repeat.py); ``AUTOPAR_TRACE_EVERY_BLOCK=1`` in
+    the environment traces every block (slower; for debugging: plans do not depend on it).
     Raises :class:`autopar.CaptureError` naming the source line when export fails. ``progress``: a
     bar of the repeated blocks traced (:func:`repeated_blocks`), on a terminal once it takes a second.
     """
-    with module_calls(repeated_blocks(model), "autopar: capturing", "layers", enabled=progress):
-        program = run_export(model, example_inputs, loss_fn)
+    program, _ = export_program(model, example_inputs, loss_fn, progress=progress)
     try:
         return graph_of(model, program)
     except CaptureError:
-        # the graph cannot be planned (an op whose shape depends on tensor values): exported again with
-        # stack traces, which plain exports leave out (export.py), so that the error names the line
-        graph_of(model, run_export(model, example_inputs, loss_fn, stack_traces=True))
-        raise
-
-
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks, as a progress bar counts them: the children of each ModuleList or
-    Sequential of two or more modules of one class (transformer layers), outermost only (not the
-    experts inside a layer)."""
-    blocks: list[nn.Module] = []
-    inside: set[int] = set()
-    for module in model.modules():
-        if id(module) in inside or not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(module.children())
-        if len(children) > 1 and len({type(c) for c in children}) == 1:
-            blocks += children
-            inside.update(id(m) for c in children for m in c.modules())
-    return blocks
+        # the graph cannot be planned (an op whose shape depends on tensor values): exported again,
+        # whole and with stack traces, which plain exports leave out (export.py), so that the error
+        # names the line
+        return graph_of(model, run_export(model, example_inputs, loss_fn, stack_traces=True))
 
 
 def graph_of(model: nn.Module, program) -> OpGraph:
