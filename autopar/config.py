@@ -26,6 +26,8 @@ SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "op", "full")
 DTYPE_BYTES: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 KERNELS: tuple[str, ...] = ("eager", "fused", "compiled")
+DEFAULT_TIE_TOLERANCE = 0.01
+"""plan()'s default tie tolerance: plans within 1% of the fastest are ties (solver/choice.py's rule)."""
 
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20       # PyTorch DDP's default bucket_cap_mb

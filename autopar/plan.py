@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -18,6 +17,7 @@ from .cluster import Cluster
 from .config import ParallelConfig, Precision
 from .cost_model.memory import MemoryBreakdown
 from .errors import ConfigError, PlanFormatError
+from .files import write_atomic
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -185,18 +185,8 @@ class Plan:
         return json.dumps(self.to_dict(), indent=1, sort_keys=False)
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the plan as JSON atomically (temporary file, then rename)."""
-        path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".json", dir=folder)
-        try:
-            with os.fdopen(fd, "w") as fh:
-                fh.write(self.to_json())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        """Write the plan as JSON atomically (temporary file, then rename), with open()'s permissions."""
+        write_atomic(path, self.to_json())
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
@@ -249,6 +239,13 @@ class Plan:
 
     def __str__(self) -> str:
         return self.summary()
+
+    def __repr__(self) -> str:
+        """One line: the model, the cluster, the configuration, the step time (s) and whether it fits
+        (``str(plan)`` / ``summary()`` is the full table, ``to_dict()`` every field)."""
+        c = self.cluster
+        return (f"Plan(model_name={self.model_name!r}, cluster='{c.nodes}x{c.devices_per_node}x{c.device.name}', "
+                f"config={self.config.short()!r}, step_time={self.step_time:.6g}, fits={self.fits})")
 
 
 def _json_native(value: Any) -> Any:

@@ -1,8 +1,10 @@
-"""Hugging Face coverage: every architecture of transformers' causal-LM, masked-LM, seq2seq and
-sequence-classification registries, captured, planned and trained on 2 gloo ranks.
+"""Hugging Face coverage: every architecture of transformers' causal-LM, masked-LM, seq2seq,
+sequence-classification and image-classification registries, captured, planned and trained on 2
+gloo ranks.
 
 Each architecture is built from its own config class's defaults shrunk to a test size
-(autopar/models/shrink.py: 2 layers, hidden 64, 4 heads, vocabulary 256, dropout off), captured
+(autopar/models/shrink.py: 2 layers, hidden 64, 4 heads, vocabulary 256, images 64 pixels a side
+with one block per stage, dropout off), captured
 on the meta device from a batch-1 example and planned on ``1x2xcpu``, then trained 3 steps at
 dp=2, tp=2, pp=2 1F1B and dp=2 ZeRO-3 on one 2-rank gloo world shared by every model, each
 compared with one process (tests/distributed/hf_sweep.py). Each architecture's row is appended to
@@ -82,10 +84,12 @@ def write_doc(rows: dict[str, dict], tasks: dict[str, str], version: str, everyt
         "",
         *_provenance(commits or {}),
         *partial,
-        "Every architecture of transformers' causal-LM, masked-LM, seq2seq and sequence-classification "
-        "registries, built from its config class's defaults shrunk to a test size "
-        "(`autopar/models/shrink.py`: 2 layers, hidden 64, 4 heads, vocabulary 256, dropout off). "
-        "`capture`: torch.export on the meta device from a batch-1 example; `plan`: `1x2xcpu`, nothing pinned; "
+        "Every architecture of transformers' causal-LM, masked-LM, seq2seq, sequence-classification and "
+        "image-classification registries, built from its config class's defaults shrunk to a test size "
+        "(`autopar/models/shrink.py`: 2 layers, hidden 64, 4 heads, vocabulary 256, images 64 pixels a side "
+        "with one block per stage, dropout off). "
+        "`capture`: torch.export on the meta device from a batch-1 example (token ids, or `pixel_values` for "
+        "an image classifier); `plan`: `1x2xcpu`, nothing pinned; "
         "`dp`, `tp`, `pp`, `zero3`: dp=2, tp=2 (sequence parallelism the planner's choice), pp=2 1F1B "
         "(micro-batch 2) and dp=2 ZeRO-3, each trained 3 AdamW steps (lr 1e-3, eps 1e-4) on 2 gloo ranks and "
         "compared with one process (loss 1e-5 relative, gradients 1e-4 of the largest, parameters 1e-4), "
@@ -124,7 +128,9 @@ def write_doc(rows: dict[str, dict], tasks: dict[str, str], version: str, everyt
     lines += ["", "## Equal to one process only in float64", "",
               "Float32 rounding that the 3 AdamW steps grow past the tolerance (eps 1e-4 turns a gradient entry "
               "near it into a different update; large activations or an exponential recurrence grow that at each "
-              "step); in float64 the same configuration is equal to one process (tests/distributed/hf_sweep.py, "
+              "step), or that a batch norm over a few values per channel amplifies in the first step's gradients "
+              "(the image classifiers' last stage: 2x2 pixels, its variance dividing every gradient below it); in "
+              "float64 the same configuration is equal to one process (tests/distributed/hf_sweep.py, "
               "float64_look).", ""]
     lines += [f"- {name} ({c}): {detail[:240]}" for name, c, detail in only64] or ["None."]
     for status, title in (("failed", "Failures"), ("refused", "Refusals")):
@@ -135,10 +141,11 @@ def write_doc(rows: dict[str, dict], tasks: dict[str, str], version: str, everyt
             lines.append(f"- {n} x `{key}`; e.g. {examples[key][:300]}")
     lines += ["", "## Not built at the test size", "",
               "These are outside the percentages above: the shrink or the example batch does not suit them "
-              "(a shrink this table should grow to cover), or they need a package or inputs beyond token ids.", ""]
+              "(a shrink this table should grow to cover), or they need a package or inputs beyond token ids "
+              "(or pixels).", ""]
     for name, row in rows.items():
         if "build" in row:
-            lines.append(f"- {name}: {row['build']['detail'][:240]}")
+            lines.append(f"- {name}: {' '.join(row['build']['detail'].split())[:240]}")
     return "\n".join(lines) + "\n"
 
 

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import nn
 
 from ..errors import CaptureError
 from .build import GraphWalk, batch_size_of, node_stacks
-from .export import LossFn, loss_source, run_export
+from .dtypes import check_dtypes
+from .export import LossFn, check_model, loss_source, run_export
 from .layers import build_layers
 from .loss import LossSource
 from .moe import count_routed_flops, eager_warning, find_regions
 from .opgraph import (FLOAT_DTYPES, Gemm, GraphInput, Layer, MoERegion, OpGraph, OpKind, OpNode, SavedTensor,
                       TensorMeta)
-from .repeat import export_program, repeated_blocks
+from .repeat import export_program
 from .replicated import replicated_values
 from .structure import ModelStructure, first_difference, structure_of
 
@@ -39,17 +41,24 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None = None
     Repeated blocks (transformer layers) are traced a few times and copied to the model's depth,
     the same graph as tracing every one (capture/repeat.py); ``AUTOPAR_TRACE_EVERY_BLOCK=1`` in
     the environment traces every block (slower; for debugging: plans do not depend on it).
-    Raises :class:`autopar.CaptureError` naming the source line when export fails. ``progress``: a
-    bar of the repeated blocks traced (:func:`repeated_blocks`), on a terminal once it takes a second.
+    Raises :class:`autopar.CaptureError` naming the source line when export fails, and naming the
+    example input when an op mixes dtypes a real kernel refuses (capture/dtypes.py). ``progress``: a
+    bar of the repeated blocks traced (repeat.py's ``repeated_blocks``), on a terminal once it takes a second.
     """
+    check_model(model, meta_mix=True)   # before the bar walks its modules
     program, _ = export_program(model, example_inputs, loss_fn, progress=progress)
+    # raises where a real kernel would; the program with blocks copied holds every op, parameter and
+    # placeholder of the whole one, so the error or notes are the same (test_repeat.py)
+    casts = check_dtypes(program, type(model).__name__, example_inputs)
     try:
-        return graph_of(model, program)
+        graph = graph_of(model, program)
     except CaptureError:
         # the graph cannot be planned (an op whose shape depends on tensor values): exported again,
         # whole and with stack traces, which plain exports leave out (export.py), so that the error
         # names the line
-        return graph_of(model, run_export(model, example_inputs, loss_fn, stack_traces=True))
+        graph_of(model, run_export(model, example_inputs, loss_fn, stack_traces=True))
+        raise
+    return dataclasses.replace(graph, warnings=graph.warnings + casts) if casts else graph
 
 
 def graph_of(model: nn.Module, program) -> OpGraph:

@@ -6,16 +6,22 @@ import argparse
 import dataclasses
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..config import DEFAULT_TIE_TOLERANCE
 from ..errors import ConfigError
-from ..plan import Plan, load_plan
-from .models import LoadedModel, load_model, parse_fields
+
+if TYPE_CHECKING:
+    from ..plan import Plan
+    from .models import LoadedModel
+
+# The parsers below import no torch (`autopar --help` stays fast): each command imports what it runs.
 
 
 # --- plan / estimate -----------------------------------------------------------------------------
 def run_plan(args: argparse.Namespace) -> int:
     import autopar
+    from .models import parse_fields
     cluster = _cluster(args)
     loaded = _model(args, cluster)
     fixed = parse_fields(args.fixed, "--fixed") if args.fixed else None
@@ -29,6 +35,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def run_estimate(args: argparse.Namespace) -> int:
     import autopar
+    from .models import parse_fields
     cluster = _cluster(args)
     loaded = _model(args, cluster)
     config = autopar.ParallelConfig(**parse_fields(args.config, "--config"))
@@ -58,6 +65,7 @@ def _cluster(args: argparse.Namespace):
 
 def _model(args: argparse.Namespace, cluster) -> LoadedModel:
     from ..config import is_cpu_device
+    from .models import load_model
     dtype = args.dtype or ("fp32" if is_cpu_device(cluster.device.name) else "bf16")
     return load_model(args.model, seq_len=args.seq_len, dtype=dtype, device="cpu" if args.profile else "meta")
 
@@ -94,10 +102,12 @@ def _note(args: argparse.Namespace, text: str) -> None:
 
 # --- show / compare ------------------------------------------------------------------------------
 def run_show(args: argparse.Namespace) -> int:
+    from ..plan import load_plan
     return _report(load_plan(args.plan), args)
 
 
 def run_compare(args: argparse.Namespace) -> int:
+    from ..plan import load_plan
     print(load_plan(args.a).compare(load_plan(args.b)))
     return 0
 
@@ -109,6 +119,7 @@ MODEL_MODULE = "planned_model"
 def run_codegen(args: argparse.Namespace) -> int:
     from ..codegen.emit import SCRIPT, emit, run_hint
     from ..codegen.folder import staged
+    from ..plan import load_plan
     plan = load_plan(args.plan)
     factory = args.model_factory
     source = plan.extra.get("model")
@@ -180,9 +191,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                       help="pin ParallelConfig fields, e.g. tp=8,pp=4 (aliases mbs, v, sp)")
     plan.add_argument("--time-limit", type=float, default=None, metavar="S",
                       help="stop the search after S seconds with the best plan so far")
-    plan.add_argument("--tie-tolerance", type=float, default=0.01, metavar="F",
+    plan.add_argument("--tie-tolerance", type=float, default=DEFAULT_TIE_TOLERANCE, metavar="F",
                       help="plans within this fraction of the fastest are ties, and the one with the fewest moving "
-                           "parts (ZeRO stage, parallel dimensions, interleaving) wins (default 0.01; 0: the fastest)")
+                           f"parts (ZeRO stage, parallel dimensions, interleaving) wins (default "
+                           f"{DEFAULT_TIE_TOLERANCE:g}; 0: the fastest)")
     plan.add_argument("--ilp-node-limit", type=int, default=None, metavar="N",
                       help="branch-and-bound nodes per sharding ILP solve (default: autopar.plan's, 20000; 0: no "
                            "limit); a node limit keeps the plan independent of the machine's load")

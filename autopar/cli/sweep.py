@@ -9,9 +9,8 @@ import json
 import os
 import re
 
+from ..config import DEFAULT_TIE_TOLERANCE
 from ..errors import ConfigError
-from ..solver.choice import DEFAULT_TIE_TOLERANCE
-from .models import load_model, parse_fields
 
 SUFFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
 
@@ -43,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     import autopar
     from ..cluster import Cluster
     from ..config import Precision, is_cpu_device
+    from .models import load_model, parse_fields
 
     memory = None if args.device_memory is None else args.device_memory * 1e9
     node = Cluster.from_spec(f"1x{args.devices_per_node}x{args.device}", device_memory=memory)

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 import textwrap
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Sequence
+
+from ..files import write_atomic
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -73,22 +74,8 @@ class Export:
 
     def write(self, path: str | os.PathLike) -> str:
         """Write the text atomically (a temporary file in the same folder, then a rename); the path."""
-        path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".export-", dir=folder)
-        try:
-            with os.fdopen(fd, "w") as fh:
-                fh.write(self.text)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)     # as open() would make it (mkstemp makes 0600)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        return write_atomic(path, self.text)
 
 
 def comment_block(lines: Sequence[str], prefix: str = "# ") -> list[str]:

@@ -9,14 +9,19 @@ has are touched, and only downwards: a default already smaller is kept. Ratios t
 architectures check are kept true by construction (heads divide the width, key/value heads
 divide the heads, ``head_dim = hidden / heads`` where the config derives it).
 
+Image classifiers get :func:`shrink_images` too (IMAGE pixels a side, stage-wise encoders
+consistent).
+
 ``build(name)`` finds the architecture's class in transformers' auto registries, builds it from
-its shrunk default config with random weights on the CPU (or meta), and returns it with example
-inputs (``input_ids`` and ``labels``) whose loss is ``model(**inputs).loss``. What cannot be built
+its shrunk default config with random weights on the CPU (or meta); ``example`` makes its inputs
+(``input_ids`` and ``labels``, or ``pixel_values`` and ``labels``) whose loss is
+``model(**inputs).loss``. What cannot be built
 raises :class:`ShrinkError` naming the architecture and the cause, so a sweep can report it.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +42,7 @@ EXPERTS = 4
 TOP_K = 2
 SEQ = 16
 CLASSES = 3
+IMAGE = 64    # pixels a side of an image classifier's inputs: a 32x downsampling encoder ends at 2x2
 
 _KV_FIELDS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "num_kv_heads_per_layer")
 # field -> value; the first group sets layer counts (per-layer lists are cut to them)
@@ -137,22 +143,72 @@ def shrink(config: Any, layers: int = LAYERS) -> Any:
     return config
 
 
+def shrink_images(config: Any, default: Any) -> Any:
+    """``config`` (``default``: the same config class's defaults), through :func:`shrink` already,
+    made an image classifier's test size, in place, in it and every sub-config: images IMAGE pixels
+    a side; a stage-wise encoder (a ``depths`` list: Swin, ConvNeXt, ResNet...) keeps its stage
+    count, which :func:`shrink` took for a layer count (its per-stage lists are read stage by stage;
+    each stage is one block deep already), the width derived from it (Swin's ``hidden_size``:
+    ``embed_dim`` doubled at each stage) and attention windows no wider than its last stage; per-stage
+    head counts are cut to divide their stage's width (``hidden_sizes[i]``, or ``embed_dim * 2**i``),
+    which a shrunk ``embed_dim`` need not."""
+    size = getattr(config, "image_size", None)
+    if isinstance(size, int) and not isinstance(size, bool) and size > IMAGE:
+        config.image_size = IMAGE
+    elif _ints(size):
+        config.image_size = type(size)(min(d, IMAGE) for d in size)
+    depths = getattr(default, "depths", None)
+    if _ints(depths):
+        stages = len(depths)
+        for name in _LAYER_FIELDS:
+            if getattr(default, name, None) == stages:
+                setattr(config, name, stages)
+        embed = getattr(default, "embed_dim", None)
+        if isinstance(embed, int) and getattr(default, "hidden_size", None) == embed * 2 ** (stages - 1):
+            config.hidden_size = config.embed_dim * 2 ** (stages - 1)
+        patch, window = getattr(config, "patch_size", None), getattr(config, "window_size", None)
+        if isinstance(patch, int) and isinstance(window, int) and not isinstance(window, bool):
+            # windowed attention: a window no wider than the last stage's tokens (Swin builds its relative
+            # position table at the configured window and attends within the stage's whole width when smaller)
+            config.window_size = max(1, min(window, IMAGE // patch // 2 ** (stages - 1)))
+    embed = getattr(config, "embed_dim", None)
+    widths = getattr(config, "hidden_sizes", None)
+    for name in ("num_heads", "num_attention_heads"):
+        heads = getattr(config, name, None)
+        if not _ints(heads):
+            continue
+        stage_widths = (list(widths) if _ints(widths) and len(widths) == len(heads)
+                        else [embed * 2 ** i for i in range(len(heads))] if isinstance(embed, int) else None)
+        if stage_widths:
+            setattr(config, name, type(heads)(math.gcd(h, w) for h, w in zip(heads, stage_widths)))
+    for name, value in list(vars(config).items()):
+        if _is_config(value) and _is_config(getattr(default, name, None)):
+            shrink_images(value, getattr(default, name))
+    return config
+
+
+def _ints(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
 @dataclass(frozen=True)
 class Architecture:
     """One entry of transformers' auto registries: the model class and the task its loss is for."""
 
     name: str         # the model class's name, e.g. "LlamaForCausalLM"
     model_type: str   # the config's model_type, e.g. "llama"
-    task: str         # "causal-lm", "masked-lm", "seq2seq" or "classification"
+    task: str         # "causal-lm", "masked-lm", "seq2seq", "classification" or "image-classification"
 
 
 REGISTRIES = {"causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked-lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
               "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
-              "classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"}
+              "classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+              "image-classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"}
 
 
 def architectures() -> list[Architecture]:
-    """Every model class of the four registries, once (the first task that lists it), in registry order."""
+    """Every model class of the registries, once (the first task that lists it), in registry order."""
     from transformers.models.auto import modeling_auto
     seen, out = set(), []
     for task, registry in REGISTRIES.items():
@@ -168,6 +224,9 @@ def _config(arch: Architecture, layers: int = LAYERS) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     config = CONFIG_MAPPING[arch.model_type]()
     shrink(config, layers)
+    if arch.task == "image-classification":
+        shrink_images(config, CONFIG_MAPPING[arch.model_type]())
+        config.num_labels = CLASSES
     if arch.task == "classification":
         config.num_labels = CLASSES
         for c in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
@@ -178,14 +237,22 @@ def _config(arch: Architecture, layers: int = LAYERS) -> Any:
     return config
 
 
+_DROPOUTS = ("dropout", "layerdrop", "drop_path", "drop_rate")
+
+
 def _set_dropout(config: Any, p: float) -> None:
-    """Every dropout probability of ``config`` and its sub-configs set to ``p``, LayerDrop's (a whole
-    layer skipped at random: a branch on a random number, which a static graph cannot hold) too."""
+    """Every dropout probability of ``config`` and its sub-configs set to ``p`` (a per-stage list's every
+    entry), LayerDrop's (a whole layer skipped at random: a branch on a random number, which a static
+    graph cannot hold) and stochastic depth's (``drop_path_rate``: a sample's residual branch dropped at
+    random, BEiT's 0.1) too."""
     for name, value in list(vars(config).items()):
         if _is_config(value):
             _set_dropout(value, p)
-        elif ("dropout" in name or "layerdrop" in name or name.endswith("pdrop")) and isinstance(value, float):
-            setattr(config, name, p)
+        elif any(k in name for k in _DROPOUTS) or name.endswith("pdrop"):
+            if isinstance(value, float):
+                setattr(config, name, p)
+            elif isinstance(value, (list, tuple)) and value and all(isinstance(v, float) for v in value):
+                setattr(config, name, type(value)(p for _ in value))
 
 
 def build(arch: Architecture, device: str = "cpu", seed: int = 0, dropout: float | None = None,
@@ -215,9 +282,19 @@ def build(arch: Architecture, device: str = "cpu", seed: int = 0, dropout: float
 def example(arch: Architecture, model: torch.nn.Module, batch: int, seed: int = 0,
             device: str = "cpu") -> dict[str, torch.Tensor]:
     """``input_ids`` and ``labels`` for ``batch`` sequences of SEQ tokens (labels: the tokens for
-    language models, a class per sequence for classification)."""
-    vocab = getattr(model.config, "vocab_size", None) or getattr(model.config.get_text_config(), "vocab_size", VOCAB)
+    language models, a class per sequence for classification); for an image classifier
+    ``pixel_values`` (the channels and image size of its config, or of its vision config; in the
+    model's floating dtype) and a class per image."""
     g = torch.Generator().manual_seed(seed)
+    if arch.task == "image-classification":
+        vision = getattr(model.config, "vision_config", None) or model.config
+        size = getattr(vision, "image_size", IMAGE)
+        height, width = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        pixels = torch.randn(batch, getattr(vision, "num_channels", 3), height, width, generator=g)
+        labels = torch.randint(0, CLASSES, (batch,), generator=g)
+        return {"pixel_values": pixels.to(device, dtype), "labels": labels.to(device)}
+    vocab = getattr(model.config, "vocab_size", None) or getattr(model.config.get_text_config(), "vocab_size", VOCAB)
     ids = torch.randint(1, min(vocab, VOCAB), (batch, SEQ), generator=g)
     eos = getattr(model.config, "eos_token_id", None)
     if isinstance(eos, int) and 0 <= eos < vocab:

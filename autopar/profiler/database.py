@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
 from ..errors import ConfigError
+from ..files import write_atomic
 
 FORMAT = 1
 SECTIONS = ("ops", "device", "links")
@@ -94,13 +94,5 @@ class ProfileDB:
         if not self._dirty:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".profile-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as fh:
-                json.dump(self._data, fh, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        write_atomic(self.path, json.dumps(self._data, indent=1, sort_keys=True))
         self._dirty = False

@@ -7,7 +7,8 @@ from dataclasses import dataclass, fields
 
 from ..config import ParallelConfig
 from ..plan import Plan, TimeBreakdown
-from .format import BREAKDOWN_LABELS, MEMORY_KINDS, cluster_spec, gigabytes, peak_stage, percent, quantity, seconds
+from .format import (BREAKDOWN_LABELS, MEMORY_KINDS, cluster_spec, flops_rate, gigabytes, peak_stage, percent, quantity,
+                     seconds)
 
 RELATIVE_TOLERANCE = 0.005
 """Numbers closer than this (relative) count as equal: the cost model is not that precise."""
@@ -119,7 +120,7 @@ def _number_rows(a: Plan, b: Plan) -> list[Row]:
             _number_row("throughput (samples/s)", a.throughput, b.throughput, lambda v: f"{v:.4g}"),
             *_tokens_rows(a, b),
             _number_row("MFU", a.mfu, b.mfu, percent),
-            _number_row("TFLOP/s per device", a.tflops_per_device, b.tflops_per_device, lambda v: f"{v:.1f}")]
+            _number_row("FLOP/s per device", a.tflops_per_device * 1e12, b.tflops_per_device * 1e12, flops_rate)]
     rows += [_number_row(f"  {BREAKDOWN_LABELS[k]}", getattr(a.breakdown, k), getattr(b.breakdown, k), seconds)
              for k in TimeBreakdown.__annotations__]
     rows.append(_number_row("peak memory per device", a.peak_memory, b.peak_memory, gigabytes))

@@ -46,6 +46,20 @@ def quantity(value: float) -> str:
     return f"{value:.4g}"
 
 
+def flops_rate(value: float) -> str:
+    """"148.3 TFLOP/s", "52.61 GFLOP/s", "812 MFLOP/s": FLOP/s, four significant digits in the unit that
+    fits (a CPU's hundreds of GFLOP/s are not "0.0 TFLOP/s")."""
+    for size, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= size:
+            return f"{value / size:.4g} {prefix}FLOP/s"
+    return f"{value:.4g} FLOP/s"
+
+
+def heading(plan: Plan) -> str:
+    """"autopar plan" for a searched plan, "autopar estimate" for one configuration's estimate."""
+    return "autopar estimate" if plan.optimal is None else "autopar plan"
+
+
 def throughput(plan: Plan) -> str:
     """"13.28 samples/s (108.8k tokens/s)": samples/s, and tokens/s for a sequence model
     (Plan.tokens_per_second: its sequence length from the recorded example inputs)."""

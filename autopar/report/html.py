@@ -8,7 +8,7 @@ import io
 
 from ..errors import ConfigError
 from ..plan import Plan, TimeBreakdown
-from .format import BREAKDOWN_LABELS, GB, gigabytes, percent, seconds, stage_layers, throughput
+from .format import BREAKDOWN_LABELS, GB, gigabytes, heading, percent, seconds, stage_layers, throughput
 
 TIMELINE_MAX_MICRO_BATCHES = 32
 """The notebook timeline draws at most this many micro-batches (a 192-micro-batch Gantt chart is a grey wall)."""
@@ -23,7 +23,7 @@ def _headline(plan: Plan) -> str:
     e = html.escape
     device = plan.cluster.device
     fits = "" if plan.fits else " <b style='color:#b00'>DOES NOT FIT</b>"
-    return (f"<p><b>autopar plan</b> for {e(plan.model_name)} on {e(plan.cluster.describe())}<br>"
+    return (f"<p><b>{heading(plan)}</b> for {e(plan.model_name)} on {e(plan.cluster.describe())}<br>"
             f"<code>{e(plan.config.short())}</code><br>"
             f"step {e(seconds(plan.step_time))} &middot; {e(throughput(plan))} &middot; "
             f"MFU {e(percent(plan.mfu))} &middot; peak {e(gigabytes(plan.peak_memory))} of "

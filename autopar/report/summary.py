@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ..plan import Plan, TimeBreakdown
-from .format import (BREAKDOWN_LABELS, GB, OPTIONAL_BREAKDOWN, gigabytes, layer_span, percent, seconds, stage_layers,
-                     throughput)
+from .format import (BREAKDOWN_LABELS, GB, OPTIONAL_BREAKDOWN, flops_rate, gigabytes, heading, layer_span, percent,
+                     seconds, stage_layers, throughput)
 
 BAR_WIDTH = 20
 
@@ -25,12 +25,12 @@ def _header(plan: Plan) -> list[str]:
     device = plan.cluster.device
     fits = "" if plan.fits else f"   DOES NOT FIT ({gigabytes(plan.peak_memory - device.memory)} over)"
     return [
-        f"autopar plan for {plan.model_name} on {plan.cluster.describe()}",
+        f"{heading(plan)} for {plan.model_name} on {plan.cluster.describe()}",
         f"  configuration  {c.short()}",
         f"  batch          global {plan.global_batch_size} = dp {c.dp} x {plan.micro_batches} micro-batches x "
         f"{c.micro_batch_size} per micro-batch; precision {plan.precision.compute}, {plan.precision.kernels} kernels",
         f"  step time      {seconds(plan.step_time)}   throughput {throughput(plan)}   "
-        f"{plan.tflops_per_device:.1f} TFLOP/s per device   MFU {percent(plan.mfu)}",
+        f"{flops_rate(plan.tflops_per_device * 1e12)} per device   MFU {percent(plan.mfu)}",
         f"  peak memory    {gigabytes(plan.peak_memory)} of {gigabytes(device.memory)} per device "
         f"({percent(plan.peak_memory / device.memory)}){fits}",
     ]

@@ -94,11 +94,38 @@ class NodeRunner:
         return apply_steps(value, convert(normal(held, d), normal(spec, d), False), self.group)
 
 
-def _local(param: Any) -> Any:
+class _OwnGradient(torch.autograd.Function):
+    """Identity forward; backward hands on the gradient, copied where something else holds it too.
+
+    Autograd makes a parameter's first gradient of a step the incoming tensor itself when nothing
+    else references it (AccumulateGrad's steal), and adds every later micro-batch's into it in place.
+    ``DTensor.to_local``'s backward wraps the incoming local gradient in a fresh DTensor, which
+    nothing else references, so the steal happened whatever held the local tensor: ViT's position
+    embedding took the gradient of ``cat(class token, patches) + position``, of which the class
+    token took a view (``cat``'s backward), and each later micro-batch was added into that memory
+    twice (the class token's gradient at tp=2 with micro-batches of one sample: twice the true one,
+    less the first micro-batch's); ``x + a + b`` hands ``a`` and ``b`` one tensor. The test one
+    process's autograd makes, made here on the local tensor: one referenced elsewhere (by a view
+    of it, by another node's input) is copied, in the parameter's layout (contiguous); a fresh one
+    (a matmul's weight gradient) passes as it is."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.clone(memory_format=torch.contiguous_format) if grad._use_count() > 1 else grad
+
+
+def local_shard(param: Any) -> Any:
     """A tensor-parallel parameter (a DTensor of the tp mesh, or of FSDP2's 2-D one) as this rank's
     shard, with autograd: its gradient comes back as the shard's (codegen/collectives.py keeps the
-    gradient of a replicated parameter whole on every rank)."""
-    return param.to_local() if isinstance(param, DTensor) else param
+    gradient of a replicated parameter whole on every rank), in memory of its own (_OwnGradient)."""
+    if not isinstance(param, DTensor):
+        return param
+    shard = param.to_local()
+    return _OwnGradient.apply(shard) if shard.requires_grad and torch.is_grad_enabled() else shard
 
 
 class LayerModule(nn.Module):
@@ -144,7 +171,7 @@ class LayerModule(nn.Module):
     def _run(self, *values: Any) -> tuple[Any, ...]:
         n_in = len(self.spec.inputs)
         own, buffers = self._parameters, self._buffers   # (FSDP2 swaps the parameters held there)
-        params = [_local(v) for v in values[n_in:]] + [_local(own[a]) for a in self.own_attrs]
+        params = [local_shard(v) for v in values[n_in:]] + [local_shard(own[a]) for a in self.own_attrs]
         run, self.__dict__["checked"] = self.checked or self.program, None
         return run(*values[:n_in], *params, *(buffers[a] for a in self.buffer_attrs))
 

@@ -26,12 +26,11 @@ import math
 from dataclasses import replace
 from typing import Any, Iterable, Mapping
 
-from ..config import ParallelConfig
+from ..config import DEFAULT_TIE_TOLERANCE, ParallelConfig
 from ..plan import Alternative, Plan
 from .space import Candidate
 
 TOP_ALTERNATIVES = 5
-DEFAULT_TIE_TOLERANCE = 0.01
 TIE = 1e-9   # relative: step times closer than this are equal (a communication-bound step sums the same
              # collectives in another order when the mesh is refolded, e.g. dp=64 vs dp=32 x cp=2)
 

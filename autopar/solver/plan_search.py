@@ -14,6 +14,7 @@ from ..cost_model import check_config
 from ..cost_model.compute import MeasuredTimes
 from ..errors import ConfigError, InfeasiblePlanError
 from ..plan import Plan
+from .batch import batch_notes
 from .choice import DEFAULT_TIE_TOLERANCE, alternatives, check_tolerance, with_search_results
 from .search import Search, SearchStats
 from .sharding import NODE_LIMIT, VARIANTS, WHOLE_BATCH, ILPLimits
@@ -44,7 +45,17 @@ def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision
     search, sharding = _search(graph, cluster, global_batch_size, precision, fixed, time_limit, measured, progress,
                                ilp_time_limit, ilp_node_limit, sharding)
     search.tie_tolerance = check_tolerance(tie_tolerance)
-    return _run(search, sharding, must_fit=True)
+    best, stats = _run(search, sharding, must_fit=True)
+
+    def solve_at(batch: int) -> Plan:   # the same search at another global batch, on the same layouts
+        again, _ = _search(graph, cluster, batch, precision, fixed, None, measured, False, ilp_time_limit,
+                           ilp_node_limit, sharding)
+        again.tie_tolerance = search.tie_tolerance
+        return _run(again, sharding, must_fit=True)[0]
+
+    notes = batch_notes(graph, cluster, global_batch_size, search.fixed, best,
+                        None if time_limit is not None else solve_at)
+    return (replace(best, notes=best.notes + notes) if notes else best), stats
 
 
 def price(graph: OpGraph, cluster: Cluster, config: ParallelConfig, global_batch_size: int, *,

@@ -168,6 +168,13 @@ def _meshes(graph: OpGraph, n_dev: int, n_layers: int, fixed: Mapping[str, Any],
                     yield tp, cp, pp, dp
 
 
+def data_parallel_degrees(graph: OpGraph, cluster: Cluster, fixed: Mapping[str, Any]) -> set[int]:
+    """The data-parallel degrees the devices, the model and ``fixed`` allow whatever the global batch (the
+    search's meshes, placed uniformly on the nodes): what the batch's divisors then cut down (batch.py)."""
+    return {dp for tp, cp, pp, dp in _meshes(graph, cluster.devices, len(graph.layers), fixed, True)
+            if placeable(cluster, ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp))}
+
+
 def placeable(cluster: Cluster, cfg: ParallelConfig) -> bool:
     """Whether every mesh axis lands uniformly on the nodes (same ranks per node in every group),
     which the collective cost model assumes; e.g. tp=3 on 8-GPU nodes does not."""

@@ -17,6 +17,7 @@ import numpy as np
 
 from ._common import chunk_order, finish, format_count, format_time, mix, new_figure
 
+LEGEND_ROW = 0.3   # inches of figure height for the chunks' legend (one row at font size 8, with its spacing)
 CHAR_PX = 6.5   # width of one character at font size 7 and the figure's dpi (measured for DejaVu Sans)
 
 
@@ -58,7 +59,9 @@ def plot_partition(plan: Any, path: str | os.PathLike | None = None) -> Any:
     ax_w = 12.0
     row_h = 0.42 if pp <= 16 else max(0.16, 6.7 / pp)
     ax_h = max(1.2, row_h * pp)
-    fig = new_figure(ax_w + 3.4, ax_h + 1.6)   # first: it says how to install matplotlib if missing
+    legend_h = LEGEND_ROW if v > 1 else 0.0   # inches: the chunks' legend has a row of its own under the title
+    fig_w, fig_h = ax_w + 3.4, ax_h + 1.6 + legend_h
+    fig = new_figure(fig_w, fig_h)   # first: it says how to install matplotlib if missing
 
     from matplotlib.collections import PolyCollection
     from matplotlib.patches import Patch
@@ -67,7 +70,7 @@ def plot_partition(plan: Any, path: str | os.PathLike | None = None) -> Any:
     def shade(d: int, c: int) -> Any:
         return mix(colors[d], "white", 0.5 * c / max(v - 1, 1))
 
-    ax = fig.add_axes((0.9 / (ax_w + 3.4), 0.7 / (ax_h + 1.6), ax_w / (ax_w + 3.4), ax_h / (ax_h + 1.6)))
+    ax = fig.add_axes((0.9 / fig_w, 0.7 / fig_h, ax_w / fig_w, ax_h / fig_h))
     px_per_layer = ax_w * fig.dpi / n
 
     x = np.arange(n, dtype=float)
@@ -106,13 +109,15 @@ def plot_partition(plan: Any, path: str | os.PathLike | None = None) -> Any:
     ax.tick_params(axis="x", labelsize=8)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
+    pad = 6.0   # points between the strips and the title (matplotlib's default)
+    if v > 1:   # the legend sits on the strips, the title above the legend: neither covers the other
+        legend = ax.legend(handles=[Patch(facecolor=shade(0, c), label=f"chunk {c}" + (" (lighter)" if c else ""))
+                                    for c in range(v)], loc="lower left", bbox_to_anchor=(0.0, 1.0),
+                           ncol=v, fontsize=8, frameon=False, borderaxespad=0.2, borderpad=0.0)
+        pad += legend.get_window_extent(fig.canvas.get_renderer()).height * 72 / fig.dpi + 2
     chunks = f" × {v} chunks (interleaved)" if v > 1 else ""
     ax.set_title(f"{plan.model_name}: {n} layers over {pp} pipeline devices{chunks}\n{plan.config.short()} · "
-                 "times per micro-batch", fontsize=10, loc="left")
-    if v > 1:
-        ax.legend(handles=[Patch(facecolor=shade(0, c), label=f"chunk {c}" + (" (lighter)" if c else ""))
-                           for c in range(v)], loc="lower right", bbox_to_anchor=(1.0, 1.0),
-                  ncol=v, fontsize=8, frameon=False)
+                 "times per micro-batch", fontsize=10, loc="left", pad=pad)
     return finish(fig, path)
 
 

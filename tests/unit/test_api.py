@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import torch
 
 import autopar
@@ -19,6 +24,32 @@ def test_public_names() -> None:
     for name in ("ConfigError", "CaptureError", "InfeasiblePlanError", "PlanFormatError", "PlanMismatchError",
                  "RuntimeFailure"):
         assert issubclass(getattr(autopar, name), autopar.AutoparError)
+
+
+def test_public_names_load_on_first_use() -> None:
+    """``import autopar`` imports no torch (PEP 562 facade); every public name, ``from autopar import X``,
+    ``dir(autopar)`` and the subpackages still work, and ``autopar.plan`` / ``autopar.sweep`` stay the
+    functions after their same-named modules are imported."""
+    code = textwrap.dedent("""\
+        import sys
+        import autopar
+        assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))[:5]
+        assert set(autopar.__all__) <= set(dir(autopar)), set(autopar.__all__) - set(dir(autopar))
+        import autopar.plan, autopar.sweep
+        from autopar.plan import Plan
+        from autopar import plan, sweep, Plan as Same, ConfigError
+        import autopar.api, autopar.sweep as sweep_module
+        assert plan is autopar.plan is autopar.api.plan and Same is Plan, autopar.plan
+        assert callable(sweep) and sweep is autopar.sweep and not isinstance(autopar.sweep, type(sys))
+        assert all(getattr(autopar, name) is not None for name in autopar.__all__)
+        assert callable(autopar.codegen.emit) and callable(autopar.models.build)
+        assert not hasattr(autopar, "no_such_name")
+        print("ok")
+        """)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])})
+    assert proc.stdout.strip() == "ok", proc.stderr
 
 
 def test_estimate_matches_capture_then_cost_model(plan_gpt) -> None:

@@ -44,6 +44,13 @@ def test_summary(plan) -> None:
                    for line in text.splitlines())
 
 
+def test_repr_is_one_line(plan) -> None:
+    text = repr(plan)
+    assert text == (f"Plan(model_name={plan.model_name!r}, cluster='1x8xA100-80GB', config={plan.config.short()!r}, "
+                     f"step_time={plan.step_time:.6g}, fits={plan.fits})")
+    assert "\n" not in text and len(text) < 200 and str(plan) == plan.summary()
+
+
 def test_to_dict_is_json_native(plan) -> None:
     data = plan.to_dict()
     assert next(iter(data)) == "schema_version"
@@ -56,6 +63,29 @@ def test_save_then_load(plan, tmp_path) -> None:
     plan.save(path)
     assert autopar.load_plan(path) == plan
     assert os.listdir(tmp_path) == ["plan.json"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_save_has_the_permissions_of_a_plain_write(plan, tmp_path, umask) -> None:
+    """Plan.save (and the exports' and profile cache's writes, which share files.write_atomic) give the file
+    the mode open() gives a new file under the umask (0644 under the usual 022), not mkstemp's 0600."""
+    from autopar.profiler.database import ProfileDB
+    previous = os.umask(umask)
+    try:
+        plan.save(tmp_path / "plan.json")
+        plan.export("deepspeed", tmp_path / "ds.json")
+        db = ProfileDB(tmp_path / "profile.json")
+        db.put("cpu", "ops", "k", {"seconds": 1.0})
+        db.save()
+        with open(tmp_path / "plain.txt", "w"):
+            pass
+    finally:
+        os.umask(previous)
+    expected = 0o666 & ~umask
+    assert os.stat(tmp_path / "plain.txt").st_mode & 0o777 == expected
+    for name in ("plan.json", "ds.json", "profile.json"):
+        assert os.stat(tmp_path / name).st_mode & 0o777 == expected, name
+    assert sorted(os.listdir(tmp_path)) == ["ds.json", "plain.txt", "plan.json", "profile.json"]
 
 
 class _FailingFile:

@@ -152,6 +152,27 @@ def test_help_on_every_command(capsys):
         assert f"usage: autopar {command}" in capsys.readouterr().out
 
 
+def test_help_imports_no_torch(tmp_path):
+    """`autopar --help` and every command's --help build their parsers without importing torch (or numpy,
+    matplotlib): the help is a fraction of a second, not the torch import's seconds."""
+    code = textwrap.dedent("""\
+        import sys
+        from autopar.cli import main, parser
+        commands = [a for a in parser()._subparsers._group_actions[0].choices]
+        for argv in [[], *([c] for c in commands)]:
+            try:
+                main([*argv, "--help"])
+            except SystemExit as exc:
+                assert exc.code == 0, argv
+        heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "numpy", "matplotlib"))
+        print(len(commands), heavy[:5], file=sys.stderr)
+        """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and proc.stderr.strip() == "10 []", proc.stderr
+    assert "usage: autopar export" in proc.stdout and "usage: autopar sweep" in proc.stdout
+
+
 def test_in_process_errors(tmp_path, capsys):
     assert main(["estimate", "gpt-tiny", "--cluster", "1x2xcpu", "--global-batch", "4", "--config", "tp=2,bogus=1"]) == 2
     assert "unknown field 'bogus'" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402
 
 from autopar.models import shrink  # noqa: E402
 
@@ -94,3 +95,38 @@ def test_latent_and_convolutional_encoders_shrink_too():
         assert sum(p.numel() for p in shrink.build(arch, "meta", dropout=0.0).parameters()) < most, name
     encoder = shrink.shrink(transformers.VibeVoiceAsrConfig()).acoustic_tokenizer_encoder_config
     assert set(encoder.depths) == {1} and encoder.num_filters == 8
+
+
+@pytest.mark.parametrize("name", ["ViTForImageClassification", "SwinForImageClassification",
+                                  "ResNetForImageClassification"])
+def test_image_classifiers_build_small_and_take_pixels(name):
+    """transformers' image-classification registry: images IMAGE pixels a side, a stage-wise encoder
+    (Swin, ResNet) keeping its stage count and the widths and windows that depend on it."""
+    arch = next(a for a in shrink.architectures() if a.name == name)
+    assert arch.task == "image-classification"
+    model = shrink.build(arch, dropout=0.0)
+    assert sum(p.numel() for p in model.parameters()) < 10_000_000
+    batch = shrink.example(arch, model, 2)
+    assert batch["pixel_values"].shape == (2, 3, shrink.IMAGE, shrink.IMAGE) and batch["pixel_values"].is_floating_point()
+    assert batch["labels"].shape == (2,) and int(batch["labels"].max()) < shrink.CLASSES
+    loss = model(**batch).loss
+    assert loss.ndim == 0 and loss.isfinite()
+
+
+def test_a_stage_wise_encoder_keeps_its_stages():
+    default = transformers.SwinConfig()   # 4 stages, embed_dim 96, heads 3..24, window 7
+    config = shrink.shrink_images(shrink.shrink(transformers.SwinConfig()), default)
+    assert config.num_layers == len(config.depths) == 4 and set(config.depths) == {1}
+    assert config.hidden_size == config.embed_dim * 8
+    assert all((config.embed_dim * 2 ** i) % h == 0 for i, h in enumerate(config.num_heads))
+    assert config.window_size <= shrink.IMAGE // config.patch_size // 8
+
+
+def test_dropout_off_turns_stochastic_depth_off_and_pixels_follow_the_dtype():
+    """BEiT drops a sample's residual branch at random (drop_path_rate 0.1): with it on, its dp=2 loss
+    differed from one process's. A float64 model (the sweep's second look) gets float64 pixels."""
+    arch = next(a for a in shrink.architectures() if a.name == "BeitForImageClassification")
+    assert transformers.BeitConfig().drop_path_rate > 0
+    model = shrink.build(arch, "meta", dropout=0.0)
+    assert model.config.drop_path_rate == 0.0
+    assert shrink.example(arch, model.double(), 1, device="meta")["pixel_values"].dtype == torch.float64

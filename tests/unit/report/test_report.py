@@ -9,7 +9,7 @@ import pytest
 
 import autopar
 from autopar.plan import TimeBreakdown
-from autopar.report.format import BREAKDOWN_LABELS, OPTIONAL_BREAKDOWN, seconds
+from autopar.report.format import BREAKDOWN_LABELS, OPTIONAL_BREAKDOWN, flops_rate, seconds
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +55,27 @@ def test_summary_table(pipelined):
         assert float(cells[6]) == pytest.approx(stage.memory.total / 1e9, abs=0.006)
         assert cells[7] == f"{stage.memory.total / pipelined.cluster.device.memory:.0%}"
     assert "search         none" in text        # an estimate says it was not searched
+    assert text.startswith(f"autopar estimate for {pipelined.model_name} on ")   # not "autopar plan"
+    assert f"{pipelined.tflops_per_device * 1e3:.4g} GFLOP/s per device" in text   # a tiny GPT: 0.2 TFLOP/s
+
+
+def test_flops_rate():
+    assert [flops_rate(v) for v in (1.483e14, 5.261e10, 8.12e8, 2.5e15, 0.0)] == [
+        "148.3 TFLOP/s", "52.61 GFLOP/s", "812 MFLOP/s", "2.5 PFLOP/s", "0 FLOP/s"]
+
+
+def test_summary_heading_and_flops_in_the_unit_that_fits(searched, plan_gpt):
+    plan, _ = searched
+    assert plan.summary().startswith(f"autopar plan for {plan.model_name} on ")
+    model, inputs, _ = plan_gpt
+    cpu = autopar.estimate(model, autopar.Cluster.from_spec("1x2xcpu"), inputs, autopar.ParallelConfig(dp=2),
+                           global_batch_size=8)
+    rate = cpu.tflops_per_device * 1e12
+    assert 1e9 <= rate < 1e12, rate        # a CPU: GFLOP/s, which "TFLOP/s" printed as 0.0
+    text = cpu.summary()
+    assert f"{rate / 1e9:.4g} GFLOP/s per device" in text and "TFLOP/s" not in text
+    row = [line for line in str(plan.compare(cpu)).splitlines() if "FLOP/s per device" in line]
+    assert len(row) == 1 and "TFLOP/s" in row[0] and "GFLOP/s" in row[0], row
 
 
 def test_summary_marks_a_plan_that_does_not_fit(pipelined):
@@ -134,6 +155,7 @@ def test_notebook_view(searched):
     plan, _ = searched
     html = plan._repr_html_()
     assert plan.config.short() in html and html.count("<table") == 2
+    assert html.startswith(f"<p><b>autopar plan</b> for {plan.model_name}")
     assert html.count("<tr") >= len(TimeBreakdown.__annotations__) + len(plan.stages) + 1
     pytest.importorskip("matplotlib")
     assert "<img alt='pipeline timeline' src='data:image/png;base64," in html

@@ -231,6 +231,27 @@ def test_every_plot_renders_with_its_colours(plans, name, tmp_path):
     assert has_color(rgb, "#1f77b4")                              # device 0's cells (tab10)
 
 
+@pytest.mark.parametrize("plot", [plot_partition, plot_timeline, plot_memory])
+def test_legend_does_not_cover_the_title(plan_graph, plot):
+    """An interleaved plan's legend (the partition chart's chunks, above its strips) and the title, long as a
+    factory's model name and four chunks make them, do not overlap in the rendered figure."""
+    plan = price(plan_graph, NODE, ParallelConfig(dp=4, pp=2, schedule="interleaved", virtual_stages=4), 32)
+    plan = dataclasses.replace(plan, model_name="mypackage.models.gpt:build_gpt3_175b")
+    fig = plot(plan)
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is None:
+            continue
+        box = legend.get_window_extent(renderer)
+        titles = [t for t in (ax.title, *ax.texts, *(a for a in ax.get_children() if hasattr(a, "get_text")))
+                  if hasattr(t, "get_text") and t.get_text() in {ax.get_title(loc) for loc in ("left", "center",
+                                                                                               "right")} - {""}]
+        assert titles, "the axes has a legend but no title to check against"
+        for title in titles:
+            assert not box.overlaps(title.get_window_extent(renderer)), (title.get_text(), box)
+
+
 def test_figures_grow_with_the_pipeline(plans):
     one, four = plot_timeline(plans["pp1"]), plot_timeline(plans["1f1b"])
     assert four.get_figheight() > one.get_figheight()
