@@ -13,16 +13,21 @@ Gemma2's alternating sliding and global layers; 6 for Gemma3's).
 
 :func:`export_program` then exports the model with each such container holding only its lead and
 three periods (restored afterwards, whatever happens) and expands that program to the whole depth
-(capture/expand.py: copies of the third period, checked against the second, so that what a block
-reads of the block before it and of the values computed before the blocks is seen, not assumed).
-The result equals the export of every block, op for op and name for name.
+(capture/expand.py: copies of the third period, checked against the second by capture/periods.py, so
+that what a block reads of the block before it and of the values computed before the blocks is seen,
+not assumed). The result equals the export of every block, op for op and name for name.
 
 Whenever something does not fit (blocks not interchangeable, fewer blocks than three periods and
-one more, a forward that fails or reads a block's value elsewhere when the container is cut, a
-period that does not repeat exactly), every block is exported, as before: only slower, never
-different. Only planning's capture uses this; the runtime, the profiler's timing exports and the
-standalone emit export the whole model, which they run. ``AUTOPAR_TRACE_EVERY_BLOCK=1`` exports
-every block here too (for debugging; plans do not depend on it).
+one more, a forward that fails, reads the blocks' count or walks them again, or reads a block's value
+after the blocks but the last one's, when the container is cut; a period that does not repeat
+exactly), every block is exported, as before: only slower, never different. What a cut trace cannot
+show is Python that treats a block by its position in the loop in a way the traced blocks do not
+exhibit: ``if i == 50``, or a comparison with the configured depth (``config.num_hidden_layers - 1``)
+rather than the container's length (which is counted). Every architecture of transformers'
+registries is checked against tracing every block (tests/unit/capture/test_repeat_registry.py, in
+make bench); for a model of one's own that does so, ``AUTOPAR_TRACE_EVERY_BLOCK=1`` exports every
+block (plans do not otherwise depend on it). Only planning's capture copies blocks; the runtime, the
+profiler's timing exports and the standalone emit export the whole model, which they run.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ from torch import nn
 from torch.fx.experimental import proxy_tensor
 
 from ..progress import module_calls
-from .expand import Blocks, Mismatch, expand
+from .expand import expand
+from .periods import Blocks, Mismatch
 from .export import LossFn, run_export
 
 ENV = "AUTOPAR_TRACE_EVERY_BLOCK"
