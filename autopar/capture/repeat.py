@@ -91,16 +91,20 @@ def export_program(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None
         except Exception as exc:  # noqa: BLE001 - the cut model failed to export: the whole one decides
             why = f"the cut model does not export: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         skipped = (*skipped, why)
+    return _export(model, example_inputs, loss_fn, progress), Outcome((), skipped, why if found else "")
+
+
+def _export(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None, progress: bool) -> Any:
+    """run_export with a bar of the blocks the model holds (cut or not); one call site, so that a warning
+    the export gives shows once when a cut model falls back to the whole one."""
     with module_calls(repeated_blocks(model), "autopar: capturing", "layers", enabled=progress):
-        program = run_export(model, example_inputs, loss_fn)
-    return program, Outcome((), skipped, why if found else "")
+        return run_export(model, example_inputs, loss_fn)
 
 
 def _copied(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None, found: list[_Found],
             progress: bool) -> Any:
     with _cut(found) as cut, _Counters(found) as counters:
-        with module_calls(repeated_blocks(model), "autopar: capturing", "layers", enabled=progress):
-            program = run_export(model, example_inputs, loss_fn)
+        program = _export(model, example_inputs, loss_fn, progress)
     marks = counters.check(program.graph)
     for f, blocks, counts in zip(found, cut, marks):
         if blocks.walks > (0 if counts is None else 1):
