@@ -13,6 +13,7 @@ registries.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from unittest import mock
 
@@ -44,25 +45,32 @@ def traced_every_block(call):
         return call()
 
 
-def capture_both(model, inputs, loss_fn=None):
-    """(how the blocks were captured, the graph): capture()'s graph, asserted equal to the one tracing
-    every block gives."""
-    outcomes = []
+@contextlib.contextmanager
+def outcomes():
+    """While open, the list of how each capture() exported (repeat.Outcome)."""
+    seen = []
     real = capture_pkg.export_program
 
     def spy(*args, **kwargs):
         program, outcome = real(*args, **kwargs)
-        outcomes.append(outcome)
+        seen.append(outcome)
         return program, outcome
 
     with mock.patch.object(capture_pkg, "export_program", spy):
+        yield seen
+
+
+def capture_both(model, inputs, loss_fn=None):
+    """(how the blocks were captured, the graph): capture()'s graph, asserted equal to the one tracing
+    every block gives."""
+    with outcomes() as seen:
         copied = capture(model, inputs, loss_fn)
     whole = traced_every_block(lambda: capture(model, inputs, loss_fn))
     assert list(copied.params) == list(whole.params)
     for field in whole.__dataclass_fields__:
         assert getattr(copied, field) == getattr(whole, field), field
     assert copied.structure.fingerprint == whole.structure.fingerprint
-    (outcome,) = outcomes
+    (outcome,) = seen
     return outcome, copied
 
 
@@ -347,6 +355,7 @@ def test_loss_of_a_layer_s_hidden_states_falls_back() -> None:
 # --- plans ------------------------------------------------------------------------------------
 
 def _hf12(name: str):
+    pytest.importorskip("transformers")
     from autopar.models.hf import build_hf_gpt2, build_hf_llama
     build = build_hf_gpt2 if name == "gpt2" else build_hf_llama
     return build(layers=12, hidden=64, heads=4, vocab=256, seq_len=32, device="meta")
@@ -361,11 +370,9 @@ def test_estimate_equal_at_depth() -> None:
     def run():
         return autopar.estimate(model, cluster, inputs, config, global_batch_size=16).to_json()
 
-    outcomes = []
-    real = capture_pkg.export_program
-    with mock.patch.object(capture_pkg, "export_program", lambda *a, **k: outcomes.append(real(*a, **k)) or outcomes[-1]):
+    with outcomes() as seen:
         copied = run()
-    assert outcomes[0][1].copied == ("transformer.h: 3 of 12 blocks traced",)
+    assert [outcome.copied for outcome in seen] == [("transformer.h: 3 of 12 blocks traced",)]
     assert copied == traced_every_block(run)
 
 
@@ -378,7 +385,11 @@ def test_plans_equal_at_depth(name, spec) -> None:
         return autopar.plan(model, autopar.Cluster.from_spec(spec), inputs, global_batch_size=32,
                             verbose=False).to_json()
 
-    assert run() == traced_every_block(run)
+    with outcomes() as seen:
+        copied = run()
+    assert [outcome.copied for outcome in seen] == [(f"{'transformer.h' if name == 'gpt2' else 'model.layers'}: "
+                                                     "3 of 12 blocks traced",)]
+    assert copied == traced_every_block(run)
 
 
 def test_switched_off_by_the_environment() -> None:
