@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(PY) bench/fidelity_published.py
 	$(PY) bench/activation_memory.py
 	$(PY) bench/capture_175b.py
+	$(PY) bench/capture_repeat.py
 	$(PY) bench/standalone_emit.py
 	$(PY) bench/sharding_ilp.py
 	$(PY) bench/solver_scaling.py
@@ -64,6 +65,7 @@ bench: $(STAMP)
 	AUTOPAR_FUZZ_SEEDS=400 HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/distributed/test_fuzz.py
 	AUTOPAR_ALL_CASES=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/distributed/test_new_users.py tests/distributed/test_parallelize.py \
 		tests/distributed/test_standalone.py tests/distributed/test_zoo.py tests/distributed/test_context_expert.py tests/unit/capture/test_hf_decoders.py \
+		tests/unit/capture/test_repeat.py tests/unit/capture/test_repeat_registry.py \
 		tests/unit/test_properties.py tests/unit/solver/test_plan_api.py
 	AUTOPAR_ALL_CASES=1 AUTOPAR_EXHAUSTIVE_EXAMPLES=100 $(PY) -m pytest -q tests/unit/solver/test_search.py
 

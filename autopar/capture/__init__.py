@@ -8,7 +8,6 @@ from typing import Any
 from torch import nn
 
 from ..errors import CaptureError
-from ..progress import module_calls
 from .build import GraphWalk, batch_size_of, node_stacks
 from .dtypes import check_dtypes
 from .export import LossFn, check_model, loss_source, run_export
@@ -17,6 +16,7 @@ from .loss import LossSource
 from .moe import count_routed_flops, eager_warning, find_regions
 from .opgraph import (FLOAT_DTYPES, Gemm, GraphInput, Layer, MoERegion, OpGraph, OpKind, OpNode, SavedTensor,
                       TensorMeta)
+from .repeat import export_program
 from .replicated import replicated_values
 from .structure import ModelStructure, first_difference, structure_of
 
@@ -38,38 +38,27 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None = None
     graph is the training forward pass (dropout on) down to the scalar loss.
     Mixture-of-experts layers become :class:`MoERegion` records (``OpGraph.moe``) whose ops
     count only the routed work (capture/moe.py).
+    Repeated blocks (transformer layers) are traced a few times and copied to the model's depth,
+    the same graph as tracing every one (capture/repeat.py); ``AUTOPAR_TRACE_EVERY_BLOCK=1`` in
+    the environment traces every block (slower; for debugging: plans do not depend on it).
     Raises :class:`autopar.CaptureError` naming the source line when export fails, and naming the
     example input when an op mixes dtypes a real kernel refuses (capture/dtypes.py). ``progress``: a
-    bar of the repeated blocks traced (:func:`repeated_blocks`), on a terminal once it takes a second.
+    bar of the repeated blocks traced (repeat.py's ``repeated_blocks``), on a terminal once it takes a second.
     """
     check_model(model, meta_mix=True)   # before the bar walks its modules
-    with module_calls(repeated_blocks(model), "autopar: capturing", "layers", enabled=progress):
-        program = run_export(model, example_inputs, loss_fn)
-    casts = check_dtypes(program, type(model).__name__, example_inputs)   # raises where a real kernel would
+    program, _ = export_program(model, example_inputs, loss_fn, progress=progress)
+    # raises where a real kernel would; the program with blocks copied holds every op, parameter and
+    # placeholder of the whole one, so the error or notes are the same (test_repeat.py)
+    casts = check_dtypes(program, type(model).__name__, example_inputs)
     try:
         graph = graph_of(model, program)
-        return dataclasses.replace(graph, warnings=graph.warnings + casts) if casts else graph
     except CaptureError:
-        # the graph cannot be planned (an op whose shape depends on tensor values): exported again with
-        # stack traces, which plain exports leave out (export.py), so that the error names the line
+        # the graph cannot be planned (an op whose shape depends on tensor values): exported again,
+        # whole and with stack traces, which plain exports leave out (export.py), so that the error
+        # names the line
         graph_of(model, run_export(model, example_inputs, loss_fn, stack_traces=True))
         raise
-
-
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated blocks, as a progress bar counts them: the children of each ModuleList or
-    Sequential of two or more modules of one class (transformer layers), outermost only (not the
-    experts inside a layer)."""
-    blocks: list[nn.Module] = []
-    inside: set[int] = set()
-    for module in model.modules():
-        if id(module) in inside or not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(module.children())
-        if len(children) > 1 and len({type(c) for c in children}) == 1:
-            blocks += children
-            inside.update(id(m) for c in children for m in c.modules())
-    return blocks
+    return dataclasses.replace(graph, warnings=graph.warnings + casts) if casts else graph
 
 
 def graph_of(model: nn.Module, program) -> OpGraph:

@@ -93,24 +93,26 @@ def _is_config(value: Any) -> bool:
     return isinstance(value, PretrainedConfig)
 
 
-def shrink(config: Any) -> Any:
-    """``config`` (a transformers PretrainedConfig) with its size fields small, in place; returned."""
+def shrink(config: Any, layers: int = LAYERS) -> Any:
+    """``config`` (a transformers PretrainedConfig) with its size fields small (``layers`` layers), in
+    place; returned."""
     heads = getattr(config, "num_attention_heads", None)
     # attention without key/value groups stays so: multi-head latent attention projects keys and values
     # for every head while transformers repeats them by heads // num_key_value_heads under tracing
     ungrouped = [f for f in _KV_FIELDS if isinstance(heads, int) and getattr(config, f, None) == heads]
     for name, small in _SIZES.items():
+        small = layers if name in _LAYER_FIELDS else small
         value = getattr(config, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > small:
             setattr(config, name, small)
-    layers = min((getattr(config, f) for f in _LAYER_FIELDS
-                  if isinstance(getattr(config, f, None), int) and not isinstance(getattr(config, f), bool)),
-                 default=None)
-    if layers is not None:
+    depth = min((getattr(config, f) for f in _LAYER_FIELDS
+                 if isinstance(getattr(config, f, None), int) and not isinstance(getattr(config, f), bool)),
+                default=None)
+    if depth is not None:
         for name in _PER_LAYER:
             value = getattr(config, name, None)
-            if isinstance(value, (list, tuple)) and len(value) > layers:
-                setattr(config, name, type(value)(value[:layers]))
+            if isinstance(value, (list, tuple)) and len(value) > depth:
+                setattr(config, name, type(value)(value[:depth]))
     for name in _STAGE_DEPTHS:
         value = getattr(config, name, None)
         if isinstance(value, (list, tuple)) and all(isinstance(d, int) and not isinstance(d, bool) for d in value):
@@ -137,7 +139,7 @@ def shrink(config: Any) -> Any:
         config.use_cache = False
     for name, value in list(vars(config).items()):
         if _is_config(value):
-            shrink(value)
+            shrink(value, layers)
     return config
 
 
@@ -218,10 +220,10 @@ def architectures() -> list[Architecture]:
     return out
 
 
-def _config(arch: Architecture) -> Any:
+def _config(arch: Architecture, layers: int = LAYERS) -> Any:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     config = CONFIG_MAPPING[arch.model_type]()
-    shrink(config)
+    shrink(config, layers)
     if arch.task == "image-classification":
         shrink_images(config, CONFIG_MAPPING[arch.model_type]())
         config.num_labels = CLASSES
@@ -253,16 +255,18 @@ def _set_dropout(config: Any, p: float) -> None:
                 setattr(config, name, type(value)(p for _ in value))
 
 
-def build(arch: Architecture, device: str = "cpu", seed: int = 0, dropout: float | None = None) -> torch.nn.Module:
+def build(arch: Architecture, device: str = "cpu", seed: int = 0, dropout: float | None = None,
+          layers: int = LAYERS) -> torch.nn.Module:
     """The architecture at the test size with random weights (the same ones for the same seed);
-    ``dropout``, when given, replaces every dropout probability of its config."""
+    ``dropout``, when given, replaces every dropout probability of its config; ``layers``: layers
+    of each stack (a default config with fewer keeps its own)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import transformers
     cls = getattr(transformers, arch.name, None)
     if cls is None:
         raise ShrinkError(f"{arch.name}: transformers {transformers.__version__} lists it but does not export it")
     try:
-        config = _config(arch)
+        config = _config(arch, layers)
         if dropout is not None:
             _set_dropout(config, dropout)
         torch.manual_seed(seed)

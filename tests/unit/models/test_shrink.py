@@ -40,6 +40,16 @@ def test_shrink_sizes_sub_configs_and_per_layer_lists():
     assert (small.hidden_size, small.num_hidden_layers) == (32, 1)   # only downwards
 
 
+def test_shrink_to_a_depth():
+    """``layers=``: the repeated-block captures are checked at a depth with copies (test_repeat_registry.py)."""
+    config = shrink.shrink(transformers.Gemma2Config(), layers=8)
+    assert config.num_hidden_layers == 8 and len(config.layer_types) == 8
+    assert config.hidden_size == shrink.HIDDEN
+    t5 = shrink.shrink(transformers.T5Config(num_layers=12, num_decoder_layers=12), layers=8)
+    assert (t5.num_layers, t5.num_decoder_layers) == (8, 8)
+    assert shrink.shrink(transformers.LlamaConfig(num_hidden_layers=4), layers=8).num_hidden_layers == 4
+
+
 def test_multi_head_latent_attention_ropes_its_own_head_dim():
     config = shrink.shrink(transformers.DeepseekV3Config())
     assert config.head_dim == config.qk_rope_head_dim
