@@ -35,9 +35,9 @@ def consumers_of(graph: OpGraph) -> dict[str, list[str]]:
     return out
 
 
-def layer_groups(graph: OpGraph) -> list[LayerGroup]:
-    """Non-block layers together; each block signature solved on its first layer and copied."""
-    consumers = consumers_of(graph)
+def layer_groups(graph: OpGraph, consumers: Mapping[str, list[str]]) -> list[LayerGroup]:
+    """Non-block layers together; each block signature solved on its first layer and copied
+    (``consumers``: :func:`consumers_of` the graph)."""
     groups: list[LayerGroup] = []
     rest = tuple(layer.index for layer in graph.layers if not layer.is_block)
     if rest:
