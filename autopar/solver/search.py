@@ -274,6 +274,7 @@ class Search(SearchBounds, EvenSplitPlans):
                 else:
                     deferred.append(entry)
             queue += deferred
+            heapq.heapify(queue)
         plans = [r for _, _, r in seen if isinstance(r, Plan)]
         best = choose(plans, self.tie_tolerance)
         if best is not None and best.config.zero and not self._past(deadline):
@@ -299,6 +300,7 @@ class Search(SearchBounds, EvenSplitPlans):
         """Evaluate the zero=0 candidates in bound order up to the fastest zero=0 plan (a runner-up)."""
         plain = [e for e in queue if e[-1].zero == 0]
         queue[:] = [e for e in queue if e[-1].zero != 0]
+        heapq.heapify(queue)
         heapq.heapify(plain)
 
         def best_plain() -> float:
@@ -307,6 +309,7 @@ class Search(SearchBounds, EvenSplitPlans):
         while not self._past(deadline) and (entry := self._next(plain, best_plain(), deadline)) is not None:
             evaluate(entry[0], entry[2], entry[-1])
         queue += plain
+        heapq.heapify(queue)
 
     @staticmethod
     def _past(deadline: float | None) -> bool:

@@ -226,6 +226,23 @@ def test_memory_bound_is_below_every_plan_and_tightens_some(gpt_graph, fraction)
     assert tightened > 0
 
 
+def test_queue_stays_a_heap_between_passes(gpt_graph, monkeypatch):
+    """Each pass takes candidates in bound order from the one queue: after the tie band puts back what it
+    deferred, and after the zero=0 pass takes its candidates out and puts the rest back, the queue is
+    still a heap (appending to or filtering a heap's list is not), so the runners-up are the next in
+    bound order."""
+    takes = []
+    original = Search._next
+
+    def checked(self, queue, limit, deadline=None):
+        takes.append(all(not queue[i] < queue[(i - 1) // 2] for i in range(1, len(queue))))
+        return original(self, queue, limit, deadline)
+    monkeypatch.setattr(Search, "_next", checked)
+    plan, _ = solve(gpt_graph, Cluster.from_spec("1x4xA100-80GB"), 16)
+    assert plan.config.zero > 0    # so the zero=0 pass runs
+    assert len(takes) > 2 and all(takes)
+
+
 def test_memory_bound_is_below_every_candidates_leanest(deep_graph):
     """LB_M (states and one pass of every layer's leanest activations, spread over the pipeline) is
     below the least peak memory of each candidate, interleaved and 1F1B, at every micro-batch size,
