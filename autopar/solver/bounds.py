@@ -57,7 +57,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -132,29 +133,50 @@ class SearchBounds:
         """(LB_T, LB_M) of the module docstring."""
         return self._bounds(c, self._layer_work(c).total)
 
+    def leaf_bounds(self, rep: Candidate, schedules: Sequence[tuple[str, int]], zeros: Sequence[int],
+                    ) -> Iterator[tuple[float, float, str, int, int]]:
+        """:meth:`bounds` of every candidate that differs from ``rep`` only in its schedule (and
+        virtual stages) and ZeRO stage, as (LB_T, LB_M, schedule, virtual stages, zero), schedules
+        outermost: what they share is looked up once."""
+        lw = self._layer_work(rep)
+        m, p, total = rep.micro_batches(self.global_batch_size), rep.pp, lw.total
+        cut = self._least_cut(rep) if p > 1 else 0.0
+        largest = self._largest_stage(rep)
+        steps = [self._per_step(rep if z == rep.zero else replace(rep, zero=z)) for z in zeros]
+        acts = lw.least_acts
+        for schedule, v in schedules:
+            pipe = _pipe(schedule, v, m, p, total, 2 * (p * v - 1) * cut if p > 1 else 0.0, largest)
+            if not _all_held(schedule, m, p):
+                for z, (optimizer, states) in zip(zeros, steps):
+                    yield pipe + optimizer, states, schedule, v, z
+                continue
+            inverse, most = self._passes_of(rep, schedule, v, m)
+            for z, (optimizer, states) in zip(zeros, steps):
+                yield (pipe + optimizer, max(states + acts / p, (acts + p * states / most) / inverse),
+                       schedule, v, z)
+
     def _bounds(self, c: Candidate, total: float) -> tuple[float, float]:
         """(LB_T, LB_M) with ``total`` for ``W``."""
         lw = self._layer_work(c)
         m, p = c.micro_batches(self.global_batch_size), c.pp
         p2p = 2 * (p * c.virtual_stages - 1) * self._least_cut(c) if p > 1 else 0.0
-        x = max((total + p2p) / p, self._largest_stage(c))
-        if c.schedule == "interleaved":
-            pipe = (m + (p - 1) / c.virtual_stages) * x
-        else:
-            pipe = (m - 1) * x + total + p2p
         optimizer, states = self._per_step(c)
-        lb_t = pipe + optimizer
-        if not self._all_held(c, m):
+        lb_t = _pipe(c.schedule, c.virtual_stages, m, p, total, p2p, self._largest_stage(c)) + optimizer
+        if not _all_held(c.schedule, m, p):
             return lb_t, states
         inverse, most = self._passes(c, m)
         return lb_t, max(states + lw.least_acts / p, (lw.least_acts + p * states / most) / inverse)
 
     def _passes(self, c: Candidate, m: int) -> tuple[float, int]:
+        return self._passes_of(c, c.schedule, c.virtual_stages, m)
+
+    def _passes_of(self, c: Candidate, schedule: str, virtual_stages: int, m: int) -> tuple[float, int]:
         """``(sum_d 1 / f_d, max_d f_d)``, ``f_d`` the passes of each of its layers pipeline device ``d``
-        holds at least at its peak (memory.least_passes); cached by schedule, pp, chunks and m."""
-        key = (c.schedule, c.pp, c.virtual_stages, m)
+        holds at least at its peak (memory.least_passes) under ``schedule`` with ``virtual_stages`` and
+        ``m`` micro-batches on ``c``'s pipeline; cached by schedule, pp, chunks and m."""
+        key = (schedule, c.pp, virtual_stages, m)
         if key not in self._held:
-            cfg = c.config()
+            cfg = replace(c, schedule=schedule, virtual_stages=virtual_stages).config()
             passes = [least_passes(cfg, d, m) for d in range(c.pp)]
             self._held[key] = (sum(1 / f for f in passes), max(passes))
         return self._held[key]
@@ -222,14 +244,8 @@ class SearchBounds:
         return max(lb_t, pipe + self._per_step(c)[0] + self._tail(c, m))
 
     def _holds(self, c: Candidate, m: int) -> bool:
-        """Whether the memory argument bounds the work: the plan must fit, and :meth:`_all_held`."""
-        return self.must_fit and self._all_held(c, m)
-
-    @staticmethod
-    def _all_held(c: Candidate, m: int) -> bool:
-        """Whether each device holds a pass of every one of its layers at its peak: not so for an
-        interleaved order with m not a multiple of p (which the space never offers)."""
-        return not (c.schedule == "interleaved" and m % c.pp)
+        """Whether the memory argument bounds the work: the plan must fit, and :func:`_all_held`."""
+        return self.must_fit and _all_held(c.schedule, m, c.pp)
 
     def _tail(self, c: Candidate, m: int) -> float:
         """The data-parallel communication no overlap hides and the loss's all-reduce (the least of it that
@@ -246,3 +262,18 @@ class SearchBounds:
         memory, states = self.cluster.device.memory, self._per_step(c)[1]
         inverse, most = self._passes(c, m)
         return min(c.pp * (memory - states), memory * inverse - c.pp * states / most)
+
+
+def _pipe(schedule: str, virtual_stages: int, m: int, p: int, total: float, p2p: float, largest: float) -> float:
+    """The pipeline term of ``LB_T`` (module docstring): ``m`` micro-batches of ``total`` work and ``p2p``
+    over ``p`` devices, the slowest holding at least ``largest``."""
+    x = max((total + p2p) / p, largest)
+    if schedule == "interleaved":
+        return (m + (p - 1) / virtual_stages) * x
+    return (m - 1) * x + total + p2p
+
+
+def _all_held(schedule: str, m: int, p: int) -> bool:
+    """Whether each device holds a pass of every one of its layers at its peak: not so for an
+    interleaved order with m not a multiple of p (which the space never offers)."""
+    return not (schedule == "interleaved" and m % p)
