@@ -25,7 +25,7 @@ from ..cluster import Cluster
 from ..config import Precision
 from . import context_parallel, expert_parallel
 from .comm import Collective, GroupPlacement, collective_time
-from .compute import ComputeModel, MeasuredTimes, fused_ops
+from .compute import ComputeModel, MeasuredTimes, OpTime, fused_ops
 from .memory import ActivationModel, op_kept, saved_owner
 from .tensor_parallel import S, TPLayout, sequence_gathers, single_rank_layout
 
@@ -133,6 +133,7 @@ class LayerCostModel:
     _acts: dict[tuple[int, bool], ActivationModel] = field(default_factory=dict)   # by (tp, sp)
     _facts: dict[tuple, tuple] = field(default_factory=dict)   # _node_facts, by (layer, tp, sp)
     _comms: dict[tuple, tuple] = field(default_factory=dict)   # _layer_comms, by (layer, tp, sp)
+    _op_times: dict[tuple, OpTime] = field(default_factory=dict)   # _op_time, by (node, scale, shard, dim)
     expert_load_cv: float = expert_parallel.DEFAULT_LOAD_CV   # spread of the experts' shares of the rows
 
     def __post_init__(self) -> None:
@@ -154,6 +155,11 @@ class LayerCostModel:
         if self._fused is None:
             self._fused = fused_ops(self.graph, self.precision.kernels)
         return self._fused
+
+    @functools.cached_property
+    def compute(self) -> ComputeModel:
+        """The graph's op times (one model: it caches them)."""
+        return ComputeModel(self.graph, self.cluster.device, self.precision.compute, self.measured)
 
     @staticmethod
     def kind(layer: Layer) -> tuple[str, int]:
@@ -190,7 +196,7 @@ class LayerCostModel:
               split: SplitGroups) -> "_Timed":
         layout = self.layout(tp)
         scale = micro_batch / (self.graph.batch_size * split.cp)   # a rank holds 1/cp of each sequence
-        model = ComputeModel(self.graph, self.cluster.device, self.precision.compute, self.measured)
+        model = self.compute
         experts = expert_parallel.region_nodes(self.graph, layer.index) if split.ep > 1 else frozenset()
         imbalance = expert_parallel.imbalance(self.graph, layer.index, split.ep, self.expert_load_cv)
         fwd = bwd = core_fwd = flops = fwd_flops = core_flops = op_fwd = op_flops = 0.0
@@ -204,7 +210,7 @@ class LayerCostModel:
             elif node.name in experts:
                 t = model.op_time(expert_parallel.local_experts(node, split.ep), scale, shard, dim, self.fused)
             else:
-                t = model.op_time(node, scale, shard, dim, self.fused)
+                t = self._op_time(node, scale, shard, dim)
             load = imbalance if node.name in experts else 1.0   # the busiest expert rank sets the pace
             fwd += t.fwd * load
             bwd += t.bwd * load
@@ -239,6 +245,14 @@ class LayerCostModel:
                          recompute_flops=0.0, cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep_fwd, ep_bwd=ep_bwd)
         return _Timed(cost, core_fwd, fwd_flops, core_flops, op_fwd + tp_rerun + cp_fwd + ep_fwd, op_flops, acts,
                       scale)
+
+    def _op_time(self, node: OpNode, scale: float, shard: int, dim: str) -> OpTime:
+        """ComputeModel.op_time of one of the graph's nodes (cached: the search prices each op at the
+        same micro-batch and shard under many configurations, sequence parallelism and layouts)."""
+        key = (node.name, scale, shard, dim)
+        if key not in self._op_times:
+            self._op_times[key] = self.compute.op_time(node, scale, shard, dim, self.fused)
+        return self._op_times[key]
 
     def _tp_comm(self, layer: Layer, layout: TPLayout, scale: float, group: GroupPlacement,
                  sp: bool) -> tuple[float, float, float]:

@@ -142,7 +142,7 @@ class SearchBounds:
         m, p, total = rep.micro_batches(self.global_batch_size), rep.pp, lw.total
         cut = self._least_cut(rep) if p > 1 else 0.0
         largest = self._largest_stage(rep)
-        steps = [self._per_step(rep if z == rep.zero else replace(rep, zero=z)) for z in zeros]
+        steps = [self._per_step(rep, z) for z in zeros]
         acts = lw.least_acts
         for schedule, v in schedules:
             pipe = _pipe(schedule, v, m, p, total, 2 * (p * v - 1) * cut if p > 1 else 0.0, largest)
@@ -181,12 +181,14 @@ class SearchBounds:
             self._held[key] = (sum(1 / f for f in passes), max(passes))
         return self._held[key]
 
-    def _per_step(self, c: Candidate) -> tuple[float, float]:
+    def _per_step(self, c: Candidate, zero: int | None = None) -> tuple[float, float]:
         """``(opt(P / p), states(P / p))``: the optimizer step's seconds and the model-state bytes of
-        the mean pipeline device; cached by what they depend on (not the micro-batch or schedule)."""
-        key = (c.variant, c.tp, c.sequence_parallel, c.cp, c.ep, c.pp, c.dp, c.zero)
+        the mean pipeline device (of ``c`` at ZeRO stage ``zero`` when given); cached by what they depend
+        on (not the micro-batch or schedule)."""
+        zero = c.zero if zero is None else zero
+        key = (c.variant, c.tp, c.sequence_parallel, c.cp, c.ep, c.pp, c.dp, zero)
         if key not in self._fixed:
-            lw, p, est, cfg = self._layer_work(c), c.pp, self.estimator(c.variant), c.config()
+            lw, p, est, cfg = self._layer_work(c), c.pp, self.estimator(c.variant), replace(c, zero=zero).config()
             self._fixed[key] = (float(est.tail.optimizer_time(cfg, lw.params / p, lw.experts / p)),
                                 float(sum(est.state_bytes(cfg, lw.params / p, lw.experts / p))))
         return self._fixed[key]
