@@ -82,6 +82,7 @@ class LayerWork:
     layer_work: np.ndarray   # (layers, modes) seconds, in layer order
     layer_acts: np.ndarray   # (layers, modes) activation bytes, in layer order
     least_acts: float        # sum_l min_r a_l^r: one pass of every layer in its leanest mode
+    costliest: np.ndarray    # (layers,) each layer's work in its cheapest mode, costliest first
 
 
 class SearchBounds:
@@ -108,15 +109,20 @@ class SearchBounds:
             kind_work = np.array([[col[layer.index].work for col in costs] for layer in first])    # (kinds, modes)
             kind_acts = np.array([[col[layer.index].activations for col in costs] for layer in first])
             work, acts = kind_work[list(kinds)], kind_acts[list(kinds)]                          # (layers, modes)
-            rows, inverse = np.unique(np.concatenate([kind_work, kind_acts], axis=1), axis=0, return_inverse=True)
-            counts = np.bincount(np.asarray(inverse).reshape(-1)[list(kinds)], minlength=len(rows))
+            # the distinct rows, sorted (np.unique(axis=0)'s, without its cost on a few rows)
+            table = list(map(tuple, np.concatenate([kind_work, kind_acts], axis=1).tolist()))
+            distinct = sorted(set(table))
+            where = {row: i for i, row in enumerate(distinct)}
+            rows = np.array(distinct)
+            counts = np.bincount(np.array([where[row] for row in table])[list(kinds)], minlength=len(rows))
             cheapest = work.min(axis=1)
             modes = len(self.bound_modes)
             params, experts = self._local_params(c, cfg)
             self._work[key] = LayerWork(
                 total=float(cheapest.sum()), params=params, experts=experts,
                 work=rows[:, :modes], acts=rows[:, modes:], counts=counts.astype(float),
-                layer_work=work, layer_acts=acts, least_acts=float(acts.min(axis=1).sum()))
+                layer_work=work, layer_acts=acts, least_acts=float(acts.min(axis=1).sum()),
+                costliest=-np.sort(-cheapest))
         return self._work[key]
 
     def _local_params(self, c: Candidate, cfg: ParallelConfig) -> tuple[float, float]:
@@ -199,7 +205,7 @@ class SearchBounds:
         least the ``k``-th's, for every ``k`` (80 blocks on 32 stages put 3 on some)."""
         key = (c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep, c.pp)
         if key not in self._stage_floor:
-            costliest = -np.sort(-self._layer_work(c).layer_work.min(axis=1))
+            costliest = self._layer_work(c).costliest
             share = np.ceil(np.arange(1, len(costliest) + 1) / c.pp)
             self._stage_floor[key] = float((share * costliest).max())
         return self._stage_floor[key]
