@@ -33,6 +33,7 @@ an interleaved pipeline) left interleaved candidates 30% below their step time: 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -70,19 +71,31 @@ def even_splits(est: Estimator, cfg: ParallelConfig, work: np.ndarray) -> tuple[
     own, own_experts = est.own_params(cfg)
     out = []
     for split in sorted(runs):
-        members = np.zeros((len(work), p))
-        device, chunk = np.zeros(len(work), dtype=int), np.zeros(len(work), dtype=int)
-        params, experts, p2p = np.zeros(p), np.zeros(p), np.zeros(p)
-        for d in range(p):
-            mine = list(range(d, chunks, p))
-            for j, c in enumerate(mine):
-                members[list(split[c]), d] = 1.0
-                device[list(split[c])], chunk[list(split[c])] = d, j
-            held = [i for c in mine for i in split[c]]
-            params[d], experts[d] = own[held].sum(), own_experts[held].sum()
-            p2p[d] = device_p2p(cuts, split, mine)
+        members, device, chunk, held = _placement(split, p, len(work))
+        params = np.array([own[h].sum() for h in held])
+        experts = np.array([own_experts[h].sum() for h in held])
+        p2p = np.array([device_p2p(cuts, split, range(d, chunks, p)) for d in range(p)], dtype=float)
         out.append(Split(members, device, chunk, params, experts, p2p))
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _placement(split: tuple[tuple[int, ...], ...], p: int, layers: int) -> tuple[np.ndarray, ...]:
+    """(members, device, chunk, the layers each device holds) of chunks ``split`` on ``p`` devices
+    (device ``d`` holds chunks ``d, d + p, ...``): the same for every micro-batch, layout and ZeRO
+    stage of a pipeline (cached, read-only)."""
+    members = np.zeros((layers, p))
+    device, chunk = np.zeros(layers, dtype=int), np.zeros(layers, dtype=int)
+    held = []
+    for d in range(p):
+        mine = range(d, len(split), p)
+        for j, c in enumerate(mine):
+            members[list(split[c]), d] = 1.0
+            device[list(split[c])], chunk[list(split[c])] = d, j
+        held.append(np.array([i for c in mine for i in split[c]], dtype=int))
+    for a in (members, device, chunk, *held):
+        a.setflags(write=False)
+    return members, device, chunk, tuple(held)
 
 
 def even_pipeline_floor(est: Estimator, cfg: ParallelConfig, micro_batches: int, splits: Sequence[Split],
