@@ -157,8 +157,12 @@ class Estimator:
                  chunks: Sequence[Sequence[int]] | None) -> list[DeviceCost]:
         groups = self.placements(cfg)
 
+        by_mode: dict[str, tuple[LayerCost, ...]] = {}
+
         def costs(mode: str) -> tuple[LayerCost, ...]:
-            return self.layer_costs(cfg, groups["tp"], mode, groups)
+            if mode not in by_mode:
+                by_mode[mode] = self.layer_costs(cfg, groups["tp"], mode, groups)
+            return by_mode[mode]
         if chunks is None:
             uniform = costs(cfg.stage_mode(0))
             chunks = even_partition(self.graph, cfg.pp * cfg.virtual_stages, [c.work for c in uniform])

@@ -88,7 +88,7 @@ class LayerWork:
 class SearchBounds:
     """The bounds of search.Search's candidates (a mixin: Search provides ``estimator``, ``graph``,
     ``cluster``, ``global_batch_size``, ``must_fit``, ``modes``, ``_even_split`` and the caches
-    ``_work``, ``_cuts``, ``_splits``, ``_stage_floor``, ``_held``, ``_params`` and ``_fixed``)."""
+    ``_work``, ``_cuts``, ``_splits``, ``_stage_floor``, ``_held``, ``_params``, ``_fixed`` and ``_tails``)."""
 
     @functools.cached_property
     def bound_modes(self) -> tuple[str, ...]:
@@ -258,9 +258,12 @@ class SearchBounds:
     def _tail(self, c: Candidate, m: int) -> float:
         """The data-parallel communication no overlap hides and the loss's all-reduce (the least of it that
         any backward leaves exposed)."""
-        lw, est, cfg = self._layer_work(c), self.estimator(c.variant), c.config()
-        return (est.tail.dp_floor(cfg, m, est.placements(cfg), lw.params / c.pp, lw.experts / c.pp)
-                + est.tail.loss_share_time(cfg))
+        key = (c.variant, c.tp, c.cp, c.dp, c.ep, c.pp, c.zero, m if c.zero >= 2 else 0)   # what they depend on
+        if key not in self._tails:
+            lw, est, cfg = self._layer_work(c), self.estimator(c.variant), c.config()
+            self._tails[key] = (est.tail.dp_floor(cfg, m, est.placements(cfg), lw.params / c.pp, lw.experts / c.pp)
+                                + est.tail.loss_share_time(cfg))
+        return self._tails[key]
 
     def _budget(self, c: Candidate, m: int) -> float:
         """``B``, the most activation bytes one pass of all layers may take (module docstring):

@@ -125,6 +125,7 @@ class Search(SearchBounds, EvenSplitPlans):
     _held: dict[tuple, tuple[float, int]] = field(default_factory=dict)   # _passes
     _params: dict[tuple, tuple[float, float]] = field(default_factory=dict)   # _local_params
     _fixed: dict[tuple, tuple[float, float]] = field(default_factory=dict)    # _per_step
+    _tails: dict[tuple, float] = field(default_factory=dict)    # _tail
 
     def estimator(self, variant: str) -> Estimator:
         if variant not in self._estimators:
