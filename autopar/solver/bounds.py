@@ -104,10 +104,11 @@ class SearchBounds:
             est = self.estimator(c.variant)
             cfg = c.config()
             groups = est.placements(cfg)
-            costs = [est.layer_costs(cfg, groups["tp"], m, groups) for m in self.bound_modes]
-            kinds, first = est.kinds    # layers of one kind share their costs: each priced once
-            kind_work = np.array([[col[layer.index].work for col in costs] for layer in first])    # (kinds, modes)
-            kind_acts = np.array([[col[layer.index].activations for col in costs] for layer in first])
+            split = est.split_groups(cfg, groups)
+            costs = [est.kind_costs(cfg, groups["tp"], m, split) for m in self.bound_modes]
+            kinds = est.kinds[0]    # layers of one kind share their costs: each priced once
+            kind_work = np.array([[cost.work for cost in row] for row in zip(*costs)])    # (kinds, modes)
+            kind_acts = np.array([[cost.activations for cost in row] for row in zip(*costs)])
             work, acts = kind_work[list(kinds)], kind_acts[list(kinds)]                          # (layers, modes)
             # the distinct rows, sorted (np.unique(axis=0)'s, without its cost on a few rows)
             table = list(map(tuple, np.concatenate([kind_work, kind_acts], axis=1).tolist()))
