@@ -64,7 +64,7 @@ import numpy as np
 
 from ..config import ParallelConfig
 from ..cost_model.memory import least_passes
-from .even_split import even_pipeline_floor, even_splits, knapsack_floors
+from .even_split import Knapsack, even_pipeline_floor, even_splits
 from .space import Candidate
 
 
@@ -83,6 +83,11 @@ class LayerWork:
     layer_acts: np.ndarray   # (layers, modes) activation bytes, in layer order
     least_acts: float        # sum_l min_r a_l^r: one pass of every layer in its leanest mode
     costliest: np.ndarray    # (layers,) each layer's work in its cheapest mode, costliest first
+
+    @functools.cached_property
+    def knapsack(self) -> Knapsack:
+        """The Lagrangian bound of its distinct layers (module docstring), their counts the one group."""
+        return Knapsack(self.work, self.acts, self.counts[:, None])
 
 
 class SearchBounds:
@@ -232,7 +237,7 @@ class SearchBounds:
         lw = self._layer_work(c)
         total = lw.total
         if self._holds(c, m):
-            floors = knapsack_floors(lw.work, lw.acts, lw.counts[:, None], np.array([self._budget(c, m)]))
+            floors = lw.knapsack.floors(np.array([self._budget(c, m)]))
             if floors is None:
                 return None
             total = max(total, float(floors[0]))

@@ -109,30 +109,52 @@ def even_pipeline_floor(est: Estimator, cfg: ParallelConfig, micro_batches: int,
     for split in splits:
         room = memory - sum(est.state_bytes(cfg, split.params, split.experts))
         held = passes[split.device, split.chunk]
-        floors = knapsack_floors(work, acts * held[:, None], split.members, room)
+        floors = Knapsack(work, acts * held[:, None], split.members).floors(room)
         if floors is not None:
             t = pipeline_time(list(floors + split.p2p), micro_batches, cfg.schedule, cfg.virtual_stages).total
             best = t if best is None else min(best, t)
     return best
 
 
-def knapsack_floors(work: np.ndarray, acts: np.ndarray, members: np.ndarray, room: np.ndarray) -> np.ndarray | None:
+class Knapsack:
     """For each group ``d`` (a device, or the whole pipeline) of rows ``members[:, d]`` times each:
     ``max_lambda sum_l members[l, d] min_r (work[l, r] + lambda acts[l, r]) - lambda room[d]``,
     the Lagrangian bound of choosing one mode per row under ``sum_l members[l, d] acts[l, r_l] <=
     room[d]``, over the breakpoints of every row (where a row's cheapest mode changes: a superset of
-    each group's own, so the maximum is among them); None when some group's least bytes exceed its
-    room."""
-    if np.any(acts.min(axis=1) @ members > room):
-        return None
-    if np.all(np.isinf(room)):
-        return work.min(axis=1) @ members
-    dc = work[:, None, :] - work[:, :, None]       # [l, r, s] = c_s - c_r
-    da = acts[:, :, None] - acts[:, None, :]       # [l, r, s] = a_r - a_s
-    ok = (da > 0) & (dc > 0)
-    lam = np.unique(np.concatenate([[0.0], dc[ok] / da[ok]]))
-    g = (work[None] + lam[:, None, None] * acts[None]).min(axis=2) @ members - lam[:, None] * room[None, :]
-    return g.max(axis=0)
+    each group's own, so the maximum is among them). What does not depend on the room is computed
+    once, when first needed (the search bounds one candidate's layers under many budgets)."""
+
+    def __init__(self, work: np.ndarray, acts: np.ndarray, members: np.ndarray) -> None:
+        self.work, self.acts, self.members = work, acts, members
+
+    @functools.cached_property
+    def least(self) -> np.ndarray:
+        """Each group's least bytes: every row in its leanest mode."""
+        return self.acts.min(axis=1) @ self.members
+
+    @functools.cached_property
+    def cheapest(self) -> np.ndarray:
+        """Each group's least work, the room unbounded."""
+        return self.work.min(axis=1) @ self.members
+
+    @functools.cached_property
+    def _lines(self) -> tuple[np.ndarray, np.ndarray]:
+        """(breakpoints ``lambda``, ``sum_l members[l, d] min_r (work + lambda acts)`` at each)."""
+        work, acts = self.work, self.acts
+        dc = work[:, None, :] - work[:, :, None]       # [l, r, s] = c_s - c_r
+        da = acts[:, :, None] - acts[:, None, :]       # [l, r, s] = a_r - a_s
+        ok = (da > 0) & (dc > 0)
+        lam = np.unique(np.concatenate([[0.0], dc[ok] / da[ok]]))
+        return lam, (work[None] + lam[:, None, None] * acts[None]).min(axis=2) @ self.members
+
+    def floors(self, room: np.ndarray) -> np.ndarray | None:
+        """The bound of each group with ``room[d]`` bytes; None when some group's least bytes exceed its room."""
+        if np.any(self.least > room):
+            return None
+        if np.all(np.isinf(room)):
+            return self.cheapest
+        lam, value = self._lines
+        return (value - lam[:, None] * room[None, :]).max(axis=0)
 
 
 class Unfit(NamedTuple):
