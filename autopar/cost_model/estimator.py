@@ -119,11 +119,17 @@ class Estimator:
         split = self.split_groups(cfg, groups if groups is not None else self.placements(cfg))
         key = (cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, mode, tp_group, split)
         if key not in self._costs:
-            kinds, first = self.kinds   # each kind of layer priced once (LayerCostModel.kind)
-            priced = [self.layers.cost(layer, cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, mode, tp_group,
-                                       split) for layer in first]
-            self._costs[key] = tuple(priced[k] for k in kinds)
+            priced = self.kind_costs(cfg, tp_group, mode, split)   # each kind of layer priced once
+            self._costs[key] = tuple(priced[k] for k in self.kinds[0])
         return self._costs[key]
+
+    def kind_costs(self, cfg: ParallelConfig, tp_group: GroupPlacement, mode: str,
+                   split: SplitGroups) -> list[LayerCost]:
+        """The cost of each kind of layer (:attr:`kinds`, LayerCostModel.kind) in one recompute mode: what
+        :meth:`layer_costs` repeats for every layer of the kind (not cached here: the layer model caches
+        each)."""
+        return [self.layers.cost(layer, cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, mode, tp_group, split)
+                for layer in self.kinds[1]]
 
     @functools.cached_property
     def kinds(self) -> tuple[tuple[int, ...], tuple]:
@@ -157,8 +163,12 @@ class Estimator:
                  chunks: Sequence[Sequence[int]] | None) -> list[DeviceCost]:
         groups = self.placements(cfg)
 
+        by_mode: dict[str, tuple[LayerCost, ...]] = {}
+
         def costs(mode: str) -> tuple[LayerCost, ...]:
-            return self.layer_costs(cfg, groups["tp"], mode, groups)
+            if mode not in by_mode:
+                by_mode[mode] = self.layer_costs(cfg, groups["tp"], mode, groups)
+            return by_mode[mode]
         if chunks is None:
             uniform = costs(cfg.stage_mode(0))
             chunks = even_partition(self.graph, cfg.pp * cfg.virtual_stages, [c.work for c in uniform])

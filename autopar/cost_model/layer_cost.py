@@ -25,7 +25,7 @@ from ..cluster import Cluster
 from ..config import Precision
 from . import context_parallel, expert_parallel
 from .comm import Collective, GroupPlacement, collective_time
-from .compute import ComputeModel, MeasuredTimes, fused_ops
+from .compute import ComputeModel, MeasuredTimes, OpTime, fused_ops
 from .memory import ActivationModel, op_kept, saved_owner
 from .tensor_parallel import S, TPLayout, sequence_gathers, single_rank_layout
 
@@ -133,6 +133,8 @@ class LayerCostModel:
     _acts: dict[tuple[int, bool], ActivationModel] = field(default_factory=dict)   # by (tp, sp)
     _facts: dict[tuple, tuple] = field(default_factory=dict)   # _node_facts, by (layer, tp, sp)
     _comms: dict[tuple, tuple] = field(default_factory=dict)   # _layer_comms, by (layer, tp, sp)
+    _op_times: dict[tuple, OpTime] = field(default_factory=dict)   # the graph's op times, by (node, scale, shard, dim)
+    _layer_flops: dict[tuple, tuple] = field(default_factory=dict)   # _flops, by (layer, scale)
     expert_load_cv: float = expert_parallel.DEFAULT_LOAD_CV   # spread of the experts' shares of the rows
 
     def __post_init__(self) -> None:
@@ -154,6 +156,11 @@ class LayerCostModel:
         if self._fused is None:
             self._fused = fused_ops(self.graph, self.precision.kernels)
         return self._fused
+
+    @functools.cached_property
+    def compute(self) -> ComputeModel:
+        """The graph's op times (one model: it caches them)."""
+        return ComputeModel(self.graph, self.cluster.device, self.precision.compute, self.measured)
 
     @staticmethod
     def kind(layer: Layer) -> tuple[str, int]:
@@ -190,39 +197,35 @@ class LayerCostModel:
               split: SplitGroups) -> "_Timed":
         layout = self.layout(tp)
         scale = micro_batch / (self.graph.batch_size * split.cp)   # a rank holds 1/cp of each sequence
-        model = ComputeModel(self.graph, self.cluster.device, self.precision.compute, self.measured)
+        model = self.compute
         experts = expert_parallel.region_nodes(self.graph, layer.index) if split.ep > 1 else frozenset()
         imbalance = expert_parallel.imbalance(self.graph, layer.index, split.ep, self.expert_load_cv)
-        fwd = bwd = core_fwd = flops = fwd_flops = core_flops = op_fwd = op_flops = 0.0
-        cp_fwd = cp_bwd = 0.0
-        ops = grad_ops = 0
+        ops, grad_ops, flops, fwd_flops, core_flops, op_flops = self._flops(layer, scale)
+        fwd = bwd = core_fwd = op_fwd = cp_fwd = cp_bwd = 0.0
+        ring, times, fused = split.cp > 1, self._op_times, self.fused
         for node, shard, dim, is_kept in self._node_facts(layer, tp, sp):
-            ops += 1
-            grad_ops += node.requires_grad
-            if split.cp > 1 and node.kind is OpKind.ATTENTION:
+            load = 1.0
+            if ring and node.kind is OpKind.ATTENTION:
                 t = context_parallel.ring_attention_time(model, node, scale * split.cp, shard, dim, split.cp)
-            elif node.name in experts:
-                t = model.op_time(expert_parallel.local_experts(node, split.ep), scale, shard, dim, self.fused)
-            else:
-                t = model.op_time(node, scale, shard, dim, self.fused)
-            load = imbalance if node.name in experts else 1.0   # the busiest expert rank sets the pace
-            fwd += t.fwd * load
-            bwd += t.bwd * load
-            if split.cp > 1 and node.kind is OpKind.ATTENTION:
+                load = imbalance if node.name in experts else 1.0
                 kv = context_parallel.kv_numel(node, self.graph) * scale * self.precision.activation_bytes
                 f, b = context_parallel.ring_exposed(kv / layout.shard(node.name, False), t.fwd, t.bwd, split.cp,
                                                      split.cp_group, self.cluster)
                 cp_fwd += f
                 cp_bwd += b
-            node_scale = scale if node.batch_dependent else 1.0
-            flops += (node.flops_fwd + node.flops_bwd) * node_scale
-            fwd_flops += node.flops_fwd * node_scale
+            elif node.name in experts:
+                t = model.op_time(expert_parallel.local_experts(node, split.ep), scale, shard, dim, fused)
+                load = imbalance   # the busiest expert rank sets the pace
+            else:   # the graph's own op: its time cached by (node, scale, shard, dim) across configurations
+                t = times.get((node.name, scale, shard, dim))
+                if t is None:
+                    t = times[(node.name, scale, shard, dim)] = model.op_time(node, scale, shard, dim, fused)
+            fwd += t.fwd * load
+            bwd += t.bwd * load
             if node.attention_core:
                 core_fwd += t.fwd
-                core_flops += node.flops_fwd * node_scale
             if not is_kept:
                 op_fwd += t.fwd * load
-                op_flops += node.flops_fwd * node_scale
         if tp > 1:  # the lowered layer code's host-side cost per op (its conversions, shape forms)
             fwd += ops * self.cluster.device.dispatch_overhead
             bwd += grad_ops * self.cluster.device.dispatch_overhead_backward
@@ -239,6 +242,28 @@ class LayerCostModel:
                          recompute_flops=0.0, cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep_fwd, ep_bwd=ep_bwd)
         return _Timed(cost, core_fwd, fwd_flops, core_flops, op_fwd + tp_rerun + cp_fwd + ep_fwd, op_flops, acts,
                       scale)
+
+    def _flops(self, layer: Layer, scale: float) -> tuple[int, int, float, float, float, float]:
+        """(ops, ops with a backward, FLOPs, forward FLOPs, the attention core's forward FLOPs, forward FLOPs
+        recompute "op" reruns) of ``layer`` at micro-batch ``scale``: no layout or group changes them
+        (cached)."""
+        key = (layer.index, scale)
+        if key not in self._layer_flops:
+            ops = grad_ops = 0
+            flops = fwd_flops = core_flops = op_flops = 0.0
+            kept = op_kept(self.graph, layer)
+            for node in self.graph.layer_nodes(layer):
+                ops += 1
+                grad_ops += node.requires_grad
+                node_scale = scale if node.batch_dependent else 1.0
+                flops += (node.flops_fwd + node.flops_bwd) * node_scale
+                fwd_flops += node.flops_fwd * node_scale
+                if node.attention_core:
+                    core_flops += node.flops_fwd * node_scale
+                if node.name not in kept:
+                    op_flops += node.flops_fwd * node_scale
+            self._layer_flops[key] = (ops, grad_ops, flops, fwd_flops, core_flops, op_flops)
+        return self._layer_flops[key]
 
     def _tp_comm(self, layer: Layer, layout: TPLayout, scale: float, group: GroupPlacement,
                  sp: bool) -> tuple[float, float, float]:

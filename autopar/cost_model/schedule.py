@@ -89,24 +89,28 @@ def balanced_partition(cost: Sequence[float], parts: int) -> list[list[int]]:
 def _partition(cost: tuple[float, ...], parts: int) -> tuple[range, ...]:
     n = len(cost)
     pre = np.concatenate([[0.0], np.cumsum(cost)])
-    span = pre[None, :] - pre[:, None]              # span[i, j] = prefix[j] - prefix[i]
-    span[np.tril_indices(n + 1)] = np.inf           # a run is non-empty: i < j
-    best = np.full(n + 1, np.inf)
+    across = pre[:, None] - pre[None, :]           # across[j, i] = prefix[j] - prefix[i], a run i..j-1
+    across[_not_after(n + 1)] = np.inf             # a run is non-empty: i < j
+    width = n - parts + 1                          # the ends (and starts) the k-th run may take
+    best = np.full(width, np.inf)                  # best[k - 1] at its possible starts k - 1 ...
     best[0] = 0.0
-    cuts = []
+    firsts = []
     for k in range(1, parts + 1):
-        # the k-th run ends at j in [k, n - (parts - k)] and starts at i in [k - 1, j)
-        lo, hi = k - 1, n - (parts - k)
-        cand = np.maximum(best[lo:hi, None], span[lo:hi, lo + 1:hi + 1])
-        first = cand.argmin(axis=0)                 # the first i reaching the least value
-        cut = np.zeros(n + 1, dtype=int)
-        cut[lo + 1:hi + 1] = first + lo
-        best = np.full(n + 1, np.inf)
-        best[lo + 1:hi + 1] = cand[first, np.arange(hi - lo)]
-        cuts.append(cut)
+        # the k-th run ends at j in [k, n - (parts - k)] and starts at i in [k - 1, j): rows j, columns i
+        cand = np.maximum(best[None, :], across[k:k + width, k - 1:k - 1 + width])
+        firsts.append(cand.argmin(axis=1))        # the first i reaching the least value
+        best = cand.min(axis=1)                   # best[k] at its ends k ..., the next run's starts
     bounds, j = [], n
     for k in range(parts, 0, -1):
-        i = int(cuts[k - 1][j])
+        i = int(firsts[k - 1][j - k]) + k - 1
         bounds.append(range(i, j))
         j = i
     return tuple(bounds[::-1])
+
+
+@functools.lru_cache(maxsize=None)
+def _not_after(n: int) -> np.ndarray:
+    """``mask[j, i]``: ``i >= j`` (read-only)."""
+    mask = np.triu(np.ones((n, n), dtype=bool))
+    mask.setflags(write=False)
+    return mask

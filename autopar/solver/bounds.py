@@ -57,13 +57,14 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from ..config import ParallelConfig
 from ..cost_model.memory import least_passes
-from .even_split import even_pipeline_floor, even_splits, knapsack_floors
+from .even_split import Knapsack, even_pipeline_floor, even_splits
 from .space import Candidate
 
 
@@ -81,12 +82,18 @@ class LayerWork:
     layer_work: np.ndarray   # (layers, modes) seconds, in layer order
     layer_acts: np.ndarray   # (layers, modes) activation bytes, in layer order
     least_acts: float        # sum_l min_r a_l^r: one pass of every layer in its leanest mode
+    costliest: np.ndarray    # (layers,) each layer's work in its cheapest mode, costliest first
+
+    @functools.cached_property
+    def knapsack(self) -> Knapsack:
+        """The Lagrangian bound of its distinct layers (module docstring), their counts the one group."""
+        return Knapsack(self.work, self.acts, self.counts[:, None])
 
 
 class SearchBounds:
     """The bounds of search.Search's candidates (a mixin: Search provides ``estimator``, ``graph``,
     ``cluster``, ``global_batch_size``, ``must_fit``, ``modes``, ``_even_split`` and the caches
-    ``_work``, ``_cuts``, ``_splits``, ``_stage_floor``, ``_held``, ``_params`` and ``_fixed``)."""
+    ``_work``, ``_cuts``, ``_splits``, ``_stage_floor``, ``_held``, ``_params``, ``_fixed`` and ``_tails``)."""
 
     @functools.cached_property
     def bound_modes(self) -> tuple[str, ...]:
@@ -102,20 +109,26 @@ class SearchBounds:
             est = self.estimator(c.variant)
             cfg = c.config()
             groups = est.placements(cfg)
-            costs = [est.layer_costs(cfg, groups["tp"], m, groups) for m in self.bound_modes]
-            kinds, first = est.kinds    # layers of one kind share their costs: each priced once
-            kind_work = np.array([[col[layer.index].work for col in costs] for layer in first])    # (kinds, modes)
-            kind_acts = np.array([[col[layer.index].activations for col in costs] for layer in first])
+            split = est.split_groups(cfg, groups)
+            costs = [est.kind_costs(cfg, groups["tp"], m, split) for m in self.bound_modes]
+            kinds = est.kinds[0]    # layers of one kind share their costs: each priced once
+            kind_work = np.array([[cost.work for cost in row] for row in zip(*costs)])    # (kinds, modes)
+            kind_acts = np.array([[cost.activations for cost in row] for row in zip(*costs)])
             work, acts = kind_work[list(kinds)], kind_acts[list(kinds)]                          # (layers, modes)
-            rows, inverse = np.unique(np.concatenate([kind_work, kind_acts], axis=1), axis=0, return_inverse=True)
-            counts = np.bincount(np.asarray(inverse).reshape(-1)[list(kinds)], minlength=len(rows))
+            # the distinct rows, sorted (np.unique(axis=0)'s, without its cost on a few rows)
+            table = list(map(tuple, np.concatenate([kind_work, kind_acts], axis=1).tolist()))
+            distinct = sorted(set(table))
+            where = {row: i for i, row in enumerate(distinct)}
+            rows = np.array(distinct)
+            counts = np.bincount(np.array([where[row] for row in table])[list(kinds)], minlength=len(rows))
             cheapest = work.min(axis=1)
             modes = len(self.bound_modes)
             params, experts = self._local_params(c, cfg)
             self._work[key] = LayerWork(
                 total=float(cheapest.sum()), params=params, experts=experts,
                 work=rows[:, :modes], acts=rows[:, modes:], counts=counts.astype(float),
-                layer_work=work, layer_acts=acts, least_acts=float(acts.min(axis=1).sum()))
+                layer_work=work, layer_acts=acts, least_acts=float(acts.min(axis=1).sum()),
+                costliest=-np.sort(-cheapest))
         return self._work[key]
 
     def _local_params(self, c: Candidate, cfg: ParallelConfig) -> tuple[float, float]:
@@ -132,39 +145,62 @@ class SearchBounds:
         """(LB_T, LB_M) of the module docstring."""
         return self._bounds(c, self._layer_work(c).total)
 
+    def leaf_bounds(self, rep: Candidate, schedules: Sequence[tuple[str, int]], zeros: Sequence[int],
+                    ) -> Iterator[tuple[float, float, str, int, int]]:
+        """:meth:`bounds` of every candidate that differs from ``rep`` only in its schedule (and
+        virtual stages) and ZeRO stage, as (LB_T, LB_M, schedule, virtual stages, zero), schedules
+        outermost: what they share is looked up once."""
+        lw = self._layer_work(rep)
+        m, p, total = rep.micro_batches(self.global_batch_size), rep.pp, lw.total
+        cut = self._least_cut(rep) if p > 1 else 0.0
+        largest = self._largest_stage(rep)
+        steps = [self._per_step(rep, z) for z in zeros]
+        acts = lw.least_acts
+        for schedule, v in schedules:
+            pipe = _pipe(schedule, v, m, p, total, 2 * (p * v - 1) * cut if p > 1 else 0.0, largest)
+            if not _all_held(schedule, m, p):
+                for z, (optimizer, states) in zip(zeros, steps):
+                    yield pipe + optimizer, states, schedule, v, z
+                continue
+            inverse, most = self._passes_of(rep, schedule, v, m)
+            for z, (optimizer, states) in zip(zeros, steps):
+                yield (pipe + optimizer, max(states + acts / p, (acts + p * states / most) / inverse),
+                       schedule, v, z)
+
     def _bounds(self, c: Candidate, total: float) -> tuple[float, float]:
         """(LB_T, LB_M) with ``total`` for ``W``."""
         lw = self._layer_work(c)
         m, p = c.micro_batches(self.global_batch_size), c.pp
         p2p = 2 * (p * c.virtual_stages - 1) * self._least_cut(c) if p > 1 else 0.0
-        x = max((total + p2p) / p, self._largest_stage(c))
-        if c.schedule == "interleaved":
-            pipe = (m + (p - 1) / c.virtual_stages) * x
-        else:
-            pipe = (m - 1) * x + total + p2p
         optimizer, states = self._per_step(c)
-        lb_t = pipe + optimizer
-        if not self._all_held(c, m):
+        lb_t = _pipe(c.schedule, c.virtual_stages, m, p, total, p2p, self._largest_stage(c)) + optimizer
+        if not _all_held(c.schedule, m, p):
             return lb_t, states
         inverse, most = self._passes(c, m)
         return lb_t, max(states + lw.least_acts / p, (lw.least_acts + p * states / most) / inverse)
 
     def _passes(self, c: Candidate, m: int) -> tuple[float, int]:
+        return self._passes_of(c, c.schedule, c.virtual_stages, m)
+
+    def _passes_of(self, c: Candidate, schedule: str, virtual_stages: int, m: int) -> tuple[float, int]:
         """``(sum_d 1 / f_d, max_d f_d)``, ``f_d`` the passes of each of its layers pipeline device ``d``
-        holds at least at its peak (memory.least_passes); cached by schedule, pp, chunks and m."""
-        key = (c.schedule, c.pp, c.virtual_stages, m)
+        holds at least at its peak (memory.least_passes) under ``schedule`` with ``virtual_stages`` and
+        ``m`` micro-batches on ``c``'s pipeline; cached by schedule, pp, chunks and m."""
+        key = (schedule, c.pp, virtual_stages, m)
         if key not in self._held:
-            cfg = c.config()
+            cfg = replace(c, schedule=schedule, virtual_stages=virtual_stages).config()
             passes = [least_passes(cfg, d, m) for d in range(c.pp)]
             self._held[key] = (sum(1 / f for f in passes), max(passes))
         return self._held[key]
 
-    def _per_step(self, c: Candidate) -> tuple[float, float]:
+    def _per_step(self, c: Candidate, zero: int | None = None) -> tuple[float, float]:
         """``(opt(P / p), states(P / p))``: the optimizer step's seconds and the model-state bytes of
-        the mean pipeline device; cached by what they depend on (not the micro-batch or schedule)."""
-        key = (c.variant, c.tp, c.sequence_parallel, c.cp, c.ep, c.pp, c.dp, c.zero)
+        the mean pipeline device (of ``c`` at ZeRO stage ``zero`` when given); cached by what they depend
+        on (not the micro-batch or schedule)."""
+        zero = c.zero if zero is None else zero
+        key = (c.variant, c.tp, c.sequence_parallel, c.cp, c.ep, c.pp, c.dp, zero)
         if key not in self._fixed:
-            lw, p, est, cfg = self._layer_work(c), c.pp, self.estimator(c.variant), c.config()
+            lw, p, est, cfg = self._layer_work(c), c.pp, self.estimator(c.variant), replace(c, zero=zero).config()
             self._fixed[key] = (float(est.tail.optimizer_time(cfg, lw.params / p, lw.experts / p)),
                                 float(sum(est.state_bytes(cfg, lw.params / p, lw.experts / p))))
         return self._fixed[key]
@@ -175,7 +211,7 @@ class SearchBounds:
         least the ``k``-th's, for every ``k`` (80 blocks on 32 stages put 3 on some)."""
         key = (c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep, c.pp)
         if key not in self._stage_floor:
-            costliest = -np.sort(-self._layer_work(c).layer_work.min(axis=1))
+            costliest = self._layer_work(c).costliest
             share = np.ceil(np.arange(1, len(costliest) + 1) / c.pp)
             self._stage_floor[key] = float((share * costliest).max())
         return self._stage_floor[key]
@@ -201,7 +237,7 @@ class SearchBounds:
         lw = self._layer_work(c)
         total = lw.total
         if self._holds(c, m):
-            floors = knapsack_floors(lw.work, lw.acts, lw.counts[:, None], np.array([self._budget(c, m)]))
+            floors = lw.knapsack.floors(np.array([self._budget(c, m)]))
             if floors is None:
                 return None
             total = max(total, float(floors[0]))
@@ -222,21 +258,18 @@ class SearchBounds:
         return max(lb_t, pipe + self._per_step(c)[0] + self._tail(c, m))
 
     def _holds(self, c: Candidate, m: int) -> bool:
-        """Whether the memory argument bounds the work: the plan must fit, and :meth:`_all_held`."""
-        return self.must_fit and self._all_held(c, m)
-
-    @staticmethod
-    def _all_held(c: Candidate, m: int) -> bool:
-        """Whether each device holds a pass of every one of its layers at its peak: not so for an
-        interleaved order with m not a multiple of p (which the space never offers)."""
-        return not (c.schedule == "interleaved" and m % c.pp)
+        """Whether the memory argument bounds the work: the plan must fit, and :func:`_all_held`."""
+        return self.must_fit and _all_held(c.schedule, m, c.pp)
 
     def _tail(self, c: Candidate, m: int) -> float:
         """The data-parallel communication no overlap hides and the loss's all-reduce (the least of it that
         any backward leaves exposed)."""
-        lw, est, cfg = self._layer_work(c), self.estimator(c.variant), c.config()
-        return (est.tail.dp_floor(cfg, m, est.placements(cfg), lw.params / c.pp, lw.experts / c.pp)
-                + est.tail.loss_share_time(cfg))
+        key = (c.variant, c.tp, c.cp, c.dp, c.ep, c.pp, c.zero, m if c.zero >= 2 else 0)   # what they depend on
+        if key not in self._tails:
+            lw, est, cfg = self._layer_work(c), self.estimator(c.variant), c.config()
+            self._tails[key] = (est.tail.dp_floor(cfg, m, est.placements(cfg), lw.params / c.pp, lw.experts / c.pp)
+                                + est.tail.loss_share_time(cfg))
+        return self._tails[key]
 
     def _budget(self, c: Candidate, m: int) -> float:
         """``B``, the most activation bytes one pass of all layers may take (module docstring):
@@ -246,3 +279,18 @@ class SearchBounds:
         memory, states = self.cluster.device.memory, self._per_step(c)[1]
         inverse, most = self._passes(c, m)
         return min(c.pp * (memory - states), memory * inverse - c.pp * states / most)
+
+
+def _pipe(schedule: str, virtual_stages: int, m: int, p: int, total: float, p2p: float, largest: float) -> float:
+    """The pipeline term of ``LB_T`` (module docstring): ``m`` micro-batches of ``total`` work and ``p2p``
+    over ``p`` devices, the slowest holding at least ``largest``."""
+    x = max((total + p2p) / p, largest)
+    if schedule == "interleaved":
+        return (m + (p - 1) / virtual_stages) * x
+    return (m - 1) * x + total + p2p
+
+
+def _all_held(schedule: str, m: int, p: int) -> bool:
+    """Whether each device holds a pass of every one of its layers at its peak: not so for an
+    interleaved order with m not a multiple of p (which the space never offers)."""
+    return not (schedule == "interleaved" and m % p)

@@ -33,6 +33,7 @@ an interleaved pipeline) left interleaved candidates 30% below their step time: 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -70,19 +71,31 @@ def even_splits(est: Estimator, cfg: ParallelConfig, work: np.ndarray) -> tuple[
     own, own_experts = est.own_params(cfg)
     out = []
     for split in sorted(runs):
-        members = np.zeros((len(work), p))
-        device, chunk = np.zeros(len(work), dtype=int), np.zeros(len(work), dtype=int)
-        params, experts, p2p = np.zeros(p), np.zeros(p), np.zeros(p)
-        for d in range(p):
-            mine = list(range(d, chunks, p))
-            for j, c in enumerate(mine):
-                members[list(split[c]), d] = 1.0
-                device[list(split[c])], chunk[list(split[c])] = d, j
-            held = [i for c in mine for i in split[c]]
-            params[d], experts[d] = own[held].sum(), own_experts[held].sum()
-            p2p[d] = device_p2p(cuts, split, mine)
+        members, device, chunk, held = _placement(split, p, len(work))
+        params = np.array([own[h].sum() for h in held])
+        experts = np.array([own_experts[h].sum() for h in held])
+        p2p = np.array([device_p2p(cuts, split, range(d, chunks, p)) for d in range(p)], dtype=float)
         out.append(Split(members, device, chunk, params, experts, p2p))
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _placement(split: tuple[tuple[int, ...], ...], p: int, layers: int) -> tuple[np.ndarray, ...]:
+    """(members, device, chunk, the layers each device holds) of chunks ``split`` on ``p`` devices
+    (device ``d`` holds chunks ``d, d + p, ...``): the same for every micro-batch, layout and ZeRO
+    stage of a pipeline (cached, read-only)."""
+    members = np.zeros((layers, p))
+    device, chunk = np.zeros(layers, dtype=int), np.zeros(layers, dtype=int)
+    held = []
+    for d in range(p):
+        mine = range(d, len(split), p)
+        for j, c in enumerate(mine):
+            members[list(split[c]), d] = 1.0
+            device[list(split[c])], chunk[list(split[c])] = d, j
+        held.append(np.array([i for c in mine for i in split[c]], dtype=int))
+    for a in (members, device, chunk, *held):
+        a.setflags(write=False)
+    return members, device, chunk, tuple(held)
 
 
 def even_pipeline_floor(est: Estimator, cfg: ParallelConfig, micro_batches: int, splits: Sequence[Split],
@@ -96,30 +109,52 @@ def even_pipeline_floor(est: Estimator, cfg: ParallelConfig, micro_batches: int,
     for split in splits:
         room = memory - sum(est.state_bytes(cfg, split.params, split.experts))
         held = passes[split.device, split.chunk]
-        floors = knapsack_floors(work, acts * held[:, None], split.members, room)
+        floors = Knapsack(work, acts * held[:, None], split.members).floors(room)
         if floors is not None:
             t = pipeline_time(list(floors + split.p2p), micro_batches, cfg.schedule, cfg.virtual_stages).total
             best = t if best is None else min(best, t)
     return best
 
 
-def knapsack_floors(work: np.ndarray, acts: np.ndarray, members: np.ndarray, room: np.ndarray) -> np.ndarray | None:
+class Knapsack:
     """For each group ``d`` (a device, or the whole pipeline) of rows ``members[:, d]`` times each:
     ``max_lambda sum_l members[l, d] min_r (work[l, r] + lambda acts[l, r]) - lambda room[d]``,
     the Lagrangian bound of choosing one mode per row under ``sum_l members[l, d] acts[l, r_l] <=
     room[d]``, over the breakpoints of every row (where a row's cheapest mode changes: a superset of
-    each group's own, so the maximum is among them); None when some group's least bytes exceed its
-    room."""
-    if np.any(acts.min(axis=1) @ members > room):
-        return None
-    if np.all(np.isinf(room)):
-        return work.min(axis=1) @ members
-    dc = work[:, None, :] - work[:, :, None]       # [l, r, s] = c_s - c_r
-    da = acts[:, :, None] - acts[:, None, :]       # [l, r, s] = a_r - a_s
-    ok = (da > 0) & (dc > 0)
-    lam = np.unique(np.concatenate([[0.0], dc[ok] / da[ok]]))
-    g = (work[None] + lam[:, None, None] * acts[None]).min(axis=2) @ members - lam[:, None] * room[None, :]
-    return g.max(axis=0)
+    each group's own, so the maximum is among them). What does not depend on the room is computed
+    once, when first needed (the search bounds one candidate's layers under many budgets)."""
+
+    def __init__(self, work: np.ndarray, acts: np.ndarray, members: np.ndarray) -> None:
+        self.work, self.acts, self.members = work, acts, members
+
+    @functools.cached_property
+    def least(self) -> np.ndarray:
+        """Each group's least bytes: every row in its leanest mode."""
+        return self.acts.min(axis=1) @ self.members
+
+    @functools.cached_property
+    def cheapest(self) -> np.ndarray:
+        """Each group's least work, the room unbounded."""
+        return self.work.min(axis=1) @ self.members
+
+    @functools.cached_property
+    def _lines(self) -> tuple[np.ndarray, np.ndarray]:
+        """(breakpoints ``lambda``, ``sum_l members[l, d] min_r (work + lambda acts)`` at each)."""
+        work, acts = self.work, self.acts
+        dc = work[:, None, :] - work[:, :, None]       # [l, r, s] = c_s - c_r
+        da = acts[:, :, None] - acts[:, None, :]       # [l, r, s] = a_r - a_s
+        ok = (da > 0) & (dc > 0)
+        lam = np.unique(np.concatenate([[0.0], dc[ok] / da[ok]]))
+        return lam, (work[None] + lam[:, None, None] * acts[None]).min(axis=2) @ self.members
+
+    def floors(self, room: np.ndarray) -> np.ndarray | None:
+        """The bound of each group with ``room[d]`` bytes; None when some group's least bytes exceed its room."""
+        if np.any(self.least > room):
+            return None
+        if np.all(np.isinf(room)):
+            return self.cheapest
+        lam, value = self._lines
+        return (value - lam[:, None] * room[None, :]).max(axis=0)
 
 
 class Unfit(NamedTuple):

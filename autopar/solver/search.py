@@ -22,12 +22,14 @@ per-layer objective, decides between them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import heapq
 import math
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -44,8 +46,24 @@ from .choice import TIE, TOP_ALTERNATIVES, DEFAULT_TIE_TOLERANCE, Seen, choose, 
 from .bounds import LayerWork, SearchBounds
 from .even_split import EvenSplitPlans, Split
 from .sharding import WHOLE_BATCH
-from .space import Candidate, candidates, placeable, recompute_modes
+from .space import Branch, Candidate, Key, branches, candidates, placeable, recompute_modes
 from .stages import least_memory, partition, run_tables
+
+
+@contextlib.contextmanager
+def _cycles_uncollected() -> Iterator[None]:
+    """Python's cyclic garbage collector paused (as it was before, after): the search makes hundreds of
+    thousands of small objects and frees them by reference counting, it makes no reference cycles
+    (gc.collect() after the search of HF GPT-2 175B on 128x8 A100s finds none), yet the collector
+    would sweep the whole heap, the captured model's objects included, a few times (1.2-1.4 s of a
+    13-15 s search)."""
+    paused = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if paused:
+            gc.enable()
 
 
 @dataclass
@@ -125,6 +143,7 @@ class Search(SearchBounds, EvenSplitPlans):
     _held: dict[tuple, tuple[float, int]] = field(default_factory=dict)   # _passes
     _params: dict[tuple, tuple[float, float]] = field(default_factory=dict)   # _local_params
     _fixed: dict[tuple, tuple[float, float]] = field(default_factory=dict)    # _per_step
+    _tails: dict[tuple, float] = field(default_factory=dict)    # _tail
 
     def estimator(self, variant: str) -> Estimator:
         if variant not in self._estimators:
@@ -137,20 +156,36 @@ class Search(SearchBounds, EvenSplitPlans):
     def modes(self) -> tuple[str, ...]:
         return recompute_modes(self.graph, self.fixed)
 
-    def _usable(self):
-        """The space's candidates whose mesh places uniformly on the topology, each with a layout that
-        can run its micro-batch: a variant whose layout splits the batch gives a micro-batch that
-        does not divide by tp its WHOLE_BATCH sibling (solved only when needed)."""
-        base = tuple(v for v in self.layouts if not v.endswith(WHOLE_BATCH))
-        for c in candidates(self.graph, self.cluster, self.global_batch_size, base, self.fixed):
-            mesh = (c.tp, c.cp, c.dp, c.ep, c.pp)
+    def _branches(self) -> Iterator[Branch]:
+        """The space's branches whose mesh places uniformly on the topology."""
+        for b in branches(self.graph, self.cluster, self.global_batch_size, self.fixed):
+            mesh = (b.tp, b.cp, b.dp, b.ep, b.pp)
             if mesh not in self._mesh_ok:
-                self._mesh_ok[mesh] = placeable(self.cluster, c.config())
-            if not self._mesh_ok[mesh]:
-                continue
-            if c.micro_batch_size % c.tp and self._facts(c)[1]:
-                c = replace(c, variant=c.variant + WHOLE_BATCH)
-            yield c
+                self._mesh_ok[mesh] = placeable(self.cluster, b.candidate("", False, *b.schedules[0], 0).config())
+            if self._mesh_ok[mesh]:
+                yield b
+
+    def _variant(self, variant: str, tp: int, micro_batch_size: int) -> str:
+        """The layout a candidate of ``variant`` runs: a variant whose layout splits the batch gives a
+        micro-batch that does not divide by tp its WHOLE_BATCH sibling (solved only when needed)."""
+        if micro_batch_size % tp and self._facts(variant, tp)[1]:
+            return variant + WHOLE_BATCH
+        return variant
+
+    @property
+    def _base_variants(self) -> tuple[str, ...]:
+        return tuple(v for v in self.layouts if not v.endswith(WHOLE_BATCH))
+
+    def _usable(self) -> Iterator[Candidate]:
+        """The space's candidates whose mesh places uniformly on the topology, each with a layout that
+        can run its micro-batch (:meth:`_variant`)."""
+        for b in self._branches():
+            for schedule, v in b.schedules:
+                for zero in b.zeros:
+                    for sp in b.sequence_parallel:
+                        for variant in self._base_variants:
+                            yield b.candidate(self._variant(variant, b.tp, b.micro_batch_size), sp, schedule, v,
+                                              zero)
 
     @property
     def blocks(self) -> int:
@@ -170,19 +205,24 @@ class Search(SearchBounds, EvenSplitPlans):
                 values.add(getattr(c, name))
         return values
 
-    def _duplicate(self, c: Candidate) -> bool:
-        return self._facts(c)[0]
+    def _dominated(self, c: Candidate) -> bool:
+        """GPipe (unless pinned: under this cost model it takes the time of 1F1B and holds more
+        micro-batches), or a layout that repeats an earlier variant's."""
+        return not self._visits(c.schedule) or self._facts(c.variant, c.tp)[0]
 
-    def _facts(self, c: Candidate) -> tuple[bool, bool]:
+    def _visits(self, schedule: str) -> bool:
+        """Whether the search visits ``schedule``: not GPipe, unless the schedule is pinned (:meth:`_dominated`)."""
+        return schedule != "gpipe" or "schedule" in self.fixed
+
+    def _facts(self, variant: str, tp: int) -> tuple[bool, bool]:
         """Per (variant, tp), computed once: (a later variant whose layout equals an earlier one's,
         which adds nothing; the layout splits the batch, so micro-batches must divide by tp)."""
-        key = (c.variant, c.tp)
+        key = (variant, tp)
         if key not in self._layout_facts:
             variants = list(self.layouts)
-            mine = self.estimator(c.variant).layers.layout(c.tp)
-            duplicate = any(self.estimator(v).layers.layout(c.tp) == mine
-                            for v in variants[:variants.index(c.variant)])
-            splits = self.splits_batch is not None and self.splits_batch(c.tp, c.variant)
+            mine = self.estimator(variant).layers.layout(tp)
+            duplicate = any(self.estimator(v).layers.layout(tp) == mine for v in variants[:variants.index(variant)])
+            splits = self.splits_batch is not None and self.splits_batch(tp, variant)
             self._layout_facts[key] = (duplicate, splits)
         return self._layout_facts[key]
 
@@ -222,12 +262,13 @@ class Search(SearchBounds, EvenSplitPlans):
         data-parallel plan, for the runners-up."""
         t0 = time.perf_counter()
         deadline = None if self.time_limit is None else t0 + self.time_limit
-        queue = self._queue(deadline)
-        self.settled = Settled.of(queue)
-        total = len(queue)
-        with counter("autopar: searching", total=total, unit="candidates", enabled=self.progress) as bar:
-            best, best_c, seen = self._search(queue, deadline, bar)
-            bar.update(total - bar.n)   # the rest are pruned by the bound
+        with _cycles_uncollected():
+            queue = self._queue(deadline)
+            self.settled = Settled.of(queue)
+            total = len(queue)
+            with counter("autopar: searching", total=total, unit="candidates", enabled=self.progress) as bar:
+                best, best_c, seen = self._search(queue, deadline, bar)
+                bar.update(total - bar.n)   # the rest are pruned by the bound
         self.stats.pruned_bound = self.stats.candidates - self.stats.dominated - self.stats.pruned_memory \
             - self.stats.evaluated
         self.stats.search_seconds = time.perf_counter() - t0
@@ -274,6 +315,7 @@ class Search(SearchBounds, EvenSplitPlans):
                 else:
                     deferred.append(entry)
             queue += deferred
+            heapq.heapify(queue)
         plans = [r for _, _, r in seen if isinstance(r, Plan)]
         best = choose(plans, self.tie_tolerance)
         if best is not None and best.config.zero and not self._past(deadline):
@@ -297,8 +339,9 @@ class Search(SearchBounds, EvenSplitPlans):
     def _plain(self, queue: list, seen: Seen, evaluate: Callable[[float, int, Candidate], None],
                deadline: float | None) -> None:
         """Evaluate the zero=0 candidates in bound order up to the fastest zero=0 plan (a runner-up)."""
-        plain = [e for e in queue if e[-1].zero == 0]
-        queue[:] = [e for e in queue if e[-1].zero != 0]
+        plain = [e for e in queue if e[1].zero == 0]
+        queue[:] = [e for e in queue if e[1].zero != 0]
+        heapq.heapify(queue)
         heapq.heapify(plain)
 
         def best_plain() -> float:
@@ -307,34 +350,55 @@ class Search(SearchBounds, EvenSplitPlans):
         while not self._past(deadline) and (entry := self._next(plain, best_plain(), deadline)) is not None:
             evaluate(entry[0], entry[2], entry[-1])
         queue += plain
+        heapq.heapify(queue)
 
     @staticmethod
     def _past(deadline: float | None) -> bool:
         return deadline is not None and time.perf_counter() > deadline
 
     def _queue(self, deadline: float | None) -> list:
-        """Every usable candidate not dominated or pruned by memory, as a heap of
-        (bound, sort key, index, pending refinement: "summed" at first (_next), candidate)."""
+        """Every usable candidate not dominated or pruned by memory, as a heap of (bound, sort key,
+        index, pending refinement: "summed" at first (_next), candidate or None: made from the key
+        when the search reaches it)."""
         queue = []
+        memory = self.cluster.device.memory
         with counter("autopar: bounding", unit="candidates", enabled=self.progress) as bar:
-            for c in self._usable():
+            for b in self._branches():
                 if queue and self._past(deadline):
                     # past the limit with something to evaluate: the candidates not yet bounded are
                     # left out, so no gap can be claimed for them
                     self.stats.timed_out, self.stats.unbounded = True, True
                     break
-                self.stats.candidates += 1
-                bar.update(1)
-                if self._duplicate(c) or (c.schedule == "gpipe" and "schedule" not in self.fixed):
-                    self.stats.dominated += 1
-                    continue
-                lb_t, lb_m = self.bounds(c)
-                if lb_m > self.cluster.device.memory and self.must_fit:
-                    self.stats.pruned_memory += 1
-                    continue
-                queue.append((lb_t, c.sort_key(), len(queue), "summed", c))   # the index keeps ties ordered
+                for key, lb_t, lb_m in self._branch_bounds(b, bar):
+                    if lb_m > memory and self.must_fit:
+                        self.stats.pruned_memory += 1
+                        continue
+                    queue.append((lb_t, key, len(queue), "summed", None))   # the index keeps ties ordered
         heapq.heapify(queue)
         return queue
+
+    def _branch_bounds(self, b: Branch, bar=None) -> Iterator[tuple[Key, float, float]]:
+        """(sort key, LB_T, LB_M) of each candidate of branch ``b`` that is not dominated, counted in
+        the stats (and on ``bar``): a sequence-parallel choice and variant at a time, whose
+        candidates share their per-layer costs (SearchBounds.leaf_bounds)."""
+        schedules = tuple(sv for sv in b.schedules if self._visits(sv[0]))
+        gpipe = (len(b.schedules) - len(schedules)) * len(b.zeros)
+        for sp in b.sequence_parallel:
+            for base in self._base_variants:
+                self.stats.candidates += b.leaves
+                if bar is not None:
+                    bar.update(b.leaves)
+                variant = self._variant(base, b.tp, b.micro_batch_size)
+                if self._facts(variant, b.tp)[0]:
+                    self.stats.dominated += b.leaves
+                    continue
+                self.stats.dominated += gpipe
+                if not schedules:
+                    continue
+                rep = b.candidate(variant, sp, *schedules[0], b.zeros[0])
+                for lb_t, lb_m, schedule, v, zero in self.leaf_bounds(rep, schedules, b.zeros):
+                    yield Key(variant, b.dp, b.tp, b.pp, b.cp, b.ep, b.micro_batch_size, schedule, v, zero, sp), \
+                        lb_t, lb_m
 
     def _next(self, queue: list, limit: float, deadline: float | None = None) -> tuple | None:
         """The queue's next entry with a bound below ``limit``, each refined before it is returned (a
@@ -348,6 +412,7 @@ class Search(SearchBounds, EvenSplitPlans):
             if lb_t >= limit:
                 heapq.heappush(queue, entry)
                 return None
+            c = c or Candidate.of(key)
             if pending is None or (pending == "even" and self._past(deadline)):
                 return (lb_t, key, index, None, c)
             if pending == "even":
@@ -377,7 +442,7 @@ class Search(SearchBounds, EvenSplitPlans):
         bound reaches the best found."""
         order = []
         for c in self._usable():
-            if self._duplicate(c) or (c.schedule == "gpipe" and "schedule" not in self.fixed):
+            if self._dominated(c):
                 continue
             order.append((self.bounds(c)[1], c.sort_key(), c))
         order.sort(key=lambda e: (e[0], e[1]))

@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ..capture.opgraph import Layer, OpGraph
+from ..capture.opgraph import Layer, OpGraph, OpNode
 from ..cost_model.tensor_parallel import TPComm, TPLayout, sequence_split_nodes
 from ..errors import AutoparError
 from .sharding_problem import GroupProblem, Realised, layout_state, realise
-from .strategies import Comm
+from .strategies import Comm, Strategy
 
 
 @dataclass(frozen=True)
@@ -35,9 +35,9 @@ def consumers_of(graph: OpGraph) -> dict[str, list[str]]:
     return out
 
 
-def layer_groups(graph: OpGraph) -> list[LayerGroup]:
-    """Non-block layers together; each block signature solved on its first layer and copied."""
-    consumers = consumers_of(graph)
+def layer_groups(graph: OpGraph, consumers: Mapping[str, list[str]]) -> list[LayerGroup]:
+    """Non-block layers together; each block signature solved on its first layer and copied
+    (``consumers``: :func:`consumers_of` the graph)."""
     groups: list[LayerGroup] = []
     rest = tuple(layer.index for layer in graph.layers if not layer.is_block)
     if rest:
@@ -151,9 +151,11 @@ def assemble(graph: OpGraph, tp: int, solutions: Sequence[GroupSolution]) -> TPL
     names: dict[str, str] = {}
     for sol in solutions:
         maps = [({}, {})] + [(nm, pm) for _, nm, pm in sol.group.copies]
+        chosen = [sol.problem.strategies[k][j] for k, j in enumerate(sol.result.choice)]
+        weights: dict[int, tuple[str, bool] | None] = {}   # by op: its weight and whether a split of it divides
         for nmap, pmap in maps:
-            for node, j, k in zip(sol.problem.nodes, sol.result.choice, range(len(sol.problem.nodes))):
-                s = sol.problem.strategies[k][j]
+            for k, node in enumerate(sol.problem.nodes):
+                s = chosen[k]
                 name = nmap.get(node.name, node.name)
                 target = graph.node(name)
                 state[name] = layout_state(target, s)
@@ -162,13 +164,12 @@ def assemble(graph: OpGraph, tp: int, solutions: Sequence[GroupSolution]) -> TPL
                     gemm[name] = s.gemm
                 split.update(pmap.get(p, p) for p, d in s.params if d is not None)
                 if node.params and target.kind.value in ("matmul", "conv", "embedding", "view"):
-                    weight = max(node.params, key=lambda p: len(graph.params[p].shape) if p in graph.params else 0)
-                    if weight not in graph.params or len(graph.params[weight].shape) < 2:
-                        continue
-                    splittable = any(d is not None for o in sol.problem.strategies[k] for p, d in o.params
-                                     if p == weight)
-                    # no split of it divides by tp, or the ILP keeps it whole (replicating the op is cheaper)
-                    (whole if splittable else replicated).append(pmap.get(weight, weight))
+                    if k not in weights:
+                        weights[k] = _weight(graph, node, sol.problem.strategies[k])
+                    if weights[k] is not None:
+                        weight, splittable = weights[k]
+                        # no split of it divides by tp, or the ILP keeps it whole (replicating the op is cheaper)
+                        (whole if splittable else replicated).append(pmap.get(weight, weight))
             for owner, c in sol.result.comms:
                 name = nmap.get(owner, owner)
                 layer = graph.node(name).layer
@@ -177,6 +178,15 @@ def assemble(graph: OpGraph, tp: int, solutions: Sequence[GroupSolution]) -> TPL
     whole = [p for p in dict.fromkeys(whole) if p not in split and p not in replicated]
     return TPLayout(tp, state, frozenset(split), {k: tuple(v) for k, v in sorted(comms.items())},
                     tuple(replicated), gemm, names, sequence_split_nodes(graph, state, tp), tuple(whole))
+
+
+def _weight(graph: OpGraph, node: OpNode, strategies: Sequence[Strategy]) -> tuple[str, bool] | None:
+    """The op's weight (its parameter of most dims) and whether any of its strategies splits it; None
+    when that is not a matrix (a bias, a norm's scale)."""
+    weight = max(node.params, key=lambda p: len(graph.params[p].shape) if p in graph.params else 0)
+    if weight not in graph.params or len(graph.params[weight].shape) < 2:
+        return None
+    return weight, any(d is not None for o in strategies for p, d in o.params if p == weight)
 
 
 def _tp_comm(name: str, c: Comm | tuple[str, int]) -> TPComm:

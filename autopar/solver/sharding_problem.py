@@ -69,9 +69,11 @@ class Pricing:
     group: GroupPlacement
     fused: frozenset[str]
     model: ComputeModel = field(init=False)
+    owner: Mapping[str, int] = field(init=False)    # memory.saved_owner of the graph
 
     def __post_init__(self) -> None:
         self.model = ComputeModel(self.graph, self.cluster.device, self.precision.compute)
+        self.owner = saved_owner(self.graph)
 
     @property
     def scale(self) -> float:
@@ -182,7 +184,7 @@ def build_problem(ctx: OpContext, pricing: Pricing, nodes: Sequence[OpNode], con
         for p in dict.fromkeys(node.params):
             if p not in decided:
                 readers[p] = readers.get(p, 0) + 1
-    owner = saved_owner(graph)
+    owner = pricing.owner
     layers = {n.layer for n in nodes}
     roots: dict[str, float] = {}
     for node in nodes:

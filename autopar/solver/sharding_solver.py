@@ -11,6 +11,7 @@ prices and the plan's ``sharding`` records.
 
 from __future__ import annotations
 
+import functools
 import math
 import time as _time
 from dataclasses import dataclass, field, replace
@@ -138,14 +139,25 @@ class ShardingSolver:
             self._contexts[batch_split] = OpContext(self.graph, batch_split=batch_split)
         return self._contexts[batch_split]
 
+    @functools.cached_property
+    def _consumers(self) -> dict[str, list[str]]:
+        return consumers_of(self.graph)
+
+    @functools.cached_property
+    def _groups(self) -> list[LayerGroup]:
+        """The layer groups (the same for every degree and variant)."""
+        return layer_groups(self.graph, self._consumers)
+
+    @functools.cached_property
+    def _fused(self) -> frozenset[str]:
+        return fused_ops(self.graph, self.precision.kernels)
+
     def _solve_all(self, tp: int, variant: str) -> list[GroupSolution]:
         graph = self.graph
         ctx = self._context(not variant.endswith(WHOLE_BATCH))
         variant = variant.removesuffix(WHOLE_BATCH)
-        pricing = Pricing(graph, self.cluster, self.precision, tp, tp_group(self.cluster, tp),
-                          fused_ops(graph, self.precision.kernels))
-        consumers = consumers_of(graph)
-        groups = layer_groups(graph)
+        pricing = Pricing(graph, self.cluster, self.precision, tp, tp_group(self.cluster, tp), self._fused)
+        consumers, groups = self._consumers, self._groups
         candidates = [Boundary(R)]
         crossing = {name for layer in graph.layers for name in layer.inputs if name in graph.node_index}
         if any(Boundary(S(0)).of(ctx, name, tp) == S(0) for name in sorted(crossing)):

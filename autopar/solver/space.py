@@ -23,7 +23,7 @@ than blocks...) is refused, naming the rule and the nearest values that work
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, NamedTuple
 
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
@@ -71,9 +71,32 @@ class Candidate:
     def micro_batches(self, global_batch_size: int) -> int:
         return global_batch_size // (self.dp * self.micro_batch_size)
 
-    def sort_key(self) -> tuple:
-        return (self.variant, self.dp, self.tp, self.pp, self.cp, self.ep, self.micro_batch_size, self.schedule,
-                self.virtual_stages, self.zero, self.sequence_parallel)
+    def sort_key(self) -> "Key":
+        return Key(self.variant, self.dp, self.tp, self.pp, self.cp, self.ep, self.micro_batch_size, self.schedule,
+                   self.virtual_stages, self.zero, self.sequence_parallel)
+
+    @classmethod
+    def of(cls, key: "Key") -> "Candidate":
+        """The candidate of a :meth:`sort_key`."""
+        return cls(key.variant, key.dp, key.tp, key.pp, key.micro_batch_size, key.schedule, key.virtual_stages,
+                   key.zero, key.sequence_parallel, key.cp, key.ep)
+
+
+class Key(NamedTuple):
+    """A candidate's fields in the order that breaks ties between equal bounds (the search queues keys,
+    and makes the candidate of the few it reaches)."""
+
+    variant: str
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    micro_batch_size: int
+    schedule: str
+    virtual_stages: int
+    zero: int
+    sequence_parallel: bool
 
 
 def check_fixed(fixed: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -124,30 +147,70 @@ def recompute_modes(graph: OpGraph, fixed: Mapping[str, Any]) -> tuple[str, ...]
     return tuple(m for m in RECOMPUTE_MODES if m != ("op" if has_core else "selective"))
 
 
-def candidates(graph: OpGraph, cluster: Cluster, global_batch_size: int, variants: tuple[str, ...],
-               fixed: Mapping[str, Any], capped: bool = True) -> Iterator[Candidate]:
-    """Every candidate allowed by the devices, the batch, the model's layer count and ``fixed``; with
-    ``capped`` False the search's caps on free fields are lifted too (every value a user may pin)."""
+@dataclass(frozen=True)
+class Branch:
+    """The candidates of one mesh, expert-parallel degree and micro-batch size: every schedule x ZeRO
+    stage x sequence parallelism x layout variant (the space's innermost choices, which share their
+    per-layer costs: the search bounds them together)."""
+
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    ep: int
+    micro_batch_size: int
+    schedules: tuple[tuple[str, int], ...]   # (schedule, virtual stages)
+    zeros: tuple[int, ...]
+    sequence_parallel: tuple[bool, ...]
+
+    @property
+    def leaves(self) -> int:
+        """Candidates per sequence-parallel choice and variant."""
+        return len(self.schedules) * len(self.zeros)
+
+    def candidate(self, variant: str, sp: bool, schedule: str, virtual_stages: int, zero: int) -> Candidate:
+        return Candidate(variant, self.dp, self.tp, self.pp, self.micro_batch_size, schedule, virtual_stages, zero,
+                         sp, self.cp, self.ep)
+
+
+def branches(graph: OpGraph, cluster: Cluster, global_batch_size: int, fixed: Mapping[str, Any],
+             capped: bool = True) -> Iterator[Branch]:
+    """The space by :class:`Branch`: every candidate allowed by the devices, the batch, the model's
+    layer count and ``fixed``; with ``capped`` False the search's caps on free fields are lifted too
+    (every value a user may pin). Branches without candidates are left out."""
     n_dev = cluster.devices
     n_layers = len(graph.layers)
     blocks = sum(1 for layer in graph.layers if layer.is_block)
 
     def allowed(name: str, values):
-        return [v for v in values if name not in fixed or fixed[name] == v]
+        return tuple(v for v in values if name not in fixed or fixed[name] == v)
 
     for tp, cp, pp, dp in _meshes(graph, n_dev, n_layers, fixed, capped):
         if global_batch_size % dp:
             continue
+        zeros = allowed("zero", [0, 1, 2, 3] if dp * cp > 1 or "zero" in fixed else [0])
+        sps = allowed("sequence_parallel", [False, True] if tp > 1 else [False])
+        if not zeros or not sps:
+            continue
         for ep in allowed("ep", [e for e in divisors(dp) if expert_parallel.unsupported(graph, e) is None]):
             for mb in allowed("micro_batch_size", divisors(global_batch_size // dp)):
                 m = global_batch_size // (dp * mb)
-                for schedule, v in _schedules(pp, blocks, fixed, capped):
-                    if schedule == "interleaved" and m % pp:
-                        continue  # Megatron's interleaved order needs m to be a multiple of pp
-                    for zero in allowed("zero", [0, 1, 2, 3] if dp * cp > 1 or "zero" in fixed else [0]):
-                        for sp in allowed("sequence_parallel", [False, True] if tp > 1 else [False]):
-                            for variant in variants:
-                                yield Candidate(variant, dp, tp, pp, mb, schedule, v, zero, sp, cp, ep)
+                # Megatron's interleaved order needs m to be a multiple of pp
+                schedules = tuple((s, v) for s, v in _schedules(pp, blocks, fixed, capped)
+                                  if s != "interleaved" or m % pp == 0)
+                if schedules:
+                    yield Branch(tp, cp, pp, dp, ep, mb, schedules, zeros, sps)
+
+
+def candidates(graph: OpGraph, cluster: Cluster, global_batch_size: int, variants: tuple[str, ...],
+               fixed: Mapping[str, Any], capped: bool = True) -> Iterator[Candidate]:
+    """Every candidate of :func:`branches`, each with every layout variant of ``variants``."""
+    for b in branches(graph, cluster, global_batch_size, fixed, capped):
+        for schedule, v in b.schedules:
+            for zero in b.zeros:
+                for sp in b.sequence_parallel:
+                    for variant in variants:
+                        yield b.candidate(variant, sp, schedule, v, zero)
 
 
 def _meshes(graph: OpGraph, n_dev: int, n_layers: int, fixed: Mapping[str, Any],

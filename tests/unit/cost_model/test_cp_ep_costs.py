@@ -116,3 +116,26 @@ def test_the_search_proposes_cp_with_tp(long_graph):
     from autopar.solver.space import candidates
     meshes = {(c.tp, c.cp) for c in candidates(long_graph, Cluster.from_spec("1x8xH100-SXM"), 8, ("fast",), {})}
     assert {(2, 2), (2, 4), (4, 2)} <= meshes
+
+
+@pytest.mark.parametrize("graph_name, configs", [
+    ("long_graph", [ParallelConfig(dp=8), ParallelConfig(dp=4, cp=2, micro_batch_size=2),
+                    ParallelConfig(dp=4, cp=2), ParallelConfig(dp=8, micro_batch_size=2)]),
+    ("moe_graph", [ParallelConfig(dp=8), ParallelConfig(dp=8, ep=2), ParallelConfig(dp=8, ep=4),
+                   ParallelConfig(dp=4, cp=2, ep=2, micro_batch_size=2)])])
+def test_layer_costs_do_not_depend_on_what_was_priced_before(request, graph_name, configs):
+    """The layer cost model caches op times across configurations (the search prices the same op at
+    the same micro-batch under thousands of them): a layer priced after others costs what it costs
+    priced alone, with context parallelism's ring blocks and expert parallelism's local experts
+    (each a copy of an op at another size, under the op's name) among the ops priced before."""
+    from autopar.config import Precision
+    from autopar.cost_model import Estimator
+    graph, cluster = request.getfixturevalue(graph_name), Cluster.from_spec("1x8xH100-SXM")
+    precision = Precision.for_device(cluster.device.name)
+
+    def costs(est, cfg):
+        groups = est.placements(cfg)
+        return [est.layer_costs(cfg, groups["tp"], mode, groups) for mode in ("none", "selective", "full")]
+    warm = Estimator(graph, cluster, precision)
+    for cfg in configs + configs[::-1]:
+        assert costs(warm, cfg) == costs(Estimator(graph, cluster, precision), cfg), cfg.short()

@@ -226,6 +226,72 @@ def test_memory_bound_is_below_every_plan_and_tightens_some(gpt_graph, fraction)
     assert tightened > 0
 
 
+def test_queue_stays_a_heap_between_passes(gpt_graph, monkeypatch):
+    """Each pass takes candidates in bound order from the one queue: after the tie band puts back what it
+    deferred, and after the zero=0 pass takes its candidates out and puts the rest back, the queue is
+    still a heap (appending to or filtering a heap's list is not), so the runners-up are the next in
+    bound order."""
+    takes = []
+    original = Search._next
+
+    def checked(self, queue, limit, deadline=None):
+        takes.append(all(not queue[i] < queue[(i - 1) // 2] for i in range(1, len(queue))))
+        return original(self, queue, limit, deadline)
+    monkeypatch.setattr(Search, "_next", checked)
+    plan, _ = solve(gpt_graph, Cluster.from_spec("1x4xA100-80GB"), 16)
+    assert plan.config.zero > 0    # so the zero=0 pass runs
+    assert len(takes) > 2 and all(takes)
+
+
+@pytest.fixture(scope="module")
+def hf_llama_graph():
+    """Hugging Face's own Llama class (grouped-query attention, RMSNorm, rotary embeddings), four blocks."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      use_cache=False, attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+        ids = torch.zeros(1, 128, dtype=torch.long)
+    return capture(model, {"input_ids": ids, "labels": ids})
+
+
+@pytest.mark.parametrize("graph_name, spec, gbs", [("deep_graph", "2x4xA100-80GB", 16),
+                                                   ("hf_llama_graph", "2x2xH100-SXM", 16)])
+def test_branches_bound_each_candidate_as_alone(request, graph_name, spec, gbs):
+    """The queue bounds a branch's candidates together (Search.leaf_bounds: what they share looked up
+    once): each (LB_T, LB_M) is exactly Search.bounds of that candidate on a search of its own (its
+    caches filled one candidate at a time, in the space's order), and the counts (candidates,
+    dominated, pruned by memory, queued) are those of the candidates one at a time."""
+    graph = request.getfixturevalue(graph_name)
+    sharding = _sharding(graph, spec)
+
+    def search_of(cluster):
+        return Search(graph, cluster, gbs, sharding.precision, layouts_for(sharding), splits_batch=sharding.splits_batch)
+    one = search_of(Cluster.from_spec(spec))
+    alone, usable, dominated = {}, 0, 0
+    for c in one._usable():
+        usable += 1
+        if one._dominated(c):
+            dominated += 1
+        else:
+            alone[c.sort_key()] = one.bounds(c)
+    assert len({key.zero for key in alone}) == 4 and len({key.schedule for key in alone}) == 2   # ZeRO, interleaved
+    together = search_of(Cluster.from_spec(spec))
+    bounds = {key: (lb_t, lb_m) for b in together._branches() for key, lb_t, lb_m in together._branch_bounds(b)}
+    assert bounds == alone
+    assert (together.stats.candidates, together.stats.dominated) == (usable, dominated)
+
+    memory = sorted(lb_m for _, lb_m in alone.values())[len(alone) // 2]    # some pruned by memory, some queued
+    search = search_of(_cluster(spec, memory))
+    queue = search._queue(None)
+    fits = {key: lb_t for key, (lb_t, lb_m) in alone.items() if lb_m <= memory}
+    assert {key: lb_t for lb_t, key, *_ in queue} == fits and len(queue) == len(fits)
+    assert (search.stats.candidates, search.stats.dominated, search.stats.pruned_memory) == \
+        (usable, dominated, len(alone) - len(fits))
+
+
 def test_memory_bound_is_below_every_candidates_leanest(deep_graph):
     """LB_M (states and one pass of every layer's leanest activations, spread over the pipeline) is
     below the least peak memory of each candidate, interleaved and 1F1B, at every micro-batch size,
@@ -237,7 +303,7 @@ def test_memory_bound_is_below_every_candidates_leanest(deep_graph):
                     splits_batch=sharding.splits_batch)
     by_mb: dict = {}
     for c in search._usable():
-        if search._duplicate(c) or c.schedule == "gpipe":
+        if search._dominated(c):
             continue
         lb_m = search.bounds(c)[1]
         assert lb_m <= search.leanest(c)[0] * (1 + 1e-9), c
