@@ -217,8 +217,9 @@ class SearchBounds:
         return self._stage_floor[key]
 
     def _least_cut(self, c: Candidate) -> float:
-        """The least p2p time of any pipeline cut per micro-batch (as one device beside it sees it)."""
-        key = (c.variant, c.tp, c.cp, c.micro_batch_size, c.pp)
+        """The least p2p time of any pipeline cut per micro-batch (as one device beside it sees it): the
+        same for every layout (what crosses a cut is the graph's)."""
+        key = (c.tp, c.cp, c.micro_batch_size, c.pp)
         if key not in self._cuts:
             est, cfg = self.estimator(c.variant), c.config()
             self._cuts[key] = est.least_cut_time(cfg, est.placements(cfg)["pp"])

@@ -137,7 +137,7 @@ class Search(SearchBounds, EvenSplitPlans):
     _work: dict[tuple, LayerWork] = field(default_factory=dict)
     _mesh_ok: dict[tuple, bool] = field(default_factory=dict)       # (tp, cp, dp, ep, pp) -> placeable
     _layout_facts: dict[tuple, tuple[bool, bool]] = field(default_factory=dict)  # (variant, tp) -> facts
-    _cuts: dict[tuple, float] = field(default_factory=dict)   # (variant, tp, cp, mb, pp) -> least p2p cut
+    _cuts: dict[tuple, float] = field(default_factory=dict)   # (tp, cp, mb, pp) -> least p2p cut
     _splits: dict[tuple, tuple[Split, ...]] = field(default_factory=dict)   # even splits of a layer work and mesh
     _stage_floor: dict[tuple, float] = field(default_factory=dict)    # _largest_stage
     _held: dict[tuple, tuple[float, int]] = field(default_factory=dict)   # _passes
