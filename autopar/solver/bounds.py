@@ -1,7 +1,9 @@
 r"""The outer search's bounds (search.py): a lower bound on a candidate's step time and memory.
 
 For every candidate ``c`` of the space (space.py) a lower bound on its step time needs only
-per-layer costs (cached per layer signature)::
+per-layer costs (cached per layer signature; the candidates of one space.Branch and layout share
+``W``, ``w_p`` and ``min_cut`` below, and ``opt``/``states`` per ZeRO stage: SearchBounds.leaf_bounds
+looks them up once for all their schedules and ZeRO stages)::
 
     LB_T(c) = (m - 1) max((W + C) / p, w_p) + W + C + opt(P / p)           (1F1B, GPipe)
     LB_T(c) = (m + (p - 1) / v) max((W + C) / p, w_p) + opt(P / p)          (interleaved)
