@@ -86,6 +86,9 @@ class StepTail:
         if key not in self._lines:
             self._lines[key] = collective_lines(kind, group, self.cluster)
         nbytes = np.asarray(nbytes, dtype=float)
+        if nbytes.ndim == 0 and np.ndim(calls) == 0:   # one size: the same sums in floats, without arrays
+            n = float(nbytes)
+            return np.asarray(min(calls * alpha + beta * n for alpha, beta in self._lines[key]) if n > 0 else 0.0)
         best = np.min([calls * alpha + beta * nbytes for alpha, beta in self._lines[key]], axis=0)
         return np.where(nbytes > 0, best, 0.0)
 

@@ -1,7 +1,9 @@
 r"""The outer search's bounds (search.py): a lower bound on a candidate's step time and memory.
 
 For every candidate ``c`` of the space (space.py) a lower bound on its step time needs only
-per-layer costs (cached per layer signature)::
+per-layer costs (cached per layer signature; the candidates of one space.Branch and layout share
+``W``, ``w_p`` and ``min_cut`` below, and ``opt``/``states`` per ZeRO stage: SearchBounds.leaf_bounds
+looks them up once for all their schedules and ZeRO stages)::
 
     LB_T(c) = (m - 1) max((W + C) / p, w_p) + W + C + opt(P / p)           (1F1B, GPipe)
     LB_T(c) = (m + (p - 1) / v) max((W + C) / p, w_p) + opt(P / p)          (interleaved)
@@ -217,8 +219,9 @@ class SearchBounds:
         return self._stage_floor[key]
 
     def _least_cut(self, c: Candidate) -> float:
-        """The least p2p time of any pipeline cut per micro-batch (as one device beside it sees it)."""
-        key = (c.variant, c.tp, c.cp, c.micro_batch_size, c.pp)
+        """The least p2p time of any pipeline cut per micro-batch (as one device beside it sees it): the
+        same for every layout (what crosses a cut is the graph's)."""
+        key = (c.tp, c.cp, c.micro_batch_size, c.pp)
         if key not in self._cuts:
             est, cfg = self.estimator(c.variant), c.config()
             self._cuts[key] = est.least_cut_time(cfg, est.placements(cfg)["pp"])

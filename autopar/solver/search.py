@@ -1,7 +1,10 @@
 r"""The outer search: the fastest configuration that fits, by best-first branch and bound.
 
 Every candidate ``c`` of the space (space.py) gets a lower bound on its step time and on its memory
-from per-layer costs alone (bounds.py, where the maths is). The rest are visited in increasing
+from per-layer costs alone (bounds.py, where the maths is), a branch at a time (space.Branch: the
+candidates of one mesh and micro-batch, whose schedules, ZeRO stages, sequence parallelism and layout
+variants share their layers' costs); the queue holds each one's sort key, and its Candidate is made
+when the search reaches it. Those not pruned by memory or dominated are visited in increasing
 bound; each is solved exactly by the stage DP (stages.py), or on Megatron's even split
 (even_split.py), and estimated; the search stops when the next bound reaches the best step time
 found (every remaining candidate is pruned by the bound). A bound is tightened in steps as its
@@ -137,7 +140,7 @@ class Search(SearchBounds, EvenSplitPlans):
     _work: dict[tuple, LayerWork] = field(default_factory=dict)
     _mesh_ok: dict[tuple, bool] = field(default_factory=dict)       # (tp, cp, dp, ep, pp) -> placeable
     _layout_facts: dict[tuple, tuple[bool, bool]] = field(default_factory=dict)  # (variant, tp) -> facts
-    _cuts: dict[tuple, float] = field(default_factory=dict)   # (variant, tp, cp, mb, pp) -> least p2p cut
+    _cuts: dict[tuple, float] = field(default_factory=dict)   # (tp, cp, mb, pp) -> least p2p cut
     _splits: dict[tuple, tuple[Split, ...]] = field(default_factory=dict)   # even splits of a layer work and mesh
     _stage_floor: dict[tuple, float] = field(default_factory=dict)    # _largest_stage
     _held: dict[tuple, tuple[float, int]] = field(default_factory=dict)   # _passes

@@ -13,6 +13,10 @@ and sequence length allow (cost_model/context_parallel.py), with every tensor-pa
 dividing both dp and the expert count of its mixture-of-experts layers. Recompute is chosen per stage by the stage DP (stages.py), so it is
 not a dimension here except for the interleaved schedule.
 
+:func:`branches` walks the space by :class:`Branch`: one mesh, expert degree and micro-batch size, with
+the schedules, ZeRO stages and sequence-parallel choices its candidates take (the search bounds them
+together, :func:`candidates` lists them one by one).
+
 ``fixed`` pins any ParallelConfig field. The caps below (MAX_TP, MAX_CP, MAX_VIRTUAL_STAGES, ZeRO
 only with data-parallel replicas) bound what the search explores on its own and never a pinned value; what the model and cluster rule out (a degree that
 does not divide the devices or place uniformly on the nodes, more stages than layers, more chunks
