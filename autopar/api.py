@@ -11,12 +11,11 @@ from torch import nn
 from .capture import capture
 from .capture.export import LossFn
 from .cluster import Cluster
-from .config import ParallelConfig, Precision
+from .config import DEFAULT_TIE_TOLERANCE, ParallelConfig, Precision
 from .errors import ConfigError
 from .plan import Plan
 from .codegen.inputs import with_inputs
 from .solver import price, solve
-from .solver.choice import DEFAULT_TIE_TOLERANCE
 from .solver.sharding import NODE_LIMIT
 
 

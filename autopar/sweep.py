@@ -35,13 +35,13 @@ from torch import nn
 from .capture import capture
 from .capture.export import LossFn
 from .cluster import Cluster
-from .config import Precision
+from .config import DEFAULT_TIE_TOLERANCE, Precision
 from .errors import ConfigError, InfeasiblePlanError
 from .plan import Plan, sequence_tokens
 from .progress import progress_bar
 from .codegen.inputs import describe_inputs, with_inputs
 from .solver import solve
-from .solver.choice import DEFAULT_TIE_TOLERANCE, check_tolerance
+from .solver.choice import check_tolerance
 from .solver.sharding import NODE_LIMIT
 from .solver.space import check_fixed
 

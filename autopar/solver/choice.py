@@ -26,7 +26,7 @@ import math
 from dataclasses import replace
 from typing import Any, Iterable, Mapping
 
-from ..config import DEFAULT_TIE_TOLERANCE, ParallelConfig
+from ..config import ParallelConfig
 from ..plan import Alternative, Plan
 from .space import Candidate
 

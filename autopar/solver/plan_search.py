@@ -9,13 +9,13 @@ from typing import Any, Mapping
 
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
-from ..config import ParallelConfig, Precision
+from ..config import DEFAULT_TIE_TOLERANCE, ParallelConfig, Precision
 from ..cost_model import check_config
 from ..cost_model.compute import MeasuredTimes
 from ..errors import ConfigError, InfeasiblePlanError
 from ..plan import Plan
 from .batch import batch_notes
-from .choice import DEFAULT_TIE_TOLERANCE, alternatives, check_tolerance, with_search_results
+from .choice import alternatives, check_tolerance, with_search_results
 from .search import Search, SearchStats
 from .sharding import NODE_LIMIT, VARIANTS, WHOLE_BATCH, ILPLimits
 from .sharding_solver import ShardingSolver

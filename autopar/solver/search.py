@@ -38,14 +38,14 @@ import numpy as np
 
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
-from ..config import ParallelConfig, Precision
+from ..config import DEFAULT_TIE_TOLERANCE, ParallelConfig, Precision
 from ..cost_model import Estimator, estimate_plan
 from ..cost_model.compute import MeasuredTimes
 from ..cost_model.layer_cost import LayerCostModel
 from ..cost_model.tensor_parallel import TPLayout
 from ..plan import Plan
 from ..progress import counter
-from .choice import TIE, TOP_ALTERNATIVES, DEFAULT_TIE_TOLERANCE, Seen, choose, could_beat
+from .choice import TIE, TOP_ALTERNATIVES, Seen, choose, could_beat
 from .bounds import LayerWork, SearchBounds
 from .even_split import EvenSplitPlans, Split
 from .sharding import WHOLE_BATCH

@@ -25,7 +25,8 @@ from autopar.models import GPTConfig, build_gpt
 from autopar.models.llama import LlamaConfig, build_llama
 from autopar.solver import solve
 from autopar.plan import Plan
-from autopar.solver.choice import DEFAULT_TIE_TOLERANCE, moving_parts
+from autopar.config import DEFAULT_TIE_TOLERANCE
+from autopar.solver.choice import moving_parts
 from autopar.solver.search import Search
 from autopar.solver.plan_search import layouts_for
 from autopar.solver.sharding_solver import ShardingSolver
