@@ -32,7 +32,7 @@ import inspect
 import os
 import traceback
 import typing
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -139,7 +139,34 @@ def check_model(model: Any, meta_mix: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def all_on_meta(model: nn.Module):
+def swapped_tensors(model: nn.Module, stand_in: Callable[[torch.Tensor], torch.Tensor | None]) -> Iterator[None]:
+    """While open, each parameter and buffer ``t`` of ``model`` for which ``stand_in(t)`` is not None is
+    that stand-in (a parameter's wrapped as a parameter with its ``requires_grad``; a tensor held twice,
+    a tie, gets one stand-in), and put back after, whatever happens."""
+    swapped: list[tuple[nn.Module, str, str, Any]] = []   # (module, "_parameters"/"_buffers", name, original)
+    copies: dict[int, Any] = {}
+    for module in model.modules():
+        for slot in ("_parameters", "_buffers"):
+            for name, t in list(getattr(module, slot).items()):
+                if t is None:
+                    continue
+                if id(t) not in copies:
+                    copy = stand_in(t)
+                    copies[id(t)] = copy if copy is None or slot != "_parameters" \
+                        else nn.Parameter(copy, requires_grad=t.requires_grad)
+                if copies[id(t)] is None:
+                    continue
+                swapped.append((module, slot, name, t))
+                getattr(module, slot)[name] = copies[id(t)]
+    try:
+        yield
+    finally:
+        for module, slot, name, t in swapped:
+            getattr(module, slot)[name] = t
+
+
+@contextlib.contextmanager
+def all_on_meta(model: nn.Module) -> Iterator[None]:
     """While open, a model that is mostly on meta has all of it there: its parameters and buffers on
     another device (made by its own init despite the meta device: ``torch.FloatTensor(...)``,
     XLNet's ``mask_emb``) are swapped for meta copies, ties kept, and put back after. Planning needs
@@ -148,23 +175,8 @@ def all_on_meta(model: nn.Module):
     if not any(t.is_meta for t in tensors) or all(t.is_meta for t in tensors):
         yield
         return
-    swapped: list[tuple[nn.Module, str, str, Any]] = []   # (module, "_parameters"/"_buffers", name, original)
-    copies: dict[int, Any] = {}
-    for module in model.modules():
-        for slot in ("_parameters", "_buffers"):
-            for name, t in list(getattr(module, slot).items()):
-                if t is None or t.is_meta:
-                    continue
-                if id(t) not in copies:
-                    meta = t.detach().to("meta")
-                    copies[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if slot == "_parameters" else meta
-                swapped.append((module, slot, name, t))
-                getattr(module, slot)[name] = copies[id(t)]
-    try:
+    with swapped_tensors(model, lambda t: None if t.is_meta else t.detach().to("meta")):
         yield
-    finally:
-        for module, slot, name, t in swapped:
-            getattr(module, slot)[name] = t
 
 
 def forward_keys(model: nn.Module) -> frozenset[str] | None:

@@ -13,7 +13,7 @@ the size of a weight is allocated. Only a program that has such constants pays t
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from ..capture.export import run_export
+from ..capture.export import run_export, swapped_tensors
 
 
 def made_on_meta(program: ExportedProgram) -> list[str]:
@@ -55,25 +55,9 @@ def _fake(tree: Any) -> Any:
     return torch.utils._pytree.tree_map(lambda t: torch.empty_like(t) if isinstance(t, torch.Tensor) else t, tree)
 
 
-@contextlib.contextmanager
-def _on_fake_cpu(model: nn.Module, mode: FakeTensorMode) -> Iterator[None]:
+def _on_fake_cpu(model: nn.Module, mode: FakeTensorMode) -> contextlib.AbstractContextManager[None]:
     """While open, every parameter and buffer of ``model`` is a fake CPU tensor of its shape (ties kept)."""
-    swapped: list[tuple[nn.Module, str, str, torch.Tensor]] = []
-    fakes: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for slot in ("_parameters", "_buffers"):
-            for name, t in list(getattr(module, slot).items()):
-                if t is None:
-                    continue
-                if id(t) not in fakes:
-                    with mode:
-                        fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-                    fakes[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if slot == "_parameters" \
-                        else fake
-                swapped.append((module, slot, name, t))
-                getattr(module, slot)[name] = fakes[id(t)]
-    try:
-        yield
-    finally:
-        for module, slot, name, t in swapped:
-            getattr(module, slot)[name] = t
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        with mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+    return swapped_tensors(model, fake)
