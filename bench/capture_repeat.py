@@ -35,22 +35,12 @@ CHILD = r"""
 import json, os, pickle, resource, sys, time
 import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-import transformers
 import autopar.capture as package
 from autopar.capture import capture, repeat
-which, out = sys.argv[1], sys.argv[2]
-transformers.logging.set_verbosity_error()
-with torch.device("meta"):
-    if which == "gpt2":
-        config = transformers.GPT2Config(n_embd=12288, n_layer=96, n_head=96, n_positions=2048, vocab_size=51200,
-                                         use_cache=False, attn_implementation="sdpa")
-        model, seq = transformers.GPT2LMHeadModel(config).to(torch.bfloat16), 2048
-    else:
-        config = transformers.LlamaConfig(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-                                          num_attention_heads=128, num_key_value_heads=8, vocab_size=128256,
-                                          max_position_embeddings=8192, use_cache=False, attn_implementation="sdpa")
-        model, seq = transformers.LlamaForCausalLM(config).to(torch.bfloat16), 8192
-    ids = torch.zeros(1, seq, dtype=torch.long)
+which, out, bench = sys.argv[1], sys.argv[2], sys.argv[3]
+sys.path.insert(0, bench)
+import hf_shapes
+model, inputs = hf_shapes.build(which)
 outcomes = []   # how the blocks were captured (capture() keeps it to itself)
 def export_program(*args, **kwargs):
     program, outcome = repeat.export_program(*args, **kwargs)
@@ -58,7 +48,7 @@ def export_program(*args, **kwargs):
     return program, outcome
 package.export_program = export_program
 wall, cpu = time.perf_counter(), time.process_time()
-graph = capture(model, {"input_ids": ids, "labels": ids})
+graph = capture(model, inputs)
 cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
 with open(out, "wb") as f:
     pickle.dump(graph, f)
@@ -70,7 +60,7 @@ print(json.dumps({"wall": wall, "cpu": cpu, "rss": resource.getrusage(resource.R
 
 def run(which: str, every_block: bool, out: str) -> dict:
     env = dict(os.environ, AUTOPAR_TRACE_EVERY_BLOCK="1" if every_block else "")
-    done = subprocess.run([sys.executable, "-c", CHILD, which, out], capture_output=True, text=True, env=env)
+    done = subprocess.run([sys.executable, "-c", CHILD, which, out, os.path.dirname(os.path.abspath(__file__))], capture_output=True, text=True, env=env)
     if done.returncode:
         raise SystemExit(f"{which} ({'every block' if every_block else 'copied'}) failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -55,23 +56,13 @@ from autopar.capture import capture
 from autopar.models import GPTConfig, build_gpt, registry
 from autopar.solver import solve
 spec, cluster, gbs = json.loads(sys.argv[1])
+BENCH = sys.argv[2]   # this folder: hf_shapes.py
 if isinstance(spec, str):
     model, inputs = registry.build(spec, batch_size=1, device="meta", dtype=torch.bfloat16)
 elif "hf" in spec:   # as a user passes it: transformers' own class, built on meta, bf16, SDPA
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import transformers
-    with torch.device("meta"):
-        if spec["hf"] == "gpt2":
-            config = transformers.GPT2Config(n_embd=12288, n_layer=96, n_head=96, n_positions=2048, vocab_size=51200,
-                                             use_cache=False, attn_implementation="sdpa")
-            model, seq = transformers.GPT2LMHeadModel(config).to(torch.bfloat16), 2048
-        else:
-            config = transformers.LlamaConfig(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-                                              num_attention_heads=128, num_key_value_heads=8, vocab_size=128256,
-                                              max_position_embeddings=8192, use_cache=False, attn_implementation="sdpa")
-            model, seq = transformers.LlamaForCausalLM(config).to(torch.bfloat16), 8192
-        ids = torch.zeros(1, seq, dtype=torch.long)
-    inputs = {"input_ids": ids, "labels": ids}
+    sys.path.insert(0, BENCH)
+    import hf_shapes
+    model, inputs = hf_shapes.build(spec["hf"])
     t0 = time.perf_counter()   # the model is built: from here on, what autopar.plan does
 else:
     model, inputs = build_gpt(GPTConfig(**spec), batch_size=1, device="meta", dtype=torch.bfloat16)
@@ -88,7 +79,8 @@ print(json.dumps({"params": graph.param_numel, "layers": len(graph.layers), "cap
 
 
 def run_row(spec, cluster: str, gbs: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps([spec, cluster, gbs])], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps([spec, cluster, gbs]),
+                          os.path.dirname(os.path.abspath(__file__))], capture_output=True,
                          text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
