@@ -71,7 +71,7 @@ class LossSource:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "LossSource":
-        """Raises ValueError naming the field (plan_io turns it into a PlanFormatError)."""
+        """Raises ValueError naming the field (autopar/plan/io.py turns it into a PlanFormatError)."""
         if not isinstance(data, Mapping):
             raise ValueError(f"loss = {data!r} must be an object with 'kind' and 'name'")
         if set(data) != {"kind", "name"}:

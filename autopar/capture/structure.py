@@ -183,7 +183,7 @@ class ModelStructure:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModelStructure":
-        """Strict: a malformed value raises ValueError naming it (plan_io turns it into PlanFormatError)."""
+        """Strict: a malformed value raises ValueError naming it (autopar/plan/io.py turns it into PlanFormatError)."""
         if not isinstance(data, Mapping) or set(data) != {"layers", "bodies"}:
             raise ValueError("structure must be an object with exactly 'layers' and 'bodies'")
         bodies = tuple(tuple(_anchor(a, f"structure.bodies[{b}][{i}]") for i, a in enumerate(_list(body, b)))

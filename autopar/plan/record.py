@@ -11,19 +11,19 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Mapping
 
-from .capture.loss import LossSource
-from .capture.structure import ModelStructure
-from .cluster import Cluster
-from .config import ParallelConfig, Precision
-from .cost_model.memory import MemoryBreakdown
-from .errors import ConfigError, PlanFormatError
-from .files import write_atomic
+from ..capture.loss import LossSource
+from ..capture.structure import ModelStructure
+from ..cluster import Cluster
+from ..config import ParallelConfig, Precision
+from ..cost_model.memory import MemoryBreakdown
+from ..errors import ConfigError, PlanFormatError
+from ..files import write_atomic
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from .exports import Export
-    from .report import PlanComparison
+    from ..exports import Export
+    from ..report import PlanComparison
 
 SCHEMA_VERSION = 2
 
@@ -190,51 +190,51 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
-        from .plan_io import plan_from_dict
+        from .io import plan_from_dict
         return plan_from_dict(data)
 
     # --- reading it (autopar/report, autopar/viz) -------------------------------------------------
     def summary(self) -> str:
         """A text table: configuration, step-time breakdown, memory per stage against the device, MFU."""
-        from .report import summarize
+        from ..report import summarize
         return summarize(self)
 
     def explain(self) -> str:
         """Why this plan: where the time and memory go, each parallel choice, and why each runner-up lost."""
-        from .report import explain
+        from ..report import explain
         return explain(self)
 
     def compare(self, other: "Plan") -> "PlanComparison":
         """This plan (A) beside ``other`` (B); ``print()`` it, or show it in a notebook."""
-        from .report import compare
+        from ..report import compare
         if not isinstance(other, Plan):
             raise ConfigError(f"compare() takes another autopar.Plan, got {type(other).__name__}")
         return compare(self, other)
 
     def plot_timeline(self, path: str | os.PathLike | None = None, **kwargs: Any) -> "Figure":
         """The pipeline schedule as a Gantt chart (one row per stage); a PNG at ``path`` if given."""
-        from .viz import plot_timeline
+        from ..viz import plot_timeline
         return plot_timeline(self, path, **kwargs)
 
     def plot_memory(self, path: str | os.PathLike | None = None) -> "Figure":
         """Memory per stage, stacked by kind, against the device's memory; a PNG at ``path`` if given."""
-        from .viz import plot_memory
+        from ..viz import plot_memory
         return plot_memory(self, path)
 
     def plot_partition(self, path: str | os.PathLike | None = None) -> "Figure":
         """Which layers each pipeline stage holds; a PNG at ``path`` if given."""
-        from .viz import plot_partition
+        from ..viz import plot_partition
         return plot_partition(self, path)
 
     def export(self, stack: str, path: str | os.PathLike | None = None) -> "Export":
         """The plan in a training stack's configuration ("torchtitan", "megatron", "deepspeed",
         "accelerate"): its text, each field traced to this plan, and what the stack cannot express
         (autopar/exports); written to ``path`` too when given."""
-        from .exports import export
+        from ..exports import export
         return export(self, stack, path)
 
     def _repr_html_(self) -> str:
-        from .report import plan_html
+        from ..report import plan_html
         return plan_html(self)
 
     def __str__(self) -> str:

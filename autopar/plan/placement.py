@@ -1,0 +1,71 @@
+"""Where a tensor's elements live across a tensor-parallel group: the one placement vocabulary.
+
+The solver's strategies, the cost model, plan files and the compiler all speak it (DTensor's
+vocabulary, without importing torch, so a plan file reads without it):
+
+- ``Replicate()``: every rank holds the whole tensor;
+- ``Shard(dim)``: rank ``r`` of ``t`` holds the ``r``-th of ``t`` contiguous blocks along ``dim``;
+- ``Partial()``: every rank holds a summand; the tensor is their sum.
+
+In JSON a placement is its short text, ``"R"``, ``"S(1)"``, ``"P"``, read back by
+:func:`placement_from_json`, which names a malformed value.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Union
+
+from ..errors import PlanFormatError
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every rank holds the whole tensor."""
+
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Split along ``dim`` in contiguous blocks, one per rank."""
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        if type(self.dim) is not int:
+            raise TypeError(f"Shard(dim) takes an int dim, not {self.dim!r}")
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Each rank holds a summand of the tensor (a reduction is owed)."""
+
+    def __str__(self) -> str:
+        return "P"
+
+
+Placement = Union[Replicate, Shard, Partial]
+
+_SHARD = re.compile(r"S\((-?\d+)\)")
+
+
+def placement_from_json(text: object, where: str = "placement") -> Placement:
+    """``"R"`` / ``"S(d)"`` / ``"P"`` -> the placement; anything else is a PlanFormatError naming ``where``."""
+    if text == "R":
+        return Replicate()
+    if text == "P":
+        return Partial()
+    match = _SHARD.fullmatch(text) if isinstance(text, str) else None
+    if match is None:
+        raise PlanFormatError(f"{where} = {text!r} is not a placement: expected \"R\", \"P\" or \"S(dim)\"")
+    return Shard(int(match.group(1)))
+
+
+def placement_to_json(placement: Placement) -> str:
+    return str(placement)
