@@ -12,13 +12,14 @@ from .build import GraphWalk, batch_size_of, node_stacks
 from .dtypes import check_dtypes
 from .export import LossFn, check_model, loss_source, run_export
 from .layers import build_layers
-from .loss import LossSource
+from ..plan.loss import LossSource
 from .moe import count_routed_flops, eager_warning, find_regions
 from .opgraph import (FLOAT_DTYPES, Gemm, GraphInput, Layer, MoERegion, OpGraph, OpKind, OpNode, SavedTensor,
                       TensorMeta)
 from .repeat import export_program
 from .replicated import replicated_values
-from .structure import ModelStructure, first_difference, structure_of
+from ..plan.structure import ModelStructure, first_difference
+from .structure import structure_of
 
 __all__ = ["capture", "OpGraph", "OpNode", "Layer", "OpKind", "TensorMeta", "SavedTensor", "Gemm",
            "GraphInput", "MoERegion", "FLOAT_DTYPES", "ModelStructure", "first_difference", "LossSource"]

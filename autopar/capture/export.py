@@ -41,7 +41,7 @@ from ..errors import CaptureError, ConfigError
 from . import functions
 from .causal import causal_masks
 from .last_selected import last_selected
-from .loss import MODEL, STAND_IN, LossSource
+from ..plan.loss import MODEL, STAND_IN, LossSource
 from .moe import static_experts
 
 LossFn = Callable[[Any, Any], torch.Tensor]

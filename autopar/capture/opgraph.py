@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Iterator, Mapping
 
-from .loss import LossSource
+from ..plan.loss import LossSource
 
 if TYPE_CHECKING:
-    from .structure import ModelStructure
+    from ..plan.structure import ModelStructure
 
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16"})
 _DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,

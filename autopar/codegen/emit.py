@@ -18,7 +18,8 @@ import pprint
 import textwrap
 from typing import Any
 
-from ..capture.loss import EMIT, LOSS_FN, LossSource, check_loss
+from ..capture.loss import check_loss
+from ..plan.loss import EMIT, LOSS_FN, LossSource
 from ..errors import ConfigError
 from ..plan import Plan
 from . import schedules

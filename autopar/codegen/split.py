@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from ..capture import first_difference
+from ..plan.structure import first_difference
 from ..capture.build import strip_wrapper
 from ..capture.opgraph import OpGraph
 from ..errors import ConfigError, PlanMismatchError

@@ -55,7 +55,8 @@ import torch.utils._pytree as pytree
 
 from ..capture import OpKind, graph_of, param_aliases
 from ..capture.export import loss_source, normalize_inputs, run_export
-from ..capture.loss import EMIT, check_loss
+from ..capture.loss import check_loss
+from ..plan.loss import EMIT
 from ..errors import ConfigError
 from ..plan import Plan
 from . import batches, dcp_state, optim, pipeline, recompute, schedules, sharded_init

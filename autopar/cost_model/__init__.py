@@ -13,7 +13,8 @@ from .estimator import Estimator
 from .mesh import check_config
 from .compute import MeasuredTimes
 from .layer_cost import LayerCostModel
-from .memory import MemoryBreakdown
+from ..plan import Plan, Stage, TimeBreakdown
+from ..plan.record import MemoryBreakdown
 from .schedule import pipeline_time
 
 __all__ = ["Estimator", "MemoryBreakdown", "check_config", "estimate_plan"]
@@ -27,7 +28,7 @@ def estimate_plan(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_
     ``chunks`` fixes the layer partition (``pp * virtual_stages`` contiguous runs of layer
     indices); by default the blocks are split evenly as Megatron-LM does. ``measured`` (profiled op
     times) prices the ops when no ``estimator`` is given."""
-    from ..plan import Plan, Stage, TimeBreakdown
+
 
     precision = precision or Precision.for_device(cluster.device.name)
     est = estimator or Estimator(graph, cluster, precision, LayerCostModel(graph, cluster, precision, measured))

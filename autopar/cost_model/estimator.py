@@ -24,13 +24,14 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..capture.opgraph import OpGraph
-from ..capture.structure import ShardUnits
+from ..plan.structure import ShardUnits
 from ..cluster import Cluster
 from ..config import ParallelConfig, Precision
 from . import context_parallel, expert_parallel
 from .comm import Collective, GroupPlacement, collective_time
 from .layer_cost import LayerCost, LayerCostModel, SplitGroups
-from .memory import MemoryBreakdown, in_flight, interleaved_peak, model_state_bytes, op_kept
+from ..plan.record import MemoryBreakdown
+from .memory import in_flight, interleaved_peak, model_state_bytes, op_kept
 from .mesh import mesh_groups
 from .schedule import even_partition
 from .step_tail import StepTail

@@ -41,25 +41,6 @@ from ..config import ParallelConfig, Precision
 from .tensor_parallel import TPLayout
 
 
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    """Bytes on one device, by kind."""
-
-    params: float
-    grads: float
-    optimizer: float
-    activations: float
-    buffers: float
-
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers
-
-    def to_dict(self) -> dict[str, float]:
-        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "activations": self.activations, "buffers": self.buffers, "total": self.total}
-
-
 def model_state_bytes(numel: float, precision: Precision, zero: int, dp: int) -> tuple[float, float, float]:
     """(weights, gradients, optimizer state) bytes for ``numel`` parameters on one device."""
     w, g, k = precision.weight_bytes * numel, precision.grad_bytes * numel, precision.optimizer_bytes * numel

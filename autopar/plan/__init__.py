@@ -6,7 +6,8 @@ placement vocabulary (Replicate, Shard(dim), Partial). ``autopar.plan`` the *fun
 """
 
 from .placement import Partial, Placement, Replicate, Shard, placement_from_json
-from .record import SCHEMA_VERSION, Alternative, Plan, Stage, TimeBreakdown, load_plan, sequence_tokens
+from .record import (SCHEMA_VERSION, Alternative, MemoryBreakdown, Plan, Stage, TimeBreakdown, load_plan,
+                     sequence_tokens)
 
-__all__ = ["SCHEMA_VERSION", "Alternative", "Partial", "Placement", "Plan", "Replicate", "Shard", "Stage",
+__all__ = ["SCHEMA_VERSION", "Alternative", "MemoryBreakdown", "Partial", "Placement", "Plan", "Replicate", "Shard", "Stage",
            "TimeBreakdown", "load_plan", "placement_from_json", "sequence_tokens"]

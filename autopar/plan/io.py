@@ -12,13 +12,12 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from ..capture.loss import LossSource
-from ..capture.structure import ModelStructure
+from .loss import LossSource
+from .structure import ModelStructure
 from ..cluster import Cluster
 from ..config import ParallelConfig, Precision
-from ..cost_model.memory import MemoryBreakdown
 from ..errors import AutoparError, PlanFormatError
-from .record import SCHEMA_VERSION, Alternative, Plan, Stage, TimeBreakdown
+from .record import SCHEMA_VERSION, Alternative, MemoryBreakdown, Plan, Stage, TimeBreakdown
 
 _FIX = "the file is truncated or was edited; re-create it with plan.save()"
 

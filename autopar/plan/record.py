@@ -11,11 +11,10 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Mapping
 
-from ..capture.loss import LossSource
-from ..capture.structure import ModelStructure
+from .loss import LossSource
+from .structure import ModelStructure
 from ..cluster import Cluster
 from ..config import ParallelConfig, Precision
-from ..cost_model.memory import MemoryBreakdown
 from ..errors import ConfigError, PlanFormatError
 from ..files import write_atomic
 
@@ -46,6 +45,25 @@ class TimeBreakdown:
     def total(self) -> float:
         return (self.compute + self.recompute + self.tp_comm + self.p2p + self.bubble + self.dp_comm
                 + self.optimizer + self.cp_comm + self.ep_comm)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one device, by kind."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    def to_dict(self) -> dict[str, float]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "buffers": self.buffers, "total": self.total}
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from ..capture import graph_of, param_aliases
 from ..capture.export import LossFn, loss_source, run_export
-from ..capture.loss import PARALLELIZE, LossSource, check_loss
+from ..capture.loss import check_loss
 from ..capture.opgraph import OpKind
 from ..codegen.lower import R, cut_spec, lower
 from ..codegen.optim import compile_step
 from ..errors import ConfigError
+from ..plan.loss import PARALLELIZE, LossSource
 from .chunk import ChunkModule, NodeRunner
 from ..codegen.context import analyse
 from ..codegen.context_state import ContextRank

@@ -33,13 +33,13 @@ from hypothesis import strategies as st
 import autopar
 from autopar import Cluster, InfeasiblePlanError, ParallelConfig, Plan
 from autopar.capture import OpKind, capture
-from autopar.capture.structure import Anchor, ModelStructure
+from autopar.plan.structure import Anchor, ModelStructure
 from autopar.hardware import COLLECTIVE_NAMES, CollectiveFit, Device, Link
 from autopar.presets import DEVICE_PRESETS
 from autopar.config import RECOMPUTE_MODES, Precision
 from autopar.cost_model import Estimator, context_parallel, estimate_plan, expert_parallel
 from autopar.cost_model.layer_cost import LayerCostModel
-from autopar.cost_model.memory import MemoryBreakdown
+from autopar.plan import MemoryBreakdown
 from autopar.models import GPTConfig, MixtralConfig, build_gpt, build_mixtral, build_mlp
 from suite import ALL_CASES
 from autopar.plan import Alternative, Stage, TimeBreakdown

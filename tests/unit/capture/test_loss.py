@@ -15,7 +15,8 @@ import autopar
 from autopar import CaptureError, Cluster, ParallelConfig, Plan, PlanFormatError, PlanMismatchError
 from autopar.capture import capture
 from autopar.capture.export import LossWrapper, forward_keys, normalize_inputs
-from autopar.capture.loss import EMIT, LOSS_FN, MODEL, PARALLELIZE, STAND_IN, LossSource, check_loss
+from autopar.capture.loss import check_loss
+from autopar.plan.loss import EMIT, LOSS_FN, MODEL, PARALLELIZE, STAND_IN, LossSource
 
 CPU2 = Cluster.from_spec("1x2xcpu")
 

@@ -12,8 +12,10 @@ from torch import nn
 
 import autopar
 from autopar import PlanFormatError
-from autopar.capture import capture, first_difference
-from autopar.capture.structure import ModelStructure, align
+from autopar.capture import capture
+from autopar.plan.structure import first_difference
+from autopar.capture.structure import align
+from autopar.plan.structure import ModelStructure
 from autopar.models import hf
 
 

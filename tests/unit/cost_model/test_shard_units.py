@@ -10,7 +10,7 @@ import pytest
 
 import autopar
 from autopar import Cluster
-from autopar.capture.structure import MIN_UNIT_PARAMS, Anchor, ModelStructure
+from autopar.plan.structure import MIN_UNIT_PARAMS, Anchor, ModelStructure
 from autopar.config import ParallelConfig
 from autopar.cost_model.estimator import Estimator
 
