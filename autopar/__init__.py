@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _SOURCES: dict[str, str] = {
-    "plan": "api", "estimate": "api", "sweep": "sweep", "Sweep": "sweep", "SweepRow": "sweep",
+    "plan": "api", "estimate": "api", "sweep": "sweep", "Sweep": "plan.sweep", "SweepRow": "plan.sweep",
     "parallelize": "runtime.program", "Program": "runtime.program", "load_checkpoint": "runtime.checkpoint",
     "init_weights": "codegen.sharded_init", "Cluster": "cluster", "Device": "hardware", "Link": "hardware",
     "ParallelConfig": "config", "Precision": "config", "Plan": "plan", "Alternative": "plan", "load_plan": "plan",
@@ -39,7 +39,8 @@ if TYPE_CHECKING:   # what type checkers and IDEs see: the same names, bound eag
     from .plan import Alternative, Plan, load_plan
     from .runtime.checkpoint import load_checkpoint
     from .runtime.program import Program, parallelize
-    from .sweep import Sweep, SweepRow, sweep
+    from .plan.sweep import Sweep, SweepRow
+    from .sweep import sweep
 
 
 def __getattr__(name: str) -> Any:

@@ -89,7 +89,7 @@ def estimate(model: nn.Module, cluster: Cluster, example_inputs: Any, config: Pa
 def _profiler(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None, graph, cluster: Cluster,
               profile_db: str | os.PathLike | None):
     from .profiler import op_profiler
-    return op_profiler(model, example_inputs, loss_fn, graph, cluster, profile_db)
+    return op_profiler(model, example_inputs, loss_fn, graph, cluster.device, profile_db)
 
 
 def _profiled(plan_: Plan, measured) -> Plan:

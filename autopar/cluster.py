@@ -112,8 +112,15 @@ class Cluster:
         ``threads_per_rank`` threads (default one-thread ranks on every core; given ``nprocs``
         alone, the cores shared out). ``refresh=True`` measures again. First run: about 10-40 s.
         """
-        from .profiler.local import local_cluster
-        return local_cluster(nprocs, threads_per_rank, profile_db=profile_db, refresh=refresh, progress=progress)
+        from .profiler.local import local_profile
+        return cls.of_local(local_profile(nprocs, threads_per_rank, profile_db=profile_db, refresh=refresh,
+                                          progress=progress))
+
+    @classmethod
+    def of_local(cls, measured: Any) -> "Cluster":
+        """The cluster of what :meth:`local` measured (a profiler/local.py ``LocalProfile``)."""
+        return cls(nodes=1, devices_per_node=measured.ranks, device=measured.fitted,
+                   intra_node=measured.intra_node, inter_node=measured.inter_node)
 
     def to_dict(self) -> dict[str, Any]:
         return {"nodes": self.nodes, "devices_per_node": self.devices_per_node, "device": self.device.to_dict(),

@@ -42,6 +42,22 @@ RECOMPUTABLE = frozenset((OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.CREATION, OpKi
 _SOURCE, _SINK = "source", "sink"
 
 
+def for_kernels(graph: OpGraph, kernels: str) -> OpGraph:
+    """``graph`` as a program running ``kernels`` (``Precision.kernels``) keeps it for backward: the graph
+    itself for eager and hand-fused kernels (autograd's saves), and for ``"compiled"`` each op's ``saved``
+    replaced by what a compiled program keeps (:func:`compiled_saves`), computed once per graph
+    (``OpGraph.derived``)."""
+    saves = "compiled" if kernels == "compiled" else "autograd"
+    if saves == graph.saves:
+        return graph
+    if saves != "compiled":
+        raise ValueError(f"a graph of {graph.saves} saves has no {kernels!r} form: capture the model again")
+    out = graph.derived.get(saves)
+    if out is None:
+        out = graph.derived[saves] = compiled_saves(graph)
+    return out
+
+
 def compiled_saves(graph: OpGraph) -> OpGraph:
     """``graph`` with each op's ``saved`` as a compiled program keeps it (module docstring)."""
     saved: dict[str, tuple[SavedTensor, ...]] = {}

@@ -221,6 +221,9 @@ class OpGraph:
     moe: tuple[MoERegion, ...] = field(default=())   # mixture-of-experts regions, in graph order
     saves: str = "autograd"               # what ``saved`` holds: autograd's saves, or a compiled program's cut
     replicated: frozenset[str] = field(default=frozenset())   # read the batch and buffers alone (replicated.py)
+    derived: dict[str, "OpGraph"] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """An explicit cache of the graphs computed from this one (fusion.for_kernels' compiled form); a copy
+    made with dataclasses.replace starts with an empty one."""
 
     @cached_property
     def node_index(self) -> Mapping[str, int]:
@@ -248,22 +251,6 @@ class OpGraph:
 
     def node(self, name: str) -> OpNode:
         return self.nodes[self.node_index[name]]
-
-    def for_kernels(self, kernels: str) -> "OpGraph":
-        """This graph as a program running ``kernels`` (``Precision.kernels``) keeps it for backward:
-        itself for eager and hand-fused kernels (autograd's saves), and for ``"compiled"`` each op's
-        ``saved`` replaced by what a compiled program keeps (capture/fusion.py; computed once)."""
-        saves = "compiled" if kernels == "compiled" else "autograd"
-        if saves == self.saves:
-            return self
-        if saves != "compiled":
-            raise ValueError(f"a graph of {self.saves} saves has no {kernels!r} form: capture the model again")
-        return self._compiled
-
-    @cached_property
-    def _compiled(self) -> "OpGraph":
-        from .fusion import compiled_saves   # fusion builds on this module
-        return compiled_saves(self)
 
     def layer_nodes(self, layer: Layer) -> Iterator[OpNode]:
         return (self.nodes[i] for i in layer.nodes)

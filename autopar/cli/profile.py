@@ -6,13 +6,15 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..cluster import Cluster
+
 
 def run(args: argparse.Namespace) -> int:
     from ..profiler.local import local_profile
 
     result = local_profile(args.nprocs, args.threads_per_rank, profile_db=args.db, refresh=args.refresh,
                            progress=not args.json)
-    cluster, report = result.cluster, result.device_fit
+    cluster, report = Cluster.of_local(result), result.device_fit
     if args.json:
         out = {"cluster": cluster.to_dict(), "profile_db": result.db_path,
                "device_fit": {"median_relative_error": report.median_relative_error,

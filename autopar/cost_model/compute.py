@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping, Protocol
 
+from ..capture.fusion import for_kernels
 from ..capture.opgraph import FLOAT_DTYPES, Gemm, OpGraph, OpKind, OpNode, dtype_bytes
 from ..hardware import Device
 
@@ -109,8 +110,8 @@ def fused_away(graph: OpGraph) -> frozenset[str]:
 
 def fused_ops(graph: OpGraph, kernels: str) -> frozenset[str]:
     """The ops a program running ``kernels`` fuses into their consumer: none eager; otherwise
-    :func:`fused_away` of the graph as that program keeps it (``OpGraph.for_kernels``)."""
-    return frozenset() if kernels == "eager" else fused_away(graph.for_kernels(kernels))
+    :func:`fused_away` of the graph as that program keeps it (capture/fusion.py's ``for_kernels``)."""
+    return frozenset() if kernels == "eager" else fused_away(for_kernels(graph, kernels))
 
 
 @dataclass(frozen=True)

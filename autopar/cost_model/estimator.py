@@ -23,6 +23,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from ..capture.fusion import for_kernels
 from ..capture.opgraph import OpGraph
 from ..plan.structure import ShardUnits
 from ..cluster import Cluster
@@ -92,7 +93,7 @@ class Estimator:
     tail: StepTail = field(init=False)   # the step's gradient synchronisation and optimizer (step_tail.py)
 
     def __post_init__(self) -> None:
-        self.graph = self.graph.for_kernels(self.precision.kernels)   # what the program's kernels keep
+        self.graph = for_kernels(self.graph, self.precision.kernels)   # what the program's kernels keep
         if self.layers is None:
             self.layers = LayerCostModel(self.graph, self.cluster, self.precision)
         self.experts = expert_parallel.expert_params(self.graph)

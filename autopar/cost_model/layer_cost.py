@@ -20,6 +20,7 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from ..capture.fusion import for_kernels
 from ..capture.opgraph import Layer, OpGraph, OpKind, OpNode
 from ..cluster import Cluster
 from ..config import Precision
@@ -138,7 +139,7 @@ class LayerCostModel:
     expert_load_cv: float = expert_parallel.DEFAULT_LOAD_CV   # spread of the experts' shares of the rows
 
     def __post_init__(self) -> None:
-        self.graph = self.graph.for_kernels(self.precision.kernels)   # what the program's kernels keep
+        self.graph = for_kernels(self.graph, self.precision.kernels)   # what the program's kernels keep
 
     def layout(self, tp: int) -> TPLayout:
         if tp not in self._layouts:

@@ -17,8 +17,8 @@ from typing import Any
 
 from torch import nn
 
-from ..cluster import Cluster
 from ..errors import ConfigError
+from ..hardware import Device
 from .database import ProfileDB
 from .host import accelerator, device_name
 from .ops import OpProfiler
@@ -26,15 +26,16 @@ from .ops import OpProfiler
 __all__ = ["ProfileDB", "OpProfiler", "op_profiler"]
 
 
-def op_profiler(model: nn.Module, example_inputs: Any, loss_fn, graph, cluster: Cluster,
+def op_profiler(model: nn.Module, example_inputs: Any, loss_fn, graph, planned: Device,
                 profile_db: str | os.PathLike | None = None, progress: bool = True) -> OpProfiler:
-    """An OpProfiler of ``model`` on this machine for ``cluster`` (which must describe this machine)."""
+    """An OpProfiler of ``model`` on this machine, for a cluster of ``planned`` devices (which must be this
+    machine's: ``Cluster.local``)."""
     here = accelerator()
-    threads = max(1, cluster.device.threads)
+    threads = max(1, planned.threads)
     name = device_name(here, threads)
-    if cluster.device.name != name:
+    if planned.name != name:
         raise ConfigError(f"profile=True times the model's ops on this machine ({name}), but the cluster's devices "
-                          f"are {cluster.device.name!r}: plan with cluster=autopar.Cluster.local(...) to profile, "
+                          f"are {planned.name!r}: plan with cluster=autopar.Cluster.local(...) to profile, "
                           "or leave profile=False to use the analytic cost model for that cluster")
     params = list(model.parameters())
     if any(p.is_meta for p in params):
@@ -45,4 +46,4 @@ def op_profiler(model: nn.Module, example_inputs: Any, loss_fn, graph, cluster: 
         raise ConfigError(f"profile=True times ops on {here}, but the model's parameters are on "
                           f"{sorted(map(str, devices))}: move the model there first (model.to({str(here)!r}))")
     return OpProfiler(model, example_inputs, graph, name, ProfileDB(profile_db), loss_fn=loss_fn, threads=threads,
-                      kernel_overhead=cluster.device.kernel_overhead, progress=progress, device=here)
+                      kernel_overhead=planned.kernel_overhead, progress=progress, device=here)

@@ -16,7 +16,7 @@ from typing import Mapping
 
 import torch
 
-from ..cluster import Cluster
+from ..hardware import Device, Link
 from ..presets import link_presets
 from ..errors import ConfigError
 from .database import ProfileDB
@@ -53,9 +53,13 @@ def _memory_per_rank(curves: DeviceProfile, nprocs: int) -> float:
 
 @dataclass(frozen=True)
 class LocalProfile:
-    """What ``Cluster.local`` measured: the cluster, and the curves and fits behind it."""
+    """What ``Cluster.local`` measured: one node of ``ranks`` devices like ``fitted`` joined by ``intra_node``
+    (``inter_node`` a preset: one machine measures no network), and the curves and fits behind them."""
 
-    cluster: Cluster
+    ranks: int
+    fitted: Device
+    intra_node: Link
+    inter_node: Link
     device: DeviceProfile
     device_fit: DeviceFitReport
     links: LinkProfile | None            # None with one rank
@@ -88,16 +92,7 @@ def local_profile(nprocs: int | None = None, threads_per_rank: int | None = None
                     overlap=links.overlap_fraction, context_latency=links.context_seconds["all_reduce"],
                     context_latency_p2p=links.context_seconds["p2p"]) if fits else preset_intra
     inter = replace(preset_inter, name=f"{preset_inter.name or 'inter-node'} (preset, not measured)")
-    cluster = Cluster(nodes=1, devices_per_node=nprocs, device=fitted, intra_node=intra, inter_node=inter)
-    return LocalProfile(cluster, curves, report, links, fits, str(db.path))
-
-
-def local_cluster(nprocs: int | None = None, threads_per_rank: int | None = None, *,
-                  profile_db: str | os.PathLike | None = None, refresh: bool = False,
-                  progress: bool = True) -> Cluster:
-    """:func:`local_profile`'s cluster."""
-    return local_profile(nprocs, threads_per_rank, profile_db=profile_db, refresh=refresh,
-                         progress=progress).cluster
+    return LocalProfile(nprocs, fitted, intra, inter, curves, report, links, fits, str(db.path))
 
 
 def _links(db: ProfileDB, name: str, device: torch.device, nprocs: int, threads: int, refresh: bool,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Callable
 from .format import gigabytes, percent, quantity, seconds
 
 if TYPE_CHECKING:
-    from ..sweep import Sweep, SweepRow
+    from ..plan.sweep import Sweep, SweepRow
 
 DAY = 86400.0
 

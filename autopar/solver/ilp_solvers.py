@@ -1,6 +1,6 @@
 """The solvers of the sharding ILPs (sharding.py): HiGHS in process, CBC through pulp as the fallback.
 
-sharding.py states each group's ILP as arrays (its ``_Model``: columns with bounds and integrality,
+sharding.py states each group's ILP as arrays (an :class:`ILPModel`: columns with bounds and integrality,
 rows of coefficients with bounds, objectives as column -> coefficient maps); a solver here takes
 those arrays and an objective and returns the solution. Both are bounded by :class:`ILPLimits`:
 branch-and-bound nodes by default (deterministic work), a wall-clock limit only when asked for.
@@ -13,17 +13,47 @@ import math
 import os
 import sys
 import warnings
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import pulp
 
 from ..errors import ConfigError
 
-if TYPE_CHECKING:
-    from .sharding import _Model
-
 NODE_LIMIT = 20_000             # branch-and-bound nodes per solver call by default (deterministic work)
+
+
+@dataclass
+class ILPModel:
+    """One group's ILP as arrays: columns (name, binary or continuous; every one in [0, 1]), rows
+    (coefficients by column, lower and upper bound), and the linear forms the objectives and bounds
+    use, each a column -> coefficient map plus a constant (``time`` in microseconds, ``memory`` in
+    megabytes, ``tie`` the second solve's tie-break)."""
+
+    names: list[str] = field(default_factory=list)
+    binary: list[bool] = field(default_factory=list)
+    rows: list[tuple[dict[int, float], float, float]] = field(default_factory=list)
+    s: list[list[int]] = field(default_factory=list)
+    time: dict[int, float] = field(default_factory=dict)
+    time_constant: float = 0.0
+    memory: dict[int, float] = field(default_factory=dict)
+    memory_constant: float = 0.0
+    tie: dict[int, float] = field(default_factory=dict)
+    timed_out: bool = False
+    nodes: int = 0      # branch-and-bound nodes of the solves so far (HiGHS reports them; CBC through pulp does not)
+
+    def var(self, name: str, binary: bool = False) -> int:
+        """A new column in [0, 1]; its index."""
+        self.names.append(name)
+        self.binary.append(binary)
+        return len(self.names) - 1
+
+    def row(self, coefficients: dict[int, float], low: float, high: float) -> None:
+        self.rows.append((coefficients, low, high))
+
+    def column_order(self) -> list[int]:
+        """Columns by name: the order the solvers get them in (PuLP's, so layouts did not move)."""
+        return sorted(range(len(self.names)), key=self.names.__getitem__)
 
 
 @dataclass(frozen=True)
@@ -85,7 +115,7 @@ class _HiGHS:
         """Seconds of wall clock a call may take (None: none)."""
         return self.options.get("time_limit")
 
-    def solve(self, m: "_Model", objective: dict[int, float]) -> tuple[str, list[float] | None, int]:
+    def solve(self, m: ILPModel, objective: dict[int, float]) -> tuple[str, list[float] | None, int]:
         import highspy
         import numpy as np
         order = m.column_order()
@@ -140,7 +170,7 @@ class _CBC:
         """Seconds of wall clock a call may take (None: none)."""
         return self.command.timeLimit
 
-    def solve(self, m: "_Model", objective: dict[int, float]) -> tuple[str, list[float] | None, int]:
+    def solve(self, m: ILPModel, objective: dict[int, float]) -> tuple[str, list[float] | None, int]:
         prob = pulp.LpProblem("sharding", pulp.LpMinimize)
         cols = [_var(prob, name, 0, 1, pulp.LpBinary if b else pulp.LpContinuous) for name, b in zip(m.names, m.binary)]
         for n, (coefs, lo, hi) in enumerate(m.rows):

@@ -7,6 +7,7 @@ import time
 from dataclasses import fields, replace
 from typing import Any, Mapping
 
+from ..capture.fusion import for_kernels
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
 from ..config import DEFAULT_TIE_TOLERANCE, ParallelConfig, Precision
@@ -96,7 +97,7 @@ def _search(graph: OpGraph, cluster: Cluster, global_batch_size: int, precision:
         raise ConfigError(f"time_limit={time_limit!r} must be a positive number of seconds (or None)")
     fixed = check_fixed(fixed)
     precision = precision or Precision.for_device(cluster.device.name)
-    graph = graph.for_kernels(precision.kernels)    # what the program's kernels keep for backward
+    graph = for_kernels(graph, precision.kernels)    # what the program's kernels keep for backward
     limits = ILPLimits(time=ilp_time_limit, nodes=ilp_node_limit)
     deadline = None if time_limit is None else time.perf_counter() + time_limit
     if sharding is None:

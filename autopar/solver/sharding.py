@@ -85,11 +85,10 @@ solves.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import AutoparError, InfeasiblePlanError
-from .ilp_solvers import NODE_LIMIT, ILPLimits, lp_solvers
+from .ilp_solvers import NODE_LIMIT, ILPLimits, ILPModel, lp_solvers
 from .sharding_problem import GroupProblem, Realised, realise
 
 VARIANTS: tuple[str, ...] = ("fast", "lean")
@@ -107,41 +106,8 @@ def _add(terms: dict[int, float], column: int, coefficient: float) -> None:
     terms[column] = terms.get(column, 0.0) + coefficient
 
 
-@dataclass
-class _Model:
-    """One group's ILP as arrays: columns (name, binary or continuous; every one in [0, 1]), rows
-    (coefficients by column, lower and upper bound), and the linear forms the objectives and bounds
-    use, each a column -> coefficient map plus a constant (``time`` in microseconds, ``memory`` in
-    megabytes, ``tie`` the second solve's tie-break)."""
-
-    names: list[str] = field(default_factory=list)
-    binary: list[bool] = field(default_factory=list)
-    rows: list[tuple[dict[int, float], float, float]] = field(default_factory=list)
-    s: list[list[int]] = field(default_factory=list)
-    time: dict[int, float] = field(default_factory=dict)
-    time_constant: float = 0.0
-    memory: dict[int, float] = field(default_factory=dict)
-    memory_constant: float = 0.0
-    tie: dict[int, float] = field(default_factory=dict)
-    timed_out: bool = False
-    nodes: int = 0      # branch-and-bound nodes of the solves so far (HiGHS reports them; CBC through pulp does not)
-
-    def var(self, name: str, binary: bool = False) -> int:
-        """A new column in [0, 1]; its index."""
-        self.names.append(name)
-        self.binary.append(binary)
-        return len(self.names) - 1
-
-    def row(self, coefficients: dict[int, float], low: float, high: float) -> None:
-        self.rows.append((coefficients, low, high))
-
-    def column_order(self) -> list[int]:
-        """Columns by name: the order the solvers get them in (PuLP's, so layouts did not move)."""
-        return sorted(range(len(self.names)), key=self.names.__getitem__)
-
-
-def add_one_hot(gp: GroupProblem) -> _Model:
-    m = _Model()
+def add_one_hot(gp: GroupProblem) -> ILPModel:
+    m = ILPModel()
     m.s = [[m.var(f"s_{k}_{j}", binary=True) for j in range(len(opts))] for k, opts in enumerate(gp.strategies)]
     for vs in m.s:
         m.row({v: 1.0 for v in vs}, 1.0, 1.0)
@@ -155,7 +121,7 @@ def add_one_hot(gp: GroupProblem) -> _Model:
     return m
 
 
-def add_resharding(m: _Model, gp: GroupProblem) -> None:
+def add_resharding(m: ILPModel, gp: GroupProblem) -> None:
     """Per edge, one variable per joinable (producer output, consumer input) pair, tied to both ends'
     one-hot choices: a strategy whose layout no strategy at the other end can join (no key of the
     edge's costs) is ruled out, since its row or column has no variable to equal it."""
@@ -184,7 +150,7 @@ def add_resharding(m: _Model, gp: GroupProblem) -> None:
                 _add(m.time, x, _US * edge.costs[key])
 
 
-def add_partial_gradients(m: _Model, gp: GroupProblem) -> None:
+def add_partial_gradients(m: ILPModel, gp: GroupProblem) -> None:
     for n, (name, users) in enumerate(gp.partial.items()):
         cost = _US * gp.partial_cost[name]
         if len(users) == 1:
@@ -197,7 +163,7 @@ def add_partial_gradients(m: _Model, gp: GroupProblem) -> None:
         _add(m.time, g, cost)
 
 
-def add_param_consistency(m: _Model, gp: GroupProblem) -> None:
+def add_param_consistency(m: ILPModel, gp: GroupProblem) -> None:
     for n, (param, users) in enumerate(gp.shared.items()):
         dims = list(dict.fromkeys(d for _, _, d in users))
         x = {d: m.var(f"x_{n}_{'none' if d is None else d}") for d in dims}
@@ -209,12 +175,12 @@ def add_param_consistency(m: _Model, gp: GroupProblem) -> None:
             _add(m.memory, v, full / (gp.tp if d is not None else 1))
 
 
-def add_memory(m: _Model, budget: float) -> None:
+def add_memory(m: ILPModel, budget: float) -> None:
     """``memory <= budget`` (bytes)."""
     m.row(dict(m.memory), -math.inf, budget * _MB - m.memory_constant)
 
 
-def add_time(m: _Model, bound: float) -> None:
+def add_time(m: ILPModel, bound: float) -> None:
     """``time <= bound`` (seconds)."""
     m.row(dict(m.time), -math.inf, bound * _US - m.time_constant)
 
@@ -262,7 +228,7 @@ def _where(gp: GroupProblem) -> str:
     return f"the sharding ILP of the {len(gp.nodes)} ops from {gp.nodes[0].name}"
 
 
-def _run(m: _Model, gp: GroupProblem, objective: dict[int, float], stage: str, limits: ILPLimits,
+def _run(m: ILPModel, gp: GroupProblem, objective: dict[int, float], stage: str, limits: ILPLimits,
          fallbacks: list[str]) -> Realised | None:
     """Solve with the first solver of :func:`lp_solvers` that succeeds; None when none does (each
     failure is described in ``fallbacks``)."""

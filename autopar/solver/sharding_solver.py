@@ -17,6 +17,7 @@ import time as _time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
+from ..capture.fusion import for_kernels
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
 from ..config import Precision
@@ -56,7 +57,7 @@ class ShardingSolver:
     _contexts: dict[bool, OpContext] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        self.graph = self.graph.for_kernels(self.precision.kernels)   # the activations its kernels keep
+        self.graph = for_kernels(self.graph, self.precision.kernels)   # the activations its kernels keep
 
     def serves(self, cluster: Cluster) -> bool:
         """Whether this solver's layouts are those of ``cluster``: the same cluster but perhaps for

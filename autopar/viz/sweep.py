@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ._common import finish, format_count, new_figure
 
 if TYPE_CHECKING:
-    from ..sweep import Sweep
+    from ..plan.sweep import Sweep
 
 DAY = 86400.0
 

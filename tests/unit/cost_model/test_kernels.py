@@ -12,7 +12,7 @@ import torch
 import autopar
 from autopar import Cluster, ParallelConfig, Precision
 from autopar.capture import capture
-from autopar.capture.fusion import RECOMPUTABLE
+from autopar.capture.fusion import RECOMPUTABLE, for_kernels
 from autopar.capture.opgraph import OpKind
 from autopar.cost_model.compute import FUSED_ATTENTION_BACKWARD, ComputeModel, fused_ops
 from autopar.cost_model.memory import saved_owner
@@ -56,7 +56,7 @@ def test_compiled_llama_layer_keeps_a_minimum_cut(llama):
     eager keeps too: the two float32 rotary tables (s x d/2 each), the norms' 1/rms per token and
     attention's log-sum-exp per head and token."""
     eager = _layer_saves(llama, _block(llama))
-    fused = _layer_saves(llama.for_kernels("compiled"), _block(llama))
+    fused = _layer_saves(for_kernels(llama, "compiled"), _block(llama))
     per_token = lambda saves: sum(st.nbytes(2, llama.float_dtype) for st in saves.values()) / (1024 * 256)
     h, kv, ffn = 256, 64, 768
     tables, stats = 2 * 4 * 16 / h, (2 * 4 + 8 * 4) / h
@@ -71,7 +71,7 @@ def test_compiled_cut_recomputes_only_from_what_it_keeps(llama, gpt):
     """Every value eager autograd saves is, compiled, kept or recomputable by element-wise, view,
     creation, norm or dropout ops from values the compiled program keeps (or op-internal extras)."""
     for graph in (llama, gpt):
-        fused = graph.for_kernels("compiled")
+        fused = for_kernels(graph, "compiled")
         kept = {st.root for n in fused.nodes for st in n.saved}
         for node in graph.nodes:
             for st in node.saved:
@@ -87,10 +87,10 @@ def test_compiled_cut_recomputes_only_from_what_it_keeps(llama, gpt):
                     producer = graph.node(name)       # not kept: recomputed from its inputs
                     assert producer.kind in RECOMPUTABLE, (graph.model_name, name, producer.kind)
                     todo.extend(producer.inputs)
-        assert fused.for_kernels("compiled") is fused and graph.for_kernels("compiled") is fused
-        assert graph.for_kernels("eager") is graph.for_kernels("fused") is graph   # autograd's saves
+        assert for_kernels(fused, "compiled") is fused and for_kernels(graph, "compiled") is fused
+        assert for_kernels(graph, "eager") is for_kernels(graph, "fused") is graph   # autograd's saves
         with pytest.raises(ValueError):
-            fused.for_kernels("eager")
+            for_kernels(fused, "eager")
 
 
 def test_gpt_compiled_drops_what_compiled_kernels_recompute(gpt):
@@ -98,7 +98,7 @@ def test_gpt_compiled_drops_what_compiled_kernels_recompute(gpt):
     its 1-byte mask), GeLU's output and the LayerNorm outputs are recomputed; the masks, softmax and
     GEMM outputs stay."""
     block = _block(gpt)
-    eager, fused = _layer_saves(gpt, block), _layer_saves(gpt.for_kernels("compiled"), block)
+    eager, fused = _layer_saves(gpt, block), _layer_saves(for_kernels(gpt, "compiled"), block)
     kinds = lambda saves: sorted(gpt.node(r).kind.value for r in saves    # made inside the block
                                  if ":" not in r and gpt.node(r).layer == gpt.layers[block].index)
     assert kinds(fused).count("dropout") == 0 < kinds(eager).count("dropout")
