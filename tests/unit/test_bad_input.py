@@ -367,7 +367,7 @@ def test_plan_save_is_atomic(tmp_path, plan_dict, monkeypatch) -> None:
 
     def crash(*args, **kwargs):
         raise KeyboardInterrupt("killed mid-save")
-    monkeypatch.setattr(sys.modules["autopar.plan"].os, "replace", crash)
+    monkeypatch.setattr(sys.modules["autopar.files"].os, "replace", crash)
     with pytest.raises(KeyboardInterrupt):
         second.save(path)
     assert load_plan(path) == first

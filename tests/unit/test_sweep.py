@@ -12,7 +12,7 @@ import dataclasses
 import io
 import json
 import math
-import sys
+import importlib
 
 import pytest
 
@@ -24,7 +24,7 @@ from autopar.report.sweep import duration, money
 
 NODE = Cluster.from_spec("1x2xA100-80GB")
 BATCH, SEQ, TOKENS, PRICE = 8, 32, 1e9, 2.0
-SWEEP = sys.modules["autopar.sweep"]        # the module (autopar.sweep is the function)
+SWEEP = importlib.import_module("autopar.sweep")   # the module (autopar.sweep is the function)
 
 
 @pytest.fixture(scope="module")
