@@ -8,8 +8,7 @@ STAMP := $(VENV)/.autopar-installed
 # Python writes each module's bytecode when it first imports it (an environment that sets
 # PYTHONDONTWRITEBYTECODE would have every test process compile autopar, the tests and, with pip's
 # --no-compile below, torch and transformers from source at every import), and pip does not
-# byte-compile what it installs: compiling every module of torch and the dev extras took 42 of the
-# install's 81 s, and a run imports a small part of them. The parts of torch every run imports are
+# byte-compile what it installs: a run imports a small part of torch and the dev extras. The parts of torch every run imports are
 # compiled on the other core while pip installs the dev extras (else each of the processes a test
 # run starts at once compiles them).
 export PYTHONDONTWRITEBYTECODE :=
@@ -30,8 +29,7 @@ demo: $(STAMP)
 # The unit and the distributed tests run side by side, the unit tests in two pytest-xdist workers
 # (each is mostly one busy Python process; the distributed ranks wait on each other), at a lower
 # priority: a rank that a collective wakes gets a core at once instead of after a unit test's time
-# slice (measured: the distributed half 830 -> 730 s, both together 842 -> 811 s and 100 s of CPU
-# less). The unit tests' workers steal queued tests from each other (--dist worksteal), so that neither
+# slice. The unit tests' workers steal queued tests from each other (--dist worksteal), so that neither
 # idles while the other finishes a long one. The distributed log follows the unit tests' output.
 test: $(STAMP)
 	@HF_HUB_OFFLINE=1 $(PY) -m pytest -p no:cacheprovider tests/distributed > .distributed-tests.log 2>&1 & \

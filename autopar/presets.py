@@ -71,7 +71,7 @@ CPU_MEMORY_EFFICIENCY = 0.5
 CPU_KERNEL_OVERHEAD = 1e-5
 
 
-# --- Device presets (calibration.md section 6, vendor datasheets) -----------------------------
+# --- Device presets (bench/sources.md section 6, vendor datasheets) -----------------------------
 def _gpu(name: str, *, bf16: float, fp32: float, tf32: float | None, memory: float, hbm: float, source: str,
          family: str) -> Device:
     consts = {"V100": (V100_MATMUL_EFFICIENCY, V100_MATMUL_HALF_DIM, V100_MEMORY_EFFICIENCY, V100_KERNEL_OVERHEAD,
@@ -124,7 +124,7 @@ DEVICE_PRESETS: Mapping[str, Device] = MappingProxyType({
 
 # --- Link presets per device family (DGX-class nodes of 8 devices) ----------------------------
 # NCCL's three ring protocols (its tuning model, src/graph/tuning.cc, documents per-step latencies
-# by link type; the values below are ours, checked against calibration.md section 5 by
+# by link type; the values below are ours, checked against bench/sources.md section 5 by
 # bench/fidelity_published.py). LL moves 8-byte flag+data words: low latency, a fraction of the
 # bandwidth; LL128 128-byte lines; Simple whole chunks at full bandwidth with the most latency.
 # - NVLink: per-step 0.6 us (LL), 1.9 us (LL128), 3.4 us (Simple); per call 14 us (LL128) and
@@ -157,7 +157,7 @@ def _ib(bandwidth: float, efficiency: float) -> Link:
 
 _LINKS: Mapping[str, tuple[Link, Link]] = MappingProxyType({
     # V100 NVLink2: 300 GB/s both ways per GPU (section 6) = 150e9 per direction; 0.8 achieved
-    # (assumed, no public busbw in the calibration set). Inter-node: one 100 Gb/s NIC per NODE
+    # (assumed, no public busbw in bench/sources.md). Inter-node: one 100 Gb/s NIC per NODE
     # = 12.5e9 B/s shared by 8 GPUs; 0.92 achieved as for EDR InfiniBand (assumed).
     "V100": (_nvlink(150e9, 0.8), _ib(12.5e9 / 8, 0.92)),
     # A100 NVLink3: 600 GB/s both ways (section 6) = 300e9 per direction; NCCL all-reduce busbw

@@ -1,5 +1,5 @@
 """Predicted vs published, for every public step-time row and every nccl-tests figure of
-../shared/reference/calibration.md, with the device constants fitted in and out of sample.
+bench/sources.md, with the device constants fitted in and out of sample.
 
 Rows (bench/published.py): Megatron SC21 Table 1 and the Megatron README TP table (A100), Llama 3
 405B Table 4 and torchtitan's Llama 3.1 8B (H100), MegaScale's Megatron-LM GPT-3 175B on 12,288
@@ -104,7 +104,7 @@ def step_rows(quick: bool) -> bool:
     return ok and median <= STEP_MEDIAN and worst <= STEP_WORST
 
 
-# nccl-tests all_reduce_perf on 8 H100 SXM (calibration.md section 5): bytes, microseconds
+# nccl-tests all_reduce_perf on 8 H100 SXM (bench/sources.md section 5): bytes, microseconds
 NCCL_H100_ALL_REDUCE = [(8, 13.67), (1048576, 27.37), (16777216, 123.8), (67108864, 324.7),
                         (268435456, 1112.5), (1073741824, 4029.4), (8589934592, 31307.0)]
 # Large-message bus bandwidths the NCCL maintainers quote (section 5): cluster, group layout, GB/s
@@ -118,7 +118,7 @@ NCCL_BUSBW = [("A100 8-GPU NVLink all-reduce", "1x8xA100-80GB", (8, 8, 1), 230.0
 
 
 def collectives() -> bool:
-    print("\nCollectives against nccl-tests (calibration.md section 5)")
+    print("\nCollectives against nccl-tests (bench/sources.md section 5)")
     print(f"{'case':<50} {'bytes':>12} {'published':>11} {'predicted':>11} {'error':>7}")
     errors = []
     h100 = autopar.Cluster.from_spec("1x8xH100-SXM")

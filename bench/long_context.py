@@ -13,7 +13,7 @@ plan does not use cp, is not at least 1.3x faster than the best plan without it,
 ``explain()`` does not name cp and the plan without it, or when the 70B plan does not combine tp
 and cp (the unit suite checks the search's cp x tp space on small graphs; these real-size choices
 are checked here). Nothing is run on a GPU: these are the cost model's predictions
-(H100 preset, calibration.md).
+(H100 preset: datasheet peaks, bench/sources.md section 6).
 
 Run: .venv/bin/python bench/long_context.py
 """

@@ -1,5 +1,5 @@
 """Published training runs as autopar rows: every public step-time row of
-../shared/reference/calibration.md (sections 1, 2 and 8), rebuilt and planned the way a user would.
+bench/sources.md (sections 1, 2 and 8), rebuilt and planned the way a user would.
 
 Each row is the published model rebuilt on the meta device, the published cluster, and
 ``fixed=`` holding exactly what the source publishes (tensor / pipeline / context / data
@@ -131,7 +131,7 @@ def _megatron(tp: int, pp: int, dp: int) -> dict[str, Any]:
                 sequence_parallel=False)
 
 
-SC21 = "Narayanan et al. SC21 Table 1 (calibration.md section 1)"
+SC21 = "Narayanan et al. SC21 Table 1 (bench/sources.md section 1)"
 # params, heads, hidden, layers, TP, PP, GPUs, global batch, published TFLOP/s per GPU
 _TABLE1 = [
     (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
@@ -148,27 +148,27 @@ _TABLE1 = [
 TABLE1 = [Row(f"SC21 {p}B", SC21, _gpt(h, a, l, 2048), f"{g // 8}x8xA100-80GB", b, _megatron(t, pp, g // (t * pp)),
               "tflops", tf) for p, a, h, l, t, pp, g, b, tf in _TABLE1]
 
-README = "Megatron-LM README TP weak scaling (calibration.md section 2)"
+README = "Megatron-LM README TP weak scaling (bench/sources.md section 2)"
 # name, hidden, heads, layers, TP = GPUs, published TFLOP/s (seq 1024, global batch 16)
 _README_TP = [("1.2B", 1920, 15, 24, 1, 149.8), ("2.0B", 2304, 18, 30, 2, 136.8),
               ("4.2B", 3072, 24, 36, 4, 124.7), ("8.7B", 4096, 32, 42, 8, 109.3)]
 README_TP = [Row(f"README {n} tp{t}", README, _gpt(h, a, l, 1024), f"1x{t}xA100-80GB", 16, _megatron(t, 1, 1),
                  "tflops", tf) for n, h, a, l, t, tf in _README_TP]
 
-LLAMA3 = "Llama 3 405B, arXiv 2407.21783 Table 4 (calibration.md section 8)"
-MEGASCALE = "MegaScale NSDI'24: 55.2% MFU, Megatron-LM 1.34x slower (calibration.md section 8)"
-TORCHTITAN = "torchtitan llama3_h100_202412 benchmark, eager and torch.compile (calibration.md section 8)"
-SHOEYBI = "Shoeybi et al. 2019, Megatron-LM on V100 (calibration.md section 8)"
-# Meta's Grand Teton H100 (calibration.md section 8: 96 GB HBM2e at 2.4 TB/s, 500 W) is its own preset
+LLAMA3 = "Llama 3 405B, arXiv 2407.21783 Table 4 (bench/sources.md section 8)"
+MEGASCALE = "MegaScale NSDI'24: 55.2% MFU, Megatron-LM 1.34x slower (bench/sources.md section 8)"
+TORCHTITAN = "torchtitan llama3_h100_202412 benchmark, eager and torch.compile (bench/sources.md section 8)"
+SHOEYBI = "Shoeybi et al. 2019, Megatron-LM on V100 (bench/sources.md section 8)"
+# Meta's Grand Teton H100 (bench/sources.md section 8: 96 GB HBM2e at 2.4 TB/s, 500 W) is its own preset
 # with its own constants: the power cap lowers what a GEMM sustains.
 CONSTANT_FAMILIES = {"H100-96GB-500W": "H100-500W"}
 
 SECTION8 = [
     # Llama 3 405B: published TP / CP / PP / DP, sequence and batch; the rest (micro-batch, schedule,
     # recomputation, ZeRO) is not published. TFLOP/s per GPU by PaLM's formula (assumed: the paper
-    # does not give its own). The long-context row reads DP 4 in calibration.md, but 8 x 16 x 16 x 4
-    # is 8,192 GPUs, not the row's 16,384, and its 16M-token batch is DP 8 x 16 sequences of 131,072:
-    # DP 8 it is (the planner refuses DP 4 on 16,384 GPUs, naming dp * cp * tp * pp).
+    # does not give its own). The long-context row reads DP 4 in Table 4 (bench/sources.md section 8),
+    # but 8 x 16 x 16 x 4 is 8,192 GPUs, not the row's 16,384, and its 16M-token batch is DP 8 x 16
+    # sequences of 131,072: DP 8 it is (the planner refuses DP 4 on 16,384 GPUs, naming dp * cp * tp * pp).
     *[Row(f"Llama3-405B {g} GPUs cp{cp}", LLAMA3, _llama(16384, 128, 8, 126, 53248, seq), f"{g // 8}x8xH100-SXM",
           dp * per_dp, dict(tp=8, cp=cp, pp=16, dp=dp, ep=1), "tflops", tf, flops="palm", precision=LLAMA_BF16)
       for g, cp, dp, seq, per_dp, tf in [(8192, 1, 64, 8192, 32, 430), (16384, 1, 128, 8192, 16, 400),
@@ -190,7 +190,7 @@ SECTION8 = [
       for g, tps in rows],
     # Megatron-LM 2019 on V100 32 GB, fp16. The 1.2B shape (hidden 1536, 40 layers, 16 heads) and the
     # batch of 8 per replica are Shoeybi et al.'s Table 1 and section 5.1. Recomputation is not given
-    # per row, so it is left free (calibration.md), and the FLOP formula is assumed to count model
+    # per row, so it is left free (bench/sources.md section 8), and the FLOP formula is assumed to count model
     # FLOPs (no recomputed forward), the count that does not depend on that choice.
     Row("Megatron 1.2B 1xV100", SHOEYBI, _gpt(1536, 16, 40, 1024), "1x1xV100-32GB", 8,
         dict(tp=1, pp=1, dp=1, cp=1, ep=1, zero=0, sequence_parallel=False), "tflops", 39.0,

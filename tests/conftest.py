@@ -1,4 +1,4 @@
-"""Shared fixtures: small models captured once per session (a capture costs 0.2-0.7 s).
+"""Shared fixtures: small models captured once per session.
 
 Models are built on the meta device (nothing is allocated); the captured OpGraph is
 immutable, so sharing it between tests is safe.
@@ -12,9 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the Hugging Face builders must n
 # One intra-op thread per test process, and for every process it starts. The unit tests run in two
 # xdist workers beside the distributed tests' gloo ranks on a 2-core machine: with torch's default
 # (one OpenMP thread per core) each worker's threads spin-wait between parallel regions, and every
-# gloo collective then waits for a rank the spinning threads keep off a core. Measured: the emitted
-# script's 2-rank torchrun test took 43 s beside two default-threaded torch loops, 19 s beside the
-# same loops on one thread each, 20 s alone.
+# gloo collective then waits for a rank the spinning threads keep off a core.
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import torch  # noqa: E402

@@ -8,7 +8,7 @@ Every bandwidth below is achievable: ``link.bandwidth * link.efficiency`` (bytes
 the profiler measured the collective on that link, its fitted ``B`` and ``a`` (``Link.collectives``).
 
 **Single node (N = 1): a ring over the intra-node link** (latency a, bandwidth B).
-The nccl-tests bus-bandwidth factors (calibration.md section 5) give
+The nccl-tests bus-bandwidth factors (bench/sources.md section 5) give
 
 * all-reduce        ``t = 2(n-1)/n * S / B + 2(n-1) a``
 * all-gather, reduce-scatter ``t = (n-1)/n * S / B + (n-1) a``
@@ -32,7 +32,7 @@ shared by the ``r * g`` ranks of this axis' groups that sit on it (NIC sharing),
 what a rank can feed through its own links; ``r * b`` is the NIC bandwidth one group's
 ring gets when it crosses a node boundary. Summing the phases instead would predict a
 DGX A100 multi-node all-reduce busbw of 111-146 GB/s; NCCL measures about 192 GB/s
-= 8 NICs x 24 GB/s (calibration.md section 5), which is ``r * b`` above. With one rank
+= 8 NICs x 24 GB/s (bench/sources.md section 5), which is ``r * b`` above. With one rank
 per node (``r = 1``) this is a plain ring over the inter-node link.
 
 A ring pass of ``n - 1`` steps has ``n - N`` hops inside nodes and ``N - 1`` across them,

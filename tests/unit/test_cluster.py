@@ -15,7 +15,7 @@ GB = 1e9
 
 
 @pytest.mark.parametrize("name, bf16, fp32, tf32, memory, hbm", [
-    # calibration.md section 6 (vendor datasheets)
+    # bench/sources.md section 6 (vendor datasheets)
     ("V100-16GB", 125e12, 15.7e12, None, 16 * GB, 900 * GB),
     ("V100-32GB", 125e12, 15.7e12, None, 32 * GB, 900 * GB),
     ("A100-40GB", 312e12, 19.5e12, 156e12, 40 * GB, 1555 * GB),
@@ -119,7 +119,7 @@ def test_from_spec_bad(spec, token):
 def test_link_presets_a100():
     c = Cluster.from_spec("128x8xA100-80GB")
     assert c.intra_node.bandwidth == 300e9
-    # NCCL 8 x A100 all-reduce busbw about 230 GB/s (calibration.md section 5)
+    # NCCL 8 x A100 all-reduce busbw about 230 GB/s (bench/sources.md section 5)
     assert c.intra_node.effective_bandwidth == pytest.approx(230e9)
     assert c.inter_node.bandwidth == 25e9  # 8 x HDR 200 Gb/s per node
     assert c.inter_node.effective_bandwidth == pytest.approx(24e9)

@@ -188,14 +188,14 @@ def test_single_node_formulas_exact(spec, s):
 
 
 def test_a100_node_all_reduce_bus_bandwidth():
-    # NCCL maintainers: 8 x A100 SXM NVLink all-reduce about 230 GB/s busbw (calibration.md section 5);
+    # NCCL maintainers: 8 x A100 SXM NVLink all-reduce about 230 GB/s busbw (bench/sources.md section 5);
     # 2% tolerance: at 1 GiB the latency steps cost 0.2% of the time.
     cluster = Cluster.from_spec("1x8xA100-80GB")
     t = collective_time(Collective.ALL_REDUCE, GiB, place_axes(cluster, [("dp", 8)])["dp"], cluster)
     assert bus_bandwidth(Collective.ALL_REDUCE, GiB, t, 8) == pytest.approx(230e9, rel=0.02)
 
 
-# nccl-tests all_reduce_perf on 8 H100 SXM (calibration.md section 5): NCCL's protocols and NVLS
+# nccl-tests all_reduce_perf on 8 H100 SXM (bench/sources.md section 5): NCCL's protocols and NVLS
 @pytest.mark.parametrize("nbytes, measured_us", [(8, 13.67), (1048576, 27.37), (16777216, 123.8),
                                                  (67108864, 324.7), (268435456, 1112.5), (1073741824, 4029.4),
                                                  (8589934592, 31307.0)])
@@ -234,7 +234,7 @@ def test_the_tree_beats_the_ring_at_thousands_of_ranks():
 
 @pytest.mark.parametrize("nodes", [2, 4, 8, 16])
 def test_dgx_a100_multi_node_all_reduce_bus_bandwidth(nodes):
-    # DGX A100 multi-node (8 x HDR) all-reduce about 192 GB/s busbw (calibration.md section 5); 15% because
+    # DGX A100 multi-node (8 x HDR) all-reduce about 192 GB/s busbw (bench/sources.md section 5); 15% because
     # the NIC share is exact but the latency steps grow with the node count.
     cluster = Cluster.from_spec(f"{nodes}x8xA100-80GB")
     n = cluster.devices

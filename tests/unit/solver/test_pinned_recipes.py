@@ -3,7 +3,7 @@ is refused naming the rule and the nearest valid values.
 
 The recipes here are real model shapes (what a pin is valid for depends on the layer count):
 NVIDIA's GPT-3 175B recipe (interleaved v=12, beyond the search's own cap of 8), and a sample of
-the published runs of calibration.md (bench/published.py; bench/fidelity_published.py plans every
+the published runs of bench/sources.md (bench/published.py; bench/fidelity_published.py plans every
 one of them, Llama 3 405B with tp 8 x cp 16 included; its 131k-token capture alone takes 30 s):
 Megatron's 529.6B on 35 stages and torchtitan's FSDP2 Llama 3.1 8B on 128 H100.
 """
