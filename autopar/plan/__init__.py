@@ -6,7 +6,8 @@ placement vocabulary (Replicate, Shard(dim), Partial). ``autopar.plan`` the *fun
 """
 
 from .placement import Partial, Placement, Replicate, Shard, placement_from_json
-from .record import (SCHEMA_VERSION, Alternative, MemoryBreakdown, Plan, Stage, TimeBreakdown, load_plan,
+from .io import load_plan
+from .record import (SCHEMA_VERSION, Alternative, MemoryBreakdown, Plan, Stage, TimeBreakdown,
                      sequence_tokens)
 
 __all__ = ["SCHEMA_VERSION", "Alternative", "MemoryBreakdown", "Partial", "Placement", "Plan", "Replicate", "Shard", "Stage",

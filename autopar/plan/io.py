@@ -9,7 +9,9 @@ raises :class:`PlanFormatError` naming the field.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from typing import Any, Mapping
 
 from .loss import LossSource
@@ -211,3 +213,18 @@ def _stage(s: Any, i: int) -> Stage:
         expert_param_count=_int(s, "expert_param_count", where, 0),
         memory=MemoryBreakdown(**{k: _float(mem, k, where + "memory.")
                                   for k in ("params", "grads", "optimizer", "activations", "buffers")}))
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    """Read a plan written by :meth:`Plan.save`; malformed or unsupported files raise PlanFormatError."""
+    try:
+        with open(path) as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise PlanFormatError(f"cannot read plan file {os.fspath(path)!r}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanFormatError(f"{os.fspath(path)!r} is not valid JSON (truncated or edited?) at line "
+                              f"{exc.lineno} column {exc.colno}: {exc.msg}") from None
+    return plan_from_dict(data)
