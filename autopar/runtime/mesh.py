@@ -133,7 +133,10 @@ class Mesh:
     def coords(self, rank: int) -> Coords:
         """``rank``'s coordinates."""
         self._check_rank(rank)
-        c = {axis: (rank // stride) % size for axis in AXES for size, stride in [self._axis_run(axis)]}
+        c = {}
+        for axis in AXES:
+            size, stride = self._axis_run(axis)
+            c[axis] = (rank // stride) % size
         return Coords(**c, ep=c["dp"] % self.ep)
 
     def _axis_run(self, axis: str) -> Run:
@@ -190,7 +193,8 @@ class Mesh:
     def build(self, device_type: str, *, experts: bool = False, tied: Iterable[Sequence[int]] = ()) -> "MeshGroups":
         """Every process group this mesh runs over, created on every rank in one order: the device
         mesh ``(pp, dp, cp, tp)`` (its tp dimension is what DTensors shard over, its flattened
-        ``dp x cp`` what FSDP2 shards over); with ``experts``, the ep groups and the edp groups; then
+        ``dp x cp`` what FSDP2 shards over); with ``experts``, the ep groups and the edp groups (with
+        ep == 1 the edp group is the dp group, whose mesh serves); then
         for each set of pipeline stages in ``tied`` (sorted), a group at every (dp, cp, tp) position.
         Collective: every rank calls it with the same arguments."""
         import torch.distributed as dist
