@@ -88,8 +88,8 @@ def render(plan: Plan, model_factory: str, batch_factory: str | None, loss_fn: s
         ''')
     imports = _imports(model_factory, batch_factory, loss_fn)
     constants = "\n".join([
-        "# The device mesh: rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank)) (tp innermost, as",
-        "# planned). CP ranks share each sample's sequence (ring attention); EP consecutive dp ranks split",
+        "# The device mesh (autopar.runtime.mesh.Mesh): ranks tp innermost, then cp, dp, pp outermost, as",
+        "# planned. CP ranks share each sample's sequence (ring attention); EP consecutive dp ranks split",
         "# each mixture-of-experts layer's experts (all-to-all dispatch); devices = DP * CP * TP * PP.",
         f"DP, CP, TP, PP, EP = {cfg.dp}, {cfg.cp}, {cfg.tp}, {cfg.pp}, {cfg.ep}",
         f"MICRO_BATCH_SIZE, MICRO_BATCHES, GLOBAL_BATCH = {cfg.micro_batch_size}, {plan.micro_batches}, "
@@ -148,7 +148,8 @@ def _literal(value: Any) -> str:
 
 def _imports(model_factory: str, batch_factory: str | None, loss_fn: str | None) -> str:
     lines = ["import argparse", "import datetime", "import gc", "import os", "", "import torch", "import torch.distributed as dist", "",
-             "import autopar", "from autopar.codegen.dcp_state import latest", "from autopar.codegen.inputs import example_at"]
+             "import autopar", "from autopar.codegen.dcp_state import latest", "from autopar.codegen.inputs import example_at",
+             "from autopar.runtime.mesh import Mesh"]
     for alias, ref in (("model_factory", model_factory), ("batch_factory", batch_factory), ("loss_fn", loss_fn)):
         if ref:
             module, fn = ref.split(":")
@@ -182,8 +183,8 @@ def main() -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     rank = dist.get_rank()
-    tp_rank, cp_rank = rank % TP, (rank // TP) % CP
-    dp_rank, pp_rank = (rank // (TP * CP)) % DP, rank // (TP * CP * DP)
+    at = Mesh(pp=PP, dp=DP, cp=CP, tp=TP, ep=EP).coords(rank)   # this rank's place on the mesh
+    pp_rank, dp_rank, cp_rank, tp_rank = at.pp, at.dp, at.cp, at.tp
 
     plan = autopar.load_plan(os.path.join(os.path.dirname(os.path.abspath(__file__)), "{plan_file}"))
     torch.manual_seed(args.seed)  # the same initial weights on every rank
@@ -199,7 +200,7 @@ def main() -> None:
         raise autopar.PlanMismatchError(f"rank {{rank}}: the program's chunks are not the plan's: re-emit the script")
     if " ".join(str(a) for a in program.actions) != SCHEDULE[pp_rank]:
         raise autopar.PlanMismatchError(f"rank {{rank}}: the program's schedule is not the plan's: re-emit the script")
-    print(f"rank {{rank}} (pp {{pp_rank}}, dp {{dp_rank}} (ep {{dp_rank % EP}}), cp {{cp_rank}}, tp {{tp_rank}}): "
+    print(f"rank {{rank}} (pp {{pp_rank}}, dp {{dp_rank}} (ep {{at.ep}}), cp {{cp_rank}}, tp {{tp_rank}}): "
           f"chunks {{mine}}, "
           f"{{sum(getattr(p, '_local_tensor', p).numel() for p in program.parameters())}} parameter elements held", flush=True)
 

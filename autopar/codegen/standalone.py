@@ -8,7 +8,8 @@ The folder holds
   ops on this rank's shards with their collectives), and a class per chunk whose ``forward`` is
   the dataflow between its layers, spelled out line by line, ending in the conversions of the
   values it sends to the spec they cross the cut in;
-- ``train.py`` (standalone_train.py, copied): torchrun entry point: process groups, the model
+- ``train.py`` (standalone_train.py, copied): torchrun entry point: process groups (``mesh.py``,
+  runtime/mesh.py copied: the mesh the plan was priced on and ``parallelize`` builds), the model
   from the user's factory, each rank's shards of its weights, FSDP2 for ZeRO-2/3, the pipeline
   schedule, gradient reductions, AdamW, the loss file, sharded checkpoints;
 - ``pipeline.py``, ``batches.py``, ``collectives.py``, ``shard_ops.py``, ``dcp_state.py``, ``recompute.py``,
@@ -60,6 +61,7 @@ from ..plan.loss import EMIT
 from ..errors import ConfigError
 from ..plan import Plan
 from . import batches, dcp_state, optim, pipeline, recompute, schedules, sharded_init
+from ..runtime import mesh
 from .constants import fill_made_constants
 
 
@@ -144,7 +146,7 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
         attention = frozenset(n.name for n in graph.nodes if n.kind is OpKind.ATTENTION)
         context = ContextRank(analyse(split.program, cfg.cp, attention), None, Written("CP_RANK"), Written("TIMEOUT"))
     os.makedirs(out_dir, exist_ok=True)
-    for module in (pipeline, batches, dcp_state, recompute, optim, sharded_init):
+    for module in (pipeline, batches, dcp_state, recompute, optim, sharded_init, mesh):
         shutil.copyfile(module.__file__, os.path.join(out_dir, os.path.basename(module.__file__)))
     shutil.copyfile(TRAIN_TEMPLATE, os.path.join(out_dir, TRAIN))
     # the model's buffers (on meta here): given values by each rank (META_BUFFERS); an empty constant any empty value
@@ -286,7 +288,7 @@ def _constants(plan: Plan, split: Any, graph: Any, dims: dict, lowered: Any, cro
     units = {c.index: _units(c, graph) for c in split.chunks}
     fmt = lambda x: pprint.pformat(x, width=110, sort_dicts=False)   # noqa: E731
     return ("\n# --- the plan ------------------------------------------------------------------------------\n"
-            "# rank = tp_rank + TP * (cp_rank + CP * (dp_rank + DP * pp_rank)); chunk c runs on pipeline rank c % PP\n"
+            "# the mesh (mesh.py): ranks tp innermost, then cp, dp, pp outermost; chunk c runs on pipeline rank c % PP\n"
             f"DP, CP, TP, PP, DEVICES = {cfg.dp}, {cfg.cp}, {cfg.tp}, {cfg.pp}, {plan.devices}\n"
             f"ZERO, MICRO_BATCH_SIZE, MICRO_BATCHES, GLOBAL_BATCH = {cfg.zero}, {cfg.micro_batch_size}, "
             f"{plan.micro_batches}, {plan.global_batch_size}\n"

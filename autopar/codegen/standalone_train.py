@@ -6,7 +6,8 @@ Run on each node:  torchrun --nproc-per-node <ranks per node> train.py --steps 1
 program.py (beside this file) holds the plan's constants, each layer's code on its shards and each
 chunk's dataflow; pipeline.py runs the schedule; batches.py cuts the global batch into micro-batches;
 optim.py compiles the optimizer step under --compile;
-collectives.py / shard_ops.py / context_ops.py are the explicit collectives. This file builds a rank's
+collectives.py / shard_ops.py / context_ops.py are the explicit collectives; mesh.py (autopar's
+runtime/mesh.py) gives a rank's coordinates and builds its process groups. This file builds a rank's
 share: its process groups, its shards of the weights of the model ``MODEL_FACTORY`` builds (the same
 seed on every rank, so the same weights; a model built on the meta device gets the values of the
 parameters and buffers this rank holds only, one module at a time: sharded_init.py), FSDP2 for
@@ -18,7 +19,8 @@ the mean loss over the global batch (rank 0 prints it and appends it to --loss-f
 format of dcp_state.py, the one ``autopar.parallelize``'s programs write (the same keys, each tensor
 with its global layout, so DCP reshards it to the reader's plan); ``autopar.load_checkpoint``
 reads it into one process.
-This file is copied from autopar's codegen/standalone_train.py; it imports nothing of autopar.
+This file is copied from autopar's codegen/standalone_train.py; it imports nothing of autopar but the
+modules copied beside it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import batches  # noqa: E402
 import dcp_state  # noqa: E402
+import mesh  # noqa: E402
 import optim  # noqa: E402
 import pipeline  # noqa: E402
 import program as P  # noqa: E402
@@ -60,45 +63,9 @@ def actions(text):
 
 
 # The ranks a weight's gradient is averaged over: the data-parallel ranks and, within each, the
-# context-parallel ones (each holds every weight and its tokens' gradient): replica = cp + CP * dp,
-# rank = tp + TP * (replica + REPLICAS * pp).
+# context-parallel ones (each holds every weight and its tokens' gradient): mesh.py's "dp" group.
 REPLICAS = P.DP * P.CP
-
-
-def rank_of(pp, replica, tp):
-    return tp + P.TP * (replica + REPLICAS * pp)
-
-
-def groups(rank):
-    """This rank's tensor-parallel, context-parallel, gradient (data x context) and tied-parameter
-    groups (every rank creates every group, in the same order, as torch.distributed requires)."""
-    mine = {"cp": None}
-    for pp in range(P.PP):
-        for r in range(REPLICAS):
-            ranks = [rank_of(pp, r, t) for t in range(P.TP)]
-            g = dist.new_group(ranks) if P.TP > 1 else None
-            if rank in ranks:
-                mine["tp"] = g
-    for pp in range(P.PP):
-        for tp in range(P.TP):
-            ranks = [rank_of(pp, r, tp) for r in range(REPLICAS)]
-            g = dist.new_group(ranks) if REPLICAS > 1 else None
-            if rank in ranks:
-                mine["dp"] = g
-            for dp in range(P.DP if P.CP > 1 else 0):
-                ranks = [rank_of(pp, c + P.CP * dp, tp) for c in range(P.CP)]
-                g = dist.new_group(ranks)
-                if rank in ranks:
-                    mine["cp"] = g
-    mine["tied"] = {}
-    for fqn, stages in sorted(P.TIED.items()):
-        for r in range(REPLICAS):
-            for tp in range(P.TP):
-                ranks = [rank_of(s, r, tp) for s in stages]
-                g = dist.new_group(ranks)
-                if rank in ranks:
-                    mine["tied"][fqn] = g
-    return mine
+MESH = mesh.Mesh(pp=P.PP, dp=P.DP, cp=P.CP, tp=P.TP)
 
 
 def shards(model, value, pp_rank, tp_rank, device):
@@ -162,13 +129,13 @@ def main():
         torch.cuda.set_device(device)
     P.DEVICE = device   # where the generated code creates its tensors
     rank = dist.get_rank()
-    if dist.get_world_size() != P.DEVICES:
-        raise SystemExit(f"the plan runs on {P.DEVICES} ranks, not {dist.get_world_size()}")
-    tp_rank, replica, pp_rank = rank % P.TP, (rank // P.TP) % REPLICAS, rank // (P.TP * REPLICAS)
-    dp_rank, cp_rank = divmod(replica, P.CP)
+    at = MESH.coords(rank)
+    pp_rank, dp_rank, cp_rank, tp_rank = at.pp, at.dp, at.cp, at.tp
     if P.CP > 1:   # what the generated code's context-parallel calls read
         P.CP_RANK, P.TIMEOUT = cp_rank, args.timeout
-    g = groups(rank)
+    # every process group (every rank creates every group, in the same order, as torch.distributed
+    # requires): the (pp, dp, cp, tp) device mesh, and a group per set of stages holding a tied parameter
+    g = MESH.build(device.type, tied=P.TIED.values())
 
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = load(P.MODEL_FACTORY)()
@@ -185,17 +152,14 @@ def main():
     buffers = {k: v.to(device) for k, v in buffers.items()}
     del model, value
     mine = [c for c in range(P.CHUNKS) if c % P.PP == pp_rank]
-    chunks = {c: getattr(P, f"Chunk{c}")(g["tp"], params, buffers, cp_group=g["cp"]) for c in mine}
+    chunks = {c: getattr(P, f"Chunk{c}")(g.group("tp"), params, buffers, cp_group=g.group("cp")) for c in mine}
     fsdp = P.ZERO >= 2 and REPLICAS > 1
     if fsdp:   # ZeRO-2/3: each unit's parameters sharded over the gradient replicas, gathered around it
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        # the whole world's mesh, its replica (dp x cp) dimension taken (every rank builds every group
-        # of it, as torch.distributed requires); with tp > 1 each tp rank's shards are sharded again over it
-        mesh = init_device_mesh(device.type, (P.PP, REPLICAS, P.TP), mesh_dim_names=("pp", "dp", "tp"))["dp"]
+        # the replica (dp x cp) mesh; with tp > 1 each tp rank's shards are sharded again over it
         def shard(modules, reshard):   # a parameter with no elements stays whole (FSDP2 cannot reduce-scatter it)
             empty = {p for m in modules for p in m.parameters() if p.numel() == 0}
-            fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, reshard_after_forward=reshard,
+            fully_shard(modules if len(modules) > 1 else modules[0], mesh=g.dp, reshard_after_forward=reshard,
                         **({"ignored_params": empty} if empty else {}))
         for c, chunk in chunks.items():
             for unit, kept in P.UNITS[c]:
@@ -214,7 +178,7 @@ def main():
     io = {c: pipeline.ChunkIO(*P.CHUNK_IO[c]) for c in P.CHUNK_IO}
     values = {v: pipeline.Value(prod, readers, shape, getattr(torch, dtype.removeprefix("torch.")), grad)
               for v, (prod, readers, shape, dtype, grad) in P.VALUES.items()}
-    stages = [rank_of(s, replica, tp_rank) for s in range(P.PP)]
+    stages = list(g.ranks("pp"))
     shared = []   # the all-reduce of the step's losses, started under the backward passes left
 
     def share(losses):   # after this rank's last forward of the step
@@ -227,7 +191,7 @@ def main():
                                      None, pipeline.wait_for(args.timeout), device, after_forwards=share)
     schedule = actions(P.SCHEDULE[pp_rank])
     batch_of = load(P.BATCH_FACTORY) if P.BATCH_FACTORY else (lambda step, n: batches.example_at(P.EXAMPLE, n))
-    present = presenter(rank, g, fsdp, shapes, device) if checkpointing else None
+    present = presenter(g, fsdp, shapes) if checkpointing else None
     start = 0
     if args.resume:   # collective: every rank reads its own shards, resharded to this plan
         start = resume(dcp_state.latest(args.resume), named, optimizer, present, shapes)
@@ -239,13 +203,14 @@ def main():
                    1.0 / P.MICRO_BATCHES)
         for p in parameters:   # the mean over the replicas (FSDP2 reduce-scatters its own)
             if not fsdp and REPLICAS > 1 and p.grad is not None:
-                dist.all_reduce(p.grad, group=g["dp"])
+                dist.all_reduce(p.grad, group=g.group("dp"))
                 p.grad /= REPLICAS
         for fqn in P.TP_PARTIAL:
             if fqn in named:
-                _all_reduce_grad(named[fqn], g["tp"])
-        for fqn, group in g["tied"].items():
-            _all_reduce_grad(named[fqn], group)
+                _all_reduce_grad(named[fqn], g.group("tp"))
+        for fqn, stages in sorted(P.TIED.items()):
+            if fqn in named:
+                _all_reduce_grad(named[fqn], g.tied[tuple(stages)])
         work, losses = shared
         if work is not None:
             work.wait()
@@ -283,21 +248,18 @@ def whole_entries(model, value):
     return out
 
 
-def presenter(rank, g, fsdp, shapes, device):
+def presenter(g, fsdp, shapes):
     """fqn, a tensor of that parameter's layout on this rank -> the same with its global layout, as
     dcp_state.py wants it: a tensor-parallel block is a DTensor on this stage's tp mesh with
     Shard(split dim), or under ZeRO-2/3 on its (tp, dp) mesh with FSDP2's dim-0 shard of the block
     as the second placement (the order the two cuts were made in); an FSDP2 shard of a parameter
     held whole by the tp ranks is FSDP2's own DTensor already; anything else is whole."""
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    pp_rank, replica = rank // (P.TP * REPLICAS), (rank // P.TP) % REPLICAS
-    ranks = [[rank_of(pp_rank, r, tp) for r in range(REPLICAS)] for tp in range(P.TP)]
     mesh = None
     if P.TP > 1 and fsdp:
-        mesh = DeviceMesh.from_group([g["tp"], g["dp"]], device.type, mesh=ranks, mesh_dim_names=("tp", "dp"))
+        mesh = g.submesh(("tp", "dp"))
     elif P.TP > 1:
-        mesh = DeviceMesh.from_group(g["tp"], device.type, mesh=[row[replica] for row in ranks])
+        mesh = g.tp
 
     def present(fqn, t):
         d = P.TP_DIMS.get(fqn)

@@ -188,12 +188,18 @@ def place_axes(cluster: Cluster, degrees: Sequence[tuple[str, int]]) -> dict[str
     out: dict[str, GroupPlacement] = {}
     stride = 1
     for name, degree in degrees:
-        placement = _placement_by_formula(stride, degree, cluster.devices_per_node)
-        if placement is None:
-            placement = _placement_by_enumeration(stride, degree, cluster.devices_per_node, cluster.devices)
-        out[name] = placement
+        out[name] = place_run(cluster, degree, stride)
         stride *= degree
     return out
+
+
+def place_run(cluster: Cluster, size: int, stride: int) -> GroupPlacement:
+    """Placement of the groups ``{base + k * stride : k < size}`` that tile the cluster's ranks (a
+    mesh axis ``stride`` ranks apart), ranks ``k * devices_per_node ..`` forming node ``k``."""
+    placement = _placement_by_formula(stride, size, cluster.devices_per_node)
+    if placement is None:
+        placement = _placement_by_enumeration(stride, size, cluster.devices_per_node, cluster.devices)
+    return placement
 
 
 def _rank_nic_bandwidth(group: GroupPlacement, cluster: Cluster, kind: Collective) -> float:

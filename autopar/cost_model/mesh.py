@@ -9,7 +9,8 @@ from ..cluster import Cluster
 from ..config import ParallelConfig
 from ..errors import ConfigError
 from . import context_parallel, expert_parallel
-from .comm import GroupPlacement, place_axes
+from ..runtime.mesh import GROUPS, Mesh
+from .comm import GroupPlacement, place_run
 
 
 def check_config(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_batch_size: int) -> int:
@@ -44,18 +45,22 @@ def check_config(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_b
 
 
 def mesh_groups(cluster: Cluster, cfg: ParallelConfig) -> dict[str, GroupPlacement]:
-    """Every group a config communicates over: "tp", "cp", "ep", "pp", "dp" (the ``dp * cp`` ranks
-    reducing dense gradients) and "edp" (the ``dp * cp / ep`` ranks holding the same experts).
+    """Every group a config communicates over, as :class:`autopar.runtime.mesh.Mesh` names and lays
+    them out (the runtime builds the same ranks): "tp", "cp", "ep", "pp", "dp" (the ``dp * cp`` ranks
+    reducing dense gradients) and "edp" (the ``dp * cp / ep`` ranks holding the same experts), each
+    placed on the topology by :func:`.comm.place_run`.
 
-    Ranks: tp innermost, then cp, then dp (its ``ep`` consecutive replicas form an expert group),
-    pp outermost. With cp > 1 and ep > 1 the expert replicas are not one run of the mesh; they are
-    placed as a run of the same size at the expert group's stride (never closer than they are)."""
-    tp, cp, dp, ep, pp = cfg.tp, cfg.cp, cfg.dp, cfg.ep, cfg.pp
-    out = place_axes(cluster, [("tp", tp), ("cp", cp), ("ep", ep), ("replica", dp // ep), ("pp", pp)])
-    out["dp"] = place_axes(cluster, [("tp", tp), ("dp", dp * cp), ("pp", pp)])["dp"]
-    if cp > 1 and ep > 1:
-        out["edp"] = place_axes(cluster, [("tp", tp * ep), ("edp", dp * cp // ep), ("pp", pp)])["edp"]
-    else:
-        out["edp"] = out["replica"] if cp == 1 else out["dp"]
-    del out["replica"]
+    A group that is one run of the rank numbering is placed as it is. One that is not (the edp
+    group with cp > 1 and ep > 1: runs of cp ranks, ``ep * cp`` apart) is placed as one run of its
+    size over the same span, its ranks evenly apart: never closer than they are."""
+    mesh = Mesh.of(cfg)
+    if mesh.world_size != cluster.devices:
+        raise ConfigError(f"mesh degrees {mesh} multiply to {mesh.world_size} but the cluster has "
+                          f"{cluster.devices} devices: choose degrees whose product is {cluster.devices}")
+    out = {}
+    for name in GROUPS:
+        runs = mesh.runs(name)
+        size = mesh.size(name)
+        stride = runs[-1][0] * runs[-1][1] // size if runs else 1
+        out[name] = place_run(cluster, size, stride)
     return out

@@ -236,12 +236,11 @@ def dispatch_overhead(device: torch.device, nprocs: int) -> tuple[float, float]:
     ``bwd = ([t_tp(fb) - t_plain(fb)] - [t_tp - t_plain]) / nodes``."""
     from types import SimpleNamespace
 
-    from torch.distributed.tensor import init_device_mesh
-
     from ..codegen.layers import LayerIO, layer_module
     from ..codegen.lower import lower
+    from ..runtime.mesh import Mesh
 
-    mesh = init_device_mesh(device.type, (nprocs,))
+    tp_group = Mesh(tp=nprocs).build(device.type).device_mesh["tp"].get_group()
     rows = 8 * nprocs
     program = torch.export.export(_LayerMix(rows).to(device), (torch.randn(2, 4, 8, device=device),), strict=False)
     split = SimpleNamespace(node_map={n.name: n for n in program.graph.nodes}, program=program)
@@ -254,7 +253,7 @@ def dispatch_overhead(device: torch.device, nprocs: int) -> tuple[float, float]:
 
     def variant(tp: bool) -> tuple[Callable[[], object], Callable[[], object]]:
         layer = layer_module(io, split.node_map, program.graph_module, lowered if tp else None,
-                             mesh.get_group() if tp else None)
+                             tp_group if tp else None)
         x = torch.randn(2, 4, 8, device=device)
         w = torch.randn(rows, 8, device=device).requires_grad_()
 

@@ -16,7 +16,6 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..capture import graph_of, param_aliases
@@ -32,7 +31,7 @@ from ..codegen.context import analyse
 from ..codegen.context_state import ContextRank
 from .data_parallel import GradReducer, Zero1Optimizer, local, shard_unit
 from .expert_parallel import shard_experts
-from .experts import ExpertsModule, check_regions, expert_groups, skipped_nodes
+from .experts import ExpertsModule, check_regions, skipped_nodes
 from ..codegen.split import check_structure, cut_values, on_device, plan_chunks, split_graph
 from ..codegen.inputs import describe_inputs, example_at
 from .materialize import local_view, materialize_buffers
@@ -72,26 +71,28 @@ class Assembly:
         self.split = split_graph(program, self.graph, plan_chunks(self.plan), param_aliases(model))
 
     def _mesh(self) -> None:
-        cfg = self.cfg
-        self.mesh = init_device_mesh(self.device.type, (cfg.pp, cfg.dp, cfg.cp, cfg.tp),
-                                     mesh_dim_names=("pp", "dp", "cp", "tp"))
-        self.tp_mesh = self.mesh["tp"] if cfg.tp > 1 else None
-        self.cp_group = self.mesh["cp"].get_group() if cfg.cp > 1 else None
-        # the dense weights' gradient (and ZeRO) group: the dp * cp ranks of this (pp, tp) position
-        self.dp_mesh = self.mesh["dp"] if cfg.cp == 1 else self.mesh["dp", "cp"]._flatten("dp_cp")
-        self.dp_group = self.dp_mesh.get_group()
-        self.specs, self.param_dims = plan_specs(self.plan, self.graph)
-
-    def _expert_groups(self) -> None:
-        """Expert parallelism's groups (experts.py), when MoE regions run as one call (ep > 1 or cp > 1)."""
+        """Every process group of this rank (mesh.py builds them, in one order on every rank): the
+        (pp, dp, cp, tp) device mesh, expert parallelism's groups when MoE regions run as one call
+        (ep > 1 or cp > 1: experts.py), a group per set of pipeline stages holding the same parameter."""
         cfg = self.cfg
         self.regions = self.graph.moe if (cfg.ep > 1 or cfg.cp > 1) else ()
         self.expert_fqns = frozenset(p for r in self.regions for p in (r.gate_up, r.down))
-        self.ep_group = self.expert_group = self.expert_mesh = None
-        self.expert_ranks = [self.rank]
-        if self.regions:
-            groups = expert_groups(cfg, self.rank, self.global_rank, self.device.type)
-            self.ep_group, self.expert_group, self.expert_ranks, self.expert_mesh = groups
+        holders: dict[str, tuple[int, ...]] = {}
+        for c, spec in enumerate(self.split.chunks):
+            for fqn in spec.params:
+                holders[fqn] = tuple(sorted(set(holders.get(fqn, ()) + (c % cfg.pp,))))
+        self.holders = holders
+        self.groups = groups = self.mesh.build(self.device.type, experts=bool(self.regions),
+                                               tied=[h for h in holders.values() if len(h) > 1])
+        self.tp_mesh = groups.tp
+        self.cp_group = groups.group("cp")
+        # the dense weights' gradient (and ZeRO) group: the dp * cp ranks of this (pp, tp) position
+        self.dp_mesh = groups.dp
+        self.dp_group = groups.dp.get_group()
+        self.ep_group = groups.group("ep")
+        self.expert_group, self.expert_mesh = groups.group("edp"), groups.edp
+        self.expert_ranks = list(groups.ranks("edp")) if self.regions else [self.rank]
+        self.specs, self.param_dims = plan_specs(self.plan, self.graph)
 
     def _build_chunks(self, model: nn.Module) -> None:
         cfg = self.cfg
@@ -233,37 +234,13 @@ class Assembly:
                     self.chunks[c].break_before(_bucket_starts(self.chunks[c], [r.buckets[k] for r in self.reducers]))
 
     def _tied_groups(self) -> None:
-        """A process group per parameter held by several pipeline stages, over those stages' ranks."""
-        cfg = self.cfg
-        holders: dict[str, tuple[int, ...]] = {}
-        for c, spec in enumerate(self.split.chunks):
-            for fqn in spec.params:
-                holders[fqn] = tuple(sorted(set(holders.get(fqn, ()) + (c % cfg.pp,))))
-        self.holders = holders
-        self.tied: list[tuple[str, Any]] = []
-        sets = sorted({h for h in holders.values() if len(h) > 1})
-        groups = {}
-        for h in sets:  # every rank creates every group, in the same order (new_group is collective)
-            for dp_r in range(cfg.dp):
-                for cp_r in range(cfg.cp):
-                    for tp_r in range(cfg.tp):
-                        ranks = [self.global_rank(s, dp_r, tp_r, cp_r) for s in h]
-                        g = dist.new_group(ranks)
-                        if self.rank in ranks:
-                            groups[h] = g
-        for fqn, h in sorted(holders.items()):
-            if h in groups and fqn in self.params:
-                self.tied.append((fqn, groups[h]))
-
-    def global_rank(self, pp_rank: int, dp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
-        """The rank at those mesh coordinates (tp innermost, then cp, dp, pp outermost)."""
-        cfg = self.cfg
-        return tp_rank + cfg.tp * (cp_rank + cfg.cp * (dp_rank + cfg.dp * pp_rank))
+        """Each parameter held by several pipeline stages with the group of those stages' ranks."""
+        self.tied: list[tuple[str, Any]] = [(fqn, self.groups.tied[h]) for fqn, h in sorted(self.holders.items())
+                                            if h in self.groups.tied and fqn in self.params]
 
     def _topology(self) -> Topology:
-        cfg = self.cfg
-        ranks = [self.global_rank(s, self.dp_rank, self.tp_rank, self.cp_rank) for s in range(cfg.pp)]
-        return Topology(cfg.pp, ranks, self.pp_rank)
+        ranks = list(self.groups.ranks("pp"))
+        return Topology(self.cfg.pp, ranks, self.pp_rank)
 
     def _cut_spec(self, value: str) -> str:
         return R if value == self.split.loss else cut_spec(self.specs.get(value))

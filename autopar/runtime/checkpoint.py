@@ -61,7 +61,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..codegen.dcp_state import (STEPS, Present, contiguous_stride, load as dcp_load, metadata, optimizer_state,
@@ -153,7 +152,8 @@ def _presenter(program: Any) -> Present:
     """The function giving DCP a tensor of ``fqn``'s layout with its global layout: a tensor-parallel
     parameter's local shard (what the optimizer steps, and its state) as a DTensor of the parameter's
     mesh and placements (no copy: DCP reads and fills the shard itself)."""
-    mesh = _expert_mesh(program) if program.expert_fqns and program.cfg.ep > 1 else None
+    # this rank's (ep, edp) mesh: rows its ep group's ranks, columns each one's expert replicas
+    mesh = program.groups.submesh(("ep", "edp")) if program.expert_fqns and program.cfg.ep > 1 else None
 
     def present(fqn: str, t: torch.Tensor) -> Any:
         p = program.params[fqn]
@@ -168,13 +168,3 @@ def _presenter(program: Any) -> Present:
         return DTensor.from_local(local(t), mesh, [Shard(0), replica], run_check=False, shape=shape,
                                   stride=contiguous_stride(shape))
     return present
-
-
-def _expert_mesh(program: Any) -> DeviceMesh:
-    """This rank's (ep, expert replica) mesh: rows are ep ranks, columns the replicas of each
-    (``expert_groups``' order: dp block-major, then cp), from the program's own groups."""
-    cfg = program.cfg
-    rows = [[program.global_rank(program.pp_rank, o * cfg.ep + e, program.tp_rank, c)
-             for o in range(cfg.dp // cfg.ep) for c in range(cfg.cp)] for e in range(cfg.ep)]
-    return DeviceMesh.from_group([program.ep_group, program.expert_mesh.get_group()], program.device.type,
-                                 mesh=rows, mesh_dim_names=("ep", "expert_replica"))

@@ -14,7 +14,8 @@ parallelism. Under context parallelism a rank holds only part of each sequence, 
 assignments a capacity keeps depends on all of them: that combination is refused.
 
 Placement. The ep ranks of a group are ``ep`` consecutive data-parallel ranks with the same
-pipeline, context and tensor coordinates (``ep_rank = dp_rank mod ep``); rank ``q`` holds experts
+pipeline, context and tensor coordinates (``ep_rank = dp_rank mod ep``; mesh.py's ep group, its
+edp group the ranks holding the same experts); rank ``q`` holds experts
 ``[q E/ep, (q+1) E/ep)`` of every region (:func:`.expert_parallel.shard_experts`). Expert weights
 are plain tensors, also under tensor parallelism: each tensor-parallel rank runs the dispatch
 with its ep peers of the same tp rank, on the region's inputs made whole (the lowering's
@@ -28,12 +29,10 @@ sharded over the expert-replica mesh with that divide factor, as torchtitan wrap
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from ..capture.opgraph import MoERegion
 from ..errors import ConfigError
@@ -60,37 +59,6 @@ class ExpertsModule(nn.Module):
 
     def named_model_parameters(self) -> dict[str, nn.Parameter]:
         return {self.region.gate_up: self.gate_up, self.region.down: self.down}
-
-
-def expert_groups(cfg: Any, rank: int, global_rank: Callable[..., int], device_type: str
-                  ) -> tuple[Any, Any, list[int], DeviceMesh]:
-    """(ep group, expert-replica group, its global ranks, its 1-D mesh for FSDP2) of this rank.
-
-    The ep group: the ``ep`` consecutive dp ranks ``o * ep + e`` (``e < ep``) with this rank's pp, cp
-    and tp coordinates (None when ``ep == 1``). The expert replicas: the ``dp / ep * cp`` ranks with
-    this rank's pp, tp and ``e`` (the replica group is None when it is this rank alone).
-    ``global_rank(pp, dp, tp, cp)`` places coordinates. Every rank creates every group in the same
-    order (``new_group`` is collective)."""
-    outer = cfg.dp // cfg.ep
-    ep_group = replica_group = None
-    replica_ranks = [rank]
-    for pp in range(cfg.pp):
-        for o in range(outer):
-            for c in range(cfg.cp):
-                for t in range(cfg.tp):
-                    ranks = [global_rank(pp, o * cfg.ep + e, t, c) for e in range(cfg.ep)]
-                    group = dist.new_group(ranks) if cfg.ep > 1 else None
-                    if rank in ranks:
-                        ep_group = group
-    for pp in range(cfg.pp):
-        for e in range(cfg.ep):
-            for t in range(cfg.tp):
-                ranks = [global_rank(pp, o * cfg.ep + e, t, c) for o in range(outer) for c in range(cfg.cp)]
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    replica_group, replica_ranks = group, ranks
-    mesh = DeviceMesh.from_group(replica_group, device_type)
-    return ep_group, (replica_group if len(replica_ranks) > 1 else None), replica_ranks, mesh
 
 
 def check_regions(regions: Sequence[MoERegion], nodes: Mapping[str, Any], layer_of: Mapping[str, int],

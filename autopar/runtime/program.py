@@ -2,8 +2,7 @@
 
 Every rank calls ``parallelize(model, plan, optimizer=...)`` inside an initialised process
 group of ``plan.devices`` ranks and gets a :class:`Program`. Ranks form a ``(pp, dp, cp, tp)``
-device mesh, tp innermost (``rank = tp_rank + tp (cp_rank + cp (dp_rank + dp pp_rank))``, the
-layout the cost model priced). The rank:
+device mesh, tp innermost (runtime/mesh.py: the layout and the groups the cost model priced). The rank:
 
 1. exports the model at one micro-batch, in the mode it is in (``model.train()`` / ``model.eval()``, per
    module, as DDP and FSDP respect it), and checks it is the plan's model (its structure:
@@ -71,6 +70,7 @@ from .checkpoint import load_program, save_program
 from ..codegen.layers import class_name
 from .checks import check_model, check_world
 from .data_parallel import local
+from .mesh import Mesh
 from ..codegen.failures import at_step, non_finite_loss, wait_or_fail
 from ..codegen.split import flatten_batch
 from ..codegen.batches import slice_batch
@@ -140,11 +140,9 @@ class Program(Assembly):
         cfg = plan.config
         self.plan, self.cfg, self.timeout = plan, cfg, float(timeout)
         self.rank = dist.get_rank()
-        self.tp_rank = self.rank % cfg.tp
-        self.cp_rank = (self.rank // cfg.tp) % cfg.cp
-        self.dp_rank = (self.rank // (cfg.tp * cfg.cp)) % cfg.dp
-        self.pp_rank = self.rank // (cfg.tp * cfg.cp * cfg.dp)
-        self.ep_rank = self.dp_rank % cfg.ep
+        self.mesh = Mesh.of(cfg)
+        at = self.mesh.coords(self.rank)
+        self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank, self.ep_rank = at.pp, at.dp, at.cp, at.tp, at.ep
         self.micro_batches = plan.micro_batches
         per_replica = plan.global_batch_size // cfg.dp
         if per_replica != cfg.micro_batch_size * self.micro_batches:
@@ -165,7 +163,6 @@ class Program(Assembly):
         self.micro_losses: torch.Tensor | None = None
         self.loss_share: tuple[Any, torch.Tensor] | None = None   # the losses' all-reduce under way
         self._mesh()
-        self._expert_groups()
         self._build_chunks(model)
         self._data_parallel()
         # compiled per chunk after the first step (which runs the code that checks every shard's shape)
@@ -345,7 +342,7 @@ class Program(Assembly):
         out = {}
         for fqn in sorted(self.holders):
             src_stage = self.holders[fqn][0]
-            src = self.global_rank(src_stage, 0, 0)
+            src = self.mesh.rank(pp=src_stage)
             meta = self.graph.params.get(fqn)
             if meta is None:
                 continue

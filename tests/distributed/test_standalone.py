@@ -113,7 +113,7 @@ dist.init_process_group("gloo")
 for item in sys.argv[1:]:
     folder, losses = item.split("=")
     for name in ("program", "pipeline", "collectives", "shard_ops", "dcp_state", "recompute", "optim", "batches",
-                 "context_ops", "context_state", "ring_attention", "failures", "sharded_init"):
+                 "context_ops", "context_state", "ring_attention", "failures", "sharded_init", "mesh"):
         sys.modules.pop(name, None)
     common = ["--loss-file", losses, "--timeout", "120"]
     ckpt = os.path.join(folder, "ckpt")
