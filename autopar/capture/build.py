@@ -21,11 +21,12 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.export.graph_signature import InputKind
 
 from ..errors import CaptureError
+from ..ops import GROUPED_MM, base_name
 from .dims import node_dims
 from .export import INTERNAL_PATHS
 from .flops import FlopCache, attention_flops, count_matmul_flops, gemm_shape, grouped_mm_flops, is_causal
 from .opgraph import GraphInput, OpKind, OpNode, SavedTensor, TensorMeta
-from .rules import GROUPED_MM, ArgInfo, op_kind, op_name, saved_spec
+from .rules import ArgInfo, op_kind, saved_spec
 
 _WRAPPER_PREFIX = "model."
 # FLOPs per output element of memory-bound ops (forward); only their bytes matter for time.
@@ -122,7 +123,7 @@ class GraphWalk:
         return found
 
     def _op(self, node: torch.fx.Node) -> OpNode | None:
-        name = op_name(node.target)
+        name = base_name(node.target)
         kind = op_kind(name)
         value = node.meta.get("val")
         try:
