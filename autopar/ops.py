@@ -137,26 +137,6 @@ ROW_LOSSES = frozenset(VOCAB_LOSSES) | ELEMENT_LOSSES
 """Losses of one output a rank can take over its rows at ``reduction=sum`` (then an all-reduce)."""
 LOSSES = CLASS_LOSSES | ELEMENT_LOSSES
 
-# ------------------------------------------------------------------------------ element-wise
-
-BROADCASTING = _names(
-    "add sub rsub mul div neg relu gelu silu sigmoid tanh exp log log1p rsqrt sqrt pow where masked_fill "
-    "eq ne lt le gt ge logical_not logical_and logical_or logical_xor bitwise_not bitwise_and bitwise_or "
-    "maximum minimum clamp clamp_min clamp_max abs sign erf sin cos reciprocal square softplus mish "
-    "leaky_relu hardtanh hardswish hardsigmoid elu relu6 atan isnan isinf clone contiguous to _to_copy copy "
-    "alias detach dropout native_dropout feature_dropout alpha_dropout feature_alpha_dropout lift_fresh_copy "
-    "fill zero expand expand_as floor ceil round trunc frac exp2 expm1 sinh cosh tan asin acos "
-    "logit xlogy float_power fmod remainder lerp addcmul addcdiv nan_to_num")
-"""Ops whose output broadcasts from each tensor argument: element-wise maths, comparisons, casts and copies,
-dropout, ``expand``."""
-
-LINEAR_OPS = _names("add sub neg view _unsafe_view reshape flatten unflatten squeeze unsqueeze alias clone contiguous "
-                    "to _to_copy detach permute transpose t expand select slice sum mean mul div linear mm matmul")
-"""Ops linear (affine) in their floating inputs, so they commute with a sum or mean over ranks (a partial
-input gives a partial output); :data:`PRODUCTS` in one such input at a time, ``div`` in its numerator only."""
-PRODUCTS = _names("mul linear mm matmul")
-SORTS = _names("topk sort argsort")
-
 # ----------------------------------------------------------------------------- views, shapes
 
 RESHAPES = _names("view _unsafe_view reshape _reshape_alias flatten unflatten view_as squeeze unsqueeze")
@@ -187,3 +167,41 @@ LINEAR_REDUCTIONS = _names("sum amax amin max min")
 """Reductions a rank may take over its shard and all-reduce. Not mean: DTensor gives it a P(avg) output
 whose backward meets P(sum) gradients, which it cannot redistribute ("from one partial type to another is
 unsupported"), so the runtime could not run a plan that used it."""
+
+# ------------------------------------------------------------------------------ element-wise
+
+BROADCASTING = _names(
+    "add sub rsub mul div neg relu gelu silu sigmoid tanh exp log log1p rsqrt sqrt pow where masked_fill "
+    "eq ne lt le gt ge logical_not logical_and logical_or logical_xor bitwise_not bitwise_and bitwise_or "
+    "maximum minimum clamp clamp_min clamp_max abs sign erf sin cos reciprocal square softplus mish "
+    "leaky_relu hardtanh hardswish hardsigmoid elu relu6 atan isnan isinf clone contiguous to _to_copy copy "
+    "alias detach dropout native_dropout feature_dropout alpha_dropout feature_alpha_dropout lift_fresh_copy "
+    "fill zero expand expand_as floor ceil round trunc frac exp2 expm1 sinh cosh tan asin acos "
+    "logit xlogy float_power fmod remainder lerp addcmul addcdiv nan_to_num")
+"""Ops whose output broadcasts from each tensor argument: element-wise maths, comparisons, casts and copies,
+dropout, ``expand``."""
+
+SAVES_OUTPUT = _names("relu sigmoid tanh exp rsqrt sqrt elu hardsigmoid reciprocal")
+"""Element-wise ops whose backward needs their output (not their input)."""
+SAVES_INPUT = _names("gelu silu mish leaky_relu hardtanh hardswish softplus log log1p sin cos pow abs sign erf atan "
+                     "square clamp clamp_min clamp_max")
+"""Element-wise ops whose backward needs their first input."""
+SAVES_NOTHING = _names("add sub neg clone contiguous copy _to_copy to type_as cat stack pad constant_pad_nd repeat "
+                       "index_select_backward flip roll tril triu zeros_like ones_like sum mean cumsum "
+                       "adaptive_avg_pool2d avg_pool2d avg_pool1d mean_dim")
+"""Ops whose backward needs nothing of the forward (shape-only, or linear in their input)."""
+ELEMENTWISE = (SAVES_OUTPUT | SAVES_INPUT | SAVES_NOTHING | _names(
+    "mul div masked_fill where eq ne lt le gt ge logical_not logical_and logical_or bitwise_not bitwise_and isnan "
+    "isinf maximum minimum")) - (MATMULS | CONVOLUTIONS | ATTENTIONS | NORMS | SOFTMAXES | DROPOUTS | EMBEDDINGS
+                                 | LOSSES | VIEWS | CREATION | REDUCTIONS)
+"""The element-wise cost class: the named element-wise ops (and the copies, concatenations and pads of
+:data:`SAVES_NOTHING`) that no other class takes."""
+
+CASTS = _names("to _to_copy type_as clone contiguous copy alias lift_fresh_copy")
+"""Ops that pass their input's values on, but for the dtype: copies and casts."""
+LINEAR_OPS = _names("add sub neg view _unsafe_view reshape flatten unflatten squeeze unsqueeze alias clone contiguous "
+                    "to _to_copy detach permute transpose t expand select slice sum mean mul div linear mm matmul")
+"""Ops linear (affine) in their floating inputs, so they commute with a sum or mean over ranks (a partial
+input gives a partial output); :data:`PRODUCTS` in one such input at a time, ``div`` in its numerator only."""
+PRODUCTS = _names("mul linear mm matmul")
+SORTS = _names("topk sort argsort")

@@ -21,7 +21,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.export.graph_signature import InputKind
 
 from ..errors import CaptureError
-from ..ops import GROUPED_MM, base_name
+from ..ops import DROPOUTS, GROUPED_MM, base_name
 from .dims import node_dims
 from .export import INTERNAL_PATHS
 from .flops import FlopCache, attention_flops, count_matmul_flops, gemm_shape, grouped_mm_flops, is_causal
@@ -249,7 +249,7 @@ def _holds_tensor(value: Any) -> bool:
 def _kwargs_with_defaults(node: torch.fx.Node, name: str) -> dict:
     """Named arguments of the call (dropout's p and train), positional ones included."""
     kwargs = dict(node.kwargs)
-    if name in ("dropout", "native_dropout", "feature_dropout", "alpha_dropout") and len(node.args) >= 2:
+    if name in DROPOUTS and len(node.args) >= 2:
         kwargs.setdefault("p", node.args[1])
         if len(node.args) >= 3:
             kwargs.setdefault("train", node.args[2])

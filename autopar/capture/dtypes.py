@@ -32,6 +32,7 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from .. import ops
 from ..errors import CaptureError
 from ..ops import base_name
 from .build import module_path
@@ -42,23 +43,17 @@ from .rules import op_kind
 # op base name -> the positions of its data operands (the tensors a kernel needs in one dtype); an
 # index of -1 is einsum's list of operands (args[1])
 OPERANDS: dict[str, tuple[int, ...]] = {
-    **dict.fromkeys(("matmul", "mm", "bmm", "mv", "dot", "_grouped_mm", "grouped_mm"), (0, 1)),
-    **dict.fromkeys(("linear", "addmm", "baddbmm", "addbmm", "addmv"), (0, 1, 2)),
-    **dict.fromkeys(("conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d",
-                     "conv_transpose2d", "conv_transpose3d"), (0, 1, 2)),
-    **dict.fromkeys(("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-                     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                     "_scaled_dot_product_flash_attention_for_cpu"), (0, 1, 2)),
+    **dict.fromkeys(ops.MATMULS - ops.BIAS_MATMULS - {"linear", "einsum", "_scaled_mm", "grouped_mm_fallback"}, (0, 1)),
+    **dict.fromkeys(ops.BIAS_MATMULS | {"linear"} | ops.CONVOLUTIONS | ops.SDPA, (0, 1, 2)),
     "einsum": (-1,),
 }
 
 _AUTOCAST = getattr(torch.ops.higher_order, "wrap_with_autocast", None)   # (device, dtype, enabled, cache, region, ...)
-_CASTS = frozenset(("to", "_to_copy", "type_as", "clone", "contiguous", "copy", "alias", "lift_fresh_copy"))
 
 
 def _carries(name: str) -> bool:
     """Whether an op passes its (first) input's values on unchanged but for the dtype: a view, copy or cast."""
-    return name in _CASTS or op_kind(name) is OpKind.VIEW
+    return name in ops.CASTS or op_kind(name) is OpKind.VIEW
 
 
 def _dtype(node: Any) -> torch.dtype | None:

@@ -24,29 +24,12 @@ _KINDS: dict[str, OpKind] = {
                                    (OpKind.SOFTMAX, ops.SOFTMAXES), (OpKind.DROPOUT, ops.DROPOUTS),
                                    (OpKind.EMBEDDING, ops.EMBEDDINGS), (OpKind.LOSS, ops.LOSSES),
                                    (OpKind.VIEW, ops.VIEWS), (OpKind.CREATION, ops.CREATION),
-                                   (OpKind.REDUCTION, ops.REDUCTIONS))
+                                   (OpKind.REDUCTION, ops.REDUCTIONS), (OpKind.ELEMENTWISE, ops.ELEMENTWISE))
     for name in names}
-
-# Elementwise ops whose backward needs their output (not their input).
-_SAVE_OUTPUT = frozenset("relu relu_ sigmoid tanh exp rsqrt sqrt elu hardsigmoid reciprocal".split())
-# Elementwise ops whose backward needs their first input.
-_SAVE_INPUT = frozenset(("gelu silu mish leaky_relu hardtanh hardswish softplus log log1p sin cos pow "
-                         "abs sign erf atan square clamp clamp_min clamp_max").split())
-# Ops whose backward needs nothing from forward (shape-only or linear in their input).
-_SAVE_NOTHING = frozenset(("add sub neg clone contiguous copy _to_copy to type_as cat stack pad "
-                           "constant_pad_nd repeat index_select_backward flip roll tril triu "
-                           "zeros_like ones_like sum mean cumsum adaptive_avg_pool2d avg_pool2d "
-                           "avg_pool1d mean_dim").split())
-
 
 def op_kind(name: str) -> OpKind:
     """Cost class of an op by its base name; unknown ops count as elementwise-like ``OTHER``."""
-    return _KINDS.get(name, OpKind.ELEMENTWISE if name in _SAVE_OUTPUT | _SAVE_INPUT | _SAVE_NOTHING
-                      or name in _ELEMENTWISE_EXTRA else OpKind.OTHER)
-
-
-_ELEMENTWISE_EXTRA = frozenset(("mul div masked_fill where eq ne lt le gt ge logical_not logical_and "
-                                "logical_or bitwise_not bitwise_and isnan isinf maximum minimum").split())
+    return _KINDS.get(name, OpKind.OTHER)
 
 
 @dataclass(frozen=True)
@@ -89,7 +72,7 @@ def saved_spec(name: str, args: Sequence[ArgInfo], out: TensorMeta | None, kwarg
     if not any(a.requires_grad for a in args):
         return SavedSpec()
     kind = op_kind(name)
-    if kind in (OpKind.VIEW, OpKind.CREATION) or name in _SAVE_NOTHING:
+    if kind in (OpKind.VIEW, OpKind.CREATION) or name in ops.SAVES_NOTHING:
         return SavedSpec()
     if name in ops.BIAS_MATMULS:
         return SavedSpec(inputs=_bilinear(args, 1, 2))
@@ -116,9 +99,9 @@ def saved_spec(name: str, args: Sequence[ArgInfo], out: TensorMeta | None, kwarg
         first = _positions(args).get(0)
         extras = (("log_probs", first.meta.numel, first.meta.dtype),) if first and name.startswith("cross") else ()
         return SavedSpec(inputs=tuple(p for p in _positions(args) if p > 0), extras=extras)
-    if name in _SAVE_OUTPUT:
+    if name in ops.SAVES_OUTPUT:
         return SavedSpec(output=True)
-    if name in _SAVE_INPUT:
+    if name in ops.SAVES_INPUT:
         return SavedSpec(inputs=(0,))
     if name == "mul":
         return SavedSpec(inputs=_bilinear(args, 0, 1))
