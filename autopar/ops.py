@@ -16,10 +16,16 @@
   whose rows a rank can hold part of: a local sum, then an all-reduce of the sum and the count);
 - shapes: :data:`RESHAPES`, :data:`SHAPED_VIEWS` and :data:`SHAPE_ARG` (the output-shape argument
   the lowering rewrites to a rank's local sizes), :data:`LIKE_CREATION`, :data:`SPLITS`;
-- reductions a rank may take over its shard and all-reduce: :data:`LINEAR_REDUCTIONS`.
+- reductions a rank may take over its shard and all-reduce: :data:`LINEAR_REDUCTIONS`;
+- element-wise: :data:`BROADCASTING` (capture's dims maps), :data:`ELEMENTWISE` (the cost class) and
+  what autograd saves of each (:data:`SAVES_OUTPUT`, :data:`SAVES_INPUT`, :data:`SAVES_NOTHING`),
+  :data:`CASTS`; context parallelism's :data:`LINEAR_OPS` (a partial input gives a partial output),
+  :data:`PRODUCTS` and :data:`SORTS`;
+- what no rank runs, or runs whole: :data:`SKIPPED_TARGETS`, :data:`CONTEXT_HOPS`.
 
 A leaf: imports nothing of autopar and no torch, so the runtime library and standalone folders can
-read it too.
+read it too. A per-op rule that needs more than a name (a dims map, a FLOP count, a saved tensor) stays
+with its module, keyed by these sets.
 """
 
 from __future__ import annotations
@@ -44,8 +50,7 @@ def base_name(target: object) -> str:
     elif isinstance(target, str):
         name = _from_text(target)
     else:
-        name = getattr(target, "__name__", None) or _from_text(str(target))
-        name = name.split(".")[0]               # an OpOverload's __name__ "sum.dim_IntList"
+        name = getattr(target, "__name__", None) or _from_text(str(target))   # a Python function, a HOP
     return name.rstrip("_") if name.endswith("_") and not name.startswith("_") else name
 
 
@@ -146,7 +151,7 @@ SHAPED_VIEWS = _names("view _unsafe_view reshape")
 SIZED_SPLITS = _names("split split_with_sizes")
 """Splits whose argument 1 is the pieces' size (or sizes)."""
 SPLITS = SIZED_SPLITS | {"chunk", "tensor_split"}
-VIEWS = RESHAPES | SPLITS - {"tensor_split"} | _names(
+VIEWS = RESHAPES | (SPLITS - {"tensor_split"}) | _names(
     "transpose permute expand expand_as slice select t alias unbind narrow as_strided getitem movedim detach "
     "diagonal unfold numpy_T mT")
 """Ops that alias their input and move no data."""
