@@ -21,11 +21,12 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.export.graph_signature import InputKind
 
 from ..errors import CaptureError
+from ..ops import DROPOUTS, GROUPED_MM, base_name
 from .dims import node_dims
 from .export import INTERNAL_PATHS
 from .flops import FlopCache, attention_flops, count_matmul_flops, gemm_shape, grouped_mm_flops, is_causal
 from .opgraph import GraphInput, OpKind, OpNode, SavedTensor, TensorMeta
-from .rules import GROUPED_MM, ArgInfo, op_kind, op_name, saved_spec
+from .rules import ArgInfo, op_kind, saved_spec
 
 _WRAPPER_PREFIX = "model."
 # FLOPs per output element of memory-bound ops (forward); only their bytes matter for time.
@@ -122,7 +123,7 @@ class GraphWalk:
         return found
 
     def _op(self, node: torch.fx.Node) -> OpNode | None:
-        name = op_name(node.target)
+        name = base_name(node.target)
         kind = op_kind(name)
         value = node.meta.get("val")
         try:
@@ -248,7 +249,7 @@ def _holds_tensor(value: Any) -> bool:
 def _kwargs_with_defaults(node: torch.fx.Node, name: str) -> dict:
     """Named arguments of the call (dropout's p and train), positional ones included."""
     kwargs = dict(node.kwargs)
-    if name in ("dropout", "native_dropout", "feature_dropout", "alpha_dropout") and len(node.args) >= 2:
+    if name in DROPOUTS and len(node.args) >= 2:
         kwargs.setdefault("p", node.args[1])
         if len(node.args) >= 3:
             kwargs.setdefault("train", node.args[2])

@@ -25,31 +25,9 @@ from typing import Any, Sequence
 
 import torch
 
-Map = tuple[int, ...]
+from .. import ops
 
-_POINTWISE = frozenset((
-    "add sub rsub mul div neg relu gelu silu sigmoid tanh exp log log1p rsqrt sqrt pow where masked_fill "
-    "eq ne lt le gt ge logical_not logical_and logical_or logical_xor bitwise_not bitwise_and bitwise_or "
-    "maximum minimum clamp clamp_min clamp_max abs sign erf sin cos reciprocal square softplus mish "
-    "leaky_relu hardtanh hardswish hardsigmoid elu relu6 atan isnan isinf clone contiguous to _to_copy copy "
-    "alias detach dropout native_dropout feature_dropout alpha_dropout feature_alpha_dropout lift_fresh_copy "
-    "fill zero expand expand_as floor ceil round trunc frac exp2 expm1 sinh cosh tan asin acos "
-    "logit xlogy float_power fmod remainder lerp addcmul addcdiv nan_to_num").split())
-_RESHAPES = frozenset("view _unsafe_view reshape _reshape_alias flatten unflatten view_as squeeze unsqueeze".split())
-_SOFTMAX = frozenset("softmax _softmax log_softmax _log_softmax _safe_softmax".split())
-_LAYER_NORMS = frozenset("layer_norm native_layer_norm rms_norm _fused_rms_norm".split())
-_BATCH_NORMS = frozenset(("batch_norm native_batch_norm _native_batch_norm_legit "
-                          "_native_batch_norm_legit_no_training _native_batch_norm_legit_functional").split())
-_REDUCTIONS = frozenset(("sum mean amax amin max min var std var_mean std_mean logsumexp prod norm "
-                         "linalg_vector_norm any all argmax argmin").split())
-_CLASS_LOSSES = frozenset("cross_entropy_loss nll_loss nll_loss_forward nll_loss2d nll_loss2d_forward".split())
-_LOSSES = frozenset("mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy "
-                    "binary_cross_entropy_with_logits kl_div".split())
-_ATTENTION = frozenset(("scaled_dot_product_attention _scaled_dot_product_flash_attention "
-                        "_scaled_dot_product_efficient_attention _scaled_dot_product_cudnn_attention "
-                        "_scaled_dot_product_flash_attention_for_cpu").split())
-_CONV = frozenset("conv1d conv2d conv3d convolution _convolution".split())
-_SPLITS = frozenset("split split_with_sizes chunk tensor_split".split())
+Map = tuple[int, ...]
 
 
 def shape_of(value: Any) -> tuple[int, ...] | None:
@@ -159,9 +137,9 @@ def _dispatch(name: str, node: torch.fx.Node, shapes: list, out: tuple[int, ...]
     x = shapes[0]
     nd = len(x)
     args = bound_args(node)
-    if name in _POINTWISE:
+    if name in ops.BROADCASTING:
         return [broadcast_map(s, out) for s in shapes], ()
-    if name in _RESHAPES:
+    if name in ops.RESHAPES:
         return [reshape_map(x, out)] + [None] * (len(shapes) - 1), ()
     if name == "permute":
         perm = [_norm(int(d), nd) for d in args["dims"]]
@@ -195,7 +173,7 @@ def _dispatch(name: str, node: torch.fx.Node, shapes: list, out: tuple[int, ...]
     if name in ("slice", "narrow"):
         dim = _norm(int(args["dim"]), nd)
         return [_identity_except(nd, [] if x[dim] == out[dim] else [dim])], ()
-    if name in _SPLITS:
+    if name in ops.SPLITS:
         dim = _norm(int(args.get("dim", 0)), nd)
         return [_identity_except(nd, [] if x[dim] == out[dim] else [dim])], ()
     if name == "getitem":
@@ -229,19 +207,19 @@ def _dispatch(name: str, node: torch.fx.Node, shapes: list, out: tuple[int, ...]
         if args.get("dim") is None or len(shapes) > 1:
             return None, ()
         return [tuple(range(nd))], ()
-    if name in _SOFTMAX:
+    if name in ops.SOFTMAXES:
         return [tuple(range(nd))], (_norm(int(args["dim"]), nd),)
-    if name in _LAYER_NORMS:
+    if name in ops.LAYER_NORMS:
         k = len(list(args["normalized_shape"]))
         return [broadcast_map(s, out) for s in shapes], tuple(range(nd - k, nd))
-    if name in _BATCH_NORMS:
+    if name in ops.BATCH_NORMS:
         return [broadcast_map(s, out) if i == 0 else None for i, s in enumerate(shapes)], \
             tuple(d for d in range(nd) if d != 1)
-    if name in ("group_norm", "native_group_norm", "instance_norm"):
-        keep = (0,) if "group" in name else (0, 1)
+    if name in ops.CHANNEL_NORMS:   # group and instance norms
+        keep = (0,) if name in ops.GROUP_NORMS else (0, 1)
         return [tuple(range(nd)) if i == 0 else None for i in range(len(shapes))], \
             tuple(d for d in range(nd) if d not in keep)
-    if name in _REDUCTIONS:
+    if name in ops.REDUCTIONS:
         return _reduction(args, x, out, len(shapes))
     if name.startswith(("max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool", "lp_pool")):
         k = 3 if "3d" in name else 1 if "1d" in name else 2
@@ -262,9 +240,9 @@ def _dispatch(name: str, node: torch.fx.Node, shapes: list, out: tuple[int, ...]
         return ([broadcast_map(shapes[0], out)] + list(pair) if pair else None), ()
     if name == "outer" and len(shapes) == 2:
         return [(0, -1), (-1, 0)], ()
-    if name in _ATTENTION:
+    if name in ops.SDPA:
         return _attention(shapes, out), ()
-    if name in _CONV:
+    if name in ops.FORWARD_CONVOLUTIONS:
         maps = [(0,) + tuple([-1] * (len(out) - 1))]
         if len(shapes) > 1:
             maps.append((-1, 0) + tuple([-1] * (len(out) - 2)))
@@ -276,13 +254,13 @@ def _dispatch(name: str, node: torch.fx.Node, shapes: list, out: tuple[int, ...]
         ids_first = len(shapes) == 1
         ids_map = tuple(range(len(out) - 1)) + (-1,)
         return ([ids_map] if ids_first else [tuple([-1] * (len(out) - 1)) + (1,), ids_map]), ()
-    if name in _CLASS_LOSSES:
+    if name in ops.CLASS_LOSSES:
         cls = 1 if nd >= 2 else 0
         if len(out) == 0:
             return [() for _ in shapes], (cls,)
         keep = [d for d in range(nd) if d != cls]
         return [tuple(keep)] + [tuple(range(len(out))) for _ in shapes[1:]], (cls,)
-    if name in _LOSSES:
+    if name in ops.ELEMENT_LOSSES:
         if len(out) == 0:
             return [() for _ in shapes], tuple(range(nd))
         return [broadcast_map(s, out) for s in shapes], ()

@@ -32,32 +32,28 @@ import torch.utils._pytree as pytree
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from .. import ops
 from ..errors import CaptureError
+from ..ops import base_name
 from .build import module_path
 from .export import normalize_inputs
 from .opgraph import OpKind
-from .rules import op_kind, op_name
+from .rules import op_kind
 
 # op base name -> the positions of its data operands (the tensors a kernel needs in one dtype); an
 # index of -1 is einsum's list of operands (args[1])
 OPERANDS: dict[str, tuple[int, ...]] = {
-    **dict.fromkeys(("matmul", "mm", "bmm", "mv", "dot", "_grouped_mm", "grouped_mm"), (0, 1)),
-    **dict.fromkeys(("linear", "addmm", "baddbmm", "addbmm", "addmv"), (0, 1, 2)),
-    **dict.fromkeys(("conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d",
-                     "conv_transpose2d", "conv_transpose3d"), (0, 1, 2)),
-    **dict.fromkeys(("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-                     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                     "_scaled_dot_product_flash_attention_for_cpu"), (0, 1, 2)),
+    **dict.fromkeys(ops.MATMULS - ops.BIAS_MATMULS - {"linear", "einsum", "_scaled_mm", "grouped_mm_fallback"}, (0, 1)),
+    **dict.fromkeys(ops.BIAS_MATMULS | {"linear"} | ops.CONVOLUTIONS | ops.SDPA, (0, 1, 2)),
     "einsum": (-1,),
 }
 
 _AUTOCAST = getattr(torch.ops.higher_order, "wrap_with_autocast", None)   # (device, dtype, enabled, cache, region, ...)
-_CASTS = frozenset(("to", "_to_copy", "type_as", "clone", "contiguous", "copy", "alias", "lift_fresh_copy"))
 
 
 def _carries(name: str) -> bool:
     """Whether an op passes its (first) input's values on unchanged but for the dtype: a view, copy or cast."""
-    return name in _CASTS or op_kind(name) is OpKind.VIEW
+    return name in ops.CASTS or op_kind(name) is OpKind.VIEW
 
 
 def _dtype(node: Any) -> torch.dtype | None:
@@ -137,7 +133,7 @@ class _Program:
                 else:
                     out.append(n)
                 continue
-            if n.op != "call_function" or (carried and not _carries(op_name(n.target))):
+            if n.op != "call_function" or (carried and not _carries(base_name(n.target))):
                 continue
             for arg in (n.all_input_nodes[:1] if carried else n.all_input_nodes):
                 if _dtype(arg) is not None and (carried or _dtype(arg) == dtype):
@@ -146,7 +142,7 @@ class _Program:
 
     def where(self, node: torch.fx.Node) -> str:
         path = module_path(node)
-        return f"{op_name(node.target)} in {path}" if path else f"{op_name(node.target)} of the model"
+        return f"{base_name(node.target)} in {path}" if path else f"{base_name(node.target)} of the model"
 
 
 def _label(path: tuple) -> str:
@@ -172,7 +168,7 @@ def check_dtypes(program: ExportedProgram, model_name: str, example_inputs: Any)
     info = _Program(program, example_inputs)
     notes: dict[str, str] = {}
     for node in info.ops():
-        positions = OPERANDS.get(op_name(node.target))
+        positions = OPERANDS.get(base_name(node.target))
         if positions is None:
             continue
         operands = _operands(node, positions)
@@ -224,6 +220,6 @@ def _mixed(info: _Program, node: torch.fx.Node, operands: list[torch.fx.Node], m
             return CaptureError(f"{names} {'is' if len(inputs) == 1 else 'are'} {odd} but {model_name} computes in "
                                 f"{_short(compute)}: {what}. Hint: {fix}")
         return CaptureError(f"{model_name}'s {what}: the {odd} operand is made by the model's own ops. Hint: "
-                            f"cast both operands of the {op_name(node.target)} to one dtype")
+                            f"cast both operands of the {base_name(node.target)} to one dtype")
     return CaptureError(f"{model_name}'s {at} takes operands of dtypes "
                         f"{', '.join(sorted(map(_short, dtypes)))}, which no real kernel accepts")

@@ -31,6 +31,7 @@ import torch
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..ops import BIAS_MATMULS
 from .opgraph import Gemm, OpKind, TensorMeta
 
 
@@ -152,7 +153,7 @@ def gemm_shape(name: str, kind: OpKind, tensors: list[TensorMeta], out: TensorMe
                     "m" if batch_dependent[0] else "")
     if kind is not OpKind.MATMUL:
         return None
-    if name in ("addmm", "baddbmm", "addbmm", "addmv"):
+    if name in BIAS_MATMULS:
         tensors, batch_dependent = tensors[1:], batch_dependent[1:]
     a, b = tensors[0], tensors[1]
     if name == "linear":  # weight is (n, k)

@@ -65,6 +65,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
+from ..ops import base_name
 from .opgraph import FLOAT_DTYPES, Gemm, GraphInput, MoERegion, OpKind, OpNode, TensorMeta
 
 # Hugging Face's experts implementations with static shapes, in order of preference: grouped_mm
@@ -332,7 +333,7 @@ def _activation(g: _Graph, members: Sequence[int], interior: set[str], fx: Mappi
         n = g.nodes[i]
         if n.name not in interior:
             continue
-        base = _base(n)
+        base = base_name(n.target)
         if base in _ACTIVATIONS:
             acts.append(n)
         elif base == "mul":
@@ -342,7 +343,7 @@ def _activation(g: _Graph, members: Sequence[int], interior: set[str], fx: Mappi
     if len(acts) != 1 or muls != 1 or other:
         return ""
     n = acts[0]
-    base, node = _base(n), fx.get(n.name)
+    base, node = base_name(n.target), fx.get(n.name)
     if base == "gelu" and node is not None and node.kwargs.get("approximate", "none") == "tanh":
         return "gelu_pytorch_tanh"
     if base in _PARAMETRISED and (node is None or len(node.args) > 1 or node.kwargs):
@@ -405,9 +406,9 @@ def _region_flops(nodes: Sequence[OpNode], index: Mapping[str, int], r: MoERegio
                   params: Mapping[str, TensorMeta]) -> dict[str, tuple[float, float]]:
     g = _Graph([nodes[index[n]] for n in r.nodes], (), {})
     up, down, interior = _anatomy(g, range(len(r.nodes)), r.gate_up, r.down)
-    acts = [n for n in r.nodes if n in interior and _base(g.node(n)) in _ACTIVATIONS]
+    acts = [n for n in r.nodes if n in interior and base_name(g.node(n).target) in _ACTIVATIONS]
     after_act = _reach(g, acts, interior, forward=True)
-    gating = [n for n in r.nodes if n in after_act and _base(g.node(n)) == "mul"]
+    gating = [n for n in r.nodes if n in after_act and base_name(g.node(n).target) == "mul"]
 
     hidden = nodes[index[r.hidden_input]] if r.hidden_input in index else None
     x_grad = bool(hidden is not None and hidden.requires_grad)
@@ -423,12 +424,6 @@ def _region_flops(nodes: Sequence[OpNode], index: Mapping[str, int], r: MoERegio
         needs = [g.node(n).requires_grad for n in group]
         _share(g, flops, group, rows * r.ffn, None, needs)
     return flops
-
-
-def _base(n: OpNode) -> str:
-    """``aten.silu.default`` -> ``silu``; ``transformers.grouped_mm_fallback.default`` -> ``grouped_mm_fallback``."""
-    parts = n.target.split(".")
-    return parts[-2] if len(parts) >= 3 else n.target
 
 
 def _share(g: _Graph, flops: dict[str, tuple[float, float]], group: Sequence[str], total: float,

@@ -15,69 +15,21 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+from .. import ops
 from .opgraph import OpKind, TensorMeta
 
-_KINDS: dict[str, OpKind] = {}
-for _kind, _names in {
-    OpKind.MATMUL: ("linear matmul mm bmm addmm baddbmm addbmm einsum addmv mv dot _scaled_mm "
-                    "_grouped_mm grouped_mm grouped_mm_fallback"),
-    OpKind.CONV: "conv1d conv2d conv3d convolution _convolution conv_transpose1d conv_transpose2d conv_transpose3d",
-    OpKind.ATTENTION: ("scaled_dot_product_attention _scaled_dot_product_flash_attention "
-                       "_scaled_dot_product_efficient_attention _scaled_dot_product_cudnn_attention "
-                       "_scaled_dot_product_flash_attention_for_cpu flex_attention"),
-    OpKind.NORM: ("layer_norm native_layer_norm rms_norm _fused_rms_norm batch_norm native_batch_norm "
-                  "_native_batch_norm_legit _native_batch_norm_legit_no_training _native_batch_norm_legit_functional "
-                  "group_norm native_group_norm instance_norm"),
-    OpKind.SOFTMAX: "softmax _softmax log_softmax _log_softmax _safe_softmax",
-    OpKind.DROPOUT: "dropout native_dropout feature_dropout alpha_dropout feature_alpha_dropout",
-    OpKind.EMBEDDING: "embedding embedding_bag",
-    OpKind.LOSS: ("cross_entropy_loss nll_loss nll_loss_forward nll_loss2d mse_loss l1_loss smooth_l1_loss "
-                  "binary_cross_entropy binary_cross_entropy_with_logits huber_loss kl_div"),
-    OpKind.VIEW: ("view _unsafe_view reshape _reshape_alias transpose permute expand expand_as unsqueeze squeeze "
-                  "slice select t alias split split_with_sizes chunk unbind narrow as_strided getitem flatten "
-                  "unflatten view_as movedim detach diagonal unfold numpy_T mT"),
-    OpKind.CREATION: ("ones zeros full arange empty ones_like zeros_like full_like empty_like scalar_tensor "
-                      "tensor rand randn randint rand_like randn_like linspace eye new_ones new_zeros new_full "
-                      "new_empty empty_strided _to_copy_empty lift_fresh_copy"),
-    OpKind.REDUCTION: ("sum mean amax amin max min var std var_mean std_mean norm logsumexp argmax argmin "
-                       "cumsum cumprod any all prod linalg_vector_norm"),
-}.items():
-    for _name in _names.split():
-        _KINDS[_name] = _kind
-
-# Elementwise ops whose backward needs their output (not their input).
-_SAVE_OUTPUT = frozenset("relu relu_ sigmoid tanh exp rsqrt sqrt elu hardsigmoid reciprocal".split())
-# Elementwise ops whose backward needs their first input.
-_SAVE_INPUT = frozenset(("gelu silu mish leaky_relu hardtanh hardswish softplus log log1p sin cos pow "
-                         "abs sign erf atan square clamp clamp_min clamp_max").split())
-# Ops whose backward needs nothing from forward (shape-only or linear in their input).
-_SAVE_NOTHING = frozenset(("add sub neg clone contiguous copy _to_copy to type_as cat stack pad "
-                           "constant_pad_nd repeat index_select_backward flip roll tril triu "
-                           "zeros_like ones_like sum mean cumsum adaptive_avg_pool2d avg_pool2d "
-                           "avg_pool1d mean_dim").split())
-
-
-GROUPED_MM = frozenset(("_grouped_mm", "grouped_mm", "grouped_mm_fallback"))
-"""Grouped GEMMs (``torch.nn.functional.grouped_mm`` and transformers' fallback custom op): rows of
-``x`` [S, k] sorted by group, each group's rows times its own weight ``w[g]`` [k, n]."""
-
-
-def op_name(target: object) -> str:
-    """The ATen op's base name (``aten.linear.default`` -> ``linear``; ``operator.getitem`` -> ``getitem``)."""
-    name = getattr(target, "__name__", None) or str(target)
-    if hasattr(target, "_schema"):
-        name = target._schema.name.split("::")[-1]  # type: ignore[attr-defined]
-    return name.rstrip("_") if name.endswith("_") and not name.startswith("_") else name
-
+_KINDS: dict[str, OpKind] = {
+    name: kind for kind, names in ((OpKind.MATMUL, ops.MATMULS), (OpKind.CONV, ops.CONVOLUTIONS),
+                                   (OpKind.ATTENTION, ops.ATTENTIONS), (OpKind.NORM, ops.NORMS),
+                                   (OpKind.SOFTMAX, ops.SOFTMAXES), (OpKind.DROPOUT, ops.DROPOUTS),
+                                   (OpKind.EMBEDDING, ops.EMBEDDINGS), (OpKind.LOSS, ops.LOSSES),
+                                   (OpKind.VIEW, ops.VIEWS), (OpKind.CREATION, ops.CREATION),
+                                   (OpKind.REDUCTION, ops.REDUCTIONS), (OpKind.ELEMENTWISE, ops.ELEMENTWISE))
+    for name in names}
 
 def op_kind(name: str) -> OpKind:
     """Cost class of an op by its base name; unknown ops count as elementwise-like ``OTHER``."""
-    return _KINDS.get(name, OpKind.ELEMENTWISE if name in _SAVE_OUTPUT | _SAVE_INPUT | _SAVE_NOTHING
-                      or name in _ELEMENTWISE_EXTRA else OpKind.OTHER)
-
-
-_ELEMENTWISE_EXTRA = frozenset(("mul div masked_fill where eq ne lt le gt ge logical_not logical_and "
-                                "logical_or bitwise_not bitwise_and isnan isinf maximum minimum").split())
+    return _KINDS.get(name, OpKind.OTHER)
 
 
 @dataclass(frozen=True)
@@ -120,13 +72,12 @@ def saved_spec(name: str, args: Sequence[ArgInfo], out: TensorMeta | None, kwarg
     if not any(a.requires_grad for a in args):
         return SavedSpec()
     kind = op_kind(name)
-    if kind in (OpKind.VIEW, OpKind.CREATION) or name in _SAVE_NOTHING:
+    if kind in (OpKind.VIEW, OpKind.CREATION) or name in ops.SAVES_NOTHING:
         return SavedSpec()
-    if name in ("linear", "matmul", "mm", "bmm", "einsum", "dot", "mv", "conv1d", "conv2d", "conv3d",
-                "convolution", "_convolution") or name in GROUPED_MM:
-        return SavedSpec(inputs=_bilinear(args, 0, 1))
-    if name in ("addmm", "baddbmm", "addbmm", "addmv"):
+    if name in ops.BIAS_MATMULS:
         return SavedSpec(inputs=_bilinear(args, 1, 2))
+    if name in ops.MATMULS or name in ops.FORWARD_CONVOLUTIONS:
+        return SavedSpec(inputs=_bilinear(args, 0, 1))
     if kind is OpKind.ATTENTION:
         q = _positions(args).get(0)
         rows = math.prod(q.meta.shape[:-1]) if q else 0
@@ -148,9 +99,9 @@ def saved_spec(name: str, args: Sequence[ArgInfo], out: TensorMeta | None, kwarg
         first = _positions(args).get(0)
         extras = (("log_probs", first.meta.numel, first.meta.dtype),) if first and name.startswith("cross") else ()
         return SavedSpec(inputs=tuple(p for p in _positions(args) if p > 0), extras=extras)
-    if name in _SAVE_OUTPUT:
+    if name in ops.SAVES_OUTPUT:
         return SavedSpec(output=True)
-    if name in _SAVE_INPUT:
+    if name in ops.SAVES_INPUT:
         return SavedSpec(inputs=(0,))
     if name == "mul":
         return SavedSpec(inputs=_bilinear(args, 0, 1))
@@ -174,9 +125,9 @@ def _norm_saved(name: str, args: Sequence[ArgInfo]) -> SavedSpec:
     x = _positions(args).get(0)
     if x is None:
         return SavedSpec()
-    if "batch_norm" in name or "instance_norm" in name or "group_norm" in name:
+    if name in ops.CHANNEL_NORMS:
         channels = x.meta.shape[1] if len(x.meta.shape) > 1 else 1
         return SavedSpec(inputs=(0,), extras=(("stats", 2 * channels, "float32"),))
     rows = math.prod(x.meta.shape[:-1])
-    count = 1 if "rms" in name else 2
+    count = 1 if name in ops.RMS_NORMS else 2
     return SavedSpec(inputs=(0,), extras=(("stats", count * rows, "float32"),))

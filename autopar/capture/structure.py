@@ -28,6 +28,7 @@ import difflib
 import re
 from typing import Mapping, Sequence
 
+from ..ops import base_name
 from ..plan.structure import LAYER, Anchor, ModelStructure, ShardUnits, first_difference, relative_name
 from .opgraph import Layer, OpGraph, OpKind, OpNode, TensorMeta
 
@@ -93,6 +94,6 @@ def align(planned: OpGraph, running: OpGraph) -> dict[str, str]:
 
 
 def _anchor_of(node: OpNode, layer: str, params: Mapping[str, TensorMeta]) -> Anchor:
-    return Anchor(kind=node.kind.value, op=node.target.split(".")[1] if node.target.count(".") >= 2 else node.target,
+    return Anchor(kind=node.kind.value, op=base_name(node.target),
                   module=relative_name(node.module_path, layer),
                   params=tuple((relative_name(p, layer), tuple(params[p].shape)) for p in node.params if p in params))

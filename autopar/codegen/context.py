@@ -38,8 +38,8 @@ output dim comes from, and the dims the op reduces over):
   :func:`ring_attention` with the FULL mask and the node's ``is_causal``, ``scale``, ``enable_gqa``;
   ``local_query`` when keys are another sequence (cross attention): the keys are gathered and the
   query rows of the mask (and of the causal triangle) taken;
-- ``loss_mean`` / ``reduce``: ``cross_entropy`` / ``nll_loss`` (or a ``sum`` / ``mean`` over the
-  Local dim) on the local tokens. A mean loss is ``cp * sum_local / N`` with ``N`` the group's
+- ``loss_mean`` / ``reduce``: a class loss of ``ops.VOCAB_LOSSES`` (``cross_entropy``, ``nll_loss``; or a
+  ``sum`` / ``mean`` over the Local dim) on the local tokens. A mean loss is ``cp * sum_local / N`` with ``N`` the group's
   count of non-ignored targets (an all-reduce of counts), so that the group's mean of the ranks'
   values is the exact mean over the sequence even with ``ignore_index`` labels (a shifted label
   row ignores its last position, which one rank holds); a sum is ``cp * sum_local``. Their output
@@ -74,23 +74,11 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
+from .. import ops
 from ..capture.dims import bound_args, broadcast_map, op_dims, shape_of
-from ..capture.rules import op_name
 from ..errors import ConfigError
-from .lower import SKIPPED_TARGETS
+from ..ops import SKIPPED_TARGETS, base_name
 from .context_state import FULL, PARTIAL, ContextPlan, Conv, Local, State, Step, holds_tensor
-
-
-_VIEWS = frozenset("view _unsafe_view reshape flatten unflatten squeeze unsqueeze".split())
-_SHAPE_ARG = frozenset("view _unsafe_view reshape".split())   # arg 1 is the output shape
-_LINEAR_IN_PARTIAL = frozenset(("add sub neg view _unsafe_view reshape flatten unflatten squeeze unsqueeze alias "
-                                "clone contiguous to _to_copy detach permute transpose t expand select slice "
-                                "sum mean mul div linear mm matmul").split())
-_ONE_PARTIAL = frozenset("mul linear mm matmul".split())     # linear in one argument only
-_LIKE = frozenset("zeros_like ones_like empty_like full_like rand_like randn_like".split())
-_SORTS = frozenset("topk sort argsort".split())
-_CLASS_LOSSES = frozenset(("cross_entropy_loss", "nll_loss"))
-_SDPA = "aten.scaled_dot_product_attention.default"
 
 
 # ------------------------------------------------------------------------------------ analysis
@@ -101,7 +89,7 @@ def analyse(program: ExportedProgram, cp: int, attention: frozenset[str],
 
     ``attention``: the fused attention nodes; ``regions``: MoE output node -> (tokens, ids, weights)
     inputs, run as one token-wise op; ``skipped``: nodes not run at all (the rest of each region)
-    besides the metadata asserts, which no rank runs (lower.SKIPPED_TARGETS)."""
+    besides the metadata asserts, which no rank runs (ops.SKIPPED_TARGETS)."""
     nodes = list(program.graph.nodes)
     skipped = skipped | {n.name for n in nodes if str(n.target) in SKIPPED_TARGETS}
     seqs = _sequence_lengths(nodes, attention, cp)
@@ -216,10 +204,10 @@ def _step(n: torch.fx.Node, states: dict[str, State], cp: int, attention: frozen
         return Step("full", (), (), st[0] if st else FULL)
     if all(s is FULL for s in st):
         return Step("full", names, tuple(() for _ in ins), FULL)
-    name = op_name(n.target)
+    name = base_name(n.target)
     if n.name in attention:
         return _attention_step(n, ins, states, cp)
-    if name in _CLASS_LOSSES and str(n.target).endswith(".default"):
+    if name in ops.VOCAB_LOSSES and str(n.target).endswith(".default"):
         return _loss_step(n, name, ins, states, cp)
     if any(s is PARTIAL for s in st):
         if not any(isinstance(s, Local) for s in st) and _linear_in_partial(n, name, st):
@@ -236,10 +224,10 @@ def _step(n: torch.fx.Node, states: dict[str, State], cp: int, attention: frozen
 def _linear_in_partial(n: torch.fx.Node, name: str, st: Sequence[State]) -> bool:
     """Whether the op is linear (affine) in its PARTIAL inputs, so that it commutes with the group's mean."""
     value = n.meta.get("val")
-    if name not in _LINEAR_IN_PARTIAL or not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+    if name not in ops.LINEAR_OPS or not (isinstance(value, torch.Tensor) and value.is_floating_point()):
         return False   # (a cast to integers rounds: not linear)
     partial = [i for i, s in enumerate(st) if s is PARTIAL]
-    if name in _ONE_PARTIAL and len(partial) != 1:
+    if name in ops.PRODUCTS and len(partial) != 1:
         return False
     if name == "div" and partial != [0]:
         return False
@@ -260,7 +248,7 @@ def _local_step(n: torch.fx.Node, name: str, ins: Sequence[torch.fx.Node], st: S
         return gathered()
     out_shape = outs[0]
     shapes = [_shape(a) for a in ins]
-    if maps is None and name in _VIEWS and len(ins) == 1:
+    if maps is None and name in ops.RESHAPES and len(ins) == 1:
         layout = _view_layout(shapes[0], st[0], out_shape)
         if layout is None:
             return gathered()
@@ -329,9 +317,9 @@ def _mutated(n: torch.fx.Node) -> set[torch.fx.Node]:
 def _maps(name: str, n: torch.fx.Node, ins: Sequence[torch.fx.Node], out_shape: tuple[int, ...]):
     """Dimension maps of the op's tensor inputs (capture/dims.py, plus sorts and ``*_like``)."""
     shapes = [_shape(a) for a in ins]
-    if name in _LIKE and len(ins) == 1:
+    if name in ops.LIKE_CREATION and len(ins) == 1:
         return [broadcast_map(shapes[0], out_shape)], ()
-    if name in _SORTS and len(ins) == 1:
+    if name in ops.SORTS and len(ins) == 1:
         args = bound_args(n)
         nd = len(shapes[0])
         dim = int(args.get("dim", -1)) % nd if nd else 0
@@ -361,7 +349,7 @@ def _view_layout(in_shape: Sequence[int], s: State, out_shape: Sequence[int]) ->
 def _view_rewrite(n: torch.fx.Node, name: str, layout: Local, out_shape: Sequence[int], cp: int):
     local = list(out_shape)
     local[layout.dim] = layout.local_size(cp)
-    if name in _SHAPE_ARG:
+    if name in ops.SHAPED_VIEWS:
         return ((1, local),)
     if name == "unflatten":
         args = bound_args(n)
@@ -378,7 +366,7 @@ def _expand_rewrite(n: torch.fx.Node, name: str, layout: Local, cp: int):
 
 
 def _attention_step(n: torch.fx.Node, ins: Sequence[torch.fx.Node], states: Mapping[str, State], cp: int) -> Step:
-    if str(n.target) != _SDPA:
+    if base_name(n.target) != "scaled_dot_product_attention":
         return _full_step(ins, states)
     args = bound_args(n)
     q, k, v, mask = args["query"], args["key"], args["value"], args.get("attn_mask")

@@ -45,13 +45,15 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .. import ops
 from ..capture.build import module_path
 from ..errors import ConfigError
+from ..ops import CONTEXT_HOPS, SKIPPED_TARGETS, base_name
 from ..solver.strategies import spec_dim
 from . import collectives, context_ops, shard_ops
 from .bindings import use_bindings
 from .context_state import ContextRank, Local, holds_tensor
-from .lower import CONTEXT_HOPS, SKIPPED_TARGETS, How, LoweredGraph, LoweredOp, Step
+from .lower import How, LoweredGraph, LoweredOp, Step
 
 
 @dataclass(frozen=True)
@@ -305,11 +307,8 @@ class _Emitter:
             out = call(shard_ops.vocab_embedding, (a["weight"], a["indices"], g, a.get("padding_idx", -1)))
         elif how is How.VOCAB_LOSS:
             a = bind(target, args, kwargs)
-            if "label_smoothing" in a:
-                out = call(shard_ops.vocab_cross_entropy, (a["self"], a["target"], g, a["reduction"],
-                                                           a["ignore_index"], a["label_smoothing"]))
-            else:
-                out = call(shard_ops.vocab_nll, (a["self"], a["target"], g, a["reduction"], a["ignore_index"]))
+            fn, rest = shard_ops.VOCAB_LOSS_FORMS[ops.VOCAB_LOSSES[base_name(target)].form]
+            out = call(fn, (a["self"], a["target"], g) + tuple(a[k] for k in rest))
         elif how is How.ROW_LOSS:
             a = bind(target, args, kwargs)
             names = [x.name for x in target._schema.arguments]

@@ -42,7 +42,9 @@ from typing import Any, Mapping
 
 import torch
 
+from .. import ops
 from ..capture.opgraph import OpGraph, OpKind
+from ..ops import CONTEXT_HOPS, SKIPPED_TARGETS, base_name
 from ..solver.strategies import C, P, R
 from ..solver.strategies import spec_dim as split_dim
 
@@ -143,26 +145,6 @@ def convert(src: str, dst: str, partial: bool) -> tuple[Step, ...]:
     return (Step("gather", s), Step("to_partial"))                         # S -> P
 
 
-_SHAPE_ARG = {"view": 1, "_unsafe_view": 1, "reshape": 1, "expand": 1, "new_zeros": 1, "new_ones": 1,
-              "new_empty": 1, "new_full": 1, "zeros": 0, "ones": 0, "empty": 0, "full": 0, "rand": 0,
-              "randn": 0, "empty_strided": 0}
-_SPLITS = ("split", "split_with_sizes")
-SKIPPED_TARGETS = frozenset({"aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
-                      "aten.sym_constrain_range_for_size.default", "aten._assert_async.msg"})
-_CHANNEL_NORMS = frozenset(("batch_norm native_batch_norm _native_batch_norm_legit _native_batch_norm_legit_functional "
-                            "_native_batch_norm_legit_no_training instance_norm").split())
-CONTEXT_HOPS = frozenset({"wrap_with_set_grad_enabled", "wrap_with_autocast"})
-"""Higher-order ops of a ``torch.no_grad()`` or autocast region: run whole, as the context around their body."""
-_VOCAB_LOSSES = frozenset({"cross_entropy_loss", "nll_loss"})
-_ROW_LOSSES = frozenset({"cross_entropy_loss", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
-                         "binary_cross_entropy_with_logits", "binary_cross_entropy", "kl_div", "soft_margin_loss"})
-
-
-def base(target: Any) -> str:
-    """``aten.view.default`` -> ``view``."""
-    name = str(target)
-    parts = name.split(".")
-    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else parts[-1]
 
 
 def _ndim(node: torch.fx.Node) -> int:
@@ -215,7 +197,7 @@ def _aligned(value: torch.fx.Node, node: torch.fx.Node, out_spec: str) -> str:
     d, shape, out = split_dim(out_spec), _shape(value), _shape(node)
     if d is None or not shape or out is None:
         return R
-    if base(node.target) in _CHANNEL_NORMS and len(shape) == 1:
+    if base_name(node.target) in ops.CHANNEL_NORMS and len(shape) == 1:
         return "S(0)" if d == 1 and shape[0] == out[1] else R
     e = d - (len(out) - len(shape))
     return f"S({e})" if e >= 0 and shape[e] == out[d] and shape[e] != 1 else R
@@ -341,18 +323,18 @@ class _Lowering:
         return {name: R}, R
 
     def how(self, node: torch.fx.Node, spec: Any) -> How:
-        b, strategy = base(node.target), spec.strategy
+        b, strategy = base_name(node.target), spec.strategy
         if strategy == "vocab":
             if b == "embedding":
                 return How.VOCAB_EMBEDDING
-            return How.VOCAB_LOSS if b in _VOCAB_LOSSES and _class_ids(node) else How.WHOLE
+            return How.VOCAB_LOSS if b in ops.VOCAB_LOSSES and _class_ids(node) else How.WHOLE
         if strategy.startswith("split_reduce"):
             if not isinstance(node.meta.get("val"), torch.Tensor):
                 return How.WHOLE      # max.dim's indices: not an all-reduce of the local ones
             return {"sum": How.REDUCE_SUM, "amax": How.REDUCE_MAX, "max": How.REDUCE_MAX,
                     "amin": How.REDUCE_MIN, "min": How.REDUCE_MIN}.get(b, How.WHOLE)
         if spec.output == R and any(split_dim(s) is not None for s in spec.inputs.values()):
-            return How.ROW_LOSS if b in _ROW_LOSSES else How.WHOLE    # split rows of a loss
+            return How.ROW_LOSS if b in ops.ROW_LOSSES else How.WHOLE    # split rows of a loss
         return How.LOCAL
 
     def whole(self, node: torch.fx.Node, held: dict[str, str], written: list[str] = ()) -> LoweredOp:
@@ -365,16 +347,16 @@ class _Lowering:
     def shape_args(self, node: torch.fx.Node, wanted: Mapping[str, str], local: tuple[int, ...] | None
                    ) -> dict[int, tuple[int, ...]]:
         """Shape arguments at this rank's sizes (a view's target shape, a split's sizes)."""
-        b = base(node.target)
+        b = base_name(node.target)
         if local is None or self.tp == 1:
             return {}
-        if b in _SHAPE_ARG and len(node.args) > _SHAPE_ARG[b] and isinstance(node.args[_SHAPE_ARG[b]], (list, tuple)):
-            i = _SHAPE_ARG[b]
+        if b in ops.SHAPE_ARG and len(node.args) > ops.SHAPE_ARG[b] and isinstance(node.args[ops.SHAPE_ARG[b]], (list, tuple)):
+            i = ops.SHAPE_ARG[b]
             return {i: local} if tuple(node.args[i]) != local else {}
         if b == "unflatten" and len(node.args) >= 3:
             dim = node.args[1] % max(len(local) - len(node.args[2]) + 1, 1)
             return {2: tuple(local[dim:dim + len(node.args[2])])}
-        if b in _SPLITS and len(node.args) >= 2 and isinstance(node.args[0], torch.fx.Node):
+        if b in ops.SIZED_SPLITS and len(node.args) >= 2 and isinstance(node.args[0], torch.fx.Node):
             dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
             d = split_dim(wanted.get(node.args[0].name, R))
             if d is not None and d == dim % max(_ndim(node.args[0]), 1):

@@ -138,6 +138,14 @@ def vocab_nll(logp: torch.Tensor, target: torch.Tensor, group, reduction: int = 
     return _reduce(back(per_row), target != ignore_index, reduction)
 
 
+VOCAB_LOSS_FORMS: dict[str, tuple[Callable[..., torch.Tensor], tuple[str, ...]]] = {
+    "cross_entropy": (vocab_cross_entropy, ("reduction", "ignore_index", "label_smoothing")),
+    "nll": (vocab_nll, ("reduction", "ignore_index")),
+}
+"""A vocabulary-parallel loss form (autopar/ops.py's ``VocabLoss.form``) -> its function and the op's
+arguments (by schema name) it takes after the logits, the targets and the group."""
+
+
 def row_total(local_sum: torch.Tensor, group, reduction: int, input: torch.Tensor, target: torch.Tensor | None = None,
               ignore_index: int = -100) -> torch.Tensor:
     """A loss over the rows this rank holds, from its local sum (the op at ``reduction=sum``): all-reduced,

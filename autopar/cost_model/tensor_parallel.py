@@ -49,6 +49,7 @@ from typing import Mapping
 
 from ..capture.opgraph import OpGraph, OpKind, OpNode
 from ..errors import ConfigError
+from ..ops import base_name
 
 R, S, C = "R", "S", "C"
 
@@ -126,7 +127,7 @@ def _weight_split_dim(node: OpNode, graph: OpGraph, column: bool) -> int | None:
     if weight is None or len(weight.shape) < 2:
         return None
     # linear weight is (out, in); a plain matmul's weight is (in, out).
-    if node.target.startswith("aten.linear"):
+    if base_name(node.target) == "linear":
         return weight.shape[0] if column else weight.shape[1]
     return weight.shape[-1] if column else weight.shape[-2]
 

@@ -51,6 +51,7 @@ from ..capture.opgraph import Gemm, OpGraph, OpKind, OpNode
 from ..capture.structure import align
 from ..codegen.optim import compile_step
 from ..errors import ConfigError
+from ..ops import SKIPPED_TARGETS
 from .database import ProfileDB
 from ..progress import progress_bar
 from .host import median_time, torch_threads
@@ -166,7 +167,6 @@ class _Walk:
         ``visit`` on each captured op with its concrete arguments."""
         from torch.export.graph_signature import InputKind
 
-        from ..codegen.lower import SKIPPED_TARGETS
         from ..codegen.split import flatten_batch, placeholders
 
         program = self.program

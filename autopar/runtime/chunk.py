@@ -40,8 +40,9 @@ from ..codegen import collectives
 from ..codegen.context_state import ContextRank
 from ..codegen.layers import LayerIO, class_name, layer_module
 from ..codegen.recompute import run_layer
-from ..codegen.lower import SKIPPED_TARGETS, R, LoweredGraph, Step, convert, normal, written_inputs
+from ..codegen.lower import R, LoweredGraph, Step, convert, normal, written_inputs
 from ..codegen.split import ChunkSpec, LayerSpec, SplitGraph
+from ..ops import SKIPPED_TARGETS
 
 
 def apply_steps(value: torch.Tensor, steps: tuple[Step, ...], group) -> torch.Tensor:

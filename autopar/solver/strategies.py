@@ -29,7 +29,9 @@ group). The rules by op class:
   ``S(-1)``), ``split(d)`` of an index dim;
 - class losses: vocab (logits split on the class dim: the vocabulary-parallel cross entropy, one
   all-reduce of every rank's row max, exp-sum and target logit, as codegen/shard_ops.py runs it;
-  nll: one of the target's value), ``split(d)`` of a row dim (an all-reduce of the loss);
+  nll: one of the target's value), offered for the losses of ``ops.VOCAB_LOSSES``, whose
+  all-reduce that table sizes; ``split(d)`` of a row dim (an all-reduce of the loss), for
+  ``ops.ROW_LOSSES``;
 - norms, softmax, reductions, element-wise ops, pooling: ``split(d)`` of any output dim whose
   source dims are not reduced (batch norm may split its batch dim: per-rank statistics, as
   DDP without SyncBatchNorm does); sum/mean/amax/amin also split a reduced dim and
@@ -46,26 +48,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Mapping
 
+from .. import ops
 from ..capture.opgraph import OpGraph, OpKind, OpNode, TensorMeta
 
 R, P, C = "R", "P", "C"
-
-# Reductions a rank may take over its shard and all-reduce. Not mean: DTensor gives it a P(avg)
-# output whose backward meets P(sum) gradients, which it cannot redistribute ("from one partial
-# type to another is unsupported"), so the runtime could not run a plan that used it.
-_LINEAR_REDUCTIONS = frozenset("sum amax amin max min".split())
-_BATCH_NORMS = frozenset(("batch_norm native_batch_norm _native_batch_norm_legit "
-                          "_native_batch_norm_legit_functional").split())
-_CHANNEL_NORMS = _BATCH_NORMS | {"_native_batch_norm_legit_no_training"}
-# a vocabulary-parallel loss's one all-reduce: values per row, and whether each rank has a slot of its own
-# (cross entropy's row statistics; label smoothing adds a fourth value, left out)
-_VOCAB_LOSSES = {"cross_entropy_loss": (3, True), "nll_loss": (1, False), "nll_loss_forward": (1, False),
-                 "nll_loss2d": (1, False), "nll_loss2d_forward": (1, False)}
-
-
-def _vocab_loss_numel(base: str, rows: int, t: int) -> int:
-    per_row, slots = _VOCAB_LOSSES[base]
-    return per_row * rows * (t if slots else 1)
 
 
 def S(d: int) -> str:
@@ -76,12 +62,6 @@ def S(d: int) -> str:
 def spec_dim(spec: str) -> int | None:
     """The dim of an ``S(d)`` spec, else None."""
     return int(spec[2:-1]) if spec.startswith("S(") else None
-
-
-def op_base(node: OpNode) -> str:
-    """``aten.sum.dim_IntList`` -> ``sum``."""
-    parts = node.target.split(".")
-    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else parts[-1]
 
 
 @dataclass(frozen=True)
@@ -204,7 +184,7 @@ def node_strategies(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     if kind in (OpKind.CONV, OpKind.EMBEDDING, OpKind.CREATION):
         return [replicate(node)]
     out = _generic(ctx, node, t)
-    if kind is OpKind.REDUCTION and op_base(node) in _LINEAR_REDUCTIONS:
+    if kind is OpKind.REDUCTION and ops.base_name(node.target) in ops.LINEAR_REDUCTIONS:
         out += _reduce_split(ctx, node, t)
     return out
 
@@ -219,7 +199,7 @@ def _param_dim(ctx: OpContext, node: OpNode, fqn: str, out_dim: int) -> int | No
     """The dim of a parameter of an element-wise or norm op that runs along output dim ``out_dim``."""
     shape = ctx.param_meta[fqn].shape
     out = node.outputs[0].shape
-    if op_base(node) in _CHANNEL_NORMS or op_base(node) in ("group_norm", "native_group_norm"):
+    if ops.base_name(node.target) in ops.CHANNEL_NORMS:
         return 0 if out_dim == 1 and len(shape) == 1 and shape[0] == out[1] else None
     e = out_dim - (len(out) - len(shape))
     return e if e >= 0 and shape[e] == out[out_dim] and shape[e] != 1 else None
@@ -246,7 +226,7 @@ def _split_along(ctx: OpContext, node: OpNode, t: int, d: int, allow_reduced: bo
 def _generic(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     """Replicate, plus ``split(d)`` for every output dim ``d`` the dims maps allow."""
     out = [replicate(node)]
-    bn = op_base(node) in _CHANNEL_NORMS
+    bn = ops.base_name(node.target) in ops.BATCH_NORMS
     gemm_dims = len(node.outputs[0].shape)
     for d in range(len(node.outputs[0].shape)):
         specs = _split_along(ctx, node, t, d, allow_reduced=bn and d == 0)
@@ -302,7 +282,7 @@ def _linear(ctx: OpContext, node: OpNode, t: int, weight: str) -> list[Strategy]
     x = node.inputs[0]
     w = ctx.param_meta[weight].shape
     out = node.outputs[0].shape
-    n_dim, k_dim = (0, 1) if node.target.startswith("aten.linear") else (len(w) - 1, len(w) - 2)
+    n_dim, k_dim = (0, 1) if ops.base_name(node.target) == "linear" else (len(w) - 1, len(w) - 2)
     xk = len(ctx.meta(x).shape) - 1
     res = [replicate(node)]
     if node.dims and out and node.dims[0][len(out) - 1] >= 0:
@@ -342,7 +322,7 @@ def _contract(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     a, b = (ctx.meta(n).shape for n in node.inputs)
     if len(a) < 2 or len(b) < 2:
         return []
-    kb = len(b) - 1 if op_base(node) == "linear" else len(b) - 2
+    kb = len(b) - 1 if ops.base_name(node.target) == "linear" else len(b) - 2
     if not (ctx.splittable(node.inputs[0], len(a) - 1, t) and ctx.splittable(node.inputs[1], kb, t)):
         return []
     return [Strategy("contract", (S(len(a) - 1), S(kb)), P, (), "k")]
@@ -407,16 +387,19 @@ def _loss(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     logits = ctx.meta(node.inputs[0])
     out = node.outputs[0]
     cls = node.reduced[0]
-    base = op_base(node)
+    base = ops.base_name(node.target)
     rest = tuple(R for _ in node.inputs[1:])
     rows = out.numel if out.shape else max(1, logits.numel // max(1, logits.shape[cls]))
-    if base in _VOCAB_LOSSES and len(node.reduced) == 1 and ctx.splittable(node.inputs[0], cls, t):
+    if base in ops.VOCAB_LOSSES and len(node.reduced) == 1 and ctx.splittable(node.inputs[0], cls, t):
+        numel = ops.VOCAB_LOSSES[base].all_reduce_numel(rows, t)
         res.append(Strategy("vocab", (S(cls),) + rest, R, (),
-                            comms=(Comm("all_reduce", "fwd", _vocab_loss_numel(base, rows, t), node.batch_dependent),)))
+                            comms=(Comm("all_reduce", "fwd", numel, node.batch_dependent),)))
     if out.shape:
         return res + [s for s in _generic(ctx, node, t)[1:]]
+    if base not in ops.ROW_LOSSES:
+        return res
     for d in range(len(logits.shape)):
-        if d in node.reduced and base in _VOCAB_LOSSES or not ctx.splittable(node.inputs[0], d, t):
+        if d in node.reduced and base in ops.VOCAB_LOSSES or not ctx.splittable(node.inputs[0], d, t):
             continue
         specs = [S(d)]
         for name in node.inputs[1:]:

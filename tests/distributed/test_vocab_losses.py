@@ -1,10 +1,13 @@
-"""The vocabulary-parallel losses (codegen/shard_ops.py) against single-process ``F.cross_entropy`` and
-``F.nll_loss``, on the session's 4 gloo ranks (worlds.py), each holding a quarter of the classes.
+"""The vocabulary-parallel losses (codegen/shard_ops.py) against the single-process aten op, for every op of
+the op table's ``VOCAB_LOSSES`` (the losses the solver offers it for), on the session's 4 gloo ranks
+(worlds.py), each holding a quarter of the classes.
 
 Every case builds the same full logits, targets and upstream gradient from a seed on every rank, runs
-the reference on the whole, runs the parallel loss on this rank's columns, and records the largest
+the aten op on the whole, runs the parallel loss on this rank's columns as the lowering calls it (the
+table's form, ``shard_ops.VOCAB_LOSS_FORMS``, with the op's arguments by name), and records the largest
 difference of the loss and of the gradient of its columns: every reduction, ``ignore_index`` (targets
-of -100 and of a class id), label smoothing, logits of shape ``[N, C]``, ``[N, C, d]`` and ``[C]``, a
+of -100 and of a class id), label smoothing, logits of shape ``[N, C]``, ``[N, C, d]``, ``[N, C, h, w]``
+(``nll_loss2d``) and ``[C]``, a
 shard whose logits are all ``-inf`` for some rows (a padded vocabulary's masked tail: the rows' loss
 and gradient stay finite), and logits far from 0 (the combine of the ranks' exponential sums rescales
 each by its own max). Tolerance 1e-5 relative to the reference's largest value, float32.
@@ -19,10 +22,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from autopar import ops  # noqa: E402
 from autopar.codegen import shard_ops  # noqa: E402
 
 CLASSES = 16
@@ -32,9 +35,9 @@ REDUCTIONS = {"mean": shard_ops.MEAN, "sum": shard_ops.SUM, "none": shard_ops.NO
 
 @dataclass(frozen=True)
 class Case:
-    loss: str            # cross_entropy | nll
+    loss: str            # the aten op, one of ops.VOCAB_LOSSES
     reduction: str       # mean | sum | none
-    shape: str           # rows ([N, C]) | spatial ([N, C, d]) | single ([C])
+    shape: str           # rows ([N, C]) | spatial ([N, C, d]) | image ([N, C, h, w]) | single ([C])
     ignore: int = -100   # ignore_index; some targets equal it
     smoothing: float = 0.0
     masked: bool = False  # the last rank's classes are -inf in half the rows
@@ -48,18 +51,20 @@ class Case:
         return f"{self.loss}-{self.reduction}-{self.shape}{extra}"
 
 
-CASES = ([Case("cross_entropy", r, s) for r in REDUCTIONS for s in ("rows", "spatial", "single")]
-         + [Case("nll", r, s) for r in REDUCTIONS for s in ("rows", "spatial")]
-         + [Case("cross_entropy", "mean", "rows", ignore=3), Case("cross_entropy", "mean", "rows", smoothing=0.1),
-            Case("cross_entropy", "sum", "spatial", smoothing=0.2, ignore=5),
-            Case("cross_entropy", "mean", "rows", masked=True), Case("cross_entropy", "none", "rows", masked=True),
-            Case("cross_entropy", "mean", "rows", offset=1000.0),
-            Case("cross_entropy", "mean", "spatial", offset=-500.0)])
+CE = "cross_entropy_loss"
+CASES = ([Case(CE, r, s) for r in REDUCTIONS for s in ("rows", "spatial", "single")]
+         + [Case("nll_loss", r, "rows") for r in REDUCTIONS] + [Case("nll_loss_nd", r, "spatial") for r in REDUCTIONS]
+         + [Case("nll_loss2d", r, "image") for r in REDUCTIONS]
+         + [Case(CE, "mean", "rows", ignore=3), Case(CE, "mean", "rows", smoothing=0.1),
+            Case(CE, "sum", "spatial", smoothing=0.2, ignore=5), Case(CE, "mean", "image"),
+            Case(CE, "mean", "rows", masked=True), Case(CE, "none", "rows", masked=True),
+            Case(CE, "mean", "rows", offset=1000.0), Case(CE, "mean", "spatial", offset=-500.0)])
 
 
 def make_inputs(case: Case) -> dict:
     g = torch.Generator().manual_seed(len(case.name))
-    shape = {"rows": (12, CLASSES), "spatial": (3, CLASSES, 5), "single": (CLASSES,)}[case.shape]
+    shape = {"rows": (12, CLASSES), "spatial": (3, CLASSES, 5), "image": (2, CLASSES, 3, 4),
+             "single": (CLASSES,)}[case.shape]
     logits = torch.randn(shape, generator=g) * 3 + case.offset
     tshape = shape[:1] + shape[2:] if len(shape) > 1 else ()
     target = torch.randint(0, CLASSES, tshape, generator=g)
@@ -69,19 +74,24 @@ def make_inputs(case: Case) -> dict:
         rows = torch.arange(shape[0]) % 2 == 0
         logits[rows, -CLASSES // 4:] = float("-inf")
         target[rows] = torch.where(target[rows] >= CLASSES - CLASSES // 4, 0, target[rows])
-    if case.loss == "nll":
+    if ops.VOCAB_LOSSES[case.loss].form == "nll":
         logits = logits.log_softmax(1 if len(shape) > 1 else 0)
     out_shape = tshape if case.reduction == "none" else ()
     return dict(logits=logits, target=target, grad=torch.randn(out_shape, generator=g))
 
 
+def arguments(case: Case, logits: torch.Tensor, target: torch.Tensor) -> tuple:
+    """The case's aten op and its arguments by schema name, as the lowering binds them."""
+    op = getattr(torch.ops.aten, case.loss).default
+    given = {"self": logits, "target": target, "reduction": REDUCTIONS[case.reduction], "ignore_index": case.ignore,
+             "label_smoothing": case.smoothing}
+    return op, {a.name: given[a.name] for a in op._schema.arguments if a.name in given}
+
+
 def reference(case: Case, inp: dict) -> tuple[torch.Tensor, torch.Tensor]:
     x = inp["logits"].clone().requires_grad_()
-    if case.loss == "nll":
-        out = F.nll_loss(x, inp["target"], reduction=case.reduction, ignore_index=case.ignore)
-    else:
-        out = F.cross_entropy(x, inp["target"], reduction=case.reduction, ignore_index=case.ignore,
-                              label_smoothing=case.smoothing)
+    op, args = arguments(case, x, inp["target"])
+    out = op(x, inp["target"], **{k: v for k, v in args.items() if k not in ("self", "target")})
     out.backward(inp["grad"])
     return out.detach(), x.grad
 
@@ -89,11 +99,9 @@ def reference(case: Case, inp: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def parallel(case: Case, inp: dict, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     dim = 1 if inp["logits"].dim() > 1 else 0
     x = inp["logits"].chunk(world, dim)[rank].clone().requires_grad_()
-    reduction = REDUCTIONS[case.reduction]
-    if case.loss == "nll":
-        out = shard_ops.vocab_nll(x, inp["target"], None, reduction, case.ignore)
-    else:
-        out = shard_ops.vocab_cross_entropy(x, inp["target"], None, reduction, case.ignore, case.smoothing)
+    fn, rest = shard_ops.VOCAB_LOSS_FORMS[ops.VOCAB_LOSSES[case.loss].form]
+    _, args = arguments(case, x, inp["target"])
+    out = fn(x, inp["target"], None, *(args[k] for k in rest))
     out.backward(inp["grad"])
     return out.detach(), x.grad
 
@@ -138,3 +146,7 @@ def test_vocab_parallel_loss_matches_one_process(spawned, case):
 
 def test_cases_are_distinct():
     assert len({c.name for c in CASES}) == len(CASES)
+
+
+def test_every_vocab_loss_of_the_table_has_cases():
+    assert {c.loss for c in CASES} == set(ops.VOCAB_LOSSES)
