@@ -1,0 +1,177 @@
+"""Predicted vs published step times, calibration and validation apart (issue 50).
+
+Every row of bench/data/published_runs.json is priced with the presets' constants as they are (nothing
+fitted here): a row whose configuration is published in full (degrees, micro-batch, ZeRO stage,
+recomputation, sequence parallelism, and the schedule when pp > 1) is an estimate (``price``, what
+``autopar.estimate`` runs); a row that leaves fields out is planned with the published ones pinned
+(``fixed=``), as bench/published.py does. Models are autopar's GPT / Llama built on the meta device,
+one capture per shape; each row carries its stack's precision and kernels ("fused" for Megatron-LM,
+Megatron-DeepSpeed and Megatron-Core, "eager" or "compiled" for torchtitan as its column ran).
+
+The split is bench/data/split.json, fixed by source before any validation row was compared. Reported:
+the error of each row's step time (predicted / measured - 1: positive means predicted slower),
+median and p90 of |error| on calibration and on validation, per device family; for every validation
+sweep (one model on one cluster at several configurations), Spearman's rank correlation between
+predicted and measured time per sequence, and the regret of autopar's pick: how much slower the
+configuration autopar ranks fastest measured than the fastest measured one.
+
+Targets (issue 50), on validation: median |error| <= 8%, p90 <= 15%; every sweep Spearman >= 0.9 and
+regret <= 5%. Exits 1 on a miss (and on a row that cannot be priced). Reads nothing outside the repo.
+Run: .venv/bin/python bench/fidelity_split.py [--json bench/results/fidelity_split.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import autopar
+from autopar.config import ParallelConfig
+from autopar.solver import price
+from published import Row, cluster_of, graph_of, load_rows, load_split, plan_row
+
+MEDIAN, P90, SPEARMAN, REGRET = 0.08, 0.15, 0.9, 0.05
+# The fields a configuration must publish to be priced as it ran (schedule only matters with pp > 1).
+PINNED = ("dp", "tp", "pp", "cp", "micro_batch_size", "zero", "recompute", "sequence_parallel")
+
+
+@dataclass(frozen=True)
+class Priced:
+    row: Row
+    split: str
+    measured: float          # s per step, from the published figure
+    predicted: float         # s per step, nan when the row could not be priced
+    how: str                 # "estimate" | "planned" | the error that stopped it
+    config: str
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.measured - 1
+
+
+def fully_pinned(row: Row) -> bool:
+    fields = PINNED + (("schedule",) if row.fixed.get("pp", 1) > 1 else ())
+    return all(f in row.fixed for f in fields)
+
+
+def price_row(row: Row, split: str) -> Priced:
+    cluster = cluster_of(row)
+    measured = row.step_time_of(row.published, cluster)
+    try:
+        if fully_pinned(row):
+            plan = price(graph_of(row.model), cluster, ParallelConfig(**row.fixed), row.global_batch,
+                         precision=row.precision)
+            how = "estimate" if plan.fits else "estimate (does not fit)"
+        else:
+            plan, how = plan_row(row), "planned"
+    except autopar.AutoparError as exc:
+        return Priced(row, split, measured, math.nan, f"{type(exc).__name__}: {exc}", "")
+    return Priced(row, split, measured, plan.step_time, how, plan.config.short())
+
+
+def p90(values: list[float]) -> float:
+    return float(np.percentile(values, 90)) if values else math.nan
+
+
+def ranks(values: list[float]) -> np.ndarray:
+    """Ranks from 1, ties sharing their mean rank."""
+    order = np.argsort(values, kind="stable")
+    out = np.empty(len(values))
+    out[order] = np.arange(1, len(values) + 1)
+    for v in set(values):
+        tied = [i for i, x in enumerate(values) if x == v]
+        out[tied] = np.mean(out[tied])
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = ranks(a), ranks(b)
+    if np.std(ra) == 0 or np.std(rb) == 0:
+        return math.nan
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def summary(label: str, rows: list[Priced]) -> tuple[float, float]:
+    errs = [abs(r.error) for r in rows if not math.isnan(r.predicted)]
+    signed = [r.error for r in rows if not math.isnan(r.predicted)]
+    failed = len(rows) - len(errs)
+    if not errs:
+        print(f"  {label:<34} {len(rows):>3} rows, none priced")
+        return math.nan, math.nan
+    med, q90 = statistics.median(errs), p90(errs)
+    print(f"  {label:<34} {len(rows):>3} rows  median |err| {med * 100:5.1f}%  p90 {q90 * 100:5.1f}%  "
+          f"max {max(errs) * 100:5.1f}%  mean signed {statistics.mean(signed) * 100:+5.1f}%"
+          + (f"  ({failed} not priced)" if failed else ""))
+    return med, q90
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write every row's figures here")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    split = load_split()
+    priced = []
+    for row in load_rows():
+        t = time.perf_counter()
+        priced.append(price_row(row, split[row.source]))
+        print(f"  priced {row.name:<56} {time.perf_counter() - t:5.1f} s", file=sys.stderr)
+
+    print(f"{'row':<56} {'split':<5} {'family':<9} {'measured s':>10} {'predicted s':>11} {'error':>7}  how / plan")
+    for p in priced:
+        pred = f"{p.predicted:>11.3f}" if not math.isnan(p.predicted) else f"{'-':>11}"
+        err = f"{p.error * 100:>+6.1f}%" if not math.isnan(p.predicted) else f"{'-':>7}"
+        print(f"{p.row.name:<56} {p.split[:5]:<5} {p.row.family:<9} {p.measured:>10.3f} {pred} {err}  "
+              f"{p.how}: {p.config}")
+
+    print("\nStep-time error, |predicted / measured - 1| (constants as the presets hold them, nothing fitted here)")
+    results = {}
+    for name in ("calibration", "validation"):
+        mine = [p for p in priced if p.split == name]
+        results[name] = summary(name, mine)
+        for family in sorted({p.row.family for p in mine}):
+            summary(f"  {name} {family}", [p for p in mine if p.row.family == family])
+
+    print("\nValidation sweeps: ranking by time per sequence (step / global batch)")
+    print(f"  {'sweep':<24} {'rows':>4} {'Spearman':>9} {'regret':>7}  pick (predicted fastest) | fastest measured")
+    sweeps_ok, sweep_rows = True, []
+    for sweep in sorted({p.row.sweep for p in priced if p.row.sweep and p.split == "validation"}):
+        mine = [p for p in priced if p.row.sweep == sweep and not math.isnan(p.predicted)]
+        if len(mine) < len([p for p in priced if p.row.sweep == sweep]):
+            sweeps_ok = False
+        pred = [p.predicted / p.row.global_batch for p in mine]
+        meas = [p.measured / p.row.global_batch for p in mine]
+        rho = spearman(pred, meas)
+        pick, best = mine[int(np.argmin(pred))], mine[int(np.argmin(meas))]
+        regret = (pick.measured / pick.row.global_batch) / min(meas) - 1
+        sweeps_ok &= not math.isnan(rho) and rho >= SPEARMAN and regret <= REGRET
+        sweep_rows.append(dict(sweep=sweep, rows=len(mine), spearman=rho, regret=regret,
+                               pick=pick.row.name, fastest=best.row.name))
+        print(f"  {sweep:<24} {len(mine):>4} {rho:>9.2f} {regret * 100:>6.1f}%  {pick.row.name} | {best.row.name}")
+
+    med, q90 = results["validation"]
+    priced_all = all(not math.isnan(p.predicted) for p in priced)
+    ok = priced_all and med <= MEDIAN and q90 <= P90 and sweeps_ok
+    print(f"\nvalidation: median {med * 100:.1f}% (target <= {MEDIAN * 100:.0f}%), p90 {q90 * 100:.1f}% "
+          f"(<= {P90 * 100:.0f}%); sweeps: Spearman >= {SPEARMAN} and regret <= {REGRET * 100:.0f}% on every one: "
+          f"{sweeps_ok}; every row priced: {priced_all}")
+    print(f"{time.perf_counter() - t0:.0f} s; targets met: {ok}")
+    if args.json:
+        args.json.write_text(json.dumps(dict(
+            rows=[dict(id=p.row.name, split=p.split, family=p.row.family, sweep=p.row.sweep, measured_s=p.measured,
+                       predicted_s=None if math.isnan(p.predicted) else p.predicted, how=p.how, plan=p.config)
+                  for p in priced],
+            sweeps=sweep_rows), indent=1) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

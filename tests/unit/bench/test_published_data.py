@@ -1,0 +1,78 @@
+"""The published-runs dataset (bench/data/published_runs.json) and its split (bench/data/split.json)
+hold together: every source is in exactly one split, every row cites a source, its stored step time is
+what its published figure implies by the formula the benches use, and every sweep is one model
+measured at several configurations. Also the ranking helpers of bench/fidelity_split.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parents[3] / "bench"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module          # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def data():
+    return json.loads((BENCH / "data" / "published_runs.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def split():
+    return json.loads((BENCH / "data" / "split.json").read_text())
+
+
+def test_every_source_is_in_exactly_one_split(data, split):
+    calibration, validation = set(split["calibration"]), set(split["validation"])
+    assert not calibration & validation
+    assert calibration | validation == set(data["sources"])
+    assert {r["source"] for r in data["rows"]} == set(data["sources"])
+
+
+def test_every_source_is_cited_and_tagged(data):
+    for key, source in data["sources"].items():
+        assert source["citation"] and source["url"].startswith("https://") and source["where"], key
+        assert source["check"] in ("V", "D", "S"), key
+
+
+def test_stored_step_times_follow_from_the_published_figures(data):
+    published = _load("published")
+    rows = {r.name: r for r in published.load_rows()}
+    assert len(rows) == len(data["rows"])
+    for d in data["rows"]:
+        row = rows[d["id"]]
+        implied = row.step_time_of(row.published, published.cluster_of(row))
+        assert math.isclose(implied, d["step_time_s"], rel_tol=1e-3), (d["id"], implied, d["step_time_s"])
+
+
+def test_a_sweep_is_one_model_at_several_configurations(data):
+    sweeps: dict[str, list[dict]] = {}
+    for d in data["rows"]:
+        if d["sweep"]:
+            sweeps.setdefault(d["sweep"], []).append(d)
+    assert sweeps
+    for name, rows in sweeps.items():
+        assert len(rows) >= 3, name
+        assert len({json.dumps(r["model"], sort_keys=True) for r in rows}) == 1, name
+        assert len({r["source"] for r in rows}) == 1, name
+        assert len({json.dumps(r["config"], sort_keys=True) + str(r["global_batch"]) for r in rows}) == len(rows), name
+
+
+def test_ranks_share_ties_and_spearman_reads_order():
+    _load("published")                  # fidelity_split imports it by name
+    fidelity = _load("fidelity_split")
+    assert list(fidelity.ranks([3.0, 1.0, 3.0, 2.0])) == [3.5, 1.0, 3.5, 2.0]
+    assert fidelity.spearman([1.0, 2.0, 3.0], [10.0, 20.0, 30.0]) == pytest.approx(1.0)
+    assert fidelity.spearman([1.0, 2.0, 3.0], [30.0, 20.0, 10.0]) == pytest.approx(-1.0)
