@@ -47,11 +47,11 @@ from torch.utils.checkpoint import checkpoint
 
 from ..capture.build import module_path
 from ..errors import ConfigError
-from ..solver.strategies import spec_dim
 from . import collectives, context_ops, shard_ops
 from .bindings import use_bindings
 from .context_state import ContextRank, Local, holds_tensor
-from .lower import CONTEXT_HOPS, SKIPPED_TARGETS, How, LoweredGraph, LoweredOp, Step
+from .lower import (CONTEXT_HOPS, SKIPPED_TARGETS, Copy, How, LoweredGraph, LoweredOp, ReduceScatter, Split, Step,
+                    split_dim)
 
 
 @dataclass(frozen=True)
@@ -134,9 +134,7 @@ class _Emitter:
     # --- values ---------------------------------------------------------------------------------
     def steps(self, value: Any, steps: tuple[Step, ...]) -> Any:
         for s in steps:
-            fn = getattr(collectives, s.kind)
-            args = (value, s.dim, self.group_node) if s.dim is not None else (value, self.group_node)
-            value = self.graph.call_function(fn, args)
+            value = self.graph.call_function(s.function, (value, *s.args, self.group_node))
         return value
 
     def read(self, name: str, steps: tuple[Step, ...]) -> Any:
@@ -433,12 +431,12 @@ def _split_after(steps: tuple[Step, ...], lowered: LoweredGraph | None, name: st
     if lowered is None:
         return None
     for s in reversed(steps):
-        if s.kind in ("split", "reduce_scatter"):
+        if isinstance(s, (Split, ReduceScatter)):
             return s.dim
-        if s.kind != "copy":
+        if not isinstance(s, Copy):
             return None
     op = lowered.ops.get(name)
-    return spec_dim(op.output) if op is not None else None
+    return split_dim(op.output) if op is not None else None
 
 
 def _with_arg(target: Any, args: list, kwargs: dict, name: str, value: Any) -> tuple[list, dict]:

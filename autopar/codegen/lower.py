@@ -38,19 +38,20 @@ import dataclasses
 import operator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 
 from ..capture.opgraph import OpGraph, OpKind
-from ..solver.strategies import C, P, R
-from ..solver.strategies import spec_dim as split_dim
+from ..plan.placement import Partial, Placement, Replicate, Shard, normal
+from . import collectives
+
+R, P = Replicate(), Partial()
 
 
-def normal(spec: str, ndim: int) -> str:
-    """``S(-1)`` of a 3-D tensor -> ``S(2)``; other specs unchanged."""
-    d = split_dim(spec)
-    return spec if d is None or d >= 0 else f"S({d % max(ndim, 1)})"
+def split_dim(spec: Placement) -> int | None:
+    """The dim of a ``Shard``, else None."""
+    return spec.dim if isinstance(spec, Shard) else None
 
 
 class How(Enum):
@@ -68,10 +69,86 @@ class How(Enum):
 
 @dataclass(frozen=True)
 class Step:
-    """One collective of a conversion (collectives.py): ``kind`` and its dim (None for all-reduces)."""
+    """One collective of a conversion: each kind is a subclass naming its function in collectives.py
+    (``function``), run as ``function(value, *step.args, group)``; ``communicates``: in forward."""
 
-    kind: str
-    dim: int | None = None
+    function: ClassVar[Callable[..., torch.Tensor]]
+    communicates: ClassVar[bool] = False
+
+    @property
+    def args(self) -> tuple[int, ...]:
+        return ()
+
+    def __str__(self) -> str:
+        return f"{self.function.__name__}({', '.join(map(str, self.args))})"
+
+
+@dataclass(frozen=True)
+class _AlongDim(Step):
+    dim: int
+
+    @property
+    def args(self) -> tuple[int, ...]:
+        return (self.dim,)
+
+
+@dataclass(frozen=True)
+class Split(_AlongDim):
+    """R -> S(dim): this rank's block."""
+    function = staticmethod(collectives.split)
+
+
+@dataclass(frozen=True)
+class Gather(_AlongDim):
+    """S(dim) -> R: all-gather."""
+    function = staticmethod(collectives.gather)
+    communicates = True
+
+
+@dataclass(frozen=True)
+class GatherPartial(_AlongDim):
+    """S(dim) -> R read by an op whose work is split (backward: reduce-scatter)."""
+    function = staticmethod(collectives.gather_partial)
+    communicates = True
+
+
+@dataclass(frozen=True)
+class ReduceScatter(_AlongDim):
+    """P -> S(dim)."""
+    function = staticmethod(collectives.reduce_scatter)
+    communicates = True
+
+
+@dataclass(frozen=True)
+class Reduce(Step):
+    """P -> R: all-reduce."""
+    function = staticmethod(collectives.reduce)
+    communicates = True
+
+
+@dataclass(frozen=True)
+class Copy(Step):
+    """R read by an op whose work is split: identity forward, all-reduce of the gradient (Megatron's ``f``)."""
+    function = staticmethod(collectives.copy)
+
+
+@dataclass(frozen=True)
+class ToPartial(Step):
+    """R -> P: rank 0 keeps the value."""
+    function = staticmethod(collectives.to_partial)
+
+
+@dataclass(frozen=True)
+class KeepFirst(Step):
+    """R -> P without ``copy`` (the gradient stays partial)."""
+    function = staticmethod(collectives.keep_first)
+
+
+def apply_steps(value: torch.Tensor, steps: tuple[Step, ...], group) -> torch.Tensor:
+    """``value`` through the collectives of a conversion, in order."""
+    for step in steps:
+        value = step.function(value, *step.args, group)
+    return value
 
 
 @dataclass(frozen=True)
@@ -81,7 +158,7 @@ class LoweredOp:
     node: str
     how: How
     reads: Mapping[str, tuple[Step, ...]]   # tensor argument (node / placeholder name) -> its conversion
-    output: str                             # spec of the output as held
+    output: Placement                       # spec of the output as held
     shape_args: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # arg index -> local sizes
     local_shape: tuple[int, ...] | None = None   # expected shape of a tensor output on this rank
     after: tuple[Step, ...] = ()            # the output's conversion to ``output`` (an op run whole)
@@ -95,7 +172,7 @@ class LoweredGraph:
 
     tp: int
     ops: Mapping[str, LoweredOp]
-    held: Mapping[int, Mapping[str, str]]   # chunk -> value -> spec held there
+    held: Mapping[int, Mapping[str, Placement]]   # chunk -> value -> spec held there
     partial_params: frozenset[str] = frozenset()   # parameter fqns whose gradient is summed once per step
     pinned: frozenset[str] = frozenset()           # aliases of tensors written in place (written_families):
                                                    # converted afresh at every read, never reused
@@ -105,42 +182,34 @@ class LoweredGraph:
         takes a slice, ``copy`` communicates in backward only) and the ops' own."""
         own = {How.VOCAB_LOSS: 1, How.ROW_LOSS: 2, How.REDUCE_SUM: 1, How.REDUCE_MAX: 1, How.REDUCE_MIN: 1}
         steps = [s for op in self.ops.values() for read in (*op.reads.values(), op.after) for s in read]
-        return sum(1 for s in steps if s.kind in COMMUNICATING) + sum(own.get(op.how, 0) for op in self.ops.values())
+        return sum(1 for s in steps if s.communicates) + sum(own.get(op.how, 0) for op in self.ops.values())
 
 
-COMMUNICATING = frozenset({"gather", "gather_partial", "reduce", "reduce_scatter"})
-"""Conversion steps that communicate in forward."""
-
-
-def cut_spec(op_spec: Any) -> str:
+def cut_spec(op_spec: Any) -> Placement:
     """The spec a value crosses a pipeline cut in: the plan's output spec if S(d), else R."""
     return op_spec.output if op_spec is not None and split_dim(op_spec.output) is not None else R
 
 
 # held spec -> required spec: the steps (``partial``: the reading op's work is split over the ranks)
-def convert(src: str, dst: str, partial: bool) -> tuple[Step, ...]:
+def convert(src: Placement, dst: Placement, partial: bool) -> tuple[Step, ...]:
     """The collectives taking a value held in ``src`` to ``dst`` (both normalised)."""
-    if src == C:
-        src = R
-    if dst == C:
-        dst = R
     s, d = split_dim(src), split_dim(dst)
     if src == dst:
-        return (Step("copy"),) if dst == R and partial else ()
+        return (Copy(),) if dst == R and partial else ()
     if src == R:
         if d is not None:
-            return (Step("split", d),)
-        return (Step("to_partial"),)                                       # R -> P
+            return (Split(d),)
+        return (ToPartial(),)                                       # R -> P
     if src == P:
         if dst == R:
-            return (Step("reduce"), Step("copy")) if partial else (Step("reduce"),)
-        return (Step("reduce_scatter", d),)
+            return (Reduce(), Copy()) if partial else (Reduce(),)
+        return (ReduceScatter(d),)
     # src is S(s)
     if dst == R:
-        return (Step("gather_partial", s),) if partial else (Step("gather", s),)
+        return (GatherPartial(s),) if partial else (Gather(s),)
     if d is not None:
-        return (Step("gather", s), Step("split", d))
-    return (Step("gather", s), Step("to_partial"))                         # S -> P
+        return (Gather(s), Split(d))
+    return (Gather(s), ToPartial())                                 # S -> P
 
 
 _SHAPE_ARG = {"view": 1, "_unsafe_view": 1, "reshape": 1, "expand": 1, "new_zeros": 1, "new_ones": 1,
@@ -209,19 +278,19 @@ def _class_ids(node: torch.fx.Node) -> bool:
     return weight is None and isinstance(val, torch.Tensor) and not val.is_floating_point()
 
 
-def _aligned(value: torch.fx.Node, node: torch.fx.Node, out_spec: str) -> str:
+def _aligned(value: torch.fx.Node, node: torch.fx.Node, out_spec: Placement) -> Placement:
     """The spec of a buffer read by an op whose output is ``out_spec``: split along the dim it broadcasts
     to the output's split dim (a norm's running statistics along the channels), else R."""
     d, shape, out = split_dim(out_spec), _shape(value), _shape(node)
     if d is None or not shape or out is None:
         return R
     if base(node.target) in _CHANNEL_NORMS and len(shape) == 1:
-        return "S(0)" if d == 1 and shape[0] == out[1] else R
+        return Shard(0) if d == 1 and shape[0] == out[1] else R
     e = d - (len(out) - len(shape))
-    return f"S({e})" if e >= 0 and shape[e] == out[d] and shape[e] != 1 else R
+    return Shard(e) if e >= 0 and shape[e] == out[d] and shape[e] != 1 else R
 
 
-def local_shape(shape: tuple[int, ...], spec: str, tp: int) -> tuple[int, ...]:
+def local_shape(shape: tuple[int, ...], spec: Placement, tp: int) -> tuple[int, ...]:
     d = split_dim(spec)
     if d is None or not shape:
         return shape
@@ -237,11 +306,11 @@ class _Lowering:
         self.ops = {op.name: op for op in graph.nodes}   # capture's view of each op, at this rank's shapes
         self.pinned: frozenset[str] = frozenset()
 
-    def param_spec(self, placeholder: str) -> str:
+    def param_spec(self, placeholder: str) -> Placement:
         d = self.param_dims.get(self.param_of[placeholder])
-        return R if d is None else normal(f"S({d})", _ndim(self.nodes[placeholder]))
+        return R if d is None else normal(Shard(d), _ndim(self.nodes[placeholder]))
 
-    def lower(self, node: torch.fx.Node, held: dict[str, str]) -> LoweredOp:
+    def lower(self, node: torch.fx.Node, held: dict[str, Placement]) -> LoweredOp:
         name, target = node.name, str(node.target)
         tensors = [a for a in node.all_input_nodes if a.op != "get_attr"]
         if target in SKIPPED_TARGETS:
@@ -259,11 +328,11 @@ class _Lowering:
             return self.whole(node, held, _written(node))
         out_spec = normal(spec.output, _ndim(node))
         reads: dict[str, tuple[Step, ...]] = {}
-        wanted: dict[str, str] = {}
+        wanted: dict[str, Placement] = {}
         for a in tensors:
             if a.name in self.param_of:
                 d = spec.params.get(self.param_of[a.name])
-                wanted[a.name] = R if d is None else normal(f"S({d})", _ndim(a))
+                wanted[a.name] = R if d is None else normal(Shard(d), _ndim(a))
             elif a.name in spec.inputs:
                 wanted[a.name] = normal(spec.inputs[a.name], _ndim(a))
             else:   # a buffer or constant the plan does not list: broadcast against the output
@@ -278,7 +347,7 @@ class _Lowering:
             if repaired is None:
                 return self.whole(node, held)
             wanted, out_spec = repaired
-        if how is How.LOCAL and split_dim(out_spec) is not None and all(w in (R, C) for w in wanted.values()):
+        if how is How.LOCAL and split_dim(out_spec) is not None and all(w == R for w in wanted.values()):
             # nothing sharded goes in, a shard comes out (a view sequence parallelism splits): run whole, then split
             whole = self.whole(node, held)
             return LoweredOp(name, How.WHOLE, whole.reads, out_spec, {}, whole.local_shape,
@@ -288,7 +357,7 @@ class _Lowering:
             for a in tensors:
                 if a.name in self.param_of and wanted[a.name] == R:
                     wanted[a.name] = P
-        split = any(s != R and s != C for s in wanted.values()) or out_spec not in (R, C)
+        split = any(s != R for s in wanted.values()) or out_spec != R
         for a in tensors:
             reads[a.name] = convert(held[a.name], wanted[a.name], split)
         if how in (How.REDUCE_SUM, How.REDUCE_MAX, How.REDUCE_MIN, How.ROW_LOSS, How.VOCAB_LOSS):
@@ -299,7 +368,7 @@ class _Lowering:
             local = shape
         return LoweredOp(name, how, reads, out_spec, self.shape_args(node, wanted, local), local)
 
-    def fits(self, node: torch.fx.Node, wanted: Mapping[str, str], out_spec: str) -> bool:
+    def fits(self, node: torch.fx.Node, wanted: Mapping[str, Placement], out_spec: Placement) -> bool:
         """Whether the op, run on shards in the specs ``wanted``, computes its output's shard in ``out_spec``
         at this rank's shapes (its dims maps, capture/dims.py). The plan's graph may differ from this
         rank's: another example batch makes another dim the outermost of a merged run (a view of
@@ -313,16 +382,17 @@ class _Lowering:
             w = wanted.get(name, R)
             e = op.dims[i][d] if d is not None and i < len(op.dims) and d < len(op.dims[i]) else -1
             if d is None:
-                if w not in (R, C):
+                if w != R:
                     return False
-            elif w in (R, C):
+            elif w == R:
                 if e >= 0 and _size(self.nodes.get(name), e) != 1:
                     return False
             elif w == P or split_dim(w) != e or (i == 0 and e in op.reduced):
                 return False
         return True
 
-    def propagate(self, node: torch.fx.Node, held: Mapping[str, str]) -> tuple[dict[str, str], str] | None:
+    def propagate(self, node: torch.fx.Node, held: Mapping[str, Placement]
+                  ) -> tuple[dict[str, Placement], Placement] | None:
         """Specs for an op of one activation input (a view, an element-wise op) from the spec its input is
         held in, by the op's dims maps at this rank's shapes; None when it has other inputs."""
         op = self.ops.get(node.name)
@@ -337,7 +407,7 @@ class _Lowering:
         if e is not None and e not in op.reduced and shape is not None:
             d = next((d for d, m in enumerate(op.dims[0]) if m == e), None)
             if d is not None and shape[d] % self.tp == 0:
-                return {name: src}, f"S({d})"
+                return {name: src}, Shard(d)
         return {name: R}, R
 
     def how(self, node: torch.fx.Node, spec: Any) -> How:
@@ -355,14 +425,14 @@ class _Lowering:
             return How.ROW_LOSS if b in _ROW_LOSSES else How.WHOLE    # split rows of a loss
         return How.LOCAL
 
-    def whole(self, node: torch.fx.Node, held: dict[str, str], written: list[str] = ()) -> LoweredOp:
+    def whole(self, node: torch.fx.Node, held: dict[str, Placement], written: list[str] = ()) -> LoweredOp:
         reads = {a.name: convert(held.get(a.name, R), R, False) for a in node.all_input_nodes if a.op != "get_attr"}
         writes = tuple(w for w in written if reads.get(w))
         for w in writes:
             held[w] = R
         return LoweredOp(node.name, How.WHOLE, reads, R, {}, _shape(node), (), writes)
 
-    def shape_args(self, node: torch.fx.Node, wanted: Mapping[str, str], local: tuple[int, ...] | None
+    def shape_args(self, node: torch.fx.Node, wanted: Mapping[str, Placement], local: tuple[int, ...] | None
                    ) -> dict[int, tuple[int, ...]]:
         """Shape arguments at this rank's sizes (a view's target shape, a split's sizes)."""
         b = base(node.target)
@@ -398,7 +468,7 @@ def lower(nodes: Mapping[str, torch.fx.Node], graph: OpGraph, chunks: Any, specs
     lowering = _Lowering(nodes, graph, specs, param_of, param_dims, tp)
     lowering.pinned = written_families(nodes.values())
     ops: dict[str, LoweredOp] = {}
-    held_by_chunk: dict[int, dict[str, str]] = {}
+    held_by_chunk: dict[int, dict[str, Placement]] = {}
     leaves = {name: lowering.param_spec(name) if name in param_of else R
               for name, n in nodes.items() if n.op in ("placeholder", "get_attr")}
     for chunk in chunks:
@@ -463,7 +533,7 @@ def _step_reduced(ops: dict[str, LoweredOp], param_of: Mapping[str, str]
     parallelism, a row-parallel bias) has a partial gradient on every rank: it is summed once per step
     (``partial_params``, as the cost model prices it) rather than by a ``copy`` at every read of every
     micro-batch. One that an op also reads whole (its gradient whole on every rank) keeps its copies."""
-    partial_reads = {(Step("copy"),): (), (Step("to_partial"),): (Step("keep_first"),)}
+    partial_reads = {(Copy(),): (), (ToPartial(),): (KeepFirst(),)}
     uses: dict[str, set[bool]] = {}
     for op in ops.values():
         for name, steps in op.reads.items():

@@ -69,7 +69,8 @@ from .split import check_structure, cut_values, empty_like_meta, meta_buffers, p
 from .inputs import example_at
 from .specs import plan_specs
 from .layers import LayerIO, class_name, layer_module
-from .lower import R, convert, cut_spec, lower, normal, written_inputs
+from ..plan.placement import normal
+from .lower import R, convert, cut_spec, lower, written_inputs
 from .source import Written, program_source, write_support
 
 PROGRAM, TRAIN, BUFFERS = "program.py", "train.py", "buffers.pt"
@@ -246,8 +247,8 @@ def _chunk(chunk: Any, split: Any, lowered: Any, modes: list[str], crossing, con
             d = split.meta(v).dim()
             steps = convert(normal(lowered.held[chunk.index].get(v, R), d), normal(crossing(v), d), False)
         for s in steps:
-            dim = f", {s.dim}" if s.dim is not None else ""
-            body.append(f"        {v} = collectives.{s.kind}({v}{dim}, self.tp_group)   # sent as {crossing(v)}")
+            args = "".join(f", {a}" for a in s.args)
+            body.append(f"        {v} = collectives.{s.function.__name__}({v}{args}, self.tp_group)   # sent as {crossing(v)}")
     layer_names = ", ".join(layer.name for layer in chunk.layers)
     text = (f"class Chunk{chunk.index}(torch.nn.Module):\n"
             f'    """Chunk {chunk.index} (layers {layer_names}): reads {list(chunk.graph_inputs + chunk.recv)}, '

@@ -15,6 +15,7 @@ from ..capture.opgraph import Layer, OpGraph, OpNode
 from ..cost_model.tensor_parallel import TPComm, TPLayout, sequence_split_nodes
 from ..errors import AutoparError
 from .sharding_problem import GroupProblem, Realised, layout_state, realise
+from ..plan.placement import Placement, Replicate
 from .strategies import Comm, Strategy
 
 
@@ -100,7 +101,7 @@ class GroupSolution:
     group: LayerGroup
     problem: GroupProblem
     result: Realised
-    boundary: str = "R"
+    boundary: Placement = Replicate()
     stats: Mapping[str, Any] = field(default_factory=dict)   # ILP size and seconds
 
 

@@ -24,6 +24,7 @@ from autopar.solver.sharding import solve_group
 from autopar.solver.sharding_layout import evaluate_layout
 from autopar.solver.sharding_solver import ShardingSolver, tp_group
 from autopar.solver.sharding_problem import reshard_comms
+from autopar.plan.placement import Partial, Replicate, Shard
 from autopar.solver.strategies import Comm
 
 A100x8 = "1x8xA100-80GB"
@@ -283,12 +284,15 @@ def test_memory_budget_below_the_least_is_infeasible(gpt):
 
 def test_resharding_table():
     n = 1024
-    assert reshard_comms("R", "R", n, True, True) == ()
-    assert reshard_comms("R", "S(1)", n, True, True) == (Comm("all_gather", "bwd", n, True),)
-    assert reshard_comms("R", "S(1)", n, True, False) == ()
-    assert reshard_comms("S(1)", "R", n, True, True) == (Comm("all_gather", "fwd", n, True),)
-    assert reshard_comms("S(0)", "S(1)", n, True, True) == (Comm("all_to_all", "fwd", n, True),)
-    assert reshard_comms("P", "R", n, True, True) == (Comm("all_reduce", "fwd", n, True),)
-    assert reshard_comms("P", "S(2)", n, True, True) == (Comm("reduce_scatter", "fwd", n, True),)
-    assert reshard_comms("R", "P", n, True, True) is None
-    assert reshard_comms("C", "S(0)", n, False, False) == ()
+    R, P = Replicate(), Partial()
+    assert reshard_comms(R, R, n, True, True) == ()
+    assert reshard_comms(R, Shard(1), n, True, True) == (Comm("all_gather", "bwd", n, True),)
+    assert reshard_comms(R, Shard(1), n, True, False) == ()
+    assert reshard_comms(Shard(1), R, n, True, True) == (Comm("all_gather", "fwd", n, True),)
+    assert reshard_comms(Shard(0), Shard(1), n, True, True) == (Comm("all_to_all", "fwd", n, True),)
+    assert reshard_comms(P, R, n, True, True) == (Comm("all_reduce", "fwd", n, True),)
+    assert reshard_comms(P, Shard(2), n, True, True) == (Comm("reduce_scatter", "fwd", n, True),)
+    assert reshard_comms(R, P, n, True, True) is None
+    assert reshard_comms(R, Shard(0), n, False, False, src_const=True) == ()   # a constant: sliced for free
+    assert reshard_comms(Shard(1), R, n, True, True, dst_const=True) == ()     # a const op makes its own
+    assert reshard_comms(R, P, n, False, False, src_const=True) is None
