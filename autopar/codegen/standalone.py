@@ -248,7 +248,8 @@ def _chunk(chunk: Any, split: Any, lowered: Any, modes: list[str], crossing, con
             steps = convert(normal(lowered.held[chunk.index].get(v, R), d), normal(crossing(v), d), False)
         for s in steps:
             args = "".join(f", {a}" for a in s.args)
-            body.append(f"        {v} = collectives.{s.function.__name__}({v}{args}, self.tp_group)   # sent as {crossing(v)}")
+            call = f"collectives.{s.function.__name__}({v}{args}, self.tp_group)"
+            body.append(f"        {v} = {call}   # sent as {crossing(v)}")
     layer_names = ", ".join(layer.name for layer in chunk.layers)
     text = (f"class Chunk{chunk.index}(torch.nn.Module):\n"
             f'    """Chunk {chunk.index} (layers {layer_names}): reads {list(chunk.graph_inputs + chunk.recv)}, '
