@@ -37,7 +37,7 @@ from ..cost_model.comm import Collective, GroupPlacement, collective_time
 from ..cost_model.compute import ComputeModel
 from ..cost_model.layer_cost import compute_shard, split_dim
 from ..cost_model.memory import saved_owner
-from ..cost_model.tensor_parallel import TPLayout
+from ..cost_model.tensor_parallel import TPLayout, Work
 from ..plan.placement import Placement, Shard
 from .strategies import Comm, OpContext, P, R, Strategy, node_strategies
 
@@ -110,13 +110,13 @@ class Pricing:
         return p.weight_bytes + p.grad_bytes + p.optimizer_bytes
 
 
-def layout_state(node: OpNode, s: Strategy) -> str:
-    """The TPLayout state of a node's output: S when each rank computes 1/t of it (a partial output
-    without a split weight included, so that the cost model divides its compute), else R (C when the
-    node does not depend on the batch)."""
+def layout_state(node: OpNode, s: Strategy) -> Work:
+    """The TPLayout state of a node's output: SPLIT when each rank computes 1/t of it (a partial output
+    without a split weight included, so that the cost model divides its compute), else WHOLE (CONST when
+    the node does not depend on the batch)."""
     if isinstance(s.output, Shard) or (s.output == P and not (node.params and node.params[0] in s.split_params)):
-        return "S"
-    return "C" if not node.batch_dependent else "R"
+        return Work.SPLIT
+    return Work.CONST if not node.batch_dependent else Work.WHOLE
 
 
 @dataclass(frozen=True)
@@ -261,7 +261,7 @@ def _price_node(ctx: OpContext, pricing: Pricing, prob: GroupProblem, k: int, no
                 own += reshard_comms(boundary.of(ctx, name, pricing.tp), s.inputs[i], meta.numel, bd,
                                      ctx.requires_grad(name), ctx.is_const(name), s.const) or ()
         t = fwd + bwd + sum(pricing.comm(c) for c in own)
-        mem = saved_bytes / (pricing.tp if layout_state(node, s) == "S" else 1)
+        mem = saved_bytes / (pricing.tp if layout_state(node, s) == Work.SPLIT else 1)
         for p, d in s.params:
             if readers.get(p, 0) == 1:
                 mem += ctx.param_meta[p].numel * pricing.param_bytes / (pricing.tp if d is not None else 1)

@@ -17,7 +17,7 @@ from autopar.capture import capture
 from autopar.cluster import Cluster
 from autopar.config import Precision
 from autopar.cost_model.layer_cost import LayerCostModel
-from autopar.cost_model.tensor_parallel import megatron_layout, replicated_layout
+from autopar.cost_model.tensor_parallel import Work, megatron_layout, replicated_layout
 from autopar.errors import AutoparError, ConfigError
 from autopar.models import GPTConfig, LlamaConfig, build_gpt, build_llama, registry
 from autopar.solver.sharding import solve_group
@@ -179,7 +179,7 @@ def test_resnet50_is_data_parallel(tp):
     convs = [n.name for n in graph.nodes if n.kind.value == "conv"]
     assert len(convs) == 53
     assert {layout.strategy[n] for n in convs} == {"split(0)"}
-    assert {layout.state[n] for n in convs} == {"S"}
+    assert {layout.state[n] for n in convs} == {Work.SPLIT}
     assert all(group["boundary"] == "S(0)" for group in solver.describe(tp, "fast"))
     phases = {c.phase for comms in layout.comms.values() for c in comms}
     assert "step" in phases  # the weights' gradients are all-reduced once per step: data parallelism
