@@ -326,7 +326,7 @@ class _Emitter:
             out = (call(collectives.reduce, (local, g)) if how is How.REDUCE_SUM else
                    call(collectives.reduce_max, (local, g, how is How.REDUCE_MAX)))
         if self.checks and op.local_shape is not None and isinstance(node.meta.get("val"), torch.Tensor):
-            call(shard_ops.expect_shape, (out, self._local_shape(node, op), name, op.output))
+            call(shard_ops.expect_shape, (out, self._local_shape(node, op), name, str(op.output)))
         if op.after:
             if isinstance(node.meta.get("val"), (list, tuple)):   # a split's pieces, converted as they are read
                 self.pieces[name] = op.after

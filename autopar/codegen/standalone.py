@@ -69,7 +69,7 @@ from .split import check_structure, cut_values, empty_like_meta, meta_buffers, p
 from .inputs import example_at
 from .specs import plan_specs
 from .layers import LayerIO, class_name, layer_module
-from ..plan.placement import normal
+from ..plan.placement import Placement, normal
 from .lower import R, convert, cut_spec, lower, written_inputs
 from .source import Written, program_source, write_support
 
@@ -136,7 +136,7 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     split = split_graph(exported, graph, plan_chunks(plan), param_aliases(model))
     specs, dims = plan_specs(plan, graph)
 
-    def crossing(v: str) -> str:
+    def crossing(v: str) -> Placement:
         return R if v == split.loss else cut_spec(specs.get(v))
 
     lowered = lower(split.node_map, graph, split.chunks, specs, split.param_of, dims, cfg.tp) if cfg.tp > 1 else None
