@@ -51,8 +51,8 @@ from . import collectives, context_ops, shard_ops
 from .bindings import use_bindings
 from .context_state import (ContextOp, ContextRank, Conversion, GatherTokens, Local, Mode, Resolve,
                             holds_tensor)
-from .lower import (CONTEXT_HOPS, SKIPPED_TARGETS, Copy, How, LoweredGraph, LoweredOp, ReduceScatter, Split, Step,
-                    split_dim)
+from .lower import CONTEXT_HOPS, SKIPPED_TARGETS, How, LoweredGraph, LoweredOp
+from .redistribute import Copy, ReduceScatter, Split, Step, split_dim
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ For every node of the exported graph the lowering decides, once and before the f
   inputs and buffers; a parameter's split from the plan; a value received from an earlier
   pipeline chunk in the spec it crossed the cut in);
 - per tensor argument, the collective(s) that turn the held spec into the spec the op's strategy
-  reads it in (:func:`convert`, collectives.py's functions): the spec-to-spec table the sharding
-  ILP priced, so what is priced is what runs;
+  reads it in (redistribute.py's :func:`~.redistribute.convert`, typed steps naming collectives.py's
+  functions): the spec-to-spec table the sharding ILP priced, so what is priced is what runs;
 - how the op runs (:class:`How`): on this rank's shards with shape arguments rewritten to local
   sizes (``local``), or as one of the ops whose shards need more than that: the
   vocabulary-parallel embedding (a masked lookup whose output is partial) and cross entropy
@@ -38,20 +38,13 @@ import dataclasses
 import operator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, Mapping
 
 import torch
 
 from ..capture.opgraph import OpGraph, OpKind
-from ..plan.placement import Partial, Placement, Replicate, Shard, normal
-from . import collectives
-
-R, P = Replicate(), Partial()
-
-
-def split_dim(spec: Placement) -> int | None:
-    """The dim of a ``Shard``, else None."""
-    return spec.dim if isinstance(spec, Shard) else None
+from ..plan.placement import Placement, Shard, normal
+from .redistribute import P, R, Copy, KeepFirst, Step, ToPartial, convert, split_dim
 
 
 class How(Enum):
@@ -65,90 +58,6 @@ class How(Enum):
     REDUCE_MAX = "reduce_max"
     REDUCE_MIN = "reduce_min"
     MOE = "moe"                   # an MoE region as one call of its ExpertsModule, on whole inputs
-
-
-@dataclass(frozen=True)
-class Step:
-    """One collective of a conversion: each kind is a subclass naming its function in collectives.py
-    (``function``), run as ``function(value, *step.args, group)``; ``communicates``: in forward."""
-
-    function: ClassVar[Callable[..., torch.Tensor]]
-    communicates: ClassVar[bool] = False
-
-    @property
-    def args(self) -> tuple[int, ...]:
-        return ()
-
-    def __str__(self) -> str:
-        return f"{self.function.__name__}({', '.join(map(str, self.args))})"
-
-
-@dataclass(frozen=True)
-class _AlongDim(Step):
-    dim: int
-
-    @property
-    def args(self) -> tuple[int, ...]:
-        return (self.dim,)
-
-
-@dataclass(frozen=True)
-class Split(_AlongDim):
-    """R -> S(dim): this rank's block."""
-    function = staticmethod(collectives.split)
-
-
-@dataclass(frozen=True)
-class Gather(_AlongDim):
-    """S(dim) -> R: all-gather."""
-    function = staticmethod(collectives.gather)
-    communicates = True
-
-
-@dataclass(frozen=True)
-class GatherPartial(_AlongDim):
-    """S(dim) -> R read by an op whose work is split (backward: reduce-scatter)."""
-    function = staticmethod(collectives.gather_partial)
-    communicates = True
-
-
-@dataclass(frozen=True)
-class ReduceScatter(_AlongDim):
-    """P -> S(dim)."""
-    function = staticmethod(collectives.reduce_scatter)
-    communicates = True
-
-
-@dataclass(frozen=True)
-class Reduce(Step):
-    """P -> R: all-reduce."""
-    function = staticmethod(collectives.reduce)
-    communicates = True
-
-
-@dataclass(frozen=True)
-class Copy(Step):
-    """R read by an op whose work is split: identity forward, all-reduce of the gradient (Megatron's ``f``)."""
-    function = staticmethod(collectives.copy)
-
-
-@dataclass(frozen=True)
-class ToPartial(Step):
-    """R -> P: rank 0 keeps the value."""
-    function = staticmethod(collectives.to_partial)
-
-
-@dataclass(frozen=True)
-class KeepFirst(Step):
-    """R -> P without ``copy`` (the gradient stays partial)."""
-    function = staticmethod(collectives.keep_first)
-
-
-def apply_steps(value: torch.Tensor, steps: tuple[Step, ...], group) -> torch.Tensor:
-    """``value`` through the collectives of a conversion, in order."""
-    for step in steps:
-        value = step.function(value, *step.args, group)
-    return value
 
 
 @dataclass(frozen=True)
@@ -188,28 +97,6 @@ class LoweredGraph:
 def cut_spec(op_spec: Any) -> Placement:
     """The spec a value crosses a pipeline cut in: the plan's output spec if S(d), else R."""
     return op_spec.output if op_spec is not None and split_dim(op_spec.output) is not None else R
-
-
-# held spec -> required spec: the steps (``partial``: the reading op's work is split over the ranks)
-def convert(src: Placement, dst: Placement, partial: bool) -> tuple[Step, ...]:
-    """The collectives taking a value held in ``src`` to ``dst`` (both normalised)."""
-    s, d = split_dim(src), split_dim(dst)
-    if src == dst:
-        return (Copy(),) if dst == R and partial else ()
-    if src == R:
-        if d is not None:
-            return (Split(d),)
-        return (ToPartial(),)                                       # R -> P
-    if src == P:
-        if dst == R:
-            return (Reduce(), Copy()) if partial else (Reduce(),)
-        return (ReduceScatter(d),)
-    # src is S(s)
-    if dst == R:
-        return (GatherPartial(s),) if partial else (Gather(s),)
-    if d is not None:
-        return (Gather(s), Split(d))
-    return (Gather(s), ToPartial())                                 # S -> P
 
 
 _SHAPE_ARG = {"view": 1, "_unsafe_view": 1, "reshape": 1, "expand": 1, "new_zeros": 1, "new_ones": 1,

@@ -70,7 +70,8 @@ from .inputs import example_at
 from .specs import plan_specs
 from .layers import LayerIO, class_name, layer_module
 from ..plan.placement import Placement, normal
-from .lower import R, convert, cut_spec, lower, written_inputs
+from .lower import cut_spec, lower, written_inputs
+from .redistribute import R, convert
 from .source import Written, program_source, write_support
 
 PROGRAM, TRAIN, BUFFERS = "program.py", "train.py", "buffers.pt"

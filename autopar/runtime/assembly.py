@@ -23,7 +23,8 @@ from ..capture import graph_of, param_aliases
 from ..capture.export import LossFn, loss_source, run_export
 from ..capture.loss import check_loss
 from ..capture.opgraph import OpKind
-from ..codegen.lower import R, cut_spec, lower
+from ..codegen.lower import cut_spec, lower
+from ..codegen.redistribute import R
 from ..plan.placement import Placement, Replicate, Shard, normal
 from ..codegen.optim import compile_step
 from ..errors import ConfigError

@@ -39,7 +39,8 @@ from torch.distributed.tensor import DTensor
 from ..codegen.context_state import ContextRank
 from ..codegen.layers import LayerIO, class_name, layer_module
 from ..codegen.recompute import run_layer
-from ..codegen.lower import SKIPPED_TARGETS, R, LoweredGraph, apply_steps, convert, written_inputs
+from ..codegen.lower import SKIPPED_TARGETS, LoweredGraph, written_inputs
+from ..codegen.redistribute import R, apply_steps, convert
 from ..codegen.split import ChunkSpec, LayerSpec, SplitGraph
 from ..plan.placement import Placement, normal
 

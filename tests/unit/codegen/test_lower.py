@@ -10,8 +10,9 @@ import autopar
 from autopar import Cluster
 from autopar.capture import graph_of, param_aliases
 from autopar.capture.export import run_export
-from autopar.codegen.lower import (Copy, Gather, GatherPartial, How, Reduce, ReduceScatter, Split, ToPartial,
-                                   convert, lower)
+from autopar.codegen.lower import How, lower
+from autopar.codegen.redistribute import (Copy, Gather, GatherPartial, Reduce, ReduceScatter, Split, ToPartial,
+                                          convert)
 from autopar.plan.placement import Partial, Replicate, Shard
 from autopar.models import GPTConfig, build_gpt
 from autopar.codegen.split import plan_chunks, split_graph
