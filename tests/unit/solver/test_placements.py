@@ -48,6 +48,10 @@ def test_the_specs_a_rank_lowers_are_placements():
                             global_batch_size=2)
     texts = {x for group in plan.sharding for op in group["ops"] for x in (op["output"], *op["inputs"])}
     assert "C" in texts and any(t.startswith("S(") for t in texts)   # the plan file's text, unchanged
-    specs, _ = node_specs(plan.sharding, capture(model, inputs))
+    graph = capture(model, inputs)
+    specs, _ = node_specs(plan.sharding, graph)
     held = [s.output for s in specs.values()] + [x for s in specs.values() for x in s.inputs.values()]
     assert all(isinstance(x, PLACEMENTS) for x in held) and Shard(2) in held
+    group = dict(plan.sharding[0], ops=[dict(plan.sharding[0]["ops"][0], output="S(-)")] + plan.sharding[0]["ops"][1:])
+    with pytest.raises(PlanFormatError, match=f"{group['ops'][0]['node']}'s output"):
+        node_specs((group,) + tuple(plan.sharding[1:]), graph)
