@@ -1,11 +1,12 @@
-"""Tensor-parallel collectives as autograd functions: what a lowered program (lower.py) calls.
+"""Tensor-parallel collectives as autograd functions: what a lowered program calls (each a step of
+redistribute.py).
 
 This module imports only torch, so that a generated program can carry it as it is.
 
-Every value of a tensor-parallel group of ``t`` ranks is held in one of four specs: ``R`` (each
-rank holds all of it), ``S(d)`` (rank ``r`` holds block ``r`` of ``t`` contiguous blocks of dim
-``d``), ``P`` (the value is the sum of what the ranks hold) or ``C`` (a constant every rank makes
-whole). Gradients follow one convention, Megatron-LM's: the gradient of an ``R`` value is itself
+Every value of a tensor-parallel group of ``t`` ranks is held in one of three placements
+(autopar/plan/placement.py): ``R`` (each rank holds all of it), ``S(d)`` (rank ``r`` holds block
+``r`` of ``t`` contiguous blocks of dim ``d``) or ``P`` (the value is the sum of what the ranks
+hold). Gradients follow one convention, Megatron-LM's: the gradient of an ``R`` value is itself
 ``R`` (every rank holds the whole of it), of ``S(d)`` is ``S(d)``, and of ``P`` is ``R``. Each
 function's backward keeps to it:
 

@@ -8,7 +8,7 @@ The ``cp`` ranks of a context-parallel group get the same micro-batch; each work
 :func:`.ring_attention.local_indices` gives it (chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``).
 Every value of the graph is in one of three states:
 
-- FULL (``None``): the whole sequence in its original order, the same on every rank of the group
+- FULL: the whole sequence in its original order, the same on every rank of the group
   (constants, positions, rotary tables, masks, and whatever is computed from FULL values only:
   cheap, and kept whole so that masks reach attention whole);
 - :class:`Local` ``(dim, seq, outer, inner)``: dim ``dim`` holds this rank's tokens: its full size
@@ -21,7 +21,7 @@ Every value of the graph is in one of three states:
 Seeds: a graph input with a dim of a sequence length (the query or key length of an attention
 op: ``seq``) at dim >= 1 starts Local (:func:`shard_sequence` of the micro-batch); the others FULL.
 
-Rules, per op (``Step.mode``), with the op's dimension maps (capture/dims.py: which input dim each
+Rules, per op (``ContextOp.mode``), with the op's dimension maps (capture/dims.py: which input dim each
 output dim comes from, and the dims the op reduces over):
 
 - ``full``: no Local input: run as is (a PARTIAL input is first resolved by an all-reduce mean);
@@ -78,7 +78,8 @@ from .. import ops
 from ..capture.dims import bound_args, broadcast_map, op_dims, shape_of
 from ..errors import ConfigError
 from ..ops import SKIPPED_TARGETS, base_name
-from .context_state import FULL, PARTIAL, ContextPlan, Conv, Local, State, Step, holds_tensor
+from .context_state import (FULL, PARTIAL, ContextOp, ContextPlan, Conv, GatherTokens, Local, Mode, Resolve, State,
+                            TakeTokens, holds_tensor)
 
 
 # ------------------------------------------------------------------------------------ analysis
@@ -99,12 +100,12 @@ def analyse(program: ExportedProgram, cp: int, attention: frozenset[str],
     for n in nodes:
         if n.op == "placeholder":
             seed = _seed(n, seqs) if n.name in user else None
-            states[n.name] = seed
+            states[n.name] = FULL if seed is None else seed
             if seed is not None:
                 inputs[n.name] = seed
         elif n.op == "get_attr":
             states[n.name] = FULL
-    steps: dict[str, Step] = {}
+    steps: dict[str, ContextOp] = {}
     for n in nodes:
         if n.op != "call_function" or n.name in skipped:
             continue
@@ -116,7 +117,7 @@ def analyse(program: ExportedProgram, cp: int, attention: frozenset[str],
         states[n.name] = step.out
     output = next(n for n in nodes if n.op == "output")
     loss = output.args[0][0] if isinstance(output.args[0], (list, tuple)) else output.args[0]
-    if isinstance(states.get(loss.name), Local):
+    if isinstance(states.get(loss.name, FULL), Local):
         raise ConfigError(f"the loss {loss.name} is not a scalar split along the sequence: context parallelism "
                           "needs a scalar loss; re-plan with cp=1")
     return ContextPlan(cp, states, steps, inputs)
@@ -176,23 +177,24 @@ def _shape(node: torch.fx.Node) -> tuple[int, ...]:
     return shape_of(node.meta.get("val")) or ()
 
 
-def _full_step(ins: Sequence[torch.fx.Node], states: Mapping[str, State], pre: Sequence[Conv] | None = None) -> Step:
+def _full_step(ins: Sequence[torch.fx.Node], states: Mapping[str, State],
+               pre: Sequence[Conv] | None = None) -> ContextOp:
     """Run whole: gather Local inputs, resolve PARTIAL ones."""
     conv = []
     for i, a in enumerate(ins):
-        s = states.get(a.name)
+        s = states.get(a.name, FULL)
         if pre is not None and pre[i]:
             conv.append(pre[i])
         elif isinstance(s, Local):
-            conv.append((("gather", s),))
-        elif s is PARTIAL:
-            conv.append((("resolve", None),))
+            conv.append((GatherTokens(s),))
+        elif s == PARTIAL:
+            conv.append((Resolve(),))
         else:
             conv.append(())
-    return Step("full", tuple(a.name for a in ins), tuple(conv), FULL)
+    return ContextOp(Mode.FULL, tuple(a.name for a in ins), tuple(conv), FULL)
 
 
-def _step(n: torch.fx.Node, states: dict[str, State], cp: int, attention: frozenset[str]) -> Step:
+def _step(n: torch.fx.Node, states: dict[str, State], cp: int, attention: frozenset[str]) -> ContextOp:
     ins = tensor_args(n)
     names = tuple(a.name for a in ins)
     for a in ins:
@@ -201,21 +203,21 @@ def _step(n: torch.fx.Node, states: dict[str, State], cp: int, attention: frozen
                               "(an expert-parallel region's inner value?): re-plan with cp=1")
     st = [states[a.name] for a in ins]
     if n.target is operator.getitem:
-        return Step("full", (), (), st[0] if st else FULL)
-    if all(s is FULL for s in st):
-        return Step("full", names, tuple(() for _ in ins), FULL)
+        return ContextOp(Mode.FULL, (), (), st[0] if st else FULL)
+    if all(s == FULL for s in st):
+        return ContextOp(Mode.FULL, names, tuple(() for _ in ins), FULL)
     name = base_name(n.target)
     if n.name in attention:
         return _attention_step(n, ins, states, cp)
     if name in ops.VOCAB_LOSSES and str(n.target).endswith(".default"):
         return _loss_step(n, name, ins, states, cp)
-    if any(s is PARTIAL for s in st):
+    if any(s == PARTIAL for s in st):
         if not any(isinstance(s, Local) for s in st) and _linear_in_partial(n, name, st):
-            return Step("partial", names, tuple(() for _ in ins), PARTIAL)
-        pre = [(("resolve", None),) if s is PARTIAL else () for s in st]
-        st = [FULL if s is PARTIAL else s for s in st]
-        if all(s is FULL for s in st):
-            return Step("full", names, tuple(pre), FULL)
+            return ContextOp(Mode.PARTIAL, names, tuple(() for _ in ins), PARTIAL)
+        pre = [(Resolve(),) if s == PARTIAL else () for s in st]
+        st = [FULL if s == PARTIAL else s for s in st]
+        if all(s == FULL for s in st):
+            return ContextOp(Mode.FULL, names, tuple(pre), FULL)
     else:
         pre = [() for _ in st]
     return _local_step(n, name, ins, st, pre, cp)
@@ -226,7 +228,7 @@ def _linear_in_partial(n: torch.fx.Node, name: str, st: Sequence[State]) -> bool
     value = n.meta.get("val")
     if name not in ops.LINEAR_OPS or not (isinstance(value, torch.Tensor) and value.is_floating_point()):
         return False   # (a cast to integers rounds: not linear)
-    partial = [i for i, s in enumerate(st) if s is PARTIAL]
+    partial = [i for i, s in enumerate(st) if s == PARTIAL]
     if name in ops.PRODUCTS and len(partial) != 1:
         return False
     if name == "div" and partial != [0]:
@@ -236,11 +238,11 @@ def _linear_in_partial(n: torch.fx.Node, name: str, st: Sequence[State]) -> bool
 
 def _local_step(n: torch.fx.Node, name: str, ins: Sequence[torch.fx.Node], st: Sequence[State],
                 pre: Sequence[Conv], cp: int, maps: Sequence[Sequence[int]] | None = None,
-                reduced: Sequence[int] = ()) -> Step:
+                reduced: Sequence[int] = ()) -> ContextOp:
     """A node with a Local input: token-wise if its maps allow it, else run whole."""
     states = {a.name: s for a, s in zip(ins, st)}
 
-    def gathered() -> Step:
+    def gathered() -> ContextOp:
         return _checked(n, ins, _full_step(ins, states, pre))
 
     outs = _out_shapes(n)
@@ -252,7 +254,7 @@ def _local_step(n: torch.fx.Node, name: str, ins: Sequence[torch.fx.Node], st: S
         layout = _view_layout(shapes[0], st[0], out_shape)
         if layout is None:
             return gathered()
-        return Step("local", (ins[0].name,), (pre[0],), layout, _view_rewrite(n, name, layout, out_shape, cp))
+        return ContextOp(Mode.LOCAL, (ins[0].name,), (pre[0],), layout, _view_rewrite(n, name, layout, out_shape, cp))
     if maps is None:
         maps, reduced = _maps(name, n, ins, out_shape)
     if maps is None or any(m is None for m in maps):
@@ -266,7 +268,7 @@ def _local_step(n: torch.fx.Node, name: str, ins: Sequence[torch.fx.Node], st: S
                 break
     if choice is None:
         if name in ("sum", "mean") and len(ins) == 1 and isinstance(st[0], Local) and st[0].dim in reduced:
-            return Step("reduce", (ins[0].name,), (pre[0],), PARTIAL, scale=float(cp) if name == "sum" else 1.0)
+            return ContextOp(Mode.REDUCE, (ins[0].name,), (pre[0],), PARTIAL, scale=float(cp) if name == "sum" else 1.0)
         return gathered()
     o = choice.dim
     if any(len(s) <= o or s[o] != out_shape[o] for s in outs):
@@ -277,21 +279,21 @@ def _local_step(n: torch.fx.Node, name: str, ins: Sequence[torch.fx.Node], st: S
         if isinstance(s, Local) and e == s.dim and s.at(o) == choice:
             conv.append(pre[i])
             continue
-        chain = tuple(pre[i]) + ((("gather", s),) if isinstance(s, Local) else ())
+        chain = tuple(pre[i]) + ((GatherTokens(s),) if isinstance(s, Local) else ())
         if e == -1:
             conv.append(chain)
         elif shapes[i][e] == out_shape[o]:
-            conv.append(chain + (("slice", choice.at(e)),))
+            conv.append(chain + (TakeTokens(choice.at(e)),))
         else:
             return gathered()
     rewrite = _expand_rewrite(n, name, choice, cp) if name == "expand" else ()
-    step = Step("local", tuple(a.name for a in ins), tuple(conv), choice, rewrite)
+    step = ContextOp(Mode.LOCAL, tuple(a.name for a in ins), tuple(conv), choice, rewrite)
     if any(c for a, c in zip(ins, conv) if a in _mutated(n)):
         return gathered()   # a whole input written in place: run whole
     return step
 
 
-def _checked(n: torch.fx.Node, ins: Sequence[torch.fx.Node], step: Step) -> Step:
+def _checked(n: torch.fx.Node, ins: Sequence[torch.fx.Node], step: ContextOp) -> ContextOp:
     """``step``, unless it would convert (copy) an input the op writes in place: the write would be lost."""
     for a, c in zip(ins, step.convert):
         if c and a in _mutated(n):
@@ -365,7 +367,7 @@ def _expand_rewrite(n: torch.fx.Node, name: str, layout: Local, cp: int):
     return ((1, sizes),)
 
 
-def _attention_step(n: torch.fx.Node, ins: Sequence[torch.fx.Node], states: Mapping[str, State], cp: int) -> Step:
+def _attention_step(n: torch.fx.Node, ins: Sequence[torch.fx.Node], states: Mapping[str, State], cp: int) -> ContextOp:
     if base_name(n.target) != "scaled_dot_product_attention":
         return _full_step(ins, states)
     args = bound_args(n)
@@ -375,14 +377,14 @@ def _attention_step(n: torch.fx.Node, ins: Sequence[torch.fx.Node], states: Mapp
                           "supported under context parallelism; set the model's attention dropout to 0 or re-plan "
                           "with cp=1")
     sq, sk = _shape(q), _shape(k)
-    qs = states.get(q.name)
+    qs = states.get(q.name, FULL)
     d = len(sq) - 2
     if not (isinstance(qs, Local) and qs.dim == d and qs.outer == 1 and qs.inner == 1 and qs.seq == sq[d]):
         return _full_step(ins, states)
     ring = sk[-2] == sq[-2]
     conv = []
     for a in ins:
-        s = states.get(a.name)
+        s = states.get(a.name, FULL)
         if a is q:
             conv.append(())
         elif (a is k or a is v) and ring:   # this rank's key / value tokens, as the query's
@@ -391,24 +393,24 @@ def _attention_step(n: torch.fx.Node, ins: Sequence[torch.fx.Node], states: Mapp
             conv.append(_to(s, None))
     if mask is not None and not isinstance(mask, torch.fx.Node):
         raise ConfigError(f"attention node {n.name} has a non-tensor mask {mask!r}: re-plan with cp=1")
-    return Step("ring" if ring else "local_query", tuple(a.name for a in ins), tuple(conv), qs)
+    return ContextOp(Mode.RING if ring else Mode.LOCAL_QUERY, tuple(a.name for a in ins), tuple(conv), qs)
 
 
-def _to(state: State | None, want: Local | None) -> tuple:
+def _to(state: State, want: Local | None) -> tuple:
     """The conversion of a value in ``state`` to this rank's tokens ``want`` (None: the whole value):
     summed if partial, gathered if split, then the wanted tokens taken; nothing if already there."""
     if state == want:
         return ()
-    chain = (("resolve", None),) if state is PARTIAL else ()
-    chain += (("gather", state),) if isinstance(state, Local) else ()
-    return chain + ((("slice", want),) if want is not None else ())
+    chain = (Resolve(),) if state == PARTIAL else ()
+    chain += (GatherTokens(state),) if isinstance(state, Local) else ()
+    return chain + ((TakeTokens(want),) if want is not None else ())
 
 
 def _loss_step(n: torch.fx.Node, name: str, ins: Sequence[torch.fx.Node], states: Mapping[str, State],
-               cp: int) -> Step:
+               cp: int) -> ContextOp:
     args = bound_args(n)
     x, t = args["self"], args["target"]
-    xs = states.get(x.name)
+    xs = states.get(x.name, FULL)
     xshape = _shape(x)
     if not isinstance(xs, Local) or len(xshape) < 2 or xs.dim == 1:
         return _full_step(ins, states)
@@ -417,24 +419,24 @@ def _loss_step(n: torch.fx.Node, name: str, ins: Sequence[torch.fx.Node], states
     if reduction == 1 and args.get("weight") is not None:
         raise ConfigError(f"loss node {n.name} is a class-weighted mean: context parallelism cannot split it; "
                           "re-plan with cp=1")
-    conv = [() if a is x else _to(states.get(a.name), xs.at(td) if a is t else None) for a in ins]
+    conv = [() if a is x else _to(states.get(a.name, FULL), xs.at(td) if a is t else None) for a in ins]
     names = tuple(a.name for a in ins)
     if reduction == 0:
-        return Step("local", names, tuple(conv), xs.at(td))
+        return ContextOp(Mode.LOCAL, names, tuple(conv), xs.at(td))
     if reduction == 2:
-        return Step("reduce", names, tuple(conv), PARTIAL, scale=float(cp))
-    return Step("loss_mean", names, tuple(conv), PARTIAL)
+        return ContextOp(Mode.REDUCE, names, tuple(conv), PARTIAL, scale=float(cp))
+    return ContextOp(Mode.LOSS_MEAN, names, tuple(conv), PARTIAL)
 
 
-def _region_step(n: torch.fx.Node, inputs: tuple[str, str, str], states: Mapping[str, State], cp: int) -> Step:
+def _region_step(n: torch.fx.Node, inputs: tuple[str, str, str], states: Mapping[str, State], cp: int) -> ContextOp:
     """An MoE experts call as one op on ``[T, h]`` tokens, ``[T, k]`` ids and weights: token-wise in T."""
     graph_nodes = {a.name: a for a in n.graph.nodes}
     ins = [graph_nodes[v] for v in inputs]
     st = [states[v] for v in inputs]
-    pre = [(("resolve", None),) if s is PARTIAL else () for s in st]
-    st = [FULL if s is PARTIAL else s for s in st]
-    if all(s is FULL for s in st):
-        return Step("full", tuple(inputs), tuple(pre), FULL)
+    pre = [(Resolve(),) if s == PARTIAL else () for s in st]
+    st = [FULL if s == PARTIAL else s for s in st]
+    if all(s == FULL for s in st):
+        return ContextOp(Mode.FULL, tuple(inputs), tuple(pre), FULL)
     out_nd = len(_out_shapes(n)[0])
     maps = [tuple([0] + [-1] * (out_nd - 1)) for _ in ins]
     return _local_step(n, "moe", ins, st, pre, cp, maps=maps, reduced=())

@@ -1,17 +1,35 @@
 """The vocabulary of context parallelism shared by the analysis (context.py) and the runner
-(layers.py, context_ops.py): value states, per-node steps, and the plan holding both for one graph.
+(layers.py, context_ops.py): value states, the conversions of an op's inputs, how each node runs
+(:class:`ContextOp`), and the plan holding them for one graph.
 
-A value is FULL (``None``: the whole sequence, the same on every rank of the group),
-:class:`Local` (one dim holds this rank's tokens) or PARTIAL (its true value is the group's mean
-of the ranks' values); context.py's docstring gives the rules.
+A value is :data:`FULL` (the whole sequence, the same on every rank of the group), :class:`Local`
+(one dim holds this rank's tokens) or :data:`PARTIAL` (its true value is the group's mean of the
+ranks' values); context.py's docstring gives the rules.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from enum import Enum
+from typing import Any, Sequence, Union
 
 import torch
+
+
+@dataclass(frozen=True)
+class Full:
+    """The whole sequence in its original order, the same on every rank of the group."""
+
+    def __repr__(self) -> str:
+        return "FULL"
+
+
+@dataclass(frozen=True)
+class PartialMean:
+    """A value whose true value is the group's mean of the ranks' values."""
+
+    def __repr__(self) -> str:
+        return "PARTIAL"
 
 
 @dataclass(frozen=True)
@@ -33,25 +51,56 @@ class Local:
         return Local(dim, self.seq, self.outer, self.inner)
 
 
-class _Partial:
-    def __repr__(self) -> str:
-        return "PARTIAL"
-
-
-PARTIAL = _Partial()
-FULL = None
-State = Any   # Local | PARTIAL | None (FULL)
-
-# A conversion of one input before an op: a chain of ("gather", layout) / ("slice", layout) / ("resolve", None).
-Conv = tuple
+FULL, PARTIAL = Full(), PartialMean()
+State = Union[Full, Local, PartialMean]
 
 
 @dataclass(frozen=True)
-class Step:
+class GatherTokens:
+    """A Local value (``layout``) made whole: context_ops.gather."""
+
+    layout: Local
+
+
+@dataclass(frozen=True)
+class TakeTokens:
+    """A whole value cut to this rank's tokens along ``layout``: context_ops.take_tokens."""
+
+    layout: Local
+
+
+@dataclass(frozen=True)
+class Resolve:
+    """A PARTIAL value made whole (the group's mean): context_ops.resolve."""
+
+
+Conversion = Union[GatherTokens, TakeTokens, Resolve]
+Conv = tuple   # one input's conversion: a chain of Conversion, applied in order
+
+
+class Mode(Enum):
+    """How a node runs under context parallelism (context.py's rules)."""
+
+    FULL = "full"                 # as is, on whole inputs
+    PARTIAL = "partial"           # linear in its PARTIAL inputs: they stay PARTIAL
+    LOCAL = "local"               # token-wise on this rank's tokens
+    REDUCE = "reduce"             # a sum / mean over the Local dim: this rank's part, PARTIAL
+    RING = "ring"                 # ring attention over the group's keys and values
+    LOCAL_QUERY = "local_query"   # attention of this rank's queries against whole keys and values
+    LOSS_MEAN = "loss_mean"       # a mean loss over the group's targets
+
+    @property
+    def replaces_op(self) -> bool:
+        """Whether the node runs as another op than its own (attention, the mean loss)."""
+        return self in (Mode.RING, Mode.LOCAL_QUERY, Mode.LOSS_MEAN)
+
+
+@dataclass(frozen=True)
+class ContextOp:
     """How one node runs: ``mode``, its tensor inputs (value names, argument order) with the
     conversion each needs, its output state, top-level argument rewrites and an output scale."""
 
-    mode: str
+    mode: Mode
     inputs: tuple[str, ...]
     convert: tuple[Conv, ...]
     out: State
@@ -65,7 +114,7 @@ class ContextPlan:
 
     cp: int
     states: dict[str, State]
-    steps: dict[str, Step]
+    steps: dict[str, ContextOp]
     inputs: dict[str, Local]          # graph inputs sharded before the first chunk
 
     def local_shape(self, value: str, shape: Sequence[int]) -> tuple[int, ...]:

@@ -49,11 +49,12 @@ from .. import ops
 from ..capture.build import module_path
 from ..errors import ConfigError
 from ..ops import CONTEXT_HOPS, SKIPPED_TARGETS, base_name
-from ..solver.strategies import spec_dim
 from . import collectives, context_ops, shard_ops
 from .bindings import use_bindings
-from .context_state import ContextRank, Local, holds_tensor
-from .lower import How, LoweredGraph, LoweredOp, Step
+from .context_state import (ContextOp, ContextRank, Conversion, GatherTokens, Local, Mode, Resolve,
+                            holds_tensor)
+from .lower import How, LoweredGraph, LoweredOp
+from .redistribute import Copy, ReduceScatter, Split, Step, split_dim
 
 
 @dataclass(frozen=True)
@@ -136,9 +137,7 @@ class _Emitter:
     # --- values ---------------------------------------------------------------------------------
     def steps(self, value: Any, steps: tuple[Step, ...]) -> Any:
         for s in steps:
-            fn = getattr(collectives, s.kind)
-            args = (value, s.dim, self.group_node) if s.dim is not None else (value, self.group_node)
-            value = self.graph.call_function(fn, args)
+            value = self.graph.call_function(s.function, (value, *s.args, self.group_node))
         return value
 
     def read(self, name: str, steps: tuple[Step, ...]) -> Any:
@@ -198,7 +197,7 @@ class _Emitter:
             self.env[name] = self._region(str(node.target), args, kwargs)
             return
         first = len(self.graph.nodes)
-        if step is not None and step.mode in _CONTEXT_MODES:
+        if step is not None and step.mode.replaces_op:
             out = self._context_op(node, op, step, args, kwargs)
         elif op is None:
             out = self.graph.create_node("call_function", node.target, tuple(args), kwargs, name=name)
@@ -217,7 +216,7 @@ class _Emitter:
             for made in itertools.islice(reversed(self.graph.nodes), len(self.graph.nodes) - first):
                 made.meta.setdefault("module_path", path)
 
-    def _args(self, node: fx.Node, op: LoweredOp | None, step: Any) -> tuple[list, dict]:
+    def _args(self, node: fx.Node, op: LoweredOp | None, step: ContextOp | None) -> tuple[list, dict]:
         """The node's arguments as this rank reads them: each tensor converted by tensor parallelism's
         steps, then context parallelism's (``step.convert``, by position among the node's tensor
         arguments, context.tensor_args' order); shape arguments at this rank's local sizes."""
@@ -251,37 +250,39 @@ class _Emitter:
         if not cp or not isinstance(value, fx.Node):
             return value
         d = _split_after(steps, self.lowered, name)
-        for kind, layout in cp:
-            if kind != "resolve" and d is not None and d == layout.dim:
+        for c in cp:
+            if not isinstance(c, Resolve) and d is not None and d == c.layout.dim:
                 raise ConfigError(f"{name} is split along dim {d} by tensor parallelism (sequence parallelism) and "
                                   "context parallelism must gather or cut it along the same dim: re-plan with "
                                   "sequence_parallel=False")
         key = ("cp", name, steps, cp)
         if key not in self.cache:
-            for kind, layout in cp:
-                value = self.cp_step(value, kind, layout)
+            for c in cp:
+                value = self.cp_step(value, c)
             self.cache[key] = value
         return self.cache[key]
 
-    def cp_step(self, value: fx.Node, kind: str, layout: Local | None) -> fx.Node:
+    def cp_step(self, value: fx.Node, conversion: Conversion) -> fx.Node:
         c = self.context
         call = self.graph.call_function
-        if kind == "gather":
+        if isinstance(conversion, Resolve):
+            return call(context_ops.resolve, (value, c.plan.cp, self.cp_node, c.timeout))
+        layout = conversion.layout
+        if isinstance(conversion, GatherTokens):
             return call(context_ops.gather, (value, layout.dim, layout.seq, layout.outer, layout.inner, c.plan.cp,
                                              c.rank, self.cp_node, c.timeout))
-        if kind == "slice":
-            return call(context_ops.take_tokens, (value, layout.dim, layout.seq, layout.outer, layout.inner,
-                                                  c.plan.cp, c.rank))
-        return call(context_ops.resolve, (value, c.plan.cp, self.cp_node, c.timeout))
+        return call(context_ops.take_tokens, (value, layout.dim, layout.seq, layout.outer, layout.inner,
+                                              c.plan.cp, c.rank))
 
-    def _context_op(self, node: fx.Node, op: LoweredOp | None, step: Any, args: list, kwargs: dict) -> Any:
+    def _context_op(self, node: fx.Node, op: LoweredOp | None, step: ContextOp, args: list, kwargs: dict) -> Any:
         """Attention over the group's sequence, or a mean loss over the group's targets (context.py)."""
         c = self.context
         call = self.graph.call_function
         if op is not None and op.how not in (How.LOCAL, How.WHOLE, How.VOCAB_LOSS):
-            raise ConfigError(f"node {node.name} runs as {op.how.value} under tensor parallelism and as {step.mode} "
-                              "under context parallelism, which this autopar cannot combine: re-plan with tp=1 or cp=1")
-        if step.mode == "loss_mean":
+            raise ConfigError(f"node {node.name} runs as {op.how.value} under tensor parallelism and as "
+                              f"{step.mode.value} under context parallelism, which this autopar cannot combine: "
+                              "re-plan with tp=1 or cp=1")
+        if step.mode is Mode.LOSS_MEAN:
             args, kwargs = _with_arg(node.target, args, kwargs, "reduction", shard_ops.SUM)
             total = (self._lowered_op(node, op, args, kwargs) if op is not None else
                      self.graph.create_node("call_function", node.target, tuple(args), kwargs, name=node.name))
@@ -293,7 +294,7 @@ class _Emitter:
         a = bind(node.target, args, kwargs)
         common = (a["query"], a["key"], a["value"], a.get("attn_mask"), bool(a.get("is_causal", False)),
                   a.get("scale"), bool(a.get("enable_gqa", False)), c.plan.cp, c.rank)
-        if step.mode == "ring":
+        if step.mode is Mode.RING:
             return call(context_ops.ring, (*common, self.cp_node, c.timeout))
         return call(context_ops.local_query, common)
 
@@ -324,7 +325,7 @@ class _Emitter:
             out = (call(collectives.reduce, (local, g)) if how is How.REDUCE_SUM else
                    call(collectives.reduce_max, (local, g, how is How.REDUCE_MAX)))
         if self.checks and op.local_shape is not None and isinstance(node.meta.get("val"), torch.Tensor):
-            call(shard_ops.expect_shape, (out, self._local_shape(node, op), name, op.output))
+            call(shard_ops.expect_shape, (out, self._local_shape(node, op), name, str(op.output)))
         if op.after:
             if isinstance(node.meta.get("val"), (list, tuple)):   # a split's pieces, converted as they are read
                 self.pieces[name] = op.after
@@ -393,10 +394,6 @@ class _Emitter:
             self.env[out] = self.graph.call_function(operator.getitem, (result, i))
 
 
-_CONTEXT_MODES = frozenset(("ring", "local_query", "loss_mean"))
-"""Context-parallel steps (context.py) that run another op than the node's own."""
-
-
 def compose(full: Any, tp: Any, cp: Any, node: str) -> list:
     """Sizes local to both splits: ``full`` sizes, ``tp`` with tensor parallelism's split applied, ``cp``
     with context parallelism's: each dim divided by both (one split when only one touches it)."""
@@ -432,12 +429,12 @@ def _split_after(steps: tuple[Step, ...], lowered: LoweredGraph | None, name: st
     if lowered is None:
         return None
     for s in reversed(steps):
-        if s.kind in ("split", "reduce_scatter"):
+        if isinstance(s, (Split, ReduceScatter)):
             return s.dim
-        if s.kind != "copy":
+        if not isinstance(s, Copy):
             return None
     op = lowered.ops.get(name)
-    return spec_dim(op.output) if op is not None else None
+    return split_dim(op.output) if op is not None else None
 
 
 def _with_arg(target: Any, args: list, kwargs: dict, name: str, value: Any) -> tuple[list, dict]:

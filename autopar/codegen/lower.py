@@ -6,8 +6,8 @@ For every node of the exported graph the lowering decides, once and before the f
   inputs and buffers; a parameter's split from the plan; a value received from an earlier
   pipeline chunk in the spec it crossed the cut in);
 - per tensor argument, the collective(s) that turn the held spec into the spec the op's strategy
-  reads it in (:func:`convert`, collectives.py's functions): the spec-to-spec table the sharding
-  ILP priced, so what is priced is what runs;
+  reads it in (redistribute.py's :func:`~.redistribute.convert`, typed steps naming collectives.py's
+  functions): the spec-to-spec table the sharding ILP priced, so what is priced is what runs;
 - how the op runs (:class:`How`): on this rank's shards with shape arguments rewritten to local
   sizes (``local``), or as one of the ops whose shards need more than that: the
   vocabulary-parallel embedding (a masked lookup whose output is partial) and cross entropy
@@ -45,14 +45,8 @@ import torch
 from .. import ops
 from ..capture.opgraph import OpGraph, OpKind
 from ..ops import CONTEXT_HOPS, SKIPPED_TARGETS, base_name
-from ..solver.strategies import C, P, R
-from ..solver.strategies import spec_dim as split_dim
-
-
-def normal(spec: str, ndim: int) -> str:
-    """``S(-1)`` of a 3-D tensor -> ``S(2)``; other specs unchanged."""
-    d = split_dim(spec)
-    return spec if d is None or d >= 0 else f"S({d % max(ndim, 1)})"
+from ..plan.placement import Placement, Shard, normal
+from .redistribute import P, R, Copy, KeepFirst, Step, ToPartial, convert, split_dim
 
 
 class How(Enum):
@@ -69,21 +63,13 @@ class How(Enum):
 
 
 @dataclass(frozen=True)
-class Step:
-    """One collective of a conversion (collectives.py): ``kind`` and its dim (None for all-reduces)."""
-
-    kind: str
-    dim: int | None = None
-
-
-@dataclass(frozen=True)
 class LoweredOp:
     """One node as this rank runs it."""
 
     node: str
     how: How
     reads: Mapping[str, tuple[Step, ...]]   # tensor argument (node / placeholder name) -> its conversion
-    output: str                             # spec of the output as held
+    output: Placement                       # spec of the output as held
     shape_args: Mapping[int, tuple[int, ...]] = field(default_factory=dict)  # arg index -> local sizes
     local_shape: tuple[int, ...] | None = None   # expected shape of a tensor output on this rank
     after: tuple[Step, ...] = ()            # the output's conversion to ``output`` (an op run whole)
@@ -97,7 +83,7 @@ class LoweredGraph:
 
     tp: int
     ops: Mapping[str, LoweredOp]
-    held: Mapping[int, Mapping[str, str]]   # chunk -> value -> spec held there
+    held: Mapping[int, Mapping[str, Placement]]   # chunk -> value -> spec held there
     partial_params: frozenset[str] = frozenset()   # parameter fqns whose gradient is summed once per step
     pinned: frozenset[str] = frozenset()           # aliases of tensors written in place (written_families):
                                                    # converted afresh at every read, never reused
@@ -107,42 +93,12 @@ class LoweredGraph:
         takes a slice, ``copy`` communicates in backward only) and the ops' own."""
         own = {How.VOCAB_LOSS: 1, How.ROW_LOSS: 2, How.REDUCE_SUM: 1, How.REDUCE_MAX: 1, How.REDUCE_MIN: 1}
         steps = [s for op in self.ops.values() for read in (*op.reads.values(), op.after) for s in read]
-        return sum(1 for s in steps if s.kind in COMMUNICATING) + sum(own.get(op.how, 0) for op in self.ops.values())
+        return sum(1 for s in steps if s.communicates) + sum(own.get(op.how, 0) for op in self.ops.values())
 
 
-COMMUNICATING = frozenset({"gather", "gather_partial", "reduce", "reduce_scatter"})
-"""Conversion steps that communicate in forward."""
-
-
-def cut_spec(op_spec: Any) -> str:
+def cut_spec(op_spec: Any) -> Placement:
     """The spec a value crosses a pipeline cut in: the plan's output spec if S(d), else R."""
     return op_spec.output if op_spec is not None and split_dim(op_spec.output) is not None else R
-
-
-# held spec -> required spec: the steps (``partial``: the reading op's work is split over the ranks)
-def convert(src: str, dst: str, partial: bool) -> tuple[Step, ...]:
-    """The collectives taking a value held in ``src`` to ``dst`` (both normalised)."""
-    if src == C:
-        src = R
-    if dst == C:
-        dst = R
-    s, d = split_dim(src), split_dim(dst)
-    if src == dst:
-        return (Step("copy"),) if dst == R and partial else ()
-    if src == R:
-        if d is not None:
-            return (Step("split", d),)
-        return (Step("to_partial"),)                                       # R -> P
-    if src == P:
-        if dst == R:
-            return (Step("reduce"), Step("copy")) if partial else (Step("reduce"),)
-        return (Step("reduce_scatter", d),)
-    # src is S(s)
-    if dst == R:
-        return (Step("gather_partial", s),) if partial else (Step("gather", s),)
-    if d is not None:
-        return (Step("gather", s), Step("split", d))
-    return (Step("gather", s), Step("to_partial"))                         # S -> P
 
 
 
@@ -191,19 +147,19 @@ def _class_ids(node: torch.fx.Node) -> bool:
     return weight is None and isinstance(val, torch.Tensor) and not val.is_floating_point()
 
 
-def _aligned(value: torch.fx.Node, node: torch.fx.Node, out_spec: str) -> str:
+def _aligned(value: torch.fx.Node, node: torch.fx.Node, out_spec: Placement) -> Placement:
     """The spec of a buffer read by an op whose output is ``out_spec``: split along the dim it broadcasts
     to the output's split dim (a norm's running statistics along the channels), else R."""
     d, shape, out = split_dim(out_spec), _shape(value), _shape(node)
     if d is None or not shape or out is None:
         return R
     if base_name(node.target) in ops.CHANNEL_NORMS and len(shape) == 1:
-        return "S(0)" if d == 1 and shape[0] == out[1] else R
+        return Shard(0) if d == 1 and shape[0] == out[1] else R
     e = d - (len(out) - len(shape))
-    return f"S({e})" if e >= 0 and shape[e] == out[d] and shape[e] != 1 else R
+    return Shard(e) if e >= 0 and shape[e] == out[d] and shape[e] != 1 else R
 
 
-def local_shape(shape: tuple[int, ...], spec: str, tp: int) -> tuple[int, ...]:
+def local_shape(shape: tuple[int, ...], spec: Placement, tp: int) -> tuple[int, ...]:
     d = split_dim(spec)
     if d is None or not shape:
         return shape
@@ -219,11 +175,11 @@ class _Lowering:
         self.ops = {op.name: op for op in graph.nodes}   # capture's view of each op, at this rank's shapes
         self.pinned: frozenset[str] = frozenset()
 
-    def param_spec(self, placeholder: str) -> str:
+    def param_spec(self, placeholder: str) -> Placement:
         d = self.param_dims.get(self.param_of[placeholder])
-        return R if d is None else normal(f"S({d})", _ndim(self.nodes[placeholder]))
+        return R if d is None else normal(Shard(d), _ndim(self.nodes[placeholder]))
 
-    def lower(self, node: torch.fx.Node, held: dict[str, str]) -> LoweredOp:
+    def lower(self, node: torch.fx.Node, held: dict[str, Placement]) -> LoweredOp:
         name, target = node.name, str(node.target)
         tensors = [a for a in node.all_input_nodes if a.op != "get_attr"]
         if target in SKIPPED_TARGETS:
@@ -241,11 +197,11 @@ class _Lowering:
             return self.whole(node, held, _written(node))
         out_spec = normal(spec.output, _ndim(node))
         reads: dict[str, tuple[Step, ...]] = {}
-        wanted: dict[str, str] = {}
+        wanted: dict[str, Placement] = {}
         for a in tensors:
             if a.name in self.param_of:
                 d = spec.params.get(self.param_of[a.name])
-                wanted[a.name] = R if d is None else normal(f"S({d})", _ndim(a))
+                wanted[a.name] = R if d is None else normal(Shard(d), _ndim(a))
             elif a.name in spec.inputs:
                 wanted[a.name] = normal(spec.inputs[a.name], _ndim(a))
             else:   # a buffer or constant the plan does not list: broadcast against the output
@@ -260,7 +216,7 @@ class _Lowering:
             if repaired is None:
                 return self.whole(node, held)
             wanted, out_spec = repaired
-        if how is How.LOCAL and split_dim(out_spec) is not None and all(w in (R, C) for w in wanted.values()):
+        if how is How.LOCAL and split_dim(out_spec) is not None and all(w == R for w in wanted.values()):
             # nothing sharded goes in, a shard comes out (a view sequence parallelism splits): run whole, then split
             whole = self.whole(node, held)
             return LoweredOp(name, How.WHOLE, whole.reads, out_spec, {}, whole.local_shape,
@@ -270,7 +226,7 @@ class _Lowering:
             for a in tensors:
                 if a.name in self.param_of and wanted[a.name] == R:
                     wanted[a.name] = P
-        split = any(s != R and s != C for s in wanted.values()) or out_spec not in (R, C)
+        split = any(s != R for s in wanted.values()) or out_spec != R
         for a in tensors:
             reads[a.name] = convert(held[a.name], wanted[a.name], split)
         if how in (How.REDUCE_SUM, How.REDUCE_MAX, How.REDUCE_MIN, How.ROW_LOSS, How.VOCAB_LOSS):
@@ -281,7 +237,7 @@ class _Lowering:
             local = shape
         return LoweredOp(name, how, reads, out_spec, self.shape_args(node, wanted, local), local)
 
-    def fits(self, node: torch.fx.Node, wanted: Mapping[str, str], out_spec: str) -> bool:
+    def fits(self, node: torch.fx.Node, wanted: Mapping[str, Placement], out_spec: Placement) -> bool:
         """Whether the op, run on shards in the specs ``wanted``, computes its output's shard in ``out_spec``
         at this rank's shapes (its dims maps, capture/dims.py). The plan's graph may differ from this
         rank's: another example batch makes another dim the outermost of a merged run (a view of
@@ -295,16 +251,17 @@ class _Lowering:
             w = wanted.get(name, R)
             e = op.dims[i][d] if d is not None and i < len(op.dims) and d < len(op.dims[i]) else -1
             if d is None:
-                if w not in (R, C):
+                if w != R:
                     return False
-            elif w in (R, C):
+            elif w == R:
                 if e >= 0 and _size(self.nodes.get(name), e) != 1:
                     return False
             elif w == P or split_dim(w) != e or (i == 0 and e in op.reduced):
                 return False
         return True
 
-    def propagate(self, node: torch.fx.Node, held: Mapping[str, str]) -> tuple[dict[str, str], str] | None:
+    def propagate(self, node: torch.fx.Node, held: Mapping[str, Placement]
+                  ) -> tuple[dict[str, Placement], Placement] | None:
         """Specs for an op of one activation input (a view, an element-wise op) from the spec its input is
         held in, by the op's dims maps at this rank's shapes; None when it has other inputs."""
         op = self.ops.get(node.name)
@@ -319,7 +276,7 @@ class _Lowering:
         if e is not None and e not in op.reduced and shape is not None:
             d = next((d for d, m in enumerate(op.dims[0]) if m == e), None)
             if d is not None and shape[d] % self.tp == 0:
-                return {name: src}, f"S({d})"
+                return {name: src}, Shard(d)
         return {name: R}, R
 
     def how(self, node: torch.fx.Node, spec: Any) -> How:
@@ -337,14 +294,14 @@ class _Lowering:
             return How.ROW_LOSS if b in ops.ROW_LOSSES else How.WHOLE    # split rows of a loss
         return How.LOCAL
 
-    def whole(self, node: torch.fx.Node, held: dict[str, str], written: list[str] = ()) -> LoweredOp:
+    def whole(self, node: torch.fx.Node, held: dict[str, Placement], written: list[str] = ()) -> LoweredOp:
         reads = {a.name: convert(held.get(a.name, R), R, False) for a in node.all_input_nodes if a.op != "get_attr"}
         writes = tuple(w for w in written if reads.get(w))
         for w in writes:
             held[w] = R
         return LoweredOp(node.name, How.WHOLE, reads, R, {}, _shape(node), (), writes)
 
-    def shape_args(self, node: torch.fx.Node, wanted: Mapping[str, str], local: tuple[int, ...] | None
+    def shape_args(self, node: torch.fx.Node, wanted: Mapping[str, Placement], local: tuple[int, ...] | None
                    ) -> dict[int, tuple[int, ...]]:
         """Shape arguments at this rank's sizes (a view's target shape, a split's sizes)."""
         b = base_name(node.target)
@@ -380,7 +337,7 @@ def lower(nodes: Mapping[str, torch.fx.Node], graph: OpGraph, chunks: Any, specs
     lowering = _Lowering(nodes, graph, specs, param_of, param_dims, tp)
     lowering.pinned = written_families(nodes.values())
     ops: dict[str, LoweredOp] = {}
-    held_by_chunk: dict[int, dict[str, str]] = {}
+    held_by_chunk: dict[int, dict[str, Placement]] = {}
     leaves = {name: lowering.param_spec(name) if name in param_of else R
               for name, n in nodes.items() if n.op in ("placeholder", "get_attr")}
     for chunk in chunks:
@@ -445,7 +402,7 @@ def _step_reduced(ops: dict[str, LoweredOp], param_of: Mapping[str, str]
     parallelism, a row-parallel bias) has a partial gradient on every rank: it is summed once per step
     (``partial_params``, as the cost model prices it) rather than by a ``copy`` at every read of every
     micro-batch. One that an op also reads whole (its gradient whole on every rank) keeps its copies."""
-    partial_reads = {(Step("copy"),): (), (Step("to_partial"),): (Step("keep_first"),)}
+    partial_reads = {(Copy(),): (), (ToPartial(),): (KeepFirst(),)}
     uses: dict[str, set[bool]] = {}
     for op in ops.values():
         for name, steps in op.reads.items():

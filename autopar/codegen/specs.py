@@ -4,9 +4,9 @@
 strategy, input specs, output spec and parameter split dims); the other layers of a group
 repeat the first one op for op (solver/sharding_layout.py), so their specs are taken by
 node position; the ops are paired with those of the graph this rank exported (node_specs).
-Specs (solver/strategies.py): ``R`` replicated, ``S(d)`` split along dim ``d``, ``P`` partial
-sums, ``C`` a batch-independent constant every rank computes whole. codegen/lower.py turns them
-into what each rank runs.
+Specs are placements (autopar/plan/placement.py): ``R`` replicated, ``S(d)`` split along dim ``d``,
+``P`` partial sums (a plan's ``"C"``, what a batch-independent constant op reads and makes, is ``R``:
+every rank computes it whole). codegen/lower.py turns them into what each rank runs.
 
 Sequence parallelism (Korthikanti et al. 2022) is applied on top of the plan's layout: every
 replicated, batch-dependent 3-D activation (``[batch, seq, hidden]``: the residual stream,
@@ -26,7 +26,7 @@ from ..capture.opgraph import OpGraph
 from ..capture.structure import align_ops
 from ..cost_model.tensor_parallel import splits_along_sequence
 from ..errors import PlanMismatchError
-from ..solver.strategies import R
+from ..plan.placement import Placement, Replicate, Shard, placement_from_json
 
 
 
@@ -35,8 +35,8 @@ class OpSpec:
     """The plan's sharding of one op: output spec and the spec it reads each producer in."""
 
     strategy: str
-    output: str
-    inputs: Mapping[str, str]      # producer name -> spec required
+    output: Placement
+    inputs: Mapping[str, Placement]   # producer name -> spec required
     params: Mapping[str, int | None] = dataclasses.field(default_factory=dict)  # fqn -> split dim the op reads
 
 
@@ -75,10 +75,12 @@ def node_specs(plan_sharding, graph: OpGraph) -> tuple[dict[str, OpSpec], dict[s
                     chosen[node.name] = (chosen[ref.name][0], ref.params)
         for name, (op, names) in chosen.items():
             node = graph.node(name)
-            inputs = op.get("inputs") or [R] * len(node.inputs)
+            inputs = [placement_from_json(x, f"{op['node']}'s input") for x in op.get("inputs") or []] or \
+                [Replicate()] * len(node.inputs)
             mine = {p: op["params"].get(theirs) for p, theirs in zip(node.params, names)}
             if len(inputs) == len(node.inputs):    # else the op reads other values here: it runs whole
-                specs[name] = OpSpec(op["strategy"], op["output"], dict(zip(node.inputs, inputs)), mine)
+                specs[name] = OpSpec(op["strategy"], placement_from_json(op["output"], f"{op['node']}'s output"),
+                                     dict(zip(node.inputs, inputs)), mine)
             for fqn, d in mine.items():
                 params.setdefault(fqn, d)
     return specs, params
@@ -89,16 +91,16 @@ def sequence_parallel(specs: Mapping[str, OpSpec], graph: OpGraph, tp: int) -> d
     sp = set()
     for node in graph.nodes:
         spec = specs.get(node.name)
-        if spec is not None and spec.output == R and splits_along_sequence(node, tp):  # the cost model's rule
+        if spec is not None and spec.output == Replicate() and splits_along_sequence(node, tp):  # the cost model's rule
             sp.add(node.name)
     out = dict(specs)
     for name in sp:
         spec, shape = specs[name], graph.node(name).outputs[0].shape
         # An input of the same [batch, seq, hidden] shape is read split too: a partial one (a
         # row-parallel output) is then reduce-scattered rather than all-reduced.
-        inputs = {k: ("S(1)" if v == R and k in graph.node_index and graph.node(k).outputs[0].shape == shape
-                      else v) for k, v in spec.inputs.items()}
-        out[name] = replace(spec, output="S(1)", inputs=inputs)
+        inputs = {k: (Shard(1) if v == Replicate() and k in graph.node_index
+                      and graph.node(k).outputs[0].shape == shape else v) for k, v in spec.inputs.items()}
+        out[name] = replace(spec, output=Shard(1), inputs=inputs)
     return out
 
 

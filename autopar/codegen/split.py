@@ -35,6 +35,7 @@ from ..capture.build import strip_wrapper
 from ..capture.opgraph import OpGraph
 from ..errors import ConfigError, PlanMismatchError
 from ..plan import Plan
+from ..plan.placement import Placement
 from .lower import local_shape
 from .pipeline import Value
 
@@ -320,7 +321,7 @@ def check_structure(plan: Plan, graph: OpGraph) -> None:
         "re-plan with autopar.plan on this model")
 
 
-def cut_values(split: SplitGraph, graph: OpGraph, spec_of: Callable[[str], str], tp: int,
+def cut_values(split: SplitGraph, graph: OpGraph, spec_of: Callable[[str], Placement], tp: int,
                tokens: Callable[[str, list[int]], Sequence[int]] | None = None) -> dict[str, Value]:
     """Every value crossing a cut (pipeline.py's Value), with the shard a receiving rank allocates: its
     block along the split of the spec it crosses in (``spec_of``), of this rank's tokens under context

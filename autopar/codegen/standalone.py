@@ -71,7 +71,9 @@ from .split import check_structure, cut_values, empty_like_meta, meta_buffers, p
 from .inputs import example_at
 from .specs import plan_specs
 from .layers import LayerIO, class_name, layer_module
-from .lower import R, convert, cut_spec, lower, normal, written_inputs
+from ..plan.placement import Placement, normal
+from .lower import cut_spec, lower, written_inputs
+from .redistribute import R, convert
 from .source import Written, program_source, write_support
 
 PROGRAM, TRAIN, BUFFERS = "program.py", "train.py", "buffers.pt"
@@ -137,7 +139,7 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     split = split_graph(exported, graph, plan_chunks(plan), param_aliases(model))
     specs, dims = plan_specs(plan, graph)
 
-    def crossing(v: str) -> str:
+    def crossing(v: str) -> Placement:
         return R if v == split.loss else cut_spec(specs.get(v))
 
     lowered = lower(split.node_map, graph, split.chunks, specs, split.param_of, dims, cfg.tp) if cfg.tp > 1 else None
@@ -248,8 +250,9 @@ def _chunk(chunk: Any, split: Any, lowered: Any, modes: list[str], crossing, con
             d = split.meta(v).dim()
             steps = convert(normal(lowered.held[chunk.index].get(v, R), d), normal(crossing(v), d), False)
         for s in steps:
-            dim = f", {s.dim}" if s.dim is not None else ""
-            body.append(f"        {v} = collectives.{s.kind}({v}{dim}, self.tp_group)   # sent as {crossing(v)}")
+            args = "".join(f", {a}" for a in s.args)
+            call = f"collectives.{s.function.__name__}({v}{args}, self.tp_group)"
+            body.append(f"        {v} = {call}   # sent as {crossing(v)}")
     layer_names = ", ".join(layer.name for layer in chunk.layers)
     text = (f"class Chunk{chunk.index}(torch.nn.Module):\n"
             f'    """Chunk {chunk.index} (layers {layer_names}): reads {list(chunk.graph_inputs + chunk.recv)}, '

@@ -28,7 +28,7 @@ from . import context_parallel, expert_parallel
 from .comm import Collective, GroupPlacement, collective_time
 from .compute import ComputeModel, MeasuredTimes, OpTime, fused_ops
 from .memory import ActivationModel, op_kept, saved_owner
-from .tensor_parallel import S, TPLayout, sequence_gathers, single_rank_layout
+from .tensor_parallel import TPLayout, Work, sequence_gathers, single_rank_layout
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,8 @@ def split_dim(node: OpNode, layout: TPLayout) -> str:
     if node.name in layout.gemm_split:
         return layout.gemm_split[node.name]
     if node.params and node.params[0] in layout.split_params:
-        return "n" if layout.state.get(node.name) == S else "k"
-    return "batch" if layout.state.get(node.name) == S else ""
+        return "n" if layout.state.get(node.name) == Work.SPLIT else "k"
+    return "batch" if layout.state.get(node.name) == Work.SPLIT else ""
 
 
 def compute_shard(node: OpNode, layout: TPLayout, sequence_parallel: bool) -> int:
@@ -82,7 +82,7 @@ def compute_shard(node: OpNode, layout: TPLayout, sequence_parallel: bool) -> in
     if node.params and node.params[0] in layout.split_params:
         return layout.tp
     return layout.shard(node.name, sequence_parallel) if node.batch_dependent or layout.state.get(
-        node.name) == S else 1
+        node.name) == Work.SPLIT else 1
 
 
 @dataclass(frozen=True)

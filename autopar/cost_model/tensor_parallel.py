@@ -8,11 +8,11 @@ ILP (solver/sharding.py): :func:`autopar.plan` and :func:`autopar.estimate` alik
 :func:`megatron_layout` hard-codes Megatron-LM's rules (below). No estimate uses it: it is the
 reference the sharding ILP is checked against (it must price Megatron's layout no cheaper than
 its own optimum: tests/unit/solver/test_sharding.py, bench/sharding_ilp.py). Each activation gets
-a state, propagated in graph order:
+a state (:class:`Work`), propagated in graph order:
 
-- ``R`` replicated: every tensor-parallel rank holds all of it (the residual stream);
-- ``S`` split: each rank holds ``1/t`` (attention heads, MLP hidden, vocabulary);
-- ``C`` constant: does not depend on the batch (masks, rotary tables).
+- ``R`` (``Work.WHOLE``) replicated: every tensor-parallel rank holds all of it (the residual stream);
+- ``S`` (``Work.SPLIT``) split: each rank holds ``1/t`` (attention heads, MLP hidden, vocabulary);
+- ``C`` (``Work.CONST``) constant: does not depend on the batch (masks, rotary tables).
 
 Rules (Shoeybi et al. 2019, Megatron-LM section 3):
 
@@ -45,13 +45,21 @@ attention replicated there is one per attention input.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Mapping
 
 from ..capture.opgraph import OpGraph, OpKind, OpNode
 from ..errors import ConfigError
 from ..ops import base_name
 
-R, S, C = "R", "S", "C"
+class Work(Enum):
+    """What each rank of the group computes of a node's output under a layout (the module docstring's
+    states). Not a placement: a partial output whose weight is whole counts as SPLIT (each rank does
+    ``1/t`` of the work)."""
+
+    WHOLE = "R"   # all of it, and it depends on the batch
+    SPLIT = "S"   # 1/t of it
+    CONST = "C"   # all of it, and it does not depend on the batch
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,7 @@ class TPLayout:
     """The result of propagation for one tensor-parallel degree."""
 
     tp: int
-    state: Mapping[str, str]          # node (and graph input) name -> R / S / C
+    state: Mapping[str, Work]         # node (and graph input) name -> what each rank computes of it
     split_params: frozenset[str]      # parameters divided by tp
     comms: Mapping[int, tuple[TPComm, ...]]  # layer index -> collectives per micro-batch
     replicated_weights: tuple[str, ...]      # matmul weights left whole because tp does not divide them
@@ -88,8 +96,8 @@ class TPLayout:
     def shard(self, name: str, sequence_parallel: bool) -> int:
         """Divisor of a node's compute and activations."""
         base = name.split(":")[0]
-        st = self.state.get(base, R)
-        if st == S or (st == R and sequence_parallel and base in self.sequence_split):
+        st = self.state.get(base, Work.WHOLE)
+        if st == Work.SPLIT or (st == Work.WHOLE and sequence_parallel and base in self.sequence_split):
             return self.tp
         return 1
 
@@ -102,9 +110,10 @@ def splits_along_sequence(node: OpNode, tp: int) -> bool:
             and out.shape[1] > 1 and out.shape[1] % tp == 0)
 
 
-def sequence_split_nodes(graph: OpGraph, state: Mapping[str, str], tp: int) -> frozenset[str]:
+def sequence_split_nodes(graph: OpGraph, state: Mapping[str, Work], tp: int) -> frozenset[str]:
     """The nodes whose ``R`` output sequence parallelism splits."""
-    return frozenset(n.name for n in graph.nodes if state.get(n.name) == R and splits_along_sequence(n, tp))
+    return frozenset(n.name for n in graph.nodes
+                     if state.get(n.name) == Work.WHOLE and splits_along_sequence(n, tp))
 
 
 def sequence_gathers(graph: OpGraph, layout: TPLayout, nodes) -> list[TPComm]:
@@ -112,7 +121,7 @@ def sequence_gathers(graph: OpGraph, layout: TPLayout, nodes) -> list[TPComm]:
     is not split itself reads (the runtime redistributes it to replicated for that op)."""
     out = []
     for node in nodes:
-        if layout.state.get(node.name) != R or node.name in layout.sequence_split:
+        if layout.state.get(node.name) != Work.WHOLE or node.name in layout.sequence_split:
             continue
         for name in dict.fromkeys(node.inputs):
             if name in layout.sequence_split:
@@ -135,10 +144,11 @@ def _weight_split_dim(node: OpNode, graph: OpGraph, column: bool) -> int | None:
 def replicated_layout(graph: OpGraph) -> TPLayout:
     """The layout of one tensor-parallel rank: every batch-dependent value (and whatever reads one) R,
     the rest C."""
-    state: dict[str, str] = {gi.name: R for gi in graph.inputs}
+    state: dict[str, Work] = {gi.name: Work.WHOLE for gi in graph.inputs}
     for node in graph.nodes:
-        ins = [state.get(i, C) for i in node.inputs]
-        state[node.name] = R if (ins and any(s != C for s in ins)) or node.batch_dependent else C
+        ins = [state.get(i, Work.CONST) for i in node.inputs]
+        batch = (ins and any(s != Work.CONST for s in ins)) or node.batch_dependent
+        state[node.name] = Work.WHOLE if batch else Work.CONST
     return TPLayout(1, state, frozenset(), {}, ())
 
 
@@ -155,7 +165,7 @@ def megatron_layout(graph: OpGraph, tp: int) -> TPLayout:
     """Megatron-LM's layout for ``tp`` by its rules (module docstring): the sharding ILP's reference."""
     if tp == 1:
         return replicated_layout(graph)
-    state: dict[str, str] = {gi.name: R for gi in graph.inputs}
+    state: dict[str, Work] = {gi.name: Work.WHOLE for gi in graph.inputs}
     split: set[str] = set()
     replicated: list[str] = []
     comms: dict[int, list[TPComm]] = {}
@@ -163,15 +173,15 @@ def megatron_layout(graph: OpGraph, tp: int) -> TPLayout:
 
     def split_numel(node: OpNode) -> int:
         """Elements of the node's split (S) inputs: what gathering them moves."""
-        return sum(graph.node(i).outputs[0].numel for i in node.inputs if state.get(i) == S)
+        return sum(graph.node(i).outputs[0].numel for i in node.inputs if state.get(i) == Work.SPLIT)
 
     def add(node: OpNode, kind: str, phase: str, numel: int) -> None:
         comms.setdefault(node.layer, []).append(TPComm(node.name, kind, phase, numel, node.batch_dependent))
 
     for node in graph.nodes:
-        ins = [state.get(i, C) for i in node.inputs]
-        act_r = [i for i in node.inputs if state.get(i) == R]
-        has_s = S in ins
+        ins = [state.get(i, Work.CONST) for i in node.inputs]
+        act_r = [i for i in node.inputs if state.get(i) == Work.WHOLE]
+        has_s = Work.SPLIT in ins
         out_numel = node.outputs[0].numel
         if node.kind is OpKind.MATMUL and node.params:
             column = not has_s
@@ -180,11 +190,11 @@ def megatron_layout(graph: OpGraph, tp: int) -> TPLayout:
                 replicated.append(node.params[0])
                 if has_s:
                     add(node, "all_gather", "fwd", split_numel(node))
-                state[node.name] = R
+                state[node.name] = Work.WHOLE
                 continue
             split.update(node.params)
             if column:
-                state[node.name] = S
+                state[node.name] = Work.SPLIT
                 for i in act_r:
                     if i not in f_inputs:
                         f_inputs.add(i)
@@ -192,7 +202,7 @@ def megatron_layout(graph: OpGraph, tp: int) -> TPLayout:
                         numel = src.outputs[0].numel if src else out_numel
                         add(node, "all_reduce", "bwd", numel)
             else:
-                state[node.name] = R
+                state[node.name] = Work.WHOLE
                 add(node, "all_reduce", "fwd", out_numel)
         elif node.kind is OpKind.EMBEDDING and node.params:
             vocab = graph.params[node.params[0]].shape[0] if node.params[0] in graph.params else 0
@@ -201,21 +211,21 @@ def megatron_layout(graph: OpGraph, tp: int) -> TPLayout:
                 add(node, "all_reduce", "fwd", out_numel)
             else:
                 replicated.append(node.params[0])
-            state[node.name] = R
+            state[node.name] = Work.WHOLE
         elif node.kind is OpKind.LOSS and has_s:
             logits = graph.node(node.inputs[0]).outputs[0]
             rows = out_numel if node.outputs[0].shape else max(1, logits.numel // max(1, logits.shape[-1]))
             for _ in range(3):
                 add(node, "all_reduce", "fwd", rows)
-            state[node.name] = R
+            state[node.name] = Work.WHOLE
         elif has_s and (act_r or node.kind in (OpKind.NORM, OpKind.REDUCTION, OpKind.LOSS)):
             add(node, "all_gather", "fwd", split_numel(node))
-            state[node.name] = R
+            state[node.name] = Work.WHOLE
         elif has_s:
-            state[node.name] = S
+            state[node.name] = Work.SPLIT
         elif act_r or node.batch_dependent:
-            state[node.name] = R
+            state[node.name] = Work.WHOLE
         else:
-            state[node.name] = C
+            state[node.name] = Work.CONST
     return TPLayout(tp, state, frozenset(split), {k: tuple(v) for k, v in comms.items()},
                     tuple(dict.fromkeys(replicated)), sequence_split=sequence_split_nodes(graph, state, tp))

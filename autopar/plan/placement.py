@@ -8,7 +8,10 @@ vocabulary, without importing torch, so a plan file reads without it):
 - ``Partial()``: every rank holds a summand; the tensor is their sum.
 
 In JSON a placement is its short text, ``"R"``, ``"S(1)"``, ``"P"``, read back by
-:func:`placement_from_json`, which names a malformed value.
+:func:`placement_from_json`, which names a malformed value. A plan's sharding also writes ``"C"``
+for what an op the solver ran as a batch-independent constant (a mask, a rotary table) reads and
+makes: every rank computes it whole, so it reads back as ``Replicate()``; whether a value is such
+a constant is the graph's to say (``OpNode.batch_dependent``), not a fourth placement.
 """
 
 from __future__ import annotations
@@ -55,9 +58,20 @@ Placement = Union[Replicate, Shard, Partial]
 _SHARD = re.compile(r"S\((-?\d+)\)")
 
 
+_CONSTANT = "C"
+
+
+def normal(placement: Placement, ndim: int) -> Placement:
+    """``Shard(-1)`` of a 3-D tensor -> ``Shard(2)``; other placements unchanged."""
+    if isinstance(placement, Shard) and placement.dim < 0:
+        return Shard(placement.dim % max(ndim, 1))
+    return placement
+
+
 def placement_from_json(text: object, where: str = "placement") -> Placement:
-    """``"R"`` / ``"S(d)"`` / ``"P"`` -> the placement; anything else is a PlanFormatError naming ``where``."""
-    if text == "R":
+    """``"R"`` / ``"S(d)"`` / ``"P"`` (and a constant's ``"C"``: Replicate) -> the placement; anything else
+    is a PlanFormatError naming ``where``."""
+    if text == "R" or text == _CONSTANT:
         return Replicate()
     if text == "P":
         return Partial()
@@ -67,5 +81,6 @@ def placement_from_json(text: object, where: str = "placement") -> Placement:
     return Shard(int(match.group(1)))
 
 
-def placement_to_json(placement: Placement) -> str:
-    return str(placement)
+def placement_to_json(placement: Placement, constant: bool = False) -> str:
+    """The placement's text; ``"C"`` for what a batch-independent constant op reads and makes (``constant``)."""
+    return _CONSTANT if constant else str(placement)

@@ -16,13 +16,15 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..capture import graph_of, param_aliases
 from ..capture.export import LossFn, loss_source, run_export
 from ..capture.loss import check_loss
 from ..capture.opgraph import OpKind
-from ..codegen.lower import R, cut_spec, lower
+from ..codegen.lower import cut_spec, lower
+from ..codegen.redistribute import R
+from ..plan.placement import Placement, Replicate, Shard, normal
 from ..codegen.optim import compile_step
 from ..errors import ConfigError
 from ..plan.loss import PARALLELIZE, LossSource
@@ -34,7 +36,7 @@ from .expert_parallel import shard_experts
 from .experts import ExpertsModule, check_regions, skipped_nodes
 from ..codegen.split import check_structure, cut_values, on_device, plan_chunks, split_graph
 from ..codegen.inputs import describe_inputs, example_at
-from .materialize import local_view, materialize_buffers
+from .materialize import dtensor_placement, local_view, materialize_buffers
 from ..codegen.pipeline import Topology, Value
 from ..codegen.specs import plan_specs
 
@@ -151,7 +153,7 @@ class Assembly:
         if fqn in self.expert_fqns:   # this rank's experts, a plain tensor even under tensor parallelism
             value = shard_experts(value, self.cfg.ep, self.ep_rank)
         d = self.param_dims.get(fqn)
-        place = Shard(d % value.dim()) if d is not None else Replicate()
+        place = dtensor_placement(normal(Shard(d), value.dim()) if d is not None else Replicate())
         tp = self.tp_mesh is not None and fqn not in self.expert_fqns
         if value.is_meta:   # ZeRO-2/3 of a meta model: fully_shard first
             data = distribute_tensor(value, self.tp_mesh, [place], src_data_rank=None) if tp else value
@@ -242,7 +244,7 @@ class Assembly:
         ranks = list(self.groups.ranks("pp"))
         return Topology(self.cfg.pp, ranks, self.pp_rank)
 
-    def _cut_spec(self, value: str) -> str:
+    def _cut_spec(self, value: str) -> Placement:
         return R if value == self.split.loss else cut_spec(self.specs.get(value))
 
     def _to_cut(self, chunk: int, name: str, value: torch.Tensor) -> torch.Tensor:

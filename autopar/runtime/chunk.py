@@ -36,21 +36,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..codegen import collectives
 from ..codegen.context_state import ContextRank
 from ..codegen.layers import LayerIO, class_name, layer_module
 from ..codegen.recompute import run_layer
-from ..codegen.lower import R, LoweredGraph, Step, convert, normal, written_inputs
+from ..codegen.lower import LoweredGraph, written_inputs
+from ..codegen.redistribute import R, apply_steps, convert
 from ..codegen.split import ChunkSpec, LayerSpec, SplitGraph
 from ..ops import SKIPPED_TARGETS
-
-
-def apply_steps(value: torch.Tensor, steps: tuple[Step, ...], group) -> torch.Tensor:
-    """``value`` through the collectives of a conversion, in order (a value sent across a pipeline cut)."""
-    for step in steps:
-        fn = getattr(collectives, step.kind)
-        value = fn(value, step.dim, group) if step.dim is not None else fn(value, group)
-    return value
+from ..plan.placement import Placement, normal
 
 
 def attr_name(fqn: str) -> str:
@@ -86,7 +79,7 @@ class NodeRunner:
                             self.skipped | self.moe_skip, name=class_name(spec.name), checks=checks,
                             context=self.context)
 
-    def to_cut(self, chunk: int, name: str, value: Any, spec: str) -> Any:
+    def to_cut(self, chunk: int, name: str, value: Any, spec: Placement) -> Any:
         """Node ``name``'s value (held as chunk ``chunk`` holds it) in ``spec``, to send across a cut."""
         if self.lowered is None or not isinstance(value, torch.Tensor):
             return value

@@ -1,6 +1,7 @@
 """What a rank of ``parallelize`` needs besides a meta model's values (codegen/sharded_init.py
-computes those): the exported program's meta buffers replaced by their values, and a rank's piece
-of a full value laid out as its DTensor is."""
+computes those): the exported program's meta buffers replaced by their values, a rank's piece
+of a full value laid out as its DTensor is, and the one conversion from autopar's placements
+(autopar/plan/placement.py) to DTensor's (:func:`dtensor_placement`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from typing import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.export import ExportedProgram
+
+from ..plan import placement as plan_placement
 
 from ..codegen.sharded_init import Materializer
 from ..codegen.split import empty_like_meta, meta_buffers
@@ -21,6 +24,15 @@ def materialize_buffers(program: ExportedProgram, mat: Materializer) -> None:
     for key, fqn in meta_buffers(program, type(mat.model).__name__).values():
         store = program.state_dict if key in program.state_dict else program.constants
         store[key] = mat.tensor(fqn) if fqn is not None else empty_like_meta(store[key])
+
+
+def dtensor_placement(placement: plan_placement.Placement) -> Placement:
+    """autopar's placement as DTensor's (a Partial sums)."""
+    if isinstance(placement, plan_placement.Shard):
+        return Shard(placement.dim)
+    if isinstance(placement, plan_placement.Partial):
+        return Partial()
+    return Replicate()
 
 
 def local_view(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> torch.Tensor:

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from ..capture.opgraph import Layer, OpGraph, OpNode
-from ..cost_model.tensor_parallel import TPComm, TPLayout, sequence_split_nodes
+from ..cost_model.tensor_parallel import TPComm, TPLayout, Work, sequence_split_nodes
 from ..errors import AutoparError
 from .sharding_problem import GroupProblem, Realised, layout_state, realise
+from ..plan.placement import Placement, Replicate
 from .strategies import Comm, Strategy
 
 
@@ -100,7 +101,7 @@ class GroupSolution:
     group: LayerGroup
     problem: GroupProblem
     result: Realised
-    boundary: str = "R"
+    boundary: Placement = Replicate()
     stats: Mapping[str, Any] = field(default_factory=dict)   # ILP size and seconds
 
 
@@ -114,11 +115,11 @@ def evaluate_layout(solution: GroupSolution, layout: TPLayout) -> Realised:
         into.setdefault(e.v, []).append(e)
     for k, node in enumerate(gp.nodes):
         split = bool(node.params) and node.params[0] in layout.split_params   # the weight (not its bias)
-        state = layout.state.get(node.name, "R")
+        state = layout.state.get(node.name, Work.WHOLE)
         best, best_cost = None, 0.0
         for j, s in enumerate(gp.strategies[k]):
             mine = bool(node.params) and node.params[0] in s.split_params
-            if mine != split or (layout_state(node, s) == "S") != (state == "S"):  # R and C alike
+            if mine != split or (layout_state(node, s) == Work.SPLIT) != (state == Work.SPLIT):  # WHOLE, CONST alike
                 continue
             keys = [(gp.strategies[e.u][choice[e.u]].output, s.inputs[e.i]) for e in into.get(k, [])]
             if any(key not in e.costs for key, e in zip(keys, into.get(k, []))):
@@ -127,7 +128,7 @@ def evaluate_layout(solution: GroupSolution, layout: TPLayout) -> Realised:
             if best is None or cost < best_cost:
                 best, best_cost = j, cost
         if best is None:
-            raise AutoparError(f"no strategy of {node.name} reproduces the layout's state {state!r} with its "
+            raise AutoparError(f"no strategy of {node.name} reproduces the layout's state {state.name} with its "
                                f"weight {'split' if split else 'whole'}")
         choice.append(best)
     return realise(gp, choice)
@@ -142,7 +143,7 @@ def totals(solutions: Sequence[GroupSolution]) -> tuple[float, float]:
 
 def assemble(graph: OpGraph, tp: int, solutions: Sequence[GroupSolution]) -> TPLayout:
     """The TPLayout of solved groups: states, split parameters, collectives per layer, GEMM split dims."""
-    state: dict[str, str] = {gi.name: "R" for gi in graph.inputs}
+    state: dict[str, Work] = {gi.name: Work.WHOLE for gi in graph.inputs}
     split: set[str] = set()
     replicated: list[str] = []
     whole: list[str] = []

@@ -19,8 +19,10 @@ solution (layer_cost.py), so the ILP's time for a layer is the cost model's time
 
 Resharding a tensor from spec ``a`` (producer) to ``b`` (consumer): same spec free;
 ``R -> S(d)`` a backward all-gather of the gradient (if it has one); ``S(d) -> R`` all-gather;
-``S(d) -> S(e)`` all-to-all; ``P -> R`` all-reduce; ``P -> S(d)`` reduce-scatter; ``C``
-(a constant) to anything but ``P`` free; anything else to ``P`` impossible.
+``S(d) -> S(e)`` all-to-all; ``P -> R`` all-reduce; ``P -> S(d)`` reduce-scatter; anything else to
+``P`` impossible. A constant (a batch-independent value every rank makes whole: ``OpContext.is_const``,
+a ``const`` strategy's output) goes to anything but ``P`` for free, and a ``const`` strategy reads
+anything for free (it makes its own).
 """
 
 from __future__ import annotations
@@ -35,19 +37,22 @@ from ..cost_model.comm import Collective, GroupPlacement, collective_time
 from ..cost_model.compute import ComputeModel
 from ..cost_model.layer_cost import compute_shard, split_dim
 from ..cost_model.memory import saved_owner
-from ..cost_model.tensor_parallel import TPLayout
-from .strategies import C, Comm, OpContext, P, R, Strategy, node_strategies, spec_dim
+from ..cost_model.tensor_parallel import TPLayout, Work
+from ..plan.placement import Placement, Shard
+from .strategies import Comm, OpContext, P, R, Strategy, node_strategies
 
 _SELF_TRANSPOSED = frozenset(("all_gather", "reduce_scatter", "all_to_all"))  # as layer_cost._tp_comm
 
 
-def reshard_comms(src: str, dst: str, numel: int, batch_dependent: bool, grad: bool) -> tuple[Comm, ...] | None:
-    """Collectives that turn spec ``src`` into ``dst`` (None: impossible); see the module docstring."""
-    if src == dst or dst == C:
+def reshard_comms(src: Placement, dst: Placement, numel: int, batch_dependent: bool, grad: bool,
+                  src_const: bool = False, dst_const: bool = False) -> tuple[Comm, ...] | None:
+    """Collectives that turn spec ``src`` into ``dst`` (None: impossible); ``src_const``: the value is a
+    constant, ``dst_const``: a ``const`` strategy reads it (see the module docstring)."""
+    if src == dst or dst_const:
         return ()
     if dst == P:
         return None
-    if src == C:
+    if src_const:
         return ()
     if src == R:  # slicing is free; the gradient must be gathered back whole
         return (Comm("all_gather", "bwd", numel, batch_dependent),) if grad else ()
@@ -105,13 +110,13 @@ class Pricing:
         return p.weight_bytes + p.grad_bytes + p.optimizer_bytes
 
 
-def layout_state(node: OpNode, s: Strategy) -> str:
-    """The TPLayout state of a node's output: S when each rank computes 1/t of it (a partial output
-    without a split weight included, so that the cost model divides its compute), else R (C when the
-    node does not depend on the batch)."""
-    if s.output.startswith("S(") or (s.output == P and not (node.params and node.params[0] in s.split_params)):
-        return "S"
-    return "C" if not node.batch_dependent else "R"
+def layout_state(node: OpNode, s: Strategy) -> Work:
+    """The TPLayout state of a node's output: SPLIT when each rank computes 1/t of it (a partial output
+    without a split weight included, so that the cost model divides its compute), else WHOLE (CONST when
+    the node does not depend on the batch)."""
+    if isinstance(s.output, Shard) or (s.output == P and not (node.params and node.params[0] in s.split_params)):
+        return Work.SPLIT
+    return Work.CONST if not node.batch_dependent else Work.WHOLE
 
 
 @dataclass(frozen=True)
@@ -119,18 +124,16 @@ class Boundary:
     """The spec of tensors that cross between layer groups: ``R``, or ``S(0)`` (split along dim 0, the
     batch: data parallelism between groups) for batch-dependent tensors whose dim 0 may split ``t``
     ways (strategies.OpContext.splittable).
-    Graph inputs are always ``R`` (every rank has the batch; slicing it is free) and constants ``C``."""
+    Graph inputs and constants are always ``R`` (every rank has the batch; slicing it is free)."""
 
-    spec: str = R
+    spec: Placement = R
 
-    def of(self, ctx: OpContext, name: str, tp: int) -> str:
-        if ctx.is_const(name):
-            return C
-        if self.spec == R or name not in ctx.graph.node_index:
+    def of(self, ctx: OpContext, name: str, tp: int) -> Placement:
+        if ctx.is_const(name) or self.spec == R or name not in ctx.graph.node_index:
             return R
         node = ctx.graph.node(name)
-        d = spec_dim(self.spec)
-        return self.spec if node.batch_dependent and d is not None and ctx.splittable(name, d, tp) else R
+        split = isinstance(self.spec, Shard) and ctx.splittable(name, self.spec.dim, tp)
+        return self.spec if node.batch_dependent and split else R
 
 
 @dataclass(frozen=True)
@@ -140,8 +143,8 @@ class Edge:
     u: int
     v: int
     i: int
-    comms: Mapping[tuple[str, str], tuple[Comm, ...]]   # (producer spec, required spec) -> collectives
-    costs: Mapping[tuple[str, str], float]
+    comms: Mapping[tuple[Placement, Placement], tuple[Comm, ...]]   # (producer spec, required spec) -> collectives
+    costs: Mapping[tuple[Placement, Placement], float]
 
 
 @dataclass
@@ -200,7 +203,7 @@ def build_problem(ctx: OpContext, pricing: Pricing, nodes: Sequence[OpNode], con
             by_node[name] = by_node.get(name, 0.0) + nbytes
         else:
             outside = name in ctx.graph.node_index or any(gi.name == name for gi in ctx.graph.inputs)
-            split = outside and boundary.of(ctx, name, tp).startswith("S(")
+            split = outside and isinstance(boundary.of(ctx, name, tp), Shard)
             const_memory += nbytes / (tp if split else 1)
     prob = GroupProblem(list(nodes), strategies, [], [], [], [], [], {}, {}, {}, {}, {}, const_memory, tp)
     for k, node in enumerate(nodes):
@@ -220,9 +223,9 @@ def _allowed(ctx: OpContext, node: OpNode, tp: int, pos: Mapping[str, int], cons
     options = node_strategies(ctx, node, tp)
     leave = _leave_spec(ctx, node.name, pos, consumers, boundary, tp)
     if leave is not None:
-        whole = next(s for s in options if s.output in (R, C))
-        options = [s for s in options if s.output in (leave, C, P)]
-        if not any(s.output in (leave, C) for s in options):
+        whole = next(s for s in options if s.output == R)
+        options = [s for s in options if s.output in (leave, P) or s.const]
+        if not any(s.output == leave or s.const for s in options):
             # nothing leaves in the boundary spec itself (e.g. a mask expanded over the batch from a
             # batch-1 capture, whose dims map has no batch dim to split): leave whole, which every
             # boundary spec is reachable from (a split is a local slice); P alone needs a P producer
@@ -234,7 +237,7 @@ def _allowed(ctx: OpContext, node: OpNode, tp: int, pos: Mapping[str, int], cons
 
 
 def _leave_spec(ctx: OpContext, name: str, pos: Mapping[str, int], consumers: Mapping[str, list[str]],
-                boundary: Boundary, tp: int) -> str | None:
+                boundary: Boundary, tp: int) -> Placement | None:
     """The spec a group op's output must leave the group in (R for the graph's output), or None when
     only the group reads it."""
     readers = consumers.get(name, [])
@@ -244,7 +247,7 @@ def _leave_spec(ctx: OpContext, name: str, pos: Mapping[str, int], consumers: Ma
 
 
 def _price_node(ctx: OpContext, pricing: Pricing, prob: GroupProblem, k: int, node: OpNode, pos: Mapping[str, int],
-                saved_bytes: float, readers: Mapping[str, int], leave: str | None, boundary: Boundary) -> None:
+                saved_bytes: float, readers: Mapping[str, int], leave: Placement | None, boundary: Boundary) -> None:
     times, steps, mems, comms = [], [], [], []
     for j, s in enumerate(prob.strategies[k]):
         fwd, bwd = pricing.compute(node, s)
@@ -256,9 +259,9 @@ def _price_node(ctx: OpContext, pricing: Pricing, prob: GroupProblem, k: int, no
                 meta = ctx.meta(name)
                 bd = name not in ctx.graph.node_index or ctx.graph.node(name).batch_dependent
                 own += reshard_comms(boundary.of(ctx, name, pricing.tp), s.inputs[i], meta.numel, bd,
-                                     ctx.requires_grad(name)) or ()
+                                     ctx.requires_grad(name), ctx.is_const(name), s.const) or ()
         t = fwd + bwd + sum(pricing.comm(c) for c in own)
-        mem = saved_bytes / (pricing.tp if layout_state(node, s) == "S" else 1)
+        mem = saved_bytes / (pricing.tp if layout_state(node, s) == Work.SPLIT else 1)
         for p, d in s.params:
             if readers.get(p, 0) == 1:
                 mem += ctx.param_meta[p].numel * pricing.param_bytes / (pricing.tp if d is not None else 1)
@@ -286,12 +289,16 @@ def _price_node(ctx: OpContext, pricing: Pricing, prob: GroupProblem, k: int, no
 def _edge(ctx: OpContext, pricing: Pricing, prob: GroupProblem, u: int, v: int, i: int, name: str) -> Edge:
     meta = ctx.meta(name)
     producer = prob.nodes[u]
-    outs = dict.fromkeys(s.output for s in prob.strategies[u])
-    needs = dict.fromkeys(s.inputs[i] for s in prob.strategies[v])
+    outs: dict[Placement, bool] = {}    # spec -> whether a const strategy makes it (all or none of an op's are)
+    needs: dict[Placement, bool] = {}
+    for s in prob.strategies[u]:
+        outs.setdefault(s.output, s.const)
+    for s in prob.strategies[v]:
+        needs.setdefault(s.inputs[i], s.const)
     comms, costs = {}, {}
-    for o in outs:
-        for r in needs:
-            c = reshard_comms(o, r, meta.numel, producer.batch_dependent, producer.requires_grad)
+    for o, o_const in outs.items():
+        for r, r_const in needs.items():
+            c = reshard_comms(o, r, meta.numel, producer.batch_dependent, producer.requires_grad, o_const, r_const)
             if c is not None:
                 comms[(o, r)] = c
                 costs[(o, r)] = sum(pricing.comm(x) for x in c)

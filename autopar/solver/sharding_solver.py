@@ -28,7 +28,8 @@ from ..errors import ConfigError
 from .sharding import MEMORY_SLACK, TIME_SLACK, VARIANTS, WHOLE_BATCH, ILPLimits, greedy_choice, solve_group
 from .sharding_layout import GroupSolution, LayerGroup, assemble, consumers_of, layer_groups, totals
 from .sharding_problem import Boundary, Pricing, build_problem, realise
-from .strategies import OpContext, R, S, spec_dim
+from ..plan.placement import Replicate, Shard, placement_to_json
+from .strategies import OpContext
 
 @dataclass
 class ShardingSolver:
@@ -112,10 +113,12 @@ class ShardingSolver:
             ops = []
             for k, (node, j) in enumerate(zip(sol.problem.nodes, sol.result.choice)):
                 s = sol.problem.strategies[k][j]
-                ops.append({"node": node.name, "module": node.module_path, "strategy": s.name, "output": s.output,
-                        "inputs": list(s.inputs), "params": {p: d for p, d in s.params}})
+                ops.append({"node": node.name, "module": node.module_path, "strategy": s.name,
+                            "output": placement_to_json(s.output, s.const),
+                            "inputs": [placement_to_json(x, s.const) for x in s.inputs],
+                            "params": {p: d for p, d in s.params}})
             out.append({"layers": [self.graph.layers[i].name for i in layers], "solved": len(sol.group.solved),
-                        "boundary": sol.boundary, "ops": ops})
+                        "boundary": placement_to_json(sol.boundary), "ops": ops})
         return out
 
     def splits_batch(self, tp: int, variant: str) -> bool:
@@ -126,12 +129,12 @@ class ShardingSolver:
             return False
         batch_dims = self._context(True).batch_dims
         for sol in self.solutions(tp, variant):
-            if sol.boundary != R:
+            if sol.boundary != Replicate():
                 return True
             for k, node in enumerate(sol.problem.nodes):
                 s = sol.problem.strategies[k][sol.result.choice[k]]
                 specs = [(node.name, s.output)] + list(zip(node.inputs, s.inputs))
-                if any(spec_dim(spec) in batch_dims.get(name, ()) for name, spec in specs):
+                if any(isinstance(spec, Shard) and spec.dim in batch_dims.get(name, ()) for name, spec in specs):
                     return True
         return False
 
@@ -159,10 +162,10 @@ class ShardingSolver:
         variant = variant.removesuffix(WHOLE_BATCH)
         pricing = Pricing(graph, self.cluster, self.precision, tp, tp_group(self.cluster, tp), self._fused)
         consumers, groups = self._consumers, self._groups
-        candidates = [Boundary(R)]
+        candidates = [Boundary(Replicate())]
         crossing = {name for layer in graph.layers for name in layer.inputs if name in graph.node_index}
-        if any(Boundary(S(0)).of(ctx, name, tp) == S(0) for name in sorted(crossing)):
-            candidates.append(Boundary(S(0)))
+        if any(Boundary(Shard(0)).of(ctx, name, tp) == Shard(0) for name in sorted(crossing)):
+            candidates.append(Boundary(Shard(0)))
         options = [self._solve_groups(ctx, pricing, consumers, groups, variant, b) for b in candidates]
         return options[_pick(options, variant)]
 

@@ -1,8 +1,10 @@
 """Per-op sharding strategies on a 1-D tensor-parallel group of ``t`` ranks (Alpa, Zheng et al. 2022, sec. 4).
 
-A tensor's *spec*: ``R`` replicated, ``S(d)`` split along dim ``d`` in ``t`` contiguous
-blocks, ``P`` partial sums awaiting a reduction, ``C`` a batch-independent constant (masks,
-rotary tables) that every rank has or makes. ``S(d)`` is offered when ``shape[d] % t == 0``,
+A tensor's *spec* is a placement (autopar/plan/placement.py): ``R`` (``Replicate()``), ``S(d)``
+(``Shard(d)``: split along dim ``d`` in ``t`` contiguous blocks), ``P`` (``Partial()``: partial sums
+awaiting a reduction). A batch-independent constant op (a mask, a rotary table) that every rank makes
+whole has one strategy, ``const`` (``Strategy.const``): it reads and makes ``R`` at no cost, whatever
+its producers hold. ``S(d)`` is offered when ``shape[d] % t == 0``,
 except on a *batch dim* (one whose size scales with the batch: dim 0 of the inputs, carried
 through the ops' dims maps), whose size at run time is the micro-batch's, not the example's:
 there it is offered exactly when the :class:`OpContext` allows batch splits. A layout that
@@ -50,18 +52,11 @@ from typing import Mapping
 
 from .. import ops
 from ..capture.opgraph import OpGraph, OpKind, OpNode, TensorMeta
+from ..plan.placement import Partial, Placement, Replicate, Shard
 
-R, P, C = "R", "P", "C"
-
-
-def S(d: int) -> str:
-    """The spec "split along dim d"."""
-    return f"S({d})"
+R, P = Replicate(), Partial()
 
 
-def spec_dim(spec: str) -> int | None:
-    """The dim of an ``S(d)`` spec, else None."""
-    return int(spec[2:-1]) if spec.startswith("S(") else None
 
 
 @dataclass(frozen=True)
@@ -79,13 +74,14 @@ class Strategy:
     """One way to run an op on the group (see the module docstring)."""
 
     name: str
-    inputs: tuple[str, ...]                       # required spec per activation input (node.inputs order)
-    output: str
+    inputs: tuple[Placement, ...]                 # required spec per activation input (node.inputs order)
+    output: Placement
     params: tuple[tuple[str, int | None], ...]    # (fqn, split dim or None) per parameter the op reads
     gemm: str = ""                                # GEMM dim divided: "n" | "k" | "m" | "batch" | ""
     comms: tuple[Comm, ...] = ()                  # collectives the strategy runs itself
     partial: tuple[int, ...] = ()                 # inputs whose gradient comes out partial
     step: int = 0                                 # parameter elements all-reduced once per step
+    const: bool = False                           # a batch-independent constant: reads and makes R for free
 
     @property
     def split_params(self) -> frozenset[str]:
@@ -160,7 +156,8 @@ def node_strategies(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     if not node.inputs and node.param_dims and t > 1 and not ctx.is_const(node.name):
         return _param_view(ctx, node, t)
     if not node.inputs or ctx.is_const(node.name):
-        return [Strategy("const", tuple(C for _ in node.inputs), C, tuple((p, None) for p in node.params))]
+        return [Strategy("const", tuple(R for _ in node.inputs), R, tuple((p, None) for p in node.params),
+                         const=True)]
     if t == 1 or not node.dims:
         return [replicate(node)]
     kind = node.kind
@@ -189,7 +186,7 @@ def node_strategies(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     return out
 
 
-def _partial(ctx: OpContext, node: OpNode, specs: tuple[str, ...], out_dim: int) -> tuple[int, ...]:
+def _partial(ctx: OpContext, node: OpNode, specs: tuple[Placement, ...], out_dim: int) -> tuple[int, ...]:
     """Inputs kept whole (R) while the output splits along ``out_dim``: their gradient sums over it."""
     return tuple(i for i, name in enumerate(node.inputs)
                  if specs[i] == R and node.dims[i][out_dim] < 0 and ctx.requires_grad(name))
@@ -206,7 +203,7 @@ def _param_dim(ctx: OpContext, node: OpNode, fqn: str, out_dim: int) -> int | No
 
 
 def _split_along(ctx: OpContext, node: OpNode, t: int, d: int, allow_reduced: bool = False
-                 ) -> tuple[str, ...] | None:
+                 ) -> tuple[Placement, ...] | None:
     """Required input specs for an output split along ``d``, or None when not possible."""
     if not ctx.splittable(node.name, d, t):
         return None
@@ -218,7 +215,7 @@ def _split_along(ctx: OpContext, node: OpNode, t: int, d: int, allow_reduced: bo
             continue
         if not ctx.splittable(name, e, t) or (i == 0 and e in node.reduced and not allow_reduced):
             return None
-        specs.append(S(e))
+        specs.append(Shard(e))
         mapped = True
     return tuple(specs) if mapped else None
 
@@ -243,7 +240,7 @@ def _generic(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
         gemm = ""
         if node.gemm is not None:
             gemm = "n" if d == gemm_dims - 1 else "m" if d == gemm_dims - 2 else "batch"
-        out.append(Strategy(f"split({d})", specs, S(d), tuple(params), gemm,
+        out.append(Strategy(f"split({d})", specs, Shard(d), tuple(params), gemm,
                             partial=_partial(ctx, node, specs, d), step=step))
     return out
 
@@ -260,7 +257,7 @@ def _view(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
         d = next((d for d, m in enumerate(dims) if m == e), None)
         if d is None or not ctx.splittable(node.name, d, t):
             continue
-        out.append(Strategy("view", (S(e),) + rest, S(d), ()))
+        out.append(Strategy("view", (Shard(e),) + rest, Shard(d), ()))
     return out
 
 
@@ -273,7 +270,7 @@ def _param_view(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     for d in range(len(node.outputs[0].shape)):
         dims = [m[d] for m in node.param_dims]
         if all(e >= 0 and ctx.param_meta[p].shape[e] % t == 0 for p, e in zip(node.params, dims)):
-            out.append(Strategy(f"split({d})", (), S(d), tuple(zip(node.params, dims))))
+            out.append(Strategy(f"split({d})", (), Shard(d), tuple(zip(node.params, dims))))
     return out
 
 
@@ -295,10 +292,10 @@ def _linear(ctx: OpContext, node: OpNode, t: int, weight: str) -> list[Strategy]
 
     if w[n_dim] % t == 0 and out[-1] % t == 0 and all(
             ctx.param_meta[p].shape[0] % t == 0 for p in node.params if p != weight):
-        res.append(Strategy("column", (R,), S(len(out) - 1), dims(n_dim, True), "n",
+        res.append(Strategy("column", (R,), Shard(len(out) - 1), dims(n_dim, True), "n",
                             partial=(0,) if ctx.requires_grad(x) else ()))
     if w[k_dim] % t == 0 and ctx.splittable(x, xk, t):
-        res.append(Strategy("row", (S(xk),), P, dims(k_dim, False), "k"))
+        res.append(Strategy("row", (Shard(xk),), P, dims(k_dim, False), "k"))
     for d in range(len(out) - 1):
         split = _token_split(ctx, node, t, d)
         if split is not None:
@@ -313,7 +310,7 @@ def _token_split(ctx: OpContext, node: OpNode, t: int, d: int) -> Strategy | Non
     if specs is None:
         return None
     step = sum(ctx.param_meta[p].numel for p in node.params)
-    return Strategy(f"split({d})", specs, S(d), tuple((p, None) for p in node.params), "m", step=step)
+    return Strategy(f"split({d})", specs, Shard(d), tuple((p, None) for p in node.params), "m", step=step)
 
 
 def _contract(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
@@ -325,7 +322,7 @@ def _contract(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     kb = len(b) - 1 if ops.base_name(node.target) == "linear" else len(b) - 2
     if not (ctx.splittable(node.inputs[0], len(a) - 1, t) and ctx.splittable(node.inputs[1], kb, t)):
         return []
-    return [Strategy("contract", (S(len(a) - 1), S(kb)), P, (), "k")]
+    return [Strategy("contract", (Shard(len(a) - 1), Shard(kb)), P, (), "k")]
 
 
 def _attention(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
@@ -336,7 +333,7 @@ def _attention(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
             continue
         specs = _split_along(ctx, node, t, d)
         if specs is not None:
-            res.append(Strategy(f"split({d})", specs, S(d), (), "batch", partial=_partial(ctx, node, specs, d)))
+            res.append(Strategy(f"split({d})", specs, Shard(d), (), "batch", partial=_partial(ctx, node, specs, d)))
     return res
 
 
@@ -349,13 +346,13 @@ def _conv(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     res = [replicate(node)]
     step = sum(ctx.param_meta[p].numel for p in node.params)
     if ctx.splittable(node.name, 0, t) and ctx.splittable(x, 0, t):
-        res.append(Strategy("split(0)", (S(0),), S(0), tuple((p, None) for p in node.params), "m", step=step))
+        res.append(Strategy("split(0)", (Shard(0),), Shard(0), tuple((p, None) for p in node.params), "m", step=step))
     plain = len(w) >= 3 and out[1] == w[0] and xs[1] == w[1]   # groups == 1, not transposed
     if plain and w[0] % t == 0:
-        res.append(Strategy("column", (R,), S(1), tuple((p, 0) for p in node.params), "n",
+        res.append(Strategy("column", (R,), Shard(1), tuple((p, 0) for p in node.params), "n",
                             partial=(0,) if ctx.requires_grad(x) else ()))
     if plain and w[1] % t == 0:
-        res.append(Strategy("row", (S(1),), P, tuple((p, 1 if p == weight else None) for p in node.params), "k"))
+        res.append(Strategy("row", (Shard(1),), P, tuple((p, 1 if p == weight else None) for p in node.params), "k"))
     return res
 
 
@@ -370,11 +367,11 @@ def _embedding(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
         # layer through views) cannot be run by the runtime, and such a table is small anyway
         res.append(Strategy("vocab", (R,), P, ((weight, 0),)))
     if hidden % t == 0:
-        res.append(Strategy("hidden", (R,), S(len(out) - 1), ((weight, 1),)))
+        res.append(Strategy("hidden", (R,), Shard(len(out) - 1), ((weight, 1),)))
     for d in range(len(out) - 1):
         specs = _split_along(ctx, node, t, d)
         if specs is not None:
-            res.append(Strategy(f"split({d})", specs, S(d), ((weight, None),),
+            res.append(Strategy(f"split({d})", specs, Shard(d), ((weight, None),),
                                 step=ctx.param_meta[weight].numel))
     return res
 
@@ -392,7 +389,7 @@ def _loss(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     rows = out.numel if out.shape else max(1, logits.numel // max(1, logits.shape[cls]))
     if base in ops.VOCAB_LOSSES and len(node.reduced) == 1 and ctx.splittable(node.inputs[0], cls, t):
         numel = ops.VOCAB_LOSSES[base].all_reduce_numel(rows, t)
-        res.append(Strategy("vocab", (S(cls),) + rest, R, (),
+        res.append(Strategy("vocab", (Shard(cls),) + rest, R, (),
                             comms=(Comm("all_reduce", "fwd", numel, node.batch_dependent),)))
     if out.shape:
         return res + [s for s in _generic(ctx, node, t)[1:]]
@@ -401,14 +398,14 @@ def _loss(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     for d in range(len(logits.shape)):
         if d in node.reduced and base in ops.VOCAB_LOSSES or not ctx.splittable(node.inputs[0], d, t):
             continue
-        specs = [S(d)]
+        specs = [Shard(d)]
         for name in node.inputs[1:]:
             shape = ctx.meta(name).shape
             e = d if len(shape) == len(logits.shape) else (d if d < cls else d - 1)
             if not ctx.splittable(name, e, t):
                 specs = None
                 break
-            specs.append(S(e))
+            specs.append(Shard(e))
         if specs is not None:
             res.append(Strategy(f"split({d})", tuple(specs), R, (),
                                 comms=(Comm("all_reduce", "fwd", max(1, out.numel), node.batch_dependent),)))
@@ -421,7 +418,7 @@ def _reduce_split(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
     res = []
     for e in node.reduced:
         if ctx.splittable(x, e, t):
-            res.append(Strategy(f"split_reduce({e})", (S(e),) + tuple(R for _ in node.inputs[1:]), R, (),
+            res.append(Strategy(f"split_reduce({e})", (Shard(e),) + tuple(R for _ in node.inputs[1:]), R, (),
                                 comms=(Comm("all_reduce", "fwd", max(1, node.outputs[0].numel),
                                             node.batch_dependent),)))
     return res

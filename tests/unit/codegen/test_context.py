@@ -18,7 +18,8 @@ from autopar.capture import graph_of
 from autopar.capture.export import run_export
 from autopar.capture.opgraph import OpKind
 from autopar.models import GPTConfig, build_gpt
-from autopar.codegen.context import PARTIAL, Local, _view_layout, analyse
+from autopar.codegen.context import _view_layout, analyse
+from autopar.codegen.context_state import FULL, PARTIAL, GatherTokens, Local, Mode, TakeTokens
 
 SEQ = 8
 
@@ -51,13 +52,13 @@ def test_gpt_runs_token_wise_with_ring_attention_and_a_partial_loss():
     assert plan.inputs == {"input_ids": Local(1, SEQ), "labels": Local(1, SEQ)}
     modes = {name: step.mode for name, step in plan.steps.items()}
     attention = [n for n in modes if "scaled_dot_product_attention" in n]
-    assert attention and all(modes[n] == "ring" for n in attention)
-    assert modes["cross_entropy_loss"] == "loss_mean" and plan.states["cross_entropy_loss"] is PARTIAL
+    assert attention and all(modes[n] is Mode.RING for n in attention)
+    assert modes["cross_entropy_loss"] is Mode.LOSS_MEAN and plan.states["cross_entropy_loss"] == PARTIAL
     # nothing is gathered: every op on the activations is token-wise
-    assert not [n for n, step in plan.steps.items() for c in step.convert for kind, _ in c if kind == "gather"]
+    assert not [n for n, step in plan.steps.items() for c in step.convert for x in c if isinstance(x, GatherTokens)]
     # the learned positions are computed whole and sliced where they meet the tokens
     sliced = [(n, v) for n, step in plan.steps.items() for v, c in zip(step.inputs, step.convert)
-              if any(kind == "slice" for kind, _ in c)]
+              if any(isinstance(x, TakeTokens) for x in c)]
     assert sliced and plan.local_shape("embedding", (2, SEQ, 32)) == (2, SEQ // 2, 32)
 
 
@@ -73,16 +74,16 @@ def test_hf_llama_gathers_labels_for_the_shift_and_keeps_a_padding_mask_whole():
             inputs = dict(inputs, attention_mask=torch.ones_like(inputs["input_ids"]))
         program, plan = _analyse(model, inputs)
         gathered = {v for step in plan.steps.values() for v, c in zip(step.inputs, step.convert)
-                    if any(kind == "gather" for kind, _ in c)}
+                    if any(isinstance(x, GatherTokens) for x in c)}
         # the pad-and-slice shift mixes positions: it gathers (and the padding mask, read whole)
         assert gathered == {"labels"} if not padded else "labels" in gathered
         attention = next(n for n in program.graph.nodes if "scaled_dot_product_attention" in str(n.target))
-        assert plan.steps[attention.name].mode == "ring"
+        assert plan.steps[attention.name].mode is Mode.RING
         if not padded:
             assert attention.kwargs.get("is_causal") and len(attention.args) == 3
         else:
             mask = attention.args[3]
-            assert isinstance(mask, torch.fx.Node) and plan.states[mask.name] is None   # FULL mask
+            assert isinstance(mask, torch.fx.Node) and plan.states[mask.name] == FULL
 
 
 class _InPlace(nn.Module):
@@ -103,8 +104,8 @@ class _InPlace(nn.Module):
 def test_an_in_place_write_into_a_whole_value_runs_whole():
     program, plan = _analyse(_InPlace(), (torch.zeros(2, SEQ, dtype=torch.long),))
     add = next(n for n in plan.steps if n.startswith("add"))
-    assert plan.steps[add].mode == "full" and plan.states[add] is None
-    assert any(kind == "gather" for c in plan.steps[add].convert for kind, _ in c)
+    assert plan.steps[add].mode is Mode.FULL and plan.states[add] == FULL
+    assert any(isinstance(x, GatherTokens) for c in plan.steps[add].convert for x in c)
 
 
 def test_refusals_name_what_to_change():

@@ -10,7 +10,10 @@ import autopar
 from autopar import Cluster
 from autopar.capture import graph_of, param_aliases
 from autopar.capture.export import run_export
-from autopar.codegen.lower import COMMUNICATING, How, Step, convert, lower
+from autopar.codegen.lower import How, lower
+from autopar.codegen.redistribute import (Copy, Gather, GatherPartial, Reduce, ReduceScatter, Split, ToPartial,
+                                          convert)
+from autopar.plan.placement import Partial, Replicate, Shard
 from autopar.models import GPTConfig, build_gpt
 from autopar.codegen.split import plan_chunks, split_graph
 from autopar.codegen.specs import node_specs, sequence_parallel
@@ -18,20 +21,21 @@ from autopar.codegen.specs import node_specs, sequence_parallel
 CFG = GPTConfig(vocab_size=64, hidden=32, heads=4, layers=2, seq_len=8, dropout=0.0)
 
 
+R, P, S = Replicate(), Partial(), Shard
+
+
 @pytest.mark.parametrize("src, dst, partial, steps", [
-    ("R", "R", False, ()),
-    ("R", "R", True, (Step("copy"),)),                         # Megatron's f
-    ("C", "R", True, (Step("copy"),)),
-    ("C", "S(1)", False, (Step("split", 1),)),
-    ("R", "S(2)", False, (Step("split", 2),)),
-    ("S(1)", "R", False, (Step("gather", 1),)),
-    ("S(1)", "R", True, (Step("gather_partial", 1),)),         # sequence parallelism's all-gather
-    ("P", "R", False, (Step("reduce"),)),                      # Megatron's g
-    ("P", "R", True, (Step("reduce"), Step("copy"))),
-    ("P", "S(1)", False, (Step("reduce_scatter", 1),)),
-    ("P", "P", False, ()),
-    ("R", "P", False, (Step("to_partial"),)),                  # a row-parallel bias, added once
-    ("S(0)", "S(1)", False, (Step("gather", 0), Step("split", 1))),
+    (R, R, False, ()),
+    (R, R, True, (Copy(),)),                               # Megatron's f
+    (R, S(2), False, (Split(2),)),
+    (S(1), R, False, (Gather(1),)),
+    (S(1), R, True, (GatherPartial(1),)),                  # sequence parallelism's all-gather
+    (P, R, False, (Reduce(),)),                            # Megatron's g
+    (P, R, True, (Reduce(), Copy())),
+    (P, S(1), False, (ReduceScatter(1),)),
+    (P, P, False, ()),
+    (R, P, False, (ToPartial(),)),                         # a row-parallel bias, added once
+    (S(0), S(1), False, (Gather(0), Split(1))),
 ])
 def test_conversions(src, dst, partial, steps):
     assert convert(src, dst, partial) == steps
@@ -65,14 +69,14 @@ def test_megatron_layout_lowers_to_local_ops_and_few_collectives(sp):
         op = low.ops[name]
         assert op.how is How.LOCAL
         if strategies[name] == "row":
-            assert op.output == "P"
+            assert op.output == P
         else:   # the input's gradient is partial: f (or SP's all-gather with its reduce-scatter backward)
             x = split.node_map[name].args[0].name
-            assert op.reads[x] and op.reads[x][-1].kind in ("copy", "gather_partial"), (name, op.reads)
+            assert op.reads[x] and isinstance(op.reads[x][-1], (Copy, GatherPartial)), (name, op.reads)
     for op in low.ops.values():   # every shard has its local size; shape arguments say so
-        if op.how is How.LOCAL and op.local_shape is not None and op.output.startswith("S("):
+        if op.how is How.LOCAL and op.local_shape is not None and isinstance(op.output, Shard):
             val = split.node_map[op.node].meta["val"]
-            d = int(op.output[2:-1])
+            d = op.output.dim
             assert op.local_shape[d] * 2 == val.shape[d]
     assert low.ops[split.loss].how is How.VOCAB_LOSS
     # what runs is what the ILP priced: one conversion per edge whose producer's spec differs from the
@@ -80,6 +84,6 @@ def test_megatron_layout_lowers_to_local_ops_and_few_collectives(sp):
     priced = 0
     for name, spec in specs.items():
         for src, need in spec.inputs.items():
-            held = specs[src].output if src in specs else "R"
-            priced += sum(1 for s in convert(held, need, False) if s.kind in COMMUNICATING)
+            held = specs[src].output if src in specs else R
+            priced += sum(1 for s in convert(held, need, False) if s.communicates)
     assert low.collectives() == priced + 1

@@ -16,6 +16,7 @@ from autopar.codegen.batches import slice_batch
 from autopar.codegen.inputs import check_batch, describe_inputs, example_at
 from autopar.capture.structure import align
 from autopar.codegen.specs import node_specs, sequence_parallel
+from autopar.plan.placement import Replicate, Shard
 
 CFG = GPTConfig(vocab_size=64, hidden=32, heads=4, layers=4, seq_len=8, dropout=0.0)
 
@@ -83,9 +84,9 @@ def test_specs_cover_every_op_and_sequence_parallel_splits_the_residual(gpt):
     sp = sequence_parallel(specs, graph, 2)
     for node in graph.nodes:
         out = node.outputs[0]
-        residual = (specs[node.name].output == "R" and node.batch_dependent and out.is_float
+        residual = (specs[node.name].output == Replicate() and node.batch_dependent and out.is_float
                     and len(out.shape) == 3 and out.shape[1] % 2 == 0)
-        assert sp[node.name].output == ("S(1)" if residual else specs[node.name].output), node.name
+        assert sp[node.name].output == (Shard(1) if residual else specs[node.name].output), node.name
 
 
 def test_align_maps_ops_across_the_batch_one_specialisation():

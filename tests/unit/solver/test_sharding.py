@@ -17,13 +17,14 @@ from autopar.capture import capture
 from autopar.cluster import Cluster
 from autopar.config import Precision
 from autopar.cost_model.layer_cost import LayerCostModel
-from autopar.cost_model.tensor_parallel import megatron_layout, replicated_layout
+from autopar.cost_model.tensor_parallel import Work, megatron_layout, replicated_layout
 from autopar.errors import AutoparError, ConfigError
 from autopar.models import GPTConfig, LlamaConfig, build_gpt, build_llama, registry
 from autopar.solver.sharding import solve_group
 from autopar.solver.sharding_layout import evaluate_layout
 from autopar.solver.sharding_solver import ShardingSolver, tp_group
 from autopar.solver.sharding_problem import reshard_comms
+from autopar.plan.placement import Partial, Replicate, Shard
 from autopar.solver.strategies import Comm
 
 A100x8 = "1x8xA100-80GB"
@@ -178,7 +179,7 @@ def test_resnet50_is_data_parallel(tp):
     convs = [n.name for n in graph.nodes if n.kind.value == "conv"]
     assert len(convs) == 53
     assert {layout.strategy[n] for n in convs} == {"split(0)"}
-    assert {layout.state[n] for n in convs} == {"S"}
+    assert {layout.state[n] for n in convs} == {Work.SPLIT}
     assert all(group["boundary"] == "S(0)" for group in solver.describe(tp, "fast"))
     phases = {c.phase for comms in layout.comms.values() for c in comms}
     assert "step" in phases  # the weights' gradients are all-reduced once per step: data parallelism
@@ -283,12 +284,15 @@ def test_memory_budget_below_the_least_is_infeasible(gpt):
 
 def test_resharding_table():
     n = 1024
-    assert reshard_comms("R", "R", n, True, True) == ()
-    assert reshard_comms("R", "S(1)", n, True, True) == (Comm("all_gather", "bwd", n, True),)
-    assert reshard_comms("R", "S(1)", n, True, False) == ()
-    assert reshard_comms("S(1)", "R", n, True, True) == (Comm("all_gather", "fwd", n, True),)
-    assert reshard_comms("S(0)", "S(1)", n, True, True) == (Comm("all_to_all", "fwd", n, True),)
-    assert reshard_comms("P", "R", n, True, True) == (Comm("all_reduce", "fwd", n, True),)
-    assert reshard_comms("P", "S(2)", n, True, True) == (Comm("reduce_scatter", "fwd", n, True),)
-    assert reshard_comms("R", "P", n, True, True) is None
-    assert reshard_comms("C", "S(0)", n, False, False) == ()
+    R, P = Replicate(), Partial()
+    assert reshard_comms(R, R, n, True, True) == ()
+    assert reshard_comms(R, Shard(1), n, True, True) == (Comm("all_gather", "bwd", n, True),)
+    assert reshard_comms(R, Shard(1), n, True, False) == ()
+    assert reshard_comms(Shard(1), R, n, True, True) == (Comm("all_gather", "fwd", n, True),)
+    assert reshard_comms(Shard(0), Shard(1), n, True, True) == (Comm("all_to_all", "fwd", n, True),)
+    assert reshard_comms(P, R, n, True, True) == (Comm("all_reduce", "fwd", n, True),)
+    assert reshard_comms(P, Shard(2), n, True, True) == (Comm("reduce_scatter", "fwd", n, True),)
+    assert reshard_comms(R, P, n, True, True) is None
+    assert reshard_comms(R, Shard(0), n, False, False, src_const=True) == ()   # a constant: sliced for free
+    assert reshard_comms(Shard(1), R, n, True, True, dst_const=True) == ()     # a const op makes its own
+    assert reshard_comms(R, P, n, False, False, src_const=True) is None
