@@ -18,21 +18,21 @@ op. The plan relies on none of that. It relies on:
 :class:`ModelStructure` records exactly that (each distinct layer body once, parameters named
 relative to their layer, ``*.self_attn.q_proj.weight``); its :attr:`~ModelStructure.fingerprint`
 is what plans carry, and :func:`first_difference` names the first layer, op or parameter where
-two structures differ. :func:`align` pairs the ops of two exports of one model (the plan's and a
-rank's) by the op each node calls, for what the plan says per op.
+two structures differ. :func:`op_ids` gives each op its structural identity
+(:class:`~autopar.plan.sharding.OpId`, the rule and its argument in plan/sharding.py), which the plan's
+per-op sharding is keyed by: a rank's export of the same model maps onto it exactly.
 """
 
 from __future__ import annotations
 
-import difflib
-import re
 from typing import Mapping, Sequence
 
+from ..plan.sharding import OpId
 from ..plan.structure import LAYER, Anchor, ModelStructure, ShardUnits, first_difference, relative_name
 from .opgraph import Layer, OpGraph, OpKind, OpNode, TensorMeta
 
-__all__ = ["ANCHOR_KINDS", "LAYER", "Anchor", "ModelStructure", "ShardUnits", "align", "align_ops",
-           "first_difference", "is_anchor", "op_of", "structure_of"]
+__all__ = ["ANCHOR_KINDS", "LAYER", "VOLATILE_OPS", "Anchor", "ModelStructure", "ShardUnits", "first_difference",
+           "is_anchor", "is_volatile", "op_ids", "structure_of"]
 
 # Kinds of op a plan decides a split for, or prices as more than moving bytes, even without parameters.
 ANCHOR_KINDS = frozenset({OpKind.MATMUL, OpKind.ATTENTION, OpKind.CONV, OpKind.EMBEDDING, OpKind.NORM,
@@ -55,41 +55,38 @@ def structure_of(nodes: Sequence[OpNode], layers: Sequence[Layer], params: Mappi
     return ModelStructure(tuple(out), tuple(bodies))
 
 
-def op_of(node_name: str) -> str:
-    """The op a graph node calls, from its name: torch.fx names the nodes calling ``aten.linear``
-    ``linear``, ``linear_1``, ``linear_2``... (a plan's sharding keeps only node names)."""
-    return _NUMBERED.sub("", node_name)
+# Ops whose presence depends on the export, not the model (plan/sharding.py): layout copies a kernel's strides
+# add or drop, the broadcast a batch of 1 makes a no-op, the identity export uses for a no-op view.
+# Dropout (OpKind.DROPOUT, gone in eval mode) is volatile too.
+VOLATILE_OPS = frozenset({"contiguous", "clone", "expand", "alias"})
 
 
-_NUMBERED = re.compile(r"_\d+$")
+def is_volatile(node: OpNode) -> bool:
+    """Whether ``node`` may be in one export of a model and not in another (it then has no OpId)."""
+    return node.kind is OpKind.DROPOUT or _op(node.target) in VOLATILE_OPS
 
 
-def align_ops(planned: Sequence[str], running: Sequence[str]) -> dict[int, int]:
-    """Position in ``planned`` -> position in ``running`` of the same op, for two node-name sequences of
-    one stretch of the model exported twice: the longest runs of the same ops in the same order
-    (difflib), so an op only one export has (a ``contiguous``, an ``expand`` a batch of 1 drops, a
-    dropout gone in eval mode) is left unpaired and everything around it still pairs."""
-    matcher = difflib.SequenceMatcher(None, [op_of(n) for n in planned], [op_of(n) for n in running],
-                                      autojunk=False)
-    return {block.a + k: block.b + k for block in matcher.get_matching_blocks() for k in range(block.size)}
+def op_ids(nodes: Sequence[OpNode], layers: Sequence[Layer]) -> tuple[OpId | None, ...]:
+    """Per node, its structural identity (None for a volatile op): layer, module relative to it, aten op and
+    occurrence among the layer's non-volatile ops of that module and op (the rule: plan/sharding.py)."""
+    out: list[OpId | None] = [None] * len(nodes)
+    for layer in layers:
+        seen: dict[tuple[str, str], int] = {}
+        for i in layer.nodes:
+            node = nodes[i]
+            if is_volatile(node):
+                continue
+            key = (relative_name(node.module_path, layer.name), _op(node.target))
+            seen[key] = seen.get(key, -1) + 1
+            out[i] = OpId(layer.name, key[0], key[1], seen[key])
+    return tuple(out)
 
 
-def align(planned: OpGraph, running: OpGraph) -> dict[str, str]:
-    """Node of ``planned`` -> the same op in ``running`` (two exports of one model), layer by layer
-    (layers are matched by name; :func:`first_difference` says why when they do not match), and
-    each graph input to itself."""
-    by_name = {layer.name: layer for layer in running.layers}
-    out: dict[str, str] = {}
-    for layer in planned.layers:
-        other = by_name.get(layer.name)
-        if other is None:
-            continue
-        a = [planned.nodes[i].name for i in layer.nodes]
-        b = [running.nodes[i].name for i in other.nodes]
-        out.update({a[i]: b[j] for i, j in align_ops(a, b).items()})
-    for gi in planned.inputs:
-        out[gi.name] = gi.name
-    return out
+def _op(target: str) -> str:
+    """The aten op a node calls (``aten.linear.default`` -> ``linear``), in-place ops as their
+    out-of-place form (``relu_`` -> ``relu``: a module with ``inplace=True`` is the same model)."""
+    name = target.split(".")[1] if target.count(".") >= 2 else target
+    return name.rstrip("_") if name.endswith("_") and not name.startswith("_") else name
 
 
 def _anchor_of(node: OpNode, layer: str, params: Mapping[str, TensorMeta]) -> Anchor:

@@ -43,6 +43,7 @@ from typing import Any, Mapping
 import torch
 
 from ..capture.opgraph import OpGraph, OpKind
+from ..capture.structure import is_volatile
 from ..solver.strategies import C, P, R
 from ..solver.strategies import spec_dim as split_dim
 
@@ -114,7 +115,17 @@ COMMUNICATING = frozenset({"gather", "gather_partial", "reduce", "reduce_scatter
 
 def cut_spec(op_spec: Any) -> str:
     """The spec a value crosses a pipeline cut in: the plan's output spec if S(d), else R."""
+    op_spec = _text(op_spec)
     return op_spec.output if op_spec is not None and split_dim(op_spec.output) is not None else R
+
+
+def _text(op_spec: Any) -> Any:
+    """An OpSpec (codegen/specs.py: Placement objects) in this module's spec strings (str(Shard(1)) is
+    "S(1)"), until the lowering speaks placements itself."""
+    if op_spec is None:
+        return None
+    return dataclasses.replace(op_spec, output=str(op_spec.output),
+                               inputs={k: str(v) for k, v in op_spec.inputs.items()})
 
 
 # held spec -> required spec: the steps (``partial``: the reading op's work is split over the ranks)
@@ -230,6 +241,16 @@ def local_shape(shape: tuple[int, ...], spec: str, tp: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class _Carried:
+    """A volatile op's spec (capture/structure.py is_volatile): what propagate carries from its input."""
+
+    inputs: Mapping[str, str]
+    output: str
+    strategy: str = "carried"
+    params: Mapping[str, int | None] = field(default_factory=dict)
+
+
 class _Lowering:
     def __init__(self, nodes: Mapping[str, torch.fx.Node], graph: OpGraph, specs: Mapping[str, Any],
                  param_of: Mapping[str, str], param_dims: Mapping[str, int | None], tp: int) -> None:
@@ -253,6 +274,9 @@ class _Lowering:
                 spec = R    # a piece of another rank (statistics of a split norm): not read as a shard
             return LoweredOp(name, How.LOCAL, {}, spec)
         spec = self.specs.get(name)
+        if spec is None and name in self.ops and is_volatile(self.ops[name]):
+            carried = self.propagate(node, held)   # the plan names no volatile op: its input's spec, carried
+            spec = None if carried is None else _Carried(carried[0], carried[1])
         if spec is None or target in CONTEXT_HOPS or any(a.name not in held for a in tensors):
             return self.whole(node, held)
         if name in self.pinned:   # a tensor written in place, or a view of one: every alias held whole
@@ -395,7 +419,7 @@ def lower(nodes: Mapping[str, torch.fx.Node], graph: OpGraph, chunks: Any, specs
     of its op's spec); ``moe``: MoE region output -> the region's inputs, for regions run as one call
     (runtime/experts.py)."""
     moe = moe or {}
-    lowering = _Lowering(nodes, graph, specs, param_of, param_dims, tp)
+    lowering = _Lowering(nodes, graph, {k: _text(v) for k, v in specs.items()}, param_of, param_dims, tp)
     lowering.pinned = written_families(nodes.values())
     ops: dict[str, LoweredOp] = {}
     held_by_chunk: dict[int, dict[str, str]] = {}
