@@ -67,18 +67,25 @@ def is_volatile(node: OpNode) -> bool:
 
 
 def op_ids(nodes: Sequence[OpNode], layers: Sequence[Layer]) -> tuple[OpId | None, ...]:
-    """Per node, its structural identity (None for a volatile op): layer, module relative to it, aten op and
-    occurrence among the layer's non-volatile ops of that module and op (the rule: plan/sharding.py)."""
+    """Per node, its structural identity (the rule and its argument: plan/sharding.py): layer, module relative
+    to it, aten op and occurrence among the layer's non-volatile ops of that module and op; a volatile op is
+    named by the op it reads (None when that is a graph input or has no identity itself)."""
     out: list[OpId | None] = [None] * len(nodes)
+    named: dict[str, OpId] = {}
     for layer in layers:
-        seen: dict[tuple[str, str], int] = {}
+        seen: dict[tuple, int] = {}
         for i in layer.nodes:
             node = nodes[i]
+            module, op = relative_name(node.module_path, layer.name), _op(node.target)
+            reads = named.get(node.inputs[0]) if node.inputs else None
             if is_volatile(node):
-                continue
-            key = (relative_name(node.module_path, layer.name), _op(node.target))
+                if reads is None:
+                    continue
+                key: tuple = (module, op, reads)
+            else:
+                key, reads = (module, op), None
             seen[key] = seen.get(key, -1) + 1
-            out[i] = OpId(layer.name, key[0], key[1], seen[key])
+            out[i] = named[node.name] = OpId(layer.name, module, op, seen[key], reads)
     return tuple(out)
 
 

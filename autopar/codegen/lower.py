@@ -243,7 +243,8 @@ def local_shape(shape: tuple[int, ...], spec: str, tp: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class _Carried:
-    """A volatile op's spec (capture/structure.py is_volatile): what propagate carries from its input."""
+    """The spec of a volatile op the plan has no record of (capture/structure.py is_volatile): what propagate
+    carries from its input."""
 
     inputs: Mapping[str, str]
     output: str
@@ -275,7 +276,7 @@ class _Lowering:
             return LoweredOp(name, How.LOCAL, {}, spec)
         spec = self.specs.get(name)
         if spec is None and name in self.ops and is_volatile(self.ops[name]):
-            carried = self.propagate(node, held)   # the plan names no volatile op: its input's spec, carried
+            carried = self.propagate(node, held)   # a volatile op the plan's export lacked: its input's spec
             spec = None if carried is None else _Carried(carried[0], carried[1])
         if spec is None or target in CONTEXT_HOPS or any(a.name not in held for a in tensors):
             return self.whole(node, held)

@@ -5,8 +5,9 @@ identity (plan/sharding.py :class:`~autopar.plan.sharding.OpId`); the other laye
 the first one, and take the placement of the op of the same identity in it. This rank's export of
 the model gives its ops the same identities (capture/structure.py ``op_ids``), so node_specs maps
 the plan onto it exactly: an op the plan lists that the graph lacks, or the reverse, is a
-PlanMismatchError naming it. Volatile ops (no identity) get no spec here; the lowering carries
-their input's placement through them. Placements: Replicate, Shard(d), Partial
+PlanMismatchError naming it. A volatile op (a ``contiguous``, an ``expand``, dropout:
+plan/sharding.py) takes the plan's record when the plan's export had it too, else gets no spec here
+and the lowering carries its input's placement through it. Placements: Replicate, Shard(d), Partial
 (autopar.plan.placement). codegen/lower.py turns them into what each rank runs.
 
 Sequence parallelism (Korthikanti et al. 2022) is applied on top of the plan's layout: every
@@ -57,12 +58,16 @@ def node_specs(plan_sharding: Sequence[ShardingGroup], graph: OpGraph
         first = group.layers[0]
         planned = {op.id: op for op in group.ops}
         for name in group.layers[group.solved:]:
-            planned.update({op.id.in_layer(name): op for op in group.ops if op.id.layer == first})
+            copied = ((op.id.in_layer(name), op) for op in group.ops if op.id.layer == first)
+            planned.update({op_id: op for op_id, op in copied if op_id is not None})
         here = {graph.op_ids[i]: graph.nodes[i] for name in group.layers for i in layer_by_name[name].nodes
                 if graph.op_ids[i] is not None}
-        _same_ops(planned, here)
+        _same_ops({i: op for i, op in planned.items() if not i.volatile}, {i: n for i, n in here.items()
+                                                                           if not i.volatile})
         for op_id, op in planned.items():
-            node = here[op_id]
+            node = here.get(op_id)
+            if node is None:   # a volatile op this export does not have
+                continue
             if len(op.inputs) != len(node.inputs) or len(op.params) != len(node.params):
                 raise PlanMismatchError(f"op {op_id} reads {len(node.inputs)} activations and {len(node.params)} "
                                         f"parameters here but {len(op.inputs)} and {len(op.params)} in the plan: "
@@ -76,11 +81,11 @@ def node_specs(plan_sharding: Sequence[ShardingGroup], graph: OpGraph
 
 def _same_ops(planned: Mapping[OpId, OpSharding], here: Mapping[OpId, Any]) -> None:
     """PlanMismatchError naming the first op only one of the plan and this graph has."""
-    gone = sorted(set(planned) - set(here))
+    gone = sorted(set(planned) - set(here), key=str)
     if gone:
         raise PlanMismatchError(f"the plan shards op {gone[0]}, which the model exported here does not have "
                                 f"({len(gone)} such ops): {_REPLAN}")
-    new = sorted(set(here) - set(planned))
+    new = sorted(set(here) - set(planned), key=str)
     if new:
         raise PlanMismatchError(f"op {new[0]} of the model exported here is not in the plan's sharding "
                                 f"({len(new)} such ops): {_REPLAN}")

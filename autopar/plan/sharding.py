@@ -2,27 +2,31 @@
 
 An op is named by :class:`OpId` ``(layer, module, op, occurrence)``: the layer holding it (its
 name, as in ``Stage.layers``), its module path relative to the layer (``*.self_attn.q_proj``, or
-an absolute path for a module outside it), the aten op it calls (``linear``) and how many ops of
-the same layer, module and aten op come before it. Volatile ops have no identity (capture/structure.py
-``op_ids`` assigns them, ``VOLATILE_OPS`` lists them): the memory-layout copies and broadcasts
-(``contiguous``, ``clone``, ``expand``, ``alias``) and dropout.
+an absolute path for a module outside it), the aten op it calls (``linear``) and how many
+non-volatile ops of the same layer, module and aten op come before it. *Volatile* ops (capture/structure.py
+``VOLATILE_OPS``, and dropout) are the memory-layout copies and broadcasts (``contiguous``, ``clone``,
+``expand``, ``alias``) and dropout; each is named instead by the op it reads: ``reads`` holds that op's
+identity and ``occurrence`` counts the volatile ops of the same aten op reading it before this one.
 
 Why any rank's export of the same model maps onto the plan's exactly. Two exports of one model
 (meta or CPU, batch 1 or 8, train or eval mode) run the same Python code on tensors of other
 sizes, strides and modes. What they may differ in is decided by those three alone: a kernel's
 strides add or drop a ``contiguous`` (or a ``clone`` in its place), a batch of 1 makes a broadcast
 to the batch a no-op that export drops (an ``expand``), eval mode turns dropout into the identity.
-These are exactly the volatile ops, none of which computes a value (each returns its input's
+These are exactly the volatile ops, none of which computes a new value (each returns its input's
 values, or zeroes some of them), so leaving them out of the numbering leaves the same sequence of
 value-computing ops in each layer in both exports, and numbering per (layer, module, aten op)
-gives each the same identity. An op present in one export only is volatile, so it shifts no other
-op's occurrence. A model whose code branches on the batch size or the device in another way
-breaks the rule: the mapping then fails by name (PlanMismatchError), never approximately. The
-compiler gives a volatile op its input's placement, carried through the op's dims.
+gives each the same identity: an op present in one export only is volatile, so it shifts no other
+op's occurrence. A volatile op present in both reads the same op in both, so its name by that op
+is the same too; one present in the plan's export only is not there to shard, and one present
+in the rank's export only has no record: the compiler gives it its input's placement, carried
+through the op's dims. The non-volatile ops must match one to one; a model whose code branches on
+the batch size or the device otherwise breaks the rule, and the mapping then fails by name
+(PlanMismatchError), never approximately.
 
 A group's first ``solved`` layers are recorded op by op; each later layer of the group repeats the
-first one, so its ops take the placement of the op with the same (module, aten op, occurrence) in
-the group's first layer.
+first one, so its ops take the placement of the op of the same identity in the group's first layer
+(:meth:`OpId.in_layer`; a volatile op reading another layer's op has no counterpart there and is carried).
 
 Placements are :mod:`autopar.plan.placement`'s; a batch-independent constant (the solver's ``C``,
 computed whole by every rank) is recorded as ``Replicate()``. Plain data: no torch here.
@@ -39,28 +43,49 @@ from .placement import Placement, Replicate, placement_from_json, placement_to_j
 from .structure import relative_name
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class OpId:
-    """One op of a model, the same in every export of it (module docstring)."""
+    """One op of a model, the same in every export of it (module docstring). ``reads`` is None for an op
+    every export has; for a volatile op it is the identity of the op it reads (its first input)."""
 
     layer: str
     module: str
     op: str
     occurrence: int
+    reads: "OpId | None" = None
 
     def __post_init__(self) -> None:
         if type(self.occurrence) is not int or self.occurrence < 0:
             raise TypeError(f"OpId occurrence must be an int >= 0, not {self.occurrence!r}")
 
-    def in_layer(self, layer: str) -> "OpId":
-        """The same op in another layer that repeats this one's layer."""
-        return OpId(layer, self.module, self.op, self.occurrence)
+    @property
+    def volatile(self) -> bool:
+        """An op some exports of the model have and others not (module docstring)."""
+        return self.reads is not None
+
+    def in_layer(self, layer: str) -> "OpId | None":
+        """The same op in another layer that repeats this one's layer; None for a volatile op reading an op
+        of another layer (its counterpart there is not named by this layer's)."""
+        reads = None
+        if self.reads is not None:
+            if self.reads.layer != self.layer:
+                return None
+            reads = self.reads.in_layer(layer)
+            if reads is None:
+                return None
+        return OpId(layer, self.module, self.op, self.occurrence, reads)
 
     def __str__(self) -> str:
-        return f"{self.layer}: {self.op}#{self.occurrence} in {self.module}"
+        where = f"in {self.module}" if self.module else "in the model's top level"
+        after = "" if self.reads is None else f" reading ({self.reads})"
+        return f"{self.layer}: {self.op}#{self.occurrence} {where}{after}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layer": self.layer, "module": self.module, "op": self.op, "occurrence": self.occurrence}
+        out: dict[str, Any] = {"layer": self.layer, "module": self.module, "op": self.op,
+                               "occurrence": self.occurrence}
+        if self.reads is not None:
+            out["reads"] = self.reads.to_dict()
+        return out
 
 
 @dataclass(frozen=True)
@@ -130,11 +155,7 @@ def group_from_dict(data: Any, where: str) -> ShardingGroup:
 
 def _op(data: Any, where: str) -> OpSharding:
     o = _object(data, where)
-    i = _object(_field(o, "id", where), f"{where}.id")
-    for key in ("layer", "module", "op"):
-        if not isinstance(_field(i, key, f"{where}.id"), str):
-            raise _bad(f"{where}.id.{key}", i[key], "a string")
-    op_id = OpId(i["layer"], i["module"], i["op"], _int(i, "occurrence", f"{where}.id"))
+    op_id = _op_id(_field(o, "id", where), f"{where}.id")
     strategy = _field(o, "strategy", where)
     if not isinstance(strategy, str):
         raise _bad(f"{where}.strategy", strategy, "a string")
@@ -196,6 +217,16 @@ _V2_NUMBER = re.compile(r"_\d+$")
 def _v2_placement(text: Any, where: str) -> Placement:
     """Schema 2's specs: "C" (a constant every rank computes whole) is Replicate()."""
     return Replicate() if text == "C" else placement_from_json(text, f"plan field {where}")
+
+
+def _op_id(data: Any, where: str) -> OpId:
+    i = _object(data, where)
+    for key in ("layer", "module", "op"):
+        if not isinstance(_field(i, key, where), str):
+            raise _bad(f"{where}.{key}", i[key], "a string")
+    reads = i.get("reads")
+    return OpId(i["layer"], i["module"], i["op"], _int(i, "occurrence", where),
+                None if reads is None else _op_id(reads, f"{where}.reads"))
 
 
 def _object(value: Any, where: str) -> dict:
