@@ -57,13 +57,17 @@ def structure_of(nodes: Sequence[OpNode], layers: Sequence[Layer], params: Mappi
 
 # Ops whose presence depends on the export, not the model (plan/sharding.py): layout copies a kernel's strides
 # add or drop, the broadcast a batch of 1 makes a no-op, the identity export uses for a no-op view.
-# Dropout (OpKind.DROPOUT, gone in eval mode) is volatile too.
+# Dropout (OpKind.DROPOUT) and state updates (is_volatile), gone in eval mode, are volatile too.
 VOLATILE_OPS = frozenset({"contiguous", "clone", "expand", "alias"})
 
 
 def is_volatile(node: OpNode) -> bool:
-    """Whether ``node`` may be in one export of a model and not in another (it then has no OpId)."""
-    return node.kind is OpKind.DROPOUT or _op(node.target) in VOLATILE_OPS
+    """Whether ``node`` may be in one export of a model and not in another (plan/sharding.py): a layout copy
+    or broadcast (VOLATILE_OPS), dropout, or a state update, an in-place op that reads no activation and no
+    parameter and so writes a buffer, which modules make in train mode only (BatchNorm's batch count)."""
+    name = node.target.split(".")[1] if node.target.count(".") >= 2 else node.target
+    update = name.endswith("_") and not name.startswith("_") and not node.inputs and not node.params
+    return node.kind is OpKind.DROPOUT or _op(node.target) in VOLATILE_OPS or update
 
 
 def op_ids(nodes: Sequence[OpNode], layers: Sequence[Layer]) -> tuple[OpId | None, ...]:
