@@ -56,9 +56,11 @@ def structure_of(nodes: Sequence[OpNode], layers: Sequence[Layer], params: Mappi
 
 
 # Ops whose presence depends on the export, not the model (plan/sharding.py): layout copies a kernel's strides
-# add or drop, the broadcast a batch of 1 makes a no-op, the identity export uses for a no-op view.
+# add or drop, the broadcast a batch of 1 makes a no-op, the identity export uses for a no-op view, the
+# detach export keeps only where its input requires a gradient (a rank's program may hold frozen stand-ins),
+# the copy of a tensor constant the code makes (torch.tensor(...)), there or not by how a program holds constants.
 # Dropout (OpKind.DROPOUT) and state updates (is_volatile), gone in eval mode, are volatile too.
-VOLATILE_OPS = frozenset({"contiguous", "clone", "expand", "alias"})
+VOLATILE_OPS = frozenset({"contiguous", "clone", "expand", "alias", "detach", "lift_fresh_copy"})
 
 
 def is_volatile(node: OpNode) -> bool:

@@ -5,7 +5,7 @@ name, as in ``Stage.layers``), its module path relative to the layer (``*.self_a
 an absolute path for a module outside it), the aten op it calls (``linear``) and how many
 non-volatile ops of the same layer, module and aten op come before it. *Volatile* ops (capture/structure.py
 ``is_volatile``) are the memory-layout copies and broadcasts (``contiguous``, ``clone``, ``expand``,
-``alias``), dropout, and state updates (an in-place op on a buffer, BatchNorm's batch count); each is
+``alias``), ``detach``, ``lift_fresh_copy``, dropout, and state updates (an in-place op on a buffer, BatchNorm's batch count); each is
 named instead by the op it reads: ``reads`` holds that op's identity and ``occurrence`` counts the
 volatile ops of the same aten op reading it before this one (one reading no op has no identity).
 
@@ -13,8 +13,10 @@ Why any rank's export of the same model maps onto the plan's exactly. Two export
 (meta or CPU, batch 1 or 8, train or eval mode) run the same Python code on tensors of other
 sizes, strides and modes. What they may differ in is decided by those three alone: a kernel's
 strides add or drop a ``contiguous`` (or a ``clone`` in its place), a batch of 1 makes a broadcast
-to the batch a no-op that export drops (an ``expand``), eval mode turns dropout into the identity and
-makes no state updates.
+to the batch a no-op that export drops (an ``expand``), a tensor that needs no gradient makes its
+``detach`` a no-op (a program holding frozen stand-ins for the parameters) and a program holding
+constants whole needs no ``lift_fresh_copy`` of them, eval mode turns dropout
+into the identity and makes no state updates.
 These are exactly the volatile ops, none of which computes a new value (each returns its input's
 values, or zeroes some of them), so leaving them out of the numbering leaves the same sequence of
 value-computing ops in each layer in both exports, and numbering per (layer, module, aten op)
