@@ -44,6 +44,7 @@ import torch
 
 from ..capture.opgraph import OpGraph, OpKind
 from ..capture.structure import is_volatile
+from .specs import OpSpec
 from ..solver.strategies import C, P, R
 from ..solver.strategies import spec_dim as split_dim
 
@@ -120,12 +121,9 @@ def cut_spec(op_spec: Any) -> str:
 
 
 def _text(op_spec: Any) -> Any:
-    """An OpSpec (codegen/specs.py: Placement objects) in this module's spec strings (str(Shard(1)) is
-    "S(1)"), until the lowering speaks placements itself."""
-    if op_spec is None:
-        return None
-    return dataclasses.replace(op_spec, output=str(op_spec.output),
-                               inputs={k: str(v) for k, v in op_spec.inputs.items()})
+    """An OpSpec's placements as this module's spec strings (str(Shard(1)) is "S(1)")."""
+    return None if op_spec is None else dataclasses.replace(
+        op_spec, output=str(op_spec.output), inputs={k: str(v) for k, v in op_spec.inputs.items()})
 
 
 # held spec -> required spec: the steps (``partial``: the reading op's work is split over the ranks)
@@ -241,17 +239,6 @@ def local_shape(shape: tuple[int, ...], spec: str, tp: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-@dataclass(frozen=True)
-class _Carried:
-    """The spec of a volatile op the plan has no record of (capture/structure.py is_volatile): what propagate
-    carries from its input."""
-
-    inputs: Mapping[str, str]
-    output: str
-    strategy: str = "carried"
-    params: Mapping[str, int | None] = field(default_factory=dict)
-
-
 class _Lowering:
     def __init__(self, nodes: Mapping[str, torch.fx.Node], graph: OpGraph, specs: Mapping[str, Any],
                  param_of: Mapping[str, str], param_dims: Mapping[str, int | None], tp: int) -> None:
@@ -277,7 +264,7 @@ class _Lowering:
         spec = self.specs.get(name)
         if spec is None and name in self.ops and is_volatile(self.ops[name]):
             carried = self.propagate(node, held)   # a volatile op the plan's export lacked: its input's spec
-            spec = None if carried is None else _Carried(carried[0], carried[1])
+            spec = None if carried is None else OpSpec("carried", carried[1], carried[0])
         if spec is None or target in CONTEXT_HOPS or any(a.name not in held for a in tensors):
             return self.whole(node, held)
         if name in self.pinned:   # a tensor written in place, or a view of one: every alias held whole

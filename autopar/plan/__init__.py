@@ -1,8 +1,9 @@
 """The plan: a typed, frozen, versioned record of how to train a model on a cluster.
 
 ``record`` holds :class:`Plan` and its parts, ``io`` the strict JSON reader, ``sharding`` the per-op
-tensor-parallel record (OpId, OpSharding, ShardingGroup), ``placement`` the one placement vocabulary (Replicate, Shard(dim), Partial). ``autopar.plan`` the *function* plans;
-``autopar.plan`` the package is this record (autopar/__init__.py keeps the function the public name).
+tensor-parallel record (OpId, OpSharding, ShardingGroup), ``placement`` the one placement vocabulary
+(Replicate, Shard(dim), Partial). ``autopar.plan`` the *function* plans; ``autopar.plan`` the package
+is this record (autopar/__init__.py keeps the function the public name).
 """
 
 from .placement import Partial, Placement, Replicate, Shard, placement_from_json
@@ -11,4 +12,5 @@ from .record import (SCHEMA_VERSION, Alternative, MemoryBreakdown, Plan, Stage, 
                      sequence_tokens)
 
 __all__ = ["SCHEMA_VERSION", "Alternative", "MemoryBreakdown", "OpId", "OpSharding", "Partial", "Placement", "Plan",
-           "Replicate", "Shard", "ShardingGroup", "Stage", "TimeBreakdown", "load_plan", "placement_from_json", "sequence_tokens"]
+           "Replicate", "Shard", "ShardingGroup", "Stage", "TimeBreakdown", "load_plan", "placement_from_json",
+           "sequence_tokens"]

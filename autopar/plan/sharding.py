@@ -3,30 +3,34 @@
 An op is named by :class:`OpId` ``(layer, module, op, occurrence)``: the layer holding it (its
 name, as in ``Stage.layers``), its module path relative to the layer (``*.self_attn.q_proj``, or
 an absolute path for a module outside it), the aten op it calls (``linear``) and how many
-non-volatile ops of the same layer, module and aten op come before it. *Volatile* ops (capture/structure.py
-``is_volatile``) are the memory-layout copies and broadcasts (``contiguous``, ``clone``, ``expand``,
-``alias``), ``detach``, ``lift_fresh_copy``, dropout, and state updates (an in-place op on a buffer, BatchNorm's batch count); each is
-named instead by the op it reads: ``reads`` holds that op's identity and ``occurrence`` counts the
-volatile ops of the same aten op reading it before this one (one reading no op has no identity).
+non-volatile ops of the same layer, module and aten op come before it. *Volatile* ops
+(capture/structure.py ``is_volatile``) are the memory-layout copies and broadcasts (``contiguous``,
+``clone``, ``expand``, ``alias``), ``detach``, ``lift_fresh_copy``, dropout, and state updates (an
+in-place op on a buffer, BatchNorm's batch count); each is named instead by the op it reads: ``reads``
+holds that op's identity and ``occurrence`` counts the volatile ops of the same aten op reading it
+before this one (one reading no op has no identity).
 
 Why any rank's export of the same model maps onto the plan's exactly. Two exports of one model
-(meta or CPU, batch 1 or 8, train or eval mode) run the same Python code on tensors of other
-sizes, strides and modes. What they may differ in is decided by those three alone: a kernel's
-strides add or drop a ``contiguous`` (or a ``clone`` in its place), a batch of 1 makes a broadcast
-to the batch a no-op that export drops (an ``expand``), a tensor that needs no gradient makes its
-``detach`` a no-op (a program holding frozen stand-ins for the parameters) and a program holding
-constants whole needs no ``lift_fresh_copy`` of them, eval mode turns dropout
-into the identity and makes no state updates.
-These are exactly the volatile ops, none of which computes a new value (each returns its input's
-values, or zeroes some of them), so leaving them out of the numbering leaves the same sequence of
-value-computing ops in each layer in both exports, and numbering per (layer, module, aten op)
-gives each the same identity: an op present in one export only is volatile, so it shifts no other
+(meta or CPU, batch 1 or 8, train or eval mode, the parameters real or frozen stand-ins) run the
+same Python code on tensors of other sizes, strides and modes. What they may differ in is decided
+by those alone: a kernel's strides add or drop a ``contiguous`` (or a ``clone`` in its place), a
+batch of 1 makes a broadcast to the batch a no-op that export drops (an ``expand``), a tensor that
+needs no gradient makes its ``detach`` a no-op and a program holding constants whole needs no
+``lift_fresh_copy`` of them (the standalone emit's export), eval mode turns dropout into the
+identity and makes no state updates. These are exactly the volatile ops, none of which computes a
+new activation (each returns its input's values, or zeroes some of them; a state update writes
+only a buffer), so leaving them out of the numbering leaves the same sequence of value-computing
+ops in each layer in both exports, and numbering per (layer, module, aten op) gives each the same
+identity: an op present in one export only is volatile, so it shifts no other
 op's occurrence. A volatile op present in both reads the same op in both, so its name by that op
 is the same too; one present in the plan's export only is not there to shard, and one present
 in the rank's export only has no record: the compiler gives it its input's placement, carried
 through the op's dims. The non-volatile ops must match one to one; a model whose code branches on
 the batch size or the device otherwise breaks the rule, and the mapping then fails by name
-(PlanMismatchError), never approximately.
+(PlanMismatchError), never approximately. One limit: of two volatile ops of one aten op reading the
+same op (two broadcasts of one tensor), an export that drops the first gives the second the first's
+name; its record only places the op's output, and the compiler checks that placement fits the op at
+this rank's shapes (codegen/lower.py ``fits``) and carries its input's otherwise.
 
 A group's first ``solved`` layers are recorded op by op; each later layer of the group repeats the
 first one, so its ops take the placement of the op of the same identity in the group's first layer
@@ -150,9 +154,10 @@ def group_from_dict(data: Any, where: str) -> ShardingGroup:
     ops = _field(g, "ops", where)
     if not isinstance(ops, list):
         raise _bad(f"{where}.ops", ops, "a list")
+    typed = tuple(_op(op, f"{where}.ops[{k}]") for k, op in enumerate(ops))
+    crossing = None if boundary is None else placement_from_json(boundary, f"plan field {where}.boundary")
     try:
-        return ShardingGroup(tuple(layers), solved, tuple(_op(op, f"{where}.ops[{k}]") for k, op in enumerate(ops)),
-                             None if boundary is None else placement_from_json(boundary, f"plan field {where}.boundary"))
+        return ShardingGroup(tuple(layers), solved, typed, crossing)
     except ValueError as exc:
         raise PlanFormatError(f"plan field {where}: {exc}: {_FIX}") from None
 
