@@ -51,7 +51,19 @@ def base_name(target: object) -> str:
         name = _from_text(target)
     else:
         name = getattr(target, "__name__", None) or _from_text(str(target))   # a Python function, a HOP
-    return name.rstrip("_") if name.endswith("_") and not name.startswith("_") else name
+    return name.rstrip("_") if is_inplace_name(name) else name
+
+
+def is_inplace(target: object) -> bool:
+    """Whether ``target`` is an in-place op (``add_``, ``fill_``; not a private ``_softmax``)."""
+    schema = getattr(target, "_schema", None)
+    text = str(schema.name) if schema is not None else target if isinstance(target, str) else \
+        getattr(target, "__name__", None) or str(target)
+    return is_inplace_name(_from_text(text))
+
+
+def is_inplace_name(name: str) -> bool:
+    return name.endswith("_") and not name.startswith("_")
 
 
 def _from_text(text: str) -> str:
@@ -91,6 +103,12 @@ SDPA = _names("scaled_dot_product_attention _scaled_dot_product_flash_attention 
 """Scaled dot-product attention: ``(q, k, v, mask...)``."""
 ATTENTIONS = SDPA | {"flex_attention"}
 SOFTMAXES = _names("softmax _softmax log_softmax _log_softmax _safe_softmax")
+VOLATILE = _names("contiguous clone expand alias detach lift_fresh_copy")
+"""Ops whose presence depends on the export, not the model (plan/sharding.py): layout copies a kernel's strides
+add or drop, the broadcast a batch of 1 makes a no-op, the identity export uses for a no-op view, the detach
+export keeps only where its input requires a gradient (a rank's program may hold frozen stand-ins), the copy
+of a tensor constant the code makes (torch.tensor(...)), there or not by how a program holds constants.
+Dropout (OpKind.DROPOUT) and state updates (is_volatile), gone in eval mode, are volatile too."""
 DROPOUTS = _names("dropout native_dropout feature_dropout alpha_dropout feature_alpha_dropout")
 EMBEDDINGS = _names("embedding embedding_bag")
 

@@ -19,7 +19,7 @@ from .opgraph import (FLOAT_DTYPES, Gemm, GraphInput, Layer, MoERegion, OpGraph,
 from .repeat import export_program
 from .replicated import replicated_values
 from ..plan.structure import ModelStructure, first_difference
-from .structure import structure_of
+from .structure import op_ids, structure_of
 
 __all__ = ["capture", "OpGraph", "OpNode", "Layer", "OpKind", "TensorMeta", "SavedTensor", "Gemm",
            "GraphInput", "MoERegion", "FLOAT_DTYPES", "ModelStructure", "first_difference", "LossSource"]
@@ -77,5 +77,6 @@ def graph_of(model: nn.Module, program) -> OpGraph:
     warnings += tuple(n for n in (loss.note,) if n)
     return OpGraph(model_name=type(model).__name__, nodes=nodes_t, layers=layers, params=dict(walk.params),
                    buffers=dict(walk.buffers), inputs=tuple(walk.inputs), batch_size=batch_size_of(walk.inputs),
-                   structure=structure_of(nodes_t, layers, walk.params), loss=loss, warnings=warnings, moe=moe,
+                   structure=structure_of(nodes_t, layers, walk.params), loss=loss,
+                   op_ids=op_ids(nodes_t, layers), warnings=warnings, moe=moe,
                    replicated=replicated_values(program))

@@ -15,6 +15,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Iterator, Mapping
 
 from ..plan.loss import LossSource
+from ..plan.sharding import OpId
 
 if TYPE_CHECKING:
     from ..plan.structure import ModelStructure
@@ -217,6 +218,7 @@ class OpGraph:
     batch_size: int
     structure: "ModelStructure"           # what a plan relies on (capture/structure.py)
     loss: LossSource                      # how the loss the graph ends in was made (loss.py)
+    op_ids: tuple[OpId | None, ...]       # per node, its structural identity (None: volatile; structure.py)
     warnings: tuple[str, ...] = field(default=())
     moe: tuple[MoERegion, ...] = field(default=())   # mixture-of-experts regions, in graph order
     saves: str = "autograd"               # what ``saved`` holds: autograd's saves, or a compiled program's cut
@@ -251,6 +253,15 @@ class OpGraph:
 
     def node(self, name: str) -> OpNode:
         return self.nodes[self.node_index[name]]
+
+    @cached_property
+    def node_of(self) -> Mapping[OpId, str]:
+        """Node name of each op identity (capture/structure.py ``op_ids``)."""
+        return {i: n.name for n, i in zip(self.nodes, self.op_ids) if i is not None}
+
+    def op_id(self, name: str) -> OpId | None:
+        """The structural identity of node ``name`` (None for a volatile op)."""
+        return self.op_ids[self.node_index[name]]
 
     def layer_nodes(self, layer: Layer) -> Iterator[OpNode]:
         return (self.nodes[i] for i in layer.nodes)

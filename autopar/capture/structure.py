@@ -18,22 +18,23 @@ op. The plan relies on none of that. It relies on:
 :class:`ModelStructure` records exactly that (each distinct layer body once, parameters named
 relative to their layer, ``*.self_attn.q_proj.weight``); its :attr:`~ModelStructure.fingerprint`
 is what plans carry, and :func:`first_difference` names the first layer, op or parameter where
-two structures differ. :func:`align` pairs the ops of two exports of one model (the plan's and a
-rank's) by the op each node calls, for what the plan says per op.
+two structures differ. :func:`op_ids` gives each op its structural identity
+(:class:`~autopar.plan.sharding.OpId`, the rule and its argument in plan/sharding.py), which the plan's
+per-op sharding is keyed by: a rank's export of the same model maps onto it exactly.
 """
 
 from __future__ import annotations
 
-import difflib
-import re
 from typing import Mapping, Sequence
 
-from ..ops import base_name
+from .. import ops
+from ..ops import base_name, is_inplace
+from ..plan.sharding import OpId
 from ..plan.structure import LAYER, Anchor, ModelStructure, ShardUnits, first_difference, relative_name
-from .opgraph import Layer, OpGraph, OpKind, OpNode, TensorMeta
+from .opgraph import Layer, OpKind, OpNode, TensorMeta
 
-__all__ = ["ANCHOR_KINDS", "LAYER", "Anchor", "ModelStructure", "ShardUnits", "align", "align_ops",
-           "first_difference", "is_anchor", "op_of", "structure_of"]
+__all__ = ["ANCHOR_KINDS", "LAYER", "Anchor", "ModelStructure", "ShardUnits", "first_difference",
+           "is_anchor", "is_volatile", "op_ids", "structure_of"]
 
 # Kinds of op a plan decides a split for, or prices as more than moving bytes, even without parameters.
 ANCHOR_KINDS = frozenset({OpKind.MATMUL, OpKind.ATTENTION, OpKind.CONV, OpKind.EMBEDDING, OpKind.NORM,
@@ -56,41 +57,35 @@ def structure_of(nodes: Sequence[OpNode], layers: Sequence[Layer], params: Mappi
     return ModelStructure(tuple(out), tuple(bodies))
 
 
-def op_of(node_name: str) -> str:
-    """The op a graph node calls, from its name: torch.fx names the nodes calling ``aten.linear``
-    ``linear``, ``linear_1``, ``linear_2``... (a plan's sharding keeps only node names)."""
-    return _NUMBERED.sub("", node_name)
+def is_volatile(node: OpNode) -> bool:
+    """Whether ``node`` may be in one export of a model and not in another (plan/sharding.py): a layout copy
+    or broadcast (ops.VOLATILE), dropout, or a state update, an in-place op that reads no activation and no
+    parameter and so writes a buffer, which modules make in train mode only (BatchNorm's batch count)."""
+    update = is_inplace(node.target) and not node.inputs and not node.params
+    return node.kind is OpKind.DROPOUT or base_name(node.target) in ops.VOLATILE or update
 
 
-_NUMBERED = re.compile(r"_\d+$")
-
-
-def align_ops(planned: Sequence[str], running: Sequence[str]) -> dict[int, int]:
-    """Position in ``planned`` -> position in ``running`` of the same op, for two node-name sequences of
-    one stretch of the model exported twice: the longest runs of the same ops in the same order
-    (difflib), so an op only one export has (a ``contiguous``, an ``expand`` a batch of 1 drops, a
-    dropout gone in eval mode) is left unpaired and everything around it still pairs."""
-    matcher = difflib.SequenceMatcher(None, [op_of(n) for n in planned], [op_of(n) for n in running],
-                                      autojunk=False)
-    return {block.a + k: block.b + k for block in matcher.get_matching_blocks() for k in range(block.size)}
-
-
-def align(planned: OpGraph, running: OpGraph) -> dict[str, str]:
-    """Node of ``planned`` -> the same op in ``running`` (two exports of one model), layer by layer
-    (layers are matched by name; :func:`first_difference` says why when they do not match), and
-    each graph input to itself."""
-    by_name = {layer.name: layer for layer in running.layers}
-    out: dict[str, str] = {}
-    for layer in planned.layers:
-        other = by_name.get(layer.name)
-        if other is None:
-            continue
-        a = [planned.nodes[i].name for i in layer.nodes]
-        b = [running.nodes[i].name for i in other.nodes]
-        out.update({a[i]: b[j] for i, j in align_ops(a, b).items()})
-    for gi in planned.inputs:
-        out[gi.name] = gi.name
-    return out
+def op_ids(nodes: Sequence[OpNode], layers: Sequence[Layer]) -> tuple[OpId | None, ...]:
+    """Per node, its structural identity (the rule and its argument: plan/sharding.py): layer, module relative
+    to it, aten op and occurrence among the layer's non-volatile ops of that module and op; a volatile op is
+    named by the op it reads (None when that is a graph input or has no identity itself)."""
+    out: list[OpId | None] = [None] * len(nodes)
+    named: dict[str, OpId] = {}
+    for layer in layers:
+        seen: dict[tuple, int] = {}
+        for i in layer.nodes:
+            node = nodes[i]
+            module, op = relative_name(node.module_path, layer.name), base_name(node.target)
+            reads = named.get(node.inputs[0]) if node.inputs else None
+            if is_volatile(node):
+                if reads is None:
+                    continue
+                key: tuple = (module, op, reads)
+            else:
+                key, reads = (module, op), None
+            seen[key] = seen.get(key, -1) + 1
+            out[i] = named[node.name] = OpId(layer.name, module, op, seen[key], reads)
+    return tuple(out)
 
 
 def _anchor_of(node: OpNode, layer: str, params: Mapping[str, TensorMeta]) -> Anchor:

@@ -133,10 +133,10 @@ def tp_splits(plan: Plan) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for group in plan.sharding:
         params: dict[str, Any] = {}
-        for op in group["ops"]:
-            params.update(op.get("params", {}))
+        for op in group.ops:
+            params.update(op.params)
         if params:
-            layers = list(group["layers"])
+            layers = list(group.layers)
             key = layers[0] if len(layers) == 1 else f"{layers[0]} (and {len(layers) - 1} more)"
             out[key] = params
     return out

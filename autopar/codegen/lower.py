@@ -47,6 +47,8 @@ from ..capture.opgraph import OpGraph, OpKind
 from ..ops import CONTEXT_HOPS, SKIPPED_TARGETS, base_name
 from ..plan.placement import Placement, Shard, normal
 from .redistribute import P, R, Copy, KeepFirst, Step, ToPartial, convert, split_dim
+from ..capture.structure import is_volatile
+from .specs import OpSpec
 
 
 class How(Enum):
@@ -191,6 +193,9 @@ class _Lowering:
                 spec = R    # a piece of another rank (statistics of a split norm): not read as a shard
             return LoweredOp(name, How.LOCAL, {}, spec)
         spec = self.specs.get(name)
+        if spec is None and name in self.ops and is_volatile(self.ops[name]):
+            carried = self.propagate(node, held)   # a volatile op the plan's export lacked: its input's spec
+            spec = None if carried is None else OpSpec("carried", carried[1], carried[0])
         if spec is None or target in CONTEXT_HOPS or any(a.name not in held for a in tensors):
             return self.whole(node, held)
         if name in self.pinned:   # a tensor written in place, or a view of one: every alias held whole
@@ -334,7 +339,7 @@ def lower(nodes: Mapping[str, torch.fx.Node], graph: OpGraph, chunks: Any, specs
     of its op's spec); ``moe``: MoE region output -> the region's inputs, for regions run as one call
     (runtime/experts.py)."""
     moe = moe or {}
-    lowering = _Lowering(nodes, graph, specs, param_of, param_dims, tp)
+    lowering = _Lowering(nodes, graph, dict(specs), param_of, param_dims, tp)
     lowering.pinned = written_families(nodes.values())
     ops: dict[str, LoweredOp] = {}
     held_by_chunk: dict[int, dict[str, Placement]] = {}

@@ -1,12 +1,14 @@
-"""The plan's per-op tensor-parallel specs, expanded to every node of the graph this rank exported.
+"""The plan's per-op tensor-parallel placements, expanded to every node of the graph this rank exported.
 
-``Plan.sharding`` lists, per layer group, each op of the group's *solved* layers (its
-strategy, input specs, output spec and parameter split dims); the other layers of a group
-repeat the first one op for op (solver/sharding_layout.py), so their specs are taken by
-node position; the ops are paired with those of the graph this rank exported (node_specs).
-Specs are placements (autopar/plan/placement.py): ``R`` replicated, ``S(d)`` split along dim ``d``,
-``P`` partial sums (a plan's ``"C"``, what a batch-independent constant op reads and makes, is ``R``:
-every rank computes it whole). codegen/lower.py turns them into what each rank runs.
+``Plan.sharding`` lists, per layer group, each op of the group's *solved* layers by its structural
+identity (plan/sharding.py :class:`~autopar.plan.sharding.OpId`); the other layers of a group repeat
+the first one, and take the placement of the op of the same identity in it. This rank's export of
+the model gives its ops the same identities (capture/structure.py ``op_ids``), so node_specs maps
+the plan onto it exactly: an op the plan lists that the graph lacks, or the reverse, is a
+PlanMismatchError naming it. A volatile op (a ``contiguous``, an ``expand``, dropout:
+plan/sharding.py) takes the plan's record when the plan's export had it too, else gets no spec here
+and the lowering carries its input's placement through it. Placements: Replicate, Shard(d), Partial
+(autopar.plan.placement). codegen/lower.py turns them into what each rank runs.
 
 Sequence parallelism (Korthikanti et al. 2022) is applied on top of the plan's layout: every
 replicated, batch-dependent 3-D activation (``[batch, seq, hidden]``: the residual stream,
@@ -20,70 +22,73 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, replace
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..capture.opgraph import OpGraph
-from ..capture.structure import align_ops
 from ..cost_model.tensor_parallel import splits_along_sequence
 from ..errors import PlanMismatchError
-from ..plan.placement import Placement, Replicate, Shard, placement_from_json
+from ..plan.placement import Placement, Replicate, Shard
+from ..plan.sharding import OpId, OpSharding, ShardingGroup
 
+_REPLAN = "re-plan with autopar.plan on this model"
 
 
 @dataclass(frozen=True)
 class OpSpec:
-    """The plan's sharding of one op: output spec and the spec it reads each producer in."""
+    """The plan's sharding of one op: output placement and the placement it reads each producer in."""
 
     strategy: str
     output: Placement
-    inputs: Mapping[str, Placement]   # producer name -> spec required
+    inputs: Mapping[str, Placement]      # producer name -> placement required
     params: Mapping[str, int | None] = dataclasses.field(default_factory=dict)  # fqn -> split dim the op reads
 
 
-def node_specs(plan_sharding, graph: OpGraph) -> tuple[dict[str, OpSpec], dict[str, int | None]]:
-    """(spec of every op by node name, split dim of every parameter) of ``graph``, the model as this rank
-    exported it, from the plan's groups; each op's spec names the split dim it reads each parameter in.
-
-    The plan names the ops of the graph it was made from, which need not be this one op for op
-    (another device, example batch or mode: capture/structure.py): a group's solved ops are paired
-    with this graph's ops of the same layers by :func:`~autopar.capture.structure.align_ops`; an op
-    left unpaired gets no spec and runs whole. The group's other layers repeat its
-    first layer op for op here too, and take its specs by position."""
+def node_specs(plan_sharding: Sequence[ShardingGroup], graph: OpGraph
+               ) -> tuple[dict[str, OpSpec], dict[str, int | None]]:
+    """(spec of every non-volatile op by node name, split dim of every parameter) of ``graph``, the model as
+    this rank exported it, from the plan's groups: each op is found by its identity (module docstring)."""
     specs: dict[str, OpSpec] = {}
     params: dict[str, int | None] = {}
     layer_by_name = {layer.name: layer for layer in graph.layers}
     for group in plan_sharding:
-        ops = list(group["ops"])
-        missing = [name for name in group["layers"] if name not in layer_by_name]
+        missing = [name for name in group.layers if name not in layer_by_name]
         if missing:
             raise PlanMismatchError(f"the plan's sharding names layer {missing[0]}, which the model here does not "
-                                    "have: re-plan with autopar.plan on this model")
-        layers = [layer_by_name[name] for name in group["layers"]]
-        solved = group.get("solved", len(layers))
-        nodes = [graph.nodes[i] for layer in layers[:solved] for i in layer.nodes]
-        chosen: dict[str, tuple[Mapping, tuple[str, ...]]] = {}   # node -> (plan op, the op's parameter names)
-        for k, j in align_ops([op["node"] for op in ops], [n.name for n in nodes]).items():
-            chosen[nodes[j].name] = (ops[k], nodes[j].params)
-        first = [graph.nodes[i] for i in layers[0].nodes]
-        for layer in layers[solved:]:
-            copy = [graph.nodes[i] for i in layer.nodes]
-            if len(copy) != len(first):
-                raise PlanMismatchError(f"layer {layer.name} does not repeat {layers[0].name} op for op here, yet the "
-                                        "plan copies its sharding: re-plan with autopar.plan on this model")
-            for node, ref in zip(copy, first):
-                if ref.name in chosen:
-                    chosen[node.name] = (chosen[ref.name][0], ref.params)
-        for name, (op, names) in chosen.items():
-            node = graph.node(name)
-            inputs = [placement_from_json(x, f"{op['node']}'s input") for x in op.get("inputs") or []] or \
-                [Replicate()] * len(node.inputs)
-            mine = {p: op["params"].get(theirs) for p, theirs in zip(node.params, names)}
-            if len(inputs) == len(node.inputs):    # else the op reads other values here: it runs whole
-                specs[name] = OpSpec(op["strategy"], placement_from_json(op["output"], f"{op['node']}'s output"),
-                                     dict(zip(node.inputs, inputs)), mine)
+                                    f"have: {_REPLAN}")
+        first = group.layers[0]
+        planned = {op.id: op for op in group.ops}
+        for name in group.layers[group.solved:]:
+            copied = ((op.id.in_layer(name), op) for op in group.ops if op.id.layer == first)
+            planned.update({op_id: op for op_id, op in copied if op_id is not None})
+        here = {graph.op_ids[i]: graph.nodes[i] for name in group.layers for i in layer_by_name[name].nodes
+                if graph.op_ids[i] is not None}
+        _same_ops({i: op for i, op in planned.items() if not i.volatile}, {i: n for i, n in here.items()
+                                                                           if not i.volatile})
+        for op_id, op in planned.items():
+            node = here.get(op_id)
+            if node is None:   # a volatile op this export does not have
+                continue
+            if len(op.inputs) != len(node.inputs) or len(op.params) != len(node.params):
+                raise PlanMismatchError(f"op {op_id} reads {len(node.inputs)} activations and {len(node.params)} "
+                                        f"parameters here but {len(op.inputs)} and {len(op.params)} in the plan: "
+                                        f"{_REPLAN}")
+            mine = {p: d for p, (_, d) in zip(node.params, op.params)}
+            specs[node.name] = OpSpec(op.strategy, op.output, dict(zip(node.inputs, op.inputs)), mine)
             for fqn, d in mine.items():
                 params.setdefault(fqn, d)
     return specs, params
+
+
+def _same_ops(planned: Mapping[OpId, OpSharding], here: Mapping[OpId, Any]) -> None:
+    """PlanMismatchError naming the first op only one of the plan and this graph has."""
+    gone = sorted(set(planned) - set(here), key=str)
+    if gone:
+        raise PlanMismatchError(f"the plan shards op {gone[0]}, which the model exported here does not have "
+                                f"({len(gone)} such ops): {_REPLAN}")
+    new = sorted(set(here) - set(planned), key=str)
+    if new:
+        raise PlanMismatchError(f"op {new[0]} of the model exported here is not in the plan's sharding "
+                                f"({len(new)} such ops): {_REPLAN}")
 
 
 def sequence_parallel(specs: Mapping[str, OpSpec], graph: OpGraph, tp: int) -> dict[str, OpSpec]:
@@ -111,6 +116,11 @@ def plan_specs(plan: Any, graph: OpGraph) -> tuple[dict[str, OpSpec], dict[str, 
     cfg = plan.config
     if cfg.tp == 1:
         return {}, {}
+    if plan.schema_version < 3:
+        raise PlanMismatchError(f"the plan is of schema {plan.schema_version}, whose sharding names the nodes of "
+                                "the export it was made from, which this rank's export need not repeat: make it "
+                                "again with autopar.plan or autopar.estimate (schema 3 names each op by its place "
+                                "in the model)")
     if not plan.sharding:
         raise PlanMismatchError("the plan has tp > 1 but no per-op sharding (a plan file written by an autopar "
                                 "before estimates had one, or edited): make it again with autopar.plan or "

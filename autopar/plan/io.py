@@ -19,6 +19,7 @@ from .structure import ModelStructure
 from ..cluster import Cluster
 from ..config import ParallelConfig, Precision
 from ..errors import AutoparError, PlanFormatError
+from .sharding import ShardingGroup, group_from_dict, group_from_v2
 from .record import SCHEMA_VERSION, Alternative, MemoryBreakdown, Plan, Stage, TimeBreakdown
 
 _FIX = "the file is truncated or was edited; re-create it with plan.save()"
@@ -128,8 +129,19 @@ def _plan(data: Mapping[str, Any], version: int) -> Plan:
         optimal=_bool(data, "optimal", "", optional=True), gap=gap, schema_version=version,
         extra=_object(data.get("extra", {}), "", "extra"),
         alternatives=tuple(_alternative(a, i) for i, a in enumerate(_list(data, "alternatives", ""))),
-        sharding=tuple(_object(g, "", f"sharding[{i}]") for i, g in enumerate(_list(data, "sharding", ""))),
+        sharding=_sharding(data, version),
         structure=_structure(data, version), loss=_loss(data))
+
+
+def _sharding(data: Mapping[str, Any], version: int) -> tuple[ShardingGroup, ...]:
+    """Schema 3's typed groups; a file of schema 2 or older may hold schema 2's (ops named by ``node``: see
+    plan/sharding.py ``group_from_v2``) or, written back by this autopar, typed ones."""
+    out = []
+    for i, g in enumerate(_list(data, "sharding", "")):
+        old = version < 3 and isinstance(g, Mapping) and any(
+            isinstance(op, Mapping) and "node" in op for op in g.get("ops", ()) or ())
+        out.append(group_from_v2(g, f"sharding[{i}]") if old else group_from_dict(g, f"sharding[{i}]"))
+    return tuple(out)
 
 
 def _structure(data: Mapping[str, Any], version: int) -> ModelStructure | None:

@@ -58,7 +58,7 @@ Placement = Union[Replicate, Shard, Partial]
 _SHARD = re.compile(r"S\((-?\d+)\)")
 
 
-_CONSTANT = "C"
+_CONSTANT = "C"   # version-2 plans wrote it for what a batch-independent constant op reads and makes
 
 
 def normal(placement: Placement, ndim: int) -> Placement:
@@ -69,7 +69,7 @@ def normal(placement: Placement, ndim: int) -> Placement:
 
 
 def placement_from_json(text: object, where: str = "placement") -> Placement:
-    """``"R"`` / ``"S(d)"`` / ``"P"`` (and a constant's ``"C"``: Replicate) -> the placement; anything else
+    """``"R"`` / ``"S(d)"`` / ``"P"`` (and a version-2 plan's ``"C"``, a constant: Replicate) -> the placement; anything else
     is a PlanFormatError naming ``where``."""
     if text == "R" or text == _CONSTANT:
         return Replicate()
@@ -81,6 +81,6 @@ def placement_from_json(text: object, where: str = "placement") -> Placement:
     return Shard(int(match.group(1)))
 
 
-def placement_to_json(placement: Placement, constant: bool = False) -> str:
-    """The placement's text; ``"C"`` for what a batch-independent constant op reads and makes (``constant``)."""
-    return _CONSTANT if constant else str(placement)
+def placement_to_json(placement: Placement) -> str:
+    """The placement's text: ``"R"``, ``"S(d)"``, ``"P"``."""
+    return str(placement)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Mapping
 
 from .loss import LossSource
+from .sharding import ShardingGroup
 from .structure import ModelStructure
 from ..cluster import Cluster
 from ..config import ParallelConfig, Precision
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from ..exports import Export
     from ..report import PlanComparison
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class Plan:
     optimal: bool | None = None        # set by the solver; None for an estimate
     gap: float | None = None           # when not optimal: (step_time - lower bound) / step_time, if known
     alternatives: tuple[Alternative, ...] = ()   # the solver's runners-up, best first
-    sharding: tuple[Mapping[str, Any], ...] = ()  # per layer group: each op's tensor-parallel strategy
+    sharding: tuple[ShardingGroup, ...] = ()   # per layer group: each op's tensor-parallel placements
     structure: ModelStructure | None = None    # the layers, ops and parameters the plan relies on (None in
                                                # plans of schema 1, which parallelize refuses)
     loss: LossSource | None = None             # how the loss priced was made (capture/loss.py; None in plans
@@ -193,7 +194,7 @@ class Plan:
         data["stages"] = [{**asdict(s), "memory": {k: float(v) for k, v in asdict(s.memory).items()}}
                           for s in self.stages]
         data["alternatives"] = [a.to_dict() for a in self.alternatives]
-        data["sharding"] = [dict(g) for g in self.sharding]
+        data["sharding"] = [g.to_dict() for g in self.sharding]
         data["structure"] = None if self.structure is None else self.structure.to_dict()
         data["loss"] = None if self.loss is None else self.loss.to_dict()
         data["extra"] = dict(self.extra)

@@ -48,7 +48,6 @@ from torch import nn
 from ..capture import graph_of, param_aliases
 from ..capture.export import LossFn, LossWrapper, normalize_inputs, run_export
 from ..capture.opgraph import Gemm, OpGraph, OpKind, OpNode
-from ..capture.structure import align
 from ..codegen.optim import compile_step
 from ..errors import ConfigError
 from ..ops import SKIPPED_TARGETS
@@ -347,7 +346,8 @@ class OpProfiler:
         rf = whole.fwd_seconds / fwd_sum if fwd_sum > 0 else 1.0
         rb = whole.bwd_seconds / bwd_sum if bwd_sum > 0 else 1.0
         self.in_context[micro_batch] = (rf, rb)
-        names = align(self.graph, running)
+        # the same op in both exports by its structural identity; volatile ops have none (capture/structure.py)
+        names = {n.name: running.node_of.get(i) for n, i in zip(self.graph.nodes, self.graph.op_ids) if i is not None}
         return {planned: OpTiming(by_running[name].fwd_seconds * rf, by_running[name].bwd_seconds * rb)
                 for planned, name in names.items() if name in by_running}
 

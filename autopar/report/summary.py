@@ -79,15 +79,7 @@ def _sharding(plan: Plan) -> list[str]:
         return []
     lines = [f"tensor-parallel sharding (tp={plan.config.tp}):"]
     for group in plan.sharding:
-        layers = group.get("layers", [])
-        prefix = layers[0] + "." if layers else ""
-        ops = []
-        for op in group.get("ops", []):
-            params = list(op.get("params", {}))
-            if not params:
-                continue
-            module = op.get("module") or params[0].rsplit(".", 1)[0]
-            module = module[len(prefix):] if module.startswith(prefix) else module
-            ops.append(f"{module}={op.get('strategy')}")
-        lines.append(f"  {layer_span(tuple(layers))}: {', '.join(dict.fromkeys(ops)) or 'no weights'}")
+        ops = [f"{op.id.module.removeprefix('*.') if op.id.module != '*' else op.id.layer}={op.strategy}"
+               for op in group.ops if op.params]
+        lines.append(f"  {layer_span(group.layers)}: {', '.join(dict.fromkeys(ops)) or 'no weights'}")
     return lines

@@ -25,10 +25,11 @@ from ..cost_model.comm import GroupPlacement, place_axes
 from ..cost_model.compute import fused_ops
 from ..cost_model.tensor_parallel import TPLayout, replicated_layout
 from ..errors import ConfigError
+from ..plan.placement import Replicate, Shard
+from ..plan.sharding import OpSharding, ShardingGroup
 from .sharding import MEMORY_SLACK, TIME_SLACK, VARIANTS, WHOLE_BATCH, ILPLimits, greedy_choice, solve_group
 from .sharding_layout import GroupSolution, LayerGroup, assemble, consumers_of, layer_groups, totals
 from .sharding_problem import Boundary, Pricing, build_problem, realise
-from ..plan.placement import Replicate, Shard, placement_to_json
 from .strategies import OpContext
 
 @dataclass
@@ -99,27 +100,30 @@ class ShardingSolver:
             self.seconds += _time.perf_counter() - start
         return self._solutions[key]
 
-    def describe(self, tp: int, variant: str) -> list[dict]:
-        """Per layer group: its layers (the first ``solved`` were solved, the rest copy the first by
-        node position) and each solved op's strategy, input and output specs and parameter split dims."""
+    def describe(self, tp: int, variant: str) -> tuple[ShardingGroup, ...]:
+        """The plan's record of the layout: per layer group its layers (the first ``solved`` were solved, the
+        rest repeat the first) and each solved op's strategy, placements and parameter split dims, keyed by
+        its structural identity (volatile ops have none and are left out: the compiler carries their
+        input's placement through them, plan/sharding.py)."""
+        graph = self.graph
         if tp == 1:
-            return [{"layers": [layer.name for layer in self.graph.layers], "solved": len(self.graph.layers),
-                     "ops": [{"node": n.name, "module": n.module_path, "strategy": "replicate", "output": "R",
-                              "inputs": ["R" for _ in n.inputs], "params": {p: None for p in n.params}}
-                             for n in self.graph.nodes]}]
+            ops = tuple(OpSharding(i, "replicate", Replicate(), tuple(Replicate() for _ in n.inputs),
+                                   tuple((p, None) for p in n.params))
+                        for n, i in zip(graph.nodes, graph.op_ids) if i is not None)
+            return (ShardingGroup(tuple(layer.name for layer in graph.layers), len(graph.layers), ops),)
         out = []
         for sol in self.solutions(tp, variant):
             layers = list(sol.group.solved) + [c[0] for c in sol.group.copies]
             ops = []
             for k, (node, j) in enumerate(zip(sol.problem.nodes, sol.result.choice)):
+                op_id = graph.op_id(node.name)
+                if op_id is None:
+                    continue
                 s = sol.problem.strategies[k][j]
-                ops.append({"node": node.name, "module": node.module_path, "strategy": s.name,
-                            "output": placement_to_json(s.output, s.const),
-                            "inputs": [placement_to_json(x, s.const) for x in s.inputs],
-                            "params": {p: d for p, d in s.params}})
-            out.append({"layers": [self.graph.layers[i].name for i in layers], "solved": len(sol.group.solved),
-                        "boundary": placement_to_json(sol.boundary), "ops": ops})
-        return out
+                ops.append(OpSharding(op_id, s.name, s.output, tuple(s.inputs), tuple(s.params)))
+            out.append(ShardingGroup(tuple(graph.layers[i].name for i in layers), len(sol.group.solved),
+                                     tuple(ops), sol.boundary))
+        return tuple(out)
 
     def splits_batch(self, tp: int, variant: str) -> bool:
         """Whether the layout splits a batch dim (data parallelism inside the tensor-parallel group): then

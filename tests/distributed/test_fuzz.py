@@ -95,8 +95,8 @@ def draw_fixed(seed: int) -> dict | None:
 def capture_batch(seed: int, fixed: dict | None) -> int:
     """The example batch size the seed is captured at, drawn as a user's would be: 1 (where
     torch.export specialises the batch), the micro-batch size, or the whole global batch (larger than
-    the micro-batch). parallelize exports at the micro-batch size and pairs the plan's ops with its
-    own (capture/structure.py align_ops)."""
+    the micro-batch). parallelize exports at the micro-batch size and finds the plan's ops in its own
+    export by their structural identity (plan/sharding.py OpId)."""
     if seed in REGRESSIONS:
         return REGRESSIONS[seed][1]
     return random.Random(31 * seed + 5).choice((1, fixed["micro_batch_size"] if fixed else 2, rm.GLOBAL_BATCH))

@@ -39,7 +39,7 @@ from autopar.presets import DEVICE_PRESETS
 from autopar.config import RECOMPUTE_MODES, Precision
 from autopar.cost_model import Estimator, context_parallel, estimate_plan, expert_parallel
 from autopar.cost_model.layer_cost import LayerCostModel
-from autopar.plan import MemoryBreakdown
+from autopar.plan import MemoryBreakdown, OpId, OpSharding, Partial, Replicate, Shard, ShardingGroup
 from autopar.models import GPTConfig, MixtralConfig, build_gpt, build_mixtral, build_mlp
 from suite import ALL_CASES
 from autopar.plan import Alternative, Stage, TimeBreakdown
@@ -410,15 +410,21 @@ breakdowns = st.builds(TimeBreakdown, compute=non_negative, recompute=non_negati
                        cp_comm=non_negative, ep_comm=non_negative)
 memories = st.builds(MemoryBreakdown, params=non_negative, grads=non_negative, optimizer=non_negative,
                      activations=non_negative, buffers=non_negative)
-sharding_ops = st.fixed_dictionaries({
-    "node": names, "module": texts, "strategy": st.sampled_from(["replicate", "column", "row", "split(0)", "view"]),
-    "output": st.sampled_from(["R", "S(0)", "S(2)", "P", "C"]),
-    "inputs": st.lists(st.sampled_from(["R", "S(1)"]), max_size=2),
-    "params": st.dictionaries(names, st.none() | st.integers(0, 3), max_size=2)})
-sharding_groups = st.fixed_dictionaries(
-    {"layers": st.lists(names, min_size=1, max_size=3), "solved": st.integers(1, 3),
-     "boundary": st.sampled_from(["R", "S(0)"]), "ops": st.lists(sharding_ops, max_size=3)},
-    optional={"note": json_values})
+placements = st.sampled_from([Replicate(), Shard(0), Shard(2), Partial()])
+
+
+@st.composite
+def sharding_groups(draw):
+    layers = draw(st.lists(names, min_size=1, max_size=3, unique=True))
+    solved = draw(st.integers(1, len(layers)))
+    ids = draw(st.lists(st.builds(OpId, layer=st.sampled_from(layers[:solved]), module=texts, op=names,
+                                  occurrence=st.integers(0, 3)), max_size=3, unique=True))
+    ops = tuple(OpSharding(i, draw(st.sampled_from(["replicate", "column", "row", "split(0)", "view"])),
+                           draw(placements), tuple(draw(st.lists(placements, max_size=2))),
+                           tuple(draw(st.dictionaries(names, st.none() | st.integers(0, 3), max_size=2)).items()))
+                for i in ids)
+    return ShardingGroup(tuple(layers), solved, ops, draw(st.none() | st.sampled_from([Replicate(), Shard(0)])))
+
 
 anchors = st.builds(Anchor, kind=st.sampled_from([k.value for k in OpKind]), op=texts, module=texts,
                     params=st.lists(st.tuples(names, st.lists(st.integers(0, 10 ** 6), max_size=3).map(tuple)),
@@ -487,7 +493,7 @@ def plans(draw) -> Plan:
                 fits=peak <= cluster.device.memory, notes=tuple(draw(st.lists(texts, max_size=3))),
                 optimal=optimal,
                 alternatives=tuple(draw(st.lists(alternatives(n_devices), max_size=3))),
-                sharding=tuple(draw(st.lists(sharding_groups, max_size=2))),
+                sharding=tuple(draw(st.lists(sharding_groups(), max_size=2))),
                 extra=draw(st.dictionaries(texts, json_values, max_size=4)), **optional)
 
 

@@ -6,7 +6,6 @@ checks later) and `autopar codegen`. The script's own parallelize checks again o
 
 from __future__ import annotations
 
-import os
 
 import pytest
 

@@ -1,6 +1,6 @@
 """One placement vocabulary (autopar/plan/placement.py) from the sharding ILP's strategies through the
-plan's text to the specs the lowering reads; a batch-independent constant is a ``const`` strategy
-reading and making ``Replicate()``, written ``"C"`` in a plan and read back as ``Replicate()``."""
+plan's typed record and its text to the specs the lowering reads; a batch-independent constant is a
+``const`` strategy reading and making ``Replicate()`` (a version-2 plan's ``"C"`` reads as ``Replicate()``)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_strategies_speak_placements_and_constants_are_replicate():
 def test_placement_text_round_trips_and_names_a_bad_value():
     for p in (Replicate(), Shard(0), Shard(2), Partial()):
         assert placement_from_json(placement_to_json(p)) == p
-    assert placement_to_json(Replicate(), constant=True) == "C" and placement_from_json("C") == Replicate()
+    assert placement_from_json("C") == Replicate()
     with pytest.raises(PlanFormatError, match="op_7's output"):
         placement_from_json("S(x)", "op_7's output")
     assert normal(Shard(-1), 3) == Shard(2) and normal(Shard(1), 3) == Shard(1) and normal(Partial(), 3) == Partial()
@@ -46,12 +46,15 @@ def test_the_specs_a_rank_lowers_are_placements():
     cluster = Cluster.from_spec("1x2xcpu", intra_node_bandwidth=1e12, intra_node_latency=1e-9)
     plan = autopar.estimate(model, cluster, inputs, ParallelConfig(dp=1, tp=2, micro_batch_size=2),
                             global_batch_size=2)
-    texts = {x for group in plan.sharding for op in group["ops"] for x in (op["output"], *op["inputs"])}
-    assert "C" in texts and any(t.startswith("S(") for t in texts)   # the plan file's text, unchanged
+    planned = {x for group in plan.sharding for op in group.ops for x in (op.output, *op.inputs)}
+    assert all(isinstance(x, PLACEMENTS) for x in planned) and any(isinstance(x, Shard) for x in planned)
+    texts = {x for group in plan.to_dict()["sharding"] for op in group["ops"] for x in (op["output"], *op["inputs"])}
+    assert texts <= {"R", "P"} | {f"S({d})" for d in range(4)} and "C" not in texts
     graph = capture(model, inputs)
     specs, _ = node_specs(plan.sharding, graph)
     held = [s.output for s in specs.values()] + [x for s in specs.values() for x in s.inputs.values()]
     assert all(isinstance(x, PLACEMENTS) for x in held) and Shard(2) in held
-    group = dict(plan.sharding[0], ops=[dict(plan.sharding[0]["ops"][0], output="S(-)")] + plan.sharding[0]["ops"][1:])
-    with pytest.raises(PlanFormatError, match=f"{group['ops'][0]['node']}'s output"):
-        node_specs((group,) + tuple(plan.sharding[1:]), graph)
+    data = plan.to_dict()
+    data["sharding"][0]["ops"][0]["output"] = "S(-)"
+    with pytest.raises(PlanFormatError, match=r"sharding\[0\]\.ops\[0\]"):
+        autopar.Plan.from_dict(data)

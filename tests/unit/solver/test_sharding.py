@@ -53,7 +53,10 @@ def llama():
 
 
 def _ops(solver: ShardingSolver, tp: int, variant: str) -> dict[str, dict]:
-    return {op["node"]: op for group in solver.describe(tp, variant) for op in group["ops"]}
+    """Node name -> the plan's record of the op, as text (describe keys ops by their structural identity)."""
+    return {solver.graph.node_of[op.id]: {"strategy": op.strategy, "output": str(op.output),
+                                         "inputs": [str(p) for p in op.inputs], "params": dict(op.params)}
+            for group in solver.describe(tp, variant) for op in group.ops}
 
 
 def _by_module(graph, ops, path: str, kind: str | None = None) -> list[dict]:
@@ -180,7 +183,7 @@ def test_resnet50_is_data_parallel(tp):
     assert len(convs) == 53
     assert {layout.strategy[n] for n in convs} == {"split(0)"}
     assert {layout.state[n] for n in convs} == {Work.SPLIT}
-    assert all(group["boundary"] == "S(0)" for group in solver.describe(tp, "fast"))
+    assert all(group.boundary == Shard(0) for group in solver.describe(tp, "fast"))
     phases = {c.phase for comms in layout.comms.values() for c in comms}
     assert "step" in phases  # the weights' gradients are all-reduced once per step: data parallelism
     assert solver.splits_batch(tp, "fast")
@@ -249,7 +252,7 @@ def test_api_contract(gpt):
     with pytest.raises(ConfigError, match="one ShardingSolver per graph"):
         solver.layout_fn("fast")(capture(tiny, inputs), 8)
     desc = solver.describe(8, "fast")
-    assert [g["layers"] for g in desc] == [["embed.tok", "embed.pos", "final_norm", "head"], ["blocks.0", "blocks.1"]]
+    assert [g.layers for g in desc] == [("embed.tok", "embed.pos", "final_norm", "head"), ("blocks.0", "blocks.1")]
 
 
 def test_one_solver_serves_every_device_memory_of_its_cluster(gpt):
