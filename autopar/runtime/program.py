@@ -312,7 +312,8 @@ class Program(Assembly):
         work, per = self.loss_share
         if work is not None:
             wait_or_fail(work, self.timeout, "all_reduce of the step's losses")
-        self.micro_losses = (per / self.cfg.cp).cpu()   # each cp rank reports its share (context.py)
+        # each cp rank reports its share (context.py)
+        self.micro_losses = (per if self.cfg.cp == 1 else per / self.cfg.cp).cpu()
         return self.micro_losses.mean().to(self.device)
 
     # --- the generated code ----------------------------------------------------------------------
