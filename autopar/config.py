@@ -185,6 +185,15 @@ class ParallelConfig:
         (StepTail.loss_share_time) all read this."""
         return not self.dp == self.pp == self.cp == 1
 
+    @property
+    def losses_ride_gradients(self) -> bool:
+        """Whether the step's shared losses go in the data-parallel gradients' all-reduce rather than in
+        one of their own: when that all-reduce spans every rank (data and context parallelism alone,
+        ZeRO 0 or 1: the runtime's buckets) and its gradients are the losses' fp32 (the runtime checks
+        the dtype: GradReducer.carry). The runtime (Program._post_losses) and the cost model
+        (StepTail.loss_share_time, which checks ``Precision.grads``) read this."""
+        return self.shares_losses and self.tp == self.pp == 1 and self.zero < 2
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["stage_recompute"] = list(self.stage_recompute)

@@ -19,6 +19,12 @@ backward + optimizer step of the global batch. Pairs:
   (``inputs_embeds``) to logits, and the schedule's ``loss_fn`` is the model's own causal-LM loss.
   (``pipelining.pipeline()``, the tracer, fails to run this Hugging Face model's first stage.)
 
+And a second program the pairs above do not run: ``mlp``, dp=2 ``parallelize`` vs
+``DistributedDataParallel`` of a residual MLP (4 blocks of ``x + fc2(gelu(fc1(norm(x))))``, LayerNorm,
+Linear 32->128, GELU, Linear 128->32), inputs [8, 8, 32], the mean of squares as the loss, AdamW:
+a model of many small parameters (4 a block), where what a step does per parameter (hooks, bucket
+bookkeeping, gradient copies) shows.
+
 Each pair runs eager, then compiled: ``parallelize(..., compile=True)`` (every layer's generated
 code and the optimizer step through torch.compile, inductor) against the same torch-native program
 through ``torch.compile``, its optimizer step too (torch's recipe: ``torch.compile(opt.step)``).
@@ -30,7 +36,7 @@ fresh processes (a run's ratios move by up to 0.1 with its processes' state on t
 pair's figures are the median over runs, printed with the runs' range. Targets (issue 19): eager
 pairs <= 1.05, compiled pairs <= 1.0. Exits 1 on a miss.
 
-Run: .venv/bin/python bench/host_overhead.py [--steps 100] [--repeats 3] [--eager-only] [--pairs one,dp,tp,zero3,pp]
+Run: .venv/bin/python bench/host_overhead.py [--steps 100] [--repeats 3] [--eager-only] [--pairs one,dp,tp,zero3,pp,mlp]
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 from paired import paired
 
@@ -69,12 +76,51 @@ def batch(rows: slice = slice(None)) -> dict:
     return {"input_ids": ids[rows], "labels": labels[rows]}
 
 
+MLP_BATCH, MLP_SEQ, MLP_HIDDEN, MLP_BLOCKS = 8, 8, 32, 4
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(MLP_HIDDEN)
+        self.fc1 = nn.Linear(MLP_HIDDEN, 4 * MLP_HIDDEN)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(4 * MLP_HIDDEN, MLP_HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(MLP_BLOCKS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def mlp_model() -> ResidualMLP:
+    torch.manual_seed(0)
+    return ResidualMLP()
+
+
+def mlp_batch(rows: slice = slice(None)) -> torch.Tensor:
+    return torch.randn(MLP_BATCH, MLP_SEQ, MLP_HIDDEN, generator=torch.Generator().manual_seed(1))[rows]
+
+
+def mlp_loss(out: torch.Tensor, inputs) -> torch.Tensor:
+    return out.pow(2).mean()
+
+
 def optimizer(params):
     return torch.optim.AdamW(params, lr=1e-4)
 
 
-def plans() -> dict:
-    """The plans, made once in the parent from batch-1 example inputs (as the README shows)."""
+def plans(kinds: list[str]) -> dict:
+    """The plans of ``kinds``, made once in the parent from batch-1 example inputs (as the README shows)."""
     import autopar
     from autopar import Cluster
     base = dict(dp=1, tp=1, pp=1, micro_batch_size=BATCH, zero=0, recompute="none", schedule="1f1b",
@@ -82,8 +128,17 @@ def plans() -> dict:
     fixed = {"one": (1, base), "dp": (2, dict(base, dp=2, micro_batch_size=BATCH // 2)), "tp": (2, dict(base, tp=2)),
              "zero3": (2, dict(base, dp=2, zero=3, micro_batch_size=BATCH // 2)),
              "pp": (2, dict(base, pp=2, micro_batch_size=BATCH // 2))}
-    return {k: autopar.plan(model(), Cluster.from_spec(f"1x{n}xcpu"), batch(slice(0, 1)), global_batch_size=BATCH,
-                            fixed=v).to_dict() for k, (n, v) in fixed.items()}
+    out = {}
+    for kind in kinds:
+        if kind == "mlp":
+            out[kind] = autopar.plan(mlp_model(), Cluster.from_spec("1x2xcpu"), mlp_batch(slice(0, 1)),
+                                     global_batch_size=MLP_BATCH, loss_fn=mlp_loss,
+                                     fixed=dict(base, dp=2, micro_batch_size=MLP_BATCH // 2)).to_dict()
+        else:
+            n, pinned = fixed[kind]
+            out[kind] = autopar.plan(model(), Cluster.from_spec(f"1x{n}xcpu"), batch(slice(0, 1)),
+                                     global_batch_size=BATCH, fixed=pinned).to_dict()
+    return out
 
 
 def _optimizer_step(opt, compiled: bool):
@@ -108,6 +163,19 @@ def _eager_step(m, x, compiled: bool):
 
 
 def native(kind: str, rank: int, compiled: bool):
+    if kind == "mlp":
+        from torch.nn.parallel import DistributedDataParallel
+        m = DistributedDataParallel(mlp_model())
+        opt = optimizer(m.parameters())
+        run = torch.compile(m) if compiled else m
+        opt_step = _optimizer_step(opt, compiled)
+        x = mlp_batch(slice(rank * MLP_BATCH // 2, (rank + 1) * MLP_BATCH // 2))
+
+        def step():
+            opt.zero_grad()
+            mlp_loss(run(x), None).backward()
+            opt_step()
+        return step
     if kind == "one":
         return _eager_step(model(), batch(), compiled)
     if kind == "dp":
@@ -177,10 +245,15 @@ def _pipeline_step(rank: int, compiled: bool):
     return step
 
 
-def ours(plan_dict: dict, compiled: bool):
+def ours(kind: str, plan_dict: dict, compiled: bool):
     import autopar
-    program = autopar.parallelize(model(), autopar.Plan.from_dict(plan_dict), optimizer, compile=compiled)
-    x = batch()
+    plan = autopar.Plan.from_dict(plan_dict)
+    if kind == "mlp":
+        program = autopar.parallelize(mlp_model(), plan, optimizer, loss_fn=mlp_loss, compile=compiled)
+        x = mlp_batch()
+    else:
+        program = autopar.parallelize(model(), plan, optimizer, compile=compiled)
+        x = batch()
     return lambda: program.train_step(x)
 
 
@@ -196,7 +269,7 @@ def _worker(rank: int, world: int, port: int, kinds: list[str], plan_dicts: dict
             # (dynamo keeps 8 versions of a function, AdamW.step among them, then runs it eager)
             torch._dynamo.reset()
             results[f"{kind}{'+compile' if compiled else ''}"] = paired(
-                ours(plan_dicts[kind], compiled), native(kind, rank, compiled), steps, warmup=3)
+                ours(kind, plan_dicts[kind], compiled), native(kind, rank, compiled), steps, warmup=3)
     if rank == 0:
         with open(out, "w") as fh:
             json.dump(results, fh)
@@ -219,16 +292,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--eager-only", action="store_true", help="skip the compiled pairs (minutes of compiling)")
-    parser.add_argument("--pairs", default="one,dp,tp,zero3,pp", help="which pairs, comma-separated")
+    parser.add_argument("--pairs", default="one,dp,tp,zero3,pp,mlp", help="which pairs, comma-separated")
     parser.add_argument("--repeats", type=int, default=3, help="runs, each in fresh processes (the median is kept)")
     args = parser.parse_args()
     modes = (False,) if args.eager_only else (False, True)
     pairs = args.pairs.split(",")
-    plan_dicts = plans()
+    plan_dicts = plans(pairs)
     runs = []
     for _ in range(args.repeats):   # fresh processes each time: a run's own state moves its ratios
         results = _spawn(1, ["one"], plan_dicts, args.steps, modes) if "one" in pairs else {}
-        two = [k for k in ("dp", "tp", "zero3", "pp") if k in pairs]
+        two = [k for k in ("dp", "tp", "zero3", "pp", "mlp") if k in pairs]
         if two:
             results.update(_spawn(2, two, plan_dicts, args.steps, modes))
         runs.append(results)
@@ -237,7 +310,7 @@ def main() -> int:
                for key in runs[0]}
     names = {"one": "one rank vs the model's eager step", "dp": "dp=2 vs DistributedDataParallel",
              "tp": "tp=2 vs parallelize_module (Colwise/Rowwise)", "zero3": "zero=3 vs fully_shard",
-             "pp": "pp=2 vs pipelining Schedule1F1B"}
+             "pp": "pp=2 vs pipelining Schedule1F1B", "mlp": "residual MLP, dp=2 vs DistributedDataParallel"}
     print(f"{'pair':<62} {'ours ms':>8} {'native ms':>10} {'ratio':>6} {'runs':>13} {'target':>6}")
     missed = []
     for key, r in results.items():

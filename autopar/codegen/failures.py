@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import datetime
+import math
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -85,7 +86,8 @@ def non_finite_loss(losses: torch.Tensor, rank: int, step: int, micro_batches: i
     """The failure for the first non-finite entry of ``losses`` (``dp * micro_batches`` values,
     replica-major), naming its micro-batch, replica and samples of the global batch; None if all
     are finite."""
-    bad = (~torch.isfinite(losses)).nonzero().flatten().tolist()
+    values = losses.tolist()   # a few numbers: read in Python, not by four tensor ops each step
+    bad = [k for k, v in enumerate(values) if not math.isfinite(v)]
     if not bad:
         return None
     replica, i = divmod(bad[0], micro_batches)
@@ -93,6 +95,6 @@ def non_finite_loss(losses: torch.Tensor, rank: int, step: int, micro_batches: i
     more = f" (and {len(bad) - 1} more micro-batch(es))" if len(bad) > 1 else ""
     return RuntimeFailure(
         f"rank {rank}, step {step}: the loss of micro-batch {i} of data-parallel replica {replica} (samples "
-        f"{first}..{first + micro_batch_size - 1} of the global batch) is {losses[bad[0]].item()}{more}: the "
+        f"{first}..{first + micro_batch_size - 1} of the global batch) is {values[bad[0]]}{more}: the "
         "optimizer step was skipped, so the parameters are unchanged; check those samples, lower the learning "
         "rate, or clip gradients")

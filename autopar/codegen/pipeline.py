@@ -71,15 +71,23 @@ class Topology:
         return chunk % self.pp == self.my_stage
 
 
-def share_losses(losses: Sequence[torch.Tensor], owner: bool, replicas: int, replica: int, micro_batches: int,
-                 device: torch.device) -> tuple[Any, torch.Tensor]:
-    """Start the all-reduce that gives every rank each replica's micro-batch losses (``replicas *
-    micro_batches`` values, replica-major), the ``owner`` of this replica's (its last pipeline stage's
-    first tensor-parallel rank) contributing them, every other rank zeros; returns (the work, the
-    values once it completes). A runner's ``after_forwards`` starts it, under the backward passes left."""
+def loss_slots(losses: Sequence[torch.Tensor], owner: bool, replicas: int, replica: int, micro_batches: int,
+               device: torch.device) -> torch.Tensor:
+    """This rank's part of every replica's micro-batch losses (``replicas * micro_batches`` fp32 values,
+    replica-major): the ``owner`` of this replica's (its last pipeline stage's first tensor-parallel rank)
+    its losses in its slots, every other value zero, so that a sum over every rank gives them all."""
     per = torch.zeros(replicas * micro_batches, device=device)
     if owner:
         per[replica * micro_batches:(replica + 1) * micro_batches] = torch.stack(list(losses)).detach().float()
+    return per
+
+
+def share_losses(losses: Sequence[torch.Tensor], owner: bool, replicas: int, replica: int, micro_batches: int,
+                 device: torch.device) -> tuple[Any, torch.Tensor]:
+    """Start the all-reduce that gives every rank each replica's micro-batch losses (:func:`loss_slots`);
+    returns (the work, the values once it completes). A runner's ``after_forwards`` starts it, under the
+    backward passes left."""
+    per = loss_slots(losses, owner, replicas, replica, micro_batches, device)
     return dist.all_reduce(per, async_op=True), per
 
 
@@ -106,18 +114,21 @@ class PipelineRunner:
     each backward (``last``: the chunk's last of the step); ``wait(work, what, peer)``: waits for a
     point-to-point operation or raises; ``after_forwards(losses)``: called once a step, after this
     rank's last forward, with the losses so far (all of the step's on the rank computing them), so
-    that sharing them can start under the backward passes left."""
+    that sharing them can start under the backward passes left; ``after_backward(chunk)``: called after
+    each chunk's last backward of the step."""
 
     def __init__(self, chunks: Mapping[int, torch.nn.Module], io: Mapping[int, ChunkIO],
                  values: Mapping[str, Value], loss: str, topo: Topology,
                  to_cut: Callable[[int, str, torch.Tensor], torch.Tensor] | None,
                  before_backward: Callable[[int, bool], None] | None, wait: Callable[[Any, str, int], None],
                  device: torch.device,
-                 after_forwards: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+                 after_forwards: Callable[[list[torch.Tensor]], None] | None = None,
+                 after_backward: Callable[[int], None] | None = None) -> None:
         self.chunks, self.io, self.values, self.loss, self.topo = chunks, io, values, loss, topo
         self.to_cut = to_cut or (lambda chunk, name, value: value)
         self.before_backward = before_backward or (lambda chunk, last: None)
         self.after_forwards = after_forwards or (lambda losses: None)
+        self.after_backward = after_backward or (lambda chunk: None)
         self.wait = wait
         self.device = device
         self.n_chunks = len(io)
@@ -148,6 +159,8 @@ class PipelineRunner:
             else:
                 self.before_backward(action.stage, last_b[action.stage] == k)
                 self._backward(action.stage, action.micro_batch, scale)
+                if last_b[action.stage] == k:
+                    self.after_backward(action.stage)
         for work, what, peer in self.pending:
             self.wait(work, what, peer)
         self.pending.clear()

@@ -182,8 +182,9 @@ class StepTail:
         """The step's losses all-reduced over every device once per step (the runtime's ``train_step``
         returns them on every rank), not hidden by the ``hidden`` seconds of backward that follow the last
         loss (the default, unbounded, gives the least it can expose); none when every rank computes every
-        loss (tensor parallelism alone)."""
-        if not cfg.shares_losses:
+        loss (tensor parallelism alone), or when the losses go in the gradients' all-reduce (fp32
+        gradients reduced over every rank: ``ParallelConfig.losses_ride_gradients``)."""
+        if not cfg.shares_losses or (cfg.losses_ride_gradients and self.precision.grads == "fp32"):
             return 0.0
         world = place_axes(self.cluster, [("world", self.cluster.devices)])["world"]
         t = collective_time(Collective.ALL_REDUCE, 4.0, world, self.cluster)

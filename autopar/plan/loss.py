@@ -69,7 +69,10 @@ class LossSource:
 
 
 def qualified_name(fn: Any) -> str:
-    """``module:qualname`` of a function (of a callable object: of its class)."""
+    """``module:qualname`` of a function (of a callable object: of its class). A script's functions are
+    ``__main__``'s in the process that runs it and ``__mp_main__``'s in the processes multiprocessing's
+    spawn starts from it (torch.multiprocessing included): the same module, named ``__main__`` in both."""
     module = getattr(fn, "__module__", None) or type(fn).__module__
+    module = "__main__" if module == "__mp_main__" else module
     qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     return f"{module}:{qualname}"

@@ -14,8 +14,11 @@ grown with the group's size as Megatron-Core grows its buckets; the cost model p
 buckets) in reverse registration
 order (about the order backward finishes them, as DDP does) and starts one asynchronous
 all-reduce (sum) per bucket as soon as the last gradient of the bucket is accumulated during
-the chunk's final backward; :meth:`GradReducer.finish` waits, divides by ``divisor`` and
-writes the means back. The divisor is the number of ranks whose losses the gradient averages
+the chunk's final backward (a hook on each of its parameters); the chunk's last bucket, which
+only the end of that backward completes, starts when the backward returns
+(:meth:`GradReducer.ended`), with no hooks: a chunk whose parameters fit one bucket runs no
+Python per parameter until the all-reduce. :meth:`GradReducer.finish` waits, divides by
+``divisor`` and writes the means back in one copy. The divisor is the number of ranks whose losses the gradient averages
 (``dp * cp``), which is the group's size for dense weights; expert weights are summed over
 their expert replicas only (``dp * cp / ep`` ranks, or none) and still divided by ``dp * cp``
 (expert_parallel.py explains why).
@@ -33,6 +36,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
 from ..config import dp_bucket_bytes
@@ -72,6 +76,8 @@ class _Bucket:
         self.ready: set[int] = set()
         self.flat: torch.Tensor | None = None
         self.work = None
+        self.carried: torch.Tensor | None = None   # values summed with this bucket's gradients (GradReducer.carry)
+        self.grads: list[torch.Tensor] = []         # what the all-reduce under way sums (local gradients, carried)
 
 
 class GradReducer:
@@ -94,7 +100,7 @@ class GradReducer:
         for c, params in enumerate(chunks):
             buckets = _make_buckets([p for p in reversed(list(params)) if p.requires_grad], bucket_bytes)
             self.buckets.append(buckets)
-            for b in buckets:
+            for b in buckets[:-1]:   # the last starts when the backward ends (ended)
                 for p in b.params:
                     self._where[id(p)] = (c, b)
                     self._handles.append(p.register_post_accumulate_grad_hook(_weak_hook(weakref.ref(self))))
@@ -103,9 +109,32 @@ class GradReducer:
         # 10 ms), alive after the program is gone: they hold it weakly, and are removed with it
         weakref.finalize(self, _remove_all, self._handles)
 
+    def carry(self, values: torch.Tensor) -> bool:
+        """Sum ``values`` over the group in the same collective as the step's last bucket (that of the
+        earliest parameters, the last backward finishes), rather than in a collective of their own:
+        :meth:`finish` writes the sums back into ``values``, undivided. False (nothing carried) when
+        that bucket's gradients are not of ``values``' dtype, whose sums a cast would round. Called
+        after the step's last forward, before the backward that completes that bucket, on every rank
+        of the group alike."""
+        bucket = next((buckets[-1] for buckets in self.buckets if buckets), None)
+        if bucket is None or local(bucket.params[0]).dtype != values.dtype:
+            return False
+        if bucket.work is not None:
+            raise RuntimeError("GradReducer.carry after its last bucket's all-reduce started: call it after the "
+                               "step's last forward, before its last backward")
+        bucket.carried = values
+        return True
+
     def start(self, chunk: int) -> None:
         """The next backward of ``chunk`` is its last in this step: reduce as gradients finish."""
         self.active.add(chunk)
+
+    def ended(self, chunk: int) -> None:
+        """``chunk``'s last backward of the step returned: every gradient of its buckets is complete;
+        start those not started (its last bucket, and any whose parameters got no gradient)."""
+        for bucket in self.buckets[chunk]:
+            if bucket.work is None:
+                self._launch(bucket)
 
     def _hook(self, p: torch.Tensor) -> None:
         c, bucket = self._where[id(p)]
@@ -119,25 +148,27 @@ class GradReducer:
         for p in bucket.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            grads.append(local(p.grad).reshape(-1))
-        bucket.flat = torch.cat(grads)
+            grads.append(local(p.grad))
+        if bucket.carried is not None:
+            grads.append(bucket.carried)
+        bucket.grads = grads
+        bucket.flat = _flatten_dense_tensors(grads)
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True) if self.group is not None \
             else _Done()
 
     def finish(self) -> None:
-        """Wait for every bucket (starting those not started), write the mean gradients back."""
+        """Wait for every bucket (starting those not started), write the mean gradients back (and the
+        carried values' sums)."""
         for buckets in self.buckets:
             for bucket in buckets:
                 if bucket.work is None:
                     self._launch(bucket)
                 wait_or_fail(bucket.work, self.timeout, "all_reduce of data-parallel gradients", self.group)
-                bucket.flat.div_(self.size)
-                offset = 0
-                for p in bucket.params:
-                    g = local(p.grad)
-                    g.copy_(bucket.flat[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
-                bucket.flat, bucket.work = None, None
+                carried = 0 if bucket.carried is None else bucket.carried.numel()
+                bucket.flat[:bucket.flat.numel() - carried].div_(self.size)
+                # the bucket's tensors in one op (a copy of each from Python was host time per parameter)
+                torch._foreach_copy_(bucket.grads, _unflatten_dense_tensors(bucket.flat, bucket.grads))
+                bucket.flat, bucket.work, bucket.carried, bucket.grads = None, None, None, []
                 bucket.ready.clear()
         self.active.clear()
 

@@ -77,7 +77,7 @@ from ..codegen.batches import slice_batch
 from ..codegen.context_ops import shard_inputs
 from ..codegen.inputs import check_batch
 from ..codegen.sharded_init import InitFn, Materializer, has_meta
-from ..codegen.pipeline import ChunkIO, PipelineRunner, share_losses
+from ..codegen.pipeline import ChunkIO, PipelineRunner, loss_slots
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits on a peer before failing
 
@@ -179,7 +179,7 @@ class Program(Assembly):
             self.chunks, {c.index: ChunkIO(c.graph_inputs, c.recv, c.send) for c in self.split.chunks},
             self._cut_values(), self.split.loss, self._topology(), self._to_cut, self._before_backward,
             lambda work, what, peer: wait_or_fail(work, self.timeout, what, peers=[peer]), self.device,
-            self._post_losses)
+            self._post_losses, self._after_backward)
         self.optimizer = self._optimizer(optimizer)
         self.materializer = None   # its last module's values and the meta model are not needed any more
 
@@ -197,6 +197,11 @@ class Program(Assembly):
         elif last:
             for reducer in self.reducers:
                 reducer.start(self.my_chunks.index(chunk))
+
+    def _after_backward(self, chunk: int) -> None:
+        """The chunk's last backward of the step returned: its gradients are complete."""
+        for reducer in self.reducers:
+            reducer.ended(self.my_chunks.index(chunk))
 
     def forward_backward(self, batch: Any) -> torch.Tensor:
         """Gradients of the mean loss over ``batch`` (the whole global batch, the same on every rank)
@@ -282,11 +287,19 @@ class Program(Assembly):
     def _post_losses(self, losses: list[torch.Tensor]) -> None:
         """Start sharing the step's micro-batch losses (the runner calls this after this rank's last
         forward): an all-reduce of every replica's losses that runs under the backward passes left, and
-        that ``_share_loss`` waits for. None when every rank computed every loss (tp ranks alike)."""
+        that ``_share_loss`` waits for; or, when the gradients' all-reduce spans every rank, in its last
+        bucket (``ParallelConfig.losses_ride_gradients``: one collective a step, as DDP's, not two). None
+        when every rank computed every loss (tp ranks alike)."""
         cfg = self.cfg
+        if not cfg.shares_losses:
+            self.loss_share = None
+            return
         owner = self.pp_rank == cfg.pp - 1 and self.tp_rank == 0   # the rank that computed them
-        self.loss_share = share_losses(losses, owner, cfg.dp, self.dp_rank, self.micro_batches, self.device) \
-            if cfg.shares_losses else None
+        per = loss_slots(losses, owner, cfg.dp, self.dp_rank, self.micro_batches, self.device)
+        if cfg.losses_ride_gradients and self.reducers and self.reducers[0].carry(per):
+            self.loss_share = (None, per)   # summed by _finish_grads' reducer.finish, before _share_loss
+        else:
+            self.loss_share = (dist.all_reduce(per, async_op=True), per)
 
     def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """Every replica's micro-batch losses on every rank (``micro_losses``); returns their mean."""
@@ -294,8 +307,10 @@ class Program(Assembly):
             self.micro_losses = torch.stack(losses).detach().float().reshape(self.micro_batches)
             return self.micro_losses.mean()
         work, per = self.loss_share
-        wait_or_fail(work, self.timeout, "all_reduce of the step's losses")
-        self.micro_losses = (per / self.cfg.cp).cpu()   # each cp rank reports its share (context.py)
+        if work is not None:
+            wait_or_fail(work, self.timeout, "all_reduce of the step's losses")
+        # each cp rank reports its share (context.py)
+        self.micro_losses = (per if self.cfg.cp == 1 else per / self.cfg.cp).cpu()
         return self.micro_losses.mean().to(self.device)
 
     # --- the generated code ----------------------------------------------------------------------

@@ -6,6 +6,8 @@ On 2 gloo ranks: the MLP (4 layers of 1024 x 1024, 17 MB of fp32 gradients) at d
 4 MB (the runtime's 25 MB would hold the whole model in one), eager and through ``torch.compile``
 (aot_eager): the compiled program's chunk has regions starting at the buckets' first layers, dynamo
 compiled one graph per region, and both programs' losses and parameters after 2 AdamW steps agree.
+Each step makes one all-reduce per bucket and no other: the step's losses go in the last bucket's
+(ParallelConfig.losses_ride_gradients), as DDP makes one collective per bucket.
 """
 
 from __future__ import annotations
@@ -41,9 +43,14 @@ def run(rank: int, world: int, plan_dict: dict) -> dict:
                                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), compile=backend)
         finally:
             data_parallel.dp_bucket_bytes = whole
-        losses = [float(program.train_step(batch)) for batch in data]
+        calls, all_reduce = [], torch.distributed.all_reduce
+        torch.distributed.all_reduce = lambda *args, **kwargs: calls.append(1) or all_reduce(*args, **kwargs)
+        try:
+            losses = [float(program.train_step(batch)) for batch in data]
+        finally:
+            torch.distributed.all_reduce = all_reduce
         out[backend or "eager"] = {
-            "losses": losses, "buckets": len(program.reducers[0].buckets[0]),
+            "losses": losses, "buckets": len(program.reducers[0].buckets[0]), "all_reduces": len(calls) / len(data),
             "breaks": sorted(i for c in program.chunks.values() for i in c.breaks),
             "graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
             "params": {fqn: p.detach().clone() for fqn, p in program.params.items()}}
@@ -64,6 +71,12 @@ def test_compiled_regions_start_at_buckets(results):
         assert compiled["buckets"] >= 3 and len(compiled["breaks"]) >= 2, (rank, compiled["buckets"],
                                                                             compiled["breaks"])
         assert eager["breaks"] == [] and compiled["graphs"] > len(compiled["breaks"]), (rank, compiled)
+
+
+def test_a_step_makes_one_all_reduce_per_bucket(results):
+    for rank, got in enumerate(results):
+        for mode in ("eager", "aot_eager"):
+            assert got[mode]["all_reduces"] == got[mode]["buckets"], (rank, mode, got[mode]["all_reduces"])
 
 
 def test_compiled_regions_train_as_eager(results):

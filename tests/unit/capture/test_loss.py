@@ -67,6 +67,16 @@ def test_capture_records_how_the_loss_was_made(plan_graph) -> None:
                                                      "<locals>.<lambda>"
 
 
+def test_a_scripts_loss_has_one_name_in_the_processes_spawned_from_it() -> None:
+    """A script plans with its ``loss_fn`` (``__main__``'s) and spawns the ranks that run the plan, where
+    multiprocessing re-imports the script as ``__mp_main__``: the same function, the same name."""
+    def mine(out, inputs):
+        return out.pow(2).mean()
+    for module in ("__main__", "__mp_main__"):
+        mine.__module__ = module
+        assert LossSource.of(mine) == LossSource(LOSS_FN, f"__main__:{mine.__qualname__}")
+
+
 def test_the_record_is_validated() -> None:
     for kind, name in (("mean", None), (LOSS_FN, None), (LOSS_FN, ""), (MODEL, "pkg:fn"), (STAND_IN, "pkg:fn")):
         with pytest.raises(ValueError, match="loss"):

@@ -241,3 +241,17 @@ def test_recompute_layers_needs_full_recompute() -> None:
         ParallelConfig(recompute_layers=2)
     with pytest.raises(autopar.ConfigError, match="recompute_layers"):
         ParallelConfig(recompute="full", recompute_layers=-1)
+
+
+@pytest.mark.parametrize("config, grads, priced", [
+    (dict(dp=8), "fp32", False), (dict(dp=4, cp=2), "fp32", False), (dict(dp=8, zero=1), "fp32", False),
+    (dict(dp=8), "bf16", True), (dict(dp=8, zero=2), "fp32", True), (dict(dp=4, tp=2), "fp32", True),
+    (dict(dp=4, pp=2), "fp32", True), (dict(tp=8), "fp32", False),
+])
+def test_the_losses_share_a_collective_of_their_own_only_where_they_cannot_ride_the_gradients(
+        config, grads, priced) -> None:
+    """The runtime sums the step's losses in the last gradient bucket when that all-reduce spans every rank
+    in their fp32 (data and context parallelism, ZeRO 0 or 1): no collective of their own to price."""
+    from autopar.cost_model.step_tail import StepTail
+    tail = StepTail(ONE_NODE, Precision(grads=grads))
+    assert (tail.loss_share_time(ParallelConfig(**config)) > 0) == priced
