@@ -59,10 +59,14 @@ def structure_of(nodes: Sequence[OpNode], layers: Sequence[Layer], params: Mappi
 
 def is_volatile(node: OpNode) -> bool:
     """Whether ``node`` may be in one export of a model and not in another (plan/sharding.py): a layout copy
-    or broadcast (ops.VOLATILE), dropout, or a state update, an in-place op that reads no activation and no
-    parameter and so writes a buffer, which modules make in train mode only (BatchNorm's batch count)."""
+    or broadcast (ops.VOLATILE), dropout, a state update (an in-place op that reads no activation and no
+    parameter and so writes a buffer, which modules make in train mode only: BatchNorm's batch count), or
+    an op making only integer or boolean tensors: index and mask plumbing (T5's decoder inputs shifted from
+    its labels, a padding mask), whose ops torch.export traces differently at a batch of 1, and which
+    carries no decision a plan prices (anchors all make floating-point values)."""
     update = is_inplace(node.target) and not node.inputs and not node.params
-    return node.kind is OpKind.DROPOUT or base_name(node.target) in ops.VOLATILE or update
+    plumbing = bool(node.outputs) and not any(t.is_float for t in node.outputs)
+    return node.kind is OpKind.DROPOUT or base_name(node.target) in ops.VOLATILE or update or plumbing
 
 
 def op_ids(nodes: Sequence[OpNode], layers: Sequence[Layer]) -> tuple[OpId | None, ...]:

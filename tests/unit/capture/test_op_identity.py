@@ -28,11 +28,13 @@ def _hf_llama(batch: int, device: str):
                              batch_size=batch, device=device)
 
 
-def _hf_gpt2(batch: int, device: str):
-    from autopar.models import shrink
-    arch = next(a for a in shrink.architectures() if a.name == "GPT2LMHeadModel")
-    model = shrink.build(arch, device=device, dropout=0.1)
-    return model, shrink.example(arch, model, batch, device=device)
+def _shrunk(name: str):
+    def build(batch: int, device: str):
+        from autopar.models import shrink
+        arch = next(a for a in shrink.architectures() if a.name == name)
+        model = shrink.build(arch, device=device, dropout=0.1)
+        return model, shrink.example(arch, model, batch, device=device)
+    return build
 
 
 def _registry(name: str):
@@ -40,10 +42,11 @@ def _registry(name: str):
 
 
 # Hugging Face's models are where exports differ (a contiguous from the meta SDPA kernel's strides,
-# expands a batch of 1 drops); gpt-tiny has dropout, gone in eval mode.
-MODELS = {"hf-llama": _hf_llama, "gpt-tiny": _registry("gpt-tiny")}
+# expands a batch of 1 drops; T5's decoder inputs shifted from its labels, index plumbing traced as other
+# ops at a batch of 1); gpt-tiny has dropout, gone in eval mode.
+MODELS = {"hf-llama": _hf_llama, "gpt-tiny": _registry("gpt-tiny"), "hf-t5": _shrunk("T5ForConditionalGeneration")}
 if ALL_CASES:
-    MODELS |= {"hf-gpt2": _hf_gpt2, **{n: _registry(n) for n in ("bert-tiny", "t5-tiny", "mixtral-tiny",
+    MODELS |= {"hf-gpt2": _shrunk("GPT2LMHeadModel"), **{n: _registry(n) for n in ("bert-tiny", "t5-tiny", "mixtral-tiny",
                                                                   "mlp-small", "small-cnn")}}
 ALL = list(itertools.product(("meta", "cpu"), (1, 3, 8), (True, False)))
 # every device, batch and mode at least once (with the plan's own meta / 1 / train among the full product)
