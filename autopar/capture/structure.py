@@ -72,7 +72,7 @@ def is_volatile(node: OpNode) -> bool:
 def op_ids(nodes: Sequence[OpNode], layers: Sequence[Layer]) -> tuple[OpId | None, ...]:
     """Per node, its structural identity (the rule and its argument: plan/sharding.py): layer, module relative
     to it, aten op and occurrence among the layer's non-volatile ops of that module and op; a volatile op is
-    named by the op it reads (None when that is a graph input or has no identity itself)."""
+    named by the op it reads (OpId.source: a graph input by its name, or nothing)."""
     out: list[OpId | None] = [None] * len(nodes)
     named: dict[str, OpId] = {}
     for layer in layers:
@@ -83,7 +83,7 @@ def op_ids(nodes: Sequence[OpNode], layers: Sequence[Layer]) -> tuple[OpId | Non
             reads = named.get(node.inputs[0]) if node.inputs else None
             if is_volatile(node):
                 if reads is None:
-                    continue
+                    reads = OpId.source(node.inputs[0] if node.inputs else None)
                 key: tuple = (module, op, reads)
             else:
                 key, reads = (module, op), None

@@ -10,7 +10,7 @@ in-place op on a buffer, BatchNorm's batch count), and ops making only integer o
 (index and mask plumbing, e.g. T5's decoder inputs shifted from its labels, which torch.export
 traces as other ops at a batch of 1); each is named instead by the op it reads: ``reads``
 holds that op's identity and ``occurrence`` counts the volatile ops of the same aten op reading it
-before this one (one reading no op has no identity).
+before this one (one reading no op reads OpId.source: the graph input it reads, or nothing).
 
 Why any rank's export of the same model maps onto the plan's exactly. Two exports of one model
 (meta or CPU, batch 1 or 8, train or eval mode, the parameters real or frozen stand-ins) run the
@@ -69,6 +69,12 @@ class OpId:
         if type(self.occurrence) is not int or self.occurrence < 0:
             raise TypeError(f"OpId occurrence must be an int >= 0, not {self.occurrence!r}")
 
+    @classmethod
+    def source(cls, graph_input: str | None) -> "OpId":
+        """What a volatile op reads when it reads no op: the graph input ``graph_input`` (by its name, as
+        the model's forward names it), or nothing (None: a creation op). Its layer is empty."""
+        return cls("", "", "nothing" if graph_input is None else f"input {graph_input}", 0)
+
     @property
     def volatile(self) -> bool:
         """An op some exports of the model have and others not (module docstring)."""
@@ -76,9 +82,12 @@ class OpId:
 
     def in_layer(self, layer: str) -> "OpId | None":
         """The same op in another layer that repeats this one's layer; None for a volatile op reading an op
-        of another layer (its counterpart there is not named by this layer's)."""
+        of another layer (its counterpart there is not named by this layer's); one reading a graph input or
+        nothing (:meth:`source`) reads the same there."""
         reads = None
-        if self.reads is not None:
+        if self.reads is not None and not self.reads.layer:
+            reads = self.reads
+        elif self.reads is not None:
             if self.reads.layer != self.layer:
                 return None
             reads = self.reads.in_layer(layer)
@@ -87,6 +96,8 @@ class OpId:
         return OpId(layer, self.module, self.op, self.occurrence, reads)
 
     def __str__(self) -> str:
+        if not self.layer:
+            return self.op
         where = f"in {self.module}" if self.module else "in the model's top level"
         after = "" if self.reads is None else f" reading ({self.reads})"
         return f"{self.layer}: {self.op}#{self.occurrence} {where}{after}"
