@@ -52,9 +52,10 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
 
+import residual_mlp
 from paired import paired
+from residual_mlp import ResidualMLP
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 BATCH, SEQ, VOCAB = 4, 32, 256
@@ -79,40 +80,14 @@ def batch(rows: slice = slice(None)) -> dict:
 MLP_BATCH, MLP_SEQ, MLP_HIDDEN, MLP_BLOCKS = 8, 8, 32, 4
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(MLP_HIDDEN)
-        self.fc1 = nn.Linear(MLP_HIDDEN, 4 * MLP_HIDDEN)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(4 * MLP_HIDDEN, MLP_HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(self.act(self.fc1(self.norm(x))))
-
-
-class ResidualMLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(MLP_BLOCKS))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def mlp_model() -> ResidualMLP:
-    torch.manual_seed(0)
-    return ResidualMLP()
+    return residual_mlp.build(MLP_HIDDEN, MLP_BLOCKS)
 
 
 def mlp_batch(rows: slice = slice(None)) -> torch.Tensor:
     return torch.randn(MLP_BATCH, MLP_SEQ, MLP_HIDDEN, generator=torch.Generator().manual_seed(1))[rows]
 
 
-def mlp_loss(out: torch.Tensor, inputs) -> torch.Tensor:
-    return out.pow(2).mean()
 
 
 def optimizer(params):
@@ -132,7 +107,7 @@ def plans(kinds: list[str]) -> dict:
     for kind in kinds:
         if kind == "mlp":
             out[kind] = autopar.plan(mlp_model(), Cluster.from_spec("1x2xcpu"), mlp_batch(slice(0, 1)),
-                                     global_batch_size=MLP_BATCH, loss_fn=mlp_loss,
+                                     global_batch_size=MLP_BATCH, loss_fn=residual_mlp.loss_fn,
                                      fixed=dict(base, dp=2, micro_batch_size=MLP_BATCH // 2)).to_dict()
         else:
             n, pinned = fixed[kind]
@@ -173,7 +148,7 @@ def native(kind: str, rank: int, compiled: bool):
 
         def step():
             opt.zero_grad()
-            mlp_loss(run(x), None).backward()
+            residual_mlp.loss_fn(run(x), None).backward()
             opt_step()
         return step
     if kind == "one":
@@ -249,7 +224,7 @@ def ours(kind: str, plan_dict: dict, compiled: bool):
     import autopar
     plan = autopar.Plan.from_dict(plan_dict)
     if kind == "mlp":
-        program = autopar.parallelize(mlp_model(), plan, optimizer, loss_fn=mlp_loss, compile=compiled)
+        program = autopar.parallelize(mlp_model(), plan, optimizer, loss_fn=residual_mlp.loss_fn, compile=compiled)
         x = mlp_batch()
     else:
         program = autopar.parallelize(model(), plan, optimizer, compile=compiled)

@@ -39,41 +39,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+import residual_mlp
 from paired import paired
+from residual_mlp import ResidualMLP, loss_fn
 
 HIDDEN, BLOCKS, BATCH, SEQ, MICRO = 512, 4, 8, 64, 4
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.fc1 = nn.Linear(HIDDEN, 4 * HIDDEN)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(4 * HIDDEN, HIDDEN)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(self.act(self.fc1(self.norm(x))))
-
-
-class Stack(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-def loss_fn(out: torch.Tensor, inputs) -> torch.Tensor:
-    return out.pow(2).mean()
-
-
-def model() -> Stack:
-    torch.manual_seed(0)
-    return Stack()
+def model() -> ResidualMLP:
+    return residual_mlp.build(HIDDEN, BLOCKS)
 
 
 def batch() -> torch.Tensor:
