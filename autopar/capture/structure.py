@@ -30,11 +30,10 @@ from typing import Mapping, Sequence
 from .. import ops
 from ..ops import base_name, is_inplace
 from ..plan.sharding import OpId
-from ..plan.structure import LAYER, Anchor, ModelStructure, ShardUnits, first_difference, relative_name
+from ..plan.structure import Anchor, ModelStructure, relative_name
 from .opgraph import Layer, OpKind, OpNode, TensorMeta
 
-__all__ = ["ANCHOR_KINDS", "LAYER", "Anchor", "ModelStructure", "ShardUnits", "first_difference",
-           "is_anchor", "is_volatile", "op_ids", "structure_of"]
+__all__ = ["ANCHOR_KINDS", "is_anchor", "is_volatile", "op_ids", "structure_of"]
 
 # Kinds of op a plan decides a split for, or prices as more than moving bytes, even without parameters.
 ANCHOR_KINDS = frozenset({OpKind.MATMUL, OpKind.ATTENTION, OpKind.CONV, OpKind.EMBEDDING, OpKind.NORM,
