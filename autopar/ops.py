@@ -44,25 +44,26 @@ def base_name(target: object) -> str:
     ``aten.linear``) -> ``linear``; ``transformers.grouped_mm_fallback.default`` -> ``grouped_mm_fallback``;
     ``operator.getitem`` (or its text ``<built-in function getitem>``) -> ``getitem``; a higher-order op by
     its name; an in-place ``relu_`` -> ``relu`` (a private ``_softmax`` keeps its underscore)."""
-    schema = getattr(target, "_schema", None)
-    if schema is not None:                      # an OpOverload: its schema's "ns::name"
-        name = _from_text(str(schema.name))
-    elif isinstance(target, str):
-        name = _from_text(target)
-    else:
-        name = getattr(target, "__name__", None) or _from_text(str(target))   # a Python function, a HOP
-    return name.rstrip("_") if is_inplace_name(name) else name
+    name = _name(target)
+    return name.rstrip("_") if _inplace(name) else name
 
 
 def is_inplace(target: object) -> bool:
     """Whether ``target`` is an in-place op (``add_``, ``fill_``; not a private ``_softmax``)."""
+    return _inplace(_name(target))
+
+
+def _name(target: object) -> str:
+    """The op's name as it is written, an in-place op's trailing underscore kept."""
     schema = getattr(target, "_schema", None)
-    text = str(schema.name) if schema is not None else target if isinstance(target, str) else \
-        getattr(target, "__name__", None) or str(target)
-    return is_inplace_name(_from_text(text))
+    if schema is not None:                      # an OpOverload: its schema's "ns::name"
+        return _from_text(str(schema.name))
+    if isinstance(target, str):
+        return _from_text(target)
+    return getattr(target, "__name__", None) or _from_text(str(target))   # a Python function, a HOP
 
 
-def is_inplace_name(name: str) -> bool:
+def _inplace(name: str) -> bool:
     return name.endswith("_") and not name.startswith("_")
 
 
