@@ -54,27 +54,20 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ..capture import OpKind, graph_of, param_aliases
 from ..capture.export import loss_source, normalize_inputs, run_export
 from ..capture.loss import check_loss
-from ..plan.loss import EMIT
 from ..errors import ConfigError
 from ..plan import Plan
-from . import batches, dcp_state, optim, pipeline, recompute, schedules, sharded_init
+from ..plan.loss import EMIT
 from ..runtime import mesh
+from . import batches, dcp_state, optim, pipeline, recompute, sharded_init
+from .compile import ChunkProgram, CompiledProgram, compile_program
 from .constants import fill_made_constants
-
-
-from .context import analyse
 from .context_state import ContextRank
-from .split import check_structure, cut_values, empty_like_meta, meta_buffers, plan_chunks, split_graph
 from .inputs import example_at
-from .specs import plan_specs
-from .layers import LayerIO, class_name, layer_module
-from ..plan.placement import Placement, normal
-from .lower import cut_spec, lower, written_inputs
-from .redistribute import R, convert
+from .layers import class_name, layer_module
 from .source import Written, program_source, write_support
+from .split import empty_like_meta, meta_buffers
 
 PROGRAM, TRAIN, BUFFERS = "program.py", "train.py", "buffers.pt"
 TRAIN_TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "standalone_train.py")
@@ -131,22 +124,14 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     exported = run_export(model, example(torch.device("meta")), loss, train_mode=False)
     check_loss(plan.loss, loss_source(exported), to=EMIT)   # a plan without its record: a stand-in shows here
     fill_made_constants(exported, model, example, loss)   # constants the forward made from data: their values
-    graph = graph_of(model, exported)
-    check_structure(plan, graph)
-    if cfg.cp > 1 and graph.moe:
+    # the one lowering sequence (compile.py): every chunk, for every rank (CP_RANK set by train.py)
+    compiled = compile_program(plan, exported, model)
+    if cfg.cp > 1 and compiled.graph.moe:
         raise ConfigError(f"a standalone program cannot run MoE regions as one call, as context parallelism needs "
                           f"them ({cfg.short()}) yet: emit with standalone=False, or re-plan with cp=1")
-    split = split_graph(exported, graph, plan_chunks(plan), param_aliases(model))
-    specs, dims = plan_specs(plan, graph)
-
-    def crossing(v: str) -> Placement:
-        return R if v == split.loss else cut_spec(specs.get(v))
-
-    lowered = lower(split.node_map, graph, split.chunks, specs, split.param_of, dims, cfg.tp) if cfg.tp > 1 else None
-    context = None
-    if cfg.cp > 1:   # the analysis parallelize makes; each rank's place in the group read from program.py
-        attention = frozenset(n.name for n in graph.nodes if n.kind is OpKind.ATTENTION)
-        context = ContextRank(analyse(split.program, cfg.cp, attention), None, Written("CP_RANK"), Written("TIMEOUT"))
+    split = compiled.split
+    context = ContextRank(compiled.context, None, Written("CP_RANK"), Written("TIMEOUT")) \
+        if compiled.context is not None else None
     os.makedirs(out_dir, exist_ok=True)
     for module in (pipeline, batches, dcp_state, recompute, optim, sharded_init, mesh):
         shutil.copyfile(module.__file__, os.path.join(out_dir, os.path.basename(module.__file__)))
@@ -156,9 +141,8 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     torch.save({k: empty_like_meta(v) if v.is_meta else v.detach().cpu() for k, v in split.buffer_value.items()
                 if k not in unset}, os.path.join(out_dir, BUFFERS))
     layers, chunk_classes = [], []
-    for chunk in split.chunks:
-        mode = cfg.chunk_modes(chunk.index % cfg.pp, [graph.recomputable[s.index] for s in chunk.layers])
-        text, chunk_layers = _chunk(chunk, split, lowered, mode, crossing, context)
+    for chunk in compiled.chunks:
+        text, chunk_layers = _chunk(chunk, compiled, context)
         layers += chunk_layers
         chunk_classes.append(text)
     source = program_source(layers, f"{plan.model_name} under {cfg.short()}: every chunk's layers and dataflow.")
@@ -166,7 +150,7 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     loss_name = loss_fn or "the model's own"
     factories = (f"# the loss ({loss_name}) is part of the exported graph, in the last chunk\n"
                  f"MODEL_FACTORY, BATCH_FACTORY, LR = {model_factory!r}, {batch_factory!r}, {lr!r}\n")
-    constants = _constants(plan, split, graph, dims, lowered, crossing, record, context, unset)
+    constants = _constants(compiled, record, unset)
     with open(os.path.join(out_dir, PROGRAM), "w") as fh:
         fh.write(source + "\n" + _HELD + "\n\n" + "\n\n".join(chunk_classes) + "\n" + constants + factories)
     return os.path.join(out_dir, TRAIN)
@@ -222,48 +206,37 @@ def meta_model(model_factory: str) -> torch.nn.Module:
     return model
 
 
-def _chunk(chunk: Any, split: Any, lowered: Any, modes: list[str], crossing, context: ContextRank | None
-           ) -> tuple[str, list]:
-    """Chunk ``c``'s class (its layers wired together) and its layers' generated modules."""
-    use = _param_uses(chunk)
-    shared = [p for p in chunk.params if use[p] > 1]
-    placeholder_of = {fqn: ph for ph, fqn in split.param_of.items()}
+def _chunk(chunk: ChunkProgram, compiled: CompiledProgram, context: ContextRank | None) -> tuple[str, list]:
+    """The chunk's class (its layers wired together) and its layers' generated modules."""
+    split = compiled.split
     generated, build, body = [], [], []
-    for k, (layer, mode) in enumerate(zip(chunk.layers, modes)):
-        own = [p for p in layer.params if use[p] == 1]
-        mine = [p for p in layer.params if use[p] > 1]
-        written = written_inputs(layer, split.node_map)
-        io = LayerIO(layer.nodes, layer.inputs, layer.outputs, tuple(placeholder_of[f] for f in (*mine, *own)),
-                     layer.buffers, written, layer.attention_core if mode == "selective" else frozenset())
-        name = class_name(layer.name)
-        generated.append((name, layer_module(io, split.node_map, split.program.graph_module, lowered, None,
-                                             name=name, context=context)))
-        build.append(f"            Held({name}(tp_group, cp_group=cp_group), {{f: params[f] for f in {own!r}}}, "
-                     f"[buffers[b] for b in {list(layer.buffers)!r}], {mode!r}),   # {layer.name}")
-        outs = [*layer.outputs, *written]
-        args = [*layer.inputs, *(f"shared[{_attr(p)!r}]" for p in mine)]
+    for k, layer in enumerate(chunk.layers):
+        name = class_name(layer.spec.name)
+        generated.append((name, layer_module(layer.io(split.param_of), split.node_map, split.program.graph_module,
+                                             compiled.lowered, None, name=name, context=context)))
+        build.append(f"            Held({name}(tp_group, cp_group=cp_group), {{f: params[f] for f in {list(layer.own)!r}}}, "
+                     f"[buffers[b] for b in {list(layer.spec.buffers)!r}], {layer.recompute!r}),   # {layer.spec.name}")
+        outs = [*layer.spec.outputs, *layer.written]
+        args = [*layer.spec.inputs, *(f"shared[{_attr(p)!r}]" for p in layer.shared)]
         target = ", ".join(outs) + ("," if len(outs) == 1 else "")
         body.append(f"        {target} = layers[{k}]({', '.join(args)})")
-    for v in chunk.send:   # each value as it crosses the cut
-        steps = ()
-        if lowered is not None:
-            d = split.meta(v).dim()
-            steps = convert(normal(lowered.held[chunk.index].get(v, R), d), normal(crossing(v), d), False)
-        for s in steps:
+    for send in chunk.sends:   # each value as it crosses the cut
+        for s in send.steps:
             args = "".join(f", {a}" for a in s.args)
-            call = f"collectives.{s.function.__name__}({v}{args}, self.tp_group)"
-            body.append(f"        {v} = {call}   # sent as {crossing(v)}")
-    layer_names = ", ".join(layer.name for layer in chunk.layers)
+            call = f"collectives.{s.function.__name__}({send.value}{args}, self.tp_group)"
+            body.append(f"        {send.value} = {call}   # sent as {send.crossing}")
+    spec = chunk.spec
+    layer_names = ", ".join(layer.spec.name for layer in chunk.layers)
     text = (f"class Chunk{chunk.index}(torch.nn.Module):\n"
-            f'    """Chunk {chunk.index} (layers {layer_names}): reads {list(chunk.graph_inputs + chunk.recv)}, '
-            f'sends {list(chunk.send)}."""\n\n'
+            f'    """Chunk {chunk.index} (layers {layer_names}): reads {list(spec.graph_inputs + spec.recv)}, '
+            f'sends {list(spec.send)}."""\n\n'
             f"    def __init__(self, tp_group, params, buffers, cp_group=None):\n"
             f"        super().__init__()\n        self.tp_group = tp_group\n"
-            + "".join(f"        self.register_parameter({_attr(p)!r}, params[{p!r}])\n" for p in shared)
+            + "".join(f"        self.register_parameter({_attr(p)!r}, params[{p!r}])\n" for p in chunk.shared)
             + "        self.layers = torch.nn.ModuleList([\n" + "\n".join(build) + "\n        ])\n\n"
-            f"    def forward(self, {', '.join((*chunk.graph_inputs, *chunk.recv))}):\n"
+            f"    def forward(self, {', '.join((*spec.graph_inputs, *spec.recv))}):\n"
             f"        layers, shared = self.layers, self._parameters\n" + "\n".join(body) + "\n"
-            f"        return ({', '.join(chunk.send)}{',' if len(chunk.send) == 1 else ''})\n")
+            f"        return ({', '.join(spec.send)}{',' if len(spec.send) == 1 else ''})\n")
     return text, generated
 
 
@@ -271,24 +244,22 @@ def _attr(fqn: str) -> str:
     return fqn.replace(".", "__")
 
 
-def _constants(plan: Plan, split: Any, graph: Any, dims: dict, lowered: Any, crossing, record: dict,
-               context: ContextRank | None, unset: dict[str, str]) -> str:
+def _constants(compiled: CompiledProgram, record: dict, unset: dict[str, str]) -> str:
+    plan, split, graph = compiled.plan, compiled.split, compiled.graph
     cfg = plan.config
     n = len(split.chunks)
-    schedule = schedules.build(cfg.schedule, cfg.pp, plan.micro_batches, cfg.virtual_stages)
-    tokens = context.plan.local_shape if context is not None else None
+    schedule = compiled.schedule
     values = {v: (x.producer, x.consumers, x.shape, str(x.dtype), x.requires_grad)
-              for v, x in sorted(cut_values(split, graph, crossing, cfg.tp, tokens).items())}
-    seeds = {name: (s.dim, s.seq, s.outer, s.inner) for name, s in context.plan.inputs.items()} if context else {}
+              for v, x in sorted(compiled.values.items())}
+    context = compiled.context
+    seeds = {name: (s.dim, s.seq, s.outer, s.inner) for name, s in context.inputs.items()} if context else {}
     stage_params = {p: sorted({f for c in split.chunks if c.index % cfg.pp == p for f in c.params})
                     for p in range(cfg.pp)}
-    held_by = {}
-    for c in split.chunks:
-        for f in c.params:
-            held_by.setdefault(f, set()).add(c.index % cfg.pp)
-    ties = {f: sorted(s) for f, s in held_by.items() if len(s) > 1}
+    ties = {f: list(s) for f, s in compiled.holders().items() if len(s) > 1}
     inputs = _input_keys(record, split)
-    units = {c.index: _units(c, graph) for c in split.chunks}
+    units = {c.index: _units(c, graph) for c in compiled.chunks}
+    dims = compiled.param_dims
+    lowered = compiled.lowered
     fmt = lambda x: pprint.pformat(x, width=110, sort_dicts=False)   # noqa: E731
     return ("\n# --- the plan ------------------------------------------------------------------------------\n"
             "# the mesh (mesh.py): ranks tp innermost, then cp, dp, pp outermost; chunk c runs on pipeline rank c % PP\n"
@@ -323,23 +294,12 @@ def _constants(plan: Plan, split: Any, graph: Any, dims: dict, lowered: Any, cro
             f"META_BUFFERS = {fmt(unset)}\n")
 
 
-def _param_uses(chunk: Any) -> dict[str, int]:
-    """How many of the chunk's layers read each parameter (one: the layer holds it; more: the chunk)."""
-    use: dict[str, int] = {}
-    for layer in chunk.layers:
-        for p in layer.params:
-            use[p] = use.get(p, 0) + 1
-    return use
-
-
-def _units(chunk: Any, graph: Any) -> list[tuple[list[int], bool]]:
-    """Chunk ``chunk``'s ZeRO-2/3 units (``ModelStructure.shard_units``, as the runtime wraps them) as
-    positions in its layers, each with whether ZeRO-3 keeps it gathered after forward; the root's
-    layers are in none (the chunk's own unit holds them); a layer holds the parameters no other layer
-    of the chunk reads (_chunk)."""
-    use = _param_uses(chunk)
-    position = {layer.index: k for k, layer in enumerate(chunk.layers)}
-    holds = {layer.index: any(use[p] == 1 for p in layer.params) for layer in chunk.layers}
+def _units(chunk: ChunkProgram, graph: Any) -> list[tuple[list[int], bool]]:
+    """The chunk's ZeRO-2/3 units (``ModelStructure.shard_units``, as the runtime wraps them) as positions
+    in its layers, each with whether ZeRO-3 keeps it gathered after forward; the root's layers are in none
+    (the chunk's own unit holds them); a layer holds its own parameters (LayerProgram.own)."""
+    position = {layer.spec.index: k for k, layer in enumerate(chunk.layers)}
+    holds = {layer.spec.index: bool(layer.own) for layer in chunk.layers}
     units = graph.structure.shard_units(list(position), holds.__getitem__)
     return [([position[i] for i in unit], unit in units.kept) for unit in units.units if unit != units.root]
 

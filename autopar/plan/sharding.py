@@ -274,3 +274,12 @@ def _int(data: Mapping[str, Any], key: str, where: str) -> int:
 def _bad(where: str, value: Any, expected: str) -> PlanFormatError:
     shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
     return PlanFormatError(f"plan field {where} = {shown} must be {expected}: {_FIX}")
+
+
+def replicated(graph: Any) -> tuple[ShardingGroup, ...]:
+    """Every op of ``graph`` (an OpGraph: ``nodes``, ``op_ids``, ``layers``) whole on every rank: the sharding
+    of a plan at tp = 1, one group of all layers."""
+    ops = tuple(OpSharding(i, "replicate", Replicate(), tuple(Replicate() for _ in n.inputs),
+                           tuple((p, None) for p in n.params))
+                for n, i in zip(graph.nodes, graph.op_ids) if i is not None)
+    return (ShardingGroup(tuple(layer.name for layer in graph.layers), len(graph.layers), ops),)

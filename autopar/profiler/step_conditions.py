@@ -226,39 +226,71 @@ class _LayerMix(torch.nn.Module):
         return (h * h).sum()
 
 
+def _mix_plan(graph, tp: int):
+    """A plan for the exported :class:`_LayerMix` on a tensor-parallel group of ``tp`` ranks, every op kept whole
+    (``plan.sharding.replicated``): its costs are not read, only what the compiler lowers."""
+    from ..cluster import Cluster
+    from ..config import ParallelConfig, Precision
+    from ..plan import Plan, Stage, TimeBreakdown
+    from ..plan.record import MemoryBreakdown
+    from ..plan.sharding import replicated
+
+    names = tuple(layer.name for layer in graph.layers)
+    memory = MemoryBreakdown(0.0, 0.0, 0.0, 0.0, 0.0)
+    stage = Stage(index=0, layers=names, chunks=(names,), param_count=0, fwd_time=0.0, bwd_time=0.0,
+                  recompute_time=0.0, tp_comm_time=0.0, p2p_time=0.0, in_flight=1, activation_per_microbatch=0.0,
+                  memory=memory)
+    batch = graph.batch_size
+    return Plan(model_name=graph.model_name, fingerprint=graph.fingerprint, structure=graph.structure,
+                loss=graph.loss, cluster=Cluster.from_spec(f"1x{tp}xcpu"),
+                config=ParallelConfig(tp=tp, micro_batch_size=batch), precision=Precision(),
+                global_batch_size=batch, micro_batches=1, step_time=0.0, peak_memory=0.0, throughput=0.0,
+                model_flops=0.0, hardware_flops=0.0, breakdown=TimeBreakdown(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0),
+                stages=(stage,), fits=True, sharding=replicated(graph))
+
+
 def dispatch_overhead(device: torch.device, nprocs: int) -> tuple[float, float]:
     """(forward, backward) extra seconds per op when autopar's runtime runs ops tensor-parallel, max over ranks.
 
-    The exported :class:`_LayerMix` is emitted as the runtime emits a layer (codegen/layers.py), once
-    plain (no mesh) and once lowered for a 1-D tensor-parallel mesh of all ranks (codegen/lower.py:
-    each argument read through its conversion, the op's form, the shard's shape check; the
-    collectives themselves are priced as collectives), run forward and forward + backward; per node, ``fwd = (t_tp - t_plain) / nodes`` and
+    The exported :class:`_LayerMix` is compiled as ``parallelize`` compiles a plan (codegen/compile.py, on a
+    plan keeping every op whole) and each layer emitted as the runtime emits it (codegen/layers.py), once
+    plain (no mesh) and once lowered for a 1-D tensor-parallel mesh of all ranks (each argument read through
+    its conversion, the op's form, the shard's shape check; the collectives themselves are priced as
+    collectives), run forward and forward + backward; per node, ``fwd = (t_tp - t_plain) / nodes`` and
     ``bwd = ([t_tp(fb) - t_plain(fb)] - [t_tp - t_plain]) / nodes``."""
-    from types import SimpleNamespace
+    import torch.distributed as dist
 
-    from ..codegen.layers import LayerIO, layer_module
-    from ..codegen.lower import lower
+    from ..capture import graph_of
+    from ..capture.export import run_export
+    from ..codegen.compile import compile_rank
+    from ..codegen.layers import layer_module
     from ..runtime.mesh import Mesh
 
     tp_group = Mesh(tp=nprocs).build(device.type).device_mesh["tp"].get_group()
     rows = 8 * nprocs
-    program = torch.export.export(_LayerMix(rows).to(device), (torch.randn(2, 4, 8, device=device),), strict=False)
-    split = SimpleNamespace(node_map={n.name: n for n in program.graph.nodes}, program=program)
-    calls = [n.name for n in program.graph.nodes if n.op == "call_function"]
-    weight_name, input_name = [n.name for n in program.graph.nodes if n.op == "placeholder"]
-    chunk = SimpleNamespace(index=0, recv=(), layers=(SimpleNamespace(nodes=tuple(calls)),))
-    lowered = lower(split.node_map, SimpleNamespace(nodes=()), [chunk], {}, {weight_name: "weight"}, {}, nprocs)
-
-    io = LayerIO(tuple(calls), (input_name,), (calls[-1],), (weight_name,), ())
+    model = _LayerMix(rows).to(device)
+    example = torch.randn(2, 4, 8, device=device)
+    program = run_export(model, (example,), None, train_mode=False)
+    rank = compile_rank(_mix_plan(graph_of(model, program), nprocs), program, dist.get_rank(), model)
+    compiled = rank.program
+    split = compiled.split
+    layers = [layer for chunk in rank.chunks for layer in chunk.layers]
+    calls = [n for layer in layers for n in layer.spec.nodes]
 
     def variant(tp: bool) -> tuple[Callable[[], object], Callable[[], object]]:
-        layer = layer_module(io, split.node_map, program.graph_module, lowered if tp else None,
-                             tp_group if tp else None)
+        generated = [layer_module(layer.io(split.param_of), split.node_map, split.program.graph_module,
+                                  compiled.lowered if tp else None, tp_group if tp else None, skip=compiled.skipped)
+                     for layer in layers]
         x = torch.randn(2, 4, 8, device=device)
         w = torch.randn(rows, 8, device=device).requires_grad_()
 
         def forward() -> torch.Tensor:
-            return layer(x, w)[0]
+            env = {split.user_inputs[0]: x}
+            for layer, code in zip(layers, generated):
+                params = [w for _ in (*layer.shared, *layer.own)]
+                buffers = [split.buffer_value[b] for b in layer.spec.buffers]
+                env.update(zip(layer.spec.outputs, code(*(env[v] for v in layer.spec.inputs), *params, *buffers)))
+            return env[split.loss]
 
         def fwd_bwd() -> None:
             w.grad = None

@@ -9,7 +9,6 @@ checkpoints are program.py's.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import Any, Callable, Iterable
 
@@ -18,27 +17,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..capture import graph_of, param_aliases
 from ..capture.export import LossFn, loss_source, run_export
 from ..capture.loss import check_loss
-from ..capture.opgraph import OpKind
-from ..codegen.lower import cut_spec, lower
-from ..codegen.redistribute import R
-from ..plan.placement import Placement, Replicate, Shard, normal
+from ..codegen.compile import compile_rank
+from ..codegen.context_state import ContextRank
+from ..codegen.inputs import describe_inputs, example_at
 from ..codegen.optim import compile_step
+from ..codegen.pipeline import Topology
+from ..codegen.split import on_device
 from ..errors import ConfigError
 from ..plan.loss import PARALLELIZE, LossSource
+from ..plan.placement import Replicate, Shard, normal
 from .chunk import ChunkModule, NodeRunner
-from ..codegen.context import analyse
-from ..codegen.context_state import ContextRank
 from .data_parallel import GradReducer, Zero1Optimizer, local, shard_unit
 from .expert_parallel import shard_experts
-from .experts import ExpertsModule, check_regions, skipped_nodes
-from ..codegen.split import check_structure, cut_values, on_device, plan_chunks, split_graph
-from ..codegen.inputs import describe_inputs, example_at
+from .experts import ExpertsModule
 from .materialize import dtensor_placement, local_view, materialize_buffers
-from ..codegen.pipeline import Topology, Value
-from ..codegen.specs import plan_specs
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -65,27 +59,24 @@ class Assembly:
         check_loss(self.plan.loss, None if loss_fn is None else LossSource.of(loss_fn), to=PARALLELIZE)
         program = run_export(model, inputs, loss_fn, train_mode=False)
         check_loss(self.plan.loss, loss_source(program), to=PARALLELIZE)
-        self.graph = graph_of(model, program)
-        check_structure(self.plan, self.graph)
         on_device(program, self.device)
         if self.materializer is not None:
             materialize_buffers(program, self.materializer)
-        self.split = split_graph(program, self.graph, plan_chunks(self.plan), param_aliases(model))
+        # the one lowering sequence (codegen/compile.py): this rank's chunks, each layer's ops and collectives
+        self.compiled = compile_rank(self.plan, program, self.rank, model)
+        self.graph, self.split = self.compiled.program.graph, self.compiled.program.split
+        self.param_dims = self.compiled.program.param_dims
 
     def _mesh(self) -> None:
         """Every process group of this rank (mesh.py builds them, in one order on every rank): the
         (pp, dp, cp, tp) device mesh, expert parallelism's groups when MoE regions run as one call
         (ep > 1 or cp > 1: experts.py), a group per set of pipeline stages holding the same parameter."""
-        cfg = self.cfg
-        self.regions = self.graph.moe if (cfg.ep > 1 or cfg.cp > 1) else ()
-        self.expert_fqns = frozenset(p for r in self.regions for p in (r.gate_up, r.down))
-        holders: dict[str, tuple[int, ...]] = {}
-        for c, spec in enumerate(self.split.chunks):
-            for fqn in spec.params:
-                holders[fqn] = tuple(sorted(set(holders.get(fqn, ()) + (c % cfg.pp,))))
-        self.holders = holders
+        compiled = self.compiled.program
+        self.regions = compiled.regions
+        self.expert_fqns = compiled.expert_params
+        self.holders = compiled.holders()
         self.groups = groups = self.mesh.build(self.device.type, experts=bool(self.regions),
-                                               tied=[h for h in holders.values() if len(h) > 1])
+                                               tied=[h for h in self.holders.values() if len(h) > 1])
         self.tp_mesh = groups.tp
         self.cp_group = groups.group("cp")
         # the dense weights' gradient (and ZeRO) group: the dp * cp ranks of this (pp, tp) position
@@ -94,49 +85,28 @@ class Assembly:
         self.ep_group = groups.group("ep")
         self.expert_group, self.expert_mesh = groups.group("edp"), groups.edp
         self.expert_ranks = list(groups.ranks("edp")) if self.regions else [self.rank]
-        self.specs, self.param_dims = plan_specs(self.plan, self.graph)
 
     def _build_chunks(self, model: nn.Module) -> None:
-        cfg = self.cfg
-        attention = frozenset(n.name for n in self.graph.nodes if n.kind is OpKind.ATTENTION)
-        lowered = None
-        if cfg.tp > 1:
-            moe = {r.output: (r.hidden_input, r.index_input, r.weight_input) for r in self.regions}
-            lowered = lower(self.split.node_map, self.graph, self.split.chunks, self.specs, self.split.param_of,
-                            self.param_dims, cfg.tp, moe)
+        compiled = self.compiled.program
         # compiled per layer under FSDP2 (its hooks gather each layer's parameters around the layer's
         # code), else per chunk (_data_parallel): one compiled region for all of a chunk's layers
-        self.node_runner = NodeRunner(self.split, self.tp_mesh, lowered, compile=self.compile if self.fsdp else None)
-        self.tp_partial = lowered.partial_params if lowered is not None else frozenset()
-        if self.regions:
-            layer_of = {name: layer.index for chunk in self.split.chunks for layer in chunk.layers
-                        for name in layer.nodes}
-            check_regions(self.regions, self.split.node_map, layer_of, self.split.param_of, cfg.ep, cfg.cp,
-                          self.node_runner.skipped)
-            self.node_runner.moe_outputs = {r.output: r for r in self.regions}
-            self.node_runner.moe_skip = skipped_nodes(self.regions)
-        if cfg.cp > 1:
-            plan = analyse(self.split.program, cfg.cp, attention,
-                           {r.output: (r.hidden_input, r.index_input, r.weight_input) for r in self.regions},
-                           self.node_runner.moe_skip)
-            self.node_runner.context = ContextRank(plan, self.cp_group, self.cp_rank, self.timeout)
+        context = ContextRank(compiled.context, self.cp_group, self.cp_rank, self.timeout) \
+            if compiled.context is not None else None
+        self.node_runner = NodeRunner(compiled, self.tp_mesh, context, compile=self.compile if self.fsdp else None)
+        self.tp_partial = compiled.lowered.partial_params if compiled.lowered is not None else frozenset()
         full = dict(model.named_parameters())
-        self.my_chunks = [c for c in range(len(self.split.chunks)) if c % cfg.pp == self.pp_rank]
+        self.my_chunks = [chunk.index for chunk in self.compiled.chunks]
         self.params: dict[str, nn.Parameter] = {}
-        for c in self.my_chunks:
-            for fqn in self.split.chunks[c].params:
+        for chunk in self.compiled.chunks:
+            for fqn in chunk.spec.params:
                 if fqn not in self.params:
                     self.params[fqn] = self._distribute(fqn, full[fqn])
-        self.split = dataclasses.replace(
-            self.split, buffer_value={k: v.to(self.device) for k, v in self.split.buffer_value.items()})
+        buffers = {k: v.to(self.device) for k, v in self.split.buffer_value.items()}
         experts = {r.output: ExpertsModule(r, self.params[r.gate_up], self.params[r.down], self.ep_group,
                                            self.timeout)
                    for r in self.regions if r.gate_up in self.params}
-        recomputable = self.graph.recomputable
-        modes = {c: cfg.chunk_modes(self.pp_rank, [recomputable[s.index] for s in self.split.chunks[c].layers])
-                 for c in self.my_chunks}
-        self.chunks = {c: ChunkModule(self.split.chunks[c], self.split, self.node_runner, self.params, modes[c],
-                                      experts) for c in self.my_chunks}
+        self.chunks = {chunk.index: ChunkModule(chunk, self.node_runner, self.params, buffers, experts)
+                       for chunk in self.compiled.chunks}
 
     def _value(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """A parameter's or buffer's full value: materialised (one module at a time) when on meta."""
@@ -244,18 +214,9 @@ class Assembly:
         ranks = list(self.groups.ranks("pp"))
         return Topology(self.cfg.pp, ranks, self.pp_rank)
 
-    def _cut_spec(self, value: str) -> Placement:
-        return R if value == self.split.loss else cut_spec(self.specs.get(value))
-
     def _to_cut(self, chunk: int, name: str, value: torch.Tensor) -> torch.Tensor:
-        return self.node_runner.to_cut(chunk, name, value, self._cut_spec(name))
-
-    def _cut_values(self) -> dict[str, Value]:
-        """Every value crossing a cut, with the shard a receiver allocates: this rank's tokens under
-        context parallelism (context.py's local shape), its block of a tensor-parallel split."""
-        context = self.node_runner.context
-        return cut_values(self.split, self.graph, self._cut_spec, self.cfg.tp,
-                          None if context is None else context.plan.local_shape)
+        """A value chunk ``chunk`` sends, as it crosses the cut (the send's collectives, codegen/compile.py)."""
+        return self.node_runner.to_cut(self.sends[chunk][name], value)
 
     def _optimizer(self, factory: OptimizerFactory | None):
         # what the optimizer steps: without FSDP2, a tensor-parallel parameter's local shard (a plain

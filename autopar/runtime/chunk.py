@@ -36,14 +36,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ..codegen.compile import ChunkProgram, CompiledProgram, LayerProgram, Send
 from ..codegen.context_state import ContextRank
-from ..codegen.layers import LayerIO, class_name, layer_module
+from ..codegen.layers import class_name, layer_module
 from ..codegen.recompute import run_layer
-from ..codegen.lower import LoweredGraph, written_inputs
-from ..codegen.redistribute import R, apply_steps, convert
-from ..codegen.split import ChunkSpec, LayerSpec, SplitGraph
-from ..ops import SKIPPED_TARGETS
-from ..plan.placement import Placement, normal
+from ..codegen.redistribute import apply_steps
 
 
 def attr_name(fqn: str) -> str:
@@ -52,40 +49,33 @@ def attr_name(fqn: str) -> str:
 
 
 class NodeRunner:
-    """What the layers of one exported program share: its nodes, the tensor-parallel lowering and group,
-    the MoE regions run as one call, and this rank of the context-parallel group (cp > 1)."""
+    """What the layers of one rank's program share: the compiled program (its exported graph, the
+    tensor-parallel lowering, the MoE regions run as one call), the tensor-parallel group and this rank of
+    the context-parallel group (cp > 1)."""
 
-    def __init__(self, split: SplitGraph, mesh: DeviceMesh | None, lowered: LoweredGraph | None = None,
+    def __init__(self, compiled: CompiledProgram, mesh: DeviceMesh | None, context: ContextRank | None = None,
                  compile: str | None = None) -> None:
-        self.nodes = split.node_map
+        self.compiled = compiled
         self.compile = compile   # a torch.compile backend for every layer's code, or None
-        self.module = split.program.graph_module
         self.mesh = mesh
         self.group = mesh.get_group() if mesh is not None else None
-        self.lowered = lowered
-        self.context: ContextRank | None = None   # when cp > 1: codegen/context.py's plan, the group, this rank
-        self.moe_outputs: dict[str, Any] = {}   # MoE region output node -> region, run as one call (experts.py)
-        self.moe_skip: frozenset[str] = frozenset()   # the regions' other nodes, not run
-        self.skipped = frozenset(name for name, n in self.nodes.items() if str(n.target) in SKIPPED_TARGETS)
+        self.context = context
 
-    def layer_module(self, spec: LayerSpec, params: Sequence[str], written: Sequence[str], selective: bool,
-                     experts: Mapping[str, nn.Module], checks: bool = False) -> torch.fx.GraphModule:
-        """The layer's generated module (codegen/layers.py); ``params``: the placeholders of the parameters
-        it is given, in order; ``checks``: with a shape check of every shard (for the first call)."""
-        io = LayerIO(spec.nodes, spec.inputs, spec.outputs, tuple(params), spec.buffers, tuple(written),
-                     spec.attention_core if selective else frozenset())
-        moe = {out: (r.hidden_input, r.index_input, r.weight_input) for out, r in self.moe_outputs.items()}
-        return layer_module(io, self.nodes, self.module, self.lowered, self.group, experts, moe,
-                            self.skipped | self.moe_skip, name=class_name(spec.name), checks=checks,
-                            context=self.context)
+    def layer_module(self, layer: LayerProgram, experts: Mapping[str, nn.Module], checks: bool = False
+                     ) -> torch.fx.GraphModule:
+        """The layer's generated module (codegen/layers.py); ``checks``: with a shape check of every shard
+        (for the first call)."""
+        compiled = self.compiled
+        split = compiled.split
+        return layer_module(layer.io(split.param_of), split.node_map, split.program.graph_module, compiled.lowered,
+                            self.group, experts, compiled.moe_inputs, compiled.skipped, name=class_name(layer.spec.name),
+                            checks=checks, context=self.context)
 
-    def to_cut(self, chunk: int, name: str, value: Any, spec: Placement) -> Any:
-        """Node ``name``'s value (held as chunk ``chunk`` holds it) in ``spec``, to send across a cut."""
-        if self.lowered is None or not isinstance(value, torch.Tensor):
+    def to_cut(self, send: Send, value: Any) -> Any:
+        """A value as it crosses a pipeline cut: the send's collectives on the tensor-parallel group."""
+        if not send.steps or not isinstance(value, torch.Tensor):
             return value
-        held = self.lowered.held[chunk].get(name, R)
-        d = value.dim()
-        return apply_steps(value, convert(normal(held, d), normal(spec, d), False), self.group)
+        return apply_steps(value, send.steps, self.group)
 
 
 class _OwnGradient(torch.autograd.Function):
@@ -125,20 +115,15 @@ def local_shard(param: Any) -> Any:
 class LayerModule(nn.Module):
     """One layer: ``forward(*inputs, *shared_params) -> outputs`` over its slice of the graph."""
 
-    def __init__(self, spec: LayerSpec, runner: NodeRunner, own: Sequence[str], shared: Sequence[str],
-                 param_of: Mapping[str, str], buffers: Mapping[str, torch.Tensor], recompute: str,
+    def __init__(self, layer: LayerProgram, runner: NodeRunner, buffers: Mapping[str, torch.Tensor],
                  experts: Mapping[str, nn.Module] | None = None) -> None:
         super().__init__()
-        self.spec = spec
+        spec = self.spec = layer.spec
         # MoE regions of this layer run by their ExpertsModule (its own module, so that FSDP2 can
         # shard expert weights over another mesh), keyed by the region's output node
         self.experts = nn.ModuleDict({attr_name(out): m for out, m in (experts or {}).items()})
         self.expert_outputs = tuple((experts or {}).keys())
-        self.runner = runner
-        self.own = tuple(own)
-        self.shared = tuple(shared)
-        self.recompute = recompute
-        self.placeholder_of = {fqn: ph for ph, fqn in param_of.items()}
+        self.own, self.shared, self.recompute = layer.own, layer.shared, layer.recompute
         self.buffer_names = tuple(spec.buffers)
         self.own_attrs = tuple(attr_name(fqn) for fqn in self.own)
         self.buffer_attrs = tuple(attr_name(name) for name in self.buffer_names)
@@ -148,13 +133,11 @@ class LayerModule(nn.Module):
         # copy made inside the layer, which later layers read instead (a second output). FSDP2 hands a
         # layer its inputs as views made by a custom autograd Function, and autograd refuses to
         # write in place on those.
-        self.written = written_inputs(spec, runner.nodes)
+        self.written = layer.written
         # the layer's generated code (kept out of the module tree: it holds no tensors of its own, and its
         # experts are this module's)
-        placeholders = [self.placeholder_of[fqn] for fqn in (*self.shared, *self.own)]
         experts_of = {out: self.experts[attr_name(out)] for out in self.expert_outputs}
-        generated, checked = (runner.layer_module(spec, placeholders, self.written, recompute == "selective",
-                                                  experts_of, checks) for checks in (False, True))
+        generated, checked = (runner.layer_module(layer, experts_of, checks) for checks in (False, True))
         self.__dict__["generated"] = generated   # the fx GraphModule: .code, codegen/source.py
         self.__dict__["program"] = torch.compile(generated, backend=runner.compile) if runner.compile else generated
         self.__dict__["checked"] = checked       # the same code checking every shard's shape: the first call
@@ -173,29 +156,21 @@ class LayerModule(nn.Module):
 class ChunkModule(nn.Module):
     """One chunk: ``forward(*graph_inputs, *received) -> values sent on`` (the loss for the last)."""
 
-    def __init__(self, spec: ChunkSpec, split: SplitGraph, runner: NodeRunner,
-                 params: Mapping[str, nn.Parameter], recompute: Sequence[str],
-                 experts: Mapping[str, nn.Module] | None = None) -> None:
-        """``recompute``: the recompute mode of each of the chunk's layers (ParallelConfig.chunk_modes)."""
+    def __init__(self, chunk: ChunkProgram, runner: NodeRunner, params: Mapping[str, nn.Parameter],
+                 buffers: Mapping[str, torch.Tensor], experts: Mapping[str, nn.Module] | None = None) -> None:
+        """``params``: this rank's parameters by fqn; ``experts``: MoE region output -> its experts module."""
         super().__init__()
-        self.spec = spec
+        self.spec = chunk.spec
         experts = experts or {}
-        held = {fqn for m in experts.values() for fqn in m.named_model_parameters()}  # by ExpertsModules
-        use_count: dict[str, int] = {}
-        for layer in spec.layers:
-            for p in layer.params:
-                use_count[p] = use_count.get(p, 0) + 1
-        self.shared_params = tuple(p for p in spec.params if use_count[p] > 1 and p not in held)
+        self.shared_params = chunk.shared
         for fqn in self.shared_params:
             self.register_parameter(attr_name(fqn), params[fqn])
         self.layers = nn.ModuleList()
         self.breaks: frozenset[int] = frozenset()   # break_before
-        for layer, mode in zip(spec.layers, recompute, strict=True):
-            own = [p for p in layer.params if use_count[p] == 1 and p not in held]
-            shared = [p for p in layer.params if use_count[p] > 1 and p not in held]
-            mine = {out: m for out, m in experts.items() if out in layer.nodes}
-            module = LayerModule(layer, runner, own, shared, split.param_of, split.buffer_value, mode, mine)
-            for fqn in own:
+        for layer in chunk.layers:
+            mine = {out: m for out, m in experts.items() if out in layer.spec.nodes}
+            module = LayerModule(layer, runner, buffers, mine)
+            for fqn in layer.own:
                 module.register_parameter(attr_name(fqn), params[fqn])
             self.layers.append(module)
 

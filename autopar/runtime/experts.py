@@ -29,14 +29,13 @@ sharded over the expert-replica mesh with that divide factor, as torchtitan wrap
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..capture.opgraph import MoERegion
-from ..errors import ConfigError
-from .expert_parallel import ACTIVATIONS, expert_parallel_moe
+from .expert_parallel import expert_parallel_moe
 
 
 class ExpertsModule(nn.Module):
@@ -59,43 +58,3 @@ class ExpertsModule(nn.Module):
 
     def named_model_parameters(self) -> dict[str, nn.Parameter]:
         return {self.region.gate_up: self.gate_up, self.region.down: self.down}
-
-
-def check_regions(regions: Sequence[MoERegion], nodes: Mapping[str, Any], layer_of: Mapping[str, int],
-                  param_of: Mapping[str, str], ep: int, cp: int, ignored: frozenset[str] = frozenset()) -> None:
-    """Refuse regions the expert-parallel call cannot stand in for (ConfigError naming the region);
-    ``ignored``: nodes never run (metadata asserts), whatever they read."""
-    for r in regions:
-        where = f"MoE region {r.module} (output {r.output})"
-        if getattr(r, "capacity", None) is not None and cp > 1:
-            raise ConfigError(f"{where} drops assignments beyond a capacity of {r.capacity} slots per expert, which "
-                              "depends on every token of the sequence, while context parallelism gives a rank part of "
-                              "it: build the model without a capacity (capacity_factor=None) or re-plan with cp=1")
-        if r.activation not in ACTIVATIONS:
-            raise ConfigError(f"{where} uses activation {r.activation!r}, which expert parallelism does not know "
-                              f"(it knows {sorted(ACTIVATIONS)}): re-plan with ep=1, cp=1")
-        if r.num_experts % ep:
-            raise ConfigError(f"{where} has {r.num_experts} experts, which ep={ep} does not divide: re-plan with an "
-                              "ep dividing the expert count")
-        inside = set(r.nodes)
-        for name in r.nodes:
-            if name == r.output or name not in nodes:
-                continue
-            outside = [u.name for u in nodes[name].users if u.name not in inside and u.name not in ignored]
-            if outside:
-                raise ConfigError(f"{where}: node {outside[0]} outside the region reads its inner value {name}, "
-                                  "so the region cannot run as one expert-parallel call: re-plan with ep=1, cp=1")
-        layers = {layer_of.get(name) for name in r.nodes if name in layer_of}
-        if len(layers) > 1:
-            raise ConfigError(f"{where} spans layers {sorted(layers)}: re-plan with ep=1, cp=1")
-        for p in (r.gate_up, r.down):
-            readers = [n.name for n in nodes.values() if n.op == "call_function" and n.name not in inside
-                       and any(param_of.get(a.name) == p for a in n.all_input_nodes)]
-            if readers:
-                raise ConfigError(f"{where}: node {readers[0]} outside the region reads expert weight {p}: re-plan "
-                                  "with ep=1, cp=1")
-
-
-def skipped_nodes(regions: Sequence[MoERegion]) -> frozenset[str]:
-    """Nodes not run: every node of a region but its output."""
-    return frozenset(name for r in regions for name in r.nodes if name != r.output)

@@ -64,7 +64,6 @@ from ..capture.export import LossFn
 from ..codegen.source import program_source, write_support
 from ..errors import ConfigError, PlanMismatchError
 from ..plan import Plan
-from ..codegen import schedules
 from .assembly import Assembly, OptimizerFactory
 from .checkpoint import load_program, save_program
 from ..codegen.layers import class_name
@@ -172,12 +171,11 @@ class Program(Assembly):
         # them) and frozen ones (requires_grad=False: no gradient, so no optimizer step moves them)
         self.unused = {n: self._value(n, p).cpu().clone() for n, p in model.named_parameters()
                        if n not in self.holders or (not p.requires_grad and self.materializer is None)}
-        self.schedule = schedules.build(cfg.schedule, cfg.pp, self.micro_batches, cfg.virtual_stages)
-        schedules.check(self.schedule, self.micro_batches, cfg.virtual_stages)
-        self.actions = self.schedule[self.pp_rank]
+        self.actions = self.compiled.actions   # the schedule's, checked for deadlock by the compiler
+        self.sends = {c.index: {s.value: s for s in c.sends} for c in self.compiled.chunks}
         self.runner = PipelineRunner(
             self.chunks, {c.index: ChunkIO(c.graph_inputs, c.recv, c.send) for c in self.split.chunks},
-            self._cut_values(), self.split.loss, self._topology(), self._to_cut, self._before_backward,
+            dict(self.compiled.program.values), self.split.loss, self._topology(), self._to_cut, self._before_backward,
             lambda work, what, peer: wait_or_fail(work, self.timeout, what, peers=[peer]), self.device,
             self._post_losses, self._after_backward)
         self.optimizer = self._optimizer(optimizer)

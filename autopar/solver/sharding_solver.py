@@ -26,7 +26,7 @@ from ..cost_model.compute import fused_ops
 from ..cost_model.tensor_parallel import TPLayout, replicated_layout
 from ..errors import ConfigError
 from ..plan.placement import Replicate, Shard
-from ..plan.sharding import OpSharding, ShardingGroup
+from ..plan.sharding import OpSharding, ShardingGroup, replicated
 from .sharding import MEMORY_SLACK, TIME_SLACK, VARIANTS, WHOLE_BATCH, ILPLimits, greedy_choice, solve_group
 from .sharding_layout import GroupSolution, LayerGroup, assemble, consumers_of, layer_groups, totals
 from .sharding_problem import Boundary, Pricing, build_problem, realise
@@ -107,10 +107,7 @@ class ShardingSolver:
         input's placement through them, plan/sharding.py)."""
         graph = self.graph
         if tp == 1:
-            ops = tuple(OpSharding(i, "replicate", Replicate(), tuple(Replicate() for _ in n.inputs),
-                                   tuple((p, None) for p in n.params))
-                        for n, i in zip(graph.nodes, graph.op_ids) if i is not None)
-            return (ShardingGroup(tuple(layer.name for layer in graph.layers), len(graph.layers), ops),)
+            return replicated(graph)
         out = []
         for sol in self.solutions(tp, variant):
             layers = list(sol.group.solved) + [c[0] for c in sol.group.copies]
