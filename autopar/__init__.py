@@ -18,8 +18,8 @@ __version__ = "0.1.0"
 
 _SOURCES: dict[str, str] = {
     "plan": "api", "estimate": "api", "sweep": "sweep", "Sweep": "plan.sweep", "SweepRow": "plan.sweep",
-    "parallelize": "runtime.program", "Program": "runtime.program", "load_checkpoint": "runtime.checkpoint",
-    "init_weights": "codegen.sharded_init", "Cluster": "cluster", "Device": "hardware", "Link": "hardware",
+    "parallelize": "driver.program", "Program": "driver.program", "load_checkpoint": "driver.checkpoint",
+    "init_weights": "runtime.sharded_init", "Cluster": "cluster", "Device": "hardware", "Link": "hardware",
     "ParallelConfig": "config", "Precision": "config", "Plan": "plan", "Alternative": "plan", "load_plan": "plan",
     **{name: "errors" for name in ("AutoparError", "CaptureError", "ConfigError", "InfeasiblePlanError",
                                    "PlanFormatError", "PlanMismatchError", "RuntimeFailure")},
@@ -31,14 +31,14 @@ __all__ = list(_SOURCES)
 if TYPE_CHECKING:   # what type checkers and IDEs see: the same names, bound eagerly
     from .api import estimate, plan
     from .cluster import Cluster
-    from .codegen.sharded_init import init_weights
+    from .runtime.sharded_init import init_weights
     from .config import ParallelConfig, Precision
     from .errors import (AutoparError, CaptureError, ConfigError, InfeasiblePlanError, PlanFormatError,
                          PlanMismatchError, RuntimeFailure)
     from .hardware import Device, Link
     from .plan import Alternative, Plan, load_plan
-    from .runtime.checkpoint import load_checkpoint
-    from .runtime.program import Program, parallelize
+    from .driver.checkpoint import load_checkpoint
+    from .driver.program import Program, parallelize
     from .plan.sweep import Sweep, SweepRow
     from .sweep import sweep
 

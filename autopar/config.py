@@ -92,7 +92,7 @@ class ParallelConfig:
     recompute: Recompute = "none"
     """Activation recomputation: "none"; "selective" (the attention core, Korthikanti et al.); "op" (per op, as
     torchtitan's ``selective_ac_option = "op"``: keep every second matrix product's output and fused
-    attention's, recompute the rest; codegen/recompute.py); or "full" (the whole layer)."""
+    attention's, recompute the rest; runtime/recompute.py); or "full" (the whole layer)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism: shard the non-tensor-parallel regions along the sequence."""
     stage_recompute: tuple[str, ...] = ()

@@ -132,7 +132,7 @@ NORMS = LAYER_NORMS | CHANNEL_NORMS
 @dataclass(frozen=True)
 class VocabLoss:
     """How the vocabulary-parallel lowering runs a class loss whose class dim is split over the ranks
-    (codegen/shard_ops.py): ``form`` "cross_entropy" (``vocab_cross_entropy``: every rank's row max,
+    (runtime/shard_ops.py): ``form`` "cross_entropy" (``vocab_cross_entropy``: every rank's row max,
     exponential sum and target logit, each rank in a slot of its own) or "nll" (``vocab_nll``: the
     target's log-probability); ``per_row`` values per row its one all-reduce carries, ``slots`` whether
     each rank fills a slot of its own (the all-reduce is ``t`` times as long)."""

@@ -1,5 +1,5 @@
 """Peak host memory per rank of ``parallelize``: a model built on the meta device (each rank
-materialises its shards, codegen/sharded_init.py) against the same model built on the CPU by every
+materialises its shards, runtime/sharded_init.py) against the same model built on the CPU by every
 rank (what docs/multinode.md asked for before: one whole model per process).
 
 8 gloo ranks on this CPU (one thread each), one spawn per row. Model: the hand-written GPT,

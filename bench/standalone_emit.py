@@ -30,8 +30,7 @@ import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 GB = 1e9
-EXPECTED = ("train.py", "program.py", "plan.json", "planned_model.py", "buffers.pt", "pipeline.py", "batches.py",
-            "collectives.py", "shard_ops.py", "dcp_state.py", "recompute.py", "optim.py", "sharded_init.py")
+EXPECTED = ("train.py", "program.py", "plan.json", "planned_model.py", "buffers.pt", "autopar_runtime")
 REFUSE_AUTOPAR = '''import sys
 
 
@@ -83,7 +82,7 @@ def guarded(cmd: list[str], kill_gb: float, env: dict | None = None, cwd: str | 
 
 def check_folder(out: str, kill_gb: float) -> list[str]:
     """What is wrong with the emitted folder (empty: nothing)."""
-    problems = [f"{name} missing" for name in EXPECTED if not os.path.isfile(os.path.join(out, name))]
+    problems = [f"{name} missing" for name in EXPECTED if not os.path.exists(os.path.join(out, name))]
     parent = os.path.dirname(os.path.abspath(out))
     leftovers = [n for n in os.listdir(parent) if n != os.path.basename(os.path.abspath(out))
                  and n.startswith("." + os.path.basename(os.path.abspath(out)))]

@@ -33,15 +33,15 @@ from torch import nn
 
 from ..capture import graph_of, param_aliases
 from ..capture.opgraph import MoERegion, OpGraph, OpKind
-from ..ops import SKIPPED_TARGETS
+from ..ops import SKIPPED_TARGETS, base_name
 from ..plan import Plan
 from ..plan.placement import Placement, normal
 from ..runtime.mesh import Coords, Mesh
-from . import schedules
+from ..runtime import schedules
 from .context import ContextPlan, analyse
 from .layers import LayerIO
 from .lower import How, LoweredGraph, cut_spec, lower, written_inputs
-from .pipeline import Value
+from ..runtime.pipeline import Value
 from .regions import check_regions
 from .redistribute import R, Step, convert
 from .specs import OpSpec, plan_specs
@@ -278,7 +278,7 @@ def _layer_lines(layer: LayerProgram, compiled: CompiledProgram) -> list[str]:
                  if any(s.communicates or type(s).__name__ in ("Copy", "Split") for s in steps)]
         if op.how is How.LOCAL and not reads and not op.after:
             continue
-        target = str(compiled.split.node_map[name].target).removeprefix("aten.")
+        target = base_name(compiled.split.node_map[name].target)
         text = f"    {name} = {target} [{op.how.value}] -> {op.output}"
         if reads:
             text += ": reads " + ", ".join(reads)

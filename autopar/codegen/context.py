@@ -78,7 +78,7 @@ from .. import ops
 from ..capture.dims import bound_args, broadcast_map, op_dims, shape_of
 from ..errors import ConfigError
 from ..ops import SKIPPED_TARGETS, base_name
-from .context_state import (FULL, PARTIAL, ContextOp, ContextPlan, Conv, GatherTokens, Local, Mode, Resolve, State,
+from ..runtime.context_state import (FULL, PARTIAL, ContextOp, ContextPlan, Conv, GatherTokens, Local, Mode, Resolve, State,
                             TakeTokens, holds_tensor)
 
 

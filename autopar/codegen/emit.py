@@ -22,7 +22,7 @@ from ..capture.loss import check_loss
 from ..plan.loss import EMIT, LOSS_FN, LossSource
 from ..errors import ConfigError
 from ..plan import Plan
-from . import schedules
+from ..runtime import schedules
 from .folder import staged
 from .split import plan_chunks
 
@@ -148,7 +148,7 @@ def _literal(value: Any) -> str:
 
 def _imports(model_factory: str, batch_factory: str | None, loss_fn: str | None) -> str:
     lines = ["import argparse", "import datetime", "import gc", "import os", "", "import torch", "import torch.distributed as dist", "",
-             "import autopar", "from autopar.codegen.dcp_state import latest", "from autopar.codegen.inputs import example_at",
+             "import autopar", "from autopar.runtime.dcp_state import latest", "from autopar.codegen.inputs import example_at",
              "from autopar.runtime.mesh import Mesh"]
     for alias, ref in (("model_factory", model_factory), ("batch_factory", batch_factory), ("loss_fn", loss_fn)):
         if ref:

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import ConfigError, PlanMismatchError
-from . import batches
+from ..runtime import batches
 
 
 def describe_inputs(example_inputs: Any) -> dict[str, Any]:
@@ -39,7 +39,7 @@ def with_inputs(plan: Any, example_inputs: Any) -> Any:
 
 def example_at(record: Mapping[str, Any], batch_size: int, device: torch.device | str = "cpu") -> Any:
     """Zero-filled inputs shaped like ``record`` with dim 0 of every batched tensor set to ``batch_size``
-    (codegen/batches.py); a malformed record is refused as a PlanMismatchError."""
+    (runtime/batches.py); a malformed record is refused as a PlanMismatchError."""
     try:
         return batches.example_at(record, batch_size, device)
     except ValueError as exc:

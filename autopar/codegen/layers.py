@@ -49,9 +49,9 @@ from .. import ops
 from ..capture.build import module_path
 from ..errors import ConfigError
 from ..ops import CONTEXT_HOPS, SKIPPED_TARGETS, base_name
-from . import collectives, context_ops, shard_ops
+from ..runtime import collectives, context_ops, shard_ops
 from .bindings import use_bindings
-from .context_state import (ContextOp, ContextRank, Conversion, GatherTokens, Local, Mode, Resolve,
+from ..runtime.context_state import (ContextOp, ContextRank, Conversion, GatherTokens, Local, Mode, Resolve,
                             holds_tensor)
 from .lower import How, LoweredGraph, LoweredOp
 from .redistribute import Copy, ReduceScatter, Split, Step, split_dim

@@ -16,7 +16,7 @@ from typing import Callable, ClassVar
 import torch
 
 from ..plan.placement import Partial, Placement, Replicate, Shard
-from . import collectives
+from ..runtime import collectives
 
 R, P = Replicate(), Partial()
 

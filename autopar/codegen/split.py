@@ -37,7 +37,7 @@ from ..errors import ConfigError, PlanMismatchError
 from ..plan import Plan
 from ..plan.placement import Placement
 from .lower import local_shape
-from .pipeline import Value
+from ..runtime.pipeline import Value
 
 
 
@@ -182,7 +182,7 @@ def on_device(program: ExportedProgram, device: torch.device) -> None:
 def meta_buffers(program: ExportedProgram, model_name: str) -> dict[str, tuple[str, str | None]]:
     """The buffers and constants ``program`` reads that are on the meta device (a model built there):
     placeholder -> (its ``program.state_dict`` / ``program.constants`` key, the model's name of the
-    buffer), for a rank to give values (codegen/sharded_init.py; buffers are small: a rank holds every
+    buffer), for a rank to give values (runtime/sharded_init.py; buffers are small: a rank holds every
     one its chunks read); the name is None for an empty constant (Hugging Face's cache placeholders,
     ``torch.tensor([])``), whose value is any empty tensor. Any other tensor the forward made on the
     meta device (a lifted constant) has no value to run with: raises."""

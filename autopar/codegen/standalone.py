@@ -8,25 +8,24 @@ The folder holds
   ops on this rank's shards with their collectives), and a class per chunk whose ``forward`` is
   the dataflow between its layers, spelled out line by line, ending in the conversions of the
   values it sends to the spec they cross the cut in;
-- ``train.py`` (standalone_train.py, copied): torchrun entry point: process groups (``mesh.py``,
-  runtime/mesh.py copied: the mesh the plan was priced on and ``parallelize`` builds), the model
-  from the user's factory, each rank's shards of its weights, FSDP2 for ZeRO-2/3, the pipeline
-  schedule, gradient reductions, AdamW, the loss file, sharded checkpoints;
-- ``pipeline.py``, ``batches.py``, ``collectives.py``, ``shard_ops.py``, ``dcp_state.py``, ``recompute.py``,
-  ``optim.py``: autopar's own (each imports only torch), the same files the in-process runtime runs
-  (dcp_state.py: the checkpoint format of ``Program.save_checkpoint``, which this folder writes and
-  reads too; recompute.py: the per-op recomputation policy; optim.py: the optimizer step compiled
-  under ``--compile``), ``sharded_init.py`` (a meta-built model's values), and for a
-  context-parallel plan ``context_ops.py``, ``ring_attention.py``, ``context_state.py``,
-  ``failures.py`` (each imports torch and its siblings beside it);
+- ``train.py`` (standalone_train.py, copied): torchrun entry point: process groups (the runtime's Mesh:
+  the mesh the plan was priced on and ``parallelize`` builds), the model from the user's factory, each
+  rank's shards of its weights, FSDP2 for ZeRO-2/3, the pipeline schedule, gradient reductions, AdamW,
+  the loss file, sharded checkpoints;
+- ``autopar_runtime/``: autopar's runtime library (autopar/runtime, :data:`autopar.runtime.STANDALONE`,
+  torch alone), the same files ``parallelize`` runs: the pipeline executor, the collectives and sharded
+  ops the generated layers call, context parallelism's ops and ring attention, the checkpoint format
+  of ``Program.save_checkpoint`` (dcp_state.py: this folder writes and reads it too), the per-op
+  recomputation policy, the optimizer step compiled under ``--compile``, a meta-built model's values
+  (sharded_init.py), failures with deadlines, the Mesh;
 - ``buffers.pt``: the constants the graph reads that the forward makes (not the model's buffers).
 
 Context parallelism runs as in-process: the same analysis (context.py), the same generated calls
-(context_ops.py, ring_attention.py, copied beside), one program for every rank of a
+(context_ops.py, ring_attention.py, in autopar_runtime/), one program for every rank of a
 context-parallel group (its place in the group is program.py's ``CP_RANK``, which train.py sets).
 A model factory that builds on the meta device works as in ``parallelize``: each rank gives values
 to the parameters and buffers it holds, one module at a time, from ``(--seed, module name)``
-(sharded_init.py, copied beside), the values ``parallelize(..., init_seed=)`` gives.
+(autopar_runtime/sharded_init.py), the values ``parallelize(..., init_seed=)`` gives.
 What the folder cannot run yet is refused at emit time with what to change: expert parallelism,
 MoE regions run as one call (ep > 1, or cp > 1 on an MoE model), a batch that is not a flat tuple or
 dict of tensors.
@@ -59,11 +58,9 @@ from ..capture.loss import check_loss
 from ..errors import ConfigError
 from ..plan import Plan
 from ..plan.loss import EMIT
-from ..runtime import mesh
-from . import batches, dcp_state, optim, pipeline, recompute, sharded_init
 from .compile import ChunkProgram, CompiledProgram, compile_program
 from .constants import fill_made_constants
-from .context_state import ContextRank
+from ..runtime.context_state import ContextRank
 from .inputs import example_at
 from .layers import class_name, layer_module
 from .source import Written, program_source, write_support
@@ -74,7 +71,7 @@ TRAIN_TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand
 """train.py as it is copied (a script of the folder: it imports program.py and pipeline.py beside it)."""
 
 _HELD = '''
-import recompute
+from autopar_runtime import recompute
 
 
 class Held(torch.nn.Module):
@@ -133,8 +130,7 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     context = ContextRank(compiled.context, None, Written("CP_RANK"), Written("TIMEOUT")) \
         if compiled.context is not None else None
     os.makedirs(out_dir, exist_ok=True)
-    for module in (pipeline, batches, dcp_state, recompute, optim, sharded_init, mesh):
-        shutil.copyfile(module.__file__, os.path.join(out_dir, os.path.basename(module.__file__)))
+    write_support(out_dir)   # autopar_runtime/: the runtime library, as parallelize runs it
     shutil.copyfile(TRAIN_TEMPLATE, os.path.join(out_dir, TRAIN))
     # the model's buffers (on meta here): given values by each rank (META_BUFFERS); an empty constant any empty value
     unset = {k: fqn for k, (_, fqn) in meta_buffers(exported, type(model).__name__).items() if fqn is not None}
@@ -146,7 +142,6 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
         layers += chunk_layers
         chunk_classes.append(text)
     source = program_source(layers, f"{plan.model_name} under {cfg.short()}: every chunk's layers and dataflow.")
-    write_support(out_dir, source)
     loss_name = loss_fn or "the model's own"
     factories = (f"# the loss ({loss_name}) is part of the exported graph, in the last chunk\n"
                  f"MODEL_FACTORY, BATCH_FACTORY, LR = {model_factory!r}, {batch_factory!r}, {lr!r}\n")

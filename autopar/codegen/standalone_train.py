@@ -4,23 +4,23 @@
 Run on each node:  torchrun --nproc-per-node <ranks per node> train.py --steps 10
 
 program.py (beside this file) holds the plan's constants, each layer's code on its shards and each
-chunk's dataflow; pipeline.py runs the schedule; batches.py cuts the global batch into micro-batches;
-optim.py compiles the optimizer step under --compile;
-collectives.py / shard_ops.py / context_ops.py are the explicit collectives; mesh.py (autopar's
-runtime/mesh.py) gives a rank's coordinates and builds its process groups. This file builds a rank's
-share: its process groups, its shards of the weights of the model ``MODEL_FACTORY`` builds (the same
-seed on every rank, so the same weights; a model built on the meta device gets the values of the
-parameters and buffers this rank holds only, one module at a time: sharded_init.py), FSDP2 for
-ZeRO-2/3, AdamW; then per step: the rank's micro-batches (under context parallelism its tokens of
-each sequence) through the schedule, the gradient reductions (the mean over the data- and
-context-parallel replicas, tied parameters, tensor-parallel partial sums), the optimizer step, and
-the mean loss over the global batch (rank 0 prints it and appends it to --loss-file).
+chunk's dataflow; autopar_runtime/ (beside it: autopar's runtime library, torch alone) runs it: the
+pipeline executor and checked schedule (pipeline.py), the global batch cut into micro-batches
+(batches.py), the optimizer step compiled under --compile (optim.py), the explicit collectives
+(collectives.py / shard_ops.py / context_ops.py), the Mesh (mesh.py: a rank's coordinates and process
+groups). This file builds a rank's share: its process groups, its shards of the weights of the model
+``MODEL_FACTORY`` builds (the same seed on every rank, so the same weights; a model built on the meta
+device gets the values of the parameters and buffers this rank holds only, one module at a time:
+sharded_init.py), FSDP2 for ZeRO-2/3, AdamW; then per step: the rank's micro-batches (under context
+parallelism its tokens of each sequence) through the schedule, the gradient reductions (the mean over
+the data- and context-parallel replicas, tied parameters, tensor-parallel partial sums), the optimizer
+step, and the mean loss over the global batch (rank 0 prints it and appends it to --loss-file).
 --checkpoint / --resume write and read sharded checkpoints (torch.distributed.checkpoint) in the
 format of dcp_state.py, the one ``autopar.parallelize``'s programs write (the same keys, each tensor
 with its global layout, so DCP reshards it to the reader's plan); ``autopar.load_checkpoint``
 reads it into one process.
 This file is copied from autopar's codegen/standalone_train.py; it imports nothing of autopar but the
-modules copied beside it.
+runtime library copied beside it.
 """
 
 from __future__ import annotations
@@ -37,17 +37,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import batches  # noqa: E402
-import dcp_state  # noqa: E402
-import mesh  # noqa: E402
-import optim  # noqa: E402
-import pipeline  # noqa: E402
+from autopar_runtime import batches, dcp_state, mesh, optim, pipeline, sharded_init  # noqa: E402
 import program as P  # noqa: E402
-import sharded_init  # noqa: E402
 
-if P.CP > 1:   # context parallelism's (program.py's code calls them; emit copies them beside it then)
-    import context_ops
-    import context_state
+if P.CP > 1:   # context parallelism's (program.py's code calls them)
+    from autopar_runtime import context_ops, context_state
 
 Action = namedtuple("Action", "kind stage micro_batch")
 

@@ -60,7 +60,7 @@ class MeasuredTimes(Protocol):
 
     def optimizer_seconds_per_param(self, kernels: str) -> float | None:
         """Measured seconds of one optimizer step per parameter as a program running ``kernels`` steps it
-        (compiled: through torch.compile, codegen/optim.py), or None."""
+        (compiled: through torch.compile, runtime/optim.py), or None."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ A layer's forward is the sum of its ops' forward times plus its forward
 tensor-parallel collectives; backward likewise. Recomputation adds forward work to
 backward: the whole forward (collectives included) for "full", the attention core's
 forward for "selective", for "op" the forward of every op whose output it does not keep (memory.py
-``op_kept``) and the forward collectives but reduce-scatters (codegen/recompute.py keeps those).
+``op_kept``) and the forward collectives but reduce-scatters (runtime/recompute.py keeps those).
 Under tensor parallelism each op of the generated layer code reads its arguments through the
 lowering's conversions (codegen/lower.py), which costs the device's ``dispatch_overhead`` per op
 (``dispatch_overhead_backward`` per op of the backward) on the host (measured by the profiler,

@@ -15,7 +15,7 @@ precision (floating tensors of the model's dtype at 2 bytes in bf16, a float32 c
 makes on purpose at 4; masks 1 byte). Tensor parallelism divides a tensor in the split region by ``t``; sequence
 parallelism divides the replicated region by ``t`` as well. Selective recomputation
 drops the attention core's tensors; full recomputation keeps only the tensors that
-enter the layer from outside; per-op recomputation ("op", codegen/recompute.py) keeps those
+enter the layer from outside; per-op recomputation ("op", runtime/recompute.py) keeps those
 and the outputs of :func:`op_kept`'s nodes (every second matrix product, fused attention). For
 the Megatron GPT layer this reproduces Korthikanti et al. Table 2: ``sbh(34 + 5as/h)`` and its TP/SP/recompute variants.
 
@@ -26,7 +26,7 @@ which for ``i = 0`` is Korthikanti's factor ``1 + (p - 1)/(p v)`` times ``L/p`` 
 Interleaved chunks of one device differ in size (the last device's last chunk holds the head
 and the loss, whose logits can outweigh every block), so its peak is not that count times the
 largest chunk: :func:`interleaved_peak` walks the device's own order (Megatron's, as
-codegen/schedules.py runs it) and takes the most its in-flight passes hold at once.
+runtime/schedules.py runs it) and takes the most its in-flight passes hold at once.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def saved_owner(graph: OpGraph) -> dict[str, int]:
 
 
 def op_kept(graph: OpGraph, layer: Layer) -> frozenset[str]:
-    """Nodes of ``layer`` whose outputs recompute "op" keeps (codegen/recompute.py's policy read on the
+    """Nodes of ``layer`` whose outputs recompute "op" keeps (runtime/recompute.py's policy read on the
     captured graph, one node per product): the 1st, 3rd, ... matrix product in forward order, and
     every fused attention. The others rerun in the backward."""
     kept, products = [], 0
@@ -206,7 +206,7 @@ def least_passes(cfg: ParallelConfig, stage: int, micro_batches: int) -> int:
 
 def interleaved_peak(cfg: ParallelConfig, stage: int, micro_batches: int, chunk_bytes: Sequence[float]) -> float:
     """Peak activation bytes of pipeline device ``stage`` under interleaved 1F1B, its ``v`` chunks
-    leaving ``chunk_bytes[j]`` per micro-batch pass. Megatron's order (codegen/schedules.py):
+    leaving ``chunk_bytes[j]`` per micro-batch pass. Megatron's order (runtime/schedules.py):
     forward step ``k`` runs local chunk ``(k // p) mod v``, backward step ``k`` chunk
     ``v - 1 - (k // p) mod v``; ``min(m v, 2 (p - d - 1) + (v - 1) p)`` warm-up forwards, then
     one forward and one backward alternately, then the remaining backwards. The peak is

@@ -14,7 +14,7 @@ tensor-parallel collectives + its p2p sends/receives), ``X = max_i x_i``:
 
 The bubble reported is ``T - m X``: time the slowest device is not working.
 
-Checked against an action-level simulation of each schedule (codegen/schedules.py, zero-time
+Checked against an action-level simulation of each schedule (runtime/schedules.py, zero-time
 p2p, forward : backward = 1 : 2): exact for balanced stages (every schedule) and for GPipe /
 1F1B whenever the slowest stage is the last; otherwise an upper bound (a slow early stage lets
 later stages catch up: stages of work (2, 1) with two micro-batches take 4.33, not 5).

@@ -45,9 +45,9 @@ per parameter of an AdamW step on the model's own parameters times ``Psi_local``
 the program runs it: eager, torch's default implementation, plus, for DTensor parameters
 (FSDP2's, ZeRO-2/3), the device's per-op dispatch overhead for each of the update's
 ADAM_OPS_PER_TENSOR ops on each parameter tensor; compiled (``Precision.kernels`` not "eager"),
-the step through torch.compile, as compiled programs run it (codegen/optim.py), whose generated
+the step through torch.compile, as compiled programs run it (runtime/optim.py), whose generated
 code runs on the local tensors: no dispatch term. Tensor-parallel shards are stepped as plain
-tensors (runtime/assembly.py), as Megatron's optimizer steps them: no dispatch term either.
+tensors (driver/assembly.py), as Megatron's optimizer steps them: no dispatch term either.
 
 Every function takes floats or numpy arrays alike: the stage DP prices every run of layers at once.
 """

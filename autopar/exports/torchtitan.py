@@ -27,7 +27,7 @@ How the plan maps:
   ``global_batch_size`` makes torchtitan accumulate ``micro_batches`` gradients (``train.py``:
   ``global_batch_size // (local_batch_size * dp_degree)``).
 - recomputation: ``mode = "none" | "full"``; the plan's "op" is torchtitan's per-op
-  ``mode = "selective"``, ``selective_ac_option = "op"`` (the same policy: codegen/recompute.py);
+  ``mode = "selective"``, ``selective_ac_option = "op"`` (the same policy: runtime/recompute.py);
   "selective" (the plan's: attention's core) becomes that per-op policy too (keeps the attention
   outputs and every other matmul output, recomputes the rest: no more memory, other work), and said so.
 """

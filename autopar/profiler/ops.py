@@ -48,7 +48,7 @@ from torch import nn
 from ..capture import graph_of, param_aliases
 from ..capture.export import LossFn, LossWrapper, normalize_inputs, run_export
 from ..capture.opgraph import Gemm, OpGraph, OpKind, OpNode
-from ..codegen.optim import compile_step
+from ..runtime.optim import compile_step
 from ..errors import ConfigError
 from ..ops import SKIPPED_TARGETS
 from .database import ProfileDB
@@ -280,7 +280,7 @@ class OpProfiler:
         trainable parameters, random gradients, as a program running ``kernels`` steps it: eager, the
         default implementation for the device (single-tensor on a CPU, multi-tensor on CUDA), on every
         parameter's shape; otherwise through ``torch.compile`` as a compiled program steps it
-        (codegen/optim.py), on one tensor of each distinct shape (compiling costs about a quarter of a
+        (runtime/optim.py), on one tensor of each distinct shape (compiling costs about a quarter of a
         second per tensor on a CPU, and the compiled update's time is its elements' streaming)."""
         compiled = kernels != "eager"
         if compiled not in self._optimizer:

@@ -40,8 +40,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
 from ..config import dp_bucket_bytes
-from ..codegen.failures import wait_or_fail
-from ..errors import ConfigError
+from .failures import wait_or_fail
+from .errors import ConfigError
 
 
 def shard_unit(module: nn.Module | list[nn.Module], **kwargs) -> None:

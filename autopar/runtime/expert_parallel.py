@@ -71,8 +71,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..errors import ConfigError
-from ..codegen.failures import wait_or_fail
+from .errors import ConfigError
+from .failures import wait_or_fail
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,

@@ -29,13 +29,15 @@ sharded over the expert-replica mesh with that divide factor, as torchtitan wrap
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ..capture.opgraph import MoERegion
 from .expert_parallel import expert_parallel_moe
+
+if TYPE_CHECKING:
+    from ..capture.opgraph import MoERegion
 
 
 class ExpertsModule(nn.Module):

@@ -2,7 +2,7 @@
 
 One :class:`Mesh` (torchtitan's ``ParallelDims`` is the model) is what the cost model prices
 (cost_model/mesh.py places its groups on the cluster), what ``autopar.parallelize``'s ranks build
-their groups from (runtime/assembly.py), what the standalone folder's ``train.py`` builds its
+their groups from (driver/assembly.py), what the standalone folder's ``train.py`` builds its
 groups from (this file is copied beside it), and what the profiler's tensor-parallel mesh is.
 
 Layout. Ranks are numbered tp innermost, then cp, then dp, pp outermost::
@@ -29,8 +29,9 @@ the order of every group's members follow here, and from which the cost model pl
 
 :meth:`Mesh.build` creates every process group in one deterministic order (``new_group`` is
 collective: every rank must create every group, in the same order) and returns them as a
-:class:`MeshGroups`. This module imports the standard library only (torch.distributed inside
-:meth:`Mesh.build` and :meth:`MeshGroups.submesh`), so that a folder with torch alone can use it.
+:class:`MeshGroups`. This module imports the standard library and errors.py only (torch.distributed
+inside :meth:`Mesh.build` and :meth:`MeshGroups.submesh`), so that the cost model prices with it
+without torch and a standalone folder runs it with torch alone.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
+
+from .errors import ConfigError
 
 AXES = ("pp", "dp", "cp", "tp")
 """The mesh's axes, outermost first (the order of the device mesh's dimensions)."""
@@ -50,8 +53,9 @@ Run = tuple[int, int]
 """``(size, stride)``: ``size`` ranks ``stride`` apart."""
 
 
-class MeshError(ValueError):
-    """Degrees or coordinates that do not make a mesh; the message says what to change."""
+class MeshError(ConfigError):
+    """Degrees or coordinates that do not make a mesh; the message says what to change (a ConfigError, so a
+    ValueError too)."""
 
 
 @dataclass(frozen=True, kw_only=True)

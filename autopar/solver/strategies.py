@@ -30,7 +30,7 @@ group). The rules by op class:
 - embedding: replicate, vocab (weight ``S(0)``, output ``P``), hidden (weight ``S(1)``, output
   ``S(-1)``), ``split(d)`` of an index dim;
 - class losses: vocab (logits split on the class dim: the vocabulary-parallel cross entropy, one
-  all-reduce of every rank's row max, exp-sum and target logit, as codegen/shard_ops.py runs it;
+  all-reduce of every rank's row max, exp-sum and target logit, as runtime/shard_ops.py runs it;
   nll: one of the target's value), offered for the losses of ``ops.VOCAB_LOSSES``, whose
   all-reduce that table sizes; ``split(d)`` of a row dim (an all-reduce of the loss), for
   ``ops.ROW_LOSSES``;

@@ -1,7 +1,7 @@
 """Pipeline timeline (Gantt chart) of one optimizer step of a Plan.
 
 Geometry first, drawing second. :func:`build_timeline` replays the plan's schedule
-(``codegen.schedules.build``) with ``codegen.schedules.simulate`` (a device starts its next
+(``runtime.schedules.build``) with ``runtime.schedules.simulate`` (a device starts its next
 action once it is free and the action's dependencies have finished; p2p takes no extra wall
 time beyond its share of a block), which records when every action starts and ends. Per-action durations come from each
 :class:`~autopar.plan.Stage` (seconds per micro-batch, all of a device's chunks together):
@@ -33,7 +33,7 @@ import numpy as np
 
 from ..config import check_int
 from ..errors import ConfigError
-from ..codegen.schedules import build, simulate
+from ..runtime.schedules import build, simulate
 from ._common import DPI, finish, format_time, mix, new_figure, time_unit
 
 FORWARD = "#1f77b4"

@@ -160,7 +160,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "gpt-2l": lambda: _gpt(layers=2), "gpt-sdpa-2l": lambda: _gpt_sdpa(layers=2),
 }
 # Built on the meta device: parallelize materialises each rank's shards, and the single-process
-# reference is autopar.init_weights of the same meta model (codegen/sharded_init.py).
+# reference is autopar.init_weights of the same meta model (runtime/sharded_init.py).
 def _on_meta(make: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
     def build() -> torch.nn.Module:
         with torch.device("meta"):
@@ -245,7 +245,7 @@ def reference(case: Case) -> dict[str, Any]:
     """The single-process reference of the case's model and global batch (the same for every plan of
     them: computed once)."""
     from autopar import init_weights
-    from autopar.codegen.sharded_init import has_meta
+    from autopar.runtime.sharded_init import has_meta
     key = (case.model, case.global_batch)
     if key not in _REFERENCES:
         model = fresh(case.model)
@@ -273,7 +273,7 @@ def make_plan(case: Case):
     between the cases of a model and world (solve(sharding=): the same plans, each ILP solved once)."""
     from autopar import Precision
     from autopar.capture import capture
-    from autopar.codegen.batches import slice_batch
+    from autopar.runtime.batches import slice_batch
     from autopar.codegen.inputs import with_inputs
     from autopar.solver import solve
     from autopar.solver.sharding_solver import ShardingSolver
@@ -308,7 +308,7 @@ def shared_exports(model_key: Any):
     runtime rewrites its copy (devices, materialised buffers). torch.export of a tiny model costs 0.3-0.9 s,
     most of a case's time on a rank; the cases share few distinct exports. Parameter values never come
     from the export (the runtime reads them from the model it is given)."""
-    import autopar.runtime.assembly as program
+    import autopar.driver.assembly as program
     from autopar.codegen.inputs import describe_inputs
     real = program.run_export
 

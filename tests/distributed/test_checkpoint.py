@@ -1,4 +1,4 @@
-"""Sharded checkpoints (runtime/checkpoint.py: torch.distributed.checkpoint) on 2 gloo ranks.
+"""Sharded checkpoints (driver/checkpoint.py: torch.distributed.checkpoint) on 2 gloo ranks.
 
 Each scenario (checkpoint_cases.py, one job on the session's 2-rank world) trains a source plan one
 step, saves, and trains two more; fresh programs built from shifted weights then load the

@@ -117,7 +117,7 @@ def _classify(exc: BaseException, where: str) -> dict[str, Any]:
 def plan_seed(seed: int) -> dict[str, Any]:
     """Capture and plan the seed's model: {"outcome": "planned", "plan": plan dict, ...}, or a refusal or crash."""
     from autopar.capture import capture
-    from autopar.codegen.batches import slice_batch
+    from autopar.runtime.batches import slice_batch
     from autopar.codegen.inputs import with_inputs
     from autopar.solver import solve
     fixed = draw_fixed(seed)

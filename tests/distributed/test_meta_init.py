@@ -1,6 +1,6 @@
 """Sharded initialisation: a model built on the meta device, parallelized, trains as one process
 trains the same model materialised whole (autopar.init_weights, the same seed): each rank
-materialises only the parameters it holds (codegen/sharded_init.py). Tolerances as in
+materialises only the parameters it holds (runtime/sharded_init.py). Tolerances as in
 test_parallelize.py; bench/init_memory.py measures the memory it saves."""
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ HF_ELSEWHERE = ({"llama", "gpt2", "bert"}, {"dp2", "tp2", "pp2_1f1b", "zero1", "
 CNN = [Case("cnn-tp2", "cnn", {**BASE, "tp": 2, "micro_batch_size": 4}, 2)]
 # The hand-written GPT's attention is unfused, so selective recomputation has a core to drop.
 SELECTIVE = [Case("gpt-recompute_selective", "gpt", {**BASE, "tp": 2, "micro_batch_size": 2, "recompute": "selective"}, 2)]
-# Per-op recomputation (codegen/recompute.py) on HF Llama's fused attention, with the sequence-parallel
+# Per-op recomputation (runtime/recompute.py) on HF Llama's fused attention, with the sequence-parallel
 # collectives rerun in the backward (and compiled by inductor on the MLP below). It is the suite's llama
 # tp2_sp case; the same plan without recomputation runs in make bench.
 SELECTIVE += [Case("llama-tp2_sp_recompute_op", "llama", {**BASE, "tp": 2, "micro_batch_size": 2,

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 
 from autopar.errors import ConfigError  # noqa: E402
-from autopar.codegen import ring_attention as ra  # noqa: E402
+from autopar.runtime import ring_attention as ra  # noqa: E402
 
 SEQ = 16
 HEAD_DIM = 8

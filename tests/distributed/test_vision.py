@@ -8,7 +8,7 @@ micro-batches of one sample (the meta model, a batch-1 example), global batch 8,
 issue did; at tp=4 on the harness's node of fast links (harness.test_cluster), since on a plain
 ``1x4xcpu`` the planner splits nothing of models this small. Before the fix every Hugging Face case
 computed the class token's and the position embedding's gradients wrong (the loss right): the
-runtime let the two share one gradient's memory (runtime/chunk.py local_shard); the hand-written
+runtime let the two share one gradient's memory (driver/chunk.py local_shard); the hand-written
 model too at tp=2 (at tp=4 its plan gathers the hidden before the position embedding's add, and
 each gradient had its own memory already).
 

@@ -1,4 +1,4 @@
-"""The vocabulary-parallel losses (codegen/shard_ops.py) against the single-process aten op, for every op of
+"""The vocabulary-parallel losses (runtime/shard_ops.py) against the single-process aten op, for every op of
 the op table's ``VOCAB_LOSSES`` (the losses the solver offers it for), on the session's 4 gloo ranks
 (worlds.py), each holding a quarter of the classes.
 
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from autopar import ops  # noqa: E402
-from autopar.codegen import shard_ops  # noqa: E402
+from autopar.runtime import shard_ops  # noqa: E402
 
 CLASSES = 16
 TOL = 1e-5

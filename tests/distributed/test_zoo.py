@@ -134,7 +134,7 @@ def make_plan(case: Case):
     if case.fixed is not None:
         return harness.make_plan(case)
     import autopar
-    from autopar.codegen.batches import slice_batch
+    from autopar.runtime.batches import slice_batch
     example = slice_batch(zoo_batches(case.model, 1, case.global_batch)[0], 0, 1, case.global_batch)
     return autopar.plan(ZOO[case.model](), autopar.Cluster.from_spec(f"1x{case.world}xcpu"), example,
                         global_batch_size=case.global_batch, verbose=False)

@@ -5,7 +5,7 @@ the patch embeddings, a position embedding ``[1, tokens, hidden]`` is added to t
 head reads the class token's row after the last norm. With micro-batches of one sample the expand
 and the broadcast are no-ops in the backward, so the class token's gradient is a view of the one
 the position embedding takes, and a tensor-parallel runtime that lets two parameters keep one
-gradient's memory accumulates later micro-batches into it twice (issue 48, runtime/chunk.py
+gradient's memory accumulates later micro-batches into it twice (issue 48, driver/chunk.py
 local_shard). Every model here has 4 heads, so tensor parallelism can split them 2 and 4 ways.
 
 Builders take ``device`` (``"meta"`` to plan, ``"cpu"`` to run); the same seed gives the same

@@ -20,7 +20,7 @@ from autopar import ops
 from autopar.capture import graph_of
 from autopar.capture.export import run_export
 from autopar.capture.opgraph import OpKind
-from autopar.codegen import shard_ops
+from autopar.runtime import shard_ops
 from autopar.codegen.lower import How, _Lowering
 from autopar.solver.strategies import OpContext, node_strategies
 

@@ -19,7 +19,7 @@ from autopar.capture.export import run_export
 from autopar.capture.opgraph import OpKind
 from autopar.models import GPTConfig, build_gpt
 from autopar.codegen.context import _view_layout, analyse
-from autopar.codegen.context_state import FULL, PARTIAL, GatherTokens, Local, Mode, TakeTokens
+from autopar.runtime.context_state import FULL, PARTIAL, GatherTokens, Local, Mode, TakeTokens
 
 SEQ = 8
 

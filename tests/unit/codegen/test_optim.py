@@ -1,11 +1,11 @@
-"""A compiled program's optimizer step (codegen/optim.py): eager on its first call, compiled after,
+"""A compiled program's optimizer step (runtime/optim.py): eager on its first call, compiled after,
 the same updates as the optimizer's own step, and a bound method that learning-rate schedulers wrap."""
 
 from __future__ import annotations
 
 import torch
 
-from autopar.codegen.optim import compile_step
+from autopar.runtime.optim import compile_step
 
 
 class _Backend:

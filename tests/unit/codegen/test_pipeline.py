@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.codegen.pipeline import ChunkIO, PipelineRunner, Topology, wait_for
-from autopar.codegen.schedules import build
+from autopar.runtime.pipeline import ChunkIO, PipelineRunner, Topology, wait_for
+from autopar.runtime.schedules import build
 
 
 class _Square(torch.nn.Module):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from autopar import ConfigError, ParallelConfig
 from autopar.cost_model.memory import chunk_passes, in_flight, interleaved_peak, least_passes
 from autopar.cost_model.schedule import pipeline_time
-from autopar.codegen.schedules import Action, build, check, format_schedule, simulate
+from autopar.runtime.schedules import Action, build, check, format_schedule, simulate
 
 CASES = ([("gpipe", p, m, 1) for p in range(2, 7) for m in range(1, 13)]
          + [("1f1b", p, m, 1) for p in range(1, 7) for m in range(1, 13)]

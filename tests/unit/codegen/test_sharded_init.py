@@ -1,4 +1,4 @@
-"""Sharded initialisation's values (codegen/sharded_init.py): a meta model's tensors, one module at a
+"""Sharded initialisation's values (runtime/sharded_init.py): a meta model's tensors, one module at a
 time, by the model's own init, seeded per module; the same values whoever asks."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import autopar
 from autopar import ConfigError
 from autopar.models import GPTConfig, build_gpt
 from autopar.models.hf import build_hf_gpt2, build_hf_llama
-from autopar.codegen.sharded_init import Materializer, has_meta, module_seed
+from autopar.runtime.sharded_init import Materializer, has_meta, module_seed
 
 def _meta_gpt(layers: int = 2) -> nn.Module:
     return build_gpt(GPTConfig(vocab_size=64, hidden=32, heads=4, layers=layers, seq_len=8), device="meta")[0]

@@ -158,7 +158,7 @@ def test_fused_attention_runs_at_the_devices_attention_efficiency(llama):
 def test_parallelize_refuses_kernels_it_does_not_run(llama):
     """Hand-written fused kernels are refused by name; a compiled plan is compiled (tests/distributed)."""
     plan = price(llama, Cluster.from_spec("1x1xH100-SXM"), ParallelConfig(), 1, precision=FUSED)
-    from autopar.runtime.program import Program
+    from autopar.driver.program import Program
     with pytest.raises(autopar.ConfigError, match="fused kernels"):
         Program(None, plan, None, loss_fn=None, example_inputs=None, timeout=1.0)
 

@@ -1,5 +1,5 @@
 """Per-op recomputation (recompute "op", torchtitan's policy): what the cost model keeps and reruns is what
-the runtime's checkpoint policy (codegen/recompute.py) keeps and reruns."""
+the runtime's checkpoint policy (runtime/recompute.py) keeps and reruns."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 from autopar import Cluster, Precision
 from autopar.capture import capture
 from autopar.capture.opgraph import OpKind
-from autopar.codegen.recompute import PRODUCTS, op_context
+from autopar.runtime.recompute import PRODUCTS, op_context
 from autopar.cost_model.comm import GroupPlacement
 from autopar.cost_model.layer_cost import LayerCostModel
 from autopar.cost_model.memory import op_kept
@@ -31,7 +31,7 @@ def _block(graph):
 
 
 class _Products(TorchDispatchMode):
-    """Counts the matrix products (codegen/recompute.py's PRODUCTS) dispatched while active."""
+    """Counts the matrix products (runtime/recompute.py's PRODUCTS) dispatched while active."""
 
     def __init__(self):
         super().__init__()

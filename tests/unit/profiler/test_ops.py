@@ -143,7 +143,7 @@ def test_estimate_and_plan_with_profile_use_the_measured_times(gpt, tmp_path) ->
 
 
 def test_a_compiled_plan_prices_the_optimizer_step_a_compiled_program_runs(gpt, tmp_path) -> None:
-    """A compiled program compiles its optimizer step (codegen/optim.py): profiled, a compiled plan's
+    """A compiled program compiles its optimizer step (runtime/optim.py): profiled, a compiled plan's
     optimizer is priced from the compiled step's own measurement, an eager plan's from the eager one."""
     model, inputs, graph = gpt
     cluster = _local_cluster()

@@ -1,4 +1,4 @@
-"""A tensor-parallel parameter's local shard (runtime/chunk.py local_shard) accumulates its own gradient
+"""A tensor-parallel parameter's local shard (driver/chunk.py local_shard) accumulates its own gradient
 over micro-batches, on a one-rank gloo group in this process.
 
 ``DTensor.to_local``'s backward wraps the incoming gradient in a fresh DTensor, so autograd took it as
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.chunk import local_shard
+from autopar.driver.chunk import local_shard
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_parameters_that_share_a_gradient_accumulate_their_own(mesh):
 def test_a_gradient_nothing_else_holds_is_not_copied(mesh):
     """A matmul's weight gradient is the parameter's as it is (no copy per parameter per step)."""
     from torch.distributed.tensor import Replicate, distribute_tensor
-    from autopar.runtime import chunk
+    from autopar.driver import chunk
     copies = []
     own = chunk._OwnGradient.backward
 

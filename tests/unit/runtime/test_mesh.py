@@ -12,6 +12,7 @@ from autopar.cluster import Cluster
 from autopar.config import ParallelConfig
 from autopar.cost_model.comm import GroupPlacement
 from autopar.cost_model.mesh import mesh_groups
+from autopar.errors import ConfigError
 from autopar.runtime.mesh import GROUPS, Mesh, MeshError
 
 
@@ -132,7 +133,7 @@ def test_validation_says_what_to_change():
         mesh.group_ranks("world", 0)
     with pytest.raises(MeshError, match="stages are 0 .. 0"):
         mesh.stage_groups((0, 1))
-    assert issubclass(MeshError, ValueError)
+    assert issubclass(MeshError, ConfigError) and issubclass(MeshError, ValueError)
 
 
 def test_of_a_config():

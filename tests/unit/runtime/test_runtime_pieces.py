@@ -12,7 +12,7 @@ from autopar.capture import capture, graph_of, param_aliases
 from autopar.capture.export import run_export
 from autopar.models import GPTConfig, build_gpt
 from autopar.codegen.split import flatten_batch, split_graph
-from autopar.codegen.batches import slice_batch
+from autopar.runtime.batches import slice_batch
 from autopar.codegen.inputs import check_batch, describe_inputs, example_at
 from autopar.codegen.specs import node_specs, sequence_parallel
 from autopar.plan.placement import Replicate, Shard
@@ -91,7 +91,7 @@ def test_specs_cover_every_op_and_sequence_parallel_splits_the_residual(gpt):
 
 
 def test_op_identities_map_across_the_batch_one_specialisation():
-    from autopar.codegen.batches import slice_batch as cut
+    from autopar.runtime.batches import slice_batch as cut
     import autopar.models.hf as hf
     model, inputs = hf.build_hf_llama(layers=2, hidden=32, heads=4, vocab=64, seq_len=8, batch_size=2)
     one, two = capture(model, cut(inputs, 0, 1, 2)), capture(model, inputs)
@@ -137,9 +137,9 @@ def test_a_meta_models_buffers_and_empty_constants_get_values() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from autopar.capture.export import run_export
-    from autopar.codegen.sharded_init import Materializer
+    from autopar.runtime.sharded_init import Materializer
     from autopar.codegen.split import meta_buffers
-    from autopar.runtime.materialize import materialize_buffers
+    from autopar.driver.materialize import materialize_buffers
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=64, max_position_embeddings=8)
     with torch.device("meta"):

@@ -16,7 +16,7 @@ from autopar.cost_model import estimate_plan
 from autopar.solver import price
 from autopar.cost_model.schedule import pipeline_time
 from autopar.models import registry
-from autopar.codegen.schedules import Action, build, dependencies, simulate
+from autopar.runtime.schedules import Action, build, dependencies, simulate
 from autopar.viz import plot_memory, plot_partition, plot_timeline
 from autopar.viz import _common
 from autopar.viz.partition import layer_positions, run_labels
@@ -97,7 +97,7 @@ def test_makespan_agrees_with_schedule_simulation_and_cost_model(plans, name):
     b = plan.breakdown
     formula = b.compute + b.recompute + b.tp_comm + b.p2p + b.bubble
     # Unequal stages: the cost model's formula is an upper bound when every stage has the same
-    # forward : backward ratio (codegen/schedules.py). Here the embedding and head stages do not
+    # forward : backward ratio (runtime/schedules.py). Here the embedding and head stages do not
     # (GPipe: stage 0 has the longest forward, stage 3 the longest backward, and the simulation is
     # 0.005% over the formula), so 0.1% over is allowed.
     assert m * max(s.work for s in plan.stages) * (1 - 1e-12) <= tl.makespan <= formula * (1 + 1e-3)

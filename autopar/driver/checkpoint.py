@@ -1,4 +1,4 @@
-"""Sharded checkpoints of a :class:`~autopar.runtime.program.Program` with ``torch.distributed.checkpoint``.
+"""Sharded checkpoints of a :class:`~autopar.driver.program.Program` with ``torch.distributed.checkpoint``.
 
 ``Program.save_checkpoint(path)`` writes the parameters and the optimizer state with ``dcp.save``:
 every rank hands DCP the tensors it holds, each *with its global layout*, and writes only its own
@@ -11,7 +11,7 @@ model, optimizer)`` does the same in one process, into a plain model (``dcp.load
 
 The format (keys ``<fqn>``, ``optim.<fqn>.<state>``, ``optim.<fqn>.param_group``,
 ``autopar.steps``; DCP's folder holds one ``.distcp`` file per writing rank and a ``.metadata``) and
-the optimizer-state plumbing are codegen/dcp_state.py's, shared with the standalone ``run/train.py``:
+the optimizer-state plumbing are runtime/dcp_state.py's, shared with the standalone ``run/train.py``:
 the same keys and layouts either way. Persistent buffers and the parameters no chunk holds
 (``Program.buffers``, ``Program.unused``) are saved under their own names, so the one-process
 loader restores the whole model.
@@ -63,10 +63,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..codegen.dcp_state import (STEPS, Present, contiguous_stride, load as dcp_load, metadata, optimizer_state,
+from ..runtime.dcp_state import (STEPS, Present, contiguous_stride, load as dcp_load, metadata, optimizer_state,
                                  optimizer_targets, param_names)
 from ..errors import ConfigError
-from .data_parallel import Zero1Optimizer, local
+from ..runtime.data_parallel import Zero1Optimizer, local
 
 
 # --- saving ----------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""What a rank of ``parallelize`` needs besides a meta model's values (codegen/sharded_init.py
+"""What a rank of ``parallelize`` needs besides a meta model's values (runtime/sharded_init.py
 computes those): the exported program's meta buffers replaced by their values, a rank's piece
 of a full value laid out as its DTensor is, and the one conversion from autopar's placements
 (autopar/plan/placement.py) to DTensor's (:func:`dtensor_placement`)."""
@@ -14,7 +14,7 @@ from torch.export import ExportedProgram
 
 from ..plan import placement as plan_placement
 
-from ..codegen.sharded_init import Materializer
+from ..runtime.sharded_init import Materializer
 from ..codegen.split import empty_like_meta, meta_buffers
 
 

@@ -1,7 +1,7 @@
 """Sharded initialisation: the values of a model built on the meta device, one module at a time.
 
 A model built under ``torch.device("meta")`` has shapes and no values; ``parallelize`` takes it
-and each rank materialises only the parameters and buffers it holds (runtime/program.py; a
+and each rank materialises only the parameters and buffers it holds (driver/program.py; a
 standalone folder's train.py alike, from a copy of this file), so the peak host memory per rank
 is about its shard plus one module, never the model.
 
@@ -38,10 +38,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-try:
-    from ..errors import ConfigError
-except ImportError:   # copied into a standalone folder (codegen/standalone.py), which runs with torch alone
-    ConfigError = ValueError
+from .errors import ConfigError
 
 InitFn = Callable[[nn.Module], None]
 

@@ -1,7 +1,7 @@
 """The checkpoint format every autopar program writes and reads, with torch alone.
 
 One flat ``torch.distributed.checkpoint`` (DCP) state dict, the same whether the in-process
-runtime (runtime/checkpoint.py) or a standalone ``run/train.py`` (codegen/standalone_train.py,
+runtime (driver/checkpoint.py) or a standalone ``run/train.py`` (codegen/standalone_train.py,
 which copies this file beside it) wrote it: a program of any plan resumes either (DCP reshards),
 and ``autopar.load_checkpoint`` reads both into one process (tests/distributed/test_checkpoint.py,
 test_standalone.py):

@@ -31,14 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-try:
-    from .context_state import Local
-    from .failures import wait_or_fail
-    from .ring_attention import gather_sequence, local_indices, ring_attention, shard_sequence
-except ImportError:   # copied into a standalone folder (codegen/standalone.py): torch alone, its siblings beside it
-    from context_state import Local
-    from failures import wait_or_fail
-    from ring_attention import gather_sequence, local_indices, ring_attention, shard_sequence
+from .context_state import Local
+from .failures import wait_or_fail
+from .ring_attention import gather_sequence, local_indices, ring_attention, shard_sequence
 
 
 def gather(t: torch.Tensor, dim: int, seq: int, outer: int, inner: int, cp: int, rank: int, group: Any,

@@ -20,18 +20,18 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..capture.export import LossFn, loss_source, run_export
 from ..capture.loss import check_loss
 from ..codegen.compile import compile_rank
-from ..codegen.context_state import ContextRank
+from ..runtime.context_state import ContextRank
 from ..codegen.inputs import describe_inputs, example_at
-from ..codegen.optim import compile_step
-from ..codegen.pipeline import Topology
+from ..runtime.optim import compile_step
+from ..runtime.pipeline import Topology
 from ..codegen.split import on_device
 from ..errors import ConfigError
 from ..plan.loss import PARALLELIZE, LossSource
 from ..plan.placement import Replicate, Shard, normal
 from .chunk import ChunkModule, NodeRunner
-from .data_parallel import GradReducer, Zero1Optimizer, local, shard_unit
-from .expert_parallel import shard_experts
-from .experts import ExpertsModule
+from ..runtime.data_parallel import GradReducer, Zero1Optimizer, local, shard_unit
+from ..runtime.expert_parallel import shard_experts
+from ..runtime.experts import ExpertsModule
 from .materialize import dtensor_placement, local_view, materialize_buffers
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]

@@ -9,21 +9,21 @@ layer is a small module around its slice of the exported graph, emitted as a
 
 - with ``tp == 1`` on plain tensors (the graph's ops, nothing added);
 - with ``tp > 1`` on this rank's shards, as codegen/lower.py lowered the plan's specs: each
-  argument converted by explicit collectives (codegen/collectives.py, whose backward supplies
+  argument converted by explicit collectives (runtime/collectives.py, whose backward supplies
   Megatron's ``f`` and ``g``) to the spec the op's strategy reads it in, shape arguments at
-  local sizes, the vocabulary-parallel embedding and loss as codegen/shard_ops.py writes them.
+  local sizes, the vocabulary-parallel embedding and loss as runtime/shard_ops.py writes them.
   Parameters are DTensors of the tp mesh (so that FSDP2 and checkpoints see their layout); a
   layer passes their local shards to its code;
 - an MoE region with ``ep > 1`` or ``cp > 1`` as one call of the layer's ``ExpertsModule``
   (experts.py) at the region's output node, its other nodes skipped;
 - with ``cp > 1`` on this rank's tokens of each sequence, as codegen/context.py decided: each
   read converted (gathered, cut to local tokens, a partial value resolved), attention as ring
-  attention, the loss over the group's targets (codegen/context_ops.py); with ``tp > 1`` too,
+  attention, the loss over the group's targets (runtime/context_ops.py); with ``tp > 1`` too,
   tensor parallelism's conversions first, then context parallelism's.
 
 Each layer is its own module so FSDP2 can gather its parameters just in time (ZeRO-3) and
 ``torch.utils.checkpoint`` can recompute it (recompute ``full``, and ``op`` with
-codegen/recompute.py's per-op policy); ``selective`` recomputes only the attention core's nodes
+runtime/recompute.py's per-op policy); ``selective`` recomputes only the attention core's nodes
 (Korthikanti et al.).
 """
 
@@ -37,9 +37,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..codegen.compile import ChunkProgram, CompiledProgram, LayerProgram, Send
-from ..codegen.context_state import ContextRank
+from ..runtime.context_state import ContextRank
 from ..codegen.layers import class_name, layer_module
-from ..codegen.recompute import run_layer
+from ..runtime.recompute import run_layer
 from ..codegen.redistribute import apply_steps
 
 
@@ -104,7 +104,7 @@ class _OwnGradient(torch.autograd.Function):
 
 def local_shard(param: Any) -> Any:
     """A tensor-parallel parameter (a DTensor of the tp mesh, or of FSDP2's 2-D one) as this rank's
-    shard, with autograd: its gradient comes back as the shard's (codegen/collectives.py keeps the
+    shard, with autograd: its gradient comes back as the shard's (runtime/collectives.py keeps the
     gradient of a replicated parameter whole on every rank), in memory of its own (_OwnGradient)."""
     if not isinstance(param, DTensor):
         return param

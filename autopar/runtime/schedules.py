@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from ..config import SCHEDULES, check_choice, check_int
-from ..errors import ConfigError
+from .errors import ConfigError
 
 
 

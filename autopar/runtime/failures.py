@@ -19,10 +19,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-try:
-    from ..errors import AutoparError, RuntimeFailure
-except ImportError:   # copied into a standalone folder (codegen/standalone.py), which runs with torch alone
-    AutoparError = RuntimeFailure = RuntimeError
+from .errors import AutoparError, RuntimeFailure
 
 _STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar("autopar_step", default=None)
 

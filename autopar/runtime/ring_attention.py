@@ -57,12 +57,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-try:
-    from ..errors import ConfigError
-    from .failures import wait_or_fail
-except ImportError:   # copied into a standalone folder (codegen/standalone.py): torch alone, its siblings beside it
-    from failures import wait_or_fail
-    ConfigError = ValueError
+from .errors import ConfigError
+from .failures import wait_or_fail
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for one p2p transfer before failing the run
 _NEG_INF = float("-inf")

@@ -16,8 +16,8 @@ device mesh, tp innermost (runtime/mesh.py: the layout and the groups the cost m
    (ZeRO-2: ``reshard_after_forward=False`` and no resharding between the step's micro-batches,
    ZeRO-3: ``True``; both reduce-scatter the gradients after every backward, as the cost model
    prices them);
-4. runs the plan's schedule (codegen/schedules.py, checked before the first send) on each global
-   batch with codegen/pipeline.py's executor (torch only: a standalone program runs the same).
+4. runs the plan's schedule (runtime/schedules.py, checked before the first send) on each global
+   batch with runtime/pipeline.py's executor (torch only: a standalone program runs the same).
 
 Context parallelism (``cp > 1``, codegen/context.py): the ``cp`` ranks of a group take the same
 samples and each runs the graph on its tokens of every sequence (ring attention, gathers where an
@@ -68,15 +68,15 @@ from .assembly import Assembly, OptimizerFactory
 from .checkpoint import load_program, save_program
 from ..codegen.layers import class_name
 from .checks import check_model, check_world
-from .data_parallel import local
-from .mesh import Mesh
-from ..codegen.failures import at_step, non_finite_loss, wait_or_fail
+from ..runtime.data_parallel import local
+from ..runtime.mesh import Mesh
+from ..runtime.failures import at_step, non_finite_loss, wait_or_fail
 from ..codegen.split import flatten_batch
-from ..codegen.batches import slice_batch
-from ..codegen.context_ops import shard_inputs
+from ..runtime.batches import slice_batch
+from ..runtime.context_ops import shard_inputs
 from ..codegen.inputs import check_batch
-from ..codegen.sharded_init import InitFn, Materializer, has_meta
-from ..codegen.pipeline import ChunkIO, PipelineRunner, loss_slots
+from ..runtime.sharded_init import InitFn, Materializer, has_meta
+from ..runtime.pipeline import ChunkIO, PipelineRunner, loss_slots
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits on a peer before failing
 
@@ -97,7 +97,7 @@ def parallelize(model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None
 
     A model built on the meta device (``with torch.device("meta"): model = ...``) is materialised
     shard by shard: each rank initialises only what it holds, with the model's own init seeded by
-    ``init_seed`` and each module's name (codegen/sharded_init.py: every plan, and
+    ``init_seed`` and each module's name (runtime/sharded_init.py: every plan, and
     ``autopar.init_weights(model, init_seed)`` in one process, give the same values). ``init(module)``
     replaces the model's ``_init_weights`` where a module's own ``reset_parameters`` is not enough.
     A model on a real device is used as it is (``init_seed`` and ``init`` are ignored).
@@ -105,7 +105,7 @@ def parallelize(model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None
     ``compile``: run the generated code through ``torch.compile`` (True: inductor; a string names
     another backend, e.g. "aot_eager"): each chunk as one compiled region, or each layer under
     ZeRO-2/3 (FSDP2's hooks surround every layer); and the optimizer's step from its second call on
-    (codegen/optim.py; dynamo keeps 8 versions of a function, so past the eighth compiled program
+    (runtime/optim.py; dynamo keeps 8 versions of a function, so past the eighth compiled program
     in one process the optimizer's step runs eager, with a warning). The default follows the plan: a plan
     priced for compiled kernels (``Precision(kernels="compiled")``) is compiled, an eager one is not.
     Compiling an eager plan is allowed (it runs faster, and keeps less for backward, than the plan
@@ -148,7 +148,7 @@ class Program(Assembly):
             raise PlanMismatchError(f"plan's global batch {plan.global_batch_size} over dp={cfg.dp} is not "
                                     f"{self.micro_batches} micro-batches of {cfg.micro_batch_size}: re-plan")
         self.device = _device()
-        # a model on meta: each rank materialises what it holds (codegen/sharded_init.py); ZeRO-2/3 parameters
+        # a model on meta: each rank materialises what it holds (runtime/sharded_init.py); ZeRO-2/3 parameters
         # only once sharded (after fully_shard), so that no rank ever holds its stage's whole weights
         self.materializer = Materializer(model, init_seed, init) if has_meta(model) else None
         self.fsdp = cfg.zero >= 2 and cfg.grad_replicas > 1
@@ -326,7 +326,7 @@ class Program(Assembly):
         """Write :meth:`source` as ``folder/name`` beside the collectives it imports; returns its path."""
         os.makedirs(folder, exist_ok=True)
         text = self.source()
-        write_support(folder, text)
+        write_support(folder)
         path = os.path.join(folder, name)
         with open(path, "w") as fh:
             fh.write(text)

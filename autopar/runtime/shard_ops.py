@@ -26,10 +26,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-try:
-    from . import collectives
-except ImportError:   # a copy beside generated source (source.py), outside the package
-    import collectives
+from . import collectives
 
 MEAN, SUM, NONE = 1, 2, 0   # aten's reduction enum: 0 none, 1 mean, 2 sum
 
