@@ -46,3 +46,20 @@ def plan_gpt():
 def plan_graph(plan_gpt) -> OpGraph:
     return plan_gpt[2]
 
+
+@pytest.fixture(scope="module")
+def one_rank_world():
+    """A one-rank gloo process group in this process, for the runtime's pieces that need a group."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def one_rank_mesh(one_rank_world):
+    """The one-rank world's 1-D device mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (1,))

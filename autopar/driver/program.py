@@ -61,22 +61,24 @@ from torch.distributed.tensor import DTensor
 
 from ..capture import param_aliases
 from ..capture.export import LossFn
+from ..codegen.compile import compile_rank
+from ..codegen.inputs import check_batch, describe_inputs
+from ..codegen.layers import class_name
 from ..codegen.source import program_source, write_support
+from ..codegen.split import flatten_batch
 from ..errors import ConfigError, PlanMismatchError
 from ..plan import Plan
-from .assembly import Assembly, OptimizerFactory
-from .checkpoint import load_program, save_program
-from ..codegen.layers import class_name
-from .checks import check_model, check_world
-from ..runtime.data_parallel import local
-from ..runtime.mesh import Mesh
-from ..runtime.failures import at_step, non_finite_loss, wait_or_fail
-from ..codegen.split import flatten_batch
 from ..runtime.batches import slice_batch
 from ..runtime.context_ops import shard_inputs
-from ..codegen.inputs import check_batch
+from ..runtime.data_parallel import local
+from ..runtime.failures import at_step, non_finite_loss, wait_or_fail
+from ..runtime.mesh import Mesh
+from ..runtime.pipeline import ChunkIO, PipelineRunner, Topology, loss_slots
 from ..runtime.sharded_init import InitFn, Materializer, has_meta
-from ..runtime.pipeline import ChunkIO, PipelineRunner, loss_slots
+from .assembly import (OptimizerFactory, RankSetup, apply_data_parallel, apply_fsdp, apply_mesh, apply_tensor_parallel,
+                       build_chunks, build_optimizer, export_model, tied_groups)
+from .checkpoint import load_program, save_program
+from .checks import check_model, check_world
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits on a peer before failing
 
@@ -115,7 +117,7 @@ def parallelize(model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None
                    init_seed=init_seed, init=init, compile=compile)
 
 
-class Program(Assembly):
+class Program:
     """One rank's program: ``forward_backward``, ``train_step``, ``full_grads``, ``full_state_dict``."""
 
     def __init__(self, model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None, *,
@@ -150,36 +152,57 @@ class Program(Assembly):
         self.device = _device()
         # a model on meta: each rank materialises what it holds (runtime/sharded_init.py); ZeRO-2/3 parameters
         # only once sharded (after fully_shard), so that no rank ever holds its stage's whole weights
-        self.materializer = Materializer(model, init_seed, init) if has_meta(model) else None
-        self.fsdp = cfg.zero >= 2 and cfg.grad_replicas > 1
-        self.inputs_record = plan.extra.get("inputs")
-        self._export(model, loss_fn, example_inputs)
+        materializer = Materializer(model, init_seed, init) if has_meta(model) else None
+        setup = RankSetup(plan, self.rank, at, self.device, self.timeout, materializer)
+        self.fsdp, self.zero = setup.fsdp, setup.zero
+        self.inputs_record = describe_inputs(example_inputs) if example_inputs is not None else plan.extra.get("inputs")
+        if self.inputs_record is None:
+            raise ConfigError("the plan does not record its example inputs: pass parallelize(..., example_inputs=) "
+                              "shaped like the inputs the plan was made with")
+        # the steps (assembly.py), in order: each a function of what it reads
+        exported = export_model(setup, model, loss_fn, self.inputs_record)
+        self.compiled = compiled = compile_rank(plan, exported, self.rank, model)   # the one lowering
+        self.graph, self.split = compiled.program.graph, compiled.program.split
+        self.groups = groups = apply_mesh(setup, compiled)
+        self.params = apply_tensor_parallel(setup, compiled, groups, model)
+        # compiled per layer under FSDP2 (its hooks gather each layer's parameters around the layer's code), else
+        # per chunk after the first step (which runs the code that checks every shard's shape)
+        self.node_runner, self.chunks = build_chunks(setup, compiled, groups, self.params,
+                                                     self.compile if self.fsdp else None)
+        if self.fsdp:
+            self.params, self.reducers = apply_fsdp(setup, compiled, groups, self.chunks), []
+        else:
+            self.reducers = apply_data_parallel(setup, compiled, groups, self.chunks, bool(self.compile))
+        self.compile_chunks = bool(self.compile) and not self.fsdp
+        self.tied = tied_groups(compiled, groups, self.params)
+        self.optimizer, self.stepped, self.shards = build_optimizer(setup, compiled, groups, self.params, optimizer,
+                                                                    self.compile)
+        # what the training methods read
+        self.my_chunks = [chunk.index for chunk in compiled.chunks]
+        self.holders = compiled.program.holders()
+        self.expert_fqns = compiled.program.expert_params
+        self.tp_partial = compiled.program.lowered.partial_params if compiled.program.lowered is not None \
+            else frozenset()
+        self.tp_mesh, self.ep_group = groups.tp, groups.group("ep")
         self.aliases = param_aliases(model)
         state = model.state_dict()
         self.state_keys = list(state)
-        self.buffers = {k: self._value(k, v).cpu().clone() for k, v in state.items() if k not in self.aliases}
+        self.buffers = {k: setup.value(k, v).cpu().clone() for k, v in state.items() if k not in self.aliases}
+        # parameters that never change, kept for full_state_dict: those no chunk holds (no op reads
+        # them) and frozen ones (requires_grad=False: no gradient, so no optimizer step moves them)
+        self.unused = {n: setup.value(n, p).cpu().clone() for n, p in model.named_parameters()
+                       if n not in self.holders or (not p.requires_grad and materializer is None)}
         self.steps = 0                      # forward_backward calls so far (the step failures name)
         self.micro_losses: torch.Tensor | None = None
         self.loss_share: tuple[Any, torch.Tensor] | None = None   # the losses' all-reduce under way
-        self._mesh()
-        self._build_chunks(model)
-        self._data_parallel()
-        # compiled per chunk after the first step (which runs the code that checks every shard's shape)
-        self.compile_chunks = bool(self.compile) and not self.fsdp
-        self._tied_groups()
-        # parameters that never change, kept for full_state_dict: those no chunk holds (no op reads
-        # them) and frozen ones (requires_grad=False: no gradient, so no optimizer step moves them)
-        self.unused = {n: self._value(n, p).cpu().clone() for n, p in model.named_parameters()
-                       if n not in self.holders or (not p.requires_grad and self.materializer is None)}
-        self.actions = self.compiled.actions   # the schedule's, checked for deadlock by the compiler
-        self.sends = {c.index: {s.value: s for s in c.sends} for c in self.compiled.chunks}
+        self.actions = compiled.actions   # the schedule's, checked for deadlock by the compiler
+        sends = {c.index: {s.value: s for s in c.sends} for c in compiled.chunks}
         self.runner = PipelineRunner(
             self.chunks, {c.index: ChunkIO(c.graph_inputs, c.recv, c.send) for c in self.split.chunks},
-            dict(self.compiled.program.values), self.split.loss, self._topology(), self._to_cut, self._before_backward,
+            dict(compiled.program.values), self.split.loss, Topology(cfg.pp, list(groups.ranks("pp")), self.pp_rank),
+            lambda chunk, name, value: self.node_runner.to_cut(sends[chunk][name], value), self._before_backward,
             lambda work, what, peer: wait_or_fail(work, self.timeout, what, peers=[peer]), self.device,
             self._post_losses, self._after_backward)
-        self.optimizer = self._optimizer(optimizer)
-        self.materializer = None   # its last module's values and the meta model are not needed any more
 
     # --- training -----------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
@@ -279,7 +302,7 @@ class Program(Assembly):
             works.append((dist.all_reduce(local(p.grad), group=group, async_op=True), fqn, group))
         for work, fqn, group in works:
             wait_or_fail(work, self.timeout, f"all_reduce of tied parameter {fqn}'s gradient", group)
-        for p, shard in self.shards:   # the local shards the optimizer steps (Assembly._optimizer)
+        for p, shard in self.shards:   # the local shards the optimizer steps (assembly.build_optimizer)
             shard.grad = None if p.grad is None else local(p.grad)
 
     def _post_losses(self, losses: list[torch.Tensor]) -> None:

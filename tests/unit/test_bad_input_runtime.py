@@ -11,7 +11,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import autopar
@@ -52,13 +51,8 @@ def batch(seed: int = 0) -> tuple[torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def world():
-    """A one-rank gloo process group in this process."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+def world(one_rank_world):
+    return None
 
 
 @pytest.fixture(scope="module")

@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from autopar.runtime.data_parallel import shard_unit
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    from torch.distributed.device_mesh import init_device_mesh
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
+def mesh(one_rank_mesh):
+    return one_rank_mesh
 
 
 class WithEmpty(nn.Module):

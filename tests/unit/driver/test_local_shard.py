@@ -10,19 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from autopar.driver.chunk import local_shard
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    from torch.distributed.device_mesh import init_device_mesh
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
+def mesh(one_rank_mesh):
+    return one_rank_mesh
 
 
 def _class_token(cls, pos, bias_a, bias_b, x):
