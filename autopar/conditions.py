@@ -24,9 +24,10 @@ What is recorded, from the operating system around the measurement (profiler/hos
 
 **Noisy** (:meth:`ProfileConditions.noise`) when any of:
 
-* ``other_load > own_load``: other processes used more CPU than the measurement. They then share
-  the caches and the memory bandwidth with it whatever core each runs on, and where their demand
-  exceeds the free cores they take its core;
+* ``other_load > own_load`` (a CPU measurement): other processes used more CPU than the
+  measurement. They then share the caches and the memory bandwidth with it whatever core each runs
+  on, and where their demand exceeds the free cores they take its core. (A GPU's kernels do not
+  share them: there the other two rules judge, its host thread's waits and the kernels' spread.)
 * ``wait_fraction > WAIT_LIMIT``: the measurement itself lost more than that share of its time to
   other processes;
 * ``spread > SPREAD_LIMIT``: its repeats disagree more than a quiet machine's do (a burst of load
@@ -77,6 +78,8 @@ class ProfileConditions:
 
     part: str
     """What was measured: "device" or "links <backend> x<ranks>"."""
+    device_type: str
+    """What it computed on: "cpu" or "cuda" (other processes' CPU load counts against a CPU measurement only)."""
     measured_at: str
     """UTC time the measurement started, ISO 8601."""
     torch_version: str
@@ -98,6 +101,8 @@ class ProfileConditions:
     """Measurements taken; this is the least noisy of them."""
 
     def __post_init__(self) -> None:
+        if self.device_type not in ("cpu", "cuda"):
+            raise ConfigError(f"ProfileConditions.device_type={self.device_type!r} must be 'cpu' or 'cuda'")
         for name in ("part", "measured_at", "torch_version"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(f"ProfileConditions.{name}={getattr(self, name)!r} must be a non-empty string")
@@ -119,7 +124,8 @@ class ProfileConditions:
     def noise(self) -> tuple[str, ...]:
         """Why this measurement is noisy (module docstring), one phrase per reason; () when it is not."""
         reasons = []
-        if self.other_load is not None and self.own_load is not None and self.other_load > self.own_load:
+        if self.device_type == "cpu" and self.other_load is not None and self.own_load is not None \
+                and self.other_load > self.own_load:
             reasons.append(f"other processes kept {self.other_load:.2f} cores busy, more than the "
                            f"{self.own_load:.2f} it used")
         if self.wait_fraction is not None and self.wait_fraction > WAIT_LIMIT:
@@ -136,7 +142,7 @@ class ProfileConditions:
         """How far past its limits this measurement is (the largest ratio of a quantity to its limit; other
         load against own load): the least severe of several attempts is kept."""
         ratios = [0.0]
-        if self.other_load is not None and self.own_load is not None:
+        if self.device_type == "cpu" and self.other_load is not None and self.own_load is not None:
             ratios.append(self.other_load / max(self.own_load, 1e-9))
         if self.wait_fraction is not None:
             ratios.append(self.wait_fraction / WAIT_LIMIT)
@@ -157,7 +163,8 @@ class ProfileConditions:
         text = (f"{self.part}: measured {self.measured_at} ({_age(self.age_seconds(now))} ago) with torch "
                 f"{self.torch_version}, {self.threads} thread(s) of {self.cores} cores; other processes "
                 f"{num(self.other_load, '.2f')} cores busy, the measurement {num(self.own_load, '.2f')}; "
-                f"waited for a core {num(self.wait_fraction, '.1%')}; 1-min load before {num(self.load_average, '.2f')}")
+                f"waited for a core {num(self.wait_fraction, '.1%')}; 1-min load before "
+                f"{num(self.load_average, '.2f')}")
         if self.spread is not None:
             text += f"; repeats spread {self.spread:.1%}"
         if self.attempts > 1:

@@ -298,7 +298,8 @@ def measure_device(device: torch.device | None = None, threads: int = 1, *,
                   (("overhead", ""), functools.partial(_measure_overhead, device, plan, timer))]
         done = {key: step() for key, step in progress_bar(steps, f"profiling {device}", total=len(steps),
                                                            enabled=progress)}
-    conditions = ProfileConditions(part="device", measured_at=started, torch_version=torch.__version__,
+    conditions = ProfileConditions(part="device", device_type=device.type, measured_at=started,
+                                   torch_version=torch.__version__,
                                    threads=threads, cores=os.cpu_count() or 1, load_average=load.load_average,
                                    other_load=load.other_load, own_load=load.own_load,
                                    wait_fraction=load.wait_fraction, spread=timer.spread())

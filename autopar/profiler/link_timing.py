@@ -143,7 +143,8 @@ def measure_links(nprocs: int, threads_per_rank: int = 1, *, sizes: Sequence[int
             record = json.load(fh)
     # The ranks' own run-queue waits end with them: the links record the loads (the ranks are this
     # process's children), and no spread (their per-call times are bimodal by nature, "Noise" above).
-    conditions = ProfileConditions(part=f"links {links_key(backend, nprocs)}", measured_at=started,
+    conditions = ProfileConditions(part=f"links {links_key(backend, nprocs)}",
+                                   device_type="cuda" if backend == "nccl" else "cpu", measured_at=started,
                                    torch_version=torch.__version__, threads=nprocs * threads_per_rank,
                                    cores=os.cpu_count() or 1, load_average=load.load_average,
                                    other_load=load.other_load, own_load=load.own_load, wait_fraction=None,

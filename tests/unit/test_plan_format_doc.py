@@ -53,7 +53,8 @@ def plans(plan_gpt) -> dict[str, dict]:
     # positional inputs, measured links (Link.collectives) and their conditions, as Cluster.local() writes them
     base = Cluster.from_spec("1x2xcpu")
     fit = {"all_reduce": CollectiveFit(latency=2e-5, bandwidth=3e9), "p2p": CollectiveFit(latency=1e-5, bandwidth=4e9)}
-    conditions = ProfileConditions(part="device", measured_at="2026-01-02T03:04:05+00:00", torch_version="2.13.0",
+    conditions = ProfileConditions(part="device", device_type="cpu",
+                                   measured_at="2026-01-02T03:04:05+00:00", torch_version="2.13.0",
                                    threads=1, cores=2, load_average=0.1, other_load=0.05, own_load=1.0,
                                    wait_fraction=0.002, spread=0.1)
     measured = dataclasses.replace(base, intra_node=dataclasses.replace(base.intra_node, collectives=fit),

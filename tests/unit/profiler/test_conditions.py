@@ -159,10 +159,14 @@ def test_a_cache_of_the_older_format_without_conditions_is_measured_again(monkey
 
 
 def test_conditions_validate_and_round_trip() -> None:
-    c = ProfileConditions(part="links gloo x2", measured_at="2026-01-02T03:04:05+00:00", torch_version="2.13.0",
+    c = ProfileConditions(part="links gloo x2", device_type="cpu",
+                          measured_at="2026-01-02T03:04:05+00:00", torch_version="2.13.0",
                           threads=2, cores=2, load_average=None, other_load=0.1, own_load=1.8, wait_fraction=None,
                           spread=None)
     assert ProfileConditions.from_dict(json.loads(json.dumps(c.to_dict()))) == c and not c.noisy
+    busy = replace(c, other_load=6.0)      # other processes' CPU load counts against a CPU measurement only
+    assert busy.noisy and not replace(busy, device_type="cuda").noisy
+    assert replace(busy, device_type="cuda", wait_fraction=0.2).noisy
     with pytest.raises(ConfigError, match="other_load"):
         ProfileConditions.from_dict(c.to_dict() | {"other_load": -1.0})
     with pytest.raises(ConfigError, match="format"):

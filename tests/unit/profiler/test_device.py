@@ -41,7 +41,8 @@ def synthetic(peaks: dict[str, float], e_max: float, half: float, noise: float, 
     matmul = {dt: tuple(MatmulSample(m, n, k, model_seconds(m, n, k, p, e_max, half)
                                      * float(np.exp(rng.normal(0.0, noise)))) for m, n, k in shapes)
               for dt, p in peaks.items()}
-    conditions = ProfileConditions(part="device", measured_at="2025-01-02T03:04:05+00:00", torch_version="9.9.9",
+    conditions = ProfileConditions(part="device", device_type="cpu",
+                                   measured_at="2025-01-02T03:04:05+00:00", torch_version="9.9.9",
                                    threads=1, cores=2, load_average=0.1, other_load=0.05, own_load=1.0,
                                    wait_fraction=0.002, spread=0.1)
     fields = dict(device_name="cpu Synthetic x1 thread", device_type="cpu", threads=1, conditions=conditions,

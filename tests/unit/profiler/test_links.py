@@ -31,7 +31,8 @@ def _line(alpha: float, beta: float, noise: float = 0.0, seed: int = 0, sizes=SI
 def _profile(nprocs: int = 2, **lines: tuple[float, float]) -> LinkProfile:
     samples = {kind: _line(*lines.get(kind, (50e-6, 1 / 2e9)), noise=0.01, seed=i)
                for i, kind in enumerate(COLLECTIVES)}
-    conditions = ProfileConditions(part=f"links gloo x{nprocs}", measured_at="2025-01-02T03:04:05+00:00",
+    conditions = ProfileConditions(part=f"links gloo x{nprocs}", device_type="cpu",
+                                   measured_at="2025-01-02T03:04:05+00:00",
                                    torch_version="9.9.9", threads=nprocs, cores=nprocs, load_average=0.1,
                                    other_load=0.05, own_load=1.5, wait_fraction=None, spread=None)
     return LinkProfile(backend="gloo", nprocs=nprocs, threads_per_rank=1, samples=samples,

@@ -22,7 +22,8 @@ SIZES = (4096, 65536, 1 << 20, 1 << 22)
 
 def idle(part: str, threads: int = 1, **changes) -> ProfileConditions:
     """Conditions of a measurement on an idle machine (``changes`` make them noisy)."""
-    return replace(ProfileConditions(part=part, measured_at="2026-01-02T03:04:05+00:00", torch_version=torch.__version__,
+    return replace(ProfileConditions(part=part, device_type="cpu",
+                                     measured_at="2026-01-02T03:04:05+00:00", torch_version=torch.__version__,
                                      threads=threads, cores=2, load_average=0.1, other_load=0.05, own_load=1.0,
                                      wait_fraction=0.002, spread=None if part.startswith("links") else 0.1), **changes)
 
