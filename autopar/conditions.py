@@ -36,13 +36,10 @@ What is recorded, from the operating system around the measurement (profiler/hos
 The limits come from the device profile (1 thread, normal budget) measured again and again on a
 shared 2-core VM while other jobs came and went (bench/profile_noise.py prints such runs):
 
-=====================================  ======  ============  =====================  ==========
-other processes (cores busy)           runs    waited        spread (median kernel)  fp32 / GB/s
-=====================================  ======  ============  =====================  ==========
-quiet: 0.05-0.63                       2       (not read)    0.09-0.12              81-83 / 13.8-14.5
-the other core busy: 1.00-1.04         5       2.4% (1 run)  0.075-0.16             66-86 / 11.1-14.3
-more: 1.35-1.84                        15      35-84%        0.31-0.73              47-74 / 2.3-10.6
-=====================================  ======  ============  =====================  ==========
+other processes         runs   waited for a core   spread (median kernel)   fp32 GFLOP/s   GB/s
+quiet: 0.05-0.63 cores  2      (not read)          0.09-0.12                81-83          13.8-14.5
+the other core: 1.0-1.04 5     2.4-2.8% (2 read)   0.075-0.16               66-86          11.1-14.3
+more: 1.35-1.88 cores   23     35-88%              0.31-1.56                44-74          2.3-10.6
 
 The first rule flags the middle row (its streaming bandwidth fell up to 23%, one fp32 peak 20%),
 the other two the last row; none flags the quiet one.
@@ -61,8 +58,8 @@ FORMAT = 1
 """Version of the :meth:`ProfileConditions.to_dict` record."""
 WAIT_LIMIT = 0.05
 """Largest share of its time the measurement may have waited for a core: half the closed loop's 10%
-median error target (a kernel's time stretches by up to the share it waited); measured 2.4% with the
-other core busy, 35-84% under more (module docstring)."""
+median error target (a kernel's time stretches by up to the share it waited); measured 2.4-2.8% with the
+other core busy, 35-88% under more (module docstring)."""
 SPREAD_LIMIT = 0.25
 """Largest median relative spread ((max - min) / median) of a kernel's timed repeats: twice a quiet
 machine's largest (0.12), above the 0.16 seen with the other core busy, below the 0.31 and more of a
