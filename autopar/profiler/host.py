@@ -105,9 +105,9 @@ class LoadMeter:
 
     ``other_load`` / ``own_load``: cores kept busy on average (the machine's busy time from
     ``/proc/stat``, this process's and its reaped children's from ``getrusage``); ``wait_fraction``:
-    the share of this process's threads' time spent waiting for a core (``schedstat``), the
-    threads that lived through the whole block; ``load_average``: the 1-minute load average
-    before. Each is None where the system does not report it.
+    the share of this process's threads' time spent waiting for a core (``schedstat``; threads
+    that ended within the block cannot be read and are left out); ``load_average``: the 1-minute
+    load average before. Each is None where the system does not report it.
     """
 
     def __enter__(self) -> "LoadMeter":
@@ -124,8 +124,10 @@ class LoadMeter:
         self.own_load = max(0.0, (own1 - own0) / wall)
         if busy0 is not None and busy1 is not None:
             self.other_load = max(0.0, (busy1 - busy0 - (own1 - own0)) / wall)
-        both = [(sched1[t][0] - sched0[t][0], sched1[t][1] - sched0[t][1]) for t in sched1.keys() & sched0.keys()]
-        ran, waited = sum(r for r, _ in both), sum(w for _, w in both)
+        # a thread started within the block (torch's intra-op pool) ran and waited only within it
+        deltas = [(ran - sched0.get(t, (0.0, 0.0))[0], wait - sched0.get(t, (0.0, 0.0))[1])
+                  for t, (ran, wait) in sched1.items()]
+        ran, waited = sum(r for r, _ in deltas), sum(w for _, w in deltas)
         if ran + waited > 0:
             self.wait_fraction = waited / (ran + waited)
 

@@ -173,3 +173,16 @@ def test_conditions_validate_and_round_trip() -> None:
         ProfileConditions.from_dict({k: v for k, v in c.to_dict().items() if k != "format"})
     with pytest.raises(ConfigError, match="missing"):
         ProfileConditions.from_dict({k: v for k, v in c.to_dict().items() if k != "spread"})
+
+
+def test_the_load_meter_reads_other_processes_and_its_own_threads_waits(monkeypatch) -> None:
+    """Between two snapshots 10 s apart the machine was busy 15 CPU-s, this process 8 of them; its main
+    thread ran 9 s and waited 1 s, a thread started meanwhile (torch's pool) ran 4 s and waited 1 s."""
+    snapshots = iter([(100.0, 500.0, 50.0, {"1": (10.0, 2.0)}),
+                      (110.0, 515.0, 58.0, {"1": (19.0, 3.0), "2": (4.0, 1.0)})])
+    monkeypatch.setattr(host, "_snapshot", lambda: next(snapshots))
+    monkeypatch.setattr(host, "_load_average", lambda: 1.5)
+    with host.LoadMeter() as load:
+        pass
+    assert load.own_load == pytest.approx(0.8) and load.other_load == pytest.approx(0.7)
+    assert load.wait_fraction == pytest.approx(2 / 15) and load.load_average == 1.5
