@@ -52,6 +52,7 @@ bench: $(STAMP)
 	$(PY) bench/host_overhead.py
 	$(PY) bench/link_fit.py
 	$(PY) bench/device_fit.py
+	$(PY) bench/profile_noise.py
 	$(PY) bench/fidelity_cpu.py
 	$(PY) bench/cli_plan_time.py
 	$(PY) bench/sweep.py

@@ -22,7 +22,8 @@ _SOURCES: dict[str, str] = {
     "init_weights": "runtime.sharded_init", "Cluster": "cluster", "Device": "hardware", "Link": "hardware",
     "ParallelConfig": "config", "Precision": "config", "Plan": "plan", "Alternative": "plan", "load_plan": "plan",
     **{name: "errors" for name in ("AutoparError", "CaptureError", "ConfigError", "InfeasiblePlanError",
-                                   "PlanFormatError", "PlanMismatchError", "RuntimeFailure")},
+                                   "PlanFormatError", "PlanMismatchError", "RuntimeFailure", "NoisyProfileError",
+                                   "NoisyProfileWarning")},
 }
 """Each public name and the module (under autopar) that defines it."""
 
@@ -33,8 +34,8 @@ if TYPE_CHECKING:   # what type checkers and IDEs see: the same names, bound eag
     from .cluster import Cluster
     from .runtime.sharded_init import init_weights
     from .config import ParallelConfig, Precision
-    from .errors import (AutoparError, CaptureError, ConfigError, InfeasiblePlanError, PlanFormatError,
-                         PlanMismatchError, RuntimeFailure)
+    from .errors import (AutoparError, CaptureError, ConfigError, InfeasiblePlanError, NoisyProfileError,
+                         NoisyProfileWarning, PlanFormatError, PlanMismatchError, RuntimeFailure)
     from .hardware import Device, Link
     from .plan import Alternative, Plan, load_plan
     from .driver.checkpoint import load_checkpoint

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .conditions import ProfileConditions, noisy_profile_warning
 from .errors import ConfigError
 from .hardware import Device, Link, check_count, check_number, from_dict
 from .presets import DEVICE_PRESETS, device_preset, link_presets
@@ -56,7 +57,8 @@ class Cluster:
     """``nodes`` identical nodes of ``devices_per_node`` devices each.
 
     ``inter_node`` is per device: a node's total NIC bandwidth is
-    ``devices_per_node * inter_node.bandwidth``.
+    ``devices_per_node * inter_node.bandwidth``. ``profile_conditions``: what the measurements of a
+    :meth:`local` cluster were taken under (its device, its links; autopar/conditions.py), () for presets.
     """
 
     nodes: int
@@ -64,6 +66,7 @@ class Cluster:
     device: Device
     intra_node: Link
     inter_node: Link
+    profile_conditions: tuple[ProfileConditions, ...] = ()
 
     def __post_init__(self) -> None:
         check_count("Cluster", "nodes", self.nodes)
@@ -73,6 +76,14 @@ class Cluster:
         for name in ("intra_node", "inter_node"):
             if not isinstance(getattr(self, name), Link):
                 raise ConfigError(f"Cluster.{name}={getattr(self, name)!r} must be a Link")
+        object.__setattr__(self, "profile_conditions", tuple(self.profile_conditions))
+        if not all(isinstance(c, ProfileConditions) for c in self.profile_conditions):
+            raise ConfigError(f"Cluster.profile_conditions={self.profile_conditions!r} must hold ProfileConditions")
+
+    @property
+    def profile_warning(self) -> str | None:
+        """A warning line when a measurement behind this cluster was noisy (autopar/conditions.py), else None."""
+        return noisy_profile_warning(self.profile_conditions)
 
     @property
     def devices(self) -> int:
@@ -104,27 +115,33 @@ class Cluster:
 
     @classmethod
     def local(cls, nprocs: int | None = None, threads_per_rank: int | None = None, *,
-              profile_db: str | None = None, refresh: bool = False, progress: bool = True) -> "Cluster":
+              profile_db: str | None = None, refresh: bool = False, strict: bool = False,
+              progress: bool = True) -> "Cluster":
         """This machine with measured device and links (the profiler), loaded from the profile cache
         (``profile_db``, default ``~/.cache/autopar/profile.json``) when it was measured before.
 
         GPUs: one rank per GPU (``nprocs`` of them, default all), NCCL. CPU: ``nprocs`` gloo ranks of
         ``threads_per_rank`` threads (default one-thread ranks on every core; given ``nprocs``
-        alone, the cores shared out). ``refresh=True`` measures again. First run: about 10-40 s.
+        alone, the cores shared out). ``refresh=True`` measures again and replaces the cache. First
+        run: about 10-40 s. A measurement taken while other processes loaded the machine is taken
+        again (up to 3 times, the least noisy kept), then warned about (``NoisyProfileWarning``), as
+        is a noisy one loaded from the cache; ``strict=True`` refuses it (``NoisyProfileError``).
         """
         from .profiler.local import local_profile
         return cls.of_local(local_profile(nprocs, threads_per_rank, profile_db=profile_db, refresh=refresh,
-                                          progress=progress))
+                                          strict=strict, progress=progress))
 
     @classmethod
     def of_local(cls, measured: Any) -> "Cluster":
         """The cluster of what :meth:`local` measured (a profiler/local.py ``LocalProfile``)."""
         return cls(nodes=1, devices_per_node=measured.ranks, device=measured.fitted,
-                   intra_node=measured.intra_node, inter_node=measured.inter_node)
+                   intra_node=measured.intra_node, inter_node=measured.inter_node,
+                   profile_conditions=measured.conditions)
 
     def to_dict(self) -> dict[str, Any]:
         return {"nodes": self.nodes, "devices_per_node": self.devices_per_node, "device": self.device.to_dict(),
-                "intra_node": self.intra_node.to_dict(), "inter_node": self.inter_node.to_dict()}
+                "intra_node": self.intra_node.to_dict(), "inter_node": self.inter_node.to_dict(),
+                "profile_conditions": [c.to_dict() for c in self.profile_conditions]}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Cluster":
@@ -132,6 +149,10 @@ class Cluster:
         for key, kind in (("device", Device), ("intra_node", Link), ("inter_node", Link)):
             if isinstance(data.get(key), Mapping):
                 data[key] = kind.from_dict(data[key])
+        conditions = data.get("profile_conditions", [])
+        if not isinstance(conditions, (list, tuple)):
+            raise ConfigError(f"cluster profile_conditions={conditions!r} must be a list of objects")
+        data["profile_conditions"] = tuple(ProfileConditions.from_dict(c) for c in conditions)
         return cls(**data)
 
     def describe(self) -> str:

@@ -34,3 +34,13 @@ class PlanMismatchError(AutoparError):
 
 class RuntimeFailure(AutoparError):
     """A distributed run failed: a rank died, a collective timed out, a loss was not finite."""
+
+
+class NoisyProfileError(AutoparError):
+    """A measurement of this machine was taken under other processes' load (``strict=True`` refuses it)."""
+
+
+class NoisyProfileWarning(UserWarning):
+    """A measurement of this machine was taken under other processes' load, so the plans priced with it
+    may be off (autopar/conditions.py says when a measurement is noisy). Turn it into an error with
+    ``warnings.simplefilter("error", autopar.NoisyProfileWarning)`` or ``strict=True``."""

@@ -11,7 +11,7 @@ and the ``normal`` budget), fits it with ``fit_device`` and prints, per budget:
 
 Target: held-out median within 25%, max within 2x, with the quick budget (what ``autopar profile
 --quick`` runs). These are timings of a shared VM: run it on an otherwise idle machine; it prints
-how much CPU other processes used while it measured. (The unit tests check the fit on synthetic
+how much CPU other processes used while it measured (the profile's conditions, autopar/conditions.py). (The unit tests check the fit on synthetic
 profiles, where the answer is known, and only the structure of a real measurement: a test must not
 pass or fail with the machine's speed.)
 
@@ -35,7 +35,6 @@ from autopar.cost_model.compute import gemm_efficiency  # noqa: E402
 from autopar.profiler.device import measure_device  # noqa: E402
 from autopar.profiler.device_fit import fit_device  # noqa: E402
 from autopar.profiler.host import median_time, torch_threads  # noqa: E402
-from machine_load import OtherLoad  # noqa: E402
 
 HELD_OUT = [(448, 320, 576), (96, 1024, 160), (1536, 64, 512), (200, 200, 200),
             (768, 768, 96), (64, 2048, 2048), (1000, 1000, 24), (352, 1408, 704)]
@@ -62,17 +61,17 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     detail = []
     for budget in args.budgets.split(","):
-        with OtherLoad() as load:
-            start = time.perf_counter()
-            profile = measure_device(torch.device("cpu"), threads=1, dtypes=("fp32",), budget=budget, progress=False)
-            seconds = time.perf_counter() - start
-            device, report = fit_device(profile)
-            rows = held_out(device)
-        others = load.others / load.wall
+        start = time.perf_counter()
+        profile = measure_device(torch.device("cpu"), threads=1, dtypes=("fp32",), budget=budget, progress=False)
+        seconds = time.perf_counter() - start
+        device, report = fit_device(profile)
+        rows = held_out(device)
+        conditions = profile.conditions     # what the measurement ran under (autopar/conditions.py)
         errs = [abs(p - m) / m for _, m, p in rows]
         print(f"| {budget} | {seconds:.1f} | {report.median_relative_error:.1%} / {report.max_relative_error:.1%} "
               f"({report.samples}) | {report.conv.median:.1%} | {report.attention.median:.1%} "
-              f"| {statistics.median(errs):.1%} / {max(errs):.1%} | {others:.2f} cores |")
+              f"| {statistics.median(errs):.1%} / {max(errs):.1%} | {conditions.other_load:.2f} cores"
+              f"{' (noisy)' if conditions.noisy else ''} |")
         detail.append((budget, device, rows))
     for budget, device, rows in detail:
         print(f"\n{budget}: peak fp32 {device.peak('fp32') / 1e9:.1f} GFLOP/s, e_max {device.matmul_efficiency:.3f}, "

@@ -31,14 +31,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import numpy as np
 
 from autopar.profiler.link_timing import measure_links
 from autopar.profiler.links import LinkProfile, fit_profile, heldout_errors, to_link
-from machine_load import OtherLoad
 
 TARGET = 0.15
 
@@ -120,11 +118,8 @@ def main() -> int:
             profile = LinkProfile.from_record(json.load(fh))
     else:
         sizes = [int(x) for x in np.geomspace(args.min_bytes, args.max_bytes, args.sizes)]
-        with OtherLoad() as load:
-            profile = measure_links(args.nprocs, args.threads, sizes=sizes, repeats=args.repeats)
-        wall, others = load.wall, load.others
-        print(f"measured in {wall:.1f} s; other processes used {others:.1f} CPU-s meanwhile "
-              f"({others / wall:.2f} of {os.cpu_count()} cores on average: more than ~0.1 disturbs the timings)")
+        profile = measure_links(args.nprocs, args.threads, sizes=sizes, repeats=args.repeats)
+        print(profile.conditions.describe())    # other processes' load while it measured (autopar/conditions.py)
         if args.save:
             with open(args.save, "w") as fh:
                 json.dump(profile.to_record(), fh, indent=1)

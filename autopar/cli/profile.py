@@ -1,22 +1,30 @@
 """``autopar profile``: measure this machine (or load the cached measurement) as ``Cluster.local``
-does, and print the device, its fitted constants and the link fit of every collective."""
+does, and print the conditions each measurement was taken under (its age, other processes' load,
+the spread of its repeats), the device, its fitted constants and the link fit of every collective.
+``--refresh`` measures again and replaces the cache; ``--strict`` refuses a noisy measurement."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import warnings
 
 from ..cluster import Cluster
+from ..errors import NoisyProfileWarning
 
 
 def run(args: argparse.Namespace) -> int:
     from ..profiler.local import local_profile
 
-    result = local_profile(args.nprocs, args.threads_per_rank, profile_db=args.db, refresh=args.refresh,
-                           progress=not args.json)
+    with warnings.catch_warnings():     # the noise is printed below, with the conditions
+        warnings.simplefilter("ignore", NoisyProfileWarning)
+        result = local_profile(args.nprocs, args.threads_per_rank, profile_db=args.db, refresh=args.refresh,
+                               strict=args.strict, progress=not args.json)
     cluster, report = Cluster.of_local(result), result.device_fit
     if args.json:
         out = {"cluster": cluster.to_dict(), "profile_db": result.db_path,
+               "conditions": [c.to_dict() | {"age_seconds": c.age_seconds(), "noise": list(c.noise())}
+                              for c in cluster.profile_conditions],
                "device_fit": {"median_relative_error": report.median_relative_error,
                               "max_relative_error": report.max_relative_error, "samples": report.samples},
                "overlap": cluster.intra_node.overlap, "context_latency_seconds": cluster.intra_node.context_latency,
@@ -30,6 +38,10 @@ def run(args: argparse.Namespace) -> int:
     device = cluster.device
     print(cluster.describe())
     print(f"profile cache: {result.db_path}")
+    for conditions in cluster.profile_conditions:
+        print(f"  {conditions.describe()}")
+    if cluster.profile_warning:
+        print(f"warning: {cluster.profile_warning}")
     peaks = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in device.peak_flops.items())
     print(f"device: {device.name}; peak GFLOP/s {peaks}; matmul efficiency {device.matmul_efficiency:.2f}, "
           f"half dim {device.matmul_half_dim:.1f}; memory bandwidth {device.memory_bandwidth / 1e9:.1f} GB/s; "
@@ -58,6 +70,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     prof.add_argument("--nprocs", type=int, default=None, help="ranks (default: every GPU, or every CPU core)")
     prof.add_argument("--threads-per-rank", type=int, default=None, help="torch threads per CPU rank")
     prof.add_argument("--db", default=None, help="profile cache (default ~/.cache/autopar/profile.json)")
-    prof.add_argument("--refresh", action="store_true", help="measure again even when cached")
+    prof.add_argument("--refresh", action="store_true",
+                      help="measure again and replace the cached profile (on an idle machine)")
+    prof.add_argument("--strict", action="store_true",
+                      help="refuse a measurement taken under other processes' load (exit 2) instead of warning")
     prof.add_argument("--json", action="store_true", help="print JSON")
     prof.set_defaults(run=run)

@@ -7,7 +7,8 @@
   same spawn: overlap, in-context latency, concurrency slowdown, tensor-parallel dispatch; links.py: their
   per-collective alpha/beta fits -> a measured Link;
 - local.py: ``Cluster.local()``: all of it for this machine, cached;
-- database.py: the JSON cache; host.py: timers and thread counts (progress bars: autopar/progress.py).
+- database.py: the JSON cache; host.py: timers, thread counts and the load around a measurement (what it
+  records: autopar/conditions.py; progress bars: autopar/progress.py).
 """
 
 from __future__ import annotations

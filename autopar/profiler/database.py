@@ -12,7 +12,8 @@ releases) and by section:
          "links":  {"<backend> x<ranks>": {...}}}}}
 
 Every measured number carries its unit in its field name (``_seconds``, ``_bytes``,
-``_flops_per_second``). Writes go to a temporary file that replaces the old one, so a crash
+``_flops_per_second``). The "device" and "links" records carry the conditions they were measured
+under (``"conditions"``: other processes' load, the spread of repeats; autopar/conditions.py). Writes go to a temporary file that replaces the old one, so a crash
 never leaves half a file; a corrupt or foreign file is reported, never silently dropped.
 """
 

@@ -11,6 +11,9 @@ What is measured (:func:`measure_device`, each figure the median of a few timed 
   seconds, the best op kept;
 * kernel overhead: the median time of a tiny op (an add of one-element tensors).
 
+It records the conditions it ran under (autopar/conditions.py): the load of other processes while
+it ran and how far each kernel's timed repeats spread (:class:`_Timer`).
+
 A growing series of shapes stops once one call would exceed the budget's per-call time cap
 (predicted from the rate of the previous shape, checked on a first untimed call), so a dtype
 the hardware emulates slowly (fp16 on most CPUs) costs seconds, not minutes.
@@ -24,6 +27,7 @@ import datetime as _dt
 import functools
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -35,7 +39,8 @@ import torch.nn.functional as F
 from ..errors import ConfigError
 from ..progress import progress_bar
 from .device_profile import AttentionSample, BandwidthSample, ConvSample, DeviceProfile, MatmulSample
-from .host import accelerator, device_name, median_time, torch_threads
+from ..conditions import ProfileConditions
+from .host import LoadMeter, accelerator, call_times, device_name, relative_spread, torch_threads
 
 TORCH_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
     {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16})
@@ -109,6 +114,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _Timer:
+    """Median times of the kernels (host.call_times), keeping each kernel's relative spread of repeats."""
+
+    def __init__(self) -> None:
+        self.spreads: list[float] = []
+
+    def median(self, fn: Callable[[], object], device: torch.device, *, warmup: int, repeats: int) -> float:
+        times = call_times(fn, device, warmup=warmup, repeats=repeats)
+        if len(times) >= 3:                      # fewer repeats say nothing of their spread
+            self.spreads.append(relative_spread(times))
+        return statistics.median(times)
+
+    def spread(self) -> float | None:
+        """The median kernel's relative spread (None when no kernel was timed three times)."""
+        return statistics.median(self.spreads) if self.spreads else None
+
+
 def _one_call(fn: Callable[[], object], device: torch.device) -> float:
     """Seconds of one call, synchronised (wall clock; the first call also pays one-time set-up)."""
     _sync(device)
@@ -119,7 +141,7 @@ def _one_call(fn: Callable[[], object], device: torch.device) -> float:
 
 
 def _time_series(cases: Sequence[Any], flops: Callable[[Any], float], make: Callable[[Any], Callable[[], object]],
-                 device: torch.device, budget: Budget) -> list[tuple[Any, float]]:
+                 device: torch.device, budget: Budget, timer: _Timer) -> list[tuple[Any, float]]:
     """(case, median seconds) for ``cases`` in increasing FLOPs, stopping before a call would exceed the cap.
 
     The next call's time is predicted from the previous case's achieved rate; a first untimed call
@@ -141,7 +163,7 @@ def _time_series(cases: Sequence[Any], flops: Callable[[Any], float], make: Call
                 out.append((case, first))
             break
         repeats = budget.repeats if first < budget.call_cap / 4 else max(1, budget.repeats // 2 + 1)
-        seconds = median_time(fn, device, warmup=max(0, budget.warmup - 1), repeats=repeats)
+        seconds = timer.median(fn, device, warmup=max(0, budget.warmup - 1), repeats=repeats)
         out.append((case, seconds))
         rate = flops(case) / seconds
     return out
@@ -160,7 +182,7 @@ def matmul_shapes(budget: Budget) -> list[tuple[int, int, int]]:
     return sorted(shapes, key=lambda mnk: (math.prod(mnk), mnk))
 
 
-def _measure_matmul(name: str, device: torch.device, budget: Budget) -> list[MatmulSample]:
+def _measure_matmul(name: str, device: torch.device, budget: Budget, timer: _Timer) -> list[MatmulSample]:
     dtype = TORCH_DTYPES[name]
 
     def make(mnk: tuple[int, int, int]) -> Callable[[], object]:
@@ -169,11 +191,11 @@ def _measure_matmul(name: str, device: torch.device, budget: Budget) -> list[Mat
         out = torch.empty(m, n, dtype=dtype, device=device)
         return lambda: torch.mm(a, b, out=out)
 
-    rows = _time_series(matmul_shapes(budget), lambda mnk: 2.0 * math.prod(mnk), make, device, budget)
+    rows = _time_series(matmul_shapes(budget), lambda mnk: 2.0 * math.prod(mnk), make, device, budget, timer)
     return [MatmulSample(m, n, k, t) for (m, n, k), t in rows]
 
 
-def _measure_conv(name: str, device: torch.device, budget: Budget) -> list[ConvSample]:
+def _measure_conv(name: str, device: torch.device, budget: Budget, timer: _Timer) -> list[ConvSample]:
     dtype = TORCH_DTYPES[name]
 
     def flops(c: tuple[int, ...]) -> float:
@@ -185,35 +207,35 @@ def _measure_conv(name: str, device: torch.device, budget: Budget) -> list[ConvS
         x, w = _rand((n, cin, hw, hw), dtype, device), _rand((cout, cin, kernel, kernel), dtype, device)
         return lambda: F.conv2d(x, w, padding=kernel // 2)
 
-    rows = _time_series(budget.convs, flops, make, device, budget)
+    rows = _time_series(budget.convs, flops, make, device, budget, timer)
     return [ConvSample(name, n, cin, cout, hw, hw, kernel, t) for (n, cin, cout, hw, kernel), t in rows]
 
 
-def _measure_attention(name: str, device: torch.device, budget: Budget) -> list[AttentionSample]:
+def _measure_attention(name: str, device: torch.device, budget: Budget, timer: _Timer) -> list[AttentionSample]:
     dtype = TORCH_DTYPES[name]
 
     def make(c: tuple[int, ...]) -> Callable[[], object]:
         q, k, v = (_rand(c, dtype, device) for _ in range(3))
         return lambda: F.scaled_dot_product_attention(q, k, v)
 
-    rows = _time_series(budget.attentions, lambda c: 4.0 * c[0] * c[1] * c[2] ** 2 * c[3], make, device, budget)
+    rows = _time_series(budget.attentions, lambda c: 4.0 * c[0] * c[1] * c[2] ** 2 * c[3], make, device, budget, timer)
     return [AttentionSample(name, b, h, s, d, t) for (b, h, s, d), t in rows]
 
 
-def _measure_bandwidth(device: torch.device, budget: Budget) -> list[BandwidthSample]:
+def _measure_bandwidth(device: torch.device, budget: Budget, timer: _Timer) -> list[BandwidthSample]:
     """copy_ (reads and writes N bytes) and add (reads 2N, writes N) on fp32 tensors of N bytes."""
     numel = budget.stream_bytes // 4
     a, b, c = (torch.ones(numel, device=device) for _ in range(3))
     nbytes = float(numel * 4)
-    copy = median_time(lambda: c.copy_(a), device, warmup=budget.warmup, repeats=budget.repeats)
-    add = median_time(lambda: torch.add(a, b, out=c), device, warmup=budget.warmup, repeats=budget.repeats)
+    copy = timer.median(lambda: c.copy_(a), device, warmup=budget.warmup, repeats=budget.repeats)
+    add = timer.median(lambda: torch.add(a, b, out=c), device, warmup=budget.warmup, repeats=budget.repeats)
     return [BandwidthSample("copy", 2 * nbytes, copy), BandwidthSample("add", 3 * nbytes, add)]
 
 
-def _measure_overhead(device: torch.device, budget: Budget) -> float:
+def _measure_overhead(device: torch.device, budget: Budget, timer: _Timer) -> float:
     """Median seconds of ``a + b`` on one-element tensors (output allocated, as ops in a model do)."""
     a, b = torch.ones(1, device=device), torch.ones(1, device=device)
-    return median_time(lambda: a + b, device, warmup=max(10, budget.warmup), repeats=budget.tiny_repeats)
+    return timer.median(lambda: a + b, device, warmup=max(10, budget.warmup), repeats=budget.tiny_repeats)
 
 
 def _unavailable_reason(name: str, device: torch.device) -> str | None:
@@ -262,22 +284,27 @@ def measure_device(device: torch.device | None = None, threads: int = 1, *,
     plan = budget_for(device.type, budget)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    with torch_threads(threads), torch.inference_mode(), _fp32_highest():
+    timer = _Timer()
+    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    with torch_threads(threads), torch.inference_mode(), _fp32_highest(), LoadMeter() as load:
         unavailable = {n: r for n in names if (r := _unavailable_reason(n, device)) is not None}
         measured = [n for n in names if n not in unavailable]
         steps: list[tuple[tuple[str, str], Callable[[], Any]]] = []
         for n in measured:
-            steps += [(("matmul", n), functools.partial(_measure_matmul, n, device, plan)),
-                      (("conv", n), functools.partial(_measure_conv, n, device, plan)),
-                      (("attention", n), functools.partial(_measure_attention, n, device, plan))]
-        steps += [(("bandwidth", ""), functools.partial(_measure_bandwidth, device, plan)),
-                  (("overhead", ""), functools.partial(_measure_overhead, device, plan))]
+            steps += [(("matmul", n), functools.partial(_measure_matmul, n, device, plan, timer)),
+                      (("conv", n), functools.partial(_measure_conv, n, device, plan, timer)),
+                      (("attention", n), functools.partial(_measure_attention, n, device, plan, timer))]
+        steps += [(("bandwidth", ""), functools.partial(_measure_bandwidth, device, plan, timer)),
+                  (("overhead", ""), functools.partial(_measure_overhead, device, plan, timer))]
         done = {key: step() for key, step in progress_bar(steps, f"profiling {device}", total=len(steps),
                                                            enabled=progress)}
+    conditions = ProfileConditions(part="device", device_type=device.type, measured_at=started,
+                                   torch_version=torch.__version__,
+                                   threads=threads, cores=os.cpu_count() or 1, load_average=load.load_average,
+                                   other_load=load.other_load, own_load=load.own_load,
+                                   wait_fraction=load.wait_fraction, spread=timer.spread())
     return DeviceProfile(device_name=device_name(device, threads), device_type=device.type, threads=threads,
-                         torch_version=torch.__version__,
-                         measured_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                         memory_bytes=_total_memory(device), budget=budget,
+                         conditions=conditions, memory_bytes=_total_memory(device), budget=budget,
                          matmul={n: tuple(done[("matmul", n)]) for n in measured},
                          conv=tuple(s for n in measured for s in done[("conv", n)]),
                          attention=tuple(s for n in measured for s in done[("attention", n)]),

@@ -246,8 +246,9 @@ def fit_device(profile: DeviceProfile, *, memory: float | None = None, dispatch_
             notes.append(f"{dt} {_fallback_reason(profile, dt)}, so its peak is the fp32 one")
     cpu = profile.device_type == "cpu"
     scaled = f" times {scale:.4g} (the fitted large-GEMM asymptote)" if scale > 1 else ""
-    source = (f"measured by autopar's profiler on {profile.measured_at.split('T')[0]} with torch "
-              f"{profile.torch_version} ({profile.budget} budget{f', {profile.threads} thread(s)' if cpu else ''}): "
+    measured = profile.conditions
+    source = (f"measured by autopar's profiler on {measured.measured_at.split('T')[0]} with torch "
+              f"{measured.torch_version} ({profile.budget} budget{f', {profile.threads} thread(s)' if cpu else ''}): "
               f"peaks are the best achieved matmul FLOP/s{scaled}, no datasheet figure; matmul_efficiency and "
               f"matmul_half_dim fitted to the {'/'.join(fitted)} matmul times; memory_bandwidth the best "
               "streaming op")

@@ -3,7 +3,12 @@ frozen dataclasses with a JSON record form, and their place in the ProfileDB.
 
 Samples (seconds, FLOPs, bytes; SI units): :class:`MatmulSample`, :class:`ConvSample`,
 :class:`AttentionSample`, :class:`BandwidthSample`; :class:`DeviceProfile` holds them all for one
-device at one thread count. device_fit.py fits a Device to a profile.
+device at one thread count, with the conditions it was measured under (autopar/conditions.py).
+device_fit.py fits a Device to a profile.
+
+Record format 2 adds the conditions; a format-1 record (an older autopar) has none, so
+:func:`load_profile` treats it as absent and the profile is measured again: it may be exactly the
+busy-moment measurement the conditions exist to catch, and measuring costs 10-40 s once.
 """
 
 from __future__ import annotations
@@ -12,11 +17,14 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
+from ..conditions import ProfileConditions
 from ..errors import ConfigError
 
 RECORD_KEY = "profile"
 """Key of the profile record in ProfileDB section "device" (see :func:`save_profile`)."""
-RECORD_FORMAT = 1
+RECORD_FORMAT = 2
+OLD_FORMATS = (1,)
+"""Record formats of older autopars, measured again rather than read."""
 
 
 def _require(record: Mapping[str, Any], keys: Sequence[str], what: str) -> None:
@@ -143,9 +151,8 @@ class DeviceProfile:
     device_type: str
     """"cpu" or "cuda"."""
     threads: int
-    torch_version: str
-    measured_at: str
-    """UTC time of the measurement, ISO 8601."""
+    conditions: ProfileConditions
+    """What it was measured under: the date, the torch version, other load, spread of repeats."""
     memory_bytes: float
     """Total memory: RAM on a CPU, the GPU's memory on a GPU."""
     budget: str
@@ -181,7 +188,7 @@ class DeviceProfile:
     def to_record(self) -> dict[str, Any]:
         """A JSON-serialisable dict (units in the field names) for ProfileDB section "device"."""
         return {"format": RECORD_FORMAT, "device_name": self.device_name, "device_type": self.device_type,
-                "threads": self.threads, "torch_version": self.torch_version, "measured_at": self.measured_at,
+                "threads": self.threads, "conditions": self.conditions.to_dict(),
                 "memory_bytes": self.memory_bytes, "budget": self.budget,
                 "matmul": {dt: [s.to_record() for s in ss] for dt, ss in self.matmul.items()},
                 "conv": [s.to_record() for s in self.conv],
@@ -195,11 +202,11 @@ class DeviceProfile:
         if not isinstance(r, Mapping) or r.get("format") != RECORD_FORMAT:
             raise ConfigError(f"device profile record is not of format {RECORD_FORMAT}: delete the profile "
                               "database entry to measure again")
-        _require(r, ("device_name", "device_type", "threads", "torch_version", "measured_at", "memory_bytes",
+        _require(r, ("device_name", "device_type", "threads", "conditions", "memory_bytes",
                      "budget", "matmul", "conv", "attention", "bandwidth", "kernel_overhead_seconds"),
                  "device profile")
         return cls(device_name=str(r["device_name"]), device_type=str(r["device_type"]), threads=int(r["threads"]),
-                   torch_version=str(r["torch_version"]), measured_at=str(r["measured_at"]),
+                   conditions=ProfileConditions.from_dict(r["conditions"]),
                    memory_bytes=float(r["memory_bytes"]), budget=str(r["budget"]),
                    matmul={str(dt): tuple(MatmulSample.from_record(s) for s in ss) for dt, ss in r["matmul"].items()},
                    conv=tuple(ConvSample.from_record(s) for s in r["conv"]),
@@ -220,6 +227,9 @@ def save_profile(db: Any, profile: DeviceProfile) -> None:
 
 
 def load_profile(db: Any, name: str) -> DeviceProfile | None:
-    """The profile of the device named ``name`` (host.device_name) in ``db``, or None."""
+    """The profile of the device named ``name`` (host.device_name) in ``db``, or None (also for a record of an
+    older format, which records no conditions: module docstring)."""
     record = db.get(name, "device", RECORD_KEY)
-    return None if record is None else DeviceProfile.from_record(record)
+    if record is None or (isinstance(record, Mapping) and record.get("format") in OLD_FORMATS):
+        return None
+    return DeviceProfile.from_record(record)

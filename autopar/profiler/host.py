@@ -1,15 +1,20 @@
-"""This machine: its device's name, the timer and the thread count.
+"""This machine: its device's name, the timer, the thread count and the load around a measurement.
 
-Timing: ``warmup`` untimed calls, then ``repeats`` timed ones, and the median. On a CPU
-each call is timed with ``time.perf_counter`` (the ops run synchronously); on a GPU with
-CUDA events around each call, then one synchronisation, so the host's launch time is not
-counted where the GPU is the bottleneck.
+Timing (:func:`call_times`, the timer of the device profile's kernels): ``warmup`` untimed calls,
+then ``repeats`` timed ones. On a CPU each call is timed with ``time.perf_counter`` (the ops run
+synchronously); on a GPU with CUDA events around each call, then one synchronisation, so the host's
+launch time is not counted where the GPU is the bottleneck. :func:`median_time` is their median.
+
+Load (:class:`LoadMeter`): what other processes did while a block ran, for the measurement's
+:class:`~autopar.conditions.ProfileConditions` (Linux ``/proc``; ``None`` elsewhere).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import platform
+import resource
 import statistics
 import time
 from typing import Callable, Iterator
@@ -59,8 +64,9 @@ def torch_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(old)
 
 
-def median_time(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, repeats: int = 5) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` timed calls after ``warmup`` untimed ones."""
+def call_times(fn: Callable[[], object], device: torch.device, *, warmup: int = 2,
+               repeats: int = 5) -> list[float]:
+    """Seconds of each of ``repeats`` timed calls of ``fn()`` after ``warmup`` untimed ones."""
     if repeats < 1 or warmup < 0:
         raise ConfigError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0")
     for _ in range(warmup):
@@ -74,10 +80,95 @@ def median_time(fn: Callable[[], object], device: torch.device, *, warmup: int =
             fn()
             end.record()
         torch.cuda.synchronize(device)
-        return statistics.median(start.elapsed_time(end) / 1e3 for start, end in events)
+        return [start.elapsed_time(end) / 1e3 for start, end in events]
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, repeats: int = 5) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` timed calls after ``warmup`` untimed ones."""
+    return statistics.median(call_times(fn, device, warmup=warmup, repeats=repeats))
+
+
+def relative_spread(times: list[float]) -> float:
+    """``(max - min) / median`` of repeated timings of one call (0 for one timing)."""
+    middle = statistics.median(times)
+    return (max(times) - min(times)) / middle if middle > 0 else 0.0
+
+
+class LoadMeter:
+    """``with LoadMeter() as meter:`` records the CPU other processes and this one used while the block ran.
+
+    ``other_load`` / ``own_load``: cores kept busy on average (the machine's busy time from
+    ``/proc/stat``, this process's and its reaped children's from ``getrusage``); ``wait_fraction``:
+    the share of this process's threads' time spent waiting for a core (``schedstat``; threads
+    that ended within the block cannot be read and are left out); ``load_average``: the 1-minute
+    load average before. Each is None where the system does not report it.
+    """
+
+    def __enter__(self) -> "LoadMeter":
+        self.load_average = _load_average()
+        self.other_load = self.own_load = self.wait_fraction = None
+        self._start = _snapshot()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        (wall0, busy0, own0, sched0), (wall1, busy1, own1, sched1) = self._start, _snapshot()
+        wall = wall1 - wall0
+        if wall <= 0:
+            return
+        self.own_load = max(0.0, (own1 - own0) / wall)
+        if busy0 is not None and busy1 is not None:
+            self.other_load = max(0.0, (busy1 - busy0 - (own1 - own0)) / wall)
+        # a thread started within the block (torch's intra-op pool) ran and waited only within it
+        deltas = [(ran - sched0.get(t, (0.0, 0.0))[0], wait - sched0.get(t, (0.0, 0.0))[1])
+                  for t, (ran, wait) in sched1.items()]
+        ran, waited = sum(r for r, _ in deltas), sum(w for _, w in deltas)
+        if ran + waited > 0:
+            self.wait_fraction = waited / (ran + waited)
+
+
+def _snapshot() -> tuple[float, float | None, float, dict[str, tuple[float, float]]]:
+    """(wall seconds, the machine's busy CPU seconds, this process's CPU seconds, its threads' schedstats)."""
+    return time.monotonic(), _machine_busy_seconds(), _own_cpu_seconds(), _thread_schedstats()
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def _machine_busy_seconds() -> float | None:
+    """CPU seconds every core of the machine spent busy since boot (user, nice, system, irq, softirq, steal)."""
+    try:
+        with open("/proc/stat") as fh:
+            ticks = [int(x) for x in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle, iowait = ticks[3], ticks[4] if len(ticks) > 4 else 0
+    guest = sum(ticks[8:10])          # already counted in user and nice
+    return (sum(ticks) - idle - iowait - guest) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds of this process (every thread) and of its children that have been waited for."""
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _thread_schedstats() -> dict[str, tuple[float, float]]:
+    """Per thread of this process: (seconds on a core, seconds waiting for one); {} without schedstat."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError, ValueError):
+                with open(f"/proc/self/task/{tid}/schedstat") as fh:
+                    ran, waited = fh.read().split()[:2]
+                out[tid] = (int(ran) / 1e9, int(waited) / 1e9)
+    return out

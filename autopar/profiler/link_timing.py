@@ -29,7 +29,8 @@ its fit then gives a (low) effective ``B`` for reduce-scatter that the cost mode
 
 The same spawn then measures what collectives and compute cost inside a training step (overlap,
 in-context extra, concurrency slowdown, the tensor-parallel runtime's per-op dispatch overhead):
-step_conditions.py.
+step_conditions.py. The profile records the load of other processes around the spawn
+(autopar/conditions.py).
 
 **Noise.** On a small VM gloo's times are bimodal: most calls take the link's time, but a
 fraction (0-60%, varying with size and over time, even on an idle machine) waits for a
@@ -51,16 +52,17 @@ import statistics
 import tempfile
 import time
 import warnings
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
+from ..conditions import ProfileConditions
 from ..errors import ConfigError, RuntimeFailure
 from ..progress import progress_bar
-from .host import check_threads
-from .links import COLLECTIVES, LinkProfile
+from .host import LoadMeter, check_threads
+from .links import COLLECTIVES, LinkProfile, links_key
 from .step_conditions import (FLOAT_BYTES, concurrency_slowdown, dispatch_overhead, in_context,
                               max_over_ranks, overlap_fraction, sync)
 
@@ -129,7 +131,8 @@ def measure_links(nprocs: int, threads_per_rank: int = 1, *, sizes: Sequence[int
         warnings.warn(f"{nprocs} ranks x {threads_per_rank} threads oversubscribe this machine's {os.cpu_count()} "
                       "cores: the link times will include scheduling delays", stacklevel=2)
     import torch.multiprocessing as mp
-    with tempfile.TemporaryDirectory() as tmp:
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    with tempfile.TemporaryDirectory() as tmp, LoadMeter() as load:
         out = os.path.join(tmp, "links.json")
         args = (nprocs, _free_port(), threads_per_rank, list(sizes), warmup, repeats, backend, out, progress)
         try:
@@ -138,7 +141,15 @@ def measure_links(nprocs: int, threads_per_rank: int = 1, *, sizes: Sequence[int
             raise RuntimeFailure(f"link profiling on {nprocs} {backend} ranks failed: {exc}") from exc
         with open(out) as fh:
             record = json.load(fh)
-    return LinkProfile.from_record(record)
+    # The ranks' own run-queue waits end with them: the links record the loads (the ranks are this
+    # process's children), and no spread (their per-call times are bimodal by nature, "Noise" above).
+    conditions = ProfileConditions(part=f"links {links_key(backend, nprocs)}",
+                                   device_type="cuda" if backend == "nccl" else "cpu", measured_at=started,
+                                   torch_version=torch.__version__, threads=nprocs * threads_per_rank,
+                                   cores=os.cpu_count() or 1, load_average=load.load_average,
+                                   other_load=load.other_load, own_load=load.own_load, wait_fraction=None,
+                                   spread=None)
+    return LinkProfile.from_record(record | {"conditions": conditions.to_dict()})
 
 
 def _rank_main(rank: int, nprocs: int, port: int, threads: int, sizes: list[int], warmup: int, repeats: int,

@@ -54,6 +54,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ..conditions import ProfileConditions
 from ..hardware import CollectiveFit, Link
 from ..errors import ConfigError
 from .host import check_threads
@@ -94,6 +95,9 @@ class LinkProfile:
     ("all_reduce" for the ring collectives, "p2p"); stored read-only."""
     concurrency_slowdown: float = 1.0
     """How much longer a rank computes when every rank computes at once than alone (>= 1)."""
+    conditions: ProfileConditions | None = None
+    """What it was measured under (autopar/conditions.py); None for one not measured by measure_links.
+    Its record must carry them: a record without (an older autopar's) is measured again."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
@@ -124,11 +128,13 @@ class LinkProfile:
         value = self.concurrency_slowdown
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1:
             raise ConfigError(f"LinkProfile.concurrency_slowdown={value!r} must be a finite number >= 1")
+        if self.conditions is not None and not isinstance(self.conditions, ProfileConditions):
+            raise ConfigError(f"LinkProfile.conditions={self.conditions!r} must be ProfileConditions or None")
 
     def __hash__(self) -> int:
         return hash((self.backend, self.nprocs, self.threads_per_rank, tuple(sorted(self.samples.items())),
                      self.dispatch_fwd_seconds, self.dispatch_bwd_seconds, self.overlap_fraction,
-                     tuple(sorted(self.context_seconds.items())), self.concurrency_slowdown))
+                     tuple(sorted(self.context_seconds.items())), self.concurrency_slowdown, self.conditions))
 
     @property
     def key(self) -> str:
@@ -142,13 +148,15 @@ class LinkProfile:
                                 for kind, pairs in self.samples.items()},
                 "dispatch_fwd_seconds": self.dispatch_fwd_seconds,
                 "dispatch_bwd_seconds": self.dispatch_bwd_seconds, "overlap_fraction": self.overlap_fraction,
-                "context_seconds": dict(self.context_seconds), "concurrency_slowdown": self.concurrency_slowdown}
+                "context_seconds": dict(self.context_seconds), "concurrency_slowdown": self.concurrency_slowdown,
+                "conditions": None if self.conditions is None else self.conditions.to_dict()}
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> "LinkProfile":
-        """The profile :meth:`to_record` wrote; ConfigError when a field is missing or malformed."""
+        """The profile :meth:`to_record` wrote; ConfigError when a field is missing or malformed (also when
+        it records no measurement conditions: unknown conditions are measured again)."""
         needed = ("backend", "nprocs", "threads_per_rank", "collectives", "dispatch_fwd_seconds",
-                  "dispatch_bwd_seconds", "overlap_fraction", "context_seconds", "concurrency_slowdown")
+                  "dispatch_bwd_seconds", "overlap_fraction", "context_seconds", "concurrency_slowdown", "conditions")
         missing = [k for k in needed if k not in record]
         if missing:
             raise ConfigError(f"link profile record lacks {missing}: measure the links again (measure_links)")
@@ -167,7 +175,8 @@ class LinkProfile:
                    samples=samples, dispatch_fwd_seconds=record["dispatch_fwd_seconds"],
                    dispatch_bwd_seconds=record["dispatch_bwd_seconds"],
                    overlap_fraction=record["overlap_fraction"], context_seconds=record["context_seconds"],
-                   concurrency_slowdown=record["concurrency_slowdown"])
+                   concurrency_slowdown=record["concurrency_slowdown"],
+                   conditions=ProfileConditions.from_dict(record["conditions"]))
 
 
 def links_key(backend: str, nprocs: int) -> str:

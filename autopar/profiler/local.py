@@ -6,19 +6,28 @@ are cores. The device comes from device.py (``fit_device`` of its FLOP/s curves;
 rank = RAM / ranks on a CPU), its ``dispatch_overhead`` (tensor-parallel host cost, per op) and the intra-node
 link from links.py (per-collective alpha/beta fits). One machine has no inter-node link to
 measure: the preset one of the device family stands in, and ``describe()`` says so.
+
+Each measurement records the conditions it ran under (autopar/conditions.py). A noisy one is
+taken again, up to ``MAX_ATTEMPTS`` times in all, and the least noisy kept; one still noisy is
+cached (it is the best this moment gives) with a ``NoisyProfileWarning``, or refused with
+``strict=True`` (``NoisyProfileError``, nothing cached). A noisy one loaded from the cache warns
+(or is refused) the same way: ``refresh=True`` (``autopar profile --refresh``) measures again.
+A cached record without conditions (an older autopar's) is measured again.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, replace
-from typing import Mapping
+from typing import Callable, Mapping, TypeVar
 
 import torch
 
+from ..conditions import MAX_ATTEMPTS, REFRESH_ADVICE, ProfileConditions
 from ..hardware import Device, Link
 from ..presets import link_presets
-from ..errors import ConfigError
+from ..errors import ConfigError, NoisyProfileError, NoisyProfileWarning
 from .database import ProfileDB
 from .device import measure_device
 from .device_profile import DeviceProfile, load_profile, save_profile
@@ -66,20 +75,29 @@ class LocalProfile:
     link_fits: Mapping[str, CollectiveFitResult]
     db_path: str
 
+    @property
+    def conditions(self) -> tuple[ProfileConditions, ...]:
+        """What the device and (with two ranks or more) the links were measured under."""
+        links = () if self.links is None or self.links.conditions is None else (self.links.conditions,)
+        return (self.device.conditions,) + links
+
 
 def local_profile(nprocs: int | None = None, threads_per_rank: int | None = None, *,
-                  profile_db: str | os.PathLike | None = None, refresh: bool = False,
+                  profile_db: str | os.PathLike | None = None, refresh: bool = False, strict: bool = False,
                   progress: bool = True) -> LocalProfile:
-    """This machine, measured (or loaded from ``profile_db``; ``refresh=True`` measures again)."""
+    """This machine, measured (or loaded from ``profile_db``; ``refresh=True`` measures again); a noisy
+    measurement warns, or with ``strict=True`` is refused (module docstring)."""
     device = accelerator()
     nprocs, threads = _ranks(device, nprocs, threads_per_rank)
     name = device_name(device, threads)
     db = ProfileDB(profile_db)
     curves = None if refresh else load_profile(db, name)
     if curves is None:
-        curves = measure_device(device, threads, progress=progress)
+        curves = _least_noisy(lambda: measure_device(device, threads, progress=progress), strict)
         save_profile(db, curves)
-    links = _links(db, name, device, nprocs, threads, refresh, progress)
+    else:
+        _check_cached(curves.conditions, db, strict)
+    links = _links(db, name, device, nprocs, threads, refresh, strict, progress)
     db.save()
     dispatch = links.dispatch_fwd_seconds if links is not None else 0.0
     fitted, report = fit_device(curves, memory=_memory_per_rank(curves, nprocs), dispatch_overhead=dispatch)
@@ -96,7 +114,7 @@ def local_profile(nprocs: int | None = None, threads_per_rank: int | None = None
 
 
 def _links(db: ProfileDB, name: str, device: torch.device, nprocs: int, threads: int, refresh: bool,
-           progress: bool) -> LinkProfile | None:
+           strict: bool, progress: bool) -> LinkProfile | None:
     """The link profile of ``nprocs`` ranks (None for one rank: nothing to measure)."""
     if nprocs < 2:
         return None
@@ -105,12 +123,55 @@ def _links(db: ProfileDB, name: str, device: torch.device, nprocs: int, threads:
     record = None if refresh else db.get(name, "links", key)
     if record is not None:
         try:
-            return LinkProfile.from_record(record)
+            cached = LinkProfile.from_record(record)
         except ConfigError:
             pass        # a record of an older autopar, without what this one measures: measure again
-    profile = measure_links(nprocs, threads, backend=backend, progress=progress)
+        else:
+            if cached.conditions is not None:
+                _check_cached(cached.conditions, db, strict, stacklevel=5)
+                return cached
+    profile = _least_noisy(lambda: measure_links(nprocs, threads, backend=backend, progress=progress), strict,
+                           stacklevel=5)
     db.put(name, "links", key, profile.to_record())
     return profile
+
+
+Measured = TypeVar("Measured", DeviceProfile, LinkProfile)
+
+
+def _least_noisy(measure: Callable[[], Measured], strict: bool, stacklevel: int = 4) -> Measured:
+    """``measure()`` until its conditions are clean, at most MAX_ATTEMPTS times; the least noisy, with the
+    attempts counted in its conditions; warned about (or, ``strict``, refused) when still noisy. ``stacklevel``
+    points the warning at the caller of ``Cluster.local``."""
+    best = None
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        result = measure()
+        if best is None or result.conditions.severity() < best.conditions.severity():
+            best = result
+        if not result.conditions.noisy:
+            break
+    best = replace(best, conditions=replace(best.conditions, attempts=attempt))
+    if best.conditions.noisy:
+        text = (f"the {best.conditions.part} of this machine was measured {attempt} times and every measurement "
+                f"was noisy; the least noisy ({', '.join(best.conditions.noise())})")
+        if strict:
+            raise NoisyProfileError(f"{text} is refused (strict=True): {REFRESH_ADVICE}, or pass strict=False "
+                                    "to plan with it")
+        warnings.warn(f"{text} is cached and plans priced with it may be off: {REFRESH_ADVICE}",
+                      NoisyProfileWarning, stacklevel=stacklevel)
+    return best
+
+
+def _check_cached(conditions: ProfileConditions, db: ProfileDB, strict: bool, stacklevel: int = 4) -> None:
+    """Warn about (or, ``strict``, refuse) a noisy measurement loaded from the cache."""
+    if not conditions.noisy:
+        return
+    text = (f"the cached {conditions.part} profile in {db.path} was measured at {conditions.measured_at} under "
+            f"load ({', '.join(conditions.noise())})")
+    if strict:
+        raise NoisyProfileError(f"{text} and strict=True refuses it: {REFRESH_ADVICE}")
+    warnings.warn(f"{text}: plans priced with it may be off; {REFRESH_ADVICE}", NoisyProfileWarning,
+                  stacklevel=stacklevel)
 
 
 def _preset_links(device: torch.device) -> tuple:

@@ -17,7 +17,9 @@ TOP_PARTS = 3
 
 def explain(plan: Plan) -> str:
     """Paragraphs: the verdict, where the time goes, memory, each parallel choice, the runners-up."""
-    sections = [_verdict(plan), _time(plan), _memory(plan), _choices(plan), _runners_up(plan)]
+    warning = plan.cluster.profile_warning
+    sections = [_verdict(plan), f"Warning: {warning}." if warning else "", _time(plan), _memory(plan),
+                _choices(plan), _runners_up(plan)]
     return "\n\n".join(s for s in sections if s)
 
 

@@ -13,6 +13,8 @@ def summarize(plan: Plan) -> str:
     """Configuration; step time and its breakdown on the critical path; memory per stage by kind
     against the device's memory; MFU; the search; the per-op sharding; runners-up; notes."""
     lines = _header(plan) + _breakdown(plan) + _memory(plan) + _search(plan) + _sharding(plan)
+    if plan.cluster.profile_warning:
+        lines.insert(1, f"  WARNING        {plan.cluster.profile_warning}")
     if plan.alternatives:
         lines.append("runners-up (plan.explain() says why each lost):")
         lines += [f"  {a.config.short():<62} {a.reason}" for a in plan.alternatives]

@@ -23,6 +23,7 @@ import pytest
 
 import autopar
 from autopar import Cluster, ParallelConfig, Plan
+from autopar.conditions import ProfileConditions
 from autopar.hardware import CollectiveFit
 from autopar.errors import PlanFormatError
 from autopar.models import build_mlp, registry
@@ -49,11 +50,16 @@ def plans(plan_gpt) -> dict[str, dict]:
                             fixed={"tp": 2})
     assert searched.sharding and searched.alternatives, "the tp=2 plan must carry sharding and alternatives"
     out["plan-2-nodes"] = searched
-    # positional inputs and measured links (Link.collectives), as Cluster.local() writes them
+    # positional inputs, measured links (Link.collectives) and their conditions, as Cluster.local() writes them
     base = Cluster.from_spec("1x2xcpu")
     fit = {"all_reduce": CollectiveFit(latency=2e-5, bandwidth=3e9), "p2p": CollectiveFit(latency=1e-5, bandwidth=4e9)}
+    conditions = ProfileConditions(part="device", device_type="cpu",
+                                   measured_at="2026-01-02T03:04:05+00:00", torch_version="2.13.0",
+                                   threads=1, cores=2, load_average=0.1, other_load=0.05, own_load=1.0,
+                                   wait_fraction=0.002, spread=0.1)
     measured = dataclasses.replace(base, intra_node=dataclasses.replace(base.intra_node, collectives=fit),
-                                   inter_node=dataclasses.replace(base.inter_node, collectives=fit))
+                                   inter_node=dataclasses.replace(base.inter_node, collectives=fit),
+                                   profile_conditions=(conditions,))
     mlp, mlp_inputs = build_mlp(device="meta")
     out["estimate-measured-links"] = autopar.estimate(mlp, measured, mlp_inputs, ParallelConfig(dp=2),
                                                       global_batch_size=8,

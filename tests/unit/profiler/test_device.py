@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from autopar.capture.opgraph import Gemm
+from autopar.conditions import ProfileConditions
 from autopar.hardware import Device
 from autopar.cost_model.compute import gemm_efficiency
 from autopar.errors import ConfigError
@@ -40,8 +41,12 @@ def synthetic(peaks: dict[str, float], e_max: float, half: float, noise: float, 
     matmul = {dt: tuple(MatmulSample(m, n, k, model_seconds(m, n, k, p, e_max, half)
                                      * float(np.exp(rng.normal(0.0, noise)))) for m, n, k in shapes)
               for dt, p in peaks.items()}
-    fields = dict(device_name="cpu Synthetic x1 thread", device_type="cpu", threads=1, torch_version="9.9.9",
-                  measured_at="2025-01-02T03:04:05+00:00", memory_bytes=64e9, budget="normal", matmul=matmul,
+    conditions = ProfileConditions(part="device", device_type="cpu",
+                                   measured_at="2025-01-02T03:04:05+00:00", torch_version="9.9.9",
+                                   threads=1, cores=2, load_average=0.1, other_load=0.05, own_load=1.0,
+                                   wait_fraction=0.002, spread=0.1)
+    fields = dict(device_name="cpu Synthetic x1 thread", device_type="cpu", threads=1, conditions=conditions,
+                  memory_bytes=64e9, budget="normal", matmul=matmul,
                   conv=(), attention=(),
                   bandwidth=(BandwidthSample("copy", 2e8, 1e-2), BandwidthSample("add", 3e8, 2e-2)),
                   kernel_overhead_seconds=OVERHEAD, unavailable={})
@@ -179,9 +184,11 @@ def test_a_series_stops_before_a_call_would_exceed_the_cap():
     # times in tenths of a second: this VM's 4 ms scheduler tick must not move a case across the cap
     budget = replace(dev.BUDGETS[("cpu", "quick")], call_cap=0.2, warmup=1, repeats=1)
     cpu = torch.device("cpu")
-    rows = dev._time_series([8, 1, 4, 2, 16], float, lambda c: (lambda: time.sleep(0.04 * c)), cpu, budget)
+    rows = dev._time_series([8, 1, 4, 2, 16], float, lambda c: (lambda: time.sleep(0.04 * c)), cpu, budget,
+                            dev._Timer())
     assert [c for c, _ in rows] == [1, 2, 4]  # 8 would take about 0.32 s
-    first = dev._time_series([10, 20], float, lambda c: (lambda: time.sleep(0.03 * c)), cpu, budget)
+    first = dev._time_series([10, 20], float, lambda c: (lambda: time.sleep(0.03 * c)), cpu, budget,
+                             dev._Timer())
     assert [c for c, _ in first] == [10] and first[0][1] > 0.2  # the first case is kept, over the cap
 
 

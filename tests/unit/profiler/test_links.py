@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from autopar.cluster import Cluster
+from autopar.conditions import ProfileConditions
 from autopar.presets import device_preset, link_presets
 from autopar.cost_model.comm import Collective, GroupPlacement, collective_time
 from autopar.errors import ConfigError
@@ -30,9 +31,13 @@ def _line(alpha: float, beta: float, noise: float = 0.0, seed: int = 0, sizes=SI
 def _profile(nprocs: int = 2, **lines: tuple[float, float]) -> LinkProfile:
     samples = {kind: _line(*lines.get(kind, (50e-6, 1 / 2e9)), noise=0.01, seed=i)
                for i, kind in enumerate(COLLECTIVES)}
+    conditions = ProfileConditions(part=f"links gloo x{nprocs}", device_type="cpu",
+                                   measured_at="2025-01-02T03:04:05+00:00",
+                                   torch_version="9.9.9", threads=nprocs, cores=nprocs, load_average=0.1,
+                                   other_load=0.05, own_load=1.5, wait_fraction=None, spread=None)
     return LinkProfile(backend="gloo", nprocs=nprocs, threads_per_rank=1, samples=samples,
                        dispatch_fwd_seconds=5e-6, dispatch_bwd_seconds=1e-5, overlap_fraction=0.5,
-                       context_seconds={"all_reduce": 1e-3, "p2p": 5e-4})
+                       context_seconds={"all_reduce": 1e-3, "p2p": 5e-4}, conditions=conditions)
 
 
 # --- the fit ---------------------------------------------------------------------------------------
@@ -243,5 +248,8 @@ def test_measure_links_on_two_gloo_ranks():
     assert 0 <= profile.overlap_fraction <= 1
     assert set(profile.context_seconds) == {"all_reduce", "p2p"} and min(profile.context_seconds.values()) >= 0
     assert profile.concurrency_slowdown >= 1
+    conditions = profile.conditions   # the load around the spawn; no spread (per-call times are bimodal)
+    assert conditions.part == "links gloo x2" and conditions.threads == 2 and conditions.spread is None
+    assert conditions.own_load > 0 and conditions.torch_version == torch.__version__
     link = to_link(profile, 2)
     assert link.bandwidth > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,9 +14,18 @@ from autopar.cli import main
 from autopar.cost_model.comm import Collective, GroupPlacement, collective_time
 from autopar.profiler.device import measure_device
 from autopar.profiler.host import device_name
+from autopar.conditions import ProfileConditions
 from autopar.profiler.links import COLLECTIVES, LinkProfile, fit_profile
 
 SIZES = (4096, 65536, 1 << 20, 1 << 22)
+
+
+def idle(part: str, threads: int = 1, **changes) -> ProfileConditions:
+    """Conditions of a measurement on an idle machine (``changes`` make them noisy)."""
+    return replace(ProfileConditions(part=part, device_type="cpu",
+                                     measured_at="2026-01-02T03:04:05+00:00", torch_version=torch.__version__,
+                                     threads=threads, cores=2, load_average=0.1, other_load=0.05, own_load=1.0,
+                                     wait_fraction=0.002, spread=None if part.startswith("links") else 0.1), **changes)
 
 
 def _synthetic_links(nprocs: int, threads: int, **_) -> LinkProfile:
@@ -23,17 +33,20 @@ def _synthetic_links(nprocs: int, threads: int, **_) -> LinkProfile:
     samples = {kind: tuple((s, 5e-5 + s / (4e9 if kind == "p2p" else 2e9)) for s in SIZES) for kind in COLLECTIVES}
     return LinkProfile(backend="gloo", nprocs=nprocs, threads_per_rank=threads, samples=samples,
                        dispatch_fwd_seconds=2e-5, dispatch_bwd_seconds=3e-5, overlap_fraction=0.25,
-                       context_seconds={"all_reduce": 2e-3, "p2p": 1e-3}, concurrency_slowdown=1.25)
+                       context_seconds={"all_reduce": 2e-3, "p2p": 1e-3}, concurrency_slowdown=1.25,
+                       conditions=idle(f"links gloo x{nprocs}", nprocs * threads))
 
 
 @pytest.fixture()
 def measured(monkeypatch):
-    """Patch the measurements: a quick real device profile, synthetic links; count the calls."""
+    """Patch the measurements: a quick real device profile (its conditions an idle machine's, whatever the load
+    of this one), synthetic links; count the calls."""
     calls = {"device": 0, "links": 0}
 
     def device(dev, threads, progress=True):
         calls["device"] += 1
-        return measure_device(dev, threads, dtypes=("fp32",), budget="quick", progress=False)
+        profile = measure_device(dev, threads, dtypes=("fp32",), budget="quick", progress=False)
+        return replace(profile, conditions=idle("device", threads))
 
     def links(nprocs, threads, **kw):
         calls["links"] += 1

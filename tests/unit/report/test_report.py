@@ -159,3 +159,20 @@ def test_notebook_view(searched):
     assert html.count("<tr") >= len(TimeBreakdown.__annotations__) + len(plan.stages) + 1
     pytest.importorskip("matplotlib")
     assert "<img alt='pipeline timeline' src='data:image/png;base64," in html
+
+
+def test_a_plan_on_a_noisy_profile_records_its_conditions_and_says_so(pipelined):
+    """A plan keeps the conditions its cluster's profile was measured under; summary() and explain() warn when
+    they were noisy, and say nothing of a clean one."""
+    from autopar.conditions import ProfileConditions
+    clean = ProfileConditions(part="device", device_type="cpu",
+                              measured_at="2026-01-02T03:04:05+00:00", torch_version="2.13.0",
+                              threads=1, cores=2, load_average=0.1, other_load=0.05, own_load=1.0,
+                              wait_fraction=0.002, spread=0.1)
+    busy = replace(clean, other_load=1.6, wait_fraction=0.6, attempts=3)
+    for conditions, warned in (((clean,), False), ((clean, busy), True)):
+        plan = replace(pipelined, cluster=replace(pipelined.cluster, profile_conditions=conditions))
+        again = autopar.Plan.from_dict(plan.to_dict())
+        assert again.cluster.profile_conditions == conditions
+        for text in (again.summary(), again.explain()):
+            assert ("autopar profile --refresh" in text and "waited for a core 60%" in text) == warned, text
