@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from autopar_runtime import batches, dcp_state, mesh, optim, pipeline, sharded_init  # noqa: E402
+from autopar_runtime import batches, data_parallel, dcp_state, mesh, optim, pipeline, sharded_init  # noqa: E402
 import program as P  # noqa: E402
 
 if P.CP > 1:   # context parallelism's (program.py's code calls them)
@@ -148,17 +148,14 @@ def main():
     mine = [c for c in range(P.CHUNKS) if c % P.PP == pp_rank]
     chunks = {c: getattr(P, f"Chunk{c}")(g.group("tp"), params, buffers, cp_group=g.group("cp")) for c in mine}
     fsdp = P.ZERO >= 2 and REPLICAS > 1
-    if fsdp:   # ZeRO-2/3: each unit's parameters sharded over the gradient replicas, gathered around it
-        from torch.distributed.fsdp import fully_shard
-        # the replica (dp x cp) mesh; with tp > 1 each tp rank's shards are sharded again over it
-        def shard(modules, reshard):   # a parameter with no elements stays whole (FSDP2 cannot reduce-scatter it)
-            empty = {p for m in modules for p in m.parameters() if p.numel() == 0}
-            fully_shard(modules if len(modules) > 1 else modules[0], mesh=g.dp, reshard_after_forward=reshard,
-                        **({"ignored_params": empty} if empty else {}))
+    if fsdp:   # ZeRO-2/3: each unit's parameters sharded over the gradient replicas (the dp x cp mesh; with
+        # tp > 1 each tp rank's shards are sharded again over it), gathered around it
         for c, chunk in chunks.items():
             for unit, kept in P.UNITS[c]:
-                shard([chunk.layers[k] for k in unit], P.ZERO == 3 and not kept)
-            shard([chunk], False)   # the root: small runs, kept
+                modules = [chunk.layers[k] for k in unit]
+                data_parallel.shard_unit(modules if len(modules) > 1 else modules[0], mesh=g.dp,
+                                         reshard_after_forward=P.ZERO == 3 and not kept)
+            data_parallel.shard_unit(chunk, mesh=g.dp, reshard_after_forward=False)   # the root: small runs, kept
     if args.compile:
         for chunk in chunks.values():
             for module in (chunk.layers if fsdp else [chunk]):
@@ -181,8 +178,21 @@ def main():
         else:
             shared[:] = pipeline.share_losses(losses, pp_rank == P.PP - 1 and tp_rank == 0, P.DP, dp_rank,
                                               P.MICRO_BATCHES, device)
+    # ZeRO 0-1 with replicas: the gradients' bucketed all-reduce over them (as parallelize's), each chunk's
+    # buckets started as its last backward of the step runs (FSDP2 reduce-scatters its own)
+    reducer = data_parallel.GradReducer(data_parallel.dedupe([list(_named(chunks[c]).values()) for c in mine]),
+                                        g.dp.get_group(), REPLICAS, args.timeout) if not fsdp and REPLICAS > 1 else None
+
+    def before_backward(chunk, last):
+        if reducer is not None and last:
+            reducer.start(mine.index(chunk))
+
+    def after_backward(chunk):
+        if reducer is not None:
+            reducer.ended(mine.index(chunk))
     runner = pipeline.PipelineRunner(chunks, io, values, P.LOSS, pipeline.Topology(P.PP, stages, pp_rank), None,
-                                     None, pipeline.wait_for(args.timeout), device, after_forwards=share)
+                                     before_backward, pipeline.wait_for(args.timeout), device, after_forwards=share,
+                                     after_backward=after_backward)
     schedule = actions(P.SCHEDULE[pp_rank])
     batch_of = load(P.BATCH_FACTORY) if P.BATCH_FACTORY else (lambda step, n: batches.example_at(P.EXAMPLE, n))
     present = presenter(g, fsdp, shapes) if checkpointing else None
@@ -195,16 +205,13 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         runner.run(schedule, micro_batches(batch_of(step, P.GLOBAL_BATCH), dp_rank, cp_rank, device),
                    1.0 / P.MICRO_BATCHES)
-        for p in parameters:   # the mean over the replicas (FSDP2 reduce-scatters its own)
-            if not fsdp and REPLICAS > 1 and p.grad is not None:
-                dist.all_reduce(p.grad, group=g.group("dp"))
-                p.grad /= REPLICAS
-        for fqn in P.TP_PARTIAL:
-            if fqn in named:
-                _all_reduce_grad(named[fqn], g.group("tp"))
-        for fqn, stages in sorted(P.TIED.items()):
-            if fqn in named:
-                _all_reduce_grad(named[fqn], g.tied[tuple(stages)])
+        if reducer is not None:   # the mean over the replicas
+            reducer.finish()
+        # then the sums parallelize makes too: tensor-parallel partial gradients, then tied parameters
+        data_parallel.all_reduce_grads([(f"{fqn}'s tensor-parallel gradient", named[fqn], g.group("tp"))
+                                        for fqn in P.TP_PARTIAL if fqn in named], args.timeout)
+        data_parallel.all_reduce_grads([(f"tied parameter {fqn}'s gradient", named[fqn], g.tied[tuple(stages)])
+                                        for fqn, stages in sorted(P.TIED.items()) if fqn in named], args.timeout)
         work, losses = shared
         if work is not None:
             work.wait()
@@ -290,13 +297,6 @@ def resume(path, named, optimizer, present, shapes):
     dcp_state.load(state, path, saved, no_dist=False)
     fill()
     return int(state[dcp_state.STEPS])
-
-
-def _all_reduce_grad(param, group):
-    if param.grad is None:
-        param.grad = torch.zeros_like(param)
-    grad = param.grad
-    dist.all_reduce(grad.to_local() if hasattr(grad, "to_local") else grad, group=group)   # FSDP2: its shard
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ parallel ranks see different tokens of the same sequences, so their gradients ar
 together, as Megatron-Core does), expert weights over the ``dp * cp / ep`` ranks holding the
 same experts (expert_parallel.py); ZeRO shards over the same groups. Gradients (ZeRO 0-1) are
 all-reduced (ZeRO 1: reduce-scattered, then the updated weights all-gathered) once per step in
-buckets (``config.dp_bucket_bytes``: DDP's 25 MB, grown with the group as Megatron-Core grows
+buckets (``runtime.buckets.dp_bucket_bytes``: DDP's 25 MB, grown with the group as Megatron-Core grows
 them, one collective and one ring latency each) that overlap the backward pass of the last
 micro-batch. With ``o`` the fraction of a
 collective's time that compute issued meanwhile hides (``Link.overlap``: 1 for NCCL, measured
@@ -59,7 +59,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..cluster import Cluster
-from ..config import ParallelConfig, Precision, dp_bucket_bytes
+from ..config import ParallelConfig, Precision
+from ..runtime.buckets import dp_bucket_bytes
 from .comm import Collective, GroupPlacement, collective_lines, collective_time, place_axes
 from .compute import MeasuredTimes
 

@@ -37,7 +37,7 @@ from ..plan import Plan
 from ..plan.loss import PARALLELIZE, LossSource
 from ..plan.placement import Replicate, Shard, normal
 from ..runtime.context_state import ContextRank
-from ..runtime.data_parallel import GradReducer, Zero1Optimizer, local, shard_unit
+from ..runtime.data_parallel import GradReducer, Zero1Optimizer, dedupe, local, shard_unit
 from ..runtime.expert_parallel import shard_experts
 from ..runtime.experts import ExpertsModule
 from ..runtime.mesh import Coords, MeshGroups
@@ -227,7 +227,7 @@ def apply_data_parallel(setup: RankSetup, compiled: RankProgram, groups: MeshGro
     experts = compiled.program.expert_params
     named = [chunks[c.index].named_model_parameters() for c in compiled.chunks]
     dense = [[p for fqn, p in ps.items() if fqn not in experts] for ps in named]
-    reducers = [GradReducer(_dedupe(dense), groups.dp.get_group(), replicas, setup.timeout)]
+    reducers = [GradReducer(dedupe(dense), groups.dp.get_group(), replicas, setup.timeout)]
     if experts:
         expert = [[p for fqn, p in ps.items() if fqn in experts] for ps in named]
         reducers.append(GradReducer(expert, groups.group("edp"), replicas, setup.timeout))
@@ -283,16 +283,3 @@ def _bucket_starts(chunk: ChunkModule, buckets: Iterable[Iterable[Any]]) -> list
         for fqn in (*layer.own, *layer.shared, *experts):
             first.setdefault(id(params[fqn]), i)
     return sorted({min(first.get(id(p), 0) for p in bucket.params) for group in buckets for bucket in group})
-
-
-def _dedupe(per_chunk: list[list[nn.Parameter]]) -> list[list[nn.Parameter]]:
-    """A parameter shared by two chunks of this rank is reduced once, with the earlier chunk (whose
-    last backward comes last)."""
-    seen: set[int] = set()
-    out: list[list[nn.Parameter]] = [[] for _ in per_chunk]
-    for c in range(len(per_chunk)):
-        for p in per_chunk[c]:
-            if id(p) not in seen:
-                seen.add(id(p))
-                out[c].append(p)
-    return out

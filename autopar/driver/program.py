@@ -70,7 +70,7 @@ from ..errors import ConfigError, PlanMismatchError
 from ..plan import Plan
 from ..runtime.batches import slice_batch
 from ..runtime.context_ops import shard_inputs
-from ..runtime.data_parallel import local
+from ..runtime.data_parallel import all_reduce_grads, local
 from ..runtime.failures import at_step, non_finite_loss, wait_or_fail
 from ..runtime.mesh import Mesh
 from ..runtime.pipeline import ChunkIO, PipelineRunner, Topology, loss_slots
@@ -285,23 +285,11 @@ class Program:
             reducer.finish()
         # replicated parameters whose gradient each tp rank holds a part of (codegen/lower.py), summed
         # before the tied ones (a tied parameter can be both: one reduction at a time on a tensor)
-        works = []
         tp_group = self.tp_mesh.get_group() if self.tp_mesh is not None else None
-        for fqn in sorted(self.tp_partial & set(self.params)):
-            p = self.params[fqn]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            works.append((dist.all_reduce(local(p.grad), group=tp_group, async_op=True), fqn))
-        for work, fqn in works:
-            wait_or_fail(work, self.timeout, f"all_reduce of {fqn}'s tensor-parallel gradient", tp_group)
-        works = []
-        for fqn, group in self.tied:
-            p = self.params[fqn]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            works.append((dist.all_reduce(local(p.grad), group=group, async_op=True), fqn, group))
-        for work, fqn, group in works:
-            wait_or_fail(work, self.timeout, f"all_reduce of tied parameter {fqn}'s gradient", group)
+        all_reduce_grads([(f"{fqn}'s tensor-parallel gradient", self.params[fqn], tp_group)
+                          for fqn in sorted(self.tp_partial & set(self.params))], self.timeout)
+        all_reduce_grads([(f"tied parameter {fqn}'s gradient", self.params[fqn], group)
+                          for fqn, group in self.tied], self.timeout)
         for p, shard in self.shards:   # the local shards the optimizer steps (assembly.build_optimizer)
             shard.grad = None if p.grad is None else local(p.grad)
 

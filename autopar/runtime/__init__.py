@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 import shutil
 
-STANDALONE = ("batches", "collectives", "context_ops", "context_state", "dcp_state", "failures", "mesh", "optim",
-              "pipeline", "recompute", "ring_attention", "shard_ops", "sharded_init")
+STANDALONE = ("batches", "buckets", "collectives", "context_ops", "context_state", "data_parallel", "dcp_state",
+              "failures", "mesh", "optim", "pipeline", "recompute", "ring_attention", "shard_ops", "sharded_init")
 VENDORED = "autopar_runtime"
 """The package name a folder's copy has (not ``autopar``: it must not hide an installed autopar)."""
 

@@ -9,7 +9,7 @@ data parallelism and ZeRO-1 are done here rather than by ``DistributedDataParall
 - ``ZeroRedundancyOptimizer`` wants an optimizer class and keyword arguments and broadcasts
   whole tensors, not DTensor shards; ours takes the user's optimizer factory.
 
-:class:`GradReducer` puts parameters into buckets of ``config.dp_bucket_bytes`` (DDP's 25 MB,
+:class:`GradReducer` puts parameters into buckets of ``buckets.dp_bucket_bytes`` (DDP's 25 MB,
 grown with the group's size as Megatron-Core grows its buckets; the cost model prices the same
 buckets) in reverse registration
 order (about the order backward finishes them, as DDP does) and starts one asynchronous
@@ -39,7 +39,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
-from ..config import dp_bucket_bytes
+from .buckets import dp_bucket_bytes
 from .failures import wait_or_fail
 from .errors import ConfigError
 
@@ -68,6 +68,33 @@ def shard_unit(module: nn.Module | list[nn.Module], **kwargs) -> None:
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's data of a (possibly distributed) tensor."""
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def dedupe(per_chunk: list[list[nn.Parameter]]) -> list[list[nn.Parameter]]:
+    """A parameter shared by two chunks of this rank is reduced once, with the earlier chunk (whose last
+    backward comes last)."""
+    seen: set[int] = set()
+    out: list[list[nn.Parameter]] = [[] for _ in per_chunk]
+    for c in range(len(per_chunk)):
+        for p in per_chunk[c]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out[c].append(p)
+    return out
+
+
+def all_reduce_grads(items: Sequence[tuple[str, nn.Parameter, object]], timeout: float) -> None:
+    """Sum each ``(what, parameter, group)``'s gradient over its group (a replicated parameter whose gradient
+    each tensor-parallel rank holds a part of; a parameter several pipeline stages hold), every all-reduce
+    started before the first is waited on; a parameter without a gradient contributes zeros. Under FSDP2 or
+    tensor parallelism, this rank's data of the gradient."""
+    works = []
+    for what, p, group in items:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        works.append((dist.all_reduce(local(p.grad), group=group, async_op=True), what, group))
+    for work, what, group in works:
+        wait_or_fail(work, timeout, f"all_reduce of {what}", group)
 
 
 class _Bucket:

@@ -53,8 +53,8 @@ def source_case(rank: int, world: int, case: Case, plan_dict: dict) -> dict[str,
             spec.loader.exec_module(module)
         finally:
             sys.path.remove(folder)
-            for name in ("collectives", "shard_ops"):
-                sys.modules.pop(name, None)
+            for name in [n for n in sys.modules if n.split(".")[0] == "autopar_runtime"]:
+                sys.modules.pop(name)   # the folder's copy of the runtime library
     group = program.node_runner.group
     differ = []
     with torch.no_grad():

@@ -112,9 +112,8 @@ import torch.distributed as dist
 dist.init_process_group("gloo")
 for item in sys.argv[1:]:
     folder, losses = item.split("=")
-    for name in ("program", "pipeline", "collectives", "shard_ops", "dcp_state", "recompute", "optim", "batches",
-                 "context_ops", "context_state", "ring_attention", "failures", "sharded_init", "mesh"):
-        sys.modules.pop(name, None)
+    for name in [n for n in sys.modules if n == "program" or n.split(".")[0] == "autopar_runtime"]:
+        sys.modules.pop(name)   # this folder's own program.py and runtime library
     common = ["--loss-file", losses, "--timeout", "120"]
     ckpt = os.path.join(folder, "ckpt")
     # step 1 and a checkpoint, then a second run from it to the end
