@@ -23,6 +23,7 @@ and ``1/t``, so a narrow model checks it).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -31,6 +32,7 @@ import torch
 from autopar import Cluster, Precision
 from autopar.capture import capture
 from autopar.capture.fusion import for_kernels
+from autopar.capture.opgraph import OpKind
 from autopar.cost_model.comm import place_axes
 from autopar.cost_model.layer_cost import LayerCostModel
 from autopar.models import GPTConfig, build_gpt
@@ -40,6 +42,7 @@ FUSED = Precision(kernels="fused")
 S, H, A, F = 256, 256, 4, 688      # Llama's SwiGLU width F: not a multiple of h, to check its term
 
 
+@functools.lru_cache(maxsize=None)
 def _hf(family: str, attention: str, hidden: int = H, heads: int = A, seq: int = S):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers = pytest.importorskip("transformers")
@@ -59,6 +62,7 @@ def _hf(family: str, attention: str, hidden: int = H, heads: int = A, seq: int =
     return capture(model, {"input_ids": ids, "labels": ids})
 
 
+@functools.lru_cache(maxsize=None)
 def _own_gpt():
     cfg = GPTConfig(vocab_size=512, hidden=H, heads=A, layers=2, seq_len=S, dropout=0.1, attention="eager")
     model, inputs = build_gpt(cfg, batch_size=1, device="meta", dtype=torch.bfloat16)
@@ -108,3 +112,24 @@ def test_hf_gpt2_eager_tensor_and_sequence_parallel():
     h, heads, s, t = 2048, 16, 1024, 8
     graph = _hf("gpt2", "eager", hidden=h, heads=heads, seq=s)
     assert kept_per_sample(graph, t, True) == formula("gpt", s, h, t)
+
+
+@pytest.mark.parametrize("model", [*CASES, "own-gpt"], ids=lambda v: "-".join(v) if isinstance(v, tuple) else v)
+def test_core_is_what_the_runtime_checkpoints(model):
+    """The runtime recomputes each run of consecutive core ops of a layer under one checkpoint
+    (codegen/layers.py), which keeps the run's inputs, and the ops after it keep what they read of it;
+    the memory model frees what core ops save of values the core made. The two agree when each attention
+    is one run whose only value read after it is the attention's output (the value product's, or the
+    fused op's), not the s x s probabilities or scores."""
+    graph = _own_gpt() if model == "own-gpt" else _hf(*model)
+    for layer in (layer for layer in graph.layers if layer.is_block):
+        nodes = list(graph.layer_nodes(layer))
+        flags = "".join("c" if n.attention_core else "." for n in nodes)
+        runs = [run for run in flags.split(".") if run]
+        assert len(runs) == 1, flags                       # one attention per block, one run
+        core = {n.name for n in nodes if n.attention_core}
+        read_after = {src for n in nodes if not n.attention_core for src in n.inputs if src in core}
+        assert len(read_after) == 1
+        out = graph.node(read_after.pop())
+        assert out.kind is OpKind.ATTENTION or (out.kind is OpKind.MATMUL and not out.params)
+        assert out.outputs[0].shape[-1] == H // A          # per head: (b, heads, s, d), not (b, heads, s, s)
