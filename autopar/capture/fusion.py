@@ -73,12 +73,55 @@ def for_kernels(graph: OpGraph, kernels: str) -> OpGraph:
 
 def kernel_saves(graph: OpGraph, saves: str) -> OpGraph:
     """``graph`` with each op's ``saved`` as a ``saves`` ("fused" | "compiled") program keeps it (module
-    docstring)."""
+    docstring). The cut is solved once per layer signature: a repeated block's is its first one's with
+    the names of its own values (:func:`_renamed`), or solved anew where they do not correspond."""
     saved: dict[str, tuple[SavedTensor, ...]] = {}
+    solved: dict[str, tuple[list[OpNode], dict[str, tuple[SavedTensor, ...]]]] = {}
     for layer in graph.layers:
-        saved.update(_layer(graph, [graph.nodes[i] for i in layer.nodes], saves))
+        nodes = [graph.nodes[i] for i in layer.nodes]
+        first = solved.get(layer.signature)
+        out = _renamed(graph, *first, nodes) if first is not None else None
+        if out is None:
+            out = _layer(graph, nodes, saves)
+            solved.setdefault(layer.signature, (nodes, out))
+        saved.update(out)
     return replace(graph, saves=saves, nodes=tuple(replace(n, saved=saved[n.name]) if n.name in saved else n
                                                    for n in graph.nodes))
+
+
+def _renamed(graph: OpGraph, first: list[OpNode], cut: dict[str, tuple[SavedTensor, ...]],
+             nodes: list[OpNode]) -> dict[str, tuple[SavedTensor, ...]] | None:
+    """``cut`` (the saves of the layer of ``first``'s ops) as the layer of ``nodes`` (same signature)
+    keeps it: each name replaced by the one in the same place of ``nodes`` (the op, its inputs, its
+    saves), when every name has one counterpart and the values weigh alike; None otherwise."""
+    if len(first) != len(nodes):
+        return None
+    names: dict[str, str] = {}
+    pairs = [(a.name, b.name) for a, b in zip(first, nodes)]
+    for a, b in zip(first, nodes):
+        if len(a.inputs) != len(b.inputs) or len(a.saved) != len(b.saved):
+            return None
+        pairs += zip(a.inputs, b.inputs)
+        pairs += ((x.root.split(":")[0], y.root.split(":")[0]) for x, y in zip(a.saved, b.saved))
+    for x, y in pairs:
+        if names.setdefault(x, y) != y:
+            return None
+    for x, y in names.items():
+        vx, vy = _value(graph, x), _value(graph, y)
+        if (vx.numel, vx.dtype, vx.batch_dependent) != (vy.numel, vy.dtype, vy.batch_dependent) or \
+                names.get(vx.root) != vy.root:
+            return None
+    out = {}
+    for a, b in zip(first, nodes):
+        if a.name in cut:
+            kept = []
+            for st in cut[a.name]:
+                base, colon, what = st.root.partition(":")
+                if base not in names:
+                    return None
+                kept.append(replace(st, root=names[base] + colon + what))
+            out[b.name] = tuple(kept)
+    return out
 
 
 def _extra(st: SavedTensor) -> bool:

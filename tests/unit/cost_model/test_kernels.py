@@ -12,7 +12,8 @@ import torch
 import autopar
 from autopar import Cluster, ParallelConfig, Precision
 from autopar.capture import capture
-from autopar.capture.fusion import RECOMPUTABLE, for_kernels
+from autopar.capture import fusion
+from autopar.capture.fusion import RECOMPUTABLE, SAVES, for_kernels
 from autopar.capture.opgraph import OpKind
 from autopar.cost_model.compute import FUSED_ATTENTION_BACKWARD, ComputeModel, fused_ops
 from autopar.cost_model.memory import saved_owner
@@ -96,6 +97,22 @@ def test_cut_recomputes_only_from_what_it_keeps(llama, gpt, kernels):
         assert for_kernels(graph, "eager") is graph   # autograd's saves
         with pytest.raises(ValueError):
             for_kernels(fused, "eager")
+
+
+@pytest.mark.parametrize("kernels", ["fused", "compiled"])
+def test_repeated_blocks_take_their_first_ones_cut(llama, gpt, kernels, monkeypatch):
+    """The cut is solved once per layer signature; every other layer's is the first one's renamed, equal
+    to solving it anew."""
+    for graph in (llama, gpt):
+        solve = fusion._layer
+        calls = []
+        monkeypatch.setattr(fusion, "_layer", lambda *a: calls.append(1) or solve(*a))
+        cut = fusion.kernel_saves(graph, SAVES[kernels])
+        monkeypatch.setattr(fusion, "_layer", solve)
+        assert len(calls) == len({layer.signature for layer in graph.layers}) < len(graph.layers)
+        for layer in graph.layers:
+            direct = solve(graph, [graph.nodes[i] for i in layer.nodes], SAVES[kernels])
+            assert {name: cut.node(name).saved for name in direct} == direct
 
 
 def test_gpt_compiled_drops_what_compiled_kernels_recompute(gpt):
