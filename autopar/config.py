@@ -232,9 +232,9 @@ class Precision:
     kernels: Kernels = "eager"
     """How the ops run, which decides the bytes they move and keep for backward: "eager" (PyTorch
     eager, what ``parallelize`` runs: one kernel per op, autograd keeping what each op's backward
-    reads); "fused" (element-wise chains as single kernels that keep what the ops they fuse would
-    keep: Megatron-LM's and Apex's hand-written fused kernels, whose activations Korthikanti et al.
-    count); "compiled" (torch.compile: fused chains that keep only a minimum cut of each layer's
+    reads); "fused" (element-wise chains as single kernels that keep their inputs and recompute the rest
+    in backward, the ops around them keeping what autograd keeps: Megatron-LM's and Apex's hand-written
+    fused kernels, whose activations Korthikanti et al. count; capture/fusion.py); "compiled" (torch.compile: fused chains that keep only a minimum cut of each layer's
     values and recompute the rest inside the backward kernels; capture/fusion.py). Not searched:
     it is how the program is built, as the dtypes are."""
 

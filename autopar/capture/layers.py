@@ -10,9 +10,16 @@ another module. Layers are contiguous in graph order, which is what a pipeline c
 needs. Layers whose ops, shapes and parameter shapes agree share a ``signature``:
 "96 identical decoder layers" is one signature counted 96 times.
 
-Attention cores. Selective recomputation (Korthikanti et al.) drops the tensors of
-the attention core: everything from the scores product ``Q K^T`` (a matmul of two
-activations) up to, not including, the next product of two activations ``P V``.
+Attention cores. Selective recomputation (Korthikanti et al.; Megatron-LM's
+``--recompute-granularity selective``, which checkpoints its ``CoreAttention``) recomputes the
+attention core and keeps its inputs (Q, K, V) and its output: written with explicit ops, everything
+from the scores product ``Q K^T`` (a matmul of two activations) through what follows it in the layer
+(scale, mask add, ``masked_fill`` or the causal mask's ``where``, softmax, casts, dropout) up to and
+including the next product of two activations ``P V``; a fused attention op
+(``scaled_dot_product_attention``) is a core by itself (Megatron with flash attention checkpoints it
+the same way). Parameter-free ops between them that only the core reads (a causal mask built there)
+join it, so that the core is one run of ops. The structure decides, not the model: any attention implementation that computes these
+ops is recognised.
 """
 
 from __future__ import annotations
@@ -147,25 +154,26 @@ def _is_activation_product(node: OpNode, weights: set[str]) -> bool:
 
 
 def attention_cores(nodes: Sequence[OpNode], owner: Mapping[str, int]) -> set[str]:
-    """Names of nodes inside unfused attention cores (scores product up to the value product)."""
+    """Names of the nodes of attention cores (module docstring): each fused attention op, and each
+    scores product with the ops after it up to and including the value product."""
     weights = weight_operands(nodes)
     consumers: dict[str, list[OpNode]] = {}
     for n in nodes:
         for src in n.inputs:
             consumers.setdefault(src, []).append(n)
-    core: set[str] = set()
+    core: set[str] = {n.name for n in nodes if n.kind is OpKind.ATTENTION}
     closing: set[str] = set()
     for start in nodes:
         if not _is_activation_product(start, weights) or start.name in closing:
             continue
-        region, frontier, end = {start.name}, [start], None
+        region, frontier, ends = {start.name}, [start], set()
         while frontier:
             node = frontier.pop()
             for nxt in consumers.get(node.name, []):
                 if nxt.name in region or owner.get(nxt.name) != owner.get(start.name):
                     continue
                 if _is_activation_product(nxt, weights):
-                    end = nxt
+                    ends.add(nxt.name)
                     continue
                 if nxt.params:
                     region = set()
@@ -173,7 +181,20 @@ def attention_cores(nodes: Sequence[OpNode], owner: Mapping[str, int]) -> set[st
                     break
                 region.add(nxt.name)
                 frontier.append(nxt)
-        if end is not None and region:
-            core |= region
-            closing.add(end.name)
+        if ends and region:
+            core |= _with_feeders(region | ends, nodes, consumers)
+            closing |= ends
     return core
+
+
+def _with_feeders(region: set[str], nodes: Sequence[OpNode], consumers: Mapping[str, list[OpNode]]) -> set[str]:
+    """``region`` with the parameter-free ops inside its span of graph order that only it reads (a causal
+    mask built between the scores and the softmax: ``ones``, ``triu``), so that the core is one run of
+    ops, which the runtime recomputes as one checkpoint (codegen/layers.py) keeping only its inputs."""
+    span = [i for i, n in enumerate(nodes) if n.name in region]
+    out = set(region)
+    for n in reversed(nodes[span[0]:span[-1] + 1]):
+        users = consumers.get(n.name, [])
+        if n.name not in out and not n.params and users and all(u.name in out for u in users):
+            out.add(n.name)
+    return out

@@ -134,7 +134,7 @@ class OpNode:
     module_type: str
     layer: int                        # index into OpGraph.layers
     gemm: Gemm | None = None
-    attention_core: bool = False      # inside an unfused attention core (selective recompute drops it)
+    attention_core: bool = False      # in an attention core (capture/layers.py): selective recompute reruns it
     # Per activation input (``inputs`` order): for each output dim, the input dim it comes from, -1 for
     # none (new, broadcast, merged-inner or contracted dims); ``()`` when capture does not know the op.
     dims: tuple[tuple[int, ...], ...] = ()

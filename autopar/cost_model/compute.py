@@ -22,7 +22,8 @@ short sequence) cannot fill the tensor cores.
 Element-wise chains (softmax included) run fused under ``Precision.kernels`` "fused" and
 "compiled", as Megatron-LM's fused kernels and torch.compile run them: an element-wise op whose
 only consumer is another element-wise op of the same size writes nothing to memory, and its
-consumer does not read it back, unless the program keeps it for backward (:func:`fused_ops`).
+consumer does not read it back, unless the program keeps it for backward (:func:`fused_ops`; what
+each program keeps: capture/fusion.py).
 Eager kernels (the default) write and read back every op's output.
 Backward moves about twice the forward bytes (read the output gradient and the saved
 tensors, write the input gradient). Views cost nothing.

@@ -14,7 +14,9 @@ each storage counted once and charged to the first layer that saves it, at the t
 precision (floating tensors of the model's dtype at 2 bytes in bf16, a float32 copy the model
 makes on purpose at 4; masks 1 byte). Tensor parallelism divides a tensor in the split region by ``t``; sequence
 parallelism divides the replicated region by ``t`` as well. Selective recomputation
-drops the attention core's tensors; full recomputation keeps only the tensors that
+drops what the attention core's ops save of the values the core computes (capture/layers.py: from
+``Q K^T`` through the value product, or a fused attention op), keeping its inputs and what the ops
+after it save, as the runtime's checkpoint of the core does; full recomputation keeps only the tensors that
 enter the layer from outside; per-op recomputation ("op", runtime/recompute.py) keeps those
 and the outputs of :func:`op_kept`'s nodes (every second matrix product, fused attention). For
 the Megatron GPT layer this reproduces Korthikanti et al. Table 2: ``sbh(34 + 5as/h)`` and its TP/SP/recompute variants.
@@ -92,10 +94,14 @@ class ActivationModel:
     sequence_parallel: bool = False
     _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
-    def _saved_in(self, layer: Layer, owner: Mapping[str, int]) -> Iterable[SavedTensor]:
+    def _saved_in(self, layer: Layer, owner: Mapping[str, int], selective: bool = False) -> Iterable[SavedTensor]:
+        """The tensors ``layer``'s ops save, each storage once; ``selective``: but those an attention
+        core's op saves of a value the core computes (:meth:`_recomputed`)."""
         seen: set[str] = set()
         for node in self.graph.layer_nodes(layer):
             for st in node.saved:
+                if selective and self._recomputed(node.name, st.root):
+                    continue
                 if st.root not in seen and owner.get(st.root) == layer.index:
                     seen.add(st.root)
                     yield st
@@ -116,9 +122,8 @@ class ActivationModel:
     def _list(self, what: str, layer: Layer, owner: Mapping[str, int] | None) -> Iterable[tuple]:
         graph, per = self.graph, self.precision.activation_bytes
         if what in ("none", "selective"):
-            for st in self._saved_in(layer, owner):
-                if what == "none" or not self._in_core(st.root):
-                    yield self._term(st.root, st, per)
+            for st in self._saved_in(layer, owner, what == "selective"):
+                yield self._term(st.root, st, per)
         elif what == "boundary":
             for name in layer.inputs:
                 if name in graph.node_index:
@@ -157,9 +162,15 @@ class ActivationModel:
         """Bytes of the activations entering ``layer`` from earlier layers (what full recompute keeps)."""
         return self._sum(self._terms("boundary", layer), batch_scale)
 
-    def _in_core(self, root: str) -> bool:
-        name = root.split(":")[0]
-        return name in self.graph.node_index and self.graph.node(name).attention_core
+    def _recomputed(self, saver: str, root: str) -> bool:
+        """Whether selective recomputation frees ``root`` as node ``saver`` saves it: the saver is in an
+        attention core and so is the op that made ``root`` (or the op whose internal tensor it is, a
+        dropout mask, a log-sum-exp). The core runs under a checkpoint: its ops keep nothing, the
+        checkpoint keeps the core's inputs (Q, K, V: made outside it) and an op after the core keeps its
+        output as it would anyway (the value product's output, read by the output projection)."""
+        graph, name = self.graph, root.split(":")[0]
+        return (graph.node(saver).attention_core and name in graph.node_index
+                and graph.node(name).attention_core)
 
     def largest_tensor(self, layers: Iterable[Layer], batch_scale: float) -> float:
         """Bytes of the largest activation any op of these layers produces (a gradient buffer's size)."""

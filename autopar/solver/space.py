@@ -139,8 +139,9 @@ def divisors(n: int) -> list[int]:
 def recompute_modes(graph: OpGraph, fixed: Mapping[str, Any]) -> tuple[str, ...]:
     """Modes worth trying: the pinned ones when ``stage_recompute`` or ``recompute`` is pinned; else
     "none", "full" and one mode between them: "selective" when the graph has an unfused attention
-    core (what it recomputes), "op" when it has not (a fused attention keeps no core to drop, and
-    per-op recomputation is what such programs run between none and full, torchtitan's default)."""
+    core (its s x s scores are what it drops), "op" when it has not (a fused attention's core keeps
+    only its output and log-sum-exp, and per-op recomputation is what such programs run between none
+    and full, torchtitan's default)."""
     if fixed.get("stage_recompute"):
         return tuple(dict.fromkeys(fixed["stage_recompute"]))
     if fixed.get("recompute_layers"):

@@ -74,8 +74,13 @@ SELECTIVE = [Case("gpt-recompute_selective", "gpt", {**BASE, "tp": 2, "micro_bat
 # tp2_sp case; the same plan without recomputation runs in make bench.
 SELECTIVE += [Case("llama-tp2_sp_recompute_op", "llama", {**BASE, "tp": 2, "micro_batch_size": 2,
                                                           "sequence_parallel": True, "recompute": "op"}, 2)]
+# A fused attention is an attention core too (capture/layers.py): selective recomputation checkpoints the
+# SDPA call (with sequence parallelism's gathers before it), and under context parallelism the ring.
+SELECTIVE += [Case("gpt-sdpa-tp2_sp_selective", "gpt-sdpa-2l", {**BASE, "tp": 2, "micro_batch_size": 2,
+                                                                "sequence_parallel": True, "recompute": "selective"}, 2)]
 if ALL_CASES:   # the ring's transfers rerun in the backward, its attention blocks kept
-    SELECTIVE += [Case("gpt-sdpa-cp2_recompute_op", "gpt-sdpa", {**BASE, "cp": 2, "recompute": "op"}, 2)]
+    SELECTIVE += [Case("gpt-sdpa-cp2_recompute_op", "gpt-sdpa", {**BASE, "cp": 2, "recompute": "op"}, 2),
+                  Case("gpt-sdpa-cp2_selective", "gpt-sdpa-2l", {**BASE, "cp": 2, "recompute": "selective"}, 2)]
 # Recomputing only the first blocks of each chunk (recompute_layers): interleaved chunks, and one
 # whole-model chunk with data parallelism.
 PARTIAL = [Case("gpt-recompute_layers_interleaved", "gpt", {**BASE, "pp": 2, "schedule": "interleaved",

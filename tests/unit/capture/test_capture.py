@@ -228,21 +228,28 @@ def test_gpt_block_activations_match_korthikanti(gpt_eager) -> None:
         assert total == pytest.approx(korthikanti, rel=0.02)
         assert total == korthikanti + 8 * S * B + S * S
         # Selective recomputation drops the attention core: softmax output (2 as^2 b), dropout
-        # mask (as^2 b) and dropout output (2 as^2 b), leaving Korthikanti's 34 sbh.
+        # mask (as^2 b) and dropout output (2 as^2 b), and the causal mask built inside it (s^2),
+        # leaving Korthikanti's 34 sbh and the norms' statistics.
         selective = acts.layer_bytes(layer, "selective", 1.0, owner)
-        assert selective == total - 5 * A * S * S * B
+        assert selective == total - 5 * A * S * S * B - S * S == 34 * sbh + 8 * S * B
         assert acts.layer_bytes(layer, "full", 1.0, owner) == 2 * sbh  # the block's input only
 
 
-def test_attention_core_eager_only(gpt_eager, gpt_sdpa) -> None:
+def test_attention_core_eager_and_sdpa(gpt_eager, gpt_sdpa) -> None:
+    """The core selective recomputation reruns (Megatron's CoreAttention): from the scores product through
+    softmax and dropout to the value product, or the fused attention op; the projections stay outside."""
     _, eager = gpt_eager
     _, sdpa = gpt_sdpa
     for layer in (layer for layer in eager.layers if layer.is_block):
-        core = {n.kind for n in eager.layer_nodes(layer) if n.attention_core}
-        assert {OpKind.SOFTMAX, OpKind.DROPOUT} <= core
-        # The projections and the two attention matmuls' boundaries stay outside the core.
-        assert not any(n.attention_core for n in eager.layer_nodes(layer) if n.params)
-    assert not any(n.attention_core for n in sdpa.nodes)
+        nodes = list(eager.layer_nodes(layer))
+        core = {n.kind for n in nodes if n.attention_core}
+        assert {OpKind.SOFTMAX, OpKind.DROPOUT, OpKind.MATMUL} <= core
+        products = [n for n in nodes if n.kind is OpKind.MATMUL and not n.params]
+        assert len(products) == 2 and all(n.attention_core for n in products)   # Q K^T and P V
+        assert not any(n.attention_core for n in nodes if n.params)
+    for layer in (layer for layer in sdpa.layers if layer.is_block):
+        core = [n for n in sdpa.layer_nodes(layer) if n.attention_core]
+        assert [n.kind for n in core] == [OpKind.ATTENTION]
 
 
 # --- Hugging Face models with the KV cache on --------------------------------------------------
