@@ -41,7 +41,9 @@ bench: $(STAMP)
 	$(PIP_INSTALL) -e ".[dev,stacks]"
 	AUTOPAR_REQUIRE_STACKS=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/unit/exports
 	$(PY) bench/fidelity_published.py
+	$(PY) bench/fidelity_split.py
 	$(PY) bench/activation_memory.py
+	$(PY) bench/selective_recompute.py
 	$(PY) bench/capture_175b.py
 	$(PY) bench/capture_repeat.py
 	$(PY) bench/standalone_emit.py
