@@ -99,7 +99,11 @@ class _OwnGradient(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.clone(memory_format=torch.contiguous_format) if grad._use_count() > 1 else grad
+        # compiled (dynamo traces this backward into the layer's graph), the count is not a value it can trace
+        # (reading it broke the graph at every parameter): the copy is then made always, which is never wrong
+        if torch.compiler.is_compiling() or grad._use_count() > 1:
+            return grad.clone(memory_format=torch.contiguous_format)
+        return grad
 
 
 def local_shard(param: Any) -> Any:

@@ -67,3 +67,27 @@ def test_a_gradient_nothing_else_holds_is_not_copied(mesh):
     finally:
         chunk._OwnGradient.backward = staticmethod(own)
     assert copies == [False]
+
+
+def test_compiled_the_shared_gradients_are_own_and_the_graph_whole(mesh):
+    """Under torch.compile the layer's graph is not broken at each parameter (dynamo cannot trace the
+    reference count: every tensor-parallel parameter split the compiled layer), and the gradients are
+    still each parameter's own."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    torch.manual_seed(0)
+    values = [torch.randn(1, 1, 4), torch.randn(1, 3, 4), torch.randn(1, 3, 4), torch.randn(1, 3, 4)]
+    plain = [torch.nn.Parameter(v.clone()) for v in values]
+    sharded = [torch.nn.Parameter(distribute_tensor(v.clone(), mesh, [Replicate()])) for v in values]
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *ps_x: _class_token(*(local_shard(p) for p in ps_x[:4]), ps_x[4]),
+                             backend="aot_eager", fullgraph=True)   # fullgraph: a graph break raises
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(1, 3, 4, generator=g)
+    for _ in range(3):
+        x = torch.randn(1, 2, 4, generator=g)
+        (compiled(*sharded, x) * weight).sum().backward()
+    got = [p.grad.to_local() for p in sharded]
+    want = _grads(plain, lambda p: p)
+    for w, gr in zip(want, got):
+        torch.testing.assert_close(gr, w, rtol=0, atol=1e-6)
+    assert len({gr.untyped_storage().data_ptr() for gr in got}) == len(got)
