@@ -26,7 +26,7 @@ rank's process group, so the drivers do it with theirs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from torch import nn
@@ -184,6 +184,7 @@ def compile_program(plan: Plan, exported: Any, model: nn.Module) -> CompiledProg
     moe = {r.output: (r.hidden_input, r.index_input, r.weight_input) for r in regions}
     lowered = lower(split.node_map, graph, split.chunks, specs, split.param_of, dims, cfg.tp, moe) \
         if cfg.tp > 1 else None
+    # what is decided so far; the context analysis, the chunks and the cut values complete it below
     compiled = CompiledProgram(plan, graph, split, specs, dims, lowered, None, regions, (), {},
                                schedules.build(cfg.schedule, cfg.pp, plan.micro_batches, cfg.virtual_stages))
     if regions:
@@ -197,8 +198,7 @@ def compile_program(plan: Plan, exported: Any, model: nn.Module) -> CompiledProg
     chunks = tuple(_chunk(spec, compiled, lowered) for spec in split.chunks)
     tokens = context.local_shape if context is not None else None
     values = cut_values(split, graph, compiled.crossing, cfg.tp, tokens)
-    return CompiledProgram(plan, graph, split, specs, dims, lowered, context, regions, chunks, values,
-                           compiled.schedule)
+    return replace(compiled, context=context, chunks=chunks, values=values)
 
 
 def compile_rank(plan: Plan, exported: Any, rank: int, model: nn.Module) -> RankProgram:
