@@ -7,10 +7,11 @@ device mesh, tp innermost (runtime/mesh.py: the layout and the groups the cost m
 1. exports the model at one micro-batch, in the mode it is in (``model.train()`` / ``model.eval()``, per
    module, as DDP and FSDP respect it), and checks it is the plan's model (its structure:
    capture/structure.py), whatever device and example batch the plan was made on and from;
-2. cuts the graph into the plan's chunks (codegen/split.py) and builds the ones of its pipeline
-   stage (chunk ``c`` runs on stage ``c mod pp``): each layer's generated code (codegen/layers.py,
-   lowered for tensor parallelism by codegen/lower.py), with parameters copied from the model,
-   tensor-parallel ones distributed with the plan's split dims (assembly.py builds all this);
+2. compiles its share (codegen/compile.py ``compile_rank``: the graph cut into the plan's chunks,
+   each op lowered for tensor parallelism, the chunks of its pipeline stage, ``c mod pp``, and its
+   actions) and builds those chunks: each layer's generated code (codegen/layers.py) with parameters
+   copied from the model, tensor-parallel ones distributed with the plan's split dims (assembly.py's
+   steps, each a function: export_model, apply_mesh, apply_tensor_parallel, build_chunks, ...);
 3. sets up data parallelism: the bucketed all-reduce of data_parallel.py (ZeRO 0 and 1, the
    latter with its partitioned optimizer), or FSDP2 ``fully_shard`` on every layer and chunk
    (ZeRO-2: ``reshard_after_forward=False`` and no resharding between the step's micro-batches,
