@@ -27,6 +27,7 @@ rank's process group, so the drivers do it with theirs.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, Mapping
 
 from torch import nn
@@ -113,26 +114,26 @@ class CompiledProgram:
     def mesh(self) -> Mesh:
         return Mesh.of(self.plan.config)
 
-    @property
+    @cached_property
     def expert_params(self) -> frozenset[str]:
         return frozenset(p for r in self.regions for p in (r.gate_up, r.down))
 
-    @property
+    @cached_property
     def moe_inputs(self) -> dict[str, tuple[str, str, str]]:
         """Region output node -> its (tokens, expert ids, weights) inputs."""
         return {r.output: (r.hidden_input, r.index_input, r.weight_input) for r in self.regions}
 
-    @property
+    @cached_property
     def asserts(self) -> frozenset[str]:
         """Metadata asserts (ops.SKIPPED_TARGETS): no rank runs them."""
         return frozenset(name for name, n in self.split.node_map.items() if str(n.target) in SKIPPED_TARGETS)
 
-    @property
+    @cached_property
     def region_skip(self) -> frozenset[str]:
         """Every node of a region run as one call but its output: not run."""
         return frozenset(name for r in self.regions for name in r.nodes if name != r.output)
 
-    @property
+    @cached_property
     def skipped(self) -> frozenset[str]:
         """Nodes no rank runs."""
         return self.asserts | self.region_skip
@@ -142,6 +143,7 @@ class CompiledProgram:
         always whole)."""
         return R if value == self.split.loss else cut_spec(self.specs.get(value))
 
+    @cached_property
     def holders(self) -> dict[str, tuple[int, ...]]:
         """Parameter fqn -> the pipeline stages holding it (two for a tied embedding and head)."""
         out: dict[str, set[int]] = {}
@@ -181,12 +183,12 @@ def compile_program(plan: Plan, exported: Any, model: nn.Module) -> CompiledProg
     split = split_graph(exported, graph, plan_chunks(plan), param_aliases(model))
     specs, dims = plan_specs(plan, graph)
     regions = tuple(graph.moe) if (cfg.ep > 1 or cfg.cp > 1) else ()
-    moe = {r.output: (r.hidden_input, r.index_input, r.weight_input) for r in regions}
+    # what is decided so far; the lowering, the context analysis, the chunks and the cut values complete it below
+    compiled = CompiledProgram(plan, graph, split, specs, dims, None, None, regions, (), {},
+                               schedules.build(cfg.schedule, cfg.pp, plan.micro_batches, cfg.virtual_stages))
+    moe = compiled.moe_inputs
     lowered = lower(split.node_map, graph, split.chunks, specs, split.param_of, dims, cfg.tp, moe) \
         if cfg.tp > 1 else None
-    # what is decided so far; the context analysis, the chunks and the cut values complete it below
-    compiled = CompiledProgram(plan, graph, split, specs, dims, lowered, None, regions, (), {},
-                               schedules.build(cfg.schedule, cfg.pp, plan.micro_batches, cfg.virtual_stages))
     if regions:
         layer_of = {name: layer.index for chunk in split.chunks for layer in chunk.layers for name in layer.nodes}
         check_regions(regions, split.node_map, layer_of, split.param_of, cfg.ep, cfg.cp, compiled.asserts)
@@ -198,7 +200,7 @@ def compile_program(plan: Plan, exported: Any, model: nn.Module) -> CompiledProg
     chunks = tuple(_chunk(spec, compiled, lowered) for spec in split.chunks)
     tokens = context.local_shape if context is not None else None
     values = cut_values(split, graph, compiled.crossing, cfg.tp, tokens)
-    return replace(compiled, context=context, chunks=chunks, values=values)
+    return replace(compiled, lowered=lowered, context=context, chunks=chunks, values=values)
 
 
 def compile_rank(plan: Plan, exported: Any, rank: int, model: nn.Module) -> RankProgram:

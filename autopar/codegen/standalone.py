@@ -250,7 +250,7 @@ def _constants(compiled: CompiledProgram, record: dict, unset: dict[str, str]) -
     seeds = {name: (s.dim, s.seq, s.outer, s.inner) for name, s in context.inputs.items()} if context else {}
     stage_params = {p: sorted({f for c in split.chunks if c.index % cfg.pp == p for f in c.params})
                     for p in range(cfg.pp)}
-    ties = {f: list(s) for f, s in compiled.holders().items() if len(s) > 1}
+    ties = {f: list(s) for f, s in compiled.holders.items() if len(s) > 1}
     inputs = _input_keys(record, split)
     units = {c.index: _units(c, graph) for c in compiled.chunks}
     dims = compiled.param_dims

@@ -101,7 +101,7 @@ def apply_mesh(setup: RankSetup, compiled: RankProgram) -> MeshGroups:
     """Every process group of this rank: the (pp, dp, cp, tp) device mesh, expert parallelism's groups when MoE
     regions run as one call (ep > 1 or cp > 1), a group per set of pipeline stages holding the same parameter."""
     program = compiled.program
-    tied = [h for h in program.holders().values() if len(h) > 1]
+    tied = [h for h in program.holders.values() if len(h) > 1]
     return program.mesh.build(setup.device.type, experts=bool(program.regions), tied=tied)
 
 
@@ -239,7 +239,7 @@ def apply_data_parallel(setup: RankSetup, compiled: RankProgram, groups: MeshGro
 
 def tied_groups(compiled: RankProgram, groups: MeshGroups, params: dict[str, nn.Parameter]) -> list[tuple[str, Any]]:
     """Each parameter this rank holds that several pipeline stages hold, with the group of those stages' ranks."""
-    return [(fqn, groups.tied[h]) for fqn, h in sorted(compiled.program.holders().items())
+    return [(fqn, groups.tied[h]) for fqn, h in sorted(compiled.program.holders.items())
             if h in groups.tied and fqn in params]
 
 

@@ -180,7 +180,7 @@ class Program:
                                                                     self.compile)
         # what the training methods read
         self.my_chunks = [chunk.index for chunk in compiled.chunks]
-        self.holders = compiled.program.holders()
+        self.holders = compiled.program.holders
         self.expert_fqns = compiled.program.expert_params
         self.tp_partial = compiled.program.lowered.partial_params if compiled.program.lowered is not None \
             else frozenset()
