@@ -64,6 +64,7 @@ def test_summary_and_explain_show_the_interval(residuals) -> None:
     assert (iv.low, iv.high) == pytest.approx(bounds(9.9), rel=1e-12)
     assert f"  error bar      80% interval {step_range(iv)} (A100: 10 published validation runs)" in plan.summary()
     assert f"between {step_range(iv)} (A100: 10" in plan.explain()
+    assert f"step 80% interval {step_range(iv)} (A100: 10" in plan._repr_html_()
     cpu = handmade("1x2xcpu", tp=1)
     assert "  error bar      no interval: no published validation run covers 'cpu'" in cpu.summary()
     assert "How sure: no interval." in cpu.explain()
