@@ -50,9 +50,9 @@ def _error_bar(plan: Plan) -> str:
     if not iv.known:
         return (f"How sure: no interval. The step time is the cost model's prediction, and {iv.basis}; measure "
                 "a few steps before relying on it.")
-    return (f"How sure: {iv.coverage:.0%} of published validation runs (sources no constant was fitted on) measured "
-            f"within the errors that put this step between {step_range(iv)} ({iv.basis}); plan.compare() says "
-            "whether a difference from another plan is within the model's error.")
+    return (f"How sure: a run would measure {step_range(iv)} per step, {iv.coverage:.0%} of the time, if the cost "
+            f"model errs here as it did on published runs no constant was fitted on ({iv.basis}); plan.compare() "
+            "says whether a difference from another plan is within that error.")
 
 
 def _time(plan: Plan) -> str:
