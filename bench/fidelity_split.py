@@ -17,7 +17,11 @@ configuration autopar ranks fastest measured than the fastest measured one.
 
 Targets (issue 50), on validation: median |error| <= 8%, p90 <= 15%; every sweep Spearman >= 0.9 and
 regret <= 5%. Exits 1 on a miss (and on a row that cannot be priced). Reads nothing outside the repo.
-Run: .venv/bin/python bench/fidelity_split.py [--json bench/results/fidelity_split.json]
+
+The validation rows' signed errors are the residuals autopar's error bars read (autopar/plan/interval.py):
+``--write-residuals`` writes them to autopar/plan/residuals.json; without it the run checks that file
+against what it priced and exits 1 when they differ beyond float noise (the model changed: rewrite it).
+Run: .venv/bin/python bench/fidelity_split.py [--json bench/results/fidelity_split.json] [--write-residuals]
 """
 
 from __future__ import annotations
@@ -35,12 +39,15 @@ import numpy as np
 
 import autopar
 from autopar.config import ParallelConfig
+from autopar.plan import interval
+from autopar.presets import DEVICE_PRESETS
 from autopar.solver import price
-from published import Row, cluster_of, graph_of, load_rows, load_split, plan_row
+from published import CONSTANT_FAMILIES, Row, cluster_of, graph_of, load_rows, load_split, plan_row
 
 MEDIAN, P90, SPEARMAN, REGRET = 0.08, 0.15, 0.9, 0.05
 # The fields a configuration must publish to be priced as it ran (schedule only matters with pp > 1).
 PINNED = ("dp", "tp", "pp", "cp", "micro_batch_size", "zero", "recompute", "sequence_parallel")
+RESIDUAL_NOISE = 1e-4   # |change| of a row's error taken as noise (0.01 points; intervals print 3 digits)
 
 
 @dataclass(frozen=True)
@@ -113,9 +120,50 @@ def summary(label: str, rows: list[Priced]) -> tuple[float, float]:
     return med, q90
 
 
+def residuals_document(priced: list[Priced]) -> dict:
+    """autopar/plan/residuals.json's content: every priced validation row's signed error, and every GPU
+    preset's family (the CPU preset holds placeholder constants no published run validates)."""
+    rows = [dict(id=p.row.name, source=p.row.source, device=cluster_of(p.row).device.name, family=p.row.family,
+                 sweep=p.row.sweep, error=p.error)
+            for p in priced if p.split == "validation" and not math.isnan(p.predicted)]
+    families = {name: CONSTANT_FAMILIES.get(name, name.split("-")[0]) for name in DEVICE_PRESETS if name != "cpu"}
+    return dict(
+        schema=interval.RESIDUALS_SCHEMA,
+        description="Signed error predicted / measured - 1 of every validation row of bench/data/published_runs.json "
+                    "(split by source in bench/data/split.json, no constant fitted on them), each priced with the "
+                    "presets' constants as autopar.estimate prices a fully published configuration, or planned "
+                    "with the published fields pinned; written by `bench/fidelity_split.py --write-residuals`. "
+                    "`families` maps each GPU preset to the device family whose rows give its interval.",
+        families=families, rows=rows)
+
+
+def check_residuals(document: dict, write: bool) -> bool:
+    """Write the residuals (``write``), or check the shipped file holds what was just priced."""
+    path = interval.RESIDUALS_PATH
+    if write:
+        path.write_text(json.dumps(document, indent=1) + "\n")
+        print(f"wrote {len(document['rows'])} validation residuals to {path}")
+        return True
+    try:
+        shipped = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"\nresiduals: cannot read {path} ({exc}); rerun with --write-residuals")
+        return False
+    same = (shipped.get("families") == document["families"]
+            and [{k: v for k, v in r.items() if k != "error"} for r in shipped.get("rows", [])]
+            == [{k: v for k, v in r.items() if k != "error"} for r in document["rows"]]
+            and all(abs(a["error"] - b["error"]) <= RESIDUAL_NOISE
+                    for a, b in zip(shipped["rows"], document["rows"])))
+    print(f"\nresiduals: {path} {'matches' if same else 'DIFFERS FROM'} this run's validation errors"
+          + ("" if same else ": the cost model's predictions changed; rerun with --write-residuals and commit it"))
+    return same
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write every row's figures here")
+    parser.add_argument("--write-residuals", action="store_true",
+                        help="write the validation rows' errors to autopar/plan/residuals.json (the error bars)")
     args = parser.parse_args()
     t0 = time.perf_counter()
     split = load_split()
@@ -159,10 +207,11 @@ def main() -> int:
 
     med, q90 = results["validation"]
     priced_all = all(not math.isnan(p.predicted) for p in priced)
-    ok = priced_all and med <= MEDIAN and q90 <= P90 and sweeps_ok
+    residuals_ok = check_residuals(residuals_document(priced), args.write_residuals)
+    ok = priced_all and med <= MEDIAN and q90 <= P90 and sweeps_ok and residuals_ok
     print(f"\nvalidation: median {med * 100:.1f}% (target <= {MEDIAN * 100:.0f}%), p90 {q90 * 100:.1f}% "
           f"(<= {P90 * 100:.0f}%); sweeps: Spearman >= {SPEARMAN} and regret <= {REGRET * 100:.0f}% on every one: "
-          f"{sweeps_ok}; every row priced: {priced_all}")
+          f"{sweeps_ok}; every row priced: {priced_all}; residuals current: {residuals_ok}")
     print(f"{time.perf_counter() - t0:.0f} s; targets met: {ok}")
     if args.json:
         args.json.write_text(json.dumps(dict(

@@ -2,10 +2,12 @@
 
 ``record`` holds :class:`Plan` and its parts, ``io`` the strict JSON reader, ``sharding`` the per-op
 tensor-parallel record (OpId, OpSharding, ShardingGroup), ``placement`` the one placement vocabulary
-(Replicate, Shard(dim), Partial). ``autopar.plan`` the *function* plans; ``autopar.plan`` the package
+(Replicate, Shard(dim), Partial), ``interval`` the error bars read from the recorded validation residuals
+(StepInterval, RatioInterval). ``autopar.plan`` the *function* plans; ``autopar.plan`` the package
 is this record (autopar/__init__.py keeps the function the public name).
 """
 
+from .interval import RatioInterval, StepInterval
 from .io import load_plan
 from .placement import Partial, Placement, Replicate, Shard, placement_from_json
 from .record import (SCHEMA_VERSION, Alternative, MemoryBreakdown, Plan, Stage, TimeBreakdown,
@@ -13,5 +15,5 @@ from .record import (SCHEMA_VERSION, Alternative, MemoryBreakdown, Plan, Stage, 
 from .sharding import OpId, OpSharding, ShardingGroup
 
 __all__ = ["SCHEMA_VERSION", "Alternative", "MemoryBreakdown", "OpId", "OpSharding", "Partial", "Placement", "Plan",
-           "Replicate", "Shard", "ShardingGroup", "Stage", "TimeBreakdown", "load_plan", "placement_from_json",
-           "sequence_tokens"]
+           "RatioInterval", "Replicate", "Shard", "ShardingGroup", "Stage", "StepInterval", "TimeBreakdown", "load_plan",
+           "placement_from_json", "sequence_tokens"]

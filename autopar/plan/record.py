@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Mapping
 
+from .interval import StepInterval, step_interval
 from .loss import LossSource
 from .sharding import ShardingGroup
 from .structure import ModelStructure
@@ -175,6 +176,12 @@ class Plan:
         """Throughput in tokens/s (``throughput * tokens_per_sample``) for sequence models, else None."""
         tokens = self.tokens_per_sample
         return None if tokens is None else self.throughput * tokens
+
+    def step_time_interval(self) -> StepInterval:
+        """The 80% interval of the step time a run would measure, from the cost model's recorded errors on
+        published validation runs of this device family (plan/interval.py); ``known`` is False, and
+        ``basis`` says why, on a device no validation run covers. Derived when read, not stored."""
+        return step_interval(self.cluster.device.name, self.step_time)
 
     # --- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

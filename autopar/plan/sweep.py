@@ -14,14 +14,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ..errors import ConfigError
+from .interval import StepInterval
 from .record import Plan
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 CSV_COLUMNS = ("nodes", "gpus", "config", "step_time_s", "samples_per_s", "tokens_per_s", "mfu",
-               "peak_memory_bytes", "train_s", "gpu_hours", "cost", "error")
-"""The columns of :meth:`Sweep.to_csv` (and the keys of each row of :meth:`Sweep.to_dict`), SI units."""
+               "peak_memory_bytes", "train_s", "gpu_hours", "cost",
+               "step_time_low_s", "step_time_high_s", "train_low_s", "train_high_s", "gpu_hours_low", "gpu_hours_high",
+               "cost_low", "cost_high", "interval", "error")
+"""The columns of :meth:`Sweep.to_csv` (and the keys of each row of :meth:`Sweep.to_dict`), SI units. The
+``_low`` / ``_high`` ones bound the 80% interval of each predicted quantity (the plan's
+:meth:`Plan.step_time_interval`, all of them proportional to the step time); ``interval`` says which
+validation rows gave it, or why there is none (then the bounds are empty)."""
 
 
 @dataclass(frozen=True)
@@ -55,13 +61,32 @@ class SweepRow:
         """Whether this size has a plan."""
         return self.plan is not None
 
+    @property
+    def interval(self) -> StepInterval | None:
+        """The plan's step-time interval (None without a plan); :meth:`StepInterval.scale` bounds the time
+        to train, GPU-hours and cost, which are proportional to the step time."""
+        return None if self.plan is None else self.plan.step_time_interval()
+
     def to_dict(self) -> dict[str, Any]:
         """The row as JSON-native values, keyed by :data:`CSV_COLUMNS` (SI units)."""
         config = None if self.plan is None else self.plan.config.short()
-        return {"nodes": self.nodes, "gpus": self.gpus, "config": config,
-                "step_time_s": self.step_time, "samples_per_s": self.samples_per_second,
-                "tokens_per_s": self.tokens_per_second, "mfu": self.mfu, "peak_memory_bytes": self.peak_memory,
-                "train_s": self.train_seconds, "gpu_hours": self.gpu_hours, "cost": self.cost, "error": self.error}
+        out = {"nodes": self.nodes, "gpus": self.gpus, "config": config,
+               "step_time_s": self.step_time, "samples_per_s": self.samples_per_second,
+               "tokens_per_s": self.tokens_per_second, "mfu": self.mfu, "peak_memory_bytes": self.peak_memory,
+               "train_s": self.train_seconds, "gpu_hours": self.gpu_hours, "cost": self.cost}
+        interval = self.interval
+        for key, value in (("step_time", self.step_time), ("train", self.train_seconds),
+                           ("gpu_hours", self.gpu_hours), ("cost", self.cost)):
+            bounds = None if interval is None else interval.scale(value)
+            unit = "_s" if key in ("step_time", "train") else ""
+            out[f"{key}_low{unit}"], out[f"{key}_high{unit}"] = bounds or (None, None)
+        if interval is not None:
+            out["interval"] = (f"{interval.coverage:.0%} interval from {interval.basis}" if interval.known
+                               else f"none: {interval.basis}")
+        else:
+            out["interval"] = None
+        out["error"] = self.error
+        return out
 
 
 @dataclass(frozen=True, repr=False)

@@ -7,11 +7,14 @@ from dataclasses import dataclass, fields
 
 from ..config import ParallelConfig
 from ..plan import Plan, TimeBreakdown
+from ..plan.interval import ratio_interval
 from .format import (BREAKDOWN_LABELS, MEMORY_KINDS, cluster_spec, flops_rate, gigabytes, peak_stage, percent, quantity,
-                     seconds)
+                     seconds, step_range)
 
 RELATIVE_TOLERANCE = 0.005
-"""Numbers closer than this (relative) count as equal: the cost model is not that precise."""
+"""Numbers closer than this (relative) count as equal in the table. Whether A or B is faster is judged
+against the model's recorded error instead (plan/interval.py's ratio_interval), or by this where no
+validation run covers a device."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,8 @@ def _config_rows(a: ParallelConfig, b: ParallelConfig) -> list[Row]:
 def _number_rows(a: Plan, b: Plan) -> list[Row]:
     rows = [_text_row("micro-batches per pipeline", a.micro_batches, b.micro_batches),
             _number_row("step time", a.step_time, b.step_time, seconds),
+            _text_row(f"  {a.step_time_interval().coverage:.0%} interval", step_range(a.step_time_interval()),
+                      step_range(b.step_time_interval())),
             _number_row("throughput (samples/s)", a.throughput, b.throughput, lambda v: f"{v:.4g}"),
             *_tokens_rows(a, b),
             _number_row("MFU", a.mfu, b.mfu, percent),
@@ -140,17 +145,27 @@ def _tokens_rows(a: Plan, b: Plan) -> list[Row]:
 
 
 def _verdict(a: Plan, b: Plan) -> str:
+    memory = b.peak_memory - a.peak_memory
+    lean = f"; B needs {gigabytes(abs(memory))} {'more' if memory > 0 else 'less'} peak memory per device than A"
     if a.fits != b.fits:
-        return f"only {'A' if a.fits else 'B'} fits in device memory"
+        return f"only {'A' if a.fits else 'B'} fits in device memory" + lean
     speed = a.step_time / b.step_time - 1
     faster = "B" if speed > 0 else "A"
     ratio = abs(speed) if speed > 0 else b.step_time / a.step_time - 1
-    memory = b.peak_memory - a.peak_memory
     if abs(speed) <= RELATIVE_TOLERANCE:
-        out = "A and B take the same time per step (within 0.5%)"
-    else:
-        out = f"{faster} is faster: {ratio * 100:.1f}% more throughput"
-    return out + f"; B needs {gigabytes(abs(memory))} {'more' if memory > 0 else 'less'} peak memory per device than A"
+        return "A and B take the same time per step (within 0.5%)" + lean
+    claim = f"{faster} is faster: {ratio * 100:.1f}% more throughput"
+    error = ratio_interval(a.cluster.device.name, a.step_time, b.cluster.device.name, b.step_time,
+                           same_model=a.fingerprint == b.fingerprint)
+    if error is None:
+        why = next(iv.basis for iv in (a.step_time_interval(), b.step_time_interval()) if not iv.known)
+        return claim + lean + f"; no error bar: {why}"
+    judged = (f"the measured step ratio B / A would be {error.low:.3f}-{error.high:.3f} ({error.coverage:.0%} "
+              f"interval; predicted {error.predicted:.3f}) {error.basis}")
+    if error.tie:
+        return (f"A and B tie: {faster} is predicted {ratio * 100:.1f}% faster, within the model's error: {judged}"
+                + lean)
+    return f"{claim}, beyond the model's error: {judged}" + lean
 
 
 def _warnings(a: Plan, b: Plan) -> tuple[str, ...]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..plan import Alternative, Plan, TimeBreakdown
 from .compare import config_changes
-from .format import BREAKDOWN_LABELS, gigabytes, peak_stage, percent, seconds, throughput
+from .format import BREAKDOWN_LABELS, gigabytes, peak_stage, percent, seconds, step_range, throughput
 
 TOP_PARTS = 3
 """How many breakdown parts "where the time goes" names, and how many differences a runner-up shows."""
@@ -18,8 +18,8 @@ TOP_PARTS = 3
 def explain(plan: Plan) -> str:
     """Paragraphs: the verdict, where the time goes, memory, each parallel choice, the runners-up."""
     warning = plan.cluster.profile_warning
-    sections = [_verdict(plan), f"Warning: {warning}." if warning else "", _time(plan), _memory(plan),
-                _choices(plan), _runners_up(plan)]
+    sections = [_verdict(plan), f"Warning: {warning}." if warning else "", _error_bar(plan), _time(plan),
+                _memory(plan), _choices(plan), _runners_up(plan)]
     return "\n\n".join(s for s in sections if s)
 
 
@@ -42,6 +42,17 @@ def _verdict(plan: Plan) -> str:
             f"repeats another), {s.get('evaluated', '?')} were solved exactly (stage partition and recompute per "
             f"stage), and the remaining {s.get('pruned_by_bound', '?')} cannot beat this plan (their lower bound on "
             "step time is higher).")
+
+
+def _error_bar(plan: Plan) -> str:
+    """How far the predicted step time can be trusted: the interval the recorded validation errors give."""
+    iv = plan.step_time_interval()
+    if not iv.known:
+        return (f"How sure: no interval. The step time is the cost model's prediction, and {iv.basis}; measure "
+                "a few steps before relying on it.")
+    return (f"How sure: a run would measure {step_range(iv)} per step, {iv.coverage:.0%} of the time, if the cost "
+            f"model errs here as it did on published runs no constant was fitted on ({iv.basis}); plan.compare() "
+            "says whether a difference from another plan is within that error.")
 
 
 def _time(plan: Plan) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..plan import Plan, Stage
+from ..plan import Plan, Stage, StepInterval
 
 GB = 1e9
 
@@ -66,6 +66,23 @@ def throughput(plan: Plan) -> str:
     text = f"{plan.throughput:.4g} samples/s"
     tokens = plan.tokens_per_second
     return text if tokens is None else f"{text} ({quantity(tokens)} tokens/s)"
+
+
+def step_range(interval: StepInterval) -> str:
+    """"8.8-11.2 s": an interval's bounds in the unit of its upper one; "-" when there is none."""
+    if not interval.known:
+        return "-"
+    high = seconds(interval.high)
+    unit = high.split()[-1]
+    low = interval.low / {"s": 1.0, "ms": 1e-3, "us": 1e-6}[unit]
+    return f"{low:.0f}-{high}" if low >= 100 else f"{low:.3g}-{high}"
+
+
+def interval_line(interval: StepInterval) -> str:
+    """"80% interval 8.8-11.2 s (A100: 40 validation rows)", or "no interval: <why>"."""
+    if not interval.known:
+        return f"no interval: {interval.basis}"
+    return f"{interval.coverage:.0%} interval {step_range(interval)} ({interval.basis})"
 
 
 def gigabytes(value: float) -> str:

@@ -8,7 +8,8 @@ import io
 
 from ..errors import ConfigError
 from ..plan import Plan, TimeBreakdown
-from .format import BREAKDOWN_LABELS, GB, gigabytes, heading, percent, seconds, stage_layers, throughput
+from .format import (BREAKDOWN_LABELS, GB, gigabytes, heading, interval_line, percent, seconds, stage_layers,
+                     throughput)
 
 TIMELINE_MAX_MICRO_BATCHES = 32
 """The notebook timeline draws at most this many micro-batches (a 192-micro-batch Gantt chart is a grey wall)."""
@@ -27,7 +28,7 @@ def _headline(plan: Plan) -> str:
             f"<code>{e(plan.config.short())}</code><br>"
             f"step {e(seconds(plan.step_time))} &middot; {e(throughput(plan))} &middot; "
             f"MFU {e(percent(plan.mfu))} &middot; peak {e(gigabytes(plan.peak_memory))} of "
-            f"{e(gigabytes(device.memory))}{fits}</p>")
+            f"{e(gigabytes(device.memory))}{fits}<br>step {e(interval_line(plan.step_time_interval()))}</p>")
 
 
 def _breakdown(plan: Plan) -> str:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from ..plan import Plan, TimeBreakdown
-from .format import (BREAKDOWN_LABELS, GB, OPTIONAL_BREAKDOWN, flops_rate, gigabytes, heading, layer_span, percent,
-                     seconds, stage_layers, throughput)
+from .format import (BREAKDOWN_LABELS, GB, OPTIONAL_BREAKDOWN, flops_rate, gigabytes, heading, interval_line,
+                     layer_span, percent, seconds, stage_layers, throughput)
 
 BAR_WIDTH = 20
 
 
 def summarize(plan: Plan) -> str:
-    """Configuration; step time and its breakdown on the critical path; memory per stage by kind
+    """Configuration; step time, its error bar and its breakdown on the critical path; memory per stage by kind
     against the device's memory; MFU; the search; the per-op sharding; runners-up; notes."""
     lines = _header(plan) + _breakdown(plan) + _memory(plan) + _search(plan) + _sharding(plan)
     if plan.cluster.profile_warning:
@@ -33,6 +33,7 @@ def _header(plan: Plan) -> list[str]:
         f"{c.micro_batch_size} per micro-batch; precision {plan.precision.compute}, {plan.precision.kernels} kernels",
         f"  step time      {seconds(plan.step_time)}   throughput {throughput(plan)}   "
         f"{flops_rate(plan.tflops_per_device * 1e12)} per device   MFU {percent(plan.mfu)}",
+        f"  error bar      {interval_line(plan.step_time_interval())}",
         f"  peak memory    {gigabytes(plan.peak_memory)} of {gigabytes(device.memory)} per device "
         f"({percent(plan.peak_memory / device.memory)}){fits}",
     ]

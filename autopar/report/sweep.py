@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from .format import gigabytes, percent, quantity, seconds
+from .format import gigabytes, percent, quantity, seconds, step_range
 
 if TYPE_CHECKING:
     from ..plan.sweep import Sweep, SweepRow
@@ -47,20 +47,35 @@ def sweep_table(sweep: "Sweep") -> str:
                       *(f"note: {n}" for n in notes), *_footer(sweep)])
 
 
+def ranged(value: float, row: "SweepRow", fmt: Callable[[float], str]) -> str:
+    """"17.5 h (15.6-19.9 h)": a quantity proportional to the step time, with its interval when there is one."""
+    bounds = row.interval.scale(value)
+    if bounds is None:
+        return fmt(value)
+    low, high = fmt(bounds[0]), fmt(bounds[1])
+    if " " in low and low.split(" ", 1)[1] == high.split(" ", 1)[-1]:     # "1727-2194 days": the unit once
+        low = low.split(" ", 1)[0]
+    return f"{fmt(value)} ({low}-{high})"
+
+
 def _columns(sweep: "Sweep") -> list[tuple[str, Callable[["SweepRow"], str]]]:
+    def step(r: "SweepRow") -> str:
+        interval = r.interval
+        return seconds(r.step_time) if not interval.known else f"{seconds(r.step_time)} ({step_range(interval)})"
+
     columns: list[tuple[str, Callable[[SweepRow], str]]] = [
         ("nodes", lambda r: str(r.nodes)), ("GPUs", lambda r: str(r.gpus)),
-        ("plan", lambda r: r.plan.config.short()), ("step", lambda r: seconds(r.step_time))]
+        ("plan", lambda r: r.plan.config.short()), ("step", step)]
     if sweep.tokens_per_sample is None:
         columns.append(("samples/s", lambda r: f"{r.samples_per_second:.4g}"))
     else:
         columns.append(("tokens/s", lambda r: quantity(r.tokens_per_second)))
     columns += [("MFU", lambda r: percent(r.mfu)), ("mem/GPU", lambda r: gigabytes(r.peak_memory))]
     if sweep.tokens is not None:
-        columns += [("time to train", lambda r: duration(r.train_seconds)),
-                    ("GPU-hours", lambda r: quantity(r.gpu_hours))]
+        columns += [("time to train", lambda r: ranged(r.train_seconds, r, duration)),
+                    ("GPU-hours", lambda r: ranged(r.gpu_hours, r, quantity))]
     if sweep.price_per_gpu_hour is not None:
-        columns.append(("cost", lambda r: money(r.cost)))
+        columns.append(("cost", lambda r: ranged(r.cost, r, money)))
     return columns
 
 
@@ -86,4 +101,20 @@ def _footer(sweep: "Sweep") -> list[str]:
             text += f"; cost = GPU-hours x ${sweep.price_per_gpu_hour:g}"
         lines.append(text)
     lines.append("step = predicted seconds per optimizer step; mem/GPU = peak memory of the fullest device")
+    lines += _interval_footer(sweep)
     return lines
+
+
+def _interval_footer(sweep: "Sweep") -> list[str]:
+    """What the ranges in brackets are, or why there are none (every row is on the same device)."""
+    intervals = [r.interval for r in sweep.rows if r.ok]
+    if not intervals:
+        return []
+    first = intervals[0]
+    if not first.known:
+        return [f"no ranges: {first.basis}"]
+    ranged_columns = ["step"] + (["time to train", "GPU-hours"] if sweep.tokens is not None else [])
+    ranged_columns += ["cost"] if sweep.price_per_gpu_hour is not None else []
+    return [f"(a-b) = the {first.coverage:.0%} interval of {', '.join(ranged_columns)}: measured = predicted / "
+            f"(1 + e), e the central {first.coverage:.0%} of autopar's step-time errors on published validation runs "
+            f"({first.basis}; autopar/plan/residuals.json)"]
