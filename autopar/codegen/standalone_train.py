@@ -83,11 +83,9 @@ def micro_batches(batch, dp_rank, cp_rank, device):
     parallelism, of the inputs that start sharded, this rank's tokens)."""
     if isinstance(batch, torch.Tensor):
         batch = (batch,)
-    per = P.GLOBAL_BATCH // P.DP
     out = []
-    for i in range(P.MICRO_BATCHES):
-        start = dp_rank * per + i * P.MICRO_BATCH_SIZE
-        rows = batches.slice_batch(batch, start, start + P.MICRO_BATCH_SIZE, P.GLOBAL_BATCH)
+    for rows in batches.replica_micro_batches(batch, dp_rank, P.DP, P.MICRO_BATCH_SIZE, P.MICRO_BATCHES,
+                                              P.GLOBAL_BATCH):
         inputs = {name: rows[key].to(device) if isinstance(rows[key], torch.Tensor) else rows[key]
                   for name, key in P.INPUTS}
         if P.CP > 1:

@@ -69,7 +69,7 @@ from ..codegen.source import program_source, write_support
 from ..codegen.split import flatten_batch
 from ..errors import ConfigError, PlanMismatchError
 from ..plan import Plan
-from ..runtime.batches import slice_batch
+from ..runtime.batches import replica_micro_batches
 from ..runtime.context_ops import shard_inputs
 from ..runtime.data_parallel import all_reduce_grads, local
 from ..runtime.failures import at_step, non_finite_loss, peer_wait, wait_or_fail
@@ -243,13 +243,9 @@ class Program:
     def _forward_backward(self, batch: Any) -> torch.Tensor:
         for p in self.parameters():
             p.grad = None
-        per = self.plan.global_batch_size // self.cfg.dp
-        mbs = self.cfg.micro_batch_size
         micro = []
-        for i in range(self.micro_batches):
-            start = self.dp_rank * per + i * mbs
-            part = batch if mbs == self.plan.global_batch_size else slice_batch(batch, start, start + mbs,
-                                                                                 self.plan.global_batch_size)
+        for part in replica_micro_batches(batch, self.dp_rank, self.cfg.dp, self.cfg.micro_batch_size,
+                                          self.micro_batches, self.plan.global_batch_size):
             leaves = [t.to(self.device) if isinstance(t, torch.Tensor) else t
                       for t in flatten_batch(part, self.split.in_spec)]
             inputs = dict(zip(self.split.user_inputs, leaves))
