@@ -168,8 +168,8 @@ class ParallelConfig:
     def shares_losses(self) -> bool:
         """Whether the step's losses are all-reduced so that every rank holds them: not when every rank
         computes every loss already (tensor parallelism alone: its ranks end with the same loss). The
-        runtime (Program._post_losses), the standalone train.py (SHARES_LOSSES) and the cost model
-        (StepTail.loss_share_time) all read this."""
+        runtime (runtime/losses.py, run by parallelize's Program and the standalone train.py) and the
+        cost model (StepTail.loss_share_time) both read this."""
         return not self.dp == self.pp == self.cp == 1
 
     @property
@@ -177,7 +177,7 @@ class ParallelConfig:
         """Whether the step's shared losses go in the data-parallel gradients' all-reduce rather than in
         one of their own: when that all-reduce spans every rank (data and context parallelism alone,
         ZeRO 0 or 1: the runtime's buckets) and its gradients are the losses' fp32 (the runtime checks
-        the dtype: GradReducer.carry). The runtime (Program._post_losses) and the cost model
+        the dtype: GradReducer.carry). The runtime (runtime/losses.py) and the cost model
         (StepTail.loss_share_time, which checks ``Precision.grads``) read this."""
         return self.shares_losses and self.tp == self.pp == 1 and self.zero < 2
 

@@ -8,7 +8,9 @@ chunk's dataflow; autopar_runtime/ (beside it: autopar's runtime library, torch 
 pipeline executor and checked schedule (pipeline.py), the global batch cut into micro-batches
 (batches.py), the optimizer step compiled under --compile (optim.py), the explicit collectives
 (collectives.py / shard_ops.py / context_ops.py), the Mesh (mesh.py: a rank's coordinates and process
-groups). This file builds a rank's share: its process groups, its shards of the weights of the model
+groups), the gradients' reduction (data_parallel.py), the step's losses to every rank (losses.py),
+waits with deadlines and failures naming the rank and step (failures.py), the checkpoint format
+(dcp_state.py): the very files ``autopar.parallelize`` runs. This file builds a rank's share: its process groups, its shards of the weights of the model
 ``MODEL_FACTORY`` builds (the same seed on every rank, so the same weights; a model built on the meta
 device gets the values of the parameters and buffers this rank holds only, one module at a time:
 sharded_init.py), FSDP2 for ZeRO-2/3, AdamW; then per step: the rank's micro-batches (under context
@@ -37,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from autopar_runtime import batches, data_parallel, dcp_state, mesh, optim, pipeline, sharded_init  # noqa: E402
+from autopar_runtime import (batches, data_parallel, dcp_state, failures, losses, mesh, optim,  # noqa: E402
+                             pipeline, sharded_init)
 import program as P  # noqa: E402
 
 if P.CP > 1:   # context parallelism's (program.py's code calls them)
@@ -80,11 +83,9 @@ def micro_batches(batch, dp_rank, cp_rank, device):
     parallelism, of the inputs that start sharded, this rank's tokens)."""
     if isinstance(batch, torch.Tensor):
         batch = (batch,)
-    per = P.GLOBAL_BATCH // P.DP
     out = []
-    for i in range(P.MICRO_BATCHES):
-        start = dp_rank * per + i * P.MICRO_BATCH_SIZE
-        rows = batches.slice_batch(batch, start, start + P.MICRO_BATCH_SIZE, P.GLOBAL_BATCH)
+    for rows in batches.replica_micro_batches(batch, dp_rank, P.DP, P.MICRO_BATCH_SIZE, P.MICRO_BATCHES,
+                                              P.GLOBAL_BATCH):
         inputs = {name: rows[key].to(device) if isinstance(rows[key], torch.Tensor) else rows[key]
                   for name, key in P.INPUTS}
         if P.CP > 1:
@@ -170,18 +171,13 @@ def main():
     values = {v: pipeline.Value(prod, readers, shape, getattr(torch, dtype.removeprefix("torch.")), grad)
               for v, (prod, readers, shape, dtype, grad) in P.VALUES.items()}
     stages = list(g.ranks("pp"))
-    shared = []   # the all-reduce of the step's losses, started under the backward passes left
-
-    def share(losses):   # after this rank's last forward of the step
-        if not P.SHARES_LOSSES:   # every rank computed every loss (tensor parallelism alone)
-            shared[:] = [None, torch.stack(losses).detach().float()]
-        else:
-            shared[:] = pipeline.share_losses(losses, pp_rank == P.PP - 1 and tp_rank == 0, P.DP, dp_rank,
-                                              P.MICRO_BATCHES, device)
     # ZeRO 0-1 with replicas: the gradients' bucketed all-reduce over them (as parallelize's), each chunk's
     # buckets started as its last backward of the step runs (FSDP2 reduce-scatters its own)
     reducer = data_parallel.GradReducer(data_parallel.dedupe([list(_named(chunks[c]).values()) for c in mine]),
                                         g.dp.get_group(), REPLICAS, args.timeout) if not fsdp and REPLICAS > 1 else None
+    # the step's micro-batch losses to every rank, started after this rank's last forward (as parallelize's)
+    share = losses.LossShare(P.SHARES_LOSSES, P.LOSSES_RIDE, pp_rank == P.PP - 1 and tp_rank == 0, P.DP, dp_rank,
+                             P.MICRO_BATCHES, P.CP, device, args.timeout, reducer)
 
     def before_backward(chunk, last):
         if reducer is not None and last:
@@ -191,39 +187,44 @@ def main():
         if reducer is not None:
             reducer.ended(mine.index(chunk))
     runner = pipeline.PipelineRunner(chunks, io, values, P.LOSS, pipeline.Topology(P.PP, stages, pp_rank), None,
-                                     before_backward, pipeline.wait_for(args.timeout), device, after_forwards=share,
-                                     after_backward=after_backward)
+                                     before_backward, failures.peer_wait(args.timeout), device,
+                                     after_forwards=share.start, after_backward=after_backward)
     schedule = actions(P.SCHEDULE[pp_rank])
     batch_of = load(P.BATCH_FACTORY) if P.BATCH_FACTORY else (lambda step, n: batches.example_at(P.EXAMPLE, n))
     present = presenter(g, fsdp, shapes) if checkpointing else None
     start = 0
     if args.resume:   # collective: every rank reads its own shards, resharded to this plan
-        start = resume(dcp_state.latest(args.resume), named, optimizer, present, shapes)
+        start = dcp_state.resume(dcp_state.latest(args.resume), named, named, optimizer, present,
+                                 lambda fqn, p: shapes[fqn], {}) or 0
         if rank == 0:
             print(f"resumed from {args.resume} at step {start}", flush=True)
     for step in range(start, args.steps):
-        optimizer.zero_grad(set_to_none=True)
-        runner.run(schedule, micro_batches(batch_of(step, P.GLOBAL_BATCH), dp_rank, cp_rank, device),
-                   1.0 / P.MICRO_BATCHES)
-        if reducer is not None:   # the mean over the replicas
-            reducer.finish()
-        # then the sums parallelize makes too: tensor-parallel partial gradients, then tied parameters
-        data_parallel.all_reduce_grads([(f"{fqn}'s tensor-parallel gradient", named[fqn], g.group("tp"))
-                                        for fqn in P.TP_PARTIAL if fqn in named], args.timeout)
-        data_parallel.all_reduce_grads([(f"tied parameter {fqn}'s gradient", named[fqn], g.tied[tuple(stages)])
-                                        for fqn, stages in sorted(P.TIED.items()) if fqn in named], args.timeout)
-        work, losses = shared
-        if work is not None:
-            work.wait()
-        loss = losses.mean().item() / P.CP   # each rank of a context-parallel group gave its share
-        optimizer.step()
+        with failures.at_step(step, "the training step"):
+            optimizer.zero_grad(set_to_none=True)
+            runner.run(schedule, micro_batches(batch_of(step, P.GLOBAL_BATCH), dp_rank, cp_rank, device),
+                       1.0 / P.MICRO_BATCHES)
+            if reducer is not None:   # the mean over the replicas
+                reducer.finish()
+            # then the sums parallelize makes too: tensor-parallel partial gradients, then tied parameters
+            data_parallel.all_reduce_grads([(f"{fqn}'s tensor-parallel gradient", named[fqn], g.group("tp"))
+                                            for fqn in P.TP_PARTIAL if fqn in named], args.timeout)
+            data_parallel.all_reduce_grads([(f"tied parameter {fqn}'s gradient", named[fqn], g.tied[tuple(stages)])
+                                            for fqn, stages in sorted(P.TIED.items()) if fqn in named], args.timeout)
+            micro_losses = share.result()   # every replica's, on every rank: every rank stops alike
+            failure = failures.non_finite_loss(micro_losses, rank, step, P.MICRO_BATCHES, P.MICRO_BATCH_SIZE,
+                                               P.GLOBAL_BATCH // P.DP)
+            if failure is not None:
+                raise failure
+            loss = micro_losses.mean().item()
+            optimizer.step()
         if rank == 0:
             print(f"step {step} loss {loss:.6f}", flush=True)
             if args.loss_file:
                 with open(args.loss_file, "a") as fh:
                     fh.write(f"{loss:.9g}\n")
         if args.checkpoint and (step + 1 == args.steps or (args.save_every and (step + 1) % args.save_every == 0)):
-            save(os.path.join(args.checkpoint, f"step{step + 1:08d}"), named, optimizer, present, whole, step + 1)
+            dcp_state.save(os.path.join(args.checkpoint, f"step{step + 1:08d}"), named, named, optimizer, present,
+                           whole, step + 1)
     dist.barrier()
     del runner, chunks
     gc.collect()
@@ -250,53 +251,16 @@ def whole_entries(model, value):
 
 
 def presenter(g, fsdp, shapes):
-    """fqn, a tensor of that parameter's layout on this rank -> the same with its global layout, as
-    dcp_state.py wants it: a tensor-parallel block is a DTensor on this stage's tp mesh with
-    Shard(split dim), or under ZeRO-2/3 on its (tp, dp) mesh with FSDP2's dim-0 shard of the block
-    as the second placement (the order the two cuts were made in); an FSDP2 shard of a parameter
-    held whole by the tp ranks is FSDP2's own DTensor already; anything else is whole."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    mesh = None
-    if P.TP > 1 and fsdp:
-        mesh = g.submesh(("tp", "dp"))
-    elif P.TP > 1:
-        mesh = g.tp
-
-    def present(fqn, t):
-        d = P.TP_DIMS.get(fqn)
-        if d is None:
-            return t
-        shape = shapes[fqn]
-        stride = dcp_state.contiguous_stride(shape)
-        if isinstance(t, DTensor):
-            return DTensor.from_local(t.to_local(), mesh, [Shard(d % len(shape)), Shard(0)], run_check=False,
-                                      shape=shape, stride=stride)
-        placements = [Shard(d % len(shape)), Replicate()][:mesh.ndim]   # Replicate: one FSDP2 left whole (empty)
-        return DTensor.from_local(t, mesh, placements, run_check=False, shape=shape, stride=stride)
-    return present
-
-
-def save(path, named, optimizer, present, whole, steps):
-    """Collective: every rank writes its shards (dcp_state.py's format)."""
-    import torch.distributed.checkpoint as dcp
-    state = dict(whole)
-    state.update({fqn: present(fqn, p.detach()) for fqn, p in named.items()})
-    state.update(dcp_state.optimizer_state(optimizer, dcp_state.param_names(named), present))
-    state[dcp_state.STEPS] = int(steps)
-    dcp.save(state, checkpoint_id=path)
-
-
-def resume(path, named, optimizer, present, shapes):
-    """Collective: this rank's parameters and optimizer state from the checkpoint at ``path``, of any
-    plan of the model; returns the steps it had trained."""
-    saved = dcp_state.metadata(path)
-    state = {fqn: present(fqn, p.detach()) for fqn, p in named.items()}
-    fill = dcp_state.optimizer_targets(optimizer, dcp_state.param_names(named), saved, present,
-                                       lambda fqn, p: shapes[fqn], state)
-    state[dcp_state.STEPS] = 0
-    dcp_state.load(state, path, saved, no_dist=False)
-    fill()
-    return int(state[dcp_state.STEPS])
+    """dcp_state's presenter: a tensor-parallel block is a block of the parameter on this stage's tp
+    mesh at Shard(split dim), under ZeRO-2/3 on its (tp, dp) mesh, whose second dim FSDP2 may shard
+    again (the order the two cuts were made in); an FSDP2 shard of a parameter held whole by the tp
+    ranks is FSDP2's own DTensor already; anything else is whole."""
+    from torch.distributed.tensor import Shard
+    if P.TP == 1:
+        return dcp_state.presenter({})
+    mesh = g.submesh(("tp", "dp")) if fsdp else g.tp
+    return dcp_state.presenter({fqn: dcp_state.Layout(mesh, (Shard(d % len(shapes[fqn])),), shapes[fqn])
+                                for fqn, d in P.TP_DIMS.items()})
 
 
 if __name__ == "__main__":

@@ -59,54 +59,29 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
-from ..runtime.dcp_state import (STEPS, Present, contiguous_stride, load as dcp_load, metadata, optimizer_state,
-                                 optimizer_targets, param_names)
 from ..errors import ConfigError
-from ..runtime.data_parallel import Zero1Optimizer, local
+from ..runtime import dcp_state
+from ..runtime.data_parallel import Zero1Optimizer
 
 
-# --- saving ----------------------------------------------------------------------------------
 def save_program(program: Any, path: str | os.PathLike) -> None:
     """Collective: every rank writes its shards of ``program``'s parameters and optimizer state."""
-    state: dict[str, Any] = {}
-    state.update({k: v for k, v in program.buffers.items()})
-    state.update({k: v for k, v in program.unused.items() if k not in program.params})
-    present = _presenter(program)
-    for fqn, p in program.params.items():
-        state[fqn] = present(fqn, p.detach())
-    optimizer = _inner(program.optimizer)
-    if optimizer is not None:
-        state.update(optimizer_state(optimizer, param_names(program.stepped), present))
-    state[STEPS] = int(program.steps)
-    dcp.save(state, checkpoint_id=os.fspath(path))
+    extra = dict(program.buffers)
+    extra.update({k: v for k, v in program.unused.items() if k not in program.params})
+    dcp_state.save(os.fspath(path), program.params, program.stepped, _inner(program.optimizer), _presenter(program),
+                   extra, program.steps)
 
 
-# --- loading ---------------------------------------------------------------------------------
 def load_program(program: Any, path: str | os.PathLike) -> None:
     """Collective: fill ``program``'s parameters and optimizer state from the checkpoint at ``path``."""
-    path = os.fspath(path)
-    saved = metadata(path, ConfigError)
-    present = _presenter(program)
-    state: dict[str, Any] = {}
-    for fqn, p in program.params.items():
-        state[fqn] = present(fqn, p.detach())
-    state.update({k: v for k, v in program.unused.items() if k not in program.params})
-    optimizer = _inner(program.optimizer)
-    fill = None
-    if optimizer is not None:
-        fill = optimizer_targets(optimizer, param_names(program.stepped), saved, present,
-                                 lambda fqn, p: _global_shape(program, fqn, p), state, ConfigError)
-    if STEPS in saved:
-        state[STEPS] = 0
-    dcp_load(state, path, saved, no_dist=False, error=ConfigError)
-    if fill is not None:
-        fill()
-    if STEPS in saved:
-        program.steps = int(state[STEPS])
+    steps = dcp_state.resume(os.fspath(path), program.params, program.stepped, _inner(program.optimizer),
+                             _presenter(program), lambda fqn, p: _global_shape(program, fqn, p),
+                             {k: v for k, v in program.unused.items() if k not in program.params}, error=ConfigError)
+    if steps is not None:
+        program.steps = steps
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module,
@@ -116,25 +91,16 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     process group needed, none used). Returns the steps the saving program had trained (None if
     the checkpoint does not record them). The model must be on a real device (not meta)."""
     path = os.fspath(path)
-    saved = metadata(path, ConfigError)
+    saved = dcp_state.metadata(path, ConfigError)
     params = dict(model.named_parameters())
     if any(p.is_meta for p in params.values()):
         raise ConfigError("load_checkpoint fills the model's tensors in place: build it on a real device, or "
                           "materialise a meta model with autopar.init_weights(model) first (and make the "
                           "optimizer after that, over the new parameters)")
-    state: dict[str, Any] = {n: p.detach() for n, p in params.items()}
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    state.update({k: v for k, v in model.state_dict().items() if k not in aliases and k in saved})
-    fill = None
-    if optimizer is not None:
-        fill = optimizer_targets(optimizer, param_names(params), saved, lambda fqn, t: t, lambda fqn, p: p.shape, state,
-                                 ConfigError)
-    if STEPS in saved:
-        state[STEPS] = 0
-    dcp_load(state, path, saved, no_dist=True, error=ConfigError)
-    if fill is not None:
-        fill()
-    return int(state[STEPS]) if STEPS in saved else None
+    extra = {k: v for k, v in model.state_dict().items() if k not in aliases and k in saved}
+    return dcp_state.resume(path, params, params, optimizer, lambda fqn, t: t, lambda fqn, p: p.shape, extra,
+                            no_dist=True, error=ConfigError)
 
 
 # --- layouts ---------------------------------------------------------------------------------
@@ -148,23 +114,14 @@ def _global_shape(program: Any, fqn: str, p: torch.Tensor) -> torch.Size:
     return program.params[fqn].shape   # a DTensor's global shape, also for the local shard the optimizer steps
 
 
-def _presenter(program: Any) -> Present:
-    """The function giving DCP a tensor of ``fqn``'s layout with its global layout: a tensor-parallel
-    parameter's local shard (what the optimizer steps, and its state) as a DTensor of the parameter's
-    mesh and placements (no copy: DCP reads and fills the shard itself)."""
-    # this rank's (ep, edp) mesh: rows its ep group's ranks, columns each one's expert replicas
-    mesh = program.groups.submesh(("ep", "edp")) if program.expert_fqns and program.cfg.ep > 1 else None
-
-    def present(fqn: str, t: torch.Tensor) -> Any:
-        p = program.params[fqn]
-        if isinstance(p, DTensor) and not isinstance(t, DTensor):
-            return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                      stride=p.stride())
-        if mesh is None or fqn not in program.expert_fqns:
-            return t
-        shape = _global_shape(program, fqn, t)
-        # an FSDP2 expert shard is a DTensor over the replicas: Shard(0) of this rank's E/ep block
-        replica = Shard(0) if isinstance(t, DTensor) else Replicate()
-        return DTensor.from_local(local(t), mesh, [Shard(0), replica], run_check=False, shape=shape,
-                                  stride=contiguous_stride(shape))
-    return present
+def _presenter(program: Any) -> dcp_state.Present:
+    """dcp_state's presenter over the program's sharded parameters: a tensor-parallel (or 2-D
+    tensor-parallel and FSDP2) parameter's own mesh and placements; an expert weight under ep > 1 its
+    ``(ep, expert replica)`` mesh (made from the program's groups) with ``Shard(0)`` of the experts."""
+    layouts = {fqn: dcp_state.Layout(p.device_mesh, tuple(p.placements), p.shape)
+               for fqn, p in program.params.items() if isinstance(p, DTensor)}
+    if program.expert_fqns and program.cfg.ep > 1:
+        mesh = program.groups.submesh(("ep", "edp"))   # rows this rank's ep group, columns each one's replicas
+        layouts.update({fqn: dcp_state.Layout(mesh, (Shard(0),), _global_shape(program, fqn, program.params[fqn]))
+                        for fqn in program.expert_fqns if fqn in program.params})
+    return dcp_state.presenter(layouts)

@@ -69,12 +69,13 @@ from ..codegen.source import program_source, write_support
 from ..codegen.split import flatten_batch
 from ..errors import ConfigError, PlanMismatchError
 from ..plan import Plan
-from ..runtime.batches import slice_batch
+from ..runtime.batches import replica_micro_batches
 from ..runtime.context_ops import shard_inputs
 from ..runtime.data_parallel import all_reduce_grads, local
-from ..runtime.failures import at_step, non_finite_loss, wait_or_fail
+from ..runtime.failures import at_step, non_finite_loss, peer_wait, wait_or_fail
 from ..runtime.mesh import Mesh
-from ..runtime.pipeline import ChunkIO, PipelineRunner, Topology, loss_slots
+from ..runtime.losses import LossShare
+from ..runtime.pipeline import ChunkIO, PipelineRunner, Topology
 from ..runtime.sharded_init import InitFn, Materializer, has_meta
 from .assembly import (OptimizerFactory, RankSetup, apply_data_parallel, apply_fsdp, apply_mesh, apply_tensor_parallel,
                        build_chunks, build_optimizer, export_model, tied_groups)
@@ -195,15 +196,19 @@ class Program:
                        if n not in self.holders or (not p.requires_grad and materializer is None)}
         self.steps = 0                      # forward_backward calls so far (the step failures name)
         self.micro_losses: torch.Tensor | None = None
-        self.loss_share: tuple[Any, torch.Tensor] | None = None   # the losses' all-reduce under way
+        # the step's micro-batch losses to every rank (runtime/losses.py): started after this rank's last
+        # forward, in the gradients' last bucket when their all-reduce spans every rank
+        self.loss_share = LossShare(cfg.shares_losses, cfg.losses_ride_gradients,
+                                    self.pp_rank == cfg.pp - 1 and self.tp_rank == 0, cfg.dp, self.dp_rank,
+                                    self.micro_batches, cfg.cp, self.device, self.timeout,
+                                    self.reducers[0] if self.reducers else None)
         self.actions = compiled.actions   # the schedule's, checked for deadlock by the compiler
         sends = {c.index: {s.value: s for s in c.sends} for c in compiled.chunks}
         self.runner = PipelineRunner(
             self.chunks, {c.index: ChunkIO(c.graph_inputs, c.recv, c.send) for c in self.split.chunks},
             dict(compiled.program.values), self.split.loss, Topology(cfg.pp, list(groups.ranks("pp")), self.pp_rank),
             lambda chunk, name, value: self.node_runner.to_cut(sends[chunk][name], value), self._before_backward,
-            lambda work, what, peer: wait_or_fail(work, self.timeout, what, peers=[peer]), self.device,
-            self._post_losses, self._after_backward)
+            peer_wait(self.timeout), self.device, self.loss_share.start, self._after_backward)
 
     # --- training -----------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
@@ -238,13 +243,9 @@ class Program:
     def _forward_backward(self, batch: Any) -> torch.Tensor:
         for p in self.parameters():
             p.grad = None
-        per = self.plan.global_batch_size // self.cfg.dp
-        mbs = self.cfg.micro_batch_size
         micro = []
-        for i in range(self.micro_batches):
-            start = self.dp_rank * per + i * mbs
-            part = batch if mbs == self.plan.global_batch_size else slice_batch(batch, start, start + mbs,
-                                                                                 self.plan.global_batch_size)
+        for part in replica_micro_batches(batch, self.dp_rank, self.cfg.dp, self.cfg.micro_batch_size,
+                                          self.micro_batches, self.plan.global_batch_size):
             leaves = [t.to(self.device) if isinstance(t, torch.Tensor) else t
                       for t in flatten_batch(part, self.split.in_spec)]
             inputs = dict(zip(self.split.user_inputs, leaves))
@@ -253,13 +254,14 @@ class Program:
                 inputs = shard_inputs(inputs, context.plan.inputs, context.plan.cp, context.rank)
             micro.append(inputs)
         with torch.autograd.set_grad_enabled(True):
-            losses = self.runner.run(self.actions, micro, 1.0 / self.micro_batches)
+            self.runner.run(self.actions, micro, 1.0 / self.micro_batches)   # the losses go to self.loss_share
         if self.compile_chunks:
             for chunk in self.chunks.values():
                 chunk.compile(backend=self.compile)
             self.compile_chunks = False
         self._finish_grads()
-        return self._share_loss(losses)
+        self.micro_losses = self.loss_share.result()
+        return self.micro_losses.mean().to(self.device)
 
     def train_step(self, batch: Any) -> torch.Tensor:
         """``forward_backward`` then one optimizer step; returns the loss. A micro-batch whose loss is
@@ -293,35 +295,6 @@ class Program:
                           for fqn, group in self.tied], self.timeout)
         for p, shard in self.shards:   # the local shards the optimizer steps (assembly.build_optimizer)
             shard.grad = None if p.grad is None else local(p.grad)
-
-    def _post_losses(self, losses: list[torch.Tensor]) -> None:
-        """Start sharing the step's micro-batch losses (the runner calls this after this rank's last
-        forward): an all-reduce of every replica's losses that runs under the backward passes left, and
-        that ``_share_loss`` waits for; or, when the gradients' all-reduce spans every rank, in its last
-        bucket (``ParallelConfig.losses_ride_gradients``: one collective a step, as DDP's, not two). None
-        when every rank computed every loss (tp ranks alike)."""
-        cfg = self.cfg
-        if not cfg.shares_losses:
-            self.loss_share = None
-            return
-        owner = self.pp_rank == cfg.pp - 1 and self.tp_rank == 0   # the rank that computed them
-        per = loss_slots(losses, owner, cfg.dp, self.dp_rank, self.micro_batches, self.device)
-        if cfg.losses_ride_gradients and self.reducers and self.reducers[0].carry(per):
-            self.loss_share = (None, per)   # summed by _finish_grads' reducer.finish, before _share_loss
-        else:
-            self.loss_share = (dist.all_reduce(per, async_op=True), per)
-
-    def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """Every replica's micro-batch losses on every rank (``micro_losses``); returns their mean."""
-        if self.loss_share is None:   # every rank computed every loss: no collective
-            self.micro_losses = torch.stack(losses).detach().float().reshape(self.micro_batches)
-            return self.micro_losses.mean()
-        work, per = self.loss_share
-        if work is not None:
-            wait_or_fail(work, self.timeout, "all_reduce of the step's losses")
-        # each cp rank reports its share (context.py)
-        self.micro_losses = (per if self.cfg.cp == 1 else per / self.cfg.cp).cpu()
-        return self.micro_losses.mean().to(self.device)
 
     # --- the generated code ----------------------------------------------------------------------
     def source(self) -> str:

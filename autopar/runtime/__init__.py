@@ -20,7 +20,8 @@ import os
 import shutil
 
 STANDALONE = ("batches", "buckets", "collectives", "context_ops", "context_state", "data_parallel", "dcp_state",
-              "failures", "mesh", "optim", "pipeline", "recompute", "ring_attention", "shard_ops", "sharded_init")
+              "failures", "losses", "mesh", "optim", "pipeline", "recompute", "ring_attention", "shard_ops",
+              "sharded_init")
 VENDORED = "autopar_runtime"
 """The package name a folder's copy has (not ``autopar``: it must not hide an installed autopar)."""
 

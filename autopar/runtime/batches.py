@@ -45,3 +45,16 @@ def slice_batch(batch: Any, start: int, stop: int, global_batch: int) -> Any:
     if isinstance(batch, Mapping):
         return {k: cut(v) for k, v in batch.items()}
     return tuple(cut(v) for v in batch)
+
+
+def replica_micro_batches(batch: Any, replica: int, replicas: int, micro_batch_size: int, micro_batches: int,
+                          global_batch: int) -> list[Any]:
+    """Data-parallel replica ``replica``'s micro-batches of the global ``batch``: it takes the
+    ``global_batch / replicas`` rows from ``replica * global_batch / replicas`` on, in
+    ``micro_batches`` consecutive runs of ``micro_batch_size`` rows (the whole batch unsliced when a
+    micro-batch is the global batch). Both drivers cut a step's batch with this."""
+    if micro_batch_size == global_batch:
+        return [batch]
+    per = global_batch // replicas
+    return [slice_batch(batch, replica * per + i * micro_batch_size, replica * per + (i + 1) * micro_batch_size,
+                        global_batch) for i in range(micro_batches)]

@@ -13,11 +13,13 @@ test_standalone.py):
   (pickled: lr, betas, eps, weight decay, ...);
 - ``autopar.steps``: the steps trained so far.
 
-Every tensor reaches DCP with its *global* layout through a ``present(fqn, tensor)`` function the
-writer supplies (a DTensor of the parameter's global shape, or a plain tensor that the ranks
-holding it hold whole and identical, which DCP's save planner deduplicates); a state tensor shaped
-like its parameter gets the parameter's layout. Loading asks DCP for the same entries in the
-loader's own layout, and DCP reads each rank just the overlapping parts of the saved shards.
+Every tensor reaches DCP with its *global* layout through a ``present(fqn, tensor)`` function
+(:func:`presenter`, from each sharded parameter's :class:`Layout`): a DTensor of the parameter's
+global shape, or a plain tensor that the ranks holding it hold whole and identical, which DCP's save
+planner deduplicates; a state tensor shaped like its parameter gets the parameter's layout. Loading
+asks DCP for the same entries in the loader's own layout, and DCP reads each rank just the
+overlapping parts of the saved shards. :func:`save` and :func:`resume` are the one writer and the
+one reader: the in-process program, the standalone train.py and the one-process loader call them.
 
 Imports only torch (the standalone folder must run without autopar); ``error`` arguments name
 the exception class to raise (autopar passes its ConfigError).
@@ -28,12 +30,14 @@ from __future__ import annotations
 import os
 import pickle
 import warnings
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 OPTIM = "optim."
 GROUP = "param_group"
@@ -43,7 +47,72 @@ STEPS = "autopar.steps"
 Present = Callable[[str, torch.Tensor], Any]
 
 
-def param_names(params: dict[str, torch.Tensor]) -> dict[int, str]:
+@dataclass(frozen=True)
+class Layout:
+    """A sharded parameter's global layout: the tensor a rank holds is its block of a tensor of global
+    ``shape`` on ``mesh`` at ``placements`` (tensor parallelism's ``Shard(d)``, expert parallelism's
+    ``Shard(0)`` of the experts). A mesh one dim larger than ``placements`` has the parameter's
+    replicas as its last dim: FSDP2 may shard the block again over them (the tensor a rank holds is
+    then FSDP2's DTensor: ``Shard(0)``) or not (a plain tensor: ``Replicate``)."""
+    mesh: Any
+    placements: tuple[Any, ...]
+    shape: torch.Size
+
+
+def presenter(layouts: Mapping[str, Layout]) -> Present:
+    """``present(fqn, tensor)`` for the parameters of ``layouts`` (the others are whole, or FSDP2's own
+    DTensors already): a tensor of that parameter's layout on this rank (the parameter, its local
+    shard the optimizer steps, or a state tensor shaped like either) as a DTensor of its global
+    layout, a view of the same memory (DCP reads and fills the shard itself)."""
+    def present(fqn: str, t: torch.Tensor) -> Any:
+        layout = layouts.get(fqn)
+        if layout is None or (isinstance(t, DTensor) and t.device_mesh.ndim == layout.mesh.ndim):
+            return t
+        placements = list(layout.placements)
+        if len(placements) < layout.mesh.ndim:   # the replicas' dim
+            placements.append(Shard(0) if isinstance(t, DTensor) else Replicate())
+        return DTensor.from_local(_local(t), layout.mesh, placements, run_check=False, shape=layout.shape,
+                                  stride=contiguous_stride(layout.shape))
+    return present
+
+
+def save(path: str, params: Mapping[str, torch.Tensor], stepped: Mapping[str, torch.Tensor],
+         optimizer: torch.optim.Optimizer | None, present: Present, extra: Mapping[str, Any], steps: int) -> None:
+    """Collective: every rank writes its shards. ``params``: fqn -> the parameter this rank holds;
+    ``stepped``: fqn -> what the optimizer steps (the parameter, or its local shard); ``extra``: entries
+    every rank holds whole and alike (persistent buffers, the parameters no stage holds)."""
+    state = dict(extra)
+    state.update({fqn: present(fqn, p.detach()) for fqn, p in params.items()})
+    if optimizer is not None:
+        state.update(optimizer_state(optimizer, param_names(stepped), present))
+    state[STEPS] = int(steps)
+    dcp.save(state, checkpoint_id=os.fspath(path))
+
+
+def resume(path: str, params: Mapping[str, torch.Tensor], stepped: Mapping[str, torch.Tensor],
+           optimizer: torch.optim.Optimizer | None, present: Present,
+           shape_of: Callable[[str, torch.Tensor], torch.Size], extra: Mapping[str, Any], no_dist: bool = False,
+           error: type[Exception] = ValueError) -> int | None:
+    """Collective (unless ``no_dist``): fill ``params``, ``extra`` and ``optimizer``'s state in place from
+    the checkpoint at ``path``, saved under any plan of the model; returns the steps it had trained
+    (None when it does not record them). Arguments as :func:`save`'s; ``shape_of(fqn, p)``: a stepped
+    tensor's global shape."""
+    path = os.fspath(path)
+    saved = metadata(path, error)
+    state: dict[str, Any] = {fqn: present(fqn, p.detach()) for fqn, p in params.items()}
+    state.update(extra)
+    fill = None
+    if optimizer is not None:
+        fill = optimizer_targets(optimizer, param_names(stepped), saved, present, shape_of, state, error)
+    if STEPS in saved:
+        state[STEPS] = 0
+    load(state, path, saved, no_dist=no_dist, error=error)
+    if fill is not None:
+        fill()
+    return int(state[STEPS]) if STEPS in saved else None
+
+
+def param_names(params: Mapping[str, torch.Tensor]) -> dict[int, str]:
     """id(parameter) -> its fqn in ``params`` (fqn -> parameter); a tied parameter's first name wins."""
     return {id(p): fqn for fqn, p in reversed(list(params.items()))}
 

@@ -14,7 +14,7 @@ import contextlib
 import contextvars
 import datetime
 import math
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,13 @@ def wait_or_fail(work: Any, timeout: float, what: str, group: Any = None, peers:
         raise RuntimeFailure(_message(what, timeout, group, peers, exc)) from exc
     if ok is False:
         raise RuntimeFailure(_message(what, timeout, group, peers, None))
+
+
+def peer_wait(timeout: float) -> Callable[[Any, str, int], None]:
+    """A PipelineRunner's ``wait(work, what, peer)``: :func:`wait_or_fail` naming the one peer."""
+    def wait(work: Any, what: str, peer: int) -> None:
+        wait_or_fail(work, timeout, what, peers=[peer])
+    return wait
 
 
 def _message(what: str, timeout: float, group: Any, peers: Sequence[int] | None, exc: Exception | None) -> str:

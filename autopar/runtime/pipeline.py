@@ -21,12 +21,12 @@ rank (interleaved) stay in memory.
 
 This module imports only torch: ``autopar.parallelize`` runs it, and an emitted program
 (codegen/standalone.py) carries it as it is. What it needs of the plan comes in as plain data
-(:class:`ChunkIO`, :class:`Value`, :class:`Topology`) and functions (``to_cut``, ``wait``).
+(:class:`ChunkIO`, :class:`Value`, :class:`Topology`) and functions (``to_cut``, ``wait``: failures.py's
+:func:`~.failures.peer_wait`).
 """
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -69,34 +69,6 @@ class Topology:
 
     def mine(self, chunk: int) -> bool:
         return chunk % self.pp == self.my_stage
-
-
-def loss_slots(losses: Sequence[torch.Tensor], owner: bool, replicas: int, replica: int, micro_batches: int,
-               device: torch.device) -> torch.Tensor:
-    """This rank's part of every replica's micro-batch losses (``replicas * micro_batches`` fp32 values,
-    replica-major): the ``owner`` of this replica's (its last pipeline stage's first tensor-parallel rank)
-    its losses in its slots, every other value zero, so that a sum over every rank gives them all."""
-    per = torch.zeros(replicas * micro_batches, device=device)
-    if owner:
-        per[replica * micro_batches:(replica + 1) * micro_batches] = torch.stack(list(losses)).detach().float()
-    return per
-
-
-def share_losses(losses: Sequence[torch.Tensor], owner: bool, replicas: int, replica: int, micro_batches: int,
-                 device: torch.device) -> tuple[Any, torch.Tensor]:
-    """Start the all-reduce that gives every rank each replica's micro-batch losses (:func:`loss_slots`);
-    returns (the work, the values once it completes). A runner's ``after_forwards`` starts it, under the
-    backward passes left."""
-    per = loss_slots(losses, owner, replicas, replica, micro_batches, device)
-    return dist.all_reduce(per, async_op=True), per
-
-
-def wait_for(timeout: float) -> Callable[[Any, str, int], None]:
-    """A ``wait(work, what, peer)`` that raises RuntimeError naming what did not complete."""
-    def wait(work: Any, what: str, peer: int) -> None:
-        if work.wait(timeout=datetime.timedelta(seconds=timeout)) is False:
-            raise RuntimeError(f"{what} with rank {peer} did not complete within {timeout:g} s")
-    return wait
 
 
 @dataclass

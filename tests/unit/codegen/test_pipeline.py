@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.runtime.pipeline import ChunkIO, PipelineRunner, Topology, wait_for
+from autopar.runtime.failures import peer_wait
+from autopar.runtime.pipeline import ChunkIO, PipelineRunner, Topology
 from autopar.runtime.schedules import build
 
 
@@ -27,7 +28,7 @@ def test_losses_are_handed_over_after_the_last_forward_before_the_backward_left(
     events = []
     chunk = _Square()
     runner = PipelineRunner({0: chunk}, {0: ChunkIO(("x",), (), ("loss",))}, {}, "loss", Topology(1, [0], 0), None,
-                            lambda c, last: events.append("B"), wait_for(1.0), torch.device("cpu"),
+                            lambda c, last: events.append("B"), peer_wait(1.0), torch.device("cpu"),
                             after_forwards=lambda losses: events.append(("shared", [t.item() for t in losses])))
     micro = [{"x": torch.full((2,), float(i + 1))} for i in range(micro_batches)]
     losses = runner.run(actions, micro, 1.0 / micro_batches)

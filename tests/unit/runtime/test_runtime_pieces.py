@@ -12,7 +12,7 @@ from autopar.capture import capture, graph_of, param_aliases
 from autopar.capture.export import run_export
 from autopar.models import GPTConfig, build_gpt
 from autopar.codegen.split import flatten_batch, split_graph
-from autopar.runtime.batches import slice_batch
+from autopar.runtime.batches import replica_micro_batches, slice_batch
 from autopar.codegen.inputs import check_batch, describe_inputs, example_at
 from autopar.codegen.specs import node_specs, sequence_parallel
 from autopar.plan.placement import Replicate, Shard
@@ -72,6 +72,17 @@ def test_inputs_record_round_trip():
         check_batch({"input_ids": batch["input_ids"]}, record, 4)
 
 
+def test_a_replica_takes_its_rows_in_consecutive_micro_batches():
+    """Both drivers cut a step's global batch with replica_micro_batches: replica r of R takes rows
+    r*B/R.. in runs of the micro-batch size; a tensor not batched along dim 0 passes whole."""
+    batch = {"x": torch.arange(8).reshape(8, 1), "scale": torch.tensor([2.0])}
+    parts = replica_micro_batches(batch, 1, 2, 2, 2, 8)
+    assert [p["x"].flatten().tolist() for p in parts] == [[4, 5], [6, 7]]
+    assert all(p["scale"] is batch["scale"] for p in parts)
+    assert [p.flatten().tolist() for p in replica_micro_batches(batch["x"], 0, 4, 1, 2, 8)] == [[0], [1]]
+    assert replica_micro_batches(batch, 0, 1, 8, 1, 8) == [batch]   # one micro-batch: the batch itself
+
+
 def test_specs_cover_every_op_and_sequence_parallel_splits_the_residual(gpt):
     model, inputs, _, graph = gpt
     cluster = Cluster.from_spec("1x2xcpu", intra_node_bandwidth=1e12, intra_node_latency=1e-9)
@@ -91,7 +102,7 @@ def test_specs_cover_every_op_and_sequence_parallel_splits_the_residual(gpt):
 
 
 def test_op_identities_map_across_the_batch_one_specialisation():
-    from autopar.runtime.batches import slice_batch as cut
+    from autopar.runtime.batches import replica_micro_batches, slice_batch as cut
     import autopar.models.hf as hf
     model, inputs = hf.build_hf_llama(layers=2, hidden=32, heads=4, vocab=64, seq_len=8, batch_size=2)
     one, two = capture(model, cut(inputs, 0, 1, 2)), capture(model, inputs)
