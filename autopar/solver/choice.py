@@ -115,7 +115,8 @@ def percent(fraction: float) -> str:
 def alternatives(best: Plan, seen: Seen, memory: float, tolerance: float) -> tuple[Alternative, ...]:
     """The next-best evaluated configurations and why each lost to ``best``: the fastest few (a faster
     one or a near-tie says so), the best without context / expert parallelism when ``best`` uses it,
-    and the best plain data-parallel plan (zero=0) when ``best`` shards and one fits."""
+    the best plan without ZeRO-3 when ``best`` runs it, and the best plain data-parallel plan (zero=0) when
+    ``best`` shards and one fits."""
     plans = [r for _, _, r in seen if isinstance(r, Plan) and r is not best]
     fastest = min([best.step_time] + [p.step_time for p in plans])
     faster_unfit = sorted(((lb, c, r) for lb, c, r in seen if not isinstance(r, Plan)),

@@ -48,3 +48,23 @@ def test_no_note_within_the_validated_group(plan_graph):
     plan = price(plan_graph, cluster, ParallelConfig(dp=32, zero=3), 64)
     zero1 = ParallelConfig(dp=32, zero=1)
     assert zero3_scaling_note(replace(plan, alternatives=(_alt(zero1, plan.step_time * 2),))) is None
+
+
+def test_searched_plan_carries_the_note(plan_graph):
+    """The search's choice (solver/choice.py): a ZeRO-3 plan lists the best plan without ZeRO-3 among its
+    alternatives even when faster ZeRO-3 variants fill the top ones, and its notes say what it rests on."""
+    from types import SimpleNamespace
+
+    from autopar.solver.choice import TOP_ALTERNATIVES, alternatives, with_search_results
+    cluster = Cluster.from_spec("8x8xA100-80GB")
+    best = price(plan_graph, cluster, ParallelConfig(dp=64, zero=3), 64)
+    variants = [replace(best, config=ParallelConfig(dp=64, zero=3, micro_batch_size=1 + k % 2,
+                                                    recompute=("none", "full", "selective", "op")[k // 2]),
+                        step_time=best.step_time * (1.01 + 0.01 * k)) for k in range(1, TOP_ALTERNATIVES + 2)]
+    zero1 = replace(best, config=ParallelConfig(dp=64, zero=1), step_time=best.step_time * 1.2)
+    seen = [(p.step_time, None, p) for p in [best, *variants, zero1]]
+    alts = alternatives(best, seen, cluster.device.memory, 0.0)
+    assert [a.reason for a in alts if a.config == zero1.config] == ["slower by 20.0% (the best without ZeRO-3)"]
+    stats = SimpleNamespace(timed_out=False, ilp_stopped_early=0, gap=None, ilp_fallbacks=(), counts=lambda: {})
+    chosen = with_search_results(best, stats, alts, (), "even", seen, 0.0)
+    assert any("ZeRO-3 group of 64 ranks" in n and "20.0% lead" in n for n in chosen.notes)
