@@ -179,6 +179,14 @@ class Protocol:
     """Seconds per ring step (per tree level for a tree)."""
     bandwidth_fraction: float
     """Share of the link's achievable bandwidth, in (0, 1]."""
+    net_step_floor: float = 0.0
+    """Of an inter-node link's protocol: seconds every step of a ring that spans nodes takes at least, on
+    whichever link the step crosses (the host's proxy posts each step to the network: NCCL's "net
+    overhead", cost_model/comm.py); 0: none."""
+    bus_bandwidth_cap: float = 0.0
+    """Of an inter-node link's protocol: the most bus bandwidth (bytes/s) a ring with this protocol
+    reaches across more than two nodes, whatever the links could carry (NCCL's ``llMaxBws`` for LL);
+    0: no cap."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -186,6 +194,8 @@ class Protocol:
         check_number("Protocol", "base_latency", self.base_latency, allow_zero=True)
         check_number("Protocol", "step_latency", self.step_latency, allow_zero=True)
         check_number("Protocol", "bandwidth_fraction", self.bandwidth_fraction, at_most_one=True)
+        check_number("Protocol", "net_step_floor", self.net_step_floor, allow_zero=True)
+        check_number("Protocol", "bus_bandwidth_cap", self.bus_bandwidth_cap, allow_zero=True)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -133,16 +133,33 @@ DEVICE_PRESETS: Mapping[str, Device] = MappingProxyType({
 #   The same protocols are assumed on every NVLink generation.
 # - InfiniBand: per-step 2.7 us (LL), 4 us (LL128), 9.6 us (Simple), from NCCL's model.
 # ``latency`` (one message) is what p2p and the pairwise all-to-all pay per message.
+# Across nodes two more terms of NCCL's tuning model (src/graph/tuning.cc, NCCL 2.18 to 2.30), both set
+# by the node's host CPU vendor (DGX-1 V100 and DGX H100: Intel Xeon; DGX A100: AMD EPYC 7742, per the
+# DGX datasheets):
+# - the network post overhead ("Inter-node rings still have to launch nsteps * net overhead",
+#   getNetOverhead): every step of a ring spanning nodes, NVLink hops included, takes at least 1 us on
+#   Intel hosts and 2 us on AMD ones, three times that with Simple (``Protocol.net_step_floor``);
+# - LL's bus bandwidth across more than two nodes is capped (llMaxBws): 20.4 GB/s on Intel hosts,
+#   19.0 GB/s on AMD ones (``Protocol.bus_bandwidth_cap``), far below its share of eight NICs.
+NET_OVERHEAD = {"intel": 1e-6, "amd": 2e-6}
+LL_MAX_BUS_BANDWIDTH = {"intel": 20.4e9, "amd": 19.0e9}
 _NVLINK_PROTOCOLS = (
     Protocol(name="LL", base_latency=5.27e-6, step_latency=0.6e-6, bandwidth_fraction=0.363),
     Protocol(name="LL128", base_latency=14e-6, step_latency=1.9e-6, bandwidth_fraction=0.92),
     Protocol(name="Simple", base_latency=8.4e-6, step_latency=3.4e-6, bandwidth_fraction=1.0),
 )
-_IB_PROTOCOLS = (
-    Protocol(name="LL", base_latency=5.27e-6, step_latency=2.7e-6, bandwidth_fraction=0.363),
-    Protocol(name="LL128", base_latency=14e-6, step_latency=4e-6, bandwidth_fraction=0.92),
-    Protocol(name="Simple", base_latency=8.4e-6, step_latency=9.6e-6, bandwidth_fraction=1.0),
-)
+
+
+def _ib_protocols(host: str) -> tuple[Protocol, ...]:
+    """NCCL's protocols over InfiniBand from nodes whose host CPU is ``host`` ("intel" | "amd")."""
+    post = NET_OVERHEAD[host]
+    return (
+        Protocol(name="LL", base_latency=5.27e-6, step_latency=2.7e-6, bandwidth_fraction=0.363,
+                 net_step_floor=post, bus_bandwidth_cap=LL_MAX_BUS_BANDWIDTH[host]),
+        Protocol(name="LL128", base_latency=14e-6, step_latency=4e-6, bandwidth_fraction=0.92, net_step_floor=post),
+        Protocol(name="Simple", base_latency=8.4e-6, step_latency=9.6e-6, bandwidth_fraction=1.0,
+                 net_step_floor=3 * post),
+    )
 
 
 def _nvlink(bandwidth: float, efficiency: float, **sharp: float) -> Link:
@@ -150,25 +167,25 @@ def _nvlink(bandwidth: float, efficiency: float, **sharp: float) -> Link:
                 **sharp)
 
 
-def _ib(bandwidth: float, efficiency: float) -> Link:
+def _ib(bandwidth: float, efficiency: float, host: str) -> Link:
     # 10 us per message (IB RDMA plus NCCL proxy), 5 us of wire latency being the floor
-    return Link(bandwidth=bandwidth, latency=1e-5, efficiency=efficiency, name="IB", protocols=_IB_PROTOCOLS)
+    return Link(bandwidth=bandwidth, latency=1e-5, efficiency=efficiency, name="IB", protocols=_ib_protocols(host))
 
 
 _LINKS: Mapping[str, tuple[Link, Link]] = MappingProxyType({
     # V100 NVLink2: 300 GB/s both ways per GPU (section 6) = 150e9 per direction; 0.8 achieved
     # (assumed, no public busbw in bench/sources.md). Inter-node: one 100 Gb/s NIC per NODE
     # = 12.5e9 B/s shared by 8 GPUs; 0.92 achieved as for EDR InfiniBand (assumed).
-    "V100": (_nvlink(150e9, 0.8), _ib(12.5e9 / 8, 0.92)),
+    "V100": (_nvlink(150e9, 0.8), _ib(12.5e9 / 8, 0.92, "intel")),
     # A100 NVLink3: 600 GB/s both ways (section 6) = 300e9 per direction; NCCL all-reduce busbw
     # about 230 GB/s (section 5): 230/300. Inter-node: 8 x HDR 200 Gb/s per DGX node = 25e9 B/s
     # per GPU, about 24 GB/s achieved per NIC (section 5): 24/25.
-    "A100": (_nvlink(300e9, 230 / 300), _ib(25e9, 24 / 25)),
+    "A100": (_nvlink(300e9, 230 / 300), _ib(25e9, 24 / 25, "amd")),
     # H100/H200 NVLink4: 900 GB/s both ways = 450e9 per direction. Ring busbw about 370 GB/s
     # (NCCL maintainers, section 5): 0.82. NVLink SHARP all-reduce about 480 GB/s busbw (the 8 GiB
     # row of the 8 x H100 table: 480.16), 70 us per call beyond that (fitted on its 16 MiB - 1 GiB
     # rows). Inter-node: 8 x NDR 400 Gb/s = 50e9 B/s per GPU, about 48 GB/s achieved: 48/50.
-    "H100": (_nvlink(450e9, 0.82, sharp_bandwidth=480e9, sharp_latency=70e-6), _ib(50e9, 48 / 50)),
+    "H100": (_nvlink(450e9, 0.82, sharp_bandwidth=480e9, sharp_latency=70e-6), _ib(50e9, 48 / 50, "intel")),
     # CPU ranks under gloo: shared memory between local processes, 10 GbE between machines
     # (1.25e9 B/s). Placeholders until the profiler measures them.
     "cpu": (Link(bandwidth=5e9, latency=2e-5, efficiency=1.0, name="shm"),

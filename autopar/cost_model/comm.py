@@ -36,7 +36,8 @@ DGX A100 multi-node all-reduce busbw of 111-146 GB/s; NCCL measures about 192 GB
 per node (``r = 1``) this is a plain ring over the inter-node link.
 
 A ring pass of ``n - 1`` steps has ``n - N`` hops inside nodes and ``N - 1`` across them,
-so the latency of one pass is ``L = (n - N) a_intra + (N - 1) a_inter``:
+so the latency of one pass is ``L = (n - N) a_intra + (N - 1) a_inter``, linear in the ranks:
+at 2,240 A100 (280 nodes) 1,960 NVLink steps and 279 network ones per all-gather:
 
 * all-reduce        ``t = 2(n-1)/n * S / B_eff + 2 L``
 * all-gather, reduce-scatter ``t = (n-1)/n * S / B_eff + L``
@@ -55,7 +56,29 @@ call latency ``c_p``, has per-step latencies ``a_p`` (per link level) and reache
 bandwidth. Every formula above is priced per protocol, with ``a`` the protocol's step latency, ``B``
 scaled by ``f_p`` and ``c_p`` added, and a call takes the fastest (NCCL's tuner does the same from its
 own table): LL wins for small messages, Simple for large ones. So the ring's latency grows with
-the number of ranks, ``2(n-1)`` steps per all-reduce. Two more ways for an all-reduce:
+the number of ranks, ``2(n-1)`` steps per all-reduce.
+
+**A ring across nodes at scale** (NCCL's tuning model, src/graph/tuning.cc, which NCCL's tuner prices
+with; constants in presets.py). Two terms make a ring that spans nodes slower than its links alone:
+
+* every step waits for the host's network proxy, which posts each step to the NIC ("inter-node rings
+  still have to launch nsteps * net overhead"): an NVLink hop of such a ring takes at least the inter
+  link protocol's ``net_step_floor`` (1-2 us, three times that with Simple), so
+  ``L = (n - N) max(a_intra, f) + (N - 1) a_inter``. With 8 ranks per node, 7 of every 8 steps are NVLink
+  hops: at thousands of ranks this floor, not the NVLink latency, sets the ring's latency;
+* LL, whose 8-byte flag+data stores need one network message per few kB, is capped at
+  ``bus_bandwidth_cap`` of bus bandwidth across more than two nodes (about 20 GB/s: the proxy's and
+  NIC's message rate, not the wire), so at many nodes LL no longer carries a large message cheaply.
+
+Together they price the small-message regime of a sharded-data-parallel collective at thousands of
+ranks: a unit of ``S`` bytes moves ``S / n`` per rank per step (tens of kB at 2,240 ranks), each step pays
+its latency, and the protocol that wins at that size (LL) is the one whose bandwidth collapses across
+nodes. NCCL's PAT algorithm (NCCL >= 2.23: all-gather and reduce-scatter in ``log2 n`` steps) runs only
+with one rank per node; a ZeRO-3 group without model parallelism holds 8 per node, so it rings, and PAT
+is not priced. NCCL also lowers the channel count for small calls (src/enqueue.cc: fewer than 64 bytes
+per thread of 512 for Simple), which at a unit's size (megabytes at least) does not bind: not priced.
+
+Two more ways for an all-reduce:
 
 * across nodes, NCCL's double binary tree: ``t = c_p + 2((r-1) a_intra + ceil(log2 N) a_inter) + 2 S / B_eff``
   (each byte goes up and down the tree once), which beats the ring's ``2(n-1)`` steps of latency
@@ -289,11 +312,15 @@ def _lines(kind: Collective, group: GroupPlacement, cluster: Cluster) -> tuple[t
     for p_intra, p_inter in _protocol_pairs(intra, inter, kind, N):
         if N == 1:
             b_eff, base = b_intra * p_intra.bandwidth_fraction, p_intra.base_latency
+            ring_pass = (n - 1) * p_intra.step_latency
         else:
             nic = b_nic * p_inter.bandwidth_fraction
             b_eff = nic if r == 1 else min(b_intra * p_intra.bandwidth_fraction, r * nic)
+            if N > 2 and p_inter.bus_bandwidth_cap > 0:
+                b_eff = min(b_eff, p_inter.bus_bandwidth_cap)
             base = max(p_intra.base_latency, p_inter.base_latency)
-        ring_pass = (n - N) * p_intra.step_latency + (N - 1) * p_inter.step_latency
+            ring_pass = ((n - N) * max(p_intra.step_latency, p_inter.net_step_floor)
+                         + (N - 1) * p_inter.step_latency)
         lines.append((context + base + passes * ring_pass, volume / b_eff))
         if kind is Collective.ALL_REDUCE and N > 1:   # double binary tree: up and down, log2 N levels
             depth = (r - 1) * p_intra.step_latency + math.ceil(math.log2(N)) * p_inter.step_latency

@@ -23,11 +23,15 @@ once; both stay gathered in between, as FSDP2 keeps its root and torchtitan wrap
 reduce-scatters its gradients (one collective per unit: each repeated block, each large run of the
 other layers, the root; ModelStructure.shard_units, as the runtime wraps them), for every micro-batch,
 prefetched under compute: exposed ``T_ag - o_f min(T_ag, F) + T_ag' + T_rs - o min(T_ag' + T_rs, B)``
-per micro-batch, plus the hidden share of the first unit's gather, which nothing hides.
+per micro-batch, plus the hidden share of the first unit's gather, which nothing hides, and of the last
+unit's reduce-scatter, which FSDP2 issues when the step's last backward has ended, with no compute
+left to hide it (the optimizer waits for it): prefetching one unit ahead, as FSDP2 does, hides each
+unit's collectives behind its neighbour's compute, never the step's first gather or last reduction.
 ZeRO 2 (FSDP2 without resharding after forward, and none between the step's micro-batches, as
 the runtime runs it) gathers each unit's weights once per step, under the first forward, and
 reduce-scatters its gradients after every backward, so that only a shard of them is ever held:
-``T_ag - o_f min(T_ag, F)`` plus ``T_rs - o min(T_rs, B)`` per micro-batch, plus the first gather.
+``T_ag - o_f min(T_ag, F)`` plus ``T_rs - o min(T_rs, B)`` per micro-batch, plus the first gather and
+the last reduce-scatter.
 Forward prefetch (``o_f = o``) needs a host that runs ahead of its device, as with GPU
 streams; on a CPU the compute runs on the thread that would issue the next gather
 (FSDP2 prefetches explicitly only in backward), so ``o_f = 0`` there.
@@ -126,13 +130,14 @@ class StepTail:
             # computes on the thread that would issue the next gather, so forward hides nothing there
             o_fwd = 0.0 if self.cluster.device.is_cpu else o
             gather = ag - o_fwd * np.minimum(ag, fwd_c)
-            first = o_fwd * ag / np.maximum(1, units)  # the first unit's gather is never hidden
+            # the step's first gather and last reduce-scatter have no compute beside them
+            edges = (o_fwd * ag + o * rs) / np.maximum(1, units)
             if cfg.zero == 3:   # gathered again for backward, every micro-batch, all but the kept units
                 kept = np.asarray(kept, dtype=float)
                 again = (self.collective(Collective.ALL_GATHER, (parts[0][0] - kept) * w_b, group, units - n_kept)
                          + self.collective(Collective.ALL_GATHER, experts * w_b, groups["edp"], units))
-                return micro_batches * (gather + again + rs - o * np.minimum(again + rs, bwd_c)) + first + tp_sync
-            return gather + first + micro_batches * (rs - o * np.minimum(rs, bwd_c)) + tp_sync
+                return micro_batches * (gather + again + rs - o * np.minimum(again + rs, bwd_c)) + edges + tp_sync
+            return gather + edges + micro_batches * (rs - o * np.minimum(rs, bwd_c)) + tp_sync
         total, buckets = 0.0, 0.0
         for n, grp in parts:
             nb = _buckets(n * g_b, grp.size, g_b)

@@ -27,6 +27,7 @@ from dataclasses import replace
 from typing import Any, Iterable, Mapping
 
 from ..config import ParallelConfig
+from ..cost_model.coverage import zero3_scaling_note
 from ..plan import Alternative, Plan
 from .space import Candidate
 
@@ -114,7 +115,8 @@ def percent(fraction: float) -> str:
 def alternatives(best: Plan, seen: Seen, memory: float, tolerance: float) -> tuple[Alternative, ...]:
     """The next-best evaluated configurations and why each lost to ``best``: the fastest few (a faster
     one or a near-tie says so), the best without context / expert parallelism when ``best`` uses it,
-    and the best plain data-parallel plan (zero=0) when ``best`` shards and one fits."""
+    the best plan without ZeRO-3 when ``best`` runs it, and the best plain data-parallel plan (zero=0) when
+    ``best`` shards and one fits."""
     plans = [r for _, _, r in seen if isinstance(r, Plan) and r is not best]
     fastest = min([best.step_time] + [p.step_time for p in plans])
     faster_unfit = sorted(((lb, c, r) for lb, c, r in seen if not isinstance(r, Plan)),
@@ -140,6 +142,8 @@ def alternatives(best: Plan, seen: Seen, memory: float, tolerance: float) -> tup
     shown = {a.config for a in out}
     counterfactuals = [(lambda cfg, d=degree: getattr(cfg, d) == 1, f" (the best without {label} parallelism)")
                        for degree, label in (("cp", "context"), ("ep", "expert")) if getattr(best.config, degree) > 1]
+    if best.config.zero == 3:   # what ZeRO-3 was weighed against (cost_model/coverage.py's note reads it)
+        counterfactuals.append((lambda cfg: cfg.zero < 3, " (the best without ZeRO-3)"))
     if best.config.zero:
         counterfactuals.append((lambda cfg: cfg.zero == 0, " (the best without ZeRO: plain data parallelism)"))
     for keep, why in counterfactuals:
@@ -187,6 +191,9 @@ def with_search_results(best: Plan, stats: Any, alts: tuple[Alternative, ...],
         notes += (f"{stats.ilp_stopped_early} sharding ILP(s) stopped at their time or node limit or were sharded "
                   "greedily: those layouts are the best found, not proven optimal",)
     notes += tuple(f"sharding ILP fallback: {line}" for line in stats.ilp_fallbacks)
+    beyond = zero3_scaling_note(replace(best, alternatives=alts))
+    if beyond is not None:
+        notes += (beyond,)
     extra = dict(best.extra)
     extra["layout"] = variant
     extra["search"] = {**stats.counts(), "tie_tolerance": tolerance, "fastest_step_time": faster.step_time}
