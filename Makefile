@@ -44,6 +44,8 @@ bench: $(STAMP)
 	$(PY) bench/fidelity_split.py
 	$(PY) bench/activation_memory.py
 	$(PY) bench/selective_recompute.py
+	$(PY) bench/size_bias.py
+	$(PY) bench/zero3_scale.py
 	$(PY) bench/capture_175b.py
 	$(PY) bench/capture_repeat.py
 	$(PY) bench/standalone_emit.py
