@@ -7,16 +7,17 @@ program.py (beside this file) holds the plan's constants, each layer's code on i
 chunk's dataflow; autopar_runtime/ (beside it: autopar's runtime library, torch alone) runs it: the
 pipeline executor and checked schedule (pipeline.py), the global batch cut into micro-batches
 (batches.py), the optimizer step compiled under --compile (optim.py), the explicit collectives
-(collectives.py / shard_ops.py / context_ops.py), the Mesh (mesh.py: a rank's coordinates and process
-groups), the gradients' reduction (data_parallel.py), the step's losses to every rank (losses.py),
-waits with deadlines and failures naming the rank and step (failures.py), the checkpoint format
-(dcp_state.py): the very files ``autopar.parallelize`` runs. This file builds a rank's share: its process groups, its shards of the weights of the model
-``MODEL_FACTORY`` builds (the same seed on every rank, so the same weights; a model built on the meta
-device gets the values of the parameters and buffers this rank holds only, one module at a time:
-sharded_init.py), FSDP2 for ZeRO-2/3, AdamW; then per step: the rank's micro-batches (under context
-parallelism its tokens of each sequence) through the schedule, the gradient reductions (the mean over
-the data- and context-parallel replicas, tied parameters, tensor-parallel partial sums), the optimizer
-step, and the mean loss over the global batch (rank 0 prints it and appends it to --loss-file).
+(collectives.py / shard_ops.py / context_ops.py), the Mesh (mesh.py: a rank's coordinates and
+process groups), the gradients' reduction (data_parallel.py), the step's losses to every rank
+(losses.py), waits with deadlines and failures naming the rank and step (failures.py), the
+checkpoint format (dcp_state.py): the very files ``autopar.parallelize`` runs. This file builds a
+rank's share: its process groups, its shards of the weights of the model ``MODEL_FACTORY`` builds
+(the same seed on every rank, so the same weights; a model built on the meta device gets the values
+of the parameters and buffers this rank holds only, one module at a time: sharded_init.py), FSDP2
+for ZeRO-2/3, AdamW; then per step: the rank's micro-batches (under context parallelism its tokens
+of each sequence) through the schedule, the gradient reductions (the mean over the data- and
+context-parallel replicas, tied parameters, tensor-parallel partial sums), the optimizer step, and
+the mean loss over the global batch (rank 0 prints it and appends it to --loss-file).
 --checkpoint / --resume write and read sharded checkpoints (torch.distributed.checkpoint) in the
 format of dcp_state.py, the one ``autopar.parallelize``'s programs write (the same keys, each tensor
 with its global layout, so DCP reshards it to the reader's plan); ``autopar.load_checkpoint``

@@ -21,7 +21,7 @@ train.py both run this; the cost model prices the same choice (StepTail.loss_sha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -57,8 +57,8 @@ class LossShare:
     device: torch.device
     timeout: float
     reducer: Any = None
-    _work: Any = None
-    _values: torch.Tensor | None = None
+    _work: Any = field(default=None, init=False, repr=False)                    # the all-reduce under way
+    _values: torch.Tensor | None = field(default=None, init=False, repr=False)  # this step's losses
 
     def start(self, losses: Sequence[torch.Tensor]) -> None:
         """After this rank's last forward of the step (a PipelineRunner's ``after_forwards``)."""
