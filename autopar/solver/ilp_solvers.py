@@ -4,15 +4,19 @@ sharding.py states each group's ILP as arrays (an :class:`ILPModel`: columns wit
 rows of coefficients with bounds, objectives as column -> coefficient maps); a solver here takes
 those arrays and an objective and returns the solution. Both are bounded by :class:`ILPLimits`:
 branch-and-bound nodes by default (deterministic work), a wall-clock limit only when asked for.
+A model HiGHS has solved before in this process, under a node limit alone, is answered from memory
+(``_SOLVED``): planning again (another global batch, cluster, sweep point) meets the same layer groups.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import os
 import sys
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,17 +125,11 @@ class _HiGHS:
         order = m.column_order()
         pos = np.empty(len(order), dtype=np.int32)
         pos[order] = np.arange(len(order), dtype=np.int32)
-        h = highspy.Highs()
-        for key, value in self.options.items():
-            h.setOptionValue(key, value)
         n = len(order)
         cost = np.zeros(n)
         for i, c in objective.items():
             cost[pos[i]] += c
-        h.addVars(n, np.zeros(n), np.ones(n))
-        h.changeColsCost(n, np.arange(n, dtype=np.int32), cost)
         binary = pos[np.flatnonzero(m.binary)].astype(np.int32)
-        h.changeColsIntegrality(len(binary), binary, np.full(len(binary), highspy.HighsVarType.kInteger))
         starts, index, value = [], [], []
         for coefs, _, _ in m.rows:
             starts.append(len(index))
@@ -142,18 +140,53 @@ class _HiGHS:
         inf = highspy.kHighsInf
         lower = np.array([max(lo, -inf) for _, lo, _ in m.rows], dtype=float)
         upper = np.array([min(hi, inf) for _, _, hi in m.rows], dtype=float)
-        h.addRows(len(m.rows), lower, upper, len(index), np.asarray(starts, dtype=np.int32),
-                  np.asarray(index, dtype=np.int32), np.asarray(value, dtype=float))
+        starts, index, value = (np.asarray(starts, dtype=np.int32), np.asarray(index, dtype=np.int32),
+                                np.asarray(value, dtype=float))
+        key = None
+        if "time_limit" not in self.options:   # a clock-limited solve's answer depends on the clock: never reused
+            key = _model_key(self.options, n, cost, binary, lower, upper, starts, index, value)
+            if key in _SOLVED:
+                _SOLVED.move_to_end(key)
+                status, values, nodes = _SOLVED[key]
+                return status, (None if values is None else [values[p] for p in pos]), nodes
+        h = highspy.Highs()
+        for k, v in self.options.items():
+            h.setOptionValue(k, v)
+        h.addVars(n, np.zeros(n), np.ones(n))
+        h.changeColsCost(n, np.arange(n, dtype=np.int32), cost)
+        h.changeColsIntegrality(len(binary), binary, np.full(len(binary), highspy.HighsVarType.kInteger))
+        h.addRows(len(m.rows), lower, upper, len(index), starts, index, value)
         h.run()
         status, nodes = h.getModelStatus(), int(h.getInfo().mip_node_count)
         has_solution = h.getInfo().primal_solution_status == 2   # kSolutionStatusFeasible
         if status == highspy.HighsModelStatus.kOptimal:
-            outcome = "optimal"
+            outcome, solution = "optimal", list(h.getSolution().col_value)
         elif has_solution and math.isfinite(h.getInfo().objective_function_value):
-            outcome = "stopped"        # a node, time or iteration limit, with the best integer solution so far
+            # a node or iteration limit, with the best integer solution so far
+            outcome, solution = "stopped", list(h.getSolution().col_value)
         else:
-            return h.modelStatusToString(status), None, nodes
-        return outcome, np.asarray(h.getSolution().col_value)[pos].tolist(), nodes
+            outcome, solution = h.modelStatusToString(status), None
+        if key is not None:
+            _SOLVED[key] = (outcome, solution, nodes)
+            if len(_SOLVED) > SOLVED_KEPT:
+                _SOLVED.popitem(last=False)
+        return outcome, (None if solution is None else [solution[p] for p in pos]), nodes
+
+
+# Solved models, by content (the arrays HiGHS gets and its options) -> (status, column values in HiGHS's
+# order, nodes). One HiGHS thread under a node limit is deterministic: the same model gives the same answer,
+# so a model met again (the same layer group priced for another global batch, cluster size or data-parallel
+# degree; a sweep; a notebook planning again) is answered without solving. Least recently used first out.
+SOLVED_KEPT = 4096
+_SOLVED: OrderedDict[bytes, tuple[str, list[float] | None, int]] = OrderedDict()
+
+
+def _model_key(options: dict[str, Any], *arrays: Any) -> bytes:
+    digest = hashlib.blake2b(repr(sorted(options.items())).encode(), digest_size=20)
+    for a in arrays:
+        digest.update(a.tobytes() if hasattr(a, "tobytes") else repr(a).encode())
+        digest.update(b"|")
+    return digest.digest()
 
 
 class _CBC:

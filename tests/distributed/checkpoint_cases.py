@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from harness import MODELS, adamw, batches, call_loss, loss_fn_of
+from harness import MODELS, adamw, batches, call_loss, loss_fn_of, shared_exports
 
 STEPS = 3
 
@@ -34,9 +34,12 @@ def _fresh(model_name: str) -> torch.nn.Module:
 
 
 def _program(model_name: str, plan: dict, model: torch.nn.Module | None = None):
+    """A program of ``plan`` (each a scenario's source, its resume and its targets: one export per micro-batch
+    and device, shared_exports)."""
     import autopar
-    return autopar.parallelize(model if model is not None else _fresh(model_name), autopar.Plan.from_dict(plan),
-                               adamw, loss_fn=loss_fn_of(model_name), timeout=60)
+    with shared_exports(model_name):
+        return autopar.parallelize(model if model is not None else _fresh(model_name), autopar.Plan.from_dict(plan),
+                                   adamw, loss_fn=loss_fn_of(model_name), timeout=60)
 
 
 def _diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:

@@ -54,6 +54,8 @@ class Case:
     edit: dict | None = None      # a hand-edited plan: the planned config with these fields replaced
     compile: str | None = None    # parallelize(compile=): a torch.compile backend for every layer's code
     example_batch: int = 1        # rows of the example inputs the plan is made from (as users pass them)
+    steps: int = STEPS            # AdamW steps compared (a compiled program compiles its optimizer's step at
+    #                               its second: one step leaves that to the cases that test it)
 
 
 def _mlp():
@@ -238,7 +240,7 @@ def one_process(model: torch.nn.Module, data: list[Any], step_loss: Callable[[An
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-_REFERENCES: dict[tuple[str, int], dict[str, Any]] = {}
+_REFERENCES: dict[tuple[str, int, int], dict[str, Any]] = {}
 
 
 def reference(case: Case) -> dict[str, Any]:
@@ -246,13 +248,13 @@ def reference(case: Case) -> dict[str, Any]:
     them: computed once)."""
     from autopar import init_weights
     from autopar.runtime.sharded_init import has_meta
-    key = (case.model, case.global_batch)
+    key = (case.model, case.global_batch, case.steps)
     if key not in _REFERENCES:
         model = fresh(case.model)
         if has_meta(model):
             init_weights(model)
         loss_fn = loss_fn_of(case.model)
-        _REFERENCES[key] = one_process(model, batches(case.model, STEPS, case.global_batch),
+        _REFERENCES[key] = one_process(model, batches(case.model, case.steps, case.global_batch),
                                        lambda b: call_loss(model, b, loss_fn))
     return _REFERENCES[key]
 
@@ -330,14 +332,14 @@ def shared_exports(model_key: Any):
 
 def run_case(rank: int, world: int, case: Case, plan_dict: dict) -> dict[str, Any]:
     """One case on one rank of a worlds.World: loss and full gradients of a forward_backward, the
-    parameters after STEPS AdamW steps, the first on those gradients (through a torch.save round trip
+    parameters after ``case.steps`` AdamW steps, the first on those gradients (through a torch.save round trip
     into a fresh model)."""
     import autopar
     from autopar.runtime.data_parallel import local
     torch.autograd.set_detect_anomaly(bool(os.environ.get("AUTOPAR_TEST_ANOMALY")))
     plan = autopar.Plan.from_dict(plan_dict)
     model = fresh(case.model)
-    data = batches(case.model, STEPS, case.global_batch)
+    data = batches(case.model, case.steps, case.global_batch)
     with shared_exports(case.model):
         program = autopar.parallelize(model, plan, adamw, loss_fn=loss_fn_of(case.model), timeout=60,
                                       compile=case.compile or False)

@@ -30,7 +30,7 @@ def run(rank: int, world: int, plan_dict: dict) -> dict:
 
     import autopar
     import autopar.runtime.data_parallel as data_parallel
-    from harness import batches, fresh, loss_fn_of
+    from harness import batches, fresh, loss_fn_of, shared_exports
     data = batches("mlp", 2, 4)
     out = {}
     for backend in (None, "aot_eager"):
@@ -39,8 +39,10 @@ def run(rank: int, world: int, plan_dict: dict) -> dict:
         whole = data_parallel.dp_bucket_bytes
         data_parallel.dp_bucket_bytes = lambda ranks, element_bytes: 4 * 2 ** 20
         try:
-            program = autopar.parallelize(fresh("mlp"), autopar.Plan.from_dict(plan_dict), loss_fn=loss_fn_of("mlp"),
-                                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), compile=backend)
+            with shared_exports("mlp"):   # the eager program's export, copied for the compiled one
+                program = autopar.parallelize(fresh("mlp"), autopar.Plan.from_dict(plan_dict),
+                                              loss_fn=loss_fn_of("mlp"),
+                                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), compile=backend)
         finally:
             data_parallel.dp_bucket_bytes = whole
         calls, all_reduce = [], torch.distributed.all_reduce

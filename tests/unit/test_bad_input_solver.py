@@ -162,3 +162,24 @@ def test_time_limit_while_bounding(tiny, monkeypatch) -> None:
 def test_time_limit_validated(tiny, limit) -> None:
     with pytest.raises(ConfigError, match=f"time_limit={limit!r}"):
         solve(tiny, TWO, 4, time_limit=limit)
+
+
+def test_a_model_met_again_is_answered_without_solving(tiny, monkeypatch) -> None:
+    """HiGHS under a node limit alone is deterministic: a model it solved before in this process (the same
+    arrays, objective and options) is answered from memory with the same layouts; with a wall-clock limit
+    every model is solved anew (its answer depends on the clock)."""
+    import highspy
+
+    from autopar.solver import ilp_solvers
+    runs = []
+    real_run = highspy.Highs.run
+    monkeypatch.setattr(highspy.Highs, "run", lambda self: runs.append(1) or real_run(self))
+    monkeypatch.setattr(ilp_solvers, "_SOLVED", type(ilp_solvers._SOLVED)())
+    first, stats = solve(tiny, TWO, 4, fixed={"tp": 2})
+    solved = len(runs)
+    assert solved > 0 and len(ilp_solvers._SOLVED) == solved
+    again, stats_again = solve(tiny, TWO, 4, fixed={"tp": 2})
+    assert len(runs) == solved and stats_again.ilp_solves == stats.ilp_solves
+    assert again.sharding == first.sharding and again.step_time == first.step_time
+    solve(tiny, TWO, 4, fixed={"tp": 2}, ilp_time_limit=30.0)
+    assert len(runs) >= 2 * solved

@@ -105,9 +105,11 @@ def test_deterministic_json_however_slow_the_machine(monkeypatch):
     read says 1000 s have passed since the last: a machine as slow (or as loaded) as can be. A load
     changes nothing a plan reads but the clock, so a clock limit anywhere (the search's, a sharding
     ILP's) is what would change the plan; each ILP is bounded by branch-and-bound nodes instead, and
-    no solver is handed a clock limit of its own (HiGHS and CBC read their own clocks)."""
+    no solver is handed a clock limit of its own (HiGHS and CBC read their own clocks). The second plan
+    solves every ILP again (nothing from the first's memory: ilp_solvers._SOLVED)."""
     import itertools
     import time
+    from autopar.solver import ilp_solvers
     from autopar.solver.sharding import lp_solvers
     model, inputs = build_hf_llama(device="meta")
     cluster = Cluster.from_spec("1x4xA100-80GB")   # tensor, pipeline and data parallelism all in play
@@ -116,6 +118,7 @@ def test_deterministic_json_however_slow_the_machine(monkeypatch):
     slow = lambda: real() + 1000.0 * next(ticks)   # noqa: E731
     monkeypatch.setattr(time, "perf_counter", slow)
     monkeypatch.setattr(time, "monotonic", slow)
+    monkeypatch.setattr(ilp_solvers, "_SOLVED", type(ilp_solvers._SOLVED)())   # every ILP solved again
     loaded = autopar.plan(model, cluster, inputs, global_batch_size=64, verbose=False)
     assert next(ticks) > 10   # the planner did read the clock
     monkeypatch.undo()
