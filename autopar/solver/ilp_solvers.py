@@ -162,7 +162,7 @@ class _HiGHS:
         if status == highspy.HighsModelStatus.kOptimal:
             outcome, solution = "optimal", list(h.getSolution().col_value)
         elif has_solution and math.isfinite(h.getInfo().objective_function_value):
-            # a node or iteration limit, with the best integer solution so far
+            # a node, time or iteration limit, with the best integer solution so far
             outcome, solution = "stopped", list(h.getSolution().col_value)
         else:
             outcome, solution = h.modelStatusToString(status), None
