@@ -5,8 +5,10 @@ optimizer's step as well as its chunks, as torch's "compiling the optimizer" rec
 inductor fuses the update (AdamW: weight decay, both moments, the bias corrections and the step,
 about 8 tensor ops per parameter) into one kernel, a loop over each parameter. Eager, each of those
 ops is a pass over memory and a dispatch: torch's default AdamW on a CPU is the single-tensor loop
-(multi-tensor kernels are CUDA's), and compiled, the step takes about half its time
-(bench/runtime_overhead.py, "of which the optimizer step": 0.47-0.53 of the eager step's).
+(multi-tensor kernels are CUDA's). On a CPU the gain depends on the C allocator: eager, some ops make a
+temporary of each parameter's size, and where glibc maps those afresh (page faults) the compiled step
+takes under half the eager one's time; where it reuses heap memory, it is no faster (bench/optimizer_alloc.py,
+BENCHMARKS.md).
 
 The step is compiled from its second call on: the first initialises the optimizer's state
 (``torch.optim`` creates it lazily, inside ``step``), and a step compiled on the empty state would
