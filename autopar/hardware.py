@@ -59,6 +59,10 @@ class Device:
     """Achieved fraction of peak for large GEMMs, in (0, 1]."""
     matmul_half_dim: float
     """GEMM dimension (elements) at which the per-dim efficiency factor d / (d + half) is 1/2."""
+    sm_count: int | None = None
+    """Streaming multiprocessors (compute units) a GEMM's output tiles are spread over, one tile per unit
+    at a time (cost_model/compute.py: tile and wave quantization); None where the GEMM library does not
+    work in waves of tiles (CPUs)."""
     attention_efficiency: float | None = None
     """Achieved fraction of peak for a large fused attention kernel (FlashAttention and its kin, forward
     and backward), in (0, 1]; None: a GEMM's (``matmul_efficiency``). The attention kernel is its own
@@ -116,13 +120,15 @@ class Device:
             raise ConfigError(f"Device.overlap_slowdown={self.overlap_slowdown!r} is out of range: it must be in [0, 1)")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
             raise ConfigError(f"Device.threads={self.threads!r} is out of range: it must be an integer >= 0")
+        if self.sm_count is not None:
+            check_count("Device", "sm_count", self.sm_count)
         if not isinstance(self.source, str):
             raise ConfigError(f"Device.source={self.source!r} must be a string")
 
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory, self.memory_bandwidth,
-                     self.source, self.matmul_efficiency, self.matmul_half_dim, self.attention_efficiency,
-                     self.memory_efficiency, self.kernel_overhead, self.dispatch_overhead,
+                     self.source, self.matmul_efficiency, self.matmul_half_dim, self.sm_count,
+                     self.attention_efficiency, self.memory_efficiency, self.kernel_overhead, self.dispatch_overhead,
                      self.dispatch_overhead_backward, self.threads, self.overlap_slowdown, self.concurrency_slowdown))
 
     @property

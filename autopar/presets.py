@@ -15,29 +15,30 @@ from .errors import ConfigError
 from .hardware import Device, Link, Protocol
 
 # --- Achieved-fraction constants, per device family --------------------------------------------
-# matmul_efficiency: fraction of the dense peak a large GEMM reaches; matmul_half_dim: the GEMM
+# matmul_efficiency: fraction of the dense peak a large GEMM whose output tiles fill whole waves of the
+# SMs reaches (cost_model/compute.py prices thin GEMMs and partial waves below it); matmul_half_dim: the GEMM
 # dimension (elements) at which the per-dim factor d/(d+half) is 1/2; memory_efficiency: fraction
 # of HBM bandwidth a streaming kernel reaches; kernel_overhead: fixed seconds per kernel launch.
 # Fitted on the two public V100 rows (Shoeybi et al. 2019: a 1.2B GPT-2 on one V100, 8.3B on 512;
 # bench/fidelity_published.py). Two rows from one source: the least-supported constant set here.
-V100_MATMUL_EFFICIENCY = 0.455
+V100_MATMUL_EFFICIENCY = 0.5575
 V100_MATMUL_HALF_DIM = 64.0
 V100_MEMORY_EFFICIENCY = 0.8
 V100_KERNEL_OVERHEAD = 5e-6
 
 # Fitted on the public A100 rows (Megatron SC21 Table 1, the README TP table, MegaScale's Megatron-LM
 # run; bench/fidelity_published.py): minimises the mean squared log error of the published metric.
-A100_MATMUL_EFFICIENCY = 0.675
+A100_MATMUL_EFFICIENCY = 0.70
 A100_MATMUL_HALF_DIM = 64.0
 A100_MEMORY_EFFICIENCY = 0.8
 A100_KERNEL_OVERHEAD = 5e-6
 
 # H100 SXM and H200 (same compute die): fitted on Meta's three Llama 3 405B rows, attention priced at
-# FlashAttention-2's speed (below). 0.745 x 989 is 737 TFLOP/s, about what cuBLAS reaches on a large
+# FlashAttention-2's speed (below). 0.735 x 989 is 727 TFLOP/s, about what cuBLAS reaches on a large
 # bf16 GEMM (about 750): Meta's 2024 stack loses little beyond its kernels, where Megatron-LM's 2021
-# one ran at three quarters of the A100's (0.675 x 312 = 211 of about 280). Checked out of sample
+# one ran at three quarters of the A100's (0.70 x 312 = 218 of about 280). Checked out of sample
 # on a measured H200 (BENCHMARKS.md, one GPU): eager steps within 5%.
-H100_MATMUL_EFFICIENCY = 0.745
+H100_MATMUL_EFFICIENCY = 0.735
 H100_MATMUL_HALF_DIM = 64.0
 H100_MEMORY_EFFICIENCY = 0.8
 H100_KERNEL_OVERHEAD = 5e-6
@@ -45,7 +46,7 @@ H100_KERNEL_OVERHEAD = 5e-6
 # Meta's Grand Teton H100 (torchtitan's H100 benchmark): the same die, 96 GB of HBM2e at 2.4 TB/s,
 # its power capped at 500 W instead of the SXM part's 700 W, which lowers the clocks a long GEMM
 # sustains. Its own family: fitted on its own public rows (bench/fidelity_published.py).
-H100_500W_MATMUL_EFFICIENCY = 0.565    # torchtitan's Llama 3.1 8B rows (8 and 128 GPUs, eager and compiled)
+H100_500W_MATMUL_EFFICIENCY = 0.5775   # torchtitan's Llama 3.1 8B rows (8 and 128 GPUs, eager and compiled)
 
 # attention_efficiency: what a fused attention kernel sustains, forward and backward, as a fraction of
 # peak: FlashAttention-2's published kernel benchmark (Dao 2023, arXiv 2307.08691, section 4.1), not
@@ -65,6 +66,11 @@ V100_OVERLAP_SLOWDOWN = NCCL_BLOCKS / 80
 A100_OVERLAP_SLOWDOWN = NCCL_BLOCKS / 108
 H100_OVERLAP_SLOWDOWN = NCCL_BLOCKS / 132
 
+# sm_count: streaming multiprocessors, over which a GEMM's output tiles run in waves (cost_model/
+# compute.py). Datasheets / whitepapers: V100 SXM2 80 SMs, A100 SXM4 108, H100 SXM5 132 (H200 and the
+# 500 W part share the H100 SXM5 die).
+SM_COUNT = {"V100": 80, "A100": 108, "H100": 132}
+
 CPU_MATMUL_EFFICIENCY = 0.5  # placeholders until Cluster.local() profiles this machine
 CPU_MATMUL_HALF_DIM = 32.0
 CPU_MEMORY_EFFICIENCY = 0.5
@@ -83,11 +89,13 @@ def _gpu(name: str, *, bf16: float, fp32: float, tf32: float | None, memory: flo
               "H100-500W": (H100_500W_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY,
                             H100_KERNEL_OVERHEAD, H100_OVERLAP_SLOWDOWN, H100_ATTENTION_EFFICIENCY)}
     mm, half, mem, overhead, slowdown, attention = consts[family]
+    sms = SM_COUNT[family.split("-")[0]]
     peaks = {"fp32": fp32, "bf16": bf16, "fp16": bf16}
     if tf32 is not None:
         peaks["tf32"] = tf32
     return Device(name=name, peak_flops=peaks, memory=memory, memory_bandwidth=hbm, source=source,
-                  matmul_efficiency=mm, matmul_half_dim=half, attention_efficiency=attention, memory_efficiency=mem,
+                  matmul_efficiency=mm, matmul_half_dim=half, sm_count=sms, attention_efficiency=attention,
+                  memory_efficiency=mem,
                   kernel_overhead=overhead, overlap_slowdown=slowdown)
 
 

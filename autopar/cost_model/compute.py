@@ -5,7 +5,8 @@ training dtype) and memory bandwidth ``W``::
 
     t = max(rho F / (P * e_mm(m, n, k)), Q / (W * e_mem)) + t_launch    (matmul, conv, attention)
     t = Q / (W * e_mem) + t_launch                                      (everything else)
-    e_mm(m, n, k) = e_max * g(m) * g(n) * g(k),   g(d) = d / (d + d_half)
+    e_mm(b, m, n, k) = e_max * max_s g(m) * g(n) * g(k / s) * q(s * b, m, n),   g(d) = d / (d + d_half)
+    q(b, m, n) = b m n / (W * S * T_m * T_n),   W = ceil(b * ceil(m / T_m) * ceil(n / T_n) / S)
 
 ``rho`` is the GEMM's density (``Gemm.density``: a causal attention kernel skips the masked
 half of its tiles). A fused attention kernel keeps no score matrix, so its backward recomputes
@@ -17,7 +18,15 @@ section 3.1; the memory-efficient and cuDNN kernels do the same). ``e_max``, ``d
 a fused attention kernel has its own ``e_max`` where the device says so (``attention_efficiency``:
 FlashAttention-2 on an H100 runs without Hopper's new instructions, at a third of peak).
 ``g`` captures that thin GEMMs (small hidden per tensor-parallel rank, a micro-batch of one
-short sequence) cannot fill the tensor cores.
+short sequence) cannot fill the tensor cores. ``q`` is tile and wave quantization on a GPU of ``S``
+streaming multiprocessors (``Device.sm_count``; q = 1 on a CPU): the library cuts the ``b`` products'
+``m x n`` outputs into ``T_m x T_n`` tiles (256 x 128, the largest tile of cuBLAS's sm80/sm90 bf16
+kernels), each multiprocessor computes one tile at a time, so the GEMM takes ``W`` full waves however
+few tiles the last one holds, and edge tiles compute their padding (NVIDIA's "Matrix Multiplication
+Background" guide: tile and wave quantization). A GEMM of fewer tiles than multiprocessors is split
+along ``k`` into ``s`` in {2, 4, 8, 16} parts computed as separate tiles and summed (split-K), each
+part as thin as ``k / s``; the library's best ``s`` is taken (``s = 1``: no split). The backward's two
+products share the forward's efficiency.
 
 Element-wise chains (softmax included) run fused under ``Precision.kernels`` "fused" and
 "compiled", as Megatron-LM's fused kernels and torch.compile run them: an element-wise op whose
@@ -39,6 +48,7 @@ the split GEMM dimension divided before the efficiency is taken.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Mapping, Protocol
 
@@ -50,6 +60,8 @@ _GEMM_KINDS = (OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION)
 _FUSABLE = (OpKind.ELEMENTWISE, OpKind.DROPOUT, OpKind.SOFTMAX)
 _FREE = (OpKind.VIEW,)
 FUSED_ATTENTION_BACKWARD = 5 / 4   # products a fused attention backward runs / those its FLOPs count
+TILE = (256, 128)                  # a GPU GEMM's output tile, m x n (module docstring)
+SPLIT_K = (1, 2, 4, 8, 16)         # the split-K factors a GPU GEMM library picks from
 
 
 class MeasuredTimes(Protocol):
@@ -70,14 +82,28 @@ class OpTime:
     bwd: float
 
 
-def gemm_efficiency(device: Device, gemm: Gemm, attention: bool = False) -> float:
-    """Achieved fraction of peak for a GEMM of these dimensions (a fused attention's with ``attention``)."""
+def gemm_efficiency(device: Device, gemm: Gemm, attention: bool = False, waves: bool = True) -> float:
+    """Achieved fraction of peak for a GEMM of these dimensions (a fused attention's with ``attention``:
+    its own kernel's tiles, so no GEMM tile quantization; none either without ``waves``)."""
     half = device.matmul_half_dim
-    factor = 1.0
-    for d in (gemm.m, gemm.n, gemm.k):
-        factor *= d / (d + half)
+
+    def g(d: float) -> float:
+        return d / (d + half)
+
     own = device.attention_efficiency if attention else None
-    return (device.matmul_efficiency if own is None else own) * factor
+    base = (device.matmul_efficiency if own is None else own) * g(gemm.m) * g(gemm.n)
+    if attention or not waves or device.sm_count is None:
+        return base * g(gemm.k)
+    sms = device.sm_count
+    tiles = gemm.batch * math.ceil(gemm.m / TILE[0]) * math.ceil(gemm.n / TILE[1])
+    best = 0.0
+    for s in SPLIT_K:
+        if s > 1 and tiles * (s // 2) >= sms:
+            break                       # the previous split already filled a wave
+        parts = tiles * s
+        fill = gemm.batch * s * gemm.m * gemm.n / (math.ceil(parts / sms) * sms * TILE[0] * TILE[1])
+        best = max(best, g(gemm.k / s) * fill)
+    return base * best
 
 
 def scaled_gemm(gemm: Gemm, batch_scale: float, split_dim: str, tp: int) -> Gemm:
@@ -124,6 +150,7 @@ class ComputeModel:
     device: Device
     dtype: str                      # "bf16" | "fp16" | "fp32"
     measured: MeasuredTimes | None = None
+    waves: bool = True              # tile and wave quantization (False: the smooth e_mm alone)
 
     @property
     def peak(self) -> float:
@@ -158,7 +185,8 @@ class ComputeModel:
         mem_fwd, mem_bwd = moved / self.bandwidth, 2.0 * moved / self.bandwidth
         if node.kind in _GEMM_KINDS and node.gemm is not None:
             eff = gemm_efficiency(self.device, scaled_gemm(node.gemm, batch_scale if node.batch_dependent else 1.0,
-                                                           split_dim, shard), node.kind is OpKind.ATTENTION)
+                                                           split_dim, shard), node.kind is OpKind.ATTENTION,
+                                  self.waves)
             work = scale * node.gemm.density / (self.peak * eff)
             fwd = max(node.flops_fwd * work, mem_fwd)
             redo = FUSED_ATTENTION_BACKWARD if node.kind is OpKind.ATTENTION else 1.0

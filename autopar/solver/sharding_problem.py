@@ -77,7 +77,11 @@ class Pricing:
     owner: Mapping[str, int] = field(init=False)    # memory.saved_owner of the graph
 
     def __post_init__(self) -> None:
-        self.model = ComputeModel(self.graph, self.cluster.device, self.precision.compute)
+        # Priced per sample (``scale``): a GEMM of one sample is a tile or two, where tile and wave
+        # quantization would rank strategies by the padding of a product no rank computes at the
+        # micro-batches a plan runs; the ILP ranks them with the smooth efficiency, and the step time
+        # (layer_cost at the plan's micro-batch) prices the waves of the layout it picks.
+        self.model = ComputeModel(self.graph, self.cluster.device, self.precision.compute, waves=False)
         self.owner = saved_owner(self.graph)
 
     @property

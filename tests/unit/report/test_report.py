@@ -74,7 +74,9 @@ def test_summary_heading_and_flops_in_the_unit_that_fits(searched, plan_gpt):
     assert 1e9 <= rate < 1e12, rate        # a CPU: GFLOP/s, which "TFLOP/s" printed as 0.0
     text = cpu.summary()
     assert f"{rate / 1e9:.4g} GFLOP/s per device" in text and "TFLOP/s" not in text
-    row = [line for line in str(plan.compare(cpu)).splitlines() if "FLOP/s per device" in line]
+    # a plan at 100 TFLOP/s per device beside the CPU's GFLOP/s: each row in its own unit
+    gpu = replace(plan, step_time=plan.hardware_flops / (plan.devices * 100e12))
+    row = [line for line in str(gpu.compare(cpu)).splitlines() if "FLOP/s per device" in line]
     assert len(row) == 1 and "TFLOP/s" in row[0] and "GFLOP/s" in row[0], row
 
 

@@ -98,9 +98,14 @@ def test_makespan_agrees_with_schedule_simulation_and_cost_model(plans, name):
     formula = b.compute + b.recompute + b.tp_comm + b.p2p + b.bubble
     # Unequal stages: the cost model's formula is an upper bound when every stage has the same
     # forward : backward ratio (runtime/schedules.py). Here the embedding and head stages do not
-    # (GPipe: stage 0 has the longest forward, stage 3 the longest backward, and the simulation is
-    # 0.005% over the formula), so 0.1% over is allowed.
-    assert m * max(s.work for s in plan.stages) * (1 - 1e-12) <= tl.makespan <= formula * (1 + 1e-3)
+    # (stage 0 has the longest forward, stage 3 the longest backward), and GPipe, which runs every
+    # forward before any backward, is bounded by its two phases apart instead: each takes at most
+    # (m - 1) x its slowest stage's block + one block of every stage.
+    bound = formula
+    if kind == "gpipe":
+        slowest = {k: max(t for (_, kind_), t in lengths.items() if kind_ == k) for _, k in lengths}
+        bound = max(formula, (m - 1) * sum(slowest.values()) + sum(lengths.values()))
+    assert m * max(s.work for s in plan.stages) * (1 - 1e-12) <= tl.makespan <= bound * (1 + 1e-9)
     assert tl.step_end == pytest.approx(tl.makespan + b.dp_comm + b.optimizer, rel=1e-12)
     # balanced stages: exact for every schedule (float summation order only)
     even = balanced(plan)
