@@ -6,10 +6,12 @@ Data parallelism splits the global batch ``B`` into ``dp`` equal parts, so ``dp`
 small ``dp``: more tensor or pipeline parallelism, each slower per device. When the chosen plan's ``dp``
 is the largest the batch allows and the devices, the model and the pins allow a larger one, the same
 search runs again at the nearest larger batch that allows the largest degree ruled out (a multiple of
-it; the sharding layouts are reused, so this is the outer search alone). When that plan takes a larger
-``dp``, the batch did constrain the choice, and the plan's note says so: the batch's factors, the
-degrees it allowed and ruled out, and the plan and MFU at the nearby batch. Without that search (under a
-``time_limit``) the note states the constraint alone.
+it), with ``dp`` pinned to that degree: the sharding layouts are reused and only the meshes of that
+``dp`` are searched, a small share of the space (a free search there would repeat the whole search to
+answer one question). When that plan moves more samples per second than the chosen one, the batch did
+constrain the choice, and the plan's note says so: the batch's factors, the degrees it allowed and
+ruled out, and the plan and MFU at the nearby batch. Without that search (under a ``time_limit``), or
+when nothing fits with that ``dp``, the note states the constraint alone.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ def factors(n: int) -> str:
 
 
 def batch_notes(graph: OpGraph, cluster: Cluster, global_batch_size: int, fixed: Mapping[str, Any], best: Plan,
-                solve_at: Callable[[int], Plan] | None) -> tuple[str, ...]:
-    """The note (none, or one) saying the global batch capped ``best``'s data parallelism. ``solve_at(b)``
-    is the same search at global batch ``b`` (None: do not search again, state the constraint only)."""
+                solve_at: Callable[[int, int], Plan] | None) -> tuple[str, ...]:
+    """The note (none, or one) saying the global batch capped ``best``'s data parallelism. ``solve_at(b, dp)``
+    is the same search at global batch ``b`` with ``dp`` pinned (None: do not search again, state the
+    constraint only)."""
     if "dp" in fixed:
         return ()    # the user chose dp; a pin the batch rules out is refused before any plan exists
     degrees = data_parallel_degrees(graph, cluster, fixed)
@@ -60,12 +63,12 @@ def batch_notes(graph: OpGraph, cluster: Cluster, global_batch_size: int, fixed:
             f"devices also allow dp={', '.join(map(str, larger))}): a global batch of {nearby} allows dp up to "
             f"{most}")
     try:
-        other = None if solve_at is None else solve_at(above)
+        other = None if solve_at is None else solve_at(above, most)
     except InfeasiblePlanError:
         other = None
     if other is None:
         return (fact,)
-    if other.config.dp <= best.config.dp:
-        return ()    # a batch allowing more data parallelism gets no more of it: the batch was not the limit
-    return (f"{fact}, and at {above} the plan is {other.config.short()} at {other.mfu * 100:.1f}% MFU against "
-            f"{best.mfu * 100:.1f}% here ({other.throughput / best.throughput:.2g}x the samples/s)",)
+    if other.throughput <= best.throughput:
+        return ()    # more data parallelism would not be faster: the batch was not the limit
+    return (f"{fact}, and at {above} the plan with dp={most} is {other.config.short()} at {other.mfu * 100:.1f}% "
+            f"MFU against {best.mfu * 100:.1f}% here ({other.throughput / best.throughput:.2g}x the samples/s)",)

@@ -48,9 +48,9 @@ def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision
     search.tie_tolerance = check_tolerance(tie_tolerance)
     best, stats = _run(search, sharding, must_fit=True)
 
-    def solve_at(batch: int) -> Plan:   # the same search at another global batch, on the same layouts
-        again, _ = _search(graph, cluster, batch, precision, fixed, None, measured, False, ilp_time_limit,
-                           ilp_node_limit, sharding)
+    def solve_at(batch: int, dp: int) -> Plan:   # the same search at another batch and dp, on the same layouts
+        again, _ = _search(graph, cluster, batch, precision, {**(fixed or {}), "dp": dp}, None, measured, False,
+                           ilp_time_limit, ilp_node_limit, sharding)
         again.tie_tolerance = search.tie_tolerance
         return _run(again, sharding, must_fit=True)[0]
 

@@ -1,6 +1,6 @@
 """A global batch whose factors cap data parallelism (63 = 3^2 x 7 on 8 devices: dp=1 only) is named in
-the plan's notes, with the plan at the nearest batch that allows more (solver/batch.py); a batch that
-did not limit the choice adds no note."""
+the plan's notes, with the plan at the nearest batch that allows the largest degree ruled out, that
+degree pinned (solver/batch.py); a batch that did not limit the choice adds no note."""
 
 from __future__ import annotations
 
@@ -37,15 +37,15 @@ def test_factors():
 
 def test_a_batch_with_few_factors_is_named_with_the_plan_a_nearby_batch_gets(plan_graph, sharding, at_63):
     plan = at_63
-    at_64, _ = solve(plan_graph, A100, 64, sharding=sharding)
-    assert plan.config.dp == 1 and at_64.config.dp > 1
+    at_64, _ = solve(plan_graph, A100, 64, fixed={"dp": 8}, sharding=sharding)
+    assert plan.config.dp == 1 and at_64.throughput > plan.throughput
     (note,) = _batch_notes(plan)
     assert note.startswith("global batch 63 = 3^2 x 7 allows data parallelism dp=1 only (dp must divide the "
                            "global batch; these 8 devices also allow dp=2, 4, 8): a global batch of 64 (or 56; "
                            "multiples of 8) allows dp up to 8"), note
-    assert f"at 64 the plan is {at_64.config.short()} at {at_64.mfu * 100:.1f}% MFU against " \
+    assert f"at 64 the plan with dp=8 is {at_64.config.short()} at {at_64.mfu * 100:.1f}% MFU against " \
            f"{plan.mfu * 100:.1f}% here ({at_64.throughput / plan.throughput:.2g}x the samples/s)" in note
-    assert not _batch_notes(at_64)                       # 64 = 2^6 allows every dp the devices do
+    assert not _batch_notes(solve(plan_graph, A100, 64, sharding=sharding)[0])   # 64 = 2^6 allows every dp
 
 
 def test_no_note_when_the_batch_did_not_limit_the_choice(plan_graph, sharding):
@@ -57,11 +57,17 @@ def test_no_note_when_the_batch_did_not_limit_the_choice(plan_graph, sharding):
 
 def test_without_the_second_search_the_note_states_the_constraint_alone(plan_graph, at_63):
     """Under a time_limit solve does not search again (solve_at None); nor when nothing fits at the nearby
-    batch: the note is the constraint alone."""
-    def nothing_fits(batch):
-        raise InfeasiblePlanError("no plan fits")
-
+    batch with that dp: the note is the constraint alone."""
     fact = ("global batch 63 = 3^2 x 7 allows data parallelism dp=1 only (dp must divide the global batch; these 8 "
             "devices also allow dp=2, 4, 8): a global batch of 64 (or 56; multiples of 8) allows dp up to 8")
+
+    def nothing_fits(batch, dp):   # solve_at(batch, the pinned dp)
+        raise InfeasiblePlanError("no plan fits")
+
     for solve_at in (None, nothing_fits):
         assert batch_notes(plan_graph, A100, 63, {}, at_63, solve_at) == (fact,)
+
+
+def test_no_note_when_the_larger_dp_would_not_be_faster(plan_graph, at_63):
+    """The plan at the nearby batch with the ruled-out dp moves no more samples per second: no note."""
+    assert batch_notes(plan_graph, A100, 63, {}, at_63, lambda batch, dp: at_63) == ()
