@@ -61,8 +61,9 @@ class Device:
     """GEMM dimension (elements) at which the per-dim efficiency factor d / (d + half) is 1/2."""
     sm_count: int | None = None
     """Streaming multiprocessors (compute units) a GEMM's output tiles are spread over, one tile per unit
-    at a time (cost_model/compute.py: tile and wave quantization); None where the GEMM library does not
-    work in waves of tiles (CPUs)."""
+    at a time (cost_model/compute.py: tile and wave quantization): the GPU presets'. None: no quantization,
+    for CPUs (their GEMM libraries do not work in waves of tiles) and for a device ``Cluster.local``
+    measured, whose fitted efficiency curve is the smooth one (profiler/device_fit.py)."""
     attention_efficiency: float | None = None
     """Achieved fraction of peak for a large fused attention kernel (FlashAttention and its kin, forward
     and backward), in (0, 1]; None: a GEMM's (``matmul_efficiency``). The attention kernel is its own
