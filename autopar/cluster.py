@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from .conditions import ProfileConditions, noisy_profile_warning
 from .errors import ConfigError
 from .hardware import Device, Link, check_count, check_number, from_dict
-from .presets import DEVICE_PRESETS, device_preset, link_presets
+from .presets import DEVICE_PRESETS, device_preset, host_devices, link_presets
 
 _SPEC_FORM = "NODESxDEVICES_PER_NODExDEVICE e.g. 128x8xA100-80GB"
 
@@ -56,7 +56,10 @@ def _parse_spec(spec: str) -> tuple[int, int, str]:
 class Cluster:
     """``nodes`` identical nodes of ``devices_per_node`` devices each.
 
-    ``inter_node`` is per device: a node's total NIC bandwidth is
+    A node is what ``intra_node`` joins: one NVLink (scale-up) domain, a DGX's 8 GPUs or a GB200 NVL72
+    rack's 72. ``devices_per_host``: the devices one machine (one operating system, one torchrun) drives,
+    which a domain larger than a machine holds several of (a GB200 compute tray: 4); None: the node is
+    one machine. ``inter_node`` is per device: a node's total NIC bandwidth is
     ``devices_per_node * inter_node.bandwidth``. ``profile_conditions``: what the measurements of a
     :meth:`local` cluster were taken under (its device, its links; autopar/conditions.py), () for presets.
     """
@@ -67,10 +70,17 @@ class Cluster:
     intra_node: Link
     inter_node: Link
     profile_conditions: tuple[ProfileConditions, ...] = ()
+    devices_per_host: int | None = None
 
     def __post_init__(self) -> None:
         check_count("Cluster", "nodes", self.nodes)
         check_count("Cluster", "devices_per_node", self.devices_per_node)
+        if self.devices_per_host is not None:
+            check_count("Cluster", "devices_per_host", self.devices_per_host)
+            if self.devices_per_node % self.devices_per_host:
+                raise ConfigError(f"Cluster.devices_per_host={self.devices_per_host} does not divide devices_per_node="
+                                  f"{self.devices_per_node}: an NVLink domain holds whole machines; give a divisor, "
+                                  "or None when a node is one machine")
         if not isinstance(self.device, Device):
             raise ConfigError(f"Cluster.device={self.device!r} must be a Device")
         for name in ("intra_node", "inter_node"):
@@ -86,6 +96,16 @@ class Cluster:
         return noisy_profile_warning(self.profile_conditions)
 
     @property
+    def host_devices(self) -> int:
+        """Devices per machine (processes per torchrun): ``devices_per_host``, else ``devices_per_node``."""
+        return self.devices_per_host or self.devices_per_node
+
+    @property
+    def hosts(self) -> int:
+        """Machines in the cluster."""
+        return self.devices // self.host_devices
+
+    @property
     def devices(self) -> int:
         """Total number of devices (``nodes * devices_per_node``)."""
         return self.nodes * self.devices_per_node
@@ -96,8 +116,9 @@ class Cluster:
                   inter_node_latency: float | None = None, device_memory: float | None = None) -> "Cluster":
         """Build a cluster from "NODESxDEVICES_PER_NODExDEVICE" (e.g. "128x8xA100-80GB", "1x2xcpu").
 
-        "8xA100-80GB" means one node. The device name is case-insensitive. Links come
-        from the device family's presets. The keyword overrides are per device and per
+        "8xA100-80GB" means one node. A node is one NVLink domain: "16x72xGB200" is 16 GB200 NVL72 racks
+        (each 18 machines of 4 GPUs: ``devices_per_host`` comes from the preset), "2x36xGB200" two NVL36
+        domains. The device name is case-insensitive. Links come from the device family's presets. The keyword overrides are per device and per
         direction, in bytes/s and seconds; an overridden bandwidth is taken as the
         achievable number and so gets ``efficiency=1.0`` (an overridden latency keeps
         the preset efficiency). ``device_memory`` (bytes) replaces the preset's memory per device,
@@ -111,7 +132,15 @@ class Cluster:
         intra, inter = link_presets(device.name)
         intra = _override(intra, "intra_node", intra_node_bandwidth, intra_node_latency)
         inter = _override(inter, "inter_node", inter_node_bandwidth, inter_node_latency)
-        return cls(nodes=nodes, devices_per_node=per_node, device=device, intra_node=intra, inter_node=inter)
+        host = host_devices(device.name)
+        if host is not None and per_node > host:
+            if per_node % host:
+                raise _spec_error(spec, f"a {device.name} machine holds {host} GPUs, so an NVLink domain of {per_node} "
+                                        f"is not whole machines: give a multiple of {host}")
+        else:
+            host = None
+        return cls(nodes=nodes, devices_per_node=per_node, device=device, intra_node=intra, inter_node=inter,
+                   devices_per_host=host)
 
     @classmethod
     def local(cls, nprocs: int | None = None, threads_per_rank: int | None = None, *,
@@ -139,7 +168,8 @@ class Cluster:
                    profile_conditions=measured.conditions)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"nodes": self.nodes, "devices_per_node": self.devices_per_node, "device": self.device.to_dict(),
+        return {"nodes": self.nodes, "devices_per_node": self.devices_per_node, "devices_per_host": self.devices_per_host,
+                "device": self.device.to_dict(),
                 "intra_node": self.intra_node.to_dict(), "inter_node": self.inter_node.to_dict(),
                 "profile_conditions": [c.to_dict() for c in self.profile_conditions]}
 
@@ -159,15 +189,17 @@ class Cluster:
         """E.g. "128 x 8 x A100-80GB (1024 devices; NVLink 300 GB/s, IB 25 GB/s per device)"."""
         intra = f"{self.intra_node.name or 'intra-node'} {self.intra_node.bandwidth / 1e9:g} GB/s"
         inter = f"{self.inter_node.name or 'inter-node'} {self.inter_node.bandwidth / 1e9:g} GB/s"
+        hosts = f", {self.hosts} machines of {self.host_devices}" if self.devices_per_host else ""
         return (f"{self.nodes} x {self.devices_per_node} x {self.device.name} "
-                f"({self.devices} devices; {intra}, {inter} per device)")
+                f"({self.devices} devices{hosts}; {intra}, {inter} per device)")
 
 
 def _override(link: Link, which: str, bandwidth: float | None, latency: float | None) -> Link:
     if bandwidth is not None:
         check_number("Cluster.from_spec", f"{which}_bandwidth", bandwidth)
-        link = Link(bandwidth=bandwidth, latency=link.latency, efficiency=1.0, name=link.name)
+        link = Link(bandwidth=bandwidth, latency=link.latency, efficiency=1.0, name=link.name, peers=link.peers)
     if latency is not None:
         check_number("Cluster.from_spec", f"{which}_latency", latency, allow_zero=True)
-        link = Link(bandwidth=link.bandwidth, latency=latency, efficiency=link.efficiency, name=link.name)
+        link = Link(bandwidth=link.bandwidth, latency=latency, efficiency=link.efficiency, name=link.name,
+                    peers=link.peers)
     return link

@@ -238,6 +238,12 @@ class Link:
     SHARP, NCCL's NVLS); 0 when the link has none."""
     sharp_latency: float = 0.0
     """Seconds per in-switch all-reduce call beyond its bandwidth term."""
+    peers: int = 0
+    """0: a switched link (NVSwitch): a device reaches every other device of its node at the full
+    ``bandwidth``. k > 0: a fully connected mesh without a switch (AMD Infinity Fabric: 7 links to the 7
+    other GPUs of a node): ``bandwidth`` is the sum of the device's ``k`` equal links, so a group of ``r``
+    ranks inside the node reaches ``(r - 1) / k`` of it (the links to its own members; the collective
+    library runs one ring per link) and a point-to-point message ``1 / k`` (cost_model/comm.py)."""
 
     def __post_init__(self) -> None:
         check_number("Link", "bandwidth", self.bandwidth)
@@ -268,12 +274,15 @@ class Link:
         object.__setattr__(self, "protocols", protocols)
         check_number("Link", "sharp_bandwidth", self.sharp_bandwidth, allow_zero=True)
         check_number("Link", "sharp_latency", self.sharp_latency, allow_zero=True)
+        if isinstance(self.peers, bool) or not isinstance(self.peers, int) or self.peers < 0:
+            raise ConfigError(f"Link.peers={self.peers!r} is out of range: it must be an integer >= 0 (0: a switch; "
+                              "k: a full mesh of k links per device)")
 
     def __hash__(self) -> int:
         return hash((self.bandwidth, self.latency, self.efficiency, self.overlap, self.context_latency,
                      self.context_latency_p2p, self.name, tuple(sorted(
             (k, v.latency, v.bandwidth) for k, v in self.collectives.items())), self.protocols,
-            self.sharp_bandwidth, self.sharp_latency))
+            self.sharp_bandwidth, self.sharp_latency, self.peers))
 
     @property
     def effective_bandwidth(self) -> float:
@@ -289,6 +298,13 @@ class Link:
         """Seconds per ring step (per message for p2p) of ``collective``: measured, else ``latency``."""
         fit = self.collectives.get(collective)
         return fit.latency if fit is not None else self.latency
+
+    def group_share(self, ranks: int) -> float:
+        """Share of ``bandwidth`` one rank of a group of ``ranks`` on this link reaches: 1 on a switch;
+        ``(ranks - 1) / peers`` on a full mesh of ``peers`` links (at least one link's worth)."""
+        if self.peers == 0:
+            return 1.0
+        return min(1.0, max(1, ranks - 1) / self.peers)
 
     def ring_protocols(self, collective: str) -> tuple[Protocol, ...]:
         """The protocols a ring ``collective`` may run with on this link: the measured fit's, else

@@ -33,10 +33,10 @@ A100_MATMUL_HALF_DIM = 64.0
 A100_MEMORY_EFFICIENCY = 0.8
 A100_KERNEL_OVERHEAD = 5e-6
 
-# H100 SXM and H200 (same compute die): fitted on Meta's three Llama 3 405B rows, attention priced at
-# FlashAttention-2's speed (below). 0.735 x 989 is 727 TFLOP/s, about what cuBLAS reaches on a large
-# bf16 GEMM (about 750): Meta's 2024 stack loses little beyond its kernels, where Megatron-LM's 2021
-# one ran at three quarters of the A100's (0.70 x 312 = 218 of about 280). Checked out of sample
+# H100 SXM, H200 and H800 (same compute die): fitted on Meta's three Llama 3 405B rows, attention priced at
+# FlashAttention-2's speed (below). 0.735 x 989 is 727 TFLOP/s, 0.915 of the 794.5 a large bf16 GEMM
+# reaches at its best shape (the public MAMF table below): Meta's 2024 stack loses little beyond its
+# kernels, where Megatron-LM's 2021 one ran at three quarters of the A100's (0.70 x 312 = 218 of about 280). Checked out of sample
 # on a measured H200 (BENCHMARKS.md, one GPU): eager steps within 5%.
 H100_MATMUL_EFFICIENCY = 0.735
 H100_MATMUL_HALF_DIM = 64.0
@@ -67,9 +67,32 @@ A100_OVERLAP_SLOWDOWN = NCCL_BLOCKS / 108
 H100_OVERLAP_SLOWDOWN = NCCL_BLOCKS / 132
 
 # sm_count: streaming multiprocessors, over which a GEMM's output tiles run in waves (cost_model/
-# compute.py). Datasheets / whitepapers: V100 SXM2 80 SMs, A100 SXM4 108, H100 SXM5 132 (H200 and the
-# 500 W part share the H100 SXM5 die).
-SM_COUNT = {"V100": 80, "A100": 108, "H100": 132}
+# compute.py). Datasheets / whitepapers: V100 SXM2 80 SMs, A100 SXM4 108, H100 SXM5 132 (H200, H800 and
+# the 500 W part share the H100 SXM5 die), B200 148 (GB200's GPUs alike).
+SM_COUNT = {"V100": 80, "A100": 108, "H100": 132, "B200": 148}
+
+# --- Families no public training run here calibrates (B200, GB200, H20, MI300X, MI325X, MI355X) ------
+# matmul_efficiency: the share of the dense bf16 peak a large GEMM reaches on the part (the "maximum
+# achievable matmul FLOPS" table of stas00/ml-engineering, compute/accelerator/README.md: torch.matmul at
+# the best of a search over shapes, the mean of 100 runs), times what a training stack keeps of that on the
+# one part with both figures: the H100's fitted 0.735 against its 794.5 TFLOP/s of 989 there (STACK_SHARE,
+# 0.915). No training run checks these (bench/new_presets.py prints them; BENCHMARKS.md lists them among
+# the unmeasured). H800: the H100's die and constants.
+STACK_SHARE = H100_MATMUL_EFFICIENCY / (794.5e12 / 989e12)
+B200_MATMUL_EFFICIENCY = 1745.0e12 / 2.25e15 * STACK_SHARE      # B200 SXM: 1,745 of 2,250
+GB200_MATMUL_EFFICIENCY = 1822.0e12 / 2.5e15 * STACK_SHARE      # GB200: 1,822 of 2,500
+MI300X_MATMUL_EFFICIENCY = 668.4e12 / 1307.4e12 * STACK_SHARE   # MI300X: 668.4 of 1,307.4 (TunableOp on)
+MI325X_MATMUL_EFFICIENCY = 784.9e12 / 1307.4e12 * STACK_SHARE   # MI325X: 784.9 of 1,307.4 (TunableOp on)
+MI355X_MATMUL_EFFICIENCY = 1565.0e12 / 2516.6e12 * STACK_SHARE  # MI355X: 1,565 of 2,516.6 (TunableOp off)
+# H20 (not in that table): 141.86 TFLOP/s of 148 (torch.matmul, square shapes; github.com/zzc0721/
+# torch-performance-test-data, database.md): a part capped far below its memory and clocks.
+H20_MATMUL_EFFICIENCY = 141.86e12 / 148e12 * STACK_SHARE
+# overlap_slowdown as above: NCCL's (RCCL's) 24 blocks of the part's SMs (CUs): B200/GB200 148 SMs,
+# MI300X/MI325X 304 CUs, MI355X 256 (AMD datasheets); the H20 the H100's (NVIDIA publishes no SM count).
+B200_OVERLAP_SLOWDOWN = NCCL_BLOCKS / SM_COUNT["B200"]
+H20_OVERLAP_SLOWDOWN = H100_OVERLAP_SLOWDOWN
+MI300_OVERLAP_SLOWDOWN = NCCL_BLOCKS / 304
+MI355_OVERLAP_SLOWDOWN = NCCL_BLOCKS / 256
 
 CPU_MATMUL_EFFICIENCY = 0.5  # placeholders until Cluster.local() profiles this machine
 CPU_MATMUL_HALF_DIM = 32.0
@@ -78,50 +101,98 @@ CPU_KERNEL_OVERHEAD = 1e-5
 
 
 # --- Device presets (bench/sources.md section 6, vendor datasheets) -----------------------------
-def _gpu(name: str, *, bf16: float, fp32: float, tf32: float | None, memory: float, hbm: float, source: str,
+def _gpu(name: str, *, peaks: Mapping[str, float | None], memory: float, hbm: float, source: str,
          family: str) -> Device:
-    consts = {"V100": (V100_MATMUL_EFFICIENCY, V100_MATMUL_HALF_DIM, V100_MEMORY_EFFICIENCY, V100_KERNEL_OVERHEAD,
-                       V100_OVERLAP_SLOWDOWN, None),
-              "A100": (A100_MATMUL_EFFICIENCY, A100_MATMUL_HALF_DIM, A100_MEMORY_EFFICIENCY, A100_KERNEL_OVERHEAD,
-                       A100_OVERLAP_SLOWDOWN, None),
-              "H100": (H100_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD,
-                       H100_OVERLAP_SLOWDOWN, H100_ATTENTION_EFFICIENCY),
-              "H100-500W": (H100_500W_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY,
-                            H100_KERNEL_OVERHEAD, H100_OVERLAP_SLOWDOWN, H100_ATTENTION_EFFICIENCY)}
-    mm, half, mem, overhead, slowdown, attention = consts[family]
-    sms = SM_COUNT[family.split("-")[0]]
-    peaks = {"fp32": fp32, "bf16": bf16, "fp16": bf16}
-    if tf32 is not None:
-        peaks["tf32"] = tf32
-    return Device(name=name, peak_flops=peaks, memory=memory, memory_bandwidth=hbm, source=source,
+    """A GPU preset: dense peaks per dtype (fp16 is bf16's; None: the part has no such tensor core),
+    memory, HBM bandwidth, and the achieved-fraction constants of ``family``."""
+    mm, half, mem, overhead, slowdown, attention, sms = _FAMILY_CONSTANTS[family]
+    table = {k: v for k, v in peaks.items() if v is not None}
+    table.setdefault("fp16", table["bf16"])
+    return Device(name=name, peak_flops=table, memory=memory, memory_bandwidth=hbm, source=source,
                   matmul_efficiency=mm, matmul_half_dim=half, sm_count=sms, attention_efficiency=attention,
-                  memory_efficiency=mem,
-                  kernel_overhead=overhead, overlap_slowdown=slowdown)
+                  memory_efficiency=mem, kernel_overhead=overhead, overlap_slowdown=slowdown)
 
+
+# family -> (matmul_efficiency, matmul_half_dim, memory_efficiency, kernel_overhead, overlap_slowdown,
+#            attention_efficiency, sm_count)
+_FAMILY_CONSTANTS: Mapping[str, tuple] = MappingProxyType({
+    "V100": (V100_MATMUL_EFFICIENCY, V100_MATMUL_HALF_DIM, V100_MEMORY_EFFICIENCY, V100_KERNEL_OVERHEAD,
+             V100_OVERLAP_SLOWDOWN, None, SM_COUNT["V100"]),
+    "A100": (A100_MATMUL_EFFICIENCY, A100_MATMUL_HALF_DIM, A100_MEMORY_EFFICIENCY, A100_KERNEL_OVERHEAD,
+             A100_OVERLAP_SLOWDOWN, None, SM_COUNT["A100"]),
+    "H100": (H100_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD,
+             H100_OVERLAP_SLOWDOWN, H100_ATTENTION_EFFICIENCY, SM_COUNT["H100"]),
+    "H100-500W": (H100_500W_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD,
+                  H100_OVERLAP_SLOWDOWN, H100_ATTENTION_EFFICIENCY, SM_COUNT["H100"]),
+    # the families below keep the H100's half-dim, memory efficiency and launch overhead (not measured
+    # for them), and price attention at their GEMMs' efficiency (no public fused-attention figure used)
+    "H20": (H20_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD,
+            H20_OVERLAP_SLOWDOWN, None, None),
+    "B200": (B200_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD,
+             B200_OVERLAP_SLOWDOWN, None, SM_COUNT["B200"]),
+    "GB200": (GB200_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD,
+              B200_OVERLAP_SLOWDOWN, None, SM_COUNT["B200"]),
+    "MI300X": (MI300X_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD,
+               MI300_OVERLAP_SLOWDOWN, None, None),
+    "MI325X": (MI325X_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD,
+               MI300_OVERLAP_SLOWDOWN, None, None),
+    "MI355X": (MI355X_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD,
+               MI355_OVERLAP_SLOWDOWN, None, None),
+})
 
 _V100_SRC = ("NVIDIA V100 SXM2 datasheet: 125 TFLOP/s fp16 tensor core, 15.7 fp32, 900 GB/s HBM2; V100 has no "
              "bf16, so bf16 is mapped to the fp16 tensor-core peak")
 _A100_SRC = "NVIDIA A100 SXM4 datasheet: 312 TFLOP/s bf16/fp16 dense, 156 tf32, 19.5 fp32"
-_H100_SRC = "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16/fp16 dense, 494 tf32, 66.9 fp32"
+_H100_SRC = "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16/fp16 dense, 1,979 fp8, 494 tf32, 66.9 fp32"
+_H100_PEAKS = {"bf16": 989e12, "fp8": 1979e12, "tf32": 494e12, "fp32": 66.9e12}
+_B200_SRC = ("NVIDIA DGX B200 / HGX B200 datasheet (1,000 W): per GPU 2.25 PFLOP/s bf16/fp16 dense, 4.5 fp8, 9 fp4, "
+             "1.1 tf32, 75 TFLOP/s fp32; DGX B200: 1,440 GB HBM3e in 8 GPUs (180 GB), 64 TB/s (8 TB/s each)")
+_GB200_SRC = ("NVIDIA GB200 NVL72 datasheet (1,200 W): per GPU (a 72nd of the rack's 180 PFLOP/s bf16 dense, 360 fp8, "
+              "720 fp4, 90 tf32, 5,760 TFLOP/s fp32) 2.5 PFLOP/s bf16 dense, 5 fp8, 10 fp4, 1.25 tf32, 80 TFLOP/s "
+              "fp32; up to 13.4 TB HBM3e (186 GB per GPU) at 576 TB/s (8 TB/s each); a compute tray holds "
+              "2 Grace CPUs and 4 GPUs")
+_MI300X_SRC = ("AMD Instinct MI300X datasheet: 1,307.4 TFLOP/s bf16/fp16 dense, 2,614.9 fp8, 653.7 tf32, 163.4 fp32 "
+               "(matrix); 192 GB HBM3, 5.3 TB/s; 304 CUs")
+_MI325X_SRC = ("AMD Instinct MI325X datasheet: 1,307.4 TFLOP/s bf16/fp16 dense, 2,614.9 fp8, 653.7 tf32, 163.4 fp32 "
+               "(matrix), the MI300X's CDNA 3 die; 256 GB HBM3E, 6 TB/s")
+_MI355X_SRC = ("AMD Instinct MI355X datasheet (1,400 W): 2,516.6 TFLOP/s bf16/fp16 dense, 5,033.2 fp8, 10,066.3 "
+               "MXFP4, 157.3 fp32 (matrix); CDNA 4 has no tf32 matrix path; 288 GB HBM3E, 8 TB/s; 256 CUs")
+_H20_SRC = ("NVIDIA HGX H20 (export-compliant Hopper; product brief as published by NVIDIA's partners): 148 TFLOP/s "
+            "bf16/fp16 dense, 296 fp8, 74 tf32, 44 fp32; 96 GB HBM3, 4.0 TB/s; NVLink 900 GB/s")
+_H800_SRC = ("NVIDIA H800 SXM5 (export-compliant H100: the H100 SXM5 die and peaks, 989 TFLOP/s bf16 dense, 1,979 "
+             "fp8, 494 tf32, 66.9 fp32; 80 GB HBM3, 3.35 TB/s; NVLink cut to 400 GB/s both ways)")
 
 DEVICE_PRESETS: Mapping[str, Device] = MappingProxyType({
-    "V100-16GB": _gpu("V100-16GB", bf16=125e12, fp32=15.7e12, tf32=None, memory=16e9, hbm=900e9,
+    "V100-16GB": _gpu("V100-16GB", peaks={"bf16": 125e12, "fp32": 15.7e12}, memory=16e9, hbm=900e9,
                       source=_V100_SRC + "; 16 GB", family="V100"),
-    "V100-32GB": _gpu("V100-32GB", bf16=125e12, fp32=15.7e12, tf32=None, memory=32e9, hbm=900e9,
+    "V100-32GB": _gpu("V100-32GB", peaks={"bf16": 125e12, "fp32": 15.7e12}, memory=32e9, hbm=900e9,
                       source=_V100_SRC + "; 32 GB", family="V100"),
-    "A100-40GB": _gpu("A100-40GB", bf16=312e12, fp32=19.5e12, tf32=156e12, memory=40e9, hbm=1555e9,
-                      source=_A100_SRC + "; 40 GB HBM2, 1,555 GB/s", family="A100"),
-    "A100-80GB": _gpu("A100-80GB", bf16=312e12, fp32=19.5e12, tf32=156e12, memory=80e9, hbm=2039e9,
-                      source=_A100_SRC + "; 80 GB HBM2e, 2,039 GB/s", family="A100"),
-    "H100-SXM": _gpu("H100-SXM", bf16=989e12, fp32=66.9e12, tf32=494e12, memory=80e9, hbm=3350e9,
+    "A100-40GB": _gpu("A100-40GB", peaks={"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, memory=40e9,
+                      hbm=1555e9, source=_A100_SRC + "; 40 GB HBM2, 1,555 GB/s", family="A100"),
+    "A100-80GB": _gpu("A100-80GB", peaks={"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, memory=80e9,
+                      hbm=2039e9, source=_A100_SRC + "; 80 GB HBM2e, 2,039 GB/s", family="A100"),
+    "H100-SXM": _gpu("H100-SXM", peaks=_H100_PEAKS, memory=80e9, hbm=3350e9,
                      source=_H100_SRC + "; 80 GB HBM3, 3,350 GB/s", family="H100"),
-    "H100-96GB-500W": _gpu("H100-96GB-500W", bf16=989e12, fp32=66.9e12, tf32=494e12, memory=96e9, hbm=2.4e12,
+    "H100-96GB-500W": _gpu("H100-96GB-500W", peaks=_H100_PEAKS, memory=96e9, hbm=2.4e12,
                            source=_H100_SRC + " (the die's peaks); Meta Grand Teton part: 96 GB HBM2e, 2.4 TB/s, "
                                   "500 W (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md)",
                            family="H100-500W"),
-    "H200": _gpu("H200", bf16=989e12, fp32=66.9e12, tf32=494e12, memory=141e9, hbm=4800e9,
-                 source="NVIDIA H200 SXM datasheet: H100 compute (989 TFLOP/s bf16 dense, 494 tf32, 66.9 fp32); "
-                        "141 GB HBM3e, 4,800 GB/s", family="H100"),
+    "H200": _gpu("H200", peaks=_H100_PEAKS, memory=141e9, hbm=4800e9,
+                 source="NVIDIA H200 SXM datasheet: H100 compute (989 TFLOP/s bf16 dense, 1,979 fp8, 494 tf32, 66.9 "
+                        "fp32); 141 GB HBM3e, 4,800 GB/s", family="H100"),
+    "H800": _gpu("H800", peaks=_H100_PEAKS, memory=80e9, hbm=3350e9, source=_H800_SRC, family="H100"),
+    "H20": _gpu("H20", peaks={"bf16": 148e12, "fp8": 296e12, "tf32": 74e12, "fp32": 44e12}, memory=96e9, hbm=4.0e12,
+                source=_H20_SRC, family="H20"),
+    "B200": _gpu("B200", peaks={"bf16": 2.25e15, "fp8": 4.5e15, "fp4": 9e15, "tf32": 1.1e15, "fp32": 75e12},
+                 memory=180e9, hbm=8e12, source=_B200_SRC, family="B200"),
+    "GB200": _gpu("GB200", peaks={"bf16": 2.5e15, "fp8": 5e15, "fp4": 10e15, "tf32": 1.25e15, "fp32": 80e12},
+                  memory=186e9, hbm=8e12, source=_GB200_SRC, family="GB200"),
+    "MI300X": _gpu("MI300X", peaks={"bf16": 1307.4e12, "fp8": 2614.9e12, "tf32": 653.7e12, "fp32": 163.4e12},
+                   memory=192e9, hbm=5.3e12, source=_MI300X_SRC, family="MI300X"),
+    "MI325X": _gpu("MI325X", peaks={"bf16": 1307.4e12, "fp8": 2614.9e12, "tf32": 653.7e12, "fp32": 163.4e12},
+                   memory=256e9, hbm=6e12, source=_MI325X_SRC, family="MI325X"),
+    "MI355X": _gpu("MI355X", peaks={"bf16": 2516.6e12, "fp8": 5033.2e12, "fp4": 10066.3e12, "fp32": 157.3e12},
+                   memory=288e9, hbm=8e12, source=_MI355X_SRC, family="MI355X"),
     "cpu": Device(name="cpu", peak_flops={"fp32": 1e11, "bf16": 5e10, "fp16": 5e10}, memory=16e9,
                   memory_bandwidth=2e10, matmul_efficiency=CPU_MATMUL_EFFICIENCY,
                   matmul_half_dim=CPU_MATMUL_HALF_DIM, memory_efficiency=CPU_MEMORY_EFFICIENCY,
@@ -149,8 +220,9 @@ DEVICE_PRESETS: Mapping[str, Device] = MappingProxyType({
 #   Intel hosts and 2 us on AMD ones, three times that with Simple (``Protocol.net_step_floor``);
 # - LL's bus bandwidth across more than two nodes is capped (llMaxBws): 20.4 GB/s on Intel hosts,
 #   19.0 GB/s on AMD ones (``Protocol.bus_bandwidth_cap``), far below its share of eight NICs.
-NET_OVERHEAD = {"intel": 1e-6, "amd": 2e-6}
-LL_MAX_BUS_BANDWIDTH = {"intel": 20.4e9, "amd": 19.0e9}
+# Any other host (Grace's Arm cores in a GB200 tray) takes NCCL's default: 1 us, and the Intel row of llMaxBws.
+NET_OVERHEAD = {"intel": 1e-6, "amd": 2e-6, "arm": 1e-6}
+LL_MAX_BUS_BANDWIDTH = {"intel": 20.4e9, "amd": 19.0e9, "arm": 20.4e9}
 _NVLINK_PROTOCOLS = (
     Protocol(name="LL", base_latency=5.27e-6, step_latency=0.6e-6, bandwidth_fraction=0.363),
     Protocol(name="LL128", base_latency=14e-6, step_latency=1.9e-6, bandwidth_fraction=0.92),
@@ -175,6 +247,25 @@ def _nvlink(bandwidth: float, efficiency: float, **sharp: float) -> Link:
                 **sharp)
 
 
+# RCCL's protocols over xGMI, from its tuning model for MI300X (src/graph/tuning.cc, tuning_model_5, which
+# the 8-GPU fully connected topologies select; gfx950's tuning_model_6 has the same latencies and ratios):
+# per call 12 us (LL) and 17 us (Simple), per ring step 0.8 us (LL) and 2.1 us (Simple), LL at 0.08 of the
+# bandwidth. LL128 is off by default on gfx942 and gfx950 (enabled only with RCCL_LL128_FORCE_ENABLE): not
+# offered. Across nodes the InfiniBand protocols below are NCCL's with the AMD host's post overhead: RCCL's
+# network row (Simple 320 us per step) is a weight steering its tuner to trees, not a time.
+_XGMI_PROTOCOLS = (
+    Protocol(name="LL", base_latency=12e-6, step_latency=0.8e-6, bandwidth_fraction=0.08),
+    Protocol(name="Simple", base_latency=17e-6, step_latency=2.1e-6, bandwidth_fraction=1.0),
+)
+XGMI_EFFICIENCY = 318.98 / 448
+
+
+def _xgmi(bandwidth: float, efficiency: float, links: int) -> Link:
+    """AMD Infinity Fabric: ``links`` direct links per GPU, no switch (Link.peers), RCCL's protocols."""
+    return Link(bandwidth=bandwidth, latency=1e-6, efficiency=efficiency, name="xGMI", protocols=_XGMI_PROTOCOLS,
+                peers=links)
+
+
 def _ib(bandwidth: float, efficiency: float, host: str) -> Link:
     # 10 us per message (IB RDMA plus NCCL proxy), 5 us of wire latency being the floor
     return Link(bandwidth=bandwidth, latency=1e-5, efficiency=efficiency, name="IB", protocols=_ib_protocols(host))
@@ -193,14 +284,43 @@ _LINKS: Mapping[str, tuple[Link, Link]] = MappingProxyType({
     # (NCCL maintainers, section 5): 0.82. NVLink SHARP all-reduce about 480 GB/s busbw (the 8 GiB
     # row of the 8 x H100 table: 480.16), 70 us per call beyond that (fitted on its 16 MiB - 1 GiB
     # rows). Inter-node: 8 x NDR 400 Gb/s = 50e9 B/s per GPU, about 48 GB/s achieved: 48/50.
+    # H20 nodes: the same NVLink4 and NVSwitch (900 GB/s per GPU), the same NICs.
     "H100": (_nvlink(450e9, 0.82, sharp_bandwidth=480e9, sharp_latency=70e-6), _ib(50e9, 48 / 50, "intel")),
+    # H800: NVLink cut to 400 GB/s both ways = 200e9 per direction; DeepSeek-V3's report (arXiv 2412.19437,
+    # section 3.2.2) gives 160 GB/s of it achieved (0.8) and its 400 Gb/s InfiniBand NICs 50 GB/s per GPU
+    # (taken at the H100's 48/50 achieved). No NVLink SHARP figure is published for it: not priced.
+    "H800": (_nvlink(200e9, 0.8), _ib(50e9, 48 / 50, "intel")),
+    # Blackwell NVLink5: 1.8 TB/s both ways per GPU = 900e9 per direction, through NVSwitch: 8 GPUs in an
+    # HGX/DGX B200, 72 in a GB200 NVL72 rack (one node of the cost model: Cluster.from_spec("16x72xGB200")).
+    # Calibrated on one-domain nccl-tests all-reduce rows (bench/new_presets.py holds them, and the multi-node
+    # rows that validate): 8 x B200 ring (NVLS off) 682.2 GB/s busbw at 8 GiB, 838.0 with NVLS (stas00/
+    # ml-engineering network/README.md, NCCL 2.27.7); a GB200 NVL72 rack's 72 GPUs 834.6 at 8 GB (coreweave/
+    # nccl-tests README, NCCL 2.26.2), its ring share taken as the B200's. NVLS's per-call latency: the H100's.
+    # NICs: DGX B200 8 x ConnectX-7 400 Gb/s (50e9 per GPU), Intel Xeon hosts; GB200 compute trays 4 x
+    # ConnectX-7 400 Gb/s for 4 GPUs (50e9 per GPU), Grace (Arm) hosts.
+    "B200": (_nvlink(900e9, 682.2 / 900, sharp_bandwidth=838.0e9, sharp_latency=70e-6), _ib(50e9, 48 / 50, "intel")),
+    "GB200": (_nvlink(900e9, 682.2 / 900, sharp_bandwidth=834.6e9, sharp_latency=70e-6), _ib(50e9, 48 / 50, "arm")),
+    # MI300X / MI325X: 7 Infinity Fabric (xGMI) links per GPU, 128 GB/s both ways each (AMD datasheet: 896
+    # GB/s aggregate), fully connected across the 8 GPUs of a node: 7 x 64e9 = 448e9 per direction, a
+    # group of r GPUs reaching (r - 1)/7 of it (Link.peers). MI355X: 7 links of 153.6 GB/s both ways
+    # (1,075 GB/s aggregate): 7 x 76.8e9 = 537.6e9 per direction. Achieved share: 8 x MI300X rccl-tests
+    # all-reduce 318.98 GB/s busbw at 16 GB (ROCm blog "Understanding RCCL bandwidth and xGMI performance on
+    # AMD Instinct MI300X", RCCL 2.22.3): 318.98 / 448; the MI355X's taken alike (no public figure found).
+    # NICs: 8 x 400 Gb/s per node (50e9 per GPU; AMD's reference platforms), AMD EPYC hosts.
+    "MI300": (_xgmi(448e9, XGMI_EFFICIENCY, 7), _ib(50e9, 48 / 50, "amd")),
+    "MI355": (_xgmi(537.6e9, XGMI_EFFICIENCY, 7), _ib(50e9, 48 / 50, "amd")),
     # CPU ranks under gloo: shared memory between local processes, 10 GbE between machines
     # (1.25e9 B/s). Placeholders until the profiler measures them.
     "cpu": (Link(bandwidth=5e9, latency=2e-5, efficiency=1.0, name="shm"),
             Link(bandwidth=1.25e9, latency=5e-5, efficiency=1.0, name="Ethernet")),
 })
 _FAMILY = {"V100-16GB": "V100", "V100-32GB": "V100", "A100-40GB": "A100", "A100-80GB": "A100",
-           "H100-SXM": "H100", "H100-96GB-500W": "H100", "H200": "H100", "cpu": "cpu"}
+           "H100-SXM": "H100", "H100-96GB-500W": "H100", "H200": "H100", "H20": "H100", "H800": "H800",
+           "B200": "B200", "GB200": "GB200", "MI300X": "MI300", "MI325X": "MI300", "MI355X": "MI355", "cpu": "cpu"}
+
+# Devices one machine drives where an NVLink domain holds several machines (a node of the cost model is the
+# domain): a GB200 NVL72 compute tray carries 2 Grace CPUs and 4 GPUs (NVIDIA GB200 NVL72 datasheet).
+HOST_DEVICES: Mapping[str, int] = MappingProxyType({"GB200": 4})
 
 
 def device_preset(name: str) -> Device:
@@ -209,6 +329,11 @@ def device_preset(name: str) -> Device:
         if isinstance(name, str) and key.lower() == name.strip().lower():
             return device
     raise ConfigError(f"unknown device {name!r}; known devices: {', '.join(DEVICE_PRESETS)}")
+
+
+def host_devices(device_name: str) -> int | None:
+    """Devices per machine of the preset device ``device_name`` when its NVLink domain spans machines, else None."""
+    return HOST_DEVICES.get(device_preset(device_name).name)
 
 
 def link_presets(device_name: str) -> tuple[Link, Link]:

@@ -34,8 +34,8 @@ RUNS = DATA / "published_runs.json"
 SPLIT = DATA / "split.json"
 # Meta's Grand Teton H100 (bench/sources.md section 8: 96 GB HBM2e at 2.4 TB/s, 500 W) is its own preset
 # with its own constants: the power cap lowers what a GEMM sustains.
-# presets.py: the H200 has the H100 family's constants, the 500 W H100 its own
-CONSTANT_FAMILIES = {"H100-96GB-500W": "H100-500W", "H200": "H100"}
+# presets.py: the H200 and the H800 have the H100 family's constants, the 500 W H100 its own
+CONSTANT_FAMILIES = {"H100-96GB-500W": "H100-500W", "H200": "H100", "H800": "H100"}
 
 
 @dataclass(frozen=True)

@@ -115,11 +115,11 @@ def render(plan: Plan, model_factory: str, batch_factory: str | None, loss_fn: s
 
 
 def run_hint(plan: Plan) -> str:
-    """The torchrun command for one node, or for each node of a multi-node plan (docs/multinode.md)."""
-    per_node = min(plan.devices, plan.cluster.devices_per_node)
+    """The torchrun command for one machine, or for each machine of a multi-machine plan (docs/multinode.md)."""
+    per_node = min(plan.devices, plan.cluster.host_devices)
     if plan.devices <= per_node:
         return f"torchrun --nproc-per-node {plan.devices} {SCRIPT} --steps 10"
-    return (f"on each of {plan.devices // per_node} nodes: torchrun --nnodes {plan.devices // per_node} "
+    return (f"on each of {plan.devices // per_node} machines: torchrun --nnodes {plan.devices // per_node} "
             f"--nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint HOST:29500 {SCRIPT} --steps 10")
 
 

@@ -92,6 +92,13 @@ without protocols is the plain ring above with ``latency`` per step.
 **Point to point**: ``t = S / B + a`` over the intra-node link, or over the inter-node
 link (one device's NIC) when the two ranks sit on different nodes.
 
+**A node without a switch** (``Link.peers = k``: AMD's Infinity Fabric joins the 8 GPUs of a node by
+7 direct links, no NVSwitch). ``B_intra`` is the sum of a device's ``k`` links; RCCL runs one ring per
+link, so a group of ``r`` ranks inside the node moves its data over the ``r - 1`` links to its own
+members: every formula above uses ``B_intra (r - 1) / k`` (tp=2 gets one link, tp=8 all seven), and a
+point-to-point message one link, ``B_intra / k``. A switched node (``k = 0``) gives every group the full
+``B_intra``.
+
 **In context.** A collective issued between compute, as in a training step, can cost more
 than back-to-back calls: the backend's threads have gone to sleep and the ranks arrive apart.
 Every call adds the link's measured ``context_latency`` (``context_latency_p2p`` for p2p) once;
@@ -297,7 +304,7 @@ def _lines(kind: Collective, group: GroupPlacement, cluster: Cluster) -> tuple[t
     if n == 1:
         return ((0.0, 0.0),)
     intra, inter = cluster.intra_node, cluster.inter_node
-    b_intra = intra.achievable(kind.value)
+    b_intra = intra.achievable(kind.value) * intra.group_share(r)
     context = _context(group, cluster)
     if kind is Collective.ALL_TO_ALL:
         beta = (r - 1) / n / b_intra
@@ -353,7 +360,7 @@ def p2p_time(nbytes: float, cluster: Cluster, *, across_nodes: bool) -> float:
     if nbytes == 0:
         return 0.0
     link: Link = cluster.inter_node if across_nodes else cluster.intra_node
-    return nbytes / link.achievable("p2p") + link.step_latency("p2p") + link.context_latency_p2p
+    return nbytes / (link.achievable("p2p") * link.group_share(2)) + link.step_latency("p2p") + link.context_latency_p2p
 
 
 def _context(group: GroupPlacement, cluster: Cluster) -> float:

@@ -58,7 +58,8 @@ def export(plan: "Plan") -> Export:
     mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[prec.compute]
     add("mixed_precision", mixed, ("precision.compute",), CONFIG_ARGS + ".mixed_precision; " + LAUNCH
         + " --mixed_precision")
-    add("num_machines", plan.cluster.nodes, ("cluster.nodes",), CONFIG_ARGS + ".num_machines")
+    host = ("cluster.devices_per_host",) if plan.cluster.devices_per_host else ()   # an NVLink domain of machines
+    add("num_machines", plan.cluster.hosts, ("cluster.nodes",) + host, CONFIG_ARGS + ".num_machines")
     add("num_processes", plan.devices, ("cluster.nodes", "cluster.devices_per_node"), CONFIG_ARGS + ".num_processes",
         "every process of every machine")
     if prec.kernels == "compiled":

@@ -65,8 +65,9 @@ def export(plan: "Plan") -> Export:
     add = fields.add
     warnings = base_warnings(plan)
 
-    add("torchrun --nnodes", plan.cluster.nodes, ("cluster.nodes",), TORCHRUN)
-    add("torchrun --nproc-per-node", plan.cluster.devices_per_node, ("cluster.devices_per_node",), TORCHRUN)
+    host = ("cluster.devices_per_host",) if plan.cluster.devices_per_host else ()   # an NVLink domain of machines
+    add("torchrun --nnodes", plan.cluster.hosts, ("cluster.nodes",) + host, TORCHRUN)
+    add("torchrun --nproc-per-node", plan.cluster.host_devices, host or ("cluster.devices_per_node",), TORCHRUN)
 
     dist = "_add_distributed_args"
     add("--tensor-model-parallel-size", cfg.tp, ("config.tp",), _doc(dist, "--tensor-model-parallel-size"))

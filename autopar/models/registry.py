@@ -99,6 +99,11 @@ _SPECS: tuple[ModelSpec, ...] = (
              "capacity 1.0, V=32000, s=4096 (46.7B, 12.9B active)",
              layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, vocab_size=32000,
              seq_len=4096, rope_theta=1e6, num_experts=8, top_k=2, capacity_factor=1.0),
+    _mixtral("deepseek-v3-shaped", "DeepSeek-V3's shape as a Mixtral-style MoE: l=61, h=7168, 128 heads (MHA in "
+             "place of MLA), 256 experts (ffn 2048) top-8, capacity 1.0, V=129280, s=4096; no shared expert or "
+             "dense first layers (702B, 36B active)",
+             layers=61, hidden=7168, heads=128, kv_heads=128, ffn_hidden=2048, vocab_size=129280, seq_len=4096,
+             rope_theta=10000.0, num_experts=256, top_k=8, capacity_factor=1.0),
     _bert("bert-tiny", "BERT MLM, 2 layers, h=64, 4 heads, V=512, s=32 (tests)",
           layers=2, hidden=64, heads=4, vocab_size=512, seq_len=32),
     _bert("bert-base", "BERT-base MLM: l=12, h=768, 12 heads, ffn 3072, V=30522, s=512, tied decoder (110M)",

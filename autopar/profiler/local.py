@@ -26,7 +26,7 @@ import torch
 
 from ..conditions import MAX_ATTEMPTS, REFRESH_ADVICE, ProfileConditions
 from ..hardware import Device, Link
-from ..presets import link_presets
+from ..presets import DEVICE_PRESETS, link_presets
 from ..errors import ConfigError, NoisyProfileError, NoisyProfileWarning
 from .database import ProfileDB
 from .device import measure_device
@@ -179,5 +179,7 @@ def _preset_links(device: torch.device) -> tuple:
     if device.type == "cpu":
         return link_presets("cpu")
     gpu = torch.cuda.get_device_name(device)
-    family = next((f for f in ("V100-32GB", "A100-80GB") if f.split("-")[0] in gpu), "H100-SXM")
+    # the preset whose name's first part the device's name holds, the longest first (GB200 before B200)
+    names = sorted((n for n in DEVICE_PRESETS if n != "cpu"), key=lambda n: -len(n.split("-")[0]))
+    family = next((n for n in names if n.split("-")[0].lower() in gpu.lower()), "H100-SXM")
     return link_presets(family)

@@ -72,7 +72,7 @@ def test_parallel_config_from_dict_unknown_field() -> None:
 @pytest.mark.parametrize("spec, fragments", [
     ("abc", ("'abc'", "128x8xA100-80GB")),
     ("0x8xA100-80GB", ("'0'", ">= 1")),
-    ("2x8xB200", ("'B200'", "A100-80GB", "H100-SXM", "cpu")),  # the known names are listed
+    ("2x8xTPUv5", ("'TPUv5'", "A100-80GB", "H100-SXM", "cpu")),  # the known names are listed
     ("2x8x", ("no device name",)),
     (128, ("128", "string")),
 ])

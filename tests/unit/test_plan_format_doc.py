@@ -50,6 +50,9 @@ def plans(plan_gpt) -> dict[str, dict]:
                             fixed={"tp": 2})
     assert searched.sharding and searched.alternatives, "the tp=2 plan must carry sharding and alternatives"
     out["plan-2-nodes"] = searched
+    # an NVLink domain of two GB200 trays (devices_per_host), a device with fp8 and fp4 peaks
+    out["estimate-gb200-domain"] = autopar.estimate(tiny, Cluster.from_spec("1x8xGB200"), tiny_inputs,
+                                                    ParallelConfig(dp=8), global_batch_size=64)
     # positional inputs, measured links (Link.collectives) and their conditions, as Cluster.local() writes them
     base = Cluster.from_spec("1x2xcpu")
     fit = {"all_reduce": CollectiveFit(latency=2e-5, bandwidth=3e9), "p2p": CollectiveFit(latency=1e-5, bandwidth=4e9)}

@@ -23,7 +23,9 @@ def smooth(device, gemm: Gemm) -> float:
 def test_presets_carry_their_sm_counts():
     assert {name: d.sm_count for name, d in DEVICE_PRESETS.items()} == {
         "V100-16GB": 80, "V100-32GB": 80, "A100-40GB": 108, "A100-80GB": 108, "H100-SXM": 132,
-        "H100-96GB-500W": 132, "H200": 132, "cpu": None}
+        "H100-96GB-500W": 132, "H200": 132, "H800": 132, "B200": 148, "GB200": 148, "cpu": None,
+        # no SM count published by NVIDIA (H20); AMD's GEMM libraries' tiling is not modelled (CUs differ)
+        "H20": None, "MI300X": None, "MI325X": None, "MI355X": None}
 
 
 def test_one_full_wave_is_the_smooth_efficiency_and_one_tile_more_takes_a_second_wave():

@@ -20,6 +20,7 @@ EXPECTED = {
     "bert-tiny": bert_param_count(REGISTRY["bert-tiny"].config), "bert-base": 110e6,
     "t5-tiny": t5_param_count(REGISTRY["t5-tiny"].config), "t5-base": 223e6,
     "mixtral-tiny": mixtral_param_count(REGISTRY["mixtral-tiny"].config), "mixtral-8x7b": 46.7e9,
+    "deepseek-v3-shaped": 671e9,   # DeepSeek-V3's published total (MLA, a shared expert and 3 dense layers aside)
 }
 
 
