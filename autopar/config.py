@@ -20,12 +20,16 @@ def is_cpu_device(device_name: str) -> bool:
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Recompute = Literal["none", "selective", "op", "full"]
 DType = Literal["fp32", "bf16", "fp16"]
+Compute = Literal["fp32", "bf16", "fp16", "fp8"]
 Kernels = Literal["eager", "fused", "compiled"]
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "op", "full")
 DTYPE_BYTES: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 KERNELS: tuple[str, ...] = ("eager", "fused", "compiled")
+FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
+"""Precision(compute="fp8")'s scaling recipes: torchao's three float8 training recipes (Float8LinearRecipeName)
+and MXFP8 block scaling (32-element blocks, Blackwell and MI355X tensor cores); cost_model/low_precision.py."""
 DEFAULT_TIE_TOLERANCE = 0.01
 """plan()'s default tie tolerance: plans within 1% of the fastest are ties (solver/choice.py's rule)."""
 
@@ -221,14 +225,18 @@ class Precision:
     keeps fp32 gradients ("main grads"): ``Precision(grads="fp32")``, 18 bytes.
     """
 
-    compute: DType = "bf16"
-    """Dtype of weights used in compute and of activations."""
+    compute: Compute = "bf16"
+    """Dtype of weights used in compute and of activations; "fp8": the linear layers' GEMMs run in fp8
+    under ``recipe`` (their inputs, weights and output gradients cast to fp8 around each GEMM), the weights,
+    activations and every other op in bf16, as torchao's float8 training and Transformer Engine do."""
     grads: DType = "bf16"
     """Dtype gradients are accumulated and reduced in."""
     master_weights: bool = True
     """Keep an fp32 master copy of the weights (only meaningful when compute is 16-bit)."""
     optimizer: Literal["adam", "sgd"] = "adam"
     """Adam keeps two fp32 states per parameter (momentum, variance); SGD with momentum one."""
+    recipe: str | None = None
+    """How fp8 GEMM operands are scaled (``compute="fp8"`` only; default "tensorwise"): one of FP8_RECIPES."""
     kernels: Kernels = "eager"
     """How the ops run, which decides the bytes they move and keep for backward: "eager" (PyTorch
     eager, what ``parallelize`` runs: one kernel per op, autograd keeping what each op's backward
@@ -239,14 +247,26 @@ class Precision:
     it is how the program is built, as the dtypes are."""
 
     def __post_init__(self) -> None:
-        check_choice("compute", self.compute, tuple(DTYPE_BYTES))
+        check_choice("compute", self.compute, (*DTYPE_BYTES, "fp8"))
         check_choice("grads", self.grads, tuple(DTYPE_BYTES))
+        if self.compute == "fp8":
+            if self.recipe is None:
+                object.__setattr__(self, "recipe", "tensorwise")
+            check_choice("recipe", self.recipe, FP8_RECIPES)
+        elif self.recipe is not None:
+            raise ConfigError(f"Precision(recipe={self.recipe!r}) scales fp8 GEMM operands, but compute="
+                              f"{self.compute!r}: pass compute=\"fp8\" with it, or drop recipe")
         check_choice("optimizer", self.optimizer, ("adam", "sgd"))
         check_choice("kernels", self.kernels, KERNELS)
 
     @property
+    def storage(self) -> str:
+        """The dtype weights and activations are kept in: ``compute``, or bf16 for fp8 compute."""
+        return "bf16" if self.compute == "fp8" else self.compute
+
+    @property
     def weight_bytes(self) -> int:
-        return DTYPE_BYTES[self.compute]
+        return DTYPE_BYTES[self.storage]
 
     @property
     def grad_bytes(self) -> int:
@@ -255,12 +275,12 @@ class Precision:
     @property
     def optimizer_bytes(self) -> int:
         """Optimizer state per parameter: fp32 master (if kept) plus the optimizer's fp32 states."""
-        master = 4 if (self.master_weights and DTYPE_BYTES[self.compute] < 4) else 0
+        master = 4 if (self.master_weights and DTYPE_BYTES[self.storage] < 4) else 0
         return master + (8 if self.optimizer == "adam" else 4)
 
     @property
     def activation_bytes(self) -> int:
-        return DTYPE_BYTES[self.compute]
+        return DTYPE_BYTES[self.storage]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -64,6 +64,10 @@ class Device:
     at a time (cost_model/compute.py: tile and wave quantization): the GPU presets'. None: no quantization,
     for CPUs (their GEMM libraries do not work in waves of tiles) and for a device ``Cluster.local``
     measured, whose fitted efficiency curve is the smooth one (profiler/device_fit.py)."""
+    fp8_matmul_efficiency: float | None = None
+    """Achieved fraction of the fp8 peak for a large fp8 GEMM whose tiles fill whole waves, in (0, 1] (the
+    fp8 GEMM kernels reach a different share of their peak than bf16 ones; cost_model/low_precision.py);
+    None: ``matmul_efficiency``."""
     attention_efficiency: float | None = None
     """Achieved fraction of peak for a large fused attention kernel (FlashAttention and its kin, forward
     and backward), in (0, 1]; None: a GEMM's (``matmul_efficiency``). The attention kernel is its own
@@ -111,8 +115,9 @@ class Device:
         for name in ("matmul_half_dim", "kernel_overhead", "dispatch_overhead", "dispatch_overhead_backward"):
             check_number("Device", name, getattr(self, name), allow_zero=True)
         check_number("Device", "overlap_slowdown", self.overlap_slowdown, allow_zero=True, at_most_one=True)
-        if self.attention_efficiency is not None:
-            check_number("Device", "attention_efficiency", self.attention_efficiency, at_most_one=True)
+        for name in ("attention_efficiency", "fp8_matmul_efficiency"):
+            if getattr(self, name) is not None:
+                check_number("Device", name, getattr(self, name), at_most_one=True)
         check_number("Device", "concurrency_slowdown", self.concurrency_slowdown)
         if self.concurrency_slowdown < 1:
             raise ConfigError(f"Device.concurrency_slowdown={self.concurrency_slowdown!r} is out of range: it must be "
@@ -129,8 +134,8 @@ class Device:
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory, self.memory_bandwidth,
                      self.source, self.matmul_efficiency, self.matmul_half_dim, self.sm_count,
-                     self.attention_efficiency, self.memory_efficiency, self.kernel_overhead, self.dispatch_overhead,
-                     self.dispatch_overhead_backward, self.threads, self.overlap_slowdown, self.concurrency_slowdown))
+                     self.attention_efficiency, self.fp8_matmul_efficiency, self.memory_efficiency,
+                     self.kernel_overhead, self.dispatch_overhead, self.dispatch_overhead_backward, self.threads, self.overlap_slowdown, self.concurrency_slowdown))
 
     @property
     def is_cpu(self) -> bool:
@@ -138,7 +143,8 @@ class Device:
         return is_cpu_device(self.name)
 
     def peak(self, dtype: str) -> float:
-        """Dense peak in FLOP/s for ``dtype`` ("fp32", "tf32", "bf16", "fp16")."""
+        """Dense peak in FLOP/s for ``dtype`` ("fp32", "tf32", "bf16", "fp16"; "fp8", "mxfp8", "fp4" on parts
+        with such tensor cores)."""
         try:
             return self.peak_flops[dtype]
         except KeyError:

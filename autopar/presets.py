@@ -84,6 +84,18 @@ GB200_MATMUL_EFFICIENCY = 1822.0e12 / 2.5e15 * STACK_SHARE      # GB200: 1,822 o
 MI300X_MATMUL_EFFICIENCY = 668.4e12 / 1307.4e12 * STACK_SHARE   # MI300X: 668.4 of 1,307.4 (TunableOp on)
 MI325X_MATMUL_EFFICIENCY = 784.9e12 / 1307.4e12 * STACK_SHARE   # MI325X: 784.9 of 1,307.4 (TunableOp on)
 MI355X_MATMUL_EFFICIENCY = 1565.0e12 / 2516.6e12 * STACK_SHARE  # MI355X: 1,565 of 2,516.6 (TunableOp off)
+# fp8_matmul_efficiency: the same rule on the table's e4m3 entries (tensor-wise scaled): H100 1,402.6 TFLOP/s
+# of 1,979, B200 3,432.5 of 4,500, GB200 3,615.6 of 5,000. The AMD parts have none there: the bf16 constant
+# times the fp8/bf16 ratio of one other benchmark of both (AMD's ROCm blog "Measuring max-achievable FLOPs,
+# part 2", Table 1, hipblaslt-bench: MI300X 1,273 fp8 and 708 bf16, MI325X 1,519 and 843 TFLOP/s). The 500 W
+# H100 keeps the 700 W part's fp8/bf16 ratio (assumed). MI355X, H20: no public fp8 GEMM figure found (None:
+# priced at the bf16 share). MXFP8 GEMMs (Blackwell, MI355X) at the fp8 share: no public figure separates them.
+H100_FP8_MATMUL_EFFICIENCY = 1402.6e12 / 1979e12 * STACK_SHARE
+H100_500W_FP8_MATMUL_EFFICIENCY = H100_500W_MATMUL_EFFICIENCY * H100_FP8_MATMUL_EFFICIENCY / H100_MATMUL_EFFICIENCY
+B200_FP8_MATMUL_EFFICIENCY = 3432.5e12 / 4.5e15 * STACK_SHARE
+GB200_FP8_MATMUL_EFFICIENCY = 3615.6e12 / 5e15 * STACK_SHARE
+MI300X_FP8_MATMUL_EFFICIENCY = MI300X_MATMUL_EFFICIENCY * (1273 / 2614.9) / (708 / 1307.4)
+MI325X_FP8_MATMUL_EFFICIENCY = MI325X_MATMUL_EFFICIENCY * (1519 / 2614.9) / (843 / 1307.4)
 # H20 (not in that table): 141.86 TFLOP/s of 148 (torch.matmul, square shapes; github.com/zzc0721/
 # torch-performance-test-data, database.md): a part capped far below its memory and clocks.
 H20_MATMUL_EFFICIENCY = 141.86e12 / 148e12 * STACK_SHARE
@@ -105,39 +117,42 @@ def _gpu(name: str, *, peaks: Mapping[str, float | None], memory: float, hbm: fl
          family: str) -> Device:
     """A GPU preset: dense peaks per dtype (fp16 is bf16's; None: the part has no such tensor core),
     memory, HBM bandwidth, and the achieved-fraction constants of ``family``."""
-    mm, half, mem, overhead, slowdown, attention, sms = _FAMILY_CONSTANTS[family]
+    mm, half, mem, overhead, slowdown, attention, sms, fp8 = _FAMILY_CONSTANTS[family]
     table = {k: v for k, v in peaks.items() if v is not None}
     table.setdefault("fp16", table["bf16"])
+    if "fp4" in table:   # block-scaled tensor cores (Blackwell, CDNA 4): MXFP8 at the fp8 rate (datasheets)
+        table.setdefault("mxfp8", table["fp8"])
     return Device(name=name, peak_flops=table, memory=memory, memory_bandwidth=hbm, source=source,
                   matmul_efficiency=mm, matmul_half_dim=half, sm_count=sms, attention_efficiency=attention,
-                  memory_efficiency=mem, kernel_overhead=overhead, overlap_slowdown=slowdown)
+                  fp8_matmul_efficiency=fp8, memory_efficiency=mem, kernel_overhead=overhead,
+                  overlap_slowdown=slowdown)
 
 
 # family -> (matmul_efficiency, matmul_half_dim, memory_efficiency, kernel_overhead, overlap_slowdown,
-#            attention_efficiency, sm_count)
+#            attention_efficiency, sm_count, fp8_matmul_efficiency)
 _FAMILY_CONSTANTS: Mapping[str, tuple] = MappingProxyType({
     "V100": (V100_MATMUL_EFFICIENCY, V100_MATMUL_HALF_DIM, V100_MEMORY_EFFICIENCY, V100_KERNEL_OVERHEAD,
-             V100_OVERLAP_SLOWDOWN, None, SM_COUNT["V100"]),
+             V100_OVERLAP_SLOWDOWN, None, SM_COUNT["V100"], None),
     "A100": (A100_MATMUL_EFFICIENCY, A100_MATMUL_HALF_DIM, A100_MEMORY_EFFICIENCY, A100_KERNEL_OVERHEAD,
-             A100_OVERLAP_SLOWDOWN, None, SM_COUNT["A100"]),
+             A100_OVERLAP_SLOWDOWN, None, SM_COUNT["A100"], None),
     "H100": (H100_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD,
-             H100_OVERLAP_SLOWDOWN, H100_ATTENTION_EFFICIENCY, SM_COUNT["H100"]),
+             H100_OVERLAP_SLOWDOWN, H100_ATTENTION_EFFICIENCY, SM_COUNT["H100"], H100_FP8_MATMUL_EFFICIENCY),
     "H100-500W": (H100_500W_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD,
-                  H100_OVERLAP_SLOWDOWN, H100_ATTENTION_EFFICIENCY, SM_COUNT["H100"]),
+                  H100_OVERLAP_SLOWDOWN, H100_ATTENTION_EFFICIENCY, SM_COUNT["H100"], H100_500W_FP8_MATMUL_EFFICIENCY),
     # the families below keep the H100's half-dim, memory efficiency and launch overhead (not measured
     # for them), and price attention at their GEMMs' efficiency (no public fused-attention figure used)
     "H20": (H20_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD,
-            H20_OVERLAP_SLOWDOWN, None, None),
+            H20_OVERLAP_SLOWDOWN, None, None, None),
     "B200": (B200_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD,
-             B200_OVERLAP_SLOWDOWN, None, SM_COUNT["B200"]),
+             B200_OVERLAP_SLOWDOWN, None, SM_COUNT["B200"], B200_FP8_MATMUL_EFFICIENCY),
     "GB200": (GB200_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD,
-              B200_OVERLAP_SLOWDOWN, None, SM_COUNT["B200"]),
+              B200_OVERLAP_SLOWDOWN, None, SM_COUNT["B200"], GB200_FP8_MATMUL_EFFICIENCY),
     "MI300X": (MI300X_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD,
-               MI300_OVERLAP_SLOWDOWN, None, None),
+               MI300_OVERLAP_SLOWDOWN, None, None, MI300X_FP8_MATMUL_EFFICIENCY),
     "MI325X": (MI325X_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD,
-               MI300_OVERLAP_SLOWDOWN, None, None),
+               MI300_OVERLAP_SLOWDOWN, None, None, MI325X_FP8_MATMUL_EFFICIENCY),
     "MI355X": (MI355X_MATMUL_EFFICIENCY, H100_MATMUL_HALF_DIM, H100_MEMORY_EFFICIENCY, H100_KERNEL_OVERHEAD,
-               MI355_OVERLAP_SLOWDOWN, None, None),
+               MI355_OVERLAP_SLOWDOWN, None, None, None),
 })
 
 _V100_SRC = ("NVIDIA V100 SXM2 datasheet: 125 TFLOP/s fp16 tensor core, 15.7 fp32, 900 GB/s HBM2; V100 has no "

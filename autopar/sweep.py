@@ -99,7 +99,7 @@ def sweep(model: nn.Module, cluster: Cluster, example_inputs: Any, *, nodes: Seq
 
     workers = _workers(workers, len(sizes))
     precision = precision or Precision.for_device(cluster.device.name)
-    peak = cluster.device.peak(precision.compute)
+    peak = cluster.device.peak(precision.storage)
     graph = capture(model, example_inputs, loss_fn, progress=verbose)
     task = _Task(graph, cluster, batch, precision, fixed, time_limit, ilp_node_limit, tie_tolerance)
     solved = _solve_sizes(task, sizes, workers, verbose)

@@ -106,7 +106,8 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     cfg = plan.config
     refusals = [why for bad, why in (
         (cfg.ep > 1, "expert parallelism"),
-        (plan.precision.kernels == "fused", "hand-written fused kernels")) if bad]
+        (plan.precision.kernels == "fused", "hand-written fused kernels"),
+        (plan.precision.compute == "fp8", "fp8 linear layers")) if bad]
     if refusals:
         raise ConfigError(f"a standalone program cannot run {refusals[0]} ({cfg.short()}) yet: emit the script "
                           "that runs autopar.parallelize (standalone=False), or re-plan without it")

@@ -55,6 +55,7 @@ from typing import Mapping, Protocol
 from ..capture.fusion import for_kernels
 from ..capture.opgraph import FLOAT_DTYPES, Gemm, OpGraph, OpKind, OpNode, dtype_bytes
 from ..hardware import Device
+from .low_precision import Recipe, cast_seconds, is_fp8_linear
 
 _GEMM_KINDS = (OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION)
 _FUSABLE = (OpKind.ELEMENTWISE, OpKind.DROPOUT, OpKind.SOFTMAX)
@@ -82,15 +83,17 @@ class OpTime:
     bwd: float
 
 
-def gemm_efficiency(device: Device, gemm: Gemm, attention: bool = False, waves: bool = True) -> float:
+def gemm_efficiency(device: Device, gemm: Gemm, attention: bool = False, waves: bool = True,
+                    fp8: bool = False) -> float:
     """Achieved fraction of peak for a GEMM of these dimensions (a fused attention's with ``attention``:
-    its own kernel's tiles, so no GEMM tile quantization; none either without ``waves``)."""
+    its own kernel's tiles, so no GEMM tile quantization; none either without ``waves``; an fp8 GEMM's,
+    of the fp8 peak, with ``fp8``: ``Device.fp8_matmul_efficiency`` where the device has one)."""
     half = device.matmul_half_dim
 
     def g(d: float) -> float:
         return d / (d + half)
 
-    own = device.attention_efficiency if attention else None
+    own = device.attention_efficiency if attention else device.fp8_matmul_efficiency if fp8 else None
     base = (device.matmul_efficiency if own is None else own) * g(gemm.m) * g(gemm.n)
     if attention or not waves or device.sm_count is None:
         return base * g(gemm.k)
@@ -148,9 +151,11 @@ class ComputeModel:
 
     graph: OpGraph
     device: Device
-    dtype: str                      # "bf16" | "fp16" | "fp32"
+    dtype: str                      # "bf16" | "fp16" | "fp32": what weights and activations are kept in
     measured: MeasuredTimes | None = None
     waves: bool = True              # tile and wave quantization (False: the smooth e_mm alone)
+    fp8: Recipe | None = None       # the linear layers' fp8 recipe (cost_model/low_precision.py), or None
+    kernels: str = "eager"          # Precision.kernels: how the fp8 casts run
 
     @property
     def peak(self) -> float:
@@ -184,10 +189,11 @@ class ComputeModel:
         launch = self.device.kernel_overhead
         mem_fwd, mem_bwd = moved / self.bandwidth, 2.0 * moved / self.bandwidth
         if node.kind in _GEMM_KINDS and node.gemm is not None:
-            eff = gemm_efficiency(self.device, scaled_gemm(node.gemm, batch_scale if node.batch_dependent else 1.0,
-                                                           split_dim, shard), node.kind is OpKind.ATTENTION,
-                                  self.waves)
+            gemm = scaled_gemm(node.gemm, batch_scale if node.batch_dependent else 1.0, split_dim, shard)
+            eff = gemm_efficiency(self.device, gemm, node.kind is OpKind.ATTENTION, self.waves)
             work = scale * node.gemm.density / (self.peak * eff)
+            if self.fp8 is not None and is_fp8_linear(node):
+                return self._fp8_linear(node, gemm, work, scale, mem_fwd, mem_bwd)
             fwd = max(node.flops_fwd * work, mem_fwd)
             redo = FUSED_ATTENTION_BACKWARD if node.kind is OpKind.ATTENTION else 1.0
             bwd = max(node.flops_bwd * work * redo, mem_bwd) if node.flops_bwd else 0.0
@@ -195,6 +201,20 @@ class ComputeModel:
             fwd, bwd = mem_fwd, (mem_bwd if node.requires_grad else 0.0)
         fused_launch = 0.0 if node.name in fused else launch
         return OpTime(fwd + fused_launch, bwd + (fused_launch * 2 if node.requires_grad else 0.0))
+
+    def _fp8_linear(self, node: OpNode, gemm: Gemm, work_bf16: float, scale: float, mem_fwd: float,
+                    mem_bwd: float) -> OpTime:
+        """A linear layer's GEMMs on the fp8 tensor cores plus their operands' casts (low_precision.py)."""
+        recipe = self.fp8
+        work = scale / (self.device.peak(recipe.peak) * gemm_efficiency(self.device, gemm, False, self.waves, True))
+        cast_fwd, cast_bwd = cast_seconds(recipe, self.kernels, gemm, self.device)
+        launch = self.device.kernel_overhead
+        fwd = max(node.flops_fwd * work, mem_fwd) + cast_fwd + launch
+        if not node.flops_bwd:
+            return OpTime(fwd, 0.0)
+        grads = (node.flops_bwd / 2 * (work + work_bf16) if recipe.hp_grad_weight   # dW in bf16
+                 else node.flops_bwd * work)
+        return OpTime(fwd, max(grads, mem_bwd) + cast_bwd + 2 * launch)
 
     def _byte_ratio(self, node: OpNode) -> float:
         """Captured bytes -> training-dtype bytes for an op whose output has the model's dtype (a fp32

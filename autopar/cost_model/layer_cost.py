@@ -27,6 +27,7 @@ from ..config import Precision
 from . import context_parallel, expert_parallel
 from .comm import Collective, GroupPlacement, collective_time
 from .compute import ComputeModel, MeasuredTimes, OpTime, fused_ops
+from .low_precision import AMAX_SYNCS, check_device, is_fp8_linear, recipe_of
 from .memory import ActivationModel, op_kept, saved_owner
 from .tensor_parallel import TPLayout, Work, sequence_gathers, single_rank_layout
 
@@ -139,6 +140,7 @@ class LayerCostModel:
     expert_load_cv: float = expert_parallel.DEFAULT_LOAD_CV   # spread of the experts' shares of the rows
 
     def __post_init__(self) -> None:
+        check_device(self.cluster.device, self.precision)              # fp8 needs fp8 tensor cores
         self.graph = for_kernels(self.graph, self.precision.kernels)   # what the program's kernels keep
 
     def layout(self, tp: int) -> TPLayout:
@@ -161,7 +163,8 @@ class LayerCostModel:
     @functools.cached_property
     def compute(self) -> ComputeModel:
         """The graph's op times (one model: it caches them)."""
-        return ComputeModel(self.graph, self.cluster.device, self.precision.compute, self.measured)
+        return ComputeModel(self.graph, self.cluster.device, self.precision.storage, self.measured,
+                            fp8=recipe_of(self.precision), kernels=self.precision.kernels)
 
     @staticmethod
     def kind(layer: Layer) -> tuple[str, int]:
@@ -231,6 +234,10 @@ class LayerCostModel:
             fwd += ops * self.cluster.device.dispatch_overhead
             bwd += grad_ops * self.cluster.device.dispatch_overhead_backward
         tp_fwd, tp_bwd, tp_rerun = self._tp_comm(layer, layout, scale, tp_group, sp)
+        syncs = self._amax_syncs(layer, tp, sp)
+        if syncs:   # tensor-wise fp8 scales of sharded operands: one scalar all-reduce each (low_precision.py)
+            t = syncs * collective_time(Collective.ALL_REDUCE, 4.0, tp_group, self.cluster) / 2
+            tp_fwd, tp_bwd, tp_rerun = tp_fwd + t, tp_bwd + t, tp_rerun + t
         ep_fwd = ep_bwd = 0.0
         if split.ep > 1:
             ep_fwd, ep_bwd = expert_parallel.dispatch_time(self.graph, layer.index, layout, sp, scale,
@@ -243,6 +250,15 @@ class LayerCostModel:
                          recompute_flops=0.0, cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep_fwd, ep_bwd=ep_bwd)
         return _Timed(cost, core_fwd, fwd_flops, core_flops, op_fwd + tp_rerun + cp_fwd + ep_fwd, op_flops, acts,
                       scale)
+
+    def _amax_syncs(self, layer: Layer, tp: int, sp: bool) -> int:
+        """Scalar all-reduces of tensor-wise fp8 scales per micro-batch: ``AMAX_SYNCS`` per fp8 linear whose
+        GEMM tensor parallelism splits (none without tp, or for row-wise and block scales)."""
+        recipe = recipe_of(self.precision)
+        if tp == 1 or recipe is None or not recipe.tensor_scale:
+            return 0
+        return AMAX_SYNCS * sum(1 for node, shard, _, _ in self._node_facts(layer, tp, sp)
+                                if shard > 1 and is_fp8_linear(node))
 
     def _flops(self, layer: Layer, scale: float) -> tuple[int, int, float, float, float, float]:
         """(ops, ops with a backward, FLOPs, forward FLOPs, the attention core's forward FLOPs, forward FLOPs

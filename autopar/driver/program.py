@@ -130,6 +130,11 @@ class Program:
             raise ConfigError("this plan prices hand-written fused kernels (Precision(kernels='fused'), Megatron-LM's), "
                               "which autopar's runtime does not have: re-plan with Precision(kernels='compiled') "
                               "(torch.compile) or the default 'eager'")
+        if plan.precision.compute == "fp8":
+            raise ConfigError(f"this plan prices fp8 linear layers (Precision(compute='fp8', recipe="
+                              f"{plan.precision.recipe!r})), which autopar's runtime does not apply yet: re-plan with "
+                              "Precision(compute='bf16'), or train it through its torchtitan or Megatron-LM export "
+                              "(plan.export(...)), which carries the fp8 switches")
         if compile is not None and not isinstance(compile, (bool, str)):
             raise ConfigError(f"compile must be True, False, a torch.compile backend name or None (follow the "
                               f"plan), got {compile!r}")

@@ -55,9 +55,11 @@ def export(plan: "Plan") -> Export:
         kind = "MULTI_GPU" if ddp else "FSDP"
     add("distributed_type", kind, degrees, CONFIG_ARGS + ".distributed_type",
         "DDP" if kind == "MULTI_GPU" else "one process" if kind == "NO" else "")
-    mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}[prec.compute]
+    mixed = {"bf16": "bf16", "fp16": "fp16", "fp32": "no", "fp8": "fp8"}[prec.compute]
     add("mixed_precision", mixed, ("precision.compute",), CONFIG_ARGS + ".mixed_precision; " + LAUNCH
         + " --mixed_precision")
+    if prec.compute == "fp8":
+        _fp8(plan, add, warnings)
     host = ("cluster.devices_per_host",) if plan.cluster.devices_per_host else ()   # an NVLink domain of machines
     add("num_machines", plan.cluster.hosts, ("cluster.nodes",) + host, CONFIG_ARGS + ".num_machines")
     add("num_processes", plan.devices, ("cluster.nodes", "cluster.devices_per_node"), CONFIG_ARGS + ".num_processes",
@@ -167,6 +169,28 @@ def _folded_estimate(plan: "Plan", kind: str) -> str:
             f"--config {fields}")
 
 
+FP8_CONFIG = ("accelerate/commands/config/config_args.py ClusterConfig.fp8_config (commands/launch.py passes each "
+              "key as ACCELERATE_FP8_<KEY>, read by utils/dataclasses.py's recipe kwargs)")
+
+
+def _fp8(plan: "Plan", add, warnings: list[str]) -> None:
+    """fp8_config: torchao's float8 (backend AO) for the tensor- and row-wise recipes, Transformer Engine's MXFP8
+    block scaling (backend TE) for mxfp8."""
+    recipe, srcs = plan.precision.recipe, ("precision.recipe",)
+    if recipe == "mxfp8":
+        add("fp8_config.backend", "TE", srcs, FP8_CONFIG, "Transformer Engine")
+        add("fp8_config.fp8_format", "HYBRID", ("precision.compute",), FP8_CONFIG, "e4m3 forward, e5m2 gradients")
+        add("fp8_config.use_mxfp8_block_scaling", True, srcs, FP8_CONFIG, "MXFP8, 32-element block scales")
+        return
+    add("fp8_config.backend", "AO", srcs, FP8_CONFIG, "torchao's float8 training")
+    add("fp8_config.enable_fsdp_float8_all_gather", False, srcs, FP8_CONFIG, "the plan priced FSDP's gathers in bf16")
+    if recipe != "tensorwise":
+        warnings.append(f"precision.recipe = {recipe!r}: accelerate's AO backend builds torchao's default "
+                        "Float8LinearConfig (tensor-wise) from this file; pass AORecipeKwargs(config=Float8LinearConfig."
+                        f"from_recipe_name({recipe!r})) to Accelerator(kwargs_handlers=[...]) in the script for the "
+                        "plan's recipe")
+
+
 def _optimizer(plan: "Plan", kind: str, warnings: list[str]) -> None:
     """accelerate's config has no optimizer (nor a setting for its master weights): the script builds it."""
     prec = plan.precision
@@ -176,16 +200,16 @@ def _optimizer(plan: "Plan", kind: str, warnings: list[str]) -> None:
     warnings.append(f"precision.optimizer = {prec.optimizer!r}: accelerate's config has no optimizer; build "
                     f"{optimizer}(model.parameters(), lr=...) in the training script and pass it with the model in "
                     f"one accelerator.prepare(model, optimizer){together}")
-    if prec.compute == "fp32" or prec.master_weights:
+    if prec.storage == "fp32" or prec.master_weights:
         return
     if kind == "FSDP":
-        warnings.append(f"precision.master_weights = false: accelerate's FSDP2 with mixed_precision {prec.compute} "
+        warnings.append(f"precision.master_weights = false: accelerate's FSDP2 with mixed_precision {prec.storage} "
                         "upcasts every trainable parameter to fp32 (utils/fsdp_utils.py fsdp2_prepare_model) and so "
                         "keeps fp32 master weights, 2 more bytes per parameter (sharded) than the plan, which has "
                         "no setting to turn it off")
     else:
-        warnings.append(f"precision.master_weights = false: accelerate's mixed_precision {prec.compute} autocasts and "
-                        f"keeps the weights in the dtype the model is loaded in; load it in {prec.compute} "
+        warnings.append(f"precision.master_weights = false: accelerate's mixed_precision {prec.storage} autocasts and "
+                        f"keeps the weights in the dtype the model is loaded in; load it in {prec.storage} "
                         "(from_pretrained(torch_dtype=...), or model.to(...)) for the plan's weights without fp32 masters")
 
 

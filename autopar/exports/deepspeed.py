@@ -93,13 +93,13 @@ def export(plan: "Plan") -> Export:
                         f"{'still fits' if fits else 'does not fit'} the {gb(plan.cluster.device.memory)} device")
         zero = 1
     sources, note = ("config.zero", "config.pp"), "the pipeline engine's highest stage"
-    if zero == 0 and prec.grads != prec.compute:
-        warnings.append(f"config.zero = 0 with {prec.compute} weights and {prec.grads} gradients: DeepSpeed accumulates "
+    if zero == 0 and prec.grads != prec.storage:
+        warnings.append(f"config.zero = 0 with {prec.storage} weights and {prec.grads} gradients: DeepSpeed accumulates "
                         "gradients in another dtype than the weights only under ZeRO (DeepSpeedEngine."
                         "_do_optimizer_sanity_check: \"unsupported mix\"); written as stage 1, which also shards the "
                         "optimizer state: less memory than the plan, the same bytes on the network")
         zero, sources, note = 1, ("config.zero", "precision.grads", "precision.compute"), \
-            f"ZeRO keeps {prec.grads} gradients of {prec.compute} weights"
+            f"ZeRO keeps {prec.grads} gradients of {prec.storage} weights"
     zero_sources = sources if zero != cfg.zero else ("config.zero",)
     add("zero_optimization.stage", zero, zero_sources, CONFIG_JSON + " zero_optimization.stage; " + ZERO,
         "" if zero == cfg.zero else note)
@@ -193,12 +193,18 @@ def _expert_parallel(plan: "Plan", add, warnings: list[str]) -> None:
 
 def _precision(plan: "Plan", add, warnings: list[str]) -> None:
     prec = plan.precision
-    add("bf16.enabled", prec.compute == "bf16", ("precision.compute",), CONFIG_JSON + " bf16.enabled")
-    add("fp16.enabled", prec.compute == "fp16", ("precision.compute",), CONFIG_JSON + " fp16.enabled",
-        "dynamic loss scaling" if prec.compute == "fp16" else "")
+    add("bf16.enabled", prec.storage == "bf16", ("precision.compute",), CONFIG_JSON + " bf16.enabled")
+    add("fp16.enabled", prec.storage == "fp16", ("precision.compute",), CONFIG_JSON + " fp16.enabled",
+        "dynamic loss scaling" if prec.storage == "fp16" else "")
+    if prec.compute == "fp8":
+        warnings.append(f"precision.compute = 'fp8' (recipe {prec.recipe!r}): DeepSpeed's config has no fp8 training "
+                        "switch (deepspeed/runtime/config.py: fp16, bf16, torch_autocast only); convert the model's "
+                        "linear layers in the script before deepspeed.initialize (torchao.float8."
+                        "convert_to_float8_training with Float8LinearConfig.from_recipe_name, or Transformer Engine's "
+                        "te.Linear under te.fp8_autocast), else it trains in bf16, slower than the plan predicts")
     add("data_types.grad_accum_dtype", prec.grads, ("precision.grads",), CONFIG_JSON + " data_types; " + DTYPES)
     add("communication_data_type", prec.grads, ("precision.grads",), CONFIG_JSON + " communication_data_type")
-    if prec.compute != "fp32" and not prec.master_weights:
+    if prec.storage != "fp32" and not prec.master_weights:
         warnings.append("precision.master_weights = false: DeepSpeed's 16-bit optimizers keep fp32 master weights "
                         "(4 more bytes per parameter than the plan)")
     if prec.kernels == "compiled":

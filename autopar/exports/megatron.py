@@ -208,24 +208,46 @@ def _zero(plan: "Plan", add, warnings: list[str]) -> None:
         + " (validate_args: \"Megatron FSDP only supports fsdp_dtensor checkpoint format\")")
 
 
+# Megatron-LM's TransformerConfig fields (megatron/core/transformer/transformer_config.py) that arguments.py
+# turns into flags: fp8 (--fp8-format: e4m3 | hybrid), fp8_recipe (tensorwise | delayed | mxfp8 | blockwise)
+FP8_FLAGS = "TransformerConfig fp8 / fp8_recipe (megatron/core/transformer/transformer_config.py)"
+
+
+def _fp8(plan: "Plan", add, warnings: list[str]) -> None:
+    recipe = plan.precision.recipe
+    add("--fp8-format", "hybrid", ("precision.compute",), FP8_FLAGS,
+        "e4m3 forward, e5m2 gradients: torchao's and Transformer Engine's training formats")
+    if recipe in ("tensorwise", "mxfp8"):
+        add("--fp8-recipe", recipe, ("precision.recipe",), FP8_FLAGS)
+        return
+    add("--fp8-recipe", "blockwise", ("precision.recipe",), FP8_FLAGS, "the nearest: Megatron-LM has no row-wise one")
+    warnings.append(f"precision.recipe = {recipe!r}: Megatron-LM has no row-wise fp8 recipe; written as "
+                    "--fp8-recipe blockwise (1 x 128 activation and 128 x 128 weight blocks), a finer scaling with "
+                    "its own casts, whose speed the plan did not price"
+                    + ("; the plan's bf16 weight gradient is not kept (Megatron-LM runs it in fp8)"
+                       if recipe == "rowwise_with_gw_hp" else ""))
+
+
 def _precision(plan: "Plan", add, warnings: list[str]) -> None:
     prec = plan.precision
     mixed = "_add_mixed_precision_args"
-    if prec.compute in ("bf16", "fp16"):
-        flag = f"--{prec.compute}"
+    if prec.storage in ("bf16", "fp16"):
+        flag = f"--{prec.storage}"
         add(flag, True, ("precision.compute",), _doc(mixed, flag))
         if prec.grads == "fp32":
             add("--accumulate-allreduce-grads-in-fp32", True, ("precision.grads",),
                 _doc(mixed, "--accumulate-allreduce-grads-in-fp32"))
-        elif prec.grads == "bf16" and prec.compute == "bf16":
+        elif prec.grads == "bf16" and prec.storage == "bf16":
             add("--grad-reduce-in-bf16", True, ("precision.grads",), _doc(mixed, "--grad-reduce-in-bf16"))
-        elif prec.grads != prec.compute:
-            warnings.append(f"precision.grads = {prec.grads!r} with {prec.compute} weights: Megatron-LM accumulates and "
+        elif prec.grads != prec.storage:
+            warnings.append(f"precision.grads = {prec.grads!r} with {prec.storage} weights: Megatron-LM accumulates and "
                             "reduces gradients in the weights' dtype or in fp32; left at its default")
         if not prec.master_weights:
             warnings.append("precision.master_weights = false: Megatron-LM's optimizer keeps fp32 main parameters for "
                             "16-bit weights (4 more bytes per parameter than the plan, sharded with "
                             "--use-distributed-optimizer)")
+    if prec.compute == "fp8":
+        _fp8(plan, add, warnings)
     add("--optimizer", prec.optimizer, ("precision.optimizer",), _doc("_add_training_args", "--optimizer"))
     if prec.kernels == "eager":
         warnings.append("precision.kernels = 'eager': Megatron-LM runs its fused kernels (bias-GeLU, masked softmax, "

@@ -63,6 +63,7 @@ def export(plan: "Plan") -> Export:
     if name in FLAVORS:
         add("model.name", FLAVORS[name][0], ("extra.model.model",), _doc("Model.name"))
         add("model.flavor", FLAVORS[name][1], ("extra.model.model",), _doc("Model.flavor"))
+    _fp8_converter(plan, add)
 
     # [training]
     if cfg.pp > 1:
@@ -126,12 +127,13 @@ def export(plan: "Plan") -> Export:
         warnings.append("precision.kernels = 'fused' (hand-fused kernels): torchtitan has none; written as eager "
                         "(compile.enable = false), which keeps the same activations and moves more bytes: slower "
                         "than the plan predicts")
+    _fp8(plan, add, warnings)
     return Export("torchtitan", render(plan, fields, warnings), tuple(fields), tuple(warnings), "torchtitan.toml")
 
 
 def _precision(plan: "Plan", add, warnings: list[str]) -> None:
     prec = plan.precision
-    param = {"bf16": "bfloat16", "fp32": "float32"}.get(prec.compute)
+    param = {"bf16": "bfloat16", "fp32": "float32"}.get(prec.storage)   # fp8 compute keeps bf16 weights
     if param is None:
         param = "bfloat16"
         warnings.append("precision.compute = 'fp16': torchtitan's mixed precision is bfloat16 or float32 "
@@ -153,6 +155,38 @@ def _precision(plan: "Plan", add, warnings: list[str]) -> None:
         warnings.append("precision.optimizer = 'sgd': torchtitan builds Adam or AdamW only "
                         "(components/optimizer.py build_optimizers), each with two states per parameter where SGD "
                         "keeps one; [optimizer] is left out")
+
+
+# torchtitan 0.2.2's fp8 converters (components/quantization/float8.py, mx.py: register_model_converter)
+FP8_CONVERTERS = {"tensorwise": "quantize.linear.float8", "rowwise": "quantize.linear.float8",
+                  "rowwise_with_gw_hp": "quantize.linear.float8", "mxfp8": "quantize.linear.mx"}
+
+
+def _fp8_converter(plan: "Plan", add) -> None:
+    if plan.precision.compute == "fp8":
+        add("model.converters", [FP8_CONVERTERS[plan.precision.recipe]], ("precision.compute", "precision.recipe"),
+            _doc("Model.converters"), "the linear layers' GEMMs in fp8")
+
+
+def _fp8(plan: "Plan", add, warnings: list[str]) -> None:
+    """[quantize.linear.float8] or [quantize.linear.mx]: the plan's recipe on every linear layer it priced in fp8."""
+    prec = plan.precision
+    if prec.compute != "fp8":
+        return
+    srcs = ("precision.recipe",)
+    if prec.recipe == "mxfp8":
+        add("quantize.linear.mx.recipe_name", "mxfp8_cublas", srcs, _doc("MXLinear.recipe_name"),
+            "MXFP8, 32-element block scales")
+        add("quantize.linear.mx.filter_fqns", [], srcs, _doc("MXLinear.filter_fqns"),
+            "the plan priced the output head in fp8 too (torchtitan's default skips it)")
+        return
+    add("quantize.linear.float8.recipe_name", prec.recipe, srcs, _doc("Float8Linear.recipe_name"))
+    if prec.recipe == "tensorwise" and plan.config.zero >= 2:
+        add("quantize.linear.float8.enable_fsdp_float8_all_gather", False, srcs + ("config.zero",),
+            _doc("Float8Linear.enable_fsdp_float8_all_gather"), "the plan priced FSDP's gathers in bf16")
+        warnings.append("precision.recipe = 'tensorwise' under FSDP: quantize.linear.float8."
+                        "enable_fsdp_float8_all_gather = true gathers the weights in fp8, half the bytes the plan "
+                        "priced (faster than predicted; not priced)")
 
 
 def _data_parallel(plan: "Plan", add, warnings: list[str]) -> None:
@@ -279,7 +313,7 @@ def render(plan: "Plan", fields: list[Field], warnings: list[str]) -> str:
 
 
 def _toml_line(key: str, f: Field) -> list[str]:
-    if isinstance(f.value, list):
+    if isinstance(f.value, list) and f.value and all(isinstance(v, list) for v in f.value):
         out = [f"{key} = [  # {f.comment()}"]
         out += ["  [" + ", ".join(json.dumps(s) for s in part) + "]," for part in f.value]
         return out + ["]"]
@@ -291,4 +325,4 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    return json.dumps(value)   # a TOML basic string: the escapes of JSON's strings
+    return json.dumps(value)   # a TOML basic string (or array of them): the escapes of JSON's strings

@@ -154,14 +154,16 @@ class Plan:
 
     @property
     def mfu(self) -> float:
-        """Model FLOPs utilisation: model FLOPs per second over the devices' peak."""
-        peak = self.cluster.device.peak(self.precision.compute)
+        """Model FLOPs utilisation: model FLOPs per second over the devices' peak (of the dtype weights are kept
+        in: an fp8 plan's over the bf16 peak, as torchtitan counts its float8 runs')."""
+        peak = self.cluster.device.peak(self.precision.storage)
         return self.model_flops / (self.step_time * self.devices * peak)
 
     @property
     def hfu(self) -> float:
-        """Hardware FLOPs utilisation: the FLOPs executed (recomputation included) per second over the peak."""
-        peak = self.cluster.device.peak(self.precision.compute)
+        """Hardware FLOPs utilisation: the FLOPs executed (recomputation included) per second over the peak
+        (:attr:`mfu`'s)."""
+        peak = self.cluster.device.peak(self.precision.storage)
         return self.hardware_flops / (self.step_time * self.devices * peak)
 
     @property

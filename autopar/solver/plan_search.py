@@ -13,6 +13,7 @@ from ..cluster import Cluster
 from ..config import DEFAULT_TIE_TOLERANCE, ParallelConfig, Precision
 from ..cost_model import check_config
 from ..cost_model.compute import MeasuredTimes
+from ..cost_model.low_precision import check_device
 from ..errors import ConfigError, InfeasiblePlanError
 from ..plan import Plan
 from .batch import batch_notes
@@ -97,6 +98,7 @@ def _search(graph: OpGraph, cluster: Cluster, global_batch_size: int, precision:
         raise ConfigError(f"time_limit={time_limit!r} must be a positive number of seconds (or None)")
     fixed = check_fixed(fixed)
     precision = precision or Precision.for_device(cluster.device.name)
+    check_device(cluster.device, precision)          # an fp8 plan needs fp8 tensor cores
     graph = for_kernels(graph, precision.kernels)    # what the program's kernels keep for backward
     limits = ILPLimits(time=ilp_time_limit, nodes=ilp_node_limit)
     deadline = None if time_limit is None else time.perf_counter() + time_limit

@@ -60,6 +60,11 @@ VARIANTS = [   # (stored plan, config changes, precision changes, blocks moved f
     ("llama3-70b_8x8xH100", dict(dp=64, tp=1, ep=8, zero=1, micro_batch_size=1, sequence_parallel=False),
      dict(optimizer="sgd"), 0),
     ("llama3-70b_8x8xH100", dict(dp=4, tp=2, pp=8, ep=2, zero=1, micro_batch_size=1), {}, 0),
+    # fp8 linear layers: tensor-wise under FSDP, row-wise with tensor parallelism, MXFP8
+    ("llama3-70b_8x8xH100", dict(dp=64, tp=1, zero=3, micro_batch_size=1, sequence_parallel=False, recompute="op"),
+     dict(compute="fp8", recipe="tensorwise", kernels="compiled"), 0),
+    ("llama3-70b_8x8xH100", dict(dp=4, tp=4, pp=4, zero=1), dict(compute="fp8", recipe="rowwise_with_gw_hp"), 0),
+    ("llama3-70b_8x8xH100", dict(dp=8, tp=8, zero=1), dict(compute="fp8", recipe="mxfp8", kernels="compiled"), 0),
 ]
 
 

@@ -31,13 +31,35 @@ TORCHTITAN = {
                     "expert_parallel_degree": INT, "expert_tensor_parallel_degree": INT},
     "activation_checkpoint": {"mode": ("selective", "full", "memory_budget", "none"), "selective_ac_option": str},
     "compile": {"enable": bool},
+    "quantize": {"linear": dict},
 }
+TORCHTITAN["model"]["converters"] = list        # Model.converters: registered converter names
+# job_config.py Quantize.linear: QuantizedLinear.float8 (Float8Linear) and .mx (MXLinear); the converters that
+# read them (components/quantization/float8.py and mx.py register_model_converter)
+TORCHTITAN_QUANTIZE = {
+    "float8": {"enable_fsdp_float8_all_gather": bool, "precompute_float8_dynamic_scale_for_fsdp": bool,
+               "recipe_name": ("tensorwise", "rowwise", "rowwise_with_gw_hp"), "filter_fqns": list, "emulate": bool},
+    "mx": {"mxfp8_dim1_cast_kernel_choice": ("triton", "cuda", "torch"), "recipe_name": str, "filter_fqns": list},
+}
+TORCHTITAN_CONVERTERS = {"quantize.linear.float8": "float8", "quantize.linear.mx": "mx"}
 # torch.distributed.pipelining.schedules: schedules of one stage per rank (the rest loop over several)
 SINGLE_STAGE_SCHEDULES = {"GPipe", "1F1B"}
 
 
 def check_torchtitan(config: dict[str, Any], devices: int) -> None:
     _check_sections(config, TORCHTITAN, "torchtitan")
+    linear = config.get("quantize", {}).get("linear", {})
+    for name, values in linear.items():
+        assert name in TORCHTITAN_QUANTIZE, f"torchtitan: unknown section [quantize.linear.{name}]"
+        for key, value in values.items():
+            assert key in TORCHTITAN_QUANTIZE[name], f"torchtitan: unknown key quantize.linear.{name}.{key}"
+            _check_type(f"quantize.linear.{name}.{key}", value, TORCHTITAN_QUANTIZE[name][key])
+    converters = config.get("model", {}).get("converters", [])
+    for converter in converters:
+        # protocols/model_converter.py looks each name up in its registry (KeyError on another)
+        assert converter in TORCHTITAN_CONVERTERS, f"torchtitan: unregistered converter {converter!r}"
+        assert TORCHTITAN_CONVERTERS[converter] in linear, f"torchtitan: {converter} without its section"
+    assert set(linear) <= {TORCHTITAN_CONVERTERS[c] for c in converters}, "a [quantize.linear.*] no converter reads"
     par, train = config["parallelism"], config["training"]
     dims = [par.get(k, 1) for k in ("data_parallel_replicate_degree", "data_parallel_shard_degree",
                                     "context_parallel_degree", "tensor_parallel_degree", "pipeline_parallel_degree")]
@@ -104,6 +126,9 @@ MEGATRON = {   # flag: int, str, FLAG (store_true) or the choices
     "--ckpt-format": ("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"),
     "--fp16": FLAG, "--bf16": FLAG, "--accumulate-allreduce-grads-in-fp32": FLAG, "--grad-reduce-in-bf16": FLAG,
     "--optimizer": ("adam", "sgd", "muon", "dist_muon"),
+    # TransformerConfig.fp8 / fp8_recipe (megatron/core/transformer/transformer_config.py), made flags by
+    # arguments.py's ArgumentGroupFactory (a Literal becomes the choices)
+    "--fp8-format": ("e4m3", "hybrid"), "--fp8-recipe": ("tensorwise", "delayed", "mxfp8", "blockwise", "custom"),
 }
 TORCHRUN = {"--nnodes": int, "--nproc-per-node": int}
 DEFAULTS = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1, "--context-parallel-size": 1,
@@ -179,6 +204,8 @@ def check_megatron(arrays: dict[str, list[str]], devices: int) -> argparse.Names
     if cp > 1 and args.seq_length is not None:
         assert args.seq_length % (2 * cp) == 0, "seq-length should be a multiple of 2 * context-parallel-size"
     assert not (args.fp16 and args.bf16)
+    if args.fp8_recipe is not None:   # the recipe only acts with a format (fp8 None: no fp8)
+        assert args.fp8_format is not None and (args.bf16 or args.fp16), "--fp8-recipe without --fp8-format"
     connections = arrays.get("E", [""])[0]
     if args.use_megatron_fsdp:
         assert args.ckpt_format == "fsdp_dtensor", "Megatron FSDP only supports fsdp_dtensor checkpoint format"
@@ -250,6 +277,12 @@ ACCELERATE_NESTED = {   # launch.py's --fsdp_* / --parallelism_config_* / --dyna
                     "fsdp_transformer_layer_cls_to_wrap": str, "fsdp_state_dict_type": str},
     "parallelism_config": {f"parallelism_config_{k}_size": int for k in ("dp_replicate", "dp_shard", "tp", "cp", "sp")},
     "dynamo_config": {"dynamo_backend": ("NO", "EAGER", "AOT_EAGER", "INDUCTOR")},
+    # launch.py prefixes each key with fp8_ into ACCELERATE_FP8_<KEY>; utils/dataclasses.py reads these
+    # (FP8BackendType: TE, MSAMP, AO, in capitals)
+    "fp8_config": {"backend": ("TE", "MSAMP", "AO"), "fp8_format": ("HYBRID", "E4M3", "E5M2"),
+                   "use_mxfp8_block_scaling": bool, "enable_fsdp_float8_all_gather": bool, "pad_inner_dim": bool,
+                   "amax_history_len": int, "amax_compute_algo": ("max", "most_recent"), "margin": int,
+                   "interval": int, "use_autocast_during_eval": bool, "opt_level": ("O1", "O2")},
 }
 
 
@@ -272,3 +305,4 @@ def check_accelerate(config: dict[str, Any]) -> None:
             assert par.get("parallelism_config_dp_shard_size", 1) > 1
     if config["distributed_type"] == "FSDP":
         assert "fsdp_config" in config
+    assert (config.get("mixed_precision") == "fp8") == ("fp8_config" in config), "fp8_config goes with fp8 only"

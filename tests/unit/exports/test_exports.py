@@ -456,3 +456,28 @@ def test_accelerate_folds_a_pipeline_into_ddp_without_tensor_parallelism(plans, 
     assert result.field("distributed_type").value == "MULTI_GPU"
     [fold] = [w for w in result.warnings if w.startswith("config.pp = 8")]
     assert "DDP replicas" in fold and "--config dp=1024,tp=1,cp=1,pp=1,zero=0" in fold
+
+
+def test_fp8_plans_carry_each_stacks_fp8_switches(plans):
+    fp8 = {v[2].get("recipe"): i for i, v in enumerate(VARIANTS) if v[2].get("compute") == "fp8"}
+    tensorwise, rowwise, mx = (variant_plan(plans, fp8[r]) for r in ("tensorwise", "rowwise_with_gw_hp", "mxfp8"))
+    titan = tomllib.loads(export(tensorwise, "torchtitan").text)
+    assert titan["model"]["converters"] == ["quantize.linear.float8"]
+    assert titan["quantize"]["linear"]["float8"] == {"recipe_name": "tensorwise",
+                                                     "enable_fsdp_float8_all_gather": False}
+    assert titan["training"]["mixed_precision_param"] == "bfloat16"
+    titan_mx = tomllib.loads(export(mx, "torchtitan").text)
+    assert titan_mx["model"]["converters"] == ["quantize.linear.mx"]
+    assert titan_mx["quantize"]["linear"]["mx"] == {"recipe_name": "mxfp8_cublas", "filter_fqns": []}
+    args = export(tensorwise, "megatron").text
+    assert "--fp8-format hybrid" in args and "--fp8-recipe tensorwise" in args and "--bf16" in args
+    rows = export(rowwise, "megatron")
+    assert rows.field("--fp8-recipe").value == "blockwise"
+    assert any("no row-wise fp8 recipe" in w and "bf16 weight gradient" in w for w in rows.warnings)
+    acc = export(tensorwise, "accelerate")
+    assert acc.field("mixed_precision").value == "fp8" and acc.field("fp8_config.backend").value == "AO"
+    assert export(mx, "accelerate").field("fp8_config.use_mxfp8_block_scaling").value is True
+    assert any("AORecipeKwargs" in w and "rowwise_with_gw_hp" in w for w in export(rowwise, "accelerate").warnings)
+    ds = export(tensorwise, "deepspeed")
+    assert ds.field("bf16.enabled").value is True
+    assert any("no fp8 training switch" in w for w in ds.warnings)

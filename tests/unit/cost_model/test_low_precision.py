@@ -1,0 +1,115 @@
+"""Precision(compute="fp8"): which ops run in fp8, what their GEMMs and casts cost, the devices that refuse it,
+and what parallelize does with such a plan."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import autopar
+from autopar.capture import capture
+from autopar.config import ParallelConfig, Precision
+from autopar.cost_model import estimate_plan
+from autopar.cost_model.compute import ComputeModel, gemm_efficiency, scaled_gemm
+from autopar.cost_model.low_precision import RECIPES, cast_bytes_per_element, check_device, is_fp8_linear
+from autopar.errors import ConfigError
+from autopar.models import build
+from autopar.presets import DEVICE_PRESETS
+from autopar.solver.plan_search import price
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model, inputs = build("llama3-8b", batch_size=1, seq_len=1024)
+    return capture(model, inputs, progress=False)
+
+
+def test_precision_fp8_keeps_bf16_storage_and_checks_its_recipe():
+    p = Precision(compute="fp8")
+    assert p.recipe == "tensorwise" and p.storage == "bf16"
+    assert (p.weight_bytes, p.activation_bytes, p.optimizer_bytes) == (2, 2, 12)
+    assert Precision(compute="fp8", recipe="mxfp8").recipe == "mxfp8"
+    with pytest.raises(ConfigError, match="recipe='blockwise' is not one of"):
+        Precision(compute="fp8", recipe="blockwise")
+    with pytest.raises(ConfigError, match='pass compute="fp8"'):
+        Precision(recipe="rowwise")
+    assert Precision(**p.to_dict()) == p
+
+
+def test_devices_without_the_recipes_tensor_cores_refuse_it():
+    with pytest.raises(ConfigError, match="A100-80GB does not have.*plan in bf16"):
+        check_device(DEVICE_PRESETS["A100-80GB"], Precision(compute="fp8"))
+    with pytest.raises(ConfigError, match="mxfp8 tensor cores.*use recipe 'tensorwise'"):
+        check_device(DEVICE_PRESETS["H100-SXM"], Precision(compute="fp8", recipe="mxfp8"))
+    check_device(DEVICE_PRESETS["B200"], Precision(compute="fp8", recipe="mxfp8"))
+    check_device(DEVICE_PRESETS["MI300X"], Precision(compute="fp8"))
+    model, inputs = build("gpt-tiny", batch_size=1)
+    with pytest.raises(ConfigError, match="does not have"):
+        autopar.plan(model, autopar.Cluster.from_spec("1x8xA100-80GB"), inputs, global_batch_size=8,
+                     precision=Precision(compute="fp8"), verbose=False)
+
+
+def test_the_linear_layers_run_in_fp8_and_nothing_else(llama):
+    fp8 = {n.name for n in llama.nodes if is_fp8_linear(n)}
+    linears = {n.name for n in llama.nodes if n.module_type == "Linear"}
+    assert fp8 == linears and len(fp8) == 32 * 7 + 1     # q k v o gate up down per block, and the head
+    assert not any(is_fp8_linear(n) for n in llama.nodes if n.kind.name in ("ATTENTION", "EMBEDDING"))
+    model, inputs = build("mixtral-tiny", batch_size=1)
+    moe = capture(model, inputs, progress=False)
+    experts = [n for n in moe.nodes if "experts" in n.module_path and n.gemm is not None]
+    assert experts and not any(is_fp8_linear(n) for n in experts)   # grouped expert GEMMs stay bf16
+
+
+def test_an_fp8_linear_costs_its_gemms_at_the_fp8_peak_plus_its_casts(llama):
+    node = next(n for n in llama.nodes if is_fp8_linear(n) and n.gemm.n == 14336)
+    h100 = DEVICE_PRESETS["H100-SXM"]
+    no_casts = dataclasses.replace(h100, memory_bandwidth=1e30, kernel_overhead=0.0)
+    bf16 = ComputeModel(llama, no_casts, "bf16").op_time(node, 1.0, 1, "")
+    fp8 = ComputeModel(llama, no_casts, "bf16", fp8=RECIPES["tensorwise"],
+                       kernels="compiled").op_time(node, 1.0, 1, "")
+    g = scaled_gemm(node.gemm, 1.0, "", 1)
+    speed = (h100.peak("fp8") * gemm_efficiency(h100, g, fp8=True)) / (h100.peak("bf16") * gemm_efficiency(h100, g))
+    assert bf16.fwd / fp8.fwd == pytest.approx(speed, rel=1e-9) and bf16.bwd / fp8.bwd == pytest.approx(speed, rel=1e-9)
+    assert 1.5 < speed < 2.0
+    # the weight gradient in bf16: half the backward at each speed
+    hp = ComputeModel(llama, no_casts, "bf16", fp8=RECIPES["rowwise_with_gw_hp"], kernels="compiled")
+    assert hp.op_time(node, 1.0, 1, "").bwd == pytest.approx(bf16.bwd / 2 + fp8.bwd / 2, rel=1e-9)
+    # the casts: six operands at the device's streaming bandwidth, eager kernels moving 17/3 the bytes
+    on = dict(fp8=RECIPES["tensorwise"])
+    compiled = ComputeModel(llama, h100, "bf16", kernels="compiled", **on).op_time(node, 1.0, 1, "")
+    eager = ComputeModel(llama, h100, "bf16", kernels="eager", **on).op_time(node, 1.0, 1, "")
+    gemm_fwd = ComputeModel(llama, no_casts, "bf16", kernels="compiled", **on).op_time(node, 1.0, 1, "").fwd
+    elements = g.m * g.k + g.k * g.n
+    stream = h100.memory_bandwidth * h100.memory_efficiency
+    assert compiled.fwd - gemm_fwd == pytest.approx(elements * 3 / stream + 3 * h100.kernel_overhead, rel=1e-9)
+    assert eager.fwd - gemm_fwd == pytest.approx(elements * 17 / stream + 11 * h100.kernel_overhead, rel=1e-9)
+    assert cast_bytes_per_element(RECIPES["mxfp8"], "eager") == pytest.approx(3 + 1 / 32)
+
+
+def test_plans_in_fp8(llama):
+    cluster = autopar.Cluster.from_spec("1x8xH100-SXM")
+    cfg = ParallelConfig(dp=8, zero=3, recompute="op")
+    bf16 = estimate_plan(llama, cluster, cfg, 8, precision=Precision(kernels="compiled"))
+    fp8 = estimate_plan(llama, cluster, cfg, 8, precision=Precision(compute="fp8", kernels="compiled"))
+    assert fp8.step_time < bf16.step_time and fp8.peak_memory == pytest.approx(bf16.peak_memory)
+    assert fp8.mfu == pytest.approx(fp8.model_flops / (fp8.step_time * 8 * 989e12))   # over the bf16 peak
+    eager = estimate_plan(llama, cluster, cfg, 8, precision=Precision(compute="fp8"))
+    assert eager.step_time > fp8.step_time
+    # tensor-wise scales of tensor-parallel shards all-reduce their amax; row-wise ones do not
+    tp = ParallelConfig(dp=2, tp=4, zero=1)
+    tensorwise = price(llama, cluster, tp, 8, precision=Precision(compute="fp8", kernels="compiled"))
+    rowwise = price(llama, cluster, tp, 8, precision=Precision(compute="fp8", recipe="rowwise", kernels="compiled"))
+    assert tensorwise.breakdown.tp_comm > rowwise.breakdown.tp_comm
+
+
+def test_parallelize_and_the_standalone_folder_refuse_an_fp8_plan_they_cannot_run(tmp_path):
+    model, inputs = build("gpt-tiny", batch_size=1)
+    plan = autopar.estimate(model, autopar.Cluster.from_spec("1x2xH100-SXM"), inputs, ParallelConfig(dp=2),
+                            global_batch_size=2, precision=Precision(compute="fp8"))
+    from autopar.codegen.standalone import emit_standalone
+    with pytest.raises(ConfigError, match="fp8 linear layers"):
+        emit_standalone(plan, str(tmp_path), "autopar.models:build", None, None, 1e-3)
+    from autopar.driver.program import Program
+    with pytest.raises(ConfigError, match="fp8 linear layers.*Megatron-LM export"):
+        Program(model, plan, None, loss_fn=None, example_inputs=inputs, timeout=10.0)
