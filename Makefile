@@ -64,6 +64,8 @@ bench: $(STAMP)
 	$(PY) bench/init_memory.py
 	$(PY) bench/long_context.py
 	$(PY) bench/moe.py
+	$(PY) bench/new_presets.py
+	$(PY) bench/fp8.py
 	$(PY) bench/time_limit.py
 	$(PY) bench/hf_coverage.py
 	AUTOPAR_FUZZ_SEEDS=400 HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/distributed/test_fuzz.py

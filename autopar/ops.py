@@ -229,3 +229,15 @@ LINEAR_OPS = _names("add sub neg view _unsafe_view reshape flatten unflatten squ
 input gives a partial output); :data:`PRODUCTS` in one such input at a time, ``div`` in its numerator only."""
 PRODUCTS = _names("mul linear mm matmul")
 SORTS = _names("topk sort argsort")
+
+FP8_ALIGN = 16
+"""An fp8 linear layer's in- and out-features are multiples of this (the fp8 GEMMs' alignment: torchao's
+``convert_to_float8_training`` and torchtitan's float8 converter skip any other linear)."""
+
+
+def runs_in_fp8(op: object, module_type: str, in_features: int, out_features: int) -> bool:
+    """Whether an fp8 program (``Precision(compute="fp8")``) runs this op on the fp8 tensor cores: the
+    ``linear`` of an ``nn.Linear`` whose features are multiples of :data:`FP8_ALIGN`. The one rule the cost
+    model prices (cost_model/low_precision.py) and the runtime applies (runtime/fp8.py)."""
+    return (base_name(op) == "linear" and module_type == "Linear" and in_features % FP8_ALIGN == 0
+            and out_features % FP8_ALIGN == 0)

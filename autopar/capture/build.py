@@ -163,7 +163,7 @@ class GraphWalk:
             inputs=tuple(dict.fromkeys(s.name for s in srcs if s.kind in ("op", "input"))),
             params=tuple(dict.fromkeys(s.name for s in srcs if s.kind == "param" and s.requires_grad)),
             outputs=outputs, flops_fwd=fwd, flops_bwd=bwd, bytes_fwd=moved, requires_grad=rg,
-            batch_dependent=bd, saved=saved, module_path=module_path(node), module_type=_module_type(node),
+            batch_dependent=bd, saved=saved, module_path=module_path(node), module_type=module_type(node),
             layer=-1, gemm=gemm_shape(name, kind, [m for m in metas if m], outputs[0],
                                       [s.batch_dependent for s in srcs],
                                       kind is OpKind.ATTENTION and is_causal(node.target, node.args, node.kwargs)),
@@ -279,7 +279,8 @@ def module_paths(node_stack: list[tuple[str, str]]) -> list[str]:
     return [_clean_path(p) for p, _ in node_stack]
 
 
-def _module_type(node: torch.fx.Node) -> str:
+def module_type(node: torch.fx.Node) -> str:
+    """The class name of the innermost module whose code made ``node`` (``"Linear"``), or ""."""
     stack = _stack(node)
     typ = stack[-1][1] if stack else ""
     return typ.rsplit(".", 1)[-1].strip("'>") if typ else ""

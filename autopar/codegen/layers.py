@@ -46,9 +46,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import ops
-from ..capture.build import module_path
+from ..capture.build import module_path, module_type
 from ..errors import ConfigError
-from ..ops import CONTEXT_HOPS, SKIPPED_TARGETS, base_name
+from ..ops import CONTEXT_HOPS, SKIPPED_TARGETS, base_name, runs_in_fp8
 from ..runtime import collectives, context_ops, shard_ops
 from .bindings import use_bindings
 from ..runtime.context_state import (ContextOp, ContextRank, Conversion, GatherTokens, Local, Mode, Resolve,
@@ -86,23 +86,26 @@ def bind(target: Any, args: tuple | list, kwargs: Mapping[str, Any]) -> dict[str
 def layer_module(io: LayerIO, nodes: Mapping[str, fx.Node], source: nn.Module, lowered: LoweredGraph | None = None,
                  group: Any = None, experts: Mapping[str, nn.Module] | None = None,
                  moe: Mapping[str, tuple[str, str, str]] | None = None, skip: frozenset[str] = frozenset(),
-                 name: str = "Layer", checks: bool = False, context: ContextRank | None = None) -> fx.GraphModule:
+                 name: str = "Layer", checks: bool = False, context: ContextRank | None = None,
+                 fp8: nn.Module | None = None) -> fx.GraphModule:
     """The layer's generated module. ``source``: the exported graph module (region bodies); ``experts``
     / ``moe``: MoE region output node -> its experts module / its (hidden, index, weights) inputs, for
     regions run as one call; ``skip``: nodes not run (the regions' other nodes); ``checks``: check the
     shape of every shard an op computes (the shapes are static: a program runs this once, on its
-    first call, and the code without checks after); ``context``: this rank of a context-parallel group."""
-    emitter = _Emitter(nodes, source, lowered, group, experts or {}, moe or {}, skip, checks, context)
+    first call, and the code without checks after); ``context``: this rank of a context-parallel group;
+    ``fp8``: the module (runtime/fp8.py) the linear layers ops.runs_in_fp8 names are called through."""
+    emitter = _Emitter(nodes, source, lowered, group, experts or {}, moe or {}, skip, checks, context, fp8)
     return emitter.module(io, name)
 
 
 class _Emitter:
     def __init__(self, nodes: Mapping[str, fx.Node], source: nn.Module, lowered: LoweredGraph | None, group: Any,
                  experts: Mapping[str, nn.Module], moe: Mapping[str, tuple[str, str, str]],
-                 skip: frozenset[str], checks: bool = False, context: ContextRank | None = None) -> None:
+                 skip: frozenset[str], checks: bool = False, context: ContextRank | None = None,
+                 fp8: nn.Module | None = None) -> None:
         self.nodes, self.source, self.lowered, self.group = nodes, source, lowered, group
         self.experts, self.moe, self.skip, self.checks = experts, moe, skip, checks
-        self.context = context
+        self.context, self.fp8 = context, fp8
 
     def module(self, io: LayerIO, name: str) -> fx.GraphModule:
         self.graph = fx.Graph()
@@ -199,6 +202,9 @@ class _Emitter:
         first = len(self.graph.nodes)
         if step is not None and step.mode.replaces_op:
             out = self._context_op(node, op, step, args, kwargs)
+        elif op is None and self.fp8 is not None and _in_fp8(node):
+            self.attrs["fp8_linear"] = self.fp8
+            out = self.graph.call_module("fp8_linear", tuple(args), kwargs)
         elif op is None:
             out = self.graph.create_node("call_function", node.target, tuple(args), kwargs, name=name)
         else:
@@ -392,6 +398,16 @@ class _Emitter:
                                           {"use_reentrant": False})
         for i, out in enumerate(outs):
             self.env[out] = self.graph.call_function(operator.getitem, (result, i))
+
+
+def _in_fp8(node: fx.Node) -> bool:
+    """A linear layer an fp8 program runs on the fp8 tensor cores (ops.runs_in_fp8)."""
+    if len(node.args) < 2 or not isinstance(node.args[1], fx.Node):
+        return False
+    weight = node.args[1].meta.get("val")
+    if weight is None or weight.dim() != 2:
+        return False
+    return runs_in_fp8(node.target, module_type(node), weight.shape[1], weight.shape[0])
 
 
 def compose(full: Any, tp: Any, cp: Any, node: str) -> list:

@@ -49,8 +49,8 @@ from ..capture.opgraph import Gemm, OpKind, OpNode
 from ..config import Precision
 from ..errors import ConfigError
 from ..hardware import Device
+from ..ops import runs_in_fp8
 
-FP8_ALIGN = 16          # torchao converts a linear whose in- and out-features are multiples of 16
 BLOCK = 32              # MXFP8 scale block (elements)
 AMAX_SYNCS = 4          # tensor-wise scalar all-reduces per sharded fp8 linear and micro-batch
 
@@ -96,11 +96,10 @@ def check_device(device: Device, precision: Precision) -> None:
 
 
 def is_fp8_linear(node: OpNode) -> bool:
-    """Whether an fp8 program runs this op's GEMMs in fp8: a linear layer's weight product whose in- and
-    out-features are multiples of 16 (torchao's conversion rule; what ``parallelize`` converts)."""
+    """Whether an fp8 program runs this op's GEMMs in fp8 (ops.runs_in_fp8: what ``parallelize`` converts)."""
     g = node.gemm
-    return (node.kind is OpKind.MATMUL and bool(node.params) and node.module_type == "Linear" and g is not None
-            and g.batch == 1 and g.k % FP8_ALIGN == 0 and g.n % FP8_ALIGN == 0)
+    return (node.kind is OpKind.MATMUL and bool(node.params) and g is not None and g.batch == 1
+            and runs_in_fp8(node.target, node.module_type, g.k, g.n))
 
 
 def cast_bytes_per_element(recipe: Recipe, kernels: str) -> float:

@@ -40,6 +40,7 @@ from ..runtime.context_state import ContextRank
 from ..runtime.data_parallel import GradReducer, Zero1Optimizer, dedupe, local, shard_unit
 from ..runtime.expert_parallel import shard_experts
 from ..runtime.experts import ExpertsModule
+from ..runtime.fp8 import Float8Linear, emulated
 from ..runtime.mesh import Coords, MeshGroups
 from ..runtime.optim import compile_step
 from ..runtime.sharded_init import Materializer
@@ -156,7 +157,10 @@ def build_chunks(setup: RankSetup, compiled: RankProgram, groups: MeshGroups, pa
     program = compiled.program
     context = ContextRank(program.context, groups.group("cp"), setup.coords.cp, setup.timeout) \
         if program.context is not None else None
-    runner = NodeRunner(program, groups.tp, context, compile=compile)
+    fp8 = None
+    if setup.plan.precision.compute == "fp8":   # the plan's linear layers through torchao's float8 (runtime/fp8.py)
+        fp8 = Float8Linear(setup.plan.precision.recipe, emulated(setup.device))
+    runner = NodeRunner(program, groups.tp, context, compile=compile, fp8=fp8)
     buffers = {k: v.to(setup.device) for k, v in program.split.buffer_value.items()}
     experts = {r.output: ExpertsModule(r, params[r.gate_up], params[r.down], groups.group("ep"), setup.timeout)
                for r in program.regions if r.gate_up in params}

@@ -54,8 +54,9 @@ class NodeRunner:
     the context-parallel group (cp > 1)."""
 
     def __init__(self, compiled: CompiledProgram, mesh: DeviceMesh | None, context: ContextRank | None = None,
-                 compile: str | None = None) -> None:
+                 compile: str | None = None, fp8: nn.Module | None = None) -> None:
         self.compiled = compiled
+        self.fp8 = fp8           # the plan's fp8 linear layers' module (runtime/fp8.py), or None
         self.compile = compile   # a torch.compile backend for every layer's code, or None
         self.mesh = mesh
         self.group = mesh.get_group() if mesh is not None else None
@@ -69,7 +70,7 @@ class NodeRunner:
         split = compiled.split
         return layer_module(layer.io(split.param_of), split.node_map, split.program.graph_module, compiled.lowered,
                             self.group, experts, compiled.moe_inputs, compiled.skipped, name=class_name(layer.spec.name),
-                            checks=checks, context=self.context)
+                            checks=checks, context=self.context, fp8=self.fp8)
 
     def to_cut(self, send: Send, value: Any) -> Any:
         """A value as it crosses a pipeline cut: the send's collectives on the tensor-parallel group."""

@@ -56,6 +56,7 @@ class Case:
     example_batch: int = 1        # rows of the example inputs the plan is made from (as users pass them)
     steps: int = STEPS            # AdamW steps compared (a compiled program compiles its optimizer's step at
     #                               its second: one step leaves that to the cases that test it)
+    precision: dict | None = None  # Precision fields the plan is edited to (fp8: the reference converted alike)
 
 
 def _mlp():
@@ -248,15 +249,27 @@ def reference(case: Case) -> dict[str, Any]:
     them: computed once)."""
     from autopar import init_weights
     from autopar.runtime.sharded_init import has_meta
-    key = (case.model, case.global_batch, case.steps)
+    key = (case.model, case.global_batch, case.steps, tuple(sorted((case.precision or {}).items())))
     if key not in _REFERENCES:
         model = fresh(case.model)
         if has_meta(model):
             init_weights(model)
+        if (case.precision or {}).get("compute") == "fp8":
+            to_fp8(model, case.precision.get("recipe", "tensorwise"))
         loss_fn = loss_fn_of(case.model)
         _REFERENCES[key] = one_process(model, batches(case.model, case.steps, case.global_batch),
                                        lambda b: call_loss(model, b, loss_fn))
     return _REFERENCES[key]
+
+
+def to_fp8(model: torch.nn.Module, recipe: str) -> None:
+    """``model`` converted as an fp8 plan runs it: torchao's float8 training (emulated on this CPU) on the
+    linear layers ops.runs_in_fp8 names."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from autopar.ops import runs_in_fp8
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: runs_in_fp8(
+        "linear", type(m).__name__, m.in_features, m.out_features))
 
 
 def test_cluster(world: int):
@@ -296,6 +309,8 @@ def make_plan(case: Case):
                     fixed=None if case.fixed is None else dict(case.fixed), sharding=_SHARDING[key])
     if case.edit:
         plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, **case.edit))
+    if case.precision:   # priced on this CPU (no fp8 peak): the program's numerics are what these cases test
+        plan = dataclasses.replace(plan, precision=Precision(**case.precision))
     return with_inputs(plan, example)
 
 
