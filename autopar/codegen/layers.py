@@ -49,6 +49,7 @@ from .. import ops
 from ..capture.build import module_path, module_type
 from ..errors import ConfigError
 from ..ops import CONTEXT_HOPS, SKIPPED_TARGETS, base_name, runs_in_fp8
+from ..plan.placement import Partial, Shard
 from ..runtime import collectives, context_ops, shard_ops
 from .bindings import use_bindings
 from ..runtime.context_state import (ContextOp, ContextRank, Conversion, GatherTokens, Local, Mode, Resolve,
@@ -307,7 +308,10 @@ class _Emitter:
     def _lowered_op(self, node: fx.Node, op: LoweredOp, args: list, kwargs: dict) -> Any:
         g, target, how, name = self.group_node, node.target, op.how, node.name
         call = self.graph.call_function
-        if how in (How.LOCAL, How.WHOLE):
+        if how in (How.LOCAL, How.WHOLE) and self.fp8 is not None and _in_fp8(node):
+            self.attrs["fp8_linear"] = self.fp8
+            out = self.graph.call_module("fp8_linear", tuple(args), {**kwargs, **_linear_split(node, op)})
+        elif how in (How.LOCAL, How.WHOLE):
             out = self.graph.create_node("call_function", target, tuple(args), kwargs, name=name)
         elif how is How.VOCAB_EMBEDDING:
             a = bind(target, args, kwargs)
@@ -408,6 +412,19 @@ def _in_fp8(node: fx.Node) -> bool:
     if weight is None or weight.dim() != 2:
         return False
     return runs_in_fp8(node.target, module_type(node), weight.shape[1], weight.shape[0])
+
+
+def _linear_split(node: fx.Node, op: LoweredOp) -> dict[str, Any]:
+    """How tensor parallelism splits a linear (runtime/fp8.py SPLITS), from its output as held: split along
+    its last dim, column-parallel (the weight's outputs split); partial, row-parallel (its inputs split);
+    split along another dim, its tokens (the weight whole)."""
+    if op.how is How.WHOLE or not isinstance(op.output, (Partial, Shard)):
+        return {"split": None}
+    if isinstance(op.output, Partial):
+        return {"split": "row"}
+    ndim = node.meta["val"].dim()
+    dim = op.output.dim % ndim
+    return {"split": "column"} if dim == ndim - 1 else {"split": "tokens", "token_dim": dim}
 
 
 def compose(full: Any, tp: Any, cp: Any, node: str) -> list:

@@ -159,7 +159,7 @@ def build_chunks(setup: RankSetup, compiled: RankProgram, groups: MeshGroups, pa
         if program.context is not None else None
     fp8 = None
     if setup.plan.precision.compute == "fp8":   # the plan's linear layers through torchao's float8 (runtime/fp8.py)
-        fp8 = Float8Linear(setup.plan.precision.recipe, emulated(setup.device))
+        fp8 = Float8Linear(setup.plan.precision.recipe, emulated(setup.device), groups.tp)
     runner = NodeRunner(program, groups.tp, context, compile=compile, fp8=fp8)
     buffers = {k: v.to(setup.device) for k, v in program.split.buffer_value.items()}
     experts = {r.output: ExpertsModule(r, params[r.gate_up], params[r.down], groups.group("ep"), setup.timeout)

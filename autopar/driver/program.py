@@ -130,11 +130,6 @@ class Program:
             raise ConfigError("this plan prices hand-written fused kernels (Precision(kernels='fused'), Megatron-LM's), "
                               "which autopar's runtime does not have: re-plan with Precision(kernels='compiled') "
                               "(torch.compile) or the default 'eager'")
-        if plan.precision.compute == "fp8" and plan.config.tp > 1:
-            raise ConfigError(f"this plan runs fp8 linear layers (recipe {plan.precision.recipe!r}) split by tensor "
-                              f"parallelism (tp={plan.config.tp}), whose fp8 scales must be all-reduced across the "
-                              "tensor-parallel group, which autopar's runtime does not do yet: re-plan with "
-                              "fixed={'tp': 1}, or train it through its torchtitan export (plan.export('torchtitan'))")
         if compile is not None and not isinstance(compile, (bool, str)):
             raise ConfigError(f"compile must be True, False, a torch.compile backend name or None (follow the "
                               f"plan), got {compile!r}")
