@@ -80,6 +80,11 @@ class ParallelConfig:
     """Model chunks per pipeline device; > 1 only with schedule="interleaved"."""
     zero: int = 0
     """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP full shard)."""
+    offload: bool = False
+    """With ``zero=3``: each rank's shards of the parameters, their gradients and the optimizer states live
+    in host memory, and the optimizer steps there, on the CPU (FSDP2's ``CPUOffloadPolicy``; DeepSpeed's
+    ``offload_param`` and ``offload_optimizer``). A layer's shards cross the host link before each
+    all-gather and its gradient shard after each reduce-scatter."""
     recompute: Recompute = "none"
     """Activation recomputation: "none"; "selective" (the attention core, Korthikanti et al.); "op" (per op, as
     torchtitan's ``selective_ac_option = "op"``: keep every second matrix product's output and fused
@@ -107,6 +112,11 @@ class ParallelConfig:
             raise ConfigError(f"recompute_layers={self.recompute_layers} recomputes part of each chunk in full: it "
                               "needs recompute='full' and no stage_recompute (or recompute_layers=0)")
         check_int("zero", self.zero, 0, 3)
+        if not isinstance(self.offload, bool):
+            raise ConfigError(f"offload must be True or False, got {self.offload!r}")
+        if self.offload and self.zero != 3:
+            raise ConfigError(f"offload=True keeps ZeRO-3's shards in host memory: it needs zero=3 (got zero={self.zero}); "
+                              "set zero=3 or offload=False")
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("recompute", self.recompute, RECOMPUTE_MODES)
         if not isinstance(self.sequence_parallel, bool):
@@ -212,7 +222,7 @@ class ParallelConfig:
         if self.recompute_layers:
             rec += f"({self.recompute_layers} layers per chunk)"
         return (f"dp={self.dp}{ep} tp={self.tp}{sp}{cp} pp={self.pp} mb={self.micro_batch_size} {sched} "
-                f"zero={self.zero} recompute={rec}")
+                f"zero={self.zero}{' offload' if self.offload else ''} recompute={rec}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -42,6 +42,35 @@ def from_dict(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Host:
+    """The host side of one accelerator, its share of the machine's CPUs: what offloading (ParallelConfig.offload)
+    keeps there and the link it crosses. The machine's figures divided by its accelerators."""
+
+    memory: float
+    """Host memory (DRAM) in bytes per accelerator."""
+    memory_bandwidth: float
+    """Host memory bandwidth in bytes/s per accelerator (the sockets' channels): a CPU optimizer step streams
+    its states through it."""
+    link_bandwidth: float
+    """Achieved bytes/s each way between the accelerator and pinned host memory (PCIe, NVLink-C2C)."""
+    source: str
+    """Where the numbers come from."""
+
+    def __post_init__(self) -> None:
+        for name in ("memory", "memory_bandwidth", "link_bandwidth"):
+            check_number("Host", name, getattr(self, name))
+        if not isinstance(self.source, str):
+            raise ConfigError(f"Host.source={self.source!r} must be a string")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Host":
+        return cls(**from_dict(cls, data))
+
+
+@dataclass(frozen=True, kw_only=True)
 class Device:
     """One accelerator (or CPU socket set): peaks, memory and achieved-fraction constants."""
 
@@ -94,7 +123,15 @@ class Device:
     costs this share of its time (cost_model/step_tail.py). 0: the overlap is free (CPU ranks, whose
     measured ``Link.overlap`` already says what gloo's threads take)."""
 
+    host: Host | None = None
+    """The host side (ParallelConfig.offload prices and keeps states there); None: not described, and a plan
+    that offloads is refused. A CPU is its own host (cost_model/offload.py)."""
+
     def __post_init__(self) -> None:
+        if isinstance(self.host, Mapping):
+            object.__setattr__(self, "host", Host.from_dict(self.host))
+        if self.host is not None and not isinstance(self.host, Host):
+            raise ConfigError(f"Device.host={self.host!r} must be a Host or None")
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"Device.name={self.name!r} must be a non-empty string")
         if not isinstance(self.peak_flops, Mapping):
@@ -135,7 +172,7 @@ class Device:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory, self.memory_bandwidth,
                      self.source, self.matmul_efficiency, self.matmul_half_dim, self.sm_count,
                      self.attention_efficiency, self.fp8_matmul_efficiency, self.memory_efficiency,
-                     self.kernel_overhead, self.dispatch_overhead, self.dispatch_overhead_backward, self.threads, self.overlap_slowdown, self.concurrency_slowdown))
+                     self.kernel_overhead, self.dispatch_overhead, self.dispatch_overhead_backward, self.threads, self.overlap_slowdown, self.concurrency_slowdown, self.host))
 
     @property
     def is_cpu(self) -> bool:
@@ -154,6 +191,7 @@ class Device:
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["peak_flops"] = dict(self.peak_flops)
+        data["host"] = self.host.to_dict() if self.host is not None else None
         return data
 
     @classmethod

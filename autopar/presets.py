@@ -12,7 +12,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from .errors import ConfigError
-from .hardware import Device, Link, Protocol
+from .hardware import Device, Host, Link, Protocol
 
 # --- Achieved-fraction constants, per device family --------------------------------------------
 # matmul_efficiency: fraction of the dense peak a large GEMM whose output tiles fill whole waves of the
@@ -112,9 +112,40 @@ CPU_MEMORY_EFFICIENCY = 0.5
 CPU_KERNEL_OVERHEAD = 1e-5
 
 
+# --- Hosts: the machine's CPU memory and links over its accelerators (ParallelConfig.offload) ---------
+# DRAM bandwidth is the sockets' channels x transfer rate x 8 bytes; a host link's achieved rate is 80% of
+# its per-direction rate (pinned copies reach ~25 of PCIe 4.0 x16's 31.5 GB/s and ~50 of 5.0's 63 GB/s,
+# NVIDIA's bandwidthTest / nvbandwidth), one x16 link per accelerator (HGX / OAM boards).
+PCIE3, PCIE4, PCIE5 = 0.8 * 15.75e9, 0.8 * 31.5e9, 0.8 * 63e9
+
+
+def _host(dram: float, sockets: int, channels: int, mts: float, link: float, accelerators: int, source: str) -> Host:
+    return Host(memory=dram / accelerators, memory_bandwidth=sockets * channels * mts * 1e6 * 8 / accelerators,
+                link_bandwidth=link, source=source)
+
+
+_DGX1 = _host(512e9, 2, 4, 2400, PCIE3, 8, "DGX-1 (V100): 2x Xeon E5-2698 v4, 4 channels of DDR4-2400 each, 512 GB; "
+              "PCIe 3.0 x16")
+_DGX_A100 = _host(1e12, 2, 8, 3200, PCIE4, 8, "DGX A100: 2x EPYC 7742, 8 channels of DDR4-3200 each, 1 TB (2 TB with "
+                  "the 640 GB model); PCIe 4.0 x16")
+_DGX_A100_2TB = _host(2e12, 2, 8, 3200, PCIE4, 8, _DGX_A100.source)
+_DGX_H100 = _host(2e12, 2, 8, 4800, PCIE5, 8, "DGX H100 / H200: 2x Xeon Platinum 8480C, 8 channels of DDR5-4800 each, "
+                  "2 TB; PCIe 5.0 x16")
+_DGX_B200 = _host(2e12, 2, 8, 5600, PCIE5, 8, "DGX B200: 2x Xeon Platinum 8570, 8 channels of DDR5-5600 each, 2 TB "
+                  "(4 TB option); PCIe 5.0 x16")
+# GB200: one Grace per two GPUs, 480 GB LPDDR5X at 512 GB/s, NVLink-C2C 900 GB/s both ways (450 each way)
+_GB200_HOST = Host(memory=480e9 / 2, memory_bandwidth=512e9 / 2, link_bandwidth=0.8 * 450e9 / 2,
+                   source="GB200 NVL72 datasheet: a Grace per 2 GPUs, 480 GB LPDDR5X at up to 512 GB/s, NVLink-C2C "
+                          "900 GB/s bidirectional")
+_GENOA = _host(2e12, 2, 12, 4800, PCIE5, 8, "8-GPU MI300X platforms (AMD's reference design; Dell XE9680, Supermicro "
+               "AS-8125GS): 2x EPYC 9004, 12 channels of DDR5-4800 each, 2 TB; PCIe 5.0 x16")
+_TURIN = _host(2e12, 2, 12, 6000, PCIE5, 8, "8-GPU MI325X / MI355X platforms: 2x EPYC 9005, 12 channels of DDR5-6000 "
+               "each, 2 TB; PCIe 5.0 x16")
+
+
 # --- Device presets (bench/sources.md section 6, vendor datasheets) -----------------------------
 def _gpu(name: str, *, peaks: Mapping[str, float | None], memory: float, hbm: float, source: str,
-         family: str) -> Device:
+         family: str, host: Host | None = None) -> Device:
     """A GPU preset: dense peaks per dtype (fp16 is bf16's; None: the part has no such tensor core),
     memory, HBM bandwidth, and the achieved-fraction constants of ``family``."""
     mm, half, mem, overhead, slowdown, attention, sms, fp8 = _FAMILY_CONSTANTS[family]
@@ -125,7 +156,7 @@ def _gpu(name: str, *, peaks: Mapping[str, float | None], memory: float, hbm: fl
     return Device(name=name, peak_flops=table, memory=memory, memory_bandwidth=hbm, source=source,
                   matmul_efficiency=mm, matmul_half_dim=half, sm_count=sms, attention_efficiency=attention,
                   fp8_matmul_efficiency=fp8, memory_efficiency=mem, kernel_overhead=overhead,
-                  overlap_slowdown=slowdown)
+                  overlap_slowdown=slowdown, host=host)
 
 
 # family -> (matmul_efficiency, matmul_half_dim, memory_efficiency, kernel_overhead, overlap_slowdown,
@@ -179,35 +210,35 @@ _H800_SRC = ("NVIDIA H800 SXM5 (export-compliant H100: the H100 SXM5 die and pea
 
 DEVICE_PRESETS: Mapping[str, Device] = MappingProxyType({
     "V100-16GB": _gpu("V100-16GB", peaks={"bf16": 125e12, "fp32": 15.7e12}, memory=16e9, hbm=900e9,
-                      source=_V100_SRC + "; 16 GB", family="V100"),
+                      source=_V100_SRC + "; 16 GB", family="V100", host=_DGX1),
     "V100-32GB": _gpu("V100-32GB", peaks={"bf16": 125e12, "fp32": 15.7e12}, memory=32e9, hbm=900e9,
-                      source=_V100_SRC + "; 32 GB", family="V100"),
+                      source=_V100_SRC + "; 32 GB", family="V100", host=_DGX1),
     "A100-40GB": _gpu("A100-40GB", peaks={"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, memory=40e9,
-                      hbm=1555e9, source=_A100_SRC + "; 40 GB HBM2, 1,555 GB/s", family="A100"),
+                      hbm=1555e9, source=_A100_SRC + "; 40 GB HBM2, 1,555 GB/s", family="A100", host=_DGX_A100),
     "A100-80GB": _gpu("A100-80GB", peaks={"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, memory=80e9,
-                      hbm=2039e9, source=_A100_SRC + "; 80 GB HBM2e, 2,039 GB/s", family="A100"),
+                      hbm=2039e9, source=_A100_SRC + "; 80 GB HBM2e, 2,039 GB/s", family="A100", host=_DGX_A100_2TB),
     "H100-SXM": _gpu("H100-SXM", peaks=_H100_PEAKS, memory=80e9, hbm=3350e9,
-                     source=_H100_SRC + "; 80 GB HBM3, 3,350 GB/s", family="H100"),
+                     source=_H100_SRC + "; 80 GB HBM3, 3,350 GB/s", family="H100", host=_DGX_H100),
     "H100-96GB-500W": _gpu("H100-96GB-500W", peaks=_H100_PEAKS, memory=96e9, hbm=2.4e12,
                            source=_H100_SRC + " (the die's peaks); Meta Grand Teton part: 96 GB HBM2e, 2.4 TB/s, "
                                   "500 W (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md)",
                            family="H100-500W"),
     "H200": _gpu("H200", peaks=_H100_PEAKS, memory=141e9, hbm=4800e9,
                  source="NVIDIA H200 SXM datasheet: H100 compute (989 TFLOP/s bf16 dense, 1,979 fp8, 494 tf32, 66.9 "
-                        "fp32); 141 GB HBM3e, 4,800 GB/s", family="H100"),
-    "H800": _gpu("H800", peaks=_H100_PEAKS, memory=80e9, hbm=3350e9, source=_H800_SRC, family="H100"),
+                        "fp32); 141 GB HBM3e, 4,800 GB/s", family="H100", host=_DGX_H100),
+    "H800": _gpu("H800", peaks=_H100_PEAKS, memory=80e9, hbm=3350e9, source=_H800_SRC, family="H100", host=_DGX_H100),
     "H20": _gpu("H20", peaks={"bf16": 148e12, "fp8": 296e12, "tf32": 74e12, "fp32": 44e12}, memory=96e9, hbm=4.0e12,
-                source=_H20_SRC, family="H20"),
+                source=_H20_SRC, family="H20", host=_DGX_H100),
     "B200": _gpu("B200", peaks={"bf16": 2.25e15, "fp8": 4.5e15, "fp4": 9e15, "tf32": 1.1e15, "fp32": 75e12},
-                 memory=180e9, hbm=8e12, source=_B200_SRC, family="B200"),
+                 memory=180e9, hbm=8e12, source=_B200_SRC, family="B200", host=_DGX_B200),
     "GB200": _gpu("GB200", peaks={"bf16": 2.5e15, "fp8": 5e15, "fp4": 10e15, "tf32": 1.25e15, "fp32": 80e12},
-                  memory=186e9, hbm=8e12, source=_GB200_SRC, family="GB200"),
+                  memory=186e9, hbm=8e12, source=_GB200_SRC, family="GB200", host=_GB200_HOST),
     "MI300X": _gpu("MI300X", peaks={"bf16": 1307.4e12, "fp8": 2614.9e12, "tf32": 653.7e12, "fp32": 163.4e12},
-                   memory=192e9, hbm=5.3e12, source=_MI300X_SRC, family="MI300X"),
+                   memory=192e9, hbm=5.3e12, source=_MI300X_SRC, family="MI300X", host=_GENOA),
     "MI325X": _gpu("MI325X", peaks={"bf16": 1307.4e12, "fp8": 2614.9e12, "tf32": 653.7e12, "fp32": 163.4e12},
-                   memory=256e9, hbm=6e12, source=_MI325X_SRC, family="MI325X"),
+                   memory=256e9, hbm=6e12, source=_MI325X_SRC, family="MI325X", host=_TURIN),
     "MI355X": _gpu("MI355X", peaks={"bf16": 2516.6e12, "fp8": 5033.2e12, "fp4": 10066.3e12, "fp32": 157.3e12},
-                   memory=288e9, hbm=8e12, source=_MI355X_SRC, family="MI355X"),
+                   memory=288e9, hbm=8e12, source=_MI355X_SRC, family="MI355X", host=_TURIN),
     "cpu": Device(name="cpu", peak_flops={"fp32": 1e11, "bf16": 5e10, "fp16": 5e10}, memory=16e9,
                   memory_bandwidth=2e10, matmul_efficiency=CPU_MATMUL_EFFICIENCY,
                   matmul_half_dim=CPU_MATMUL_HALF_DIM, memory_efficiency=CPU_MEMORY_EFFICIENCY,

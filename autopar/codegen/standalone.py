@@ -260,6 +260,8 @@ def _constants(compiled: CompiledProgram, record: dict, unset: dict[str, str]) -
     return ("\n# --- the plan ------------------------------------------------------------------------------\n"
             "# the mesh (mesh.py): ranks tp innermost, then cp, dp, pp outermost; chunk c runs on pipeline rank c % PP\n"
             f"DP, CP, TP, PP, DEVICES = {cfg.dp}, {cfg.cp}, {cfg.tp}, {cfg.pp}, {plan.devices}\n"
+            "# OFFLOAD: ZeRO-3's shards, gradients and optimizer states in host memory (FSDP2's CPUOffloadPolicy)\n"
+            f"OFFLOAD = {cfg.offload}\n"
             f"ZERO, MICRO_BATCH_SIZE, MICRO_BATCHES, GLOBAL_BATCH = {cfg.zero}, {cfg.micro_batch_size}, "
             f"{plan.micro_batches}, {plan.global_batch_size}\n"
             f"CHUNKS, LOSS = {n}, {split.loss!r}\n"

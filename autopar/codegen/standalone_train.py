@@ -149,15 +149,15 @@ def main():
     del model, value
     mine = [c for c in range(P.CHUNKS) if c % P.PP == pp_rank]
     chunks = {c: getattr(P, f"Chunk{c}")(g.group("tp"), params, buffers, cp_group=g.group("cp")) for c in mine}
-    fsdp = P.ZERO >= 2 and REPLICAS > 1
+    fsdp = P.ZERO >= 2 and (REPLICAS > 1 or P.OFFLOAD)
     if fsdp:   # ZeRO-2/3: each unit's parameters sharded over the gradient replicas (the dp x cp mesh; with
         # tp > 1 each tp rank's shards are sharded again over it), gathered around it
         for c, chunk in chunks.items():
             for unit, kept in P.UNITS[c]:
                 modules = [chunk.layers[k] for k in unit]
-                data_parallel.shard_unit(modules if len(modules) > 1 else modules[0], mesh=g.dp,
+                data_parallel.shard_unit(modules if len(modules) > 1 else modules[0], P.OFFLOAD, mesh=g.dp,
                                          reshard_after_forward=P.ZERO == 3 and not kept)
-            data_parallel.shard_unit(chunk, mesh=g.dp, reshard_after_forward=False)   # the root: small runs, kept
+            data_parallel.shard_unit(chunk, P.OFFLOAD, mesh=g.dp, reshard_after_forward=False)   # the root: small runs, kept
     if args.compile:
         for chunk in chunks.values():
             for module in (chunk.layers if fsdp else [chunk]):

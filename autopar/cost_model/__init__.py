@@ -11,6 +11,7 @@ from ..cluster import Cluster
 from ..config import ParallelConfig, Precision
 from .estimator import Estimator
 from .mesh import check_config
+from .offload import require_host
 from .compute import MeasuredTimes
 from .layer_cost import LayerCostModel
 from ..plan import Plan, Stage, TimeBreakdown
@@ -59,12 +60,19 @@ def estimate_plan(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_
     scale = global_batch_size / graph.batch_size
     model_flops, recompute_flops = _flops(est, cfg, scale, devices)
     notes = _layout_notes(graph, est.layers.layout(cfg.tp)) + tuple(graph.warnings)
+    fits = peak <= cluster.device.memory
+    if cfg.offload and not cluster.device.is_cpu:   # the states in host memory (offload.py)
+        host, held = require_host(cluster.device), max(float(est.host_bytes(cfg, d.params, d.expert_params))
+                                                       for d in devices)
+        fits = fits and held <= host.memory
+        notes += (f"offload: {held / 1e9:.1f} GB of parameter, gradient and optimizer-state shards per device in host "
+                  f"memory (of {host.memory / 1e9:.0f} GB per device), the optimizer step on the CPU",)
     return Plan(model_name=graph.model_name, fingerprint=graph.fingerprint, structure=graph.structure,
                 loss=graph.loss, cluster=cluster, config=cfg,
                 precision=precision, global_batch_size=global_batch_size, micro_batches=m, step_time=step,
                 peak_memory=peak, throughput=global_batch_size / step, model_flops=model_flops,
                 hardware_flops=model_flops + recompute_flops, breakdown=breakdown, stages=stages,
-                fits=peak <= cluster.device.memory, notes=notes,
+                fits=fits, notes=notes,
                 extra={"sequence_length": est.sequence_length} if cfg.cp > 1 else {})
 
 

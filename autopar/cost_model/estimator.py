@@ -33,6 +33,7 @@ from .comm import Collective, GroupPlacement, collective_time
 from .layer_cost import LayerCost, LayerCostModel, SplitGroups
 from ..plan.record import MemoryBreakdown
 from .memory import in_flight, interleaved_peak, model_state_bytes, op_kept
+from .offload import host_bytes
 from .mesh import mesh_groups
 from .schedule import even_partition
 from .step_tail import StepTail
@@ -262,7 +263,15 @@ class Estimator:
         Floats or numpy arrays."""
         dense = model_state_bytes(params - experts, self.precision, cfg.zero, cfg.grad_replicas)
         expert = model_state_bytes(experts, self.precision, cfg.zero, cfg.expert_replicas)
+        if cfg.offload and not self.cluster.device.is_cpu:   # in host memory (offload.py; a CPU is its own host)
+            return (0.0 * params, 0.0 * params, 0.0 * params)
         return tuple(a + b for a, b in zip(dense, expert))
+
+    def host_bytes(self, cfg: ParallelConfig, params, experts=0.0):
+        """Host memory a device's offloaded states take (0 without offload): its shards of ``params``."""
+        if not cfg.offload:
+            return 0.0 * params
+        return host_bytes(self.precision, (params - experts) / cfg.grad_replicas + experts / cfg.expert_replicas)
 
     def buffer_bytes(self, cfg: ParallelConfig, recompute: str, largest, working, layer_params):
         """Transient bytes: two of the largest activation (output and gradient buffers), the

@@ -53,6 +53,9 @@ the step through torch.compile, as compiled programs run it (runtime/optim.py), 
 code runs on the local tensors: no dispatch term. Tensor-parallel shards are stepped as plain
 tensors (driver/assembly.py), as Megatron's optimizer steps them: no dispatch term either.
 
+Offloaded ZeRO-3 (``ParallelConfig.offload``, offload.py) adds each shard's trip over the host link to its
+gathers and reduce-scatters, and steps the optimizer on the host's CPU cores.
+
 Every function takes floats or numpy arrays alike: the stage DP prices every run of layers at once.
 """
 
@@ -67,6 +70,7 @@ from ..config import ParallelConfig, Precision
 from ..runtime.buckets import dp_bucket_bytes
 from .comm import Collective, GroupPlacement, collective_lines, collective_time, place_axes
 from .compute import MeasuredTimes
+from .offload import copy_time, cpu_step_time
 
 # Tensor ops per parameter of torch's single-tensor AdamW (the CPU default): weight decay, the two
 # moment updates (lerp_, mul_ + addcmul_), sqrt, div, add_ (eps) and addcdiv_ (torch/optim/adam.py)
@@ -118,13 +122,16 @@ class StepTail:
         tp_buckets = _buckets(tp_bytes, cfg.tp, g_b)
         tp_sync = (self.collective(Collective.ALL_REDUCE, tp_bytes, tp_group, tp_buckets)
                    if tp_group is not None else 0.0)
-        if cfg.grad_replicas == 1:
+        if cfg.grad_replicas == 1 and not cfg.offload:   # offloaded, FSDP2 copies on a one-rank mesh too
             total = tp_sync + 0.0 * params
             return total - self.overlap(tp_group) * np.minimum(hidden, total - total / tp_buckets)
         o = self.overlap(group)
         if cfg.zero >= 2:
-            ag = sum(self.collective(Collective.ALL_GATHER, n * w_b, grp, units) for n, grp in parts)
-            rs = sum(self.collective(Collective.REDUCE_SCATTER, n * g_b, grp, units) for n, grp in parts)
+            # offloaded (offload.py): each shard crosses the host link before its gather, after its reduction
+            def host(n, grp):
+                return copy_time(self.cluster.device, self.precision, cfg, n / grp.size)
+            ag = sum(self.collective(Collective.ALL_GATHER, n * w_b, grp, units) + host(n, grp) for n, grp in parts)
+            rs = sum(self.collective(Collective.REDUCE_SCATTER, n * g_b, grp, units) + host(n, grp) for n, grp in parts)
             fwd_c, bwd_c = fwd + tp_comm / 2, hidden + tp_comm / 2
             # forward prefetch needs a host that runs ahead of its device (GPU streams); a CPU rank
             # computes on the thread that would issue the next gather, so forward hides nothing there
@@ -135,7 +142,8 @@ class StepTail:
             if cfg.zero == 3:   # gathered again for backward, every micro-batch, all but the kept units
                 kept = np.asarray(kept, dtype=float)
                 again = (self.collective(Collective.ALL_GATHER, (parts[0][0] - kept) * w_b, group, units - n_kept)
-                         + self.collective(Collective.ALL_GATHER, experts * w_b, groups["edp"], units))
+                         + self.collective(Collective.ALL_GATHER, experts * w_b, groups["edp"], units)
+                         + host(parts[0][0] - kept, group) + host(experts, groups["edp"]))
                 return micro_batches * (gather + again + rs - o * np.minimum(again + rs, bwd_c)) + edges + tp_sync
             return gather + edges + micro_batches * (rs - o * np.minimum(rs, bwd_c)) + tp_sync
         total, buckets = 0.0, 0.0
@@ -204,7 +212,9 @@ class StepTail:
         local = params if cfg.zero == 0 else (params - experts) / cfg.grad_replicas + experts / cfg.expert_replicas
         kernels = self.precision.kernels
         measured = self.measured.optimizer_seconds_per_param(kernels) if self.measured is not None else None
-        if measured is not None:
+        if cfg.offload and not self.cluster.device.is_cpu:   # on the host's CPU cores (offload.py)
+            out = np.asarray(cpu_step_time(self.cluster.device, local))
+        elif measured is not None:
             out = local * measured
             if cfg.zero >= 2 and cfg.grad_replicas > 1 and kernels == "eager":
                 # FSDP2's DTensor parameters: every op of the per-tensor update pays the dispatch overhead

@@ -64,14 +64,14 @@ class RankSetup:
 
     @property
     def fsdp(self) -> bool:
-        """ZeRO-2/3 with more than one gradient replica: FSDP2 units."""
-        return self.plan.config.zero >= 2 and self.plan.config.grad_replicas > 1
+        """ZeRO-2/3 with more than one gradient replica, or offloaded (on one too): FSDP2 units."""
+        return self.zero >= 2
 
     @property
     def zero(self) -> int:
-        """The ZeRO stage that runs: 0 without gradient replicas."""
+        """The ZeRO stage that runs: 0 without gradient replicas, unless offloaded (FSDP2's offload policy)."""
         cfg = self.plan.config
-        return cfg.zero if cfg.grad_replicas > 1 else 0
+        return cfg.zero if cfg.grad_replicas > 1 or cfg.offload else 0
 
     def value(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """A parameter's or buffer's full value: materialised (one module at a time) when on meta."""
@@ -180,12 +180,12 @@ def apply_fsdp(setup: RankSetup, compiled: RankProgram, groups: MeshGroups, chun
     # arise: silence that warning for autopar's own modules only
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \((FSDP)?(Layer|Chunk)Module\) "
                             r"returned a view tensor", category=UserWarning)
-    replicas, zero3 = setup.plan.config.grad_replicas, setup.zero == 3
+    replicas, zero3, offload = setup.plan.config.grad_replicas, setup.zero == 3, setup.plan.config.offload
     expert_ranks = groups.ranks("edp") if compiled.program.regions else (setup.rank,)
     for chunk in chunks.values():
         for layer in chunk.layers:
             for experts in layer.experts.values():
-                shard_unit(experts, mesh=groups.edp, reshard_after_forward=zero3)
+                shard_unit(experts, offload, mesh=groups.edp, reshard_after_forward=zero3)
                 experts.set_gradient_divide_factor(float(replicas))
                 if dist.get_backend() != "nccl" and len(expert_ranks) > 1:
                     # gloo has no pre-multiplied sum: sum, then divide (FSDP2 divides a one-rank mesh's
@@ -197,9 +197,9 @@ def apply_fsdp(setup: RankSetup, compiled: RankProgram, groups: MeshGroups, chun
         for unit in units.units:
             if unit != units.root:
                 modules = [layers[i] for i in unit]
-                shard_unit(modules if len(modules) > 1 else modules[0], mesh=groups.dp,
+                shard_unit(modules if len(modules) > 1 else modules[0], offload, mesh=groups.dp,
                            reshard_after_forward=zero3 and unit not in units.kept)
-        shard_unit(chunk, mesh=groups.dp, reshard_after_forward=False)
+        shard_unit(chunk, offload, mesh=groups.dp, reshard_after_forward=False)
     params = {fqn: p for chunk in chunks.values() for fqn, p in chunk.named_model_parameters().items()}
     if setup.materializer is not None:
         _materialize_sharded(setup, compiled, chunks, params)
@@ -273,6 +273,11 @@ def build_optimizer(setup: RankSetup, compiled: RankProgram, groups: MeshGroups,
         optimizer = inner = factory(unique)
     if compile and inner is not None:
         compile_step(inner, compile)
+    if (setup.plan.config.offload and setup.device.type != "cpu" and isinstance(inner, torch.optim.Adam | torch.optim.AdamW)
+            and not inner.defaults.get("fused")):   # on the host's CPU cores (cost_model/offload.py)
+        warnings.warn("this plan offloads the optimizer to the CPU and prices a fused AdamW step there; this optimizer "
+                      "steps tensor by tensor, several times slower on a CPU (bench/offload.py): build it with fused=True",
+                      stacklevel=3)
     return optimizer, stepped, shards
 
 

@@ -13,7 +13,10 @@ How the plan maps: ZeRO-3 is FSDP2 with ``fsdp_reshard_after_forward: true``, Ze
 (``distributed_type: MULTI_GPU``); ZeRO-0 with tensor or context parallelism and ZeRO-1 have no
 accelerate equivalent and are written as the ZeRO-2-like FSDP2, which holds less memory. Tensor and
 context parallelism are ``parallelism_config_tp_size`` / ``_cp_size``. Recomputation is
-``fsdp_activation_checkpointing`` (every transformer block, full).
+``fsdp_activation_checkpointing`` (every transformer block, full). An offloaded ZeRO-3 (``config.offload``)
+is ``fsdp_offload_params: true``: launch.py passes it on as ``FSDP_OFFLOAD_PARAMS``, from which
+``FullyShardedDataParallelPlugin`` (utils/dataclasses.py ``set_cpu_offload``) builds FSDP2's
+``CPUOffloadPolicy``: parameter and gradient shards in host memory, and so the optimizer's states and step.
 
 Not in accelerate's FSDP config, and so reported: pipeline parallelism (the pipeline ranks become FSDP
 ranks: another plan, which the warning says how to price), expert parallelism, Megatron's sequence
@@ -38,6 +41,8 @@ CONFIG_ARGS = "accelerate/commands/config/config_args.py ClusterConfig"
 LAUNCH = "accelerate/commands/launch.py"
 PARALLELISM = "accelerate/parallelism_config.py ParallelismConfig"
 FSDP_GUIDE = "https://huggingface.co/docs/accelerate/usage_guides/fsdp"
+OFFLOAD_PLUGIN = ("accelerate/utils/dataclasses.py FullyShardedDataParallelPlugin.cpu_offload (set_cpu_offload: "
+                  "CPUOffloadPolicy under fsdp_version 2)")
 
 
 def export(plan: "Plan") -> Export:
@@ -76,6 +81,10 @@ def export(plan: "Plan") -> Export:
             _parallelism(plan, add, warnings)
     else:
         _recompute(plan, None, warnings)
+        if cfg.offload:
+            warnings.append("config.offload = true on one device: accelerate's CPU offload is an FSDP setting "
+                            "(fsdp_config.fsdp_offload_params) and one process runs without FSDP; the parameters, "
+                            "gradients and optimizer states stay on the GPU, more memory than the plan")
     if cfg.pp > 1:
         how = "FSDP sharding (dp_shard_size" if kind == "FSDP" else "DDP replicas (num_processes"
         warnings.append(f"config.pp = {cfg.pp}: accelerate's config has no pipeline parallelism; the {cfg.pp} pipeline "
@@ -99,6 +108,11 @@ def _fsdp(plan: "Plan", add, warnings: list[str]) -> None:
         "ZeRO-3: parameters gathered again for backward" if cfg.zero == 3 else
         "ZeRO-2: parameters whole from forward to backward" if cfg.zero == 2 else
         f"ZeRO-2-like, the nearest to the plan's ZeRO-{cfg.zero}")
+    if cfg.offload:
+        add("fsdp_config.fsdp_offload_params", True, ("config.offload",),
+            LAUNCH + " --fsdp_offload_params (FSDP_OFFLOAD_PARAMS); " + OFFLOAD_PLUGIN,
+            "FSDP2's CPUOffloadPolicy: parameter and gradient shards in host memory, the optimizer's states and "
+            "step with them on the CPU")
     if cfg.zero in (0, 1):
         why = ("accelerate composes tensor and context parallelism only with FSDP2 (ParallelismConfig: "
                "\"composing DDP + TP is currently not supported\")" if cfg.zero == 0

@@ -7,6 +7,8 @@ data-parallel world size``, that world size read from the ``mpu`` given to ``dee
 and, without one, every rank), ``deepspeed/runtime/zero/config.py`` (``zero_optimization.stage``),
 ``deepspeed/runtime/engine.py`` (``_do_optimizer_sanity_check``: ZeRO runs an optimizer outside
 ``ZERO_SUPPORTED_OPTIMIZERS``, such as SGD, only with ``zero_allow_untested_optimizer``),
+``deepspeed/runtime/zero/offload_config.py`` (``zero_optimization.offload_param`` and ``offload_optimizer``:
+``device`` "cpu" and ``pin_memory``, the plan's offloaded ZeRO-3; parameters only under stage 3),
 ``deepspeed/runtime/tensor_parallel/config.py`` (``tensor_parallel.autotp_size``, AutoTP training),
 ``deepspeed/module_inject/auto_ep_config.py`` (``parse_autoep_config``: ``expert_parallel.enabled``,
 false unless written, and ``autoep_size``) and ``get_pipeline_config``
@@ -50,6 +52,12 @@ UNTESTED = ("deepspeed/runtime/engine.py DeepSpeedEngine._do_optimizer_sanity_ch
 PIPELINE = ("deepspeed/runtime/config.py get_pipeline_config: activation_checkpoint_interval "
             "(deepspeed/runtime/pipe/engine.py sets PipelineModule.activation_checkpoint_interval)")
 DTYPES = "deepspeed/runtime/constants.py DATA_TYPES: grad_accum_dtype"
+OFFLOAD_PARAM = ("deepspeed/runtime/zero/config.py DeepSpeedZeroConfig.offload_param (valid only with stage 3); "
+                 "deepspeed/runtime/zero/offload_config.py DeepSpeedZeroOffloadParamConfig")
+OFFLOAD_OPTIMIZER = ("deepspeed/runtime/zero/config.py DeepSpeedZeroConfig.offload_optimizer (stage 1, 2 and 3); "
+                     "deepspeed/runtime/zero/offload_config.py DeepSpeedZeroOffloadOptimizerConfig")
+CPU_OPTIMIZER = ("deepspeed/runtime/engine.py DeepSpeedEngine._configure_optimizer: zero_force_ds_cpu_optimizer "
+                 "(deepspeed/runtime/constants.py ZERO_FORCE_DS_CPU_OPTIMIZER, default true)")
 
 
 def export(plan: "Plan") -> Export:
@@ -103,6 +111,8 @@ def export(plan: "Plan") -> Export:
     zero_sources = sources if zero != cfg.zero else ("config.zero",)
     add("zero_optimization.stage", zero, zero_sources, CONFIG_JSON + " zero_optimization.stage; " + ZERO,
         "" if zero == cfg.zero else note)
+    if cfg.offload:
+        _offload(plan, zero, add, warnings)
     _optimizer(plan, zero, zero_sources, add, warnings)
 
     _precision(plan, add, warnings)
@@ -118,14 +128,40 @@ def export(plan: "Plan") -> Export:
     return Export("DeepSpeed", text, tuple(fields), tuple(warnings), "ds_config.json")
 
 
+def _offload(plan: "Plan", zero: int, add, warnings: list[str]) -> None:
+    """The plan's offloaded ZeRO-3: DeepSpeed's offload_param (the parameter shards; stage 3 only) and
+    offload_optimizer (the optimizer states, fp32 master weights and gradients; the step on the CPU), in
+    pinned host memory."""
+    src = ("config.offload",)
+    if zero == 3:
+        add("zero_optimization.offload_param.device", "cpu", src, OFFLOAD_PARAM + ".device",
+            "each rank's parameter shards in host memory")
+        add("zero_optimization.offload_param.pin_memory", True, src, OFFLOAD_PARAM + ".pin_memory",
+            "page-locked: asynchronous copies at the host link's full bandwidth")
+    add("zero_optimization.offload_optimizer.device", "cpu", src, OFFLOAD_OPTIMIZER + ".device",
+        "optimizer states and gradient shards in host memory, the step on the CPU")
+    add("zero_optimization.offload_optimizer.pin_memory", True, src, OFFLOAD_OPTIMIZER + ".pin_memory",
+        "page-locked: asynchronous copies at the host link's full bandwidth")
+    if zero != 3:
+        warnings.append(f"config.offload = true with pp = {plan.config.pp}: DeepSpeed offloads parameters only under "
+                        "ZeRO-3 (offload_param: \"Valid only with stage 3\"), which its pipeline engine refuses; only "
+                        f"offload_optimizer is written, valid with stage {zero} (the optimizer states and the step on "
+                        "the CPU), and the parameters stay on the GPU, whole (the memory said above)")
+
+
 def _optimizer(plan: "Plan", zero: int, zero_sources: tuple[str, ...], add, warnings: list[str]) -> None:
-    """The optimizer is built in code; ZeRO runs SGD only when the config allows an untested optimizer."""
+    """The optimizer is built in code; ZeRO runs SGD only when the config allows an untested optimizer, and
+    with offloaded optimizer states anything but DeepSpeed's CPU optimizers only when the config forces it."""
     sgd = plan.precision.optimizer == "sgd"
-    optimizer = "torch.optim.SGD" if sgd else "torch.optim.AdamW"
+    offload = plan.config.offload
+    optimizer = "torch.optim.SGD" if sgd else "DeepSpeedCPUAdam" if offload else "torch.optim.AdamW"
     allowed = sgd and zero >= 1
     if allowed:
         add("zero_allow_untested_optimizer", True, ("precision.optimizer",) + zero_sources, UNTESTED,
             f"ZeRO-{zero} with {optimizer}, which is not among ZeRO's tested optimizers")
+    if offload and sgd:
+        add("zero_force_ds_cpu_optimizer", False, ("precision.optimizer", "config.offload"), CPU_OPTIMIZER,
+            "DeepSpeed has no CPU SGD: torch.optim.SGD steps the offloaded shards")
     if plan.config.ep > 1:   # AutoEP replaces the expert layers inside initialize: build the optimizer after it
         build = (f"optimizer=lambda params: {optimizer}(configure_moe_param_groups(list(params)), lr=...) (from "
                  "deepspeed.moe.utils: the replaced experts' parameters in their own groups, which ZeRO-1/2 requires: "
@@ -135,6 +171,14 @@ def _optimizer(plan: "Plan", zero: int, zero_sources: tuple[str, ...], add, warn
     warnings.append(f"precision.optimizer = {plan.precision.optimizer!r}: DeepSpeed takes the optimizer from the code, "
                     f"deepspeed.initialize({build}), or from an \"optimizer\" section with its learning rate, which the "
                     "plan does not hold"
+                    + ("; with offload_optimizer DeepSpeed refuses a client optimizer other than its CPU ones "
+                       "(\"You are using ZeRO-Offload with a client provided optimizer\"): DeepSpeedCPUAdam, from "
+                       "deepspeed.ops.adam, is AdamW on the CPU (adamw_mode=True), its C++ kernel built on first use"
+                       if offload and not sgd else "")
+                    + ("; with offload_optimizer DeepSpeed refuses an optimizer other than DeepSpeedCPUAdam and "
+                       "DeepSpeedCPULion unless zero_force_ds_cpu_optimizer is false, as written here: "
+                       "torch.optim.SGD then steps the host shards, which DeepSpeed warns \"in most cases will yield poor performance\""
+                       if offload and sgd else "")
                     + ("; ZeRO refuses SGD (\"You are using an untested ZeRO Optimizer\") unless "
                        "zero_allow_untested_optimizer is true, as written here, and then logs \"proceed with caution\""
                        if allowed else ""))

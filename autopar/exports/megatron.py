@@ -4,7 +4,7 @@ scripts hold theirs (examples/gpt3/train_gpt3_175b_distributed.sh).
 
 Every flag is one of ``megatron/training/arguments.py`` (its argument groups ``_add_distributed_args``,
 ``_add_training_args``, ``_add_mixed_precision_args``, ``_add_data_args``, ``_add_network_size_args``,
-``_add_moe_args``) with the meaning its help gives, checked against ``validate_args`` there:
+``_add_moe_args``, ``_add_experimental_args``) with the meaning its help gives, checked against ``validate_args`` there:
 
 - degrees: ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``,
   ``--context-parallel-size``, ``--expert-model-parallel-size``; the data-parallel degree is what is
@@ -28,6 +28,11 @@ Every flag is one of ``megatron/training/arguments.py`` (its argument groups ``_
   ``optim_grads_params``, with the flags its user guide lists), which works with tensor, context and
   expert parallelism and not with a pipeline: there they fall back to the distributed optimizer, and the
   memory that adds is said.
+- offload (the plan's offloaded ZeRO-3): Megatron-LM offloads the optimizer only, ``--optimizer-cpu-offload
+  --optimizer-offload-fraction 1.0`` with ``--use-precision-aware-optimizer`` (which ``validate_args``
+  requires with it, and which runs Adam only) and ``--overlap-cpu-optimizer-d2h-h2d``, as its guide
+  (megatron/core/optimizer/cpu_offloading/README.md) lists: the optimizer states and step on the CPU;
+  the parameters and their gradients stay on the GPU, and the memory that adds is said.
 - precision: ``--bf16`` / ``--fp16``, gradients reduced in fp32 (``--accumulate-allreduce-grads-in-fp32``)
   or bf16 (``--grad-reduce-in-bf16``), ``--optimizer adam|sgd``.
 
@@ -52,6 +57,7 @@ if TYPE_CHECKING:
 ARGS = "megatron/training/arguments.py"
 FSDP_GUIDE = "Megatron-Core developer guide, Megatron FSDP (user-guide/features/custom_fsdp.html)"
 LAYOUT = "megatron/core/transformer/pipeline_parallel_layer_layout.py"
+CPU_OFFLOAD_GUIDE = "megatron/core/optimizer/cpu_offloading/README.md (Megatron-Core guide: optimizer CPU offload)"
 TORCHRUN = "torchrun --help (torch.distributed.run)"
 
 
@@ -106,6 +112,8 @@ def export(plan: "Plan") -> Export:
     _recompute(plan, add, warnings)
     _zero(plan, add, warnings)
     _precision(plan, add, warnings)
+    if cfg.offload:
+        _offload(plan, add, warnings)
     return Export("Megatron-LM", render(plan, fields, warnings), tuple(fields), tuple(warnings), "megatron_args.sh")
 
 
@@ -206,6 +214,59 @@ def _zero(plan: "Plan", add, warnings: list[str]) -> None:
         "Megatron FSDP's documented companion flag")
     add("--ckpt-format", "fsdp_dtensor", ("config.zero",), _doc("_add_checkpointing_args", "--ckpt-format")
         + " (validate_args: \"Megatron FSDP only supports fsdp_dtensor checkpoint format\")")
+
+
+def _offload(plan: "Plan", add, warnings: list[str]) -> None:
+    """The plan's offloaded ZeRO-3 as Megatron-LM's optimizer CPU offload (HybridDeviceOptimizer: the fp32 main
+    parameters, the optimizer states and the step on the CPU), which is all Megatron-LM offloads."""
+    cfg, prec = plan.config, plan.precision
+    train, src = "_add_training_args", ("config.offload",)
+    if prec.optimizer != "adam":
+        warnings.append(f"config.offload = true with precision.optimizer = {prec.optimizer!r}: Megatron-LM's optimizer "
+                        "CPU offload (--optimizer-cpu-offload) needs --use-precision-aware-optimizer (validate_args: "
+                        "\"The optimizer cpu offload must be used in conjunction with `--use-precision-aware-"
+                        "optimizer`\"), which runs Adam only (megatron/core/optimizer/optimizer_config.py: "
+                        "\"--use-precision-aware-optimizer only supported with adam\"); nothing is offloaded: the "
+                        "parameters, gradients and optimizer states stay on the GPU, more memory than the plan")
+        return
+    add("--optimizer-cpu-offload", True, src, _doc(train, "--optimizer-cpu-offload") + "; " + CPU_OFFLOAD_GUIDE,
+        "optimizer states and fp32 main parameters in host memory, the step on the CPU")
+    add("--optimizer-offload-fraction", 1.0, src, _doc(train, "--optimizer-offload-fraction") + "; "
+        + CPU_OFFLOAD_GUIDE, "all of the optimizer on the CPU")
+    add("--use-precision-aware-optimizer", True, src, _doc("_add_experimental_args", "--use-precision-aware-optimizer")
+        + " (validate_args: \"The optimizer cpu offload must be used in conjunction with "
+        "`--use-precision-aware-optimizer`\")", "required with --optimizer-cpu-offload")
+    add("--overlap-cpu-optimizer-d2h-h2d", True, src, _doc(train, "--overlap-cpu-optimizer-d2h-h2d") + "; "
+        + CPU_OFFLOAD_GUIDE, "gradients to the host, the CPU step and parameters back overlapped, as the guide "
+        "recommends")
+    if cfg.pp > 1:
+        where = "whole under the distributed optimizer (the memory said above)"
+    else:
+        peak, fits = _shards_on_device(plan)
+        if peak <= max(stage.memory.total for stage in plan.stages) * (1 + 1e-6):
+            where = f"sharded by Megatron FSDP, which the plan's {gb(plan.peak_memory)} per device already counts"
+        else:
+            where = (f"sharded by Megatron FSDP: about {gb(peak)} per device at the peak instead of "
+                     f"{gb(plan.peak_memory)}, which {'still fits' if fits else 'does not fit'} the "
+                     f"{gb(plan.cluster.device.memory)} device")
+    warnings.append("config.offload = true: Megatron-LM offloads the optimizer only (--optimizer-cpu-offload: the "
+                    "optimizer states, the fp32 main parameters and the step on the CPU); each rank's parameters and "
+                    f"gradients stay on the GPU, {where}")
+
+
+def _shards_on_device(plan: "Plan") -> tuple[float, bool]:
+    """The peak bytes per device when the offloaded ZeRO-3 keeps its parameter and gradient shards on the
+    device (dense weights sharded over dp x cp, experts over dp x cp / ep), and whether that fits."""
+    cfg, prec = plan.config, plan.precision
+    peak = 0.0
+    for stage in plan.stages:
+        mem = stage.memory
+        shard = ((stage.param_count - stage.expert_param_count) / cfg.grad_replicas
+                 + stage.expert_param_count / cfg.expert_replicas)
+        params = max(mem.params, shard * prec.weight_bytes)
+        grads = max(mem.grads, shard * prec.grad_bytes)
+        peak = max(peak, params + grads + mem.optimizer + mem.activations + mem.buffers)
+    return peak, peak <= plan.cluster.device.memory
 
 
 # Megatron-LM's TransformerConfig fields (megatron/core/transformer/transformer_config.py) that arguments.py

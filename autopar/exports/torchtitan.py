@@ -10,6 +10,10 @@ How the plan maps:
 - data parallelism: ``data_parallel_shard_degree = dp`` (FSDP2 over the data-parallel ranks) with
   ``fsdp_reshard_after_forward = "always"`` for ZeRO-3 (parameters gathered again for backward) and
   ``"never"`` for ZeRO-2 (kept whole from forward to backward, gradients and optimizer state sharded).
+  An offloaded ZeRO-3 (``config.offload``) is ``training.enable_cpu_offload = true``: FSDP2's
+  ``CPUOffloadPolicy`` (``apply_fsdp`` in models/llama3/infra/parallelize.py), which keeps the parameter,
+  gradient and optimizer-state shards in host memory and steps the optimizer on the CPU; torchtitan
+  applies FSDP only over more than one data- or context-parallel rank, and then only is it written.
   ZeRO-0 is ``data_parallel_replicate_degree = dp`` (DDP), which torchtitan runs only without any other
   parallelism ("DDP has not supported > 1D parallelism", models/llama3/infra/parallelize.py); with
   tensor, pipeline, context or expert parallelism, ZeRO-0 and ZeRO-1 are written as the ZeRO-2-like
@@ -81,6 +85,8 @@ def export(plan: "Plan") -> Export:
         warnings.append(f"training.seq_len: {where}; set it to the sequence length the plan was made for")
     else:
         add("training.seq_len", seq, (where,), _doc("Training.seq_len"))
+    if cfg.offload:
+        _offload(plan, add, warnings)
     _precision(plan, add, warnings)
 
     # [parallelism]
@@ -187,6 +193,24 @@ def _fp8(plan: "Plan", add, warnings: list[str]) -> None:
         warnings.append("precision.recipe = 'tensorwise' under FSDP: quantize.linear.float8."
                         "enable_fsdp_float8_all_gather = true gathers the weights in fp8, half the bytes the plan "
                         "priced (faster than predicted; not priced)")
+
+
+def _offload(plan: "Plan", add, warnings: list[str]) -> None:
+    """training.enable_cpu_offload: FSDP2's CPUOffloadPolicy on every FSDP unit (apply_fsdp). torchtitan applies
+    FSDP only when ParallelDims.fsdp_enabled (data_parallel_shard_degree or context_parallel_degree > 1); without
+    it the switch would leave the model where it initialises it with the switch on, the CPU (train.py)."""
+    cfg = plan.config
+    if cfg.dp * cfg.cp > 1:
+        add("training.enable_cpu_offload", True, ("config.offload",), _doc("Training.enable_cpu_offload")
+            + "; models/llama3/infra/parallelize.py apply_fsdp (CPUOffloadPolicy)",
+            "FSDP2's CPUOffloadPolicy: parameter, gradient and optimizer-state shards in host memory, the "
+            "optimizer step on the CPU")
+        return
+    warnings.append("config.offload = true with dp = 1 and cp = 1: torchtitan's CPU offload is FSDP2's "
+                    "CPUOffloadPolicy, and torchtitan applies FSDP only over more than one data- or "
+                    "context-parallel rank (ParallelDims.fsdp_enabled); with none, training.enable_cpu_offload "
+                    "would initialise the model on the CPU and leave it there. It is left out: the parameters, "
+                    "gradients and optimizer states stay on the GPU, more memory than the plan")
 
 
 def _data_parallel(plan: "Plan", add, warnings: list[str]) -> None:

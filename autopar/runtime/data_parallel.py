@@ -44,8 +44,10 @@ from .failures import wait_or_fail
 from .errors import ConfigError
 
 
-def shard_unit(module: nn.Module | list[nn.Module], **kwargs) -> None:
-    """``fully_shard(module, **kwargs)``, leaving out the parameters with no elements.
+def shard_unit(module: nn.Module | list[nn.Module], offload: bool = False, **kwargs) -> None:
+    """``fully_shard(module, **kwargs)``, leaving out the parameters with no elements; ``offload``: its shards of
+    the parameters, their gradients and (so) the optimizer states in host memory (FSDP2's ``CPUOffloadPolicy``,
+    pinned where a GPU copies from them; ParallelConfig.offload).
 
     FSDP2 cannot reduce-scatter an empty gradient (torch 2.13: "_chunk_cat expects non-empty
     tensor" at the first backward): a parameter with no elements (MobileBERT's 0 x 256 dense when
@@ -62,6 +64,9 @@ def shard_unit(module: nn.Module | list[nn.Module], **kwargs) -> None:
                               f"torch >= 2.7 (fully_shard's ignored_params; this is {torch.__version__}): upgrade "
                               f"torch, or plan with zero <= 1")
         kwargs["ignored_params"] = empty
+    if offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     fully_shard(module, **kwargs)
 
 

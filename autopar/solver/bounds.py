@@ -200,7 +200,7 @@ class SearchBounds:
         the mean pipeline device (of ``c`` at ZeRO stage ``zero`` when given); cached by what they depend
         on (not the micro-batch or schedule)."""
         zero = c.zero if zero is None else zero
-        key = (c.variant, c.tp, c.sequence_parallel, c.cp, c.ep, c.pp, c.dp, zero)
+        key = (c.variant, c.tp, c.sequence_parallel, c.cp, c.ep, c.pp, c.dp, zero, c.offload)
         if key not in self._fixed:
             lw, p, est, cfg = self._layer_work(c), c.pp, self.estimator(c.variant), replace(c, zero=zero).config()
             self._fixed[key] = (float(est.tail.optimizer_time(cfg, lw.params / p, lw.experts / p)),
@@ -267,7 +267,7 @@ class SearchBounds:
     def _tail(self, c: Candidate, m: int) -> float:
         """The data-parallel communication no overlap hides and the loss's all-reduce (the least of it that
         any backward leaves exposed)."""
-        key = (c.variant, c.tp, c.cp, c.dp, c.ep, c.pp, c.zero, m if c.zero >= 2 else 0)   # what they depend on
+        key = (c.variant, c.tp, c.cp, c.dp, c.ep, c.pp, c.zero, m if c.zero >= 2 else 0, c.offload)   # what they depend on
         if key not in self._tails:
             lw, est, cfg = self._layer_work(c), self.estimator(c.variant), c.config()
             self._tails[key] = (est.tail.dp_floor(cfg, m, est.placements(cfg), lw.params / c.pp, lw.experts / c.pp)

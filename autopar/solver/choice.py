@@ -53,8 +53,8 @@ def moving_parts(cfg: ParallelConfig) -> tuple:
     dims = sum(d > 1 for d in (cfg.tp, cfg.pp, cfg.cp, cfg.ep))
     interleaved = cfg.schedule == "interleaved"
     recomputes = cfg.recompute != "none" or any(m != "none" for m in cfg.stage_recompute)
-    parts = (cfg.zero > 0) + dims + interleaved + cfg.sequence_parallel + recomputes
-    return (parts, cfg.zero, dims, interleaved, cfg.sequence_parallel, recomputes)
+    parts = (cfg.zero > 0) + dims + interleaved + cfg.sequence_parallel + recomputes + cfg.offload
+    return (parts, cfg.zero + cfg.offload, dims, interleaved, cfg.sequence_parallel, recomputes)
 
 
 def least_parts(c: Candidate) -> tuple:

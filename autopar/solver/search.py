@@ -164,7 +164,7 @@ class Search(SearchBounds, EvenSplitPlans):
         for b in branches(self.graph, self.cluster, self.global_batch_size, self.fixed):
             mesh = (b.tp, b.cp, b.dp, b.ep, b.pp)
             if mesh not in self._mesh_ok:
-                self._mesh_ok[mesh] = placeable(self.cluster, b.candidate("", False, *b.schedules[0], 0).config())
+                self._mesh_ok[mesh] = placeable(self.cluster, b.candidate("", False, *b.schedules[0], b.zeros[0]).config())
             if self._mesh_ok[mesh]:
                 yield b
 
@@ -232,7 +232,14 @@ class Search(SearchBounds, EvenSplitPlans):
     # --- evaluation --------------------------------------------------------------------------
     def evaluate(self, c: Candidate) -> Plan | float:
         """The best plan of this candidate (partition and recompute solved), or, when nothing
-        fits, the least peak memory per device it could reach (bytes)."""
+        fits, the least peak memory per device it could reach (bytes; infinite when an offloading
+        candidate's states overflow host memory)."""
+        result = self._evaluate(c)
+        if c.offload and self.must_fit and isinstance(result, Plan) and not result.fits:
+            return math.inf   # device memory fits (the partition saw to it): the host's does not
+        return result
+
+    def _evaluate(self, c: Candidate) -> Plan | float:
         est = self.estimator(c.variant)
         m = c.micro_batches(self.global_batch_size)
         memory = self.cluster.device.memory if self.must_fit else math.inf
@@ -400,7 +407,8 @@ class Search(SearchBounds, EvenSplitPlans):
                     continue
                 rep = b.candidate(variant, sp, *schedules[0], b.zeros[0])
                 for lb_t, lb_m, schedule, v, zero in self.leaf_bounds(rep, schedules, b.zeros):
-                    yield Key(variant, b.dp, b.tp, b.pp, b.cp, b.ep, b.micro_batch_size, schedule, v, zero, sp), \
+                    yield Key(variant, b.dp, b.tp, b.pp, b.cp, b.ep, b.micro_batch_size, schedule, v, zero, sp,
+                              b.offload), \
                         lb_t, lb_m
 
     def _next(self, queue: list, limit: float, deadline: float | None = None) -> tuple | None:

@@ -57,12 +57,14 @@ class Candidate:
     sequence_parallel: bool
     cp: int = 1
     ep: int = 1
+    offload: bool = False
 
     def config(self, recompute: str = "none", stage_recompute: tuple[str, ...] = (),
                recompute_layers: int = 0) -> ParallelConfig:
         return ParallelConfig(dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
                               micro_batch_size=self.micro_batch_size, schedule=self.schedule,
-                              virtual_stages=self.virtual_stages, zero=self.zero, recompute=recompute,
+                              virtual_stages=self.virtual_stages, zero=self.zero, offload=self.offload,
+                              recompute=recompute,
                               sequence_parallel=self.sequence_parallel, stage_recompute=stage_recompute,
                               recompute_layers=recompute_layers)
 
@@ -77,13 +79,13 @@ class Candidate:
 
     def sort_key(self) -> "Key":
         return Key(self.variant, self.dp, self.tp, self.pp, self.cp, self.ep, self.micro_batch_size, self.schedule,
-                   self.virtual_stages, self.zero, self.sequence_parallel)
+                   self.virtual_stages, self.zero, self.sequence_parallel, self.offload)
 
     @classmethod
     def of(cls, key: "Key") -> "Candidate":
         """The candidate of a :meth:`sort_key`."""
         return cls(key.variant, key.dp, key.tp, key.pp, key.micro_batch_size, key.schedule, key.virtual_stages,
-                   key.zero, key.sequence_parallel, key.cp, key.ep)
+                   key.zero, key.sequence_parallel, key.cp, key.ep, key.offload)
 
 
 class Key(NamedTuple):
@@ -101,6 +103,7 @@ class Key(NamedTuple):
     virtual_stages: int
     zero: int
     sequence_parallel: bool
+    offload: bool = False
 
 
 def check_fixed(fixed: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -123,6 +126,8 @@ def check_fixed(fixed: Mapping[str, Any] | None) -> dict[str, Any]:
         probe["tp"] = 2
     if "ep" in probe and "dp" not in probe:
         probe["dp"] = probe["ep"]
+    if probe.get("offload") and "zero" not in probe:
+        probe["zero"] = 3
     if probe.get("recompute_layers") and "recompute" not in probe:
         probe["recompute"] = "full"
     ParallelConfig(**probe)  # raises ConfigError naming a bad value
@@ -167,6 +172,7 @@ class Branch:
     schedules: tuple[tuple[str, int], ...]   # (schedule, virtual stages)
     zeros: tuple[int, ...]
     sequence_parallel: tuple[bool, ...]
+    offload: bool = False   # every candidate's (one search offloads, or none does: search.py)
 
     @property
     def leaves(self) -> int:
@@ -175,7 +181,7 @@ class Branch:
 
     def candidate(self, variant: str, sp: bool, schedule: str, virtual_stages: int, zero: int) -> Candidate:
         return Candidate(variant, self.dp, self.tp, self.pp, self.micro_batch_size, schedule, virtual_stages, zero,
-                         sp, self.cp, self.ep)
+                         sp, self.cp, self.ep, self.offload)
 
 
 def branches(graph: OpGraph, cluster: Cluster, global_batch_size: int, fixed: Mapping[str, Any],
@@ -190,21 +196,26 @@ def branches(graph: OpGraph, cluster: Cluster, global_batch_size: int, fixed: Ma
     def allowed(name: str, values):
         return tuple(v for v in values if name not in fixed or fixed[name] == v)
 
+    # offloading is searched where the device describes a host to offload to (a CPU is its own: nothing to
+    # gain), pinned either way by fixed["offload"]
+    offloads = ((fixed["offload"],) if "offload" in fixed
+                else (False, True) if cluster.device.host is not None and not cluster.device.is_cpu else (False,))
     for tp, cp, pp, dp in _meshes(graph, n_dev, n_layers, fixed, capped):
         if global_batch_size % dp:
             continue
-        zeros = allowed("zero", [0, 1, 2, 3] if dp * cp > 1 or "zero" in fixed else [0])
         sps = allowed("sequence_parallel", [False, True] if tp > 1 else [False])
-        if not zeros or not sps:
-            continue
-        for ep in allowed("ep", [e for e in divisors(dp) if expert_parallel.unsupported(graph, e) is None]):
-            for mb in allowed("micro_batch_size", divisors(global_batch_size // dp)):
-                m = global_batch_size // (dp * mb)
-                # Megatron's interleaved order needs m to be a multiple of pp
-                schedules = tuple((s, v) for s, v in _schedules(pp, blocks, fixed, capped)
-                                  if s != "interleaved" or m % pp == 0)
-                if schedules:
-                    yield Branch(tp, cp, pp, dp, ep, mb, schedules, zeros, sps)
+        for offload in offloads:   # offloading is ZeRO-3's, on one replica too
+            zeros = allowed("zero", [3] if offload else [0, 1, 2, 3] if dp * cp > 1 or "zero" in fixed else [0])
+            if not zeros or not sps:
+                continue
+            for ep in allowed("ep", [e for e in divisors(dp) if expert_parallel.unsupported(graph, e) is None]):
+                for mb in allowed("micro_batch_size", divisors(global_batch_size // dp)):
+                    m = global_batch_size // (dp * mb)
+                    # Megatron's interleaved order needs m to be a multiple of pp
+                    schedules = tuple((s, v) for s, v in _schedules(pp, blocks, fixed, capped)
+                                      if s != "interleaved" or m % pp == 0)
+                    if schedules:
+                        yield Branch(tp, cp, pp, dp, ep, mb, schedules, zeros, sps, offload)
 
 
 def candidates(graph: OpGraph, cluster: Cluster, global_batch_size: int, variants: tuple[str, ...],

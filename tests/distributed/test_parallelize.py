@@ -36,6 +36,10 @@ TWO = {
     "zero1": dict(dp=2, zero=1),
     "zero2": dict(dp=2, zero=2),
     "zero3": dict(dp=2, zero=3),
+    # offloaded (FSDP2's CPUOffloadPolicy): the states on the host, the optimizer stepping there; on one
+    # replica too, a pipeline whose every stage offloads (FSDP2 on a one-rank mesh)
+    "zero3_offload": dict(dp=2, zero=3, offload=True),
+    "pp2_zero3_offload": dict(pp=2, zero=3, offload=True),
     "recompute_full": dict(dp=2, recompute="full"),
 }
 FOUR = {

@@ -65,6 +65,12 @@ VARIANTS = [   # (stored plan, config changes, precision changes, blocks moved f
      dict(compute="fp8", recipe="tensorwise", kernels="compiled"), 0),
     ("llama3-70b_8x8xH100", dict(dp=4, tp=4, pp=4, zero=1), dict(compute="fp8", recipe="rowwise_with_gw_hp"), 0),
     ("llama3-70b_8x8xH100", dict(dp=8, tp=8, zero=1), dict(compute="fp8", recipe="mxfp8", kernels="compiled"), 0),
+    # offloaded ZeRO-3: FSDP alone; with tensor parallelism and SGD; under a pipeline (ZeRO-1 fallbacks)
+    ("llama3-70b_8x8xH100", dict(dp=64, tp=1, zero=3, offload=True, micro_batch_size=1, sequence_parallel=False),
+     {}, 0),
+    ("llama3-70b_8x8xH100", dict(dp=8, tp=8, zero=3, offload=True, micro_batch_size=1), dict(optimizer="sgd"), 0),
+    ("gpt3-175b_128x8xA100", dict(dp=16, pp=8, schedule="1f1b", virtual_stages=1, zero=3, offload=True),
+     dict(compute="bf16"), 3),
 ]
 
 

@@ -21,7 +21,7 @@ TORCHTITAN = {
     "training": {"local_batch_size": INT, "global_batch_size": INT, "seq_len": INT,
                  "mixed_precision_param": ("bfloat16", "float32"),      # Literal["bfloat16", "float32"]
                  "mixed_precision_reduce": ("float32",),                # Literal["float32"]
-                 "dtype": ("bfloat16", "float32")},
+                 "dtype": ("bfloat16", "float32"), "enable_cpu_offload": bool},
     "optimizer": {"name": ("Adam", "AdamW")},                           # components/optimizer.py
     "parallelism": {"data_parallel_replicate_degree": INT, "data_parallel_shard_degree": INT,
                     "fsdp_reshard_after_forward": ("default", "always", "never"),
@@ -69,6 +69,9 @@ def check_torchtitan(config: dict[str, Any], devices: int) -> None:
     assert product == devices, f"torchtitan: dp_replicate*dp_shard*cp*tp*pp = {product} != {devices} ranks"
     if par.get("expert_parallel_degree", 1) > 1:   # ParallelDims: "Currently we only support ETP=TP or ETP=1"
         assert par.get("expert_tensor_parallel_degree", 1) in (1, par.get("tensor_parallel_degree", 1))
+    if train.get("enable_cpu_offload"):   # CPUOffloadPolicy is applied by apply_fsdp, run only when
+        # ParallelDims.fsdp_enabled (dp_shard or cp > 1); else train.py initialises the model on the CPU and leaves it
+        assert dims[1] > 1 or dims[2] > 1, "torchtitan: enable_cpu_offload without FSDP (dp_shard or cp > 1)"
     dp = dims[0] * dims[1]
     # train.py: gradient_accumulation_steps = global_batch_size // (local_batch_size * dp_degree)
     assert train["global_batch_size"] % (train["local_batch_size"] * dp) == 0, train
@@ -129,6 +132,9 @@ MEGATRON = {   # flag: int, str, FLAG (store_true) or the choices
     # TransformerConfig.fp8 / fp8_recipe (megatron/core/transformer/transformer_config.py), made flags by
     # arguments.py's ArgumentGroupFactory (a Literal becomes the choices)
     "--fp8-format": ("e4m3", "hybrid"), "--fp8-recipe": ("tensorwise", "delayed", "mxfp8", "blockwise", "custom"),
+    # _add_training_args (optimizer CPU offload) and _add_experimental_args (the precision-aware optimizer)
+    "--optimizer-cpu-offload": FLAG, "--optimizer-offload-fraction": float, "--overlap-cpu-optimizer-d2h-h2d": FLAG,
+    "--use-precision-aware-optimizer": FLAG,
 }
 TORCHRUN = {"--nnodes": int, "--nproc-per-node": int}
 DEFAULTS = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1, "--context-parallel-size": 1,
@@ -206,6 +212,14 @@ def check_megatron(arrays: dict[str, list[str]], devices: int) -> argparse.Names
     assert not (args.fp16 and args.bf16)
     if args.fp8_recipe is not None:   # the recipe only acts with a format (fp8 None: no fp8)
         assert args.fp8_format is not None and (args.bf16 or args.fp16), "--fp8-recipe without --fp8-format"
+    if args.optimizer_cpu_offload:   # validate_args
+        assert args.use_precision_aware_optimizer, \
+            "The optimizer cpu offload must be used in conjunction with `--use-precision-aware-optimizer`"
+        assert 0.0 <= args.optimizer_offload_fraction <= 1.0, args.optimizer_offload_fraction
+    if args.use_precision_aware_optimizer:   # core/optimizer/optimizer_config.py and core/optimizer/__init__.py
+        assert args.optimizer in (None, "adam"), "--use-precision-aware-optimizer only supported with adam"
+        assert args.use_distributed_optimizer, \
+            "--use-precision-aware-optimizer only supported with distributed optimizer"
     connections = arrays.get("E", [""])[0]
     if args.use_megatron_fsdp:
         assert args.ckpt_format == "fsdp_dtensor", "Megatron FSDP only supports fsdp_dtensor checkpoint format"
@@ -220,7 +234,10 @@ def check_megatron(arrays: dict[str, list[str]], devices: int) -> argparse.Names
 DTYPE_NAMES = ("fp32", "fp16", "bf16")
 DEEPSPEED = {
     "train_batch_size": int, "train_micro_batch_size_per_gpu": int, "gradient_accumulation_steps": int,
-    "zero_optimization": {"stage": (0, 1, 2, 3)}, "zero_allow_untested_optimizer": bool,
+    "zero_optimization": {"stage": (0, 1, 2, 3),   # runtime/zero/offload_config.py: OffloadDeviceEnum, pin_memory
+                          "offload_param": {"device": ("none", "cpu", "nvme"), "pin_memory": bool},
+                          "offload_optimizer": {"device": ("none", "cpu", "nvme"), "pin_memory": bool}},
+    "zero_allow_untested_optimizer": bool, "zero_force_ds_cpu_optimizer": bool,
     "bf16": {"enabled": bool}, "fp16": {"enabled": bool},
     "data_types": {"grad_accum_dtype": DTYPE_NAMES}, "communication_data_type": DTYPE_NAMES,
     "tensor_parallel": {"autotp_size": int}, "expert_parallel": {"enabled": bool, "autoep_size": int},
@@ -231,14 +248,7 @@ ZERO_TESTED = ("adam",)   # runtime/zero/utils.py ZERO_SUPPORTED_OPTIMIZERS: tor
 
 def check_deepspeed(config: dict[str, Any], devices: int, pp: int, optimizer: str = "adam") -> None:
     """``config`` against DeepSpeed's rules; ``optimizer`` is the plan's (the config names none: code builds it)."""
-    for key, value in config.items():
-        assert key in DEEPSPEED, f"DeepSpeed: unknown key {key}"
-        if isinstance(DEEPSPEED[key], dict):
-            for sub, v in value.items():
-                assert sub in DEEPSPEED[key], f"DeepSpeed: unknown key {key}.{sub}"
-                _check_type(f"{key}.{sub}", v, DEEPSPEED[key][sub])
-        else:
-            _check_type(key, value, DEEPSPEED[key])
+    _check_nested(config, DEEPSPEED, "")
     # DeepSpeedConfig._batch_assertion: train = micro * accumulation * data-parallel world size (the mpu's)
     tp = config.get("tensor_parallel", {}).get("autotp_size", 1)
     dp = devices // (tp * pp)
@@ -254,9 +264,29 @@ def check_deepspeed(config: dict[str, Any], devices: int, pp: int, optimizer: st
             f"You are using an untested ZeRO Optimizer ({optimizer}): zero_allow_untested_optimizer must be true"
     if pp > 1:   # runtime/pipe/engine.py: "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
         assert stage < 2, "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism"
+    zero = config["zero_optimization"]
+    if "offload_param" in zero:   # runtime/zero/config.py offload_param: "Valid only with stage 3"
+        assert stage == 3, "offload_param is valid only with ZeRO stage 3"
+    if zero.get("offload_optimizer", {}).get("device", "none") != "none":
+        assert stage >= 1, "offload_optimizer needs ZeRO (stage 1, 2 or 3)"
+        # runtime/engine.py _configure_optimizer: with ZeRO-Offload a client optimizer other than DeepSpeedCPUAdam or
+        # DeepSpeedCPULion raises unless zero_force_ds_cpu_optimizer is false (Adam's is DeepSpeedCPUAdam, in code)
+        if optimizer not in ZERO_TESTED:
+            assert config.get("zero_force_ds_cpu_optimizer") is False, \
+                "You are using ZeRO-Offload with a client provided optimizer: zero_force_ds_cpu_optimizer must be false"
     if "expert_parallel" in config:   # module_inject/auto_ep_config.py parse_autoep_config: enabled defaults to
         # false, and then runtime/engine.py _configure_expert_parallel ignores every other key without a word
         assert config["expert_parallel"].get("enabled") is True, "expert_parallel without enabled: true is ignored"
+
+
+def _check_nested(config: dict[str, Any], schema: dict[str, Any], prefix: str) -> None:
+    for key, value in config.items():
+        assert key in schema, f"DeepSpeed: unknown key {prefix}{key}"
+        if isinstance(schema[key], dict):
+            assert isinstance(value, dict), f"{prefix}{key} = {value!r} is not an object"
+            _check_nested(value, schema[key], f"{prefix}{key}.")
+        else:
+            _check_type(prefix + key, value, schema[key])
 
 
 # --- accelerate: accelerate/commands/config/config_args.py, commands/launch.py ------------------------

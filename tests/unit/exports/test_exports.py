@@ -255,6 +255,27 @@ def test_schemas_refuse_what_the_stacks_refuse(plans, tmp_path):
         schemas.check_deepspeed({**ds, "expert_parallel": {"autoep_size": 2}}, plan.devices, plan.config.pp)
     with pytest.raises(AssertionError, match="unknown key"):
         schemas.check_accelerate({**_yaml(export(plan, "accelerate").text), "fsdp_sharding": 1})
+    offload = {"device": "cpu", "pin_memory": True}
+    with pytest.raises(AssertionError, match="valid only with ZeRO stage 3"):
+        schemas.check_deepspeed({**ds, "zero_optimization": {"stage": 1, "offload_param": offload}}, plan.devices,
+                                plan.config.pp)
+    with pytest.raises(AssertionError, match="zero_force_ds_cpu_optimizer must be false"):
+        schemas.check_deepspeed({**ds, "zero_optimization": {"stage": 1, "offload_optimizer": offload},
+                                 "zero_allow_untested_optimizer": True}, plan.devices, plan.config.pp, "sgd")
+    with pytest.raises(AssertionError, match="unknown key zero_optimization.offload_param.devic"):
+        schemas.check_deepspeed({**ds, "zero_optimization": {"stage": 1, "offload_param": {"devic": "cpu"}}},
+                                plan.devices, plan.config.pp)
+    with pytest.raises(AssertionError, match="precision-aware-optimizer"):
+        schemas.check_megatron({**megatron, "M": megatron["M"] + ["--optimizer-cpu-offload"]}, plan.devices)
+    with pytest.raises(AssertionError, match="only supported with adam"):
+        schemas.check_megatron({**megatron, "M": megatron["M"] + ["--use-precision-aware-optimizer",
+                                                                  "--use-distributed-optimizer", "--optimizer", "sgd"]},
+                               plan.devices)
+    with pytest.raises(AssertionError, match="enable_cpu_offload without FSDP"):
+        schemas.check_torchtitan({**titan, "training": {**titan["training"], "enable_cpu_offload": True},
+                                  "parallelism": {**titan["parallelism"], "data_parallel_shard_degree": 1,
+                                                  "data_parallel_replicate_degree": titan["parallelism"][
+                                                      "data_parallel_shard_degree"]}}, plan.devices)
 
 
 # --- other configurations: the same checks on plans the goldens do not cover ----------------------
@@ -283,6 +304,8 @@ def _held(plan: autopar.Plan) -> list[str]:
     cfg, prec = plan.config, plan.precision
     paths = ["precision.optimizer", "global_batch_size", "config.micro_batch_size"]
     paths += [f"config.{k}" for k in ("zero", "tp", "pp", "cp", "ep") if getattr(cfg, k) > (0 if k == "zero" else 1)]
+    if cfg.offload:
+        paths.append("config.offload")
     if prec.compute != "fp32":
         paths.append("precision.compute")
         if not prec.master_weights:
@@ -481,3 +504,114 @@ def test_fp8_plans_carry_each_stacks_fp8_switches(plans):
     ds = export(tensorwise, "deepspeed")
     assert ds.field("bf16.enabled").value is True
     assert any("no fp8 training switch" in w for w in ds.warnings)
+
+
+# --- offloaded ZeRO-3 (config.offload): each stack's own switches, and none without it ---------------
+def _offload_plans() -> tuple[autopar.Plan, autopar.Plan]:
+    """A plan of ParallelConfig(dp=2, zero=3, offload=True) on two H100s, and the same without offload, made by
+    autopar.estimate on a small model (the offloaded one from the zero=3 plan if estimate refuses offload)."""
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                                      torch.nn.Linear(256, 64)) for _ in range(4)])
+    cluster, inputs = autopar.Cluster.from_spec("1x2xH100-SXM"), (torch.randn(4, 64),)
+    plain = autopar.estimate(model, cluster, inputs, autopar.ParallelConfig(dp=2, zero=3), global_batch_size=8)
+    try:
+        offloaded = autopar.estimate(model, cluster, inputs, autopar.ParallelConfig(dp=2, zero=3, offload=True),
+                                     global_batch_size=8)
+    except (ConfigError, NotImplementedError):
+        offloaded = dataclasses.replace(plain, config=dataclasses.replace(plain.config, offload=True))
+    assert offloaded.config.offload and not plain.config.offload
+    return offloaded, plain
+
+
+OFFLOAD_KEYS = {
+    "deepspeed": {"zero_optimization.offload_param.device": "cpu", "zero_optimization.offload_param.pin_memory": True,
+                  "zero_optimization.offload_optimizer.device": "cpu",
+                  "zero_optimization.offload_optimizer.pin_memory": True},
+    "torchtitan": {"training.enable_cpu_offload": True},
+    "accelerate": {"fsdp_config.fsdp_offload_params": True},
+    "megatron": {"--optimizer-cpu-offload": True, "--optimizer-offload-fraction": 1.0,
+                 "--use-precision-aware-optimizer": True, "--overlap-cpu-optimizer-d2h-h2d": True},
+}
+
+
+def test_offload_writes_each_stacks_switches_and_nothing_without_it(tmp_path):
+    offloaded, plain = _offload_plans()
+    for stack in STACKS:
+        on = check_export(offloaded, stack, tmp_path)
+        fields = {f.key: f.value for f in on.fields}
+        for key, value in OFFLOAD_KEYS[stack].items():
+            assert fields.get(key) == value, (stack, key)
+            assert on.field(key).sources == ("config.offload",), (stack, key)
+        off = check_export(plain, stack, tmp_path)
+        assert not set(OFFLOAD_KEYS[stack]) & {f.key for f in off.fields}, stack
+        assert not any("offload" in f.key for f in off.fields), stack
+        assert not any("config.offload" in w for w in off.warnings), stack
+    # in the files as the stacks read them
+    ds = json.loads(export(offloaded, "deepspeed").text)["zero_optimization"]
+    assert ds == {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
+                  "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    assert "offload" not in json.dumps(json.loads(export(plain, "deepspeed").text))
+    titan = tomllib.loads(export(offloaded, "torchtitan").text)
+    assert titan["training"]["enable_cpu_offload"] is True
+    assert titan["parallelism"]["fsdp_reshard_after_forward"] == "always"
+    assert "enable_cpu_offload" not in tomllib.loads(export(plain, "torchtitan").text)["training"]
+    acc = _yaml(export(offloaded, "accelerate").text)["fsdp_config"]
+    assert acc["fsdp_offload_params"] is True and acc["fsdp_reshard_after_forward"] is True
+    assert "fsdp_offload_params" not in _yaml(export(plain, "accelerate").text)["fsdp_config"]
+    args = export(offloaded, "megatron").text
+    for flag in ("--optimizer-cpu-offload", "--optimizer-offload-fraction 1.0", "--use-precision-aware-optimizer",
+                 "--overlap-cpu-optimizer-d2h-h2d", "--use-distributed-optimizer", "--use-megatron-fsdp"):
+        assert flag in args, flag
+    assert "offload" not in export(plain, "megatron").text.split("AUTOPAR_MEGATRON_ARGS=(", 1)[1]
+    # what a stack cannot express is said: Megatron keeps the parameters on the GPU; DeepSpeed wants its CPU Adam
+    [meg] = [w for w in export(offloaded, "megatron").warnings if w.startswith("config.offload")]
+    assert "offloads the optimizer only" in meg and "sharded by Megatron FSDP: about" in meg and "instead of" in meg
+    assert any("DeepSpeedCPUAdam(model.parameters(), lr=...)" in w and "ZeRO-Offload" in w
+               for w in export(offloaded, "deepspeed").warnings)
+    assert not any("DeepSpeedCPUAdam" in w for w in export(plain, "deepspeed").warnings)
+
+
+def test_offload_where_a_stack_offloads_less(plans, tmp_path):
+    """A pipeline (DeepSpeed and Megatron-LM fall back to ZeRO-1: the optimizer only), SGD (Megatron-LM's CPU
+    offload runs Adam only; DeepSpeed's needs its CPU optimizer forced off), one data-parallel rank
+    (torchtitan applies FSDP, and so its offload, over more than one) and one device (accelerate: no FSDP)."""
+    [piped] = [variant_plan(plans, i) for i, v in enumerate(VARIANTS) if v[1].get("offload") and v[1].get("pp", 1) > 1]
+    ds = check_export(piped, "deepspeed", tmp_path)
+    assert ds.field("zero_optimization.stage").value == 1
+    assert ds.field("zero_optimization.offload_optimizer.device").value == "cpu"
+    assert not any(f.key.startswith("zero_optimization.offload_param") for f in ds.fields)
+    assert any("config.offload = true with pp = 8" in w and "only under ZeRO-3" in w for w in ds.warnings)
+    meg = check_export(piped, "megatron", tmp_path)
+    assert meg.field("--optimizer-cpu-offload").value is True and meg.field("--use-distributed-optimizer").value
+    assert not any(f.key == "--use-megatron-fsdp" for f in meg.fields)
+    assert any(w.startswith("config.offload = true:") and "whole under the distributed optimizer" in w
+               for w in meg.warnings)
+    assert check_export(piped, "torchtitan", tmp_path).field("training.enable_cpu_offload").value is True
+
+    [sgd] = [variant_plan(plans, i) for i, v in enumerate(VARIANTS) if v[1].get("offload") and v[2].get("optimizer")]
+    meg = check_export(sgd, "megatron", tmp_path)
+    assert not any("offload" in f.key or f.key == "--use-precision-aware-optimizer" for f in meg.fields)
+    assert any("config.offload = true with precision.optimizer = 'sgd'" in w and "Adam only" in w for w in meg.warnings)
+    ds = check_export(sgd, "deepspeed", tmp_path)
+    assert ds.field("zero_force_ds_cpu_optimizer").value is False
+    assert ds.field("zero_optimization.offload_param.device").value == "cpu"
+    assert any("zero_force_ds_cpu_optimizer is false" in w for w in ds.warnings)
+
+    base = plans["llama3-70b_8x8xH100"]
+    one_rank = with_partition(base, [list(c) for c in autopar.exports.common.chunks_in_order(base)], dp=1, tp=8,
+                              zero=3, offload=True)
+    one_rank = dataclasses.replace(one_rank, cluster=dataclasses.replace(base.cluster, nodes=1),
+                                   global_batch_size=base.config.micro_batch_size * 4, micro_batches=4)
+    titan = check_export(one_rank, "torchtitan", tmp_path)
+    assert not any(f.key == "training.enable_cpu_offload" for f in titan.fields)
+    assert any("config.offload = true with dp = 1 and cp = 1" in w for w in titan.warnings)
+    assert check_export(one_rank, "accelerate", tmp_path).field("fsdp_config.fsdp_offload_params").value is True
+
+    single = with_partition(base, [list(c) for c in autopar.exports.common.chunks_in_order(base)], dp=1, tp=1,
+                            zero=3, offload=True, sequence_parallel=False)
+    single = dataclasses.replace(single, cluster=dataclasses.replace(base.cluster, nodes=1, devices_per_node=1),
+                                 global_batch_size=base.config.micro_batch_size, micro_batches=1)
+    acc = check_export(single, "accelerate", tmp_path)
+    assert acc.field("distributed_type").value == "NO" and not any("fsdp" in f.key for f in acc.fields)
+    assert any("config.offload = true on one device" in w for w in acc.warnings)

@@ -22,7 +22,9 @@ def partitions(n: int, parts: int):
         yield [list(range(bounds[i], bounds[i + 1])) for i in range(parts)]
 
 
-def configs(graph, devices: int, global_batch: int, modes, valid=lambda cfg: True):
+def configs(graph, devices: int, global_batch: int, modes, valid=lambda cfg: True, offload: bool = False):
+    """Every configuration; with ``offload`` (the device describes a host), offloaded ZeRO-3 too, on one
+    replica as well."""
     blocks = sum(1 for layer in graph.layers if layer.is_block)
     n = len(graph.layers)
     for tp, cp in itertools.product(divisors(devices), divisors(devices)):
@@ -42,10 +44,10 @@ def configs(graph, devices: int, global_batch: int, modes, valid=lambda cfg: Tru
                     continue
                 scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)] + [
                     ("interleaved", v) for v in range(2, 9) if blocks and blocks % (pp * v) == 0]
-                for (sched, v), zero, sp in itertools.product(scheds, [0, 1, 2, 3] if dp * cp > 1 else [0],
-                                                              [False, True] if tp > 1 else [False]):
+                zeros = [(z, False) for z in ([0, 1, 2, 3] if dp * cp > 1 else [0])] + [(3, True)] * offload
+                for (sched, v), (zero, off), sp in itertools.product(scheds, zeros, [False, True] if tp > 1 else [False]):
                     base = dict(**mesh, micro_batch_size=mb, schedule=sched, virtual_stages=v,
-                                zero=zero, sequence_parallel=sp)
+                                zero=zero, offload=off, sequence_parallel=sp)
                     if sched == "interleaved":
                         for mode in modes:
                             yield ParallelConfig(**base, recompute=mode), None
@@ -73,7 +75,8 @@ def all_plans(search):
             base = variant.removesuffix(WHOLE_BATCH)
             uneven = cfg.micro_batch_size % cfg.tp and search.splits_batch(cfg.tp, base)
             return placeable(cluster, cfg) and bool(uneven) == (variant != base)
-        for cfg, chunks in configs(graph, cluster.devices, gbs, search.modes, valid):
+        offload = cluster.device.host is not None and not cluster.device.is_cpu
+        for cfg, chunks in configs(graph, cluster.devices, gbs, search.modes, valid, offload):
             plan = estimate_plan(graph, cluster, cfg, gbs, search.precision, est, chunks=chunks)
             out.append((plan.step_time, plan.peak_memory, cfg))
     return out

@@ -1,0 +1,100 @@
+"""Offloaded ZeRO-3: the CPU optimizer step the cost model prices, measured here, and plans that fit only so.
+
+1. **The CPU step** (cost_model/offload.py: ``28 bytes per parameter / the host's streaming bandwidth``), on
+   this machine's CPU: a 64 M-parameter fp32 AdamW step (torch.optim.AdamW, fused, as the model prices it;
+   the default tensor-by-tensor loop beside it) against 28 bytes per parameter over the bandwidth of STREAM's
+   Triad measured alike. Target: the fused step within 25% of the model.
+2. **Plans that fit only offloaded**: Llama 3 8B on one H100 and Llama 3 70B on 8 H100 (sequence 8192, one
+   sequence per micro-batch, 16 sequences a step): ZeRO-3's states (16 bytes per parameter) outgrow the GPU
+   (128 GB and 140 GB per device), so without offload nothing fits; the search, free to offload, finds a plan
+   that keeps them in host memory (DGX H100: 250 GB per GPU). Target: both fit, offloaded, and planning
+   without offload raises InfeasiblePlanError.
+
+Run: .venv/bin/python bench/offload.py   (about 1 minute)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+import autopar
+from autopar.capture import capture
+from autopar.cost_model.offload import CPU_ADAM_BYTES
+from autopar.errors import InfeasiblePlanError
+from autopar.models import build
+from autopar.solver import solve
+
+TARGET = 0.25
+PARAMS = 64 * 2**20
+
+
+def _best(f, repeats: int = 10) -> float:
+    f()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def cpu_step() -> bool:
+    torch.manual_seed(0)
+    a, b, c = torch.randn(PARAMS), torch.randn(PARAMS), torch.empty(PARAMS)
+    # STREAM's Triad (c = b + s a: two reads and a write per element), the streaming rate HOST_STREAM_EFFICIENCY
+    # takes of a server's channels
+    stream = 3 * PARAMS * 4 / _best(lambda: torch.add(b, a, alpha=2.0, out=c))
+    predicted = CPU_ADAM_BYTES / stream
+    print(f"Triad {stream / 1e9:.1f} GB/s ({torch.get_num_threads()} threads): the model's AdamW step "
+          f"{predicted * 1e9:.2f} ns/parameter")
+    ok = True
+    for name, kwargs in (("fused", dict(fused=True)), ("tensor by tensor (default)", dict(foreach=False))):
+        params = [torch.nn.Parameter(torch.randn(PARAMS // 8)) for _ in range(8)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3, **kwargs)
+        measured = _best(opt.step) / PARAMS
+        error = predicted / measured - 1
+        print(f"  AdamW {name:<27} {measured * 1e9:.2f} ns/parameter, model {error * 100:+.0f}%")
+        if kwargs.get("fused"):
+            ok = abs(error) <= TARGET
+    print(f"fused step within {TARGET * 100:.0f}% of the model: {ok}")
+    return ok
+
+
+def plans() -> bool:
+    ok = True
+    print(f"\n{'model on cluster':<26} {'plan':<58} {'step s':>7} {'opt s':>6} {'dp s':>6} {'GB/GPU':>6}  host")
+    for name, spec in (("llama3-8b", "1x1xH100-SXM"), ("llama3-70b", "1x8xH100-SXM")):
+        model, inputs = build(name, batch_size=1)
+        graph = capture(model, inputs, progress=False)
+        cluster = autopar.Cluster.from_spec(spec)
+        t = time.perf_counter()
+        plan, _ = solve(graph, cluster, 16)
+        seconds = time.perf_counter() - t
+        try:
+            solve(graph, cluster, 16, fixed={"offload": False})
+            refused = False
+        except InfeasiblePlanError:
+            refused = True
+        good = plan.fits and plan.config.offload and refused
+        ok &= good
+        host = next((n for n in plan.notes if n.startswith("offload:")), "")
+        print(f"{name + ' on ' + spec:<26} {plan.config.short():<58.58} {plan.step_time:>7.2f} "
+              f"{plan.breakdown.optimizer:>6.2f} {plan.breakdown.dp_comm:>6.2f} {plan.peak_memory / 1e9:>6.1f}  "
+              f"{host[9:60]}  ({seconds:.0f} s){'' if refused else '  FITS WITHOUT OFFLOAD'}")
+    print(f"each fits only offloaded, and the search offloads: {ok}")
+    return ok
+
+
+def main() -> int:
+    first, second = cpu_step(), plans()
+    print(f"\ntargets met: CPU step {first}, plans {second}")
+    return 0 if first and second else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

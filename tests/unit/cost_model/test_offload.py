@@ -1,0 +1,84 @@
+"""Offloaded ZeRO-3 (ParallelConfig.offload): priced from the host's figures, searched when it makes a plan
+fit, refused where the device describes no host (cost_model/offload.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import autopar
+from autopar import ParallelConfig
+from autopar.cost_model.offload import CPU_ADAM_BYTES, HOST_STREAM_EFFICIENCY
+from autopar.errors import ConfigError, InfeasiblePlanError
+from autopar.hardware import Device, Host
+from autopar.models import build
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return build("gpt-tiny", batch_size=1)
+
+
+def _estimate(gpt, cluster, **cfg):
+    model, inputs = gpt
+    return autopar.estimate(model, cluster, inputs, ParallelConfig(**cfg), global_batch_size=8)
+
+
+def _with(cluster, **device):
+    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, **device))
+
+
+def test_offload_prices_the_host_step_and_copies_and_frees_the_device(gpt):
+    cluster = autopar.Cluster.from_spec("1x2xH100-SXM")
+    kept, moved = _estimate(gpt, cluster, dp=2, zero=3), _estimate(gpt, cluster, dp=2, zero=3, offload=True)
+    host = cluster.device.host
+    local = kept.stages[0].param_count / 2
+    assert moved.breakdown.optimizer == pytest.approx(local * CPU_ADAM_BYTES / (host.memory_bandwidth * HOST_STREAM_EFFICIENCY))
+    assert moved.breakdown.optimizer > 10 * kept.breakdown.optimizer   # the CPU streams far slower than HBM
+    assert moved.breakdown.dp_comm > kept.breakdown.dp_comm            # every shard crosses PCIe
+    assert moved.breakdown.compute == kept.breakdown.compute
+    states = kept.stages[0].memory.params + kept.stages[0].memory.grads + kept.stages[0].memory.optimizer
+    assert moved.peak_memory == pytest.approx(kept.peak_memory - states)
+    assert any("host memory" in n for n in moved.notes) and moved.config.offload
+    assert "offload" in moved.config.short()
+
+
+def test_host_memory_overflow_does_not_fit(gpt):
+    cluster = autopar.Cluster.from_spec("1x2xH100-SXM")
+    tiny = _with(cluster, host=dataclasses.replace(cluster.device.host, memory=1e3))
+    assert not _estimate(gpt, tiny, dp=2, zero=3, offload=True).fits
+
+
+def test_the_search_offloads_when_only_that_fits(gpt):
+    """Device memory between the two peaks: only the offloaded states fit; with room, nothing offloads."""
+    model, inputs = gpt
+    cluster = autopar.Cluster.from_spec("1x2xH100-SXM")
+    fixed = {"dp": 2, "micro_batch_size": 4}   # the rest free
+    kept = _estimate(gpt, cluster, zero=3, **fixed)
+    moved = _estimate(gpt, cluster, zero=3, offload=True, **fixed)
+    tight = _with(cluster, memory=(kept.peak_memory + moved.peak_memory) / 2)
+    chosen = autopar.plan(model, tight, inputs, global_batch_size=8, fixed=fixed)
+    assert chosen.fits and chosen.config.offload and chosen.config.zero == 3
+    assert not autopar.plan(model, cluster, inputs, global_batch_size=8, fixed=fixed).config.offload
+    no_host = _with(tight, host=None)   # nowhere to offload to: nothing fits
+    with pytest.raises(InfeasiblePlanError):
+        autopar.plan(model, no_host, inputs, global_batch_size=8, fixed=fixed)
+
+
+def test_offload_needs_zero3_and_a_host(gpt):
+    with pytest.raises(ConfigError, match="needs zero=3"):
+        ParallelConfig(dp=2, zero=2, offload=True)
+    cluster = _with(autopar.Cluster.from_spec("1x2xH100-SXM"), host=None)
+    with pytest.raises(ConfigError, match="describes no host"):
+        _estimate(gpt, cluster, dp=2, zero=3, offload=True)
+
+
+def test_host_round_trips_and_presets_describe_theirs():
+    device = autopar.Cluster.from_spec("1x8xB200").device
+    assert Device.from_dict(device.to_dict()) == device and device.host is not None
+    assert Host.from_dict(device.host.to_dict()) == device.host
+    gb200 = autopar.Cluster.from_spec("1x72xGB200").device.host
+    assert gb200.link_bandwidth > 3 * device.host.link_bandwidth   # NVLink-C2C against PCIe 5.0
+    with pytest.raises(ConfigError):
+        Host(memory=-1.0, memory_bandwidth=1e9, link_bandwidth=1e9, source="")
