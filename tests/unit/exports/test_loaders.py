@@ -11,6 +11,7 @@ skipping; `make test` skips them (the schema checks in test_exports.py run every
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -59,9 +60,8 @@ def test_torchtitan_loads_the_toml(plans, name, tmp_path):
     plan = case_plan(plans, name)
     result = export(plan, "torchtitan", tmp_path / "t.toml")
     config = ConfigManager().parse_args(["--job.config_file", str(tmp_path / "t.toml")])
-    for f in result.fields:
-        section, key = f.key.split(".", 1)
-        assert getattr(getattr(config, section), key) == f.value, f.key
+    for f in result.fields:   # nested tables too (quantize.linear.float8.recipe_name)
+        assert functools.reduce(getattr, f.key.split("."), config) == f.value, f.key
     par = config.parallelism
     ParallelDims(dp_replicate=par.data_parallel_replicate_degree, dp_shard=par.data_parallel_shard_degree,
                  cp=par.context_parallel_degree, tp=par.tensor_parallel_degree, pp=par.pipeline_parallel_degree,
@@ -181,7 +181,8 @@ def test_deepspeed_loads_the_json(plans, name, tmp_path, monkeypatch):
     # runtime/engine.py _configure_optimizer: a client optimizer other than DeepSpeedCPUAdam under ZeRO-Offload
     # raises unless this is false, as the export writes for SGD
     assert config.zero_force_ds_cpu_optimizer == (not (cfg.offload and plan.precision.optimizer == "sgd"))
-    assert config.bfloat16_config.enabled == (plan.precision.compute == "bf16")
+    # an fp8 plan's other ops, weights and activations are bf16 (DeepSpeed itself has no fp8 switch: a warning)
+    assert config.bfloat16_config.enabled == (plan.precision.compute in ("bf16", "fp8"))
     assert config.float16_config.enabled == (plan.precision.compute == "fp16")
     assert config.tensor_parallel_config.autotp_size == (cfg.tp if cfg.tp > 1 else 0)
     # runtime/engine.py _do_optimizer_sanity_check asserts on SGD under ZeRO unless this is set
