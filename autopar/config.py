@@ -173,6 +173,11 @@ class ParallelConfig:
         optimizer does)."""
         return self.dp * self.cp
 
+    def zero_shard(self, params, experts=0.0):
+        """Parameters of a rank's ZeRO shard of ``params`` (``experts`` of them expert weights): the dense ones
+        over the ``grad_replicas``, the experts over the ``expert_replicas``. Floats or numpy arrays."""
+        return (params - experts) / self.grad_replicas + experts / self.expert_replicas
+
     @property
     def expert_replicas(self) -> int:
         """Ranks holding the same experts (``dp * cp / ep``): the expert weights' gradient and ZeRO group."""

@@ -271,7 +271,7 @@ class Estimator:
         """Host memory a device's offloaded states take (0 without offload): its shards of ``params``."""
         if not cfg.offload:
             return 0.0 * params
-        return host_bytes(self.precision, (params - experts) / cfg.grad_replicas + experts / cfg.expert_replicas)
+        return host_bytes(self.precision, cfg.zero_shard(params, experts))
 
     def buffer_bytes(self, cfg: ParallelConfig, recompute: str, largest, working, layer_params):
         """Transient bytes: two of the largest activation (output and gradient buffers), the

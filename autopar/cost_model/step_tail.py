@@ -209,7 +209,7 @@ class StepTail:
         weights, in ``param_tensors`` tensors (0: not counted); floats or arrays. ZeRO divides the dense
         ones by dp * cp, the experts by dp * cp / ep."""
         params, experts = np.asarray(params, dtype=float), np.asarray(experts, dtype=float)
-        local = params if cfg.zero == 0 else (params - experts) / cfg.grad_replicas + experts / cfg.expert_replicas
+        local = params if cfg.zero == 0 else cfg.zero_shard(params, experts)
         kernels = self.precision.kernels
         measured = self.measured.optimizer_seconds_per_param(kernels) if self.measured is not None else None
         if cfg.offload and not self.cluster.device.is_cpu:   # on the host's CPU cores (offload.py)

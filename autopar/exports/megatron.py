@@ -261,8 +261,7 @@ def _shards_on_device(plan: "Plan") -> tuple[float, bool]:
     peak = 0.0
     for stage in plan.stages:
         mem = stage.memory
-        shard = ((stage.param_count - stage.expert_param_count) / cfg.grad_replicas
-                 + stage.expert_param_count / cfg.expert_replicas)
+        shard = cfg.zero_shard(stage.param_count, stage.expert_param_count)
         params = max(mem.params, shard * prec.weight_bytes)
         grads = max(mem.grads, shard * prec.grad_bytes)
         peak = max(peak, params + grads + mem.optimizer + mem.activations + mem.buffers)

@@ -152,10 +152,11 @@ def _infeasible(search: Search, fixed: Mapping[str, Any]) -> InfeasiblePlanError
     if arg is not None and arg.micro_batch_size > 1:
         hints.append("a smaller micro-batch (pin micro_batch_size=1)")
     if not cluster.device.is_cpu and not (arg is not None and arg.offload):
-        hints.append("ZeRO-3's states in host memory (offload=True: unpin it)" if fixed.get("offload") is False else
-                     f"a host to offload ZeRO-3's states to (Device(host=Host(...)): {cluster.device.name!r} describes "
-                     "none)" if cluster.device.host is None else "")
-        hints = [h for h in hints if h]
+        if fixed.get("offload") is False:
+            hints.append("ZeRO-3's states in host memory (offload=True: unpin it)")
+        elif cluster.device.host is None:
+            hints.append(f"a host to offload ZeRO-3's states to (Device(host=Host(...)): {cluster.device.name!r} "
+                         "describes none)")
     if fixed:
         hints.append(f"fewer pinned fields (fixed={dict(fixed)!r} rules out the leaner configurations)")
     where = f" (the leanest is {arg.short()})" if arg is not None else ""
