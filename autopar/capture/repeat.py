@@ -302,6 +302,11 @@ def _signature(child: nn.Module, index: set[tuple[str, str]]) -> tuple:
     return tuple(out)
 
 
+def _stateful(module: nn.Module) -> bool:
+    """Whether a module holds parameters or buffers (anywhere inside): then only itself is itself."""
+    return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
+
+
 def _value(v: Any, inside: dict[int, str], memo: dict[int, Any], depth: int) -> Any:
     """A hashable stand-in for an attribute's value: equal for equal values (objects compared by their
     attributes a few levels deep, the same object always equal)."""
@@ -309,8 +314,12 @@ def _value(v: Any, inside: dict[int, str], memo: dict[int, Any], depth: int) -> 
         return (type(v), v)
     if id(v) in memo:
         return memo[id(v)]
-    if isinstance(v, nn.Module):
+    if isinstance(v, nn.Module) and (id(v) in inside or depth >= 3 or _stateful(v)):
         key: Any = ("module", inside.get(id(v), id(v)))
+    elif isinstance(v, nn.Module):   # a stateless helper each block holds its own of (transformers v5's kernel
+        memo[id(v)] = ("module", id(v))   # functions, ``_kernel_funcs``): alike when its type and attributes are
+        key = ("stateless module", type(v), _value({k: x for k, x in vars(v).items() if k not in _INTERNAL},
+                                                   inside, memo, depth + 1))
     elif isinstance(v, torch.Tensor):
         key = ("tensor", tuple(v.shape), v.dtype, v.device.type, v.requires_grad)
     elif isinstance(v, (tuple, list)):
