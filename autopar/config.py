@@ -17,13 +17,16 @@ def is_cpu_device(device_name: str) -> bool:
     """A CPU device name: the "cpu" preset, or a measured "cpu <model> xN thread(s)" (profiler)."""
     return device_name.split(" ")[0] == "cpu"
 
-Schedule = Literal["gpipe", "1f1b", "interleaved"]
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zbh1", "zbv"]
 Recompute = Literal["none", "selective", "op", "full"]
 DType = Literal["fp32", "bf16", "fp16"]
 Compute = Literal["fp32", "bf16", "fp16", "fp8"]
 Kernels = Literal["eager", "fused", "compiled"]
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
+SPLIT_BACKWARD: tuple[str, ...] = ("zbh1", "zbv")
+"""The zero-bubble schedules (Qi et al., ICLR 2024): each backward split into an input-gradient pass
+("I", sent on at once) and a weight-gradient pass ("W", deferred into what would be bubble)."""
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "op", "full")
 DTYPE_BYTES: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 KERNELS: tuple[str, ...] = ("eager", "fused", "compiled")
@@ -75,9 +78,14 @@ class ParallelConfig:
     micro_batch_size: int = 1
     """Samples per micro-batch, per data-parallel replica."""
     schedule: Schedule = "1f1b"
-    """Pipeline schedule: "gpipe", "1f1b" or "interleaved" (1F1B with virtual stages)."""
+    """Pipeline schedule: "gpipe", "1f1b", "interleaved" (1F1B with virtual stages, Megatron-LM's), or the
+    zero-bubble ones torch.distributed.pipelining runs: "zbh1" (ZB-H1: 1F1B's order with each backward
+    split into an input-gradient and a weight-gradient pass, the weight passes deferred into the
+    drain's bubble; every device holds 1F1B's first device's ``pp`` passes) and "zbv" (ZB-V: two
+    chunks per device placed as a V, chunk ``d`` and ``2 pp - 1 - d`` on device ``d``, so that the
+    last device runs the turn; needs ``virtual_stages=2``). The zero-bubble schedules need ``zero <= 1``."""
     virtual_stages: int = 1
-    """Model chunks per pipeline device; > 1 only with schedule="interleaved"."""
+    """Model chunks per pipeline device; > 1 only with schedule="interleaved" (any) or "zbv" (2)."""
     zero: int = 0
     """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP full shard)."""
     offload: bool = False
@@ -121,12 +129,23 @@ class ParallelConfig:
         check_choice("recompute", self.recompute, RECOMPUTE_MODES)
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
+        if self.schedule == "zbv" and self.virtual_stages != 2:
+            raise ConfigError(f"schedule='zbv' places two chunks on each device as a V: it needs virtual_stages=2 "
+                              f"(got {self.virtual_stages})")
+        if self.virtual_stages > 1 and self.schedule not in ("interleaved", "zbv"):
             raise ConfigError(
                 f"virtual_stages={self.virtual_stages} needs schedule='interleaved' "
                 f"(got {self.schedule!r}): set schedule='interleaved' or virtual_stages=1")
-        if self.schedule == "interleaved" and self.pp == 1:
-            raise ConfigError("schedule='interleaved' needs pp > 1: raise pp or use schedule='1f1b'")
+        if self.schedule in ("interleaved", *SPLIT_BACKWARD) and self.pp == 1:
+            raise ConfigError(f"schedule={self.schedule!r} needs pp > 1: raise pp or use schedule='1f1b'")
+        if self.schedule in SPLIT_BACKWARD and "op" in (self.recompute, *self.stage_recompute):
+            raise ConfigError(f"schedule={self.schedule!r} runs each backward in two passes, and per-op recomputation "
+                              "(torch's selective checkpoint) allows one: use recompute='full' or 'selective', or "
+                              "schedule='1f1b' or 'interleaved'")
+        if self.schedule in SPLIT_BACKWARD and self.zero > 1:
+            raise ConfigError(f"schedule={self.schedule!r} splits each backward into an input- and a weight-gradient "
+                              f"pass, which ZeRO-{self.zero}'s per-backward reduce-scatter (FSDP2) does not follow: "
+                              "use zero=0 or 1, or schedule='1f1b'")
         if self.dp % self.ep:
             raise ConfigError(f"ep={self.ep} must divide dp={self.dp}: expert parallelism splits the experts over "
                               "data-parallel replicas; raise dp to a multiple of ep or lower ep")
@@ -140,9 +159,23 @@ class ParallelConfig:
                                   "one mode per pipeline stage, or leave it empty to use recompute everywhere")
             for i, mode in enumerate(self.stage_recompute):
                 check_choice(f"stage_recompute[{i}]", mode, RECOMPUTE_MODES)
-            if self.schedule == "interleaved":
+            if self.virtual_stages > 1:
                 raise ConfigError("stage_recompute needs a non-interleaved schedule (an interleaved device holds "
                                   "chunks from every part of the model): use recompute= instead")
+
+    def device_chunks(self, device: int) -> tuple[int, ...]:
+        """The model chunks (of ``pp * virtual_stages``, in model order) pipeline device ``device`` holds, in
+        model order: its local chunks 0, 1, ... Looped (every schedule but "zbv"): ``device, device + pp,
+        ...``; "zbv" (a V): ``device`` and ``2 pp - 1 - device``."""
+        if self.schedule == "zbv":
+            return (device, 2 * self.pp - 1 - device)
+        return tuple(range(device, self.pp * self.virtual_stages, self.pp))
+
+    def chunk_device(self, chunk: int) -> int:
+        """The pipeline device holding model chunk ``chunk`` (:meth:`device_chunks`' inverse)."""
+        if self.schedule == "zbv" and chunk >= self.pp:
+            return 2 * self.pp - 1 - chunk
+        return chunk % self.pp
 
     def stage_mode(self, stage: int) -> str:
         """The recompute mode of pipeline stage ``stage`` (with ``recompute_layers``, of its first blocks

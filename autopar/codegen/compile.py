@@ -34,6 +34,7 @@ from torch import nn
 
 from ..capture import graph_of, param_aliases
 from ..capture.opgraph import MoERegion, OpGraph, OpKind
+from ..config import SPLIT_BACKWARD, ParallelConfig
 from ..ops import SKIPPED_TARGETS, base_name
 from ..plan import Plan
 from ..plan.placement import Placement, normal
@@ -42,7 +43,7 @@ from ..runtime import schedules
 from .context import ContextPlan, analyse
 from .layers import LayerIO
 from .lower import How, LoweredGraph, cut_spec, lower, written_inputs
-from ..runtime.pipeline import Value
+from ..runtime.pipeline import Value, split_backward
 from .regions import check_regions
 from .redistribute import R, Step, convert
 from .specs import OpSpec, plan_specs
@@ -83,7 +84,8 @@ class Send:
 
 @dataclass(frozen=True)
 class ChunkProgram:
-    """One pipeline chunk: run by pipeline stage ``stage`` (chunk ``c`` on stage ``c mod pp``)."""
+    """One pipeline chunk: run by pipeline stage ``stage`` (``ParallelConfig.chunk_device``: chunk ``c`` on stage
+    ``c mod pp``, or ZB-V's V)."""
 
     index: int
     stage: int
@@ -196,8 +198,10 @@ def compile_program(plan: Plan, exported: Any, model: nn.Module) -> CompiledProg
     if cfg.cp > 1:
         attention = frozenset(n.name for n in graph.nodes if n.kind is OpKind.ATTENTION)
         context = analyse(split.program, cfg.cp, attention, moe, compiled.region_skip)
-    schedules.check(compiled.schedule, plan.micro_batches, cfg.virtual_stages)
+    schedules.check(compiled.schedule, plan.micro_batches, cfg.virtual_stages, cfg.schedule)
     chunks = tuple(_chunk(spec, compiled, lowered) for spec in split.chunks)
+    if cfg.schedule in SPLIT_BACKWARD:
+        split_backward()   # a torch without torch.distributed.pipelining's split backward is refused here
     tokens = context.local_shape if context is not None else None
     values = cut_values(split, graph, compiled.crossing, cfg.tp, tokens)
     return replace(compiled, lowered=lowered, context=context, chunks=chunks, values=values)
@@ -215,7 +219,7 @@ def _chunk(spec: ChunkSpec, compiled: CompiledProgram, lowered: LoweredGraph | N
     for layer in spec.layers:
         for p in layer.params:
             use[p] = use.get(p, 0) + 1
-    stage = spec.index % cfg.pp
+    stage = cfg.chunk_device(spec.index)
     modes = cfg.chunk_modes(stage, [compiled.graph.recomputable[s.index] for s in spec.layers])
     layers = tuple(LayerProgram(layer, tuple(p for p in layer.params if use[p] == 1 and p not in experts),
                                 tuple(p for p in layer.params if use[p] > 1 and p not in experts),

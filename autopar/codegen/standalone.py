@@ -55,6 +55,7 @@ import torch.utils._pytree as pytree
 
 from ..capture.export import loss_source, normalize_inputs, run_export
 from ..capture.loss import check_loss
+from ..config import SPLIT_BACKWARD
 from ..errors import ConfigError
 from ..plan import Plan
 from ..plan.loss import EMIT
@@ -249,17 +250,20 @@ def _constants(compiled: CompiledProgram, record: dict, unset: dict[str, str]) -
               for v, x in sorted(compiled.values.items())}
     context = compiled.context
     seeds = {name: (s.dim, s.seq, s.outer, s.inner) for name, s in context.inputs.items()} if context else {}
-    stage_params = {p: sorted({f for c in split.chunks if c.index % cfg.pp == p for f in c.params})
+    stage_params = {p: sorted({f for c in split.chunks if cfg.chunk_device(c.index) == p for f in c.params})
                     for p in range(cfg.pp)}
     ties = {f: list(s) for f, s in compiled.holders.items() if len(s) > 1}
     inputs = _input_keys(record, split)
     units = {c.index: _units(c, graph) for c in compiled.chunks}
     dims = compiled.param_dims
     lowered = compiled.lowered
+    placement = "ZB-V's V: rank d holds chunks d and 2 PP - 1 - d" if cfg.schedule == "zbv" else "c % PP"
     fmt = lambda x: pprint.pformat(x, width=110, sort_dicts=False)   # noqa: E731
     return ("\n# --- the plan ------------------------------------------------------------------------------\n"
-            "# the mesh (mesh.py): ranks tp innermost, then cp, dp, pp outermost; chunk c runs on pipeline rank c % PP\n"
+            "# the mesh (mesh.py): ranks tp innermost, then cp, dp, pp outermost\n"
             f"DP, CP, TP, PP, DEVICES = {cfg.dp}, {cfg.cp}, {cfg.tp}, {cfg.pp}, {plan.devices}\n"
+            f"# chunk c runs on pipeline rank CHUNK_DEVICES[c] ({placement})\n"
+            f"CHUNK_DEVICES = {[cfg.chunk_device(c) for c in range(n)]!r}\n"
             "# OFFLOAD: ZeRO-3's shards, gradients and optimizer states in host memory (FSDP2's CPUOffloadPolicy)\n"
             f"OFFLOAD = {cfg.offload}\n"
             f"ZERO, MICRO_BATCH_SIZE, MICRO_BATCHES, GLOBAL_BATCH = {cfg.zero}, {cfg.micro_batch_size}, "
@@ -268,7 +272,10 @@ def _constants(compiled: CompiledProgram, record: dict, unset: dict[str, str]) -
             "# the step's losses all-reduced so that every rank holds them (not when every rank computes them all: tp\n"
             "# alone), in the gradients' last bucket when their all-reduce spans every rank (runtime/losses.py)\n"
             f"SHARES_LOSSES, LOSSES_RIDE = {cfg.shares_losses}, {cfg.losses_ride_gradients}\n"
-            f"# each stage's actions: F<chunk>.<micro-batch> / B<chunk>.<micro-batch>\n"
+            f"# each stage's actions ({cfg.schedule}): F<chunk>.<micro-batch> forward, B<chunk>.<micro-batch>\n"
+            "# backward, or in a zero-bubble schedule (SPLIT_BACKWARD) the backward split: I (input gradients), W\n"
+            "# (the weights')\n"
+            f"SPLIT_BACKWARD = {cfg.schedule in SPLIT_BACKWARD}\n"
             f"SCHEDULE = {fmt({d: ' '.join(str(a) for a in acts) for d, acts in enumerate(schedule)})}\n"
             f"# the batch: graph input -> key (a dict batch) or position (a tuple); example shapes per sample\n"
             f"INPUTS = {fmt(inputs)}\n"

@@ -56,7 +56,7 @@ def load(ref):
 
 
 def actions(text):
-    """"F0.0 B0.0" -> Actions."""
+    """"F0.0 B0.0" (or "F0.0 I0.0 W0.0") -> Actions."""
     return [Action(a[0], int(a[1:].split(".")[0]), int(a.split(".")[1])) for a in text.split()]
 
 
@@ -114,6 +114,10 @@ def main():
                         "--checkpoint DIR: its latest one) saved by this folder or by autopar under any plan; "
                         "--steps counts from the start of the run")
     args = parser.parse_args()
+    if args.compile and P.SPLIT_BACKWARD:
+        parser.error("--compile: this plan's zero-bubble schedule splits each chunk's backward into an input- and "
+                     "a weight-gradient pass, and a compiled chunk's backward is one node that cannot be split: run "
+                     "without --compile, or re-emit a plan with schedule='1f1b' or 'interleaved'")
 
     owned = not dist.is_initialized()   # a caller (a driver running several programs) may have made it
     if owned:
@@ -147,7 +151,7 @@ def main():
     buffers.update({k: value(fqn) for k, fqn in P.META_BUFFERS.items()})
     buffers = {k: v.to(device) for k, v in buffers.items()}
     del model, value
-    mine = [c for c in range(P.CHUNKS) if c % P.PP == pp_rank]
+    mine = [c for c in range(P.CHUNKS) if P.CHUNK_DEVICES[c] == pp_rank]
     chunks = {c: getattr(P, f"Chunk{c}")(g.group("tp"), params, buffers, cp_group=g.group("cp")) for c in mine}
     fsdp = P.ZERO >= 2 and (REPLICAS > 1 or P.OFFLOAD)
     if fsdp:   # ZeRO-2/3: each unit's parameters sharded over the gradient replicas (the dp x cp mesh; with
@@ -174,10 +178,14 @@ def main():
     stages = list(g.ranks("pp"))
     # ZeRO 0-1 with replicas: the gradients' bucketed all-reduce over them (as parallelize's), each chunk's
     # buckets started as its last backward of the step runs (FSDP2 reduce-scatters its own)
-    reducer = data_parallel.GradReducer(data_parallel.dedupe([list(_named(chunks[c]).values()) for c in mine]),
+    schedule = actions(P.SCHEDULE[pp_rank])
+    ends = pipeline.backward_ends(schedule)   # a parameter two of its chunks hold: reduced with the one ending last
+    reducer = data_parallel.GradReducer(data_parallel.dedupe([list(_named(chunks[c]).values()) for c in mine],
+                                                             [ends[c] for c in mine]),
                                         g.dp.get_group(), REPLICAS, args.timeout) if not fsdp and REPLICAS > 1 else None
     # the step's micro-batch losses to every rank, started after this rank's last forward (as parallelize's)
-    share = losses.LossShare(P.SHARES_LOSSES, P.LOSSES_RIDE, pp_rank == P.PP - 1 and tp_rank == 0, P.DP, dp_rank,
+    owner = pp_rank == P.CHUNK_DEVICES[-1] and tp_rank == 0   # the last chunk's, which computes the loss
+    share = losses.LossShare(P.SHARES_LOSSES, P.LOSSES_RIDE, owner, P.DP, dp_rank,
                              P.MICRO_BATCHES, P.CP, device, args.timeout, reducer)
 
     def before_backward(chunk, last):
@@ -187,10 +195,10 @@ def main():
     def after_backward(chunk):
         if reducer is not None:
             reducer.ended(mine.index(chunk))
-    runner = pipeline.PipelineRunner(chunks, io, values, P.LOSS, pipeline.Topology(P.PP, stages, pp_rank), None,
-                                     before_backward, failures.peer_wait(args.timeout), device,
-                                     after_forwards=share.start, after_backward=after_backward)
-    schedule = actions(P.SCHEDULE[pp_rank])
+    topology = pipeline.Topology(P.PP, stages, pp_rank, P.CHUNK_DEVICES)
+    runner = pipeline.PipelineRunner(chunks, io, values, P.LOSS, topology, None, before_backward,
+                                     failures.peer_wait(args.timeout), device, after_forwards=share.start,
+                                     after_backward=after_backward)
     batch_of = load(P.BATCH_FACTORY) if P.BATCH_FACTORY else (lambda step, n: batches.example_at(P.EXAMPLE, n))
     present = presenter(g, fsdp, shapes) if checkpointing else None
     start = 0

@@ -9,7 +9,7 @@ from typing import Sequence
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
 from ..config import ParallelConfig, Precision
-from .estimator import Estimator
+from .estimator import Estimator, reruns
 from .mesh import check_config
 from .offload import require_host
 from .compute import MeasuredTimes
@@ -36,8 +36,9 @@ def estimate_plan(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_
     m = check_config(graph, cluster, cfg, global_batch_size)
     devices = est.devices(cfg, m, chunks)
     groups = est.placements(cfg)
-    pipe = pipeline_time([d.work for d in devices], m, cfg.schedule, cfg.virtual_stages)
-    last = devices[-1]   # the losses' stage: one micro-batch's backward of its last chunk follows the last loss
+    pipe = pipeline_time([d.work for d in devices], m, cfg.schedule, cfg.virtual_stages, [d.passes for d in devices])
+    # the losses' stage: one micro-batch's backward of its last chunk follows the last loss
+    last = devices[cfg.chunk_device(cfg.pp * cfg.virtual_stages - 1)]
     loss = est.tail.loss_share_time(cfg, (last.bwd + last.recompute) / cfg.virtual_stages)
     dp = [est.dp_exposed(cfg, d, m, groups) + loss for d in devices]
     opt = [est.tail.optimizer_time(cfg, d.params, d.expert_params, d.param_tensors) for d in devices]
@@ -54,7 +55,7 @@ def estimate_plan(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_
         chunks=tuple(tuple(names[j] for j in c) for c in d.chunks), param_count=d.params,
         fwd_time=d.fwd, bwd_time=d.bwd, recompute_time=d.recompute, tp_comm_time=d.tp_comm, p2p_time=d.p2p,
         in_flight=d.in_flight, activation_per_microbatch=d.activations, memory=d.memory,
-        cp_comm_time=d.cp_comm, ep_comm_time=d.ep_comm, expert_param_count=d.expert_params)
+        cp_comm_time=d.cp_comm, ep_comm_time=d.ep_comm, expert_param_count=d.expert_params, wgrad_time=d.wgrad)
         for i, d in enumerate(devices))
     peak = max(d.memory.total for d in devices)
     scale = global_batch_size / graph.batch_size
@@ -120,4 +121,4 @@ def _flops(est: Estimator, cfg: ParallelConfig, scale: float, devices) -> tuple[
             rec += f[4] * scale + f[5]
         elif m == "op":
             rec += f[6] * scale + f[7]
-    return model, rec
+    return model, rec * reruns(cfg)

@@ -27,12 +27,12 @@ from ..capture.fusion import for_kernels
 from ..capture.opgraph import OpGraph
 from ..plan.structure import ShardUnits
 from ..cluster import Cluster
-from ..config import ParallelConfig, Precision
+from ..config import SPLIT_BACKWARD, ParallelConfig, Precision
 from . import context_parallel, expert_parallel
 from .comm import Collective, GroupPlacement, collective_time
 from .layer_cost import LayerCost, LayerCostModel, SplitGroups
 from ..plan.record import MemoryBreakdown
-from .memory import in_flight, interleaved_peak, model_state_bytes, op_kept
+from .memory import in_flight, interleaved_peak, model_state_bytes, op_kept, order_peak
 from .offload import host_bytes
 from .mesh import mesh_groups
 from .schedule import even_partition
@@ -59,18 +59,38 @@ class DeviceCost:
     cp_comm: float = 0.0        # context-parallel ring communication not hidden, per micro-batch
     ep_comm: float = 0.0        # expert-parallel all-to-alls, per micro-batch
     expert_params: int = 0      # of ``params``, those of experts (reduced over the expert replicas)
+    fwd_comm: float = 0.0       # of the collectives above, the forward's (tensor, context, expert parallel)
+    wgrad: float = 0.0          # of ``bwd``, the weight gradients (layer_cost.weight_share)
+    reruns: int = 1             # of ``recompute``, the forward reruns (reruns(): two under a split backward)
 
     @property
     def work(self) -> float:
         return self.fwd + self.bwd + self.recompute + self.tp_comm + self.p2p + self.cp_comm + self.ep_comm
 
+    @property
+    def passes(self) -> tuple[float, float, float]:
+        """(forward, input gradient, weight gradient) seconds of :attr:`work`, as a zero-bubble schedule
+        splits it: the forward with its collectives and the p2p it sends, the weight gradients with one
+        rerun of the recomputed forward, and the rest (with the other rerun)."""
+        forward = self.fwd + self.fwd_comm + self.p2p / 2
+        weight = self.wgrad + self.recompute * (self.reruns - 1) / self.reruns
+        return forward, self.work - forward - weight, weight
+
+
+def reruns(cfg: ParallelConfig) -> int:
+    """How many times a recomputing layer reruns its forward per micro-batch: once per backward pass, so
+    twice under a zero-bubble schedule, whose input- and weight-gradient passes each unpack the layer's
+    checkpoint (torch.utils.checkpoint recomputes on each; counted on the runtime's split, test_pipeline)."""
+    return 2 if cfg.schedule in SPLIT_BACKWARD and cfg.pp > 1 else 1
+
 
 def device_p2p(cuts: Sequence[float], chunks: Sequence[Sequence[int]], mine: Sequence[int]) -> float:
     """p2p seconds per micro-batch of the device holding chunks ``mine`` of ``chunks``: each chunk
     receives at its start but the first and sends at its end but the last (``cuts``:
-    :meth:`Estimator.p2p_cut_times`)."""
-    return sum((cuts[chunks[c][-1]] if c < len(chunks) - 1 else 0.0)
-               + (cuts[chunks[c][0] - 1] if c > 0 else 0.0) for c in mine)
+    :meth:`Estimator.p2p_cut_times`), except from and to a chunk of its own (ZB-V's turn: in memory)."""
+    own = set(mine)
+    return sum((cuts[chunks[c][-1]] if c < len(chunks) - 1 and c + 1 not in own else 0.0)
+               + (cuts[chunks[c][0] - 1] if c > 0 and c - 1 not in own else 0.0) for c in mine)
 
 
 @dataclass
@@ -154,7 +174,7 @@ class Estimator:
     def devices(self, cfg: ParallelConfig, micro_batches: int,
                 chunks: Sequence[Sequence[int]] | None = None) -> list[DeviceCost]:
         """Per pipeline device costs. ``chunks`` (``pp * virtual_stages`` contiguous runs of layer
-        indices, device ``d`` holding chunks ``d, d + pp, ...``) defaults to Megatron's even split."""
+        indices, device ``d`` holding chunks ``cfg.device_chunks(d)``) defaults to Megatron's even split."""
         if chunks is None and self._last[:2] == (cfg, micro_batches):
             return list(self._last[2])
         out = self._devices(cfg, micro_batches, chunks)
@@ -174,13 +194,14 @@ class Estimator:
             return by_mode[mode]
         if chunks is None:
             uniform = costs(cfg.stage_mode(0))
-            chunks = even_partition(self.graph, cfg.pp * cfg.virtual_stages, [c.work for c in uniform])
+            chunks = even_partition(self.graph, cfg.pp * cfg.virtual_stages, [c.work for c in uniform],
+                                    cfg.schedule == "zbv")
         chunks = [list(c) for c in chunks]
         cuts = self.p2p_cut_times(cfg, groups["pp"])
         recomputable = self.graph.recomputable
         out = []
         for d in range(cfg.pp):
-            mine = [c for c in range(len(chunks)) if c % cfg.pp == d]
+            mine = list(cfg.device_chunks(d))
             p2p = device_p2p(cuts, chunks, mine)
             # each layer at its own mode: with recompute_layers only a chunk's first blocks recompute
             held = {i: costs(m)[i] for c in mine
@@ -217,22 +238,29 @@ class Estimator:
         names, params, experts = self._held(tuple(idx), cfg)
         w, g, k = self.state_bytes(cfg, params, experts)
         per_chunk = [sum(costs[i].activations for i in chunk) for chunk in chunks]
-        acts = max(per_chunk) if cfg.schedule == "interleaved" else sum(per_chunk)
+        acts = max(per_chunk) if cfg.virtual_stages > 1 else sum(per_chunk)
         flights = in_flight(cfg, d, micro_batches)
-        held = (interleaved_peak(cfg, d, micro_batches, per_chunk) if cfg.schedule == "interleaved"
-                else acts * flights)
+        if cfg.schedule == "interleaved":
+            held = interleaved_peak(cfg, d, micro_batches, per_chunk)
+        elif cfg.schedule in SPLIT_BACKWARD and cfg.pp > 1:
+            held = order_peak(cfg, d, micro_batches, per_chunk)
+        else:
+            held = acts * flights
         buffers = self.buffer_bytes(cfg, cfg.stage_mode(d), max(costs[i].largest_tensor for i in idx),
                                     max(costs[i].activations_full for i in idx),
                                     max(self._unit_params(chunk, cfg) for chunk in chunks) if cfg.zero == 3 else 0)
         memory = MemoryBreakdown(params=w, grads=g, optimizer=k, activations=held, buffers=buffers)
+        rerun = sum(costs[i].recompute for i in idx)   # once per backward pass: twice when it is split
         return DeviceCost(
             chunks=tuple(chunks), fwd=sum(costs[i].fwd for i in idx), bwd=sum(costs[i].bwd for i in idx),
-            recompute=sum(costs[i].recompute for i in idx),
+            recompute=rerun * reruns(cfg),
             tp_comm=sum(costs[i].tp_fwd + costs[i].tp_bwd for i in idx), p2p=p2p,
             activations=acts, in_flight=flights, params=params, buffers=buffers, memory=memory,
             tp_grad_bytes=sum(self.layers.step_comm_bytes(self.graph.layers[i], cfg.tp) for i in idx),
             param_tensors=len(names), cp_comm=sum(costs[i].cp_fwd + costs[i].cp_bwd for i in idx),
-            ep_comm=sum(costs[i].ep_fwd + costs[i].ep_bwd for i in idx), expert_params=experts)
+            ep_comm=sum(costs[i].ep_fwd + costs[i].ep_bwd for i in idx), expert_params=experts,
+            fwd_comm=sum(costs[i].tp_fwd + costs[i].cp_fwd + costs[i].ep_fwd for i in idx),
+            wgrad=sum(costs[i].wgrad for i in idx), reruns=reruns(cfg))
 
     def _held(self, idx: tuple[int, ...], cfg: ParallelConfig) -> tuple[dict, int, int]:
         """(names, local parameters, local expert parameters) of a device holding layers ``idx``: each

@@ -50,6 +50,7 @@ class LayerCost:
     cp_bwd: float = 0.0
     ep_fwd: float = 0.0      # expert-parallel dispatch and combine all-to-alls
     ep_bwd: float = 0.0
+    wgrad: float = 0.0       # of ``bwd``, the weight gradients (:func:`weight_share`): a zero-bubble W pass
 
     @property
     def comm(self) -> float:
@@ -65,6 +66,16 @@ class LayerCost:
 _COLLECTIVES = {"all_reduce": Collective.ALL_REDUCE, "all_gather": Collective.ALL_GATHER,
                 "reduce_scatter": Collective.REDUCE_SCATTER, "all_to_all": Collective.ALL_TO_ALL}
 _SELF_TRANSPOSED = (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL)
+
+
+def weight_share(node: OpNode) -> float:
+    """The share of an op's backward that computes its parameters' gradients (what a zero-bubble
+    schedule's W pass runs): none without parameters; all of an embedding's (its input, indices, has
+    no gradient); half of any other's (a matrix product's backward is two products of its forward's
+    size, one for the input and one for the weight; a norm's two reductions likewise)."""
+    if not node.params:
+        return 0.0
+    return 1.0 if node.kind is OpKind.EMBEDDING else 0.5
 
 
 def split_dim(node: OpNode, layout: TPLayout) -> str:
@@ -205,7 +216,7 @@ class LayerCostModel:
         experts = expert_parallel.region_nodes(self.graph, layer.index) if split.ep > 1 else frozenset()
         imbalance = expert_parallel.imbalance(self.graph, layer.index, split.ep, self.expert_load_cv)
         ops, grad_ops, flops, fwd_flops, core_flops, op_flops = self._flops(layer, scale)
-        fwd = bwd = core_fwd = op_fwd = cp_fwd = cp_bwd = 0.0
+        fwd = bwd = core_fwd = op_fwd = cp_fwd = cp_bwd = wgrad = 0.0
         ring, times, fused = split.cp > 1, self._op_times, self.fused
         for node, shard, dim, is_kept in self._node_facts(layer, tp, sp):
             load = 1.0
@@ -226,6 +237,7 @@ class LayerCostModel:
                     t = times[(node.name, scale, shard, dim)] = model.op_time(node, scale, shard, dim, fused)
             fwd += t.fwd * load
             bwd += t.bwd * load
+            wgrad += t.bwd * load * weight_share(node)
             if node.attention_core:
                 core_fwd += t.fwd
             if not is_kept:
@@ -247,7 +259,8 @@ class LayerCostModel:
         full = acts.layer_bytes(layer, "none", scale, self.owner)
         cost = LayerCost(fwd=fwd, bwd=bwd, recompute=0.0, tp_fwd=tp_fwd, tp_bwd=tp_bwd, activations=full,
                          activations_full=full, largest_tensor=acts.largest_tensor([layer], scale), flops=flops,
-                         recompute_flops=0.0, cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep_fwd, ep_bwd=ep_bwd)
+                         recompute_flops=0.0, cp_fwd=cp_fwd, cp_bwd=cp_bwd, ep_fwd=ep_fwd, ep_bwd=ep_bwd,
+                         wgrad=wgrad)
         return _Timed(cost, core_fwd, fwd_flops, core_flops, op_fwd + tp_rerun + cp_fwd + ep_fwd, op_flops, acts,
                       scale)
 

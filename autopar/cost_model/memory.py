@@ -29,17 +29,23 @@ Interleaved chunks of one device differ in size (the last device's last chunk ho
 and the loss, whose logits can outweigh every block), so its peak is not that count times the
 largest chunk: :func:`interleaved_peak` walks the device's own order (Megatron's, as
 runtime/schedules.py runs it) and takes the most its in-flight passes hold at once.
+The zero-bubble schedules hold a pass's activations from its forward to its weight-gradient
+pass (the input-gradient pass keeps the autograd graph for it): :func:`order_peak` walks the
+device's order likewise (ZB-H1 holds ``min(m, p)`` passes on every device, 1F1B's first
+device's count; ZB-V ``2p`` chunk passes, as many layers as 1F1B's first device).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from ..capture.opgraph import Layer, OpGraph, OpKind, SavedTensor
-from ..config import ParallelConfig, Precision
+from ..config import SPLIT_BACKWARD, ParallelConfig, Precision
+from ..runtime.schedules import build, releases
 from .tensor_parallel import TPLayout
 
 
@@ -193,7 +199,49 @@ def in_flight(cfg: ParallelConfig, stage: int, micro_batches: int) -> int:
         return m
     if cfg.schedule == "1f1b":
         return min(m, p - stage)
+    if cfg.schedule in SPLIT_BACKWARD:
+        return sum(_held_at_peak(cfg.schedule, p, m, v, stage))
     return min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
+
+
+@functools.lru_cache(maxsize=1024)
+def _schedule(kind: str, p: int, m: int, v: int):
+    return build(kind, p, m, v)
+
+
+def _walk(kind: str, p: int, m: int, v: int, stage: int):
+    """Device ``stage``'s actions as (its local chunk, +1 for a forward / -1 for a pass that frees it / 0), for
+    ``min(m, 2p)`` micro-batches: both zero-bubble orders reach their steady holding by then, and hold no
+    more after (tests/unit/cost_model/test_zero_bubble.py), so a long step's walk is a short one's."""
+    local = {c: j for j, c in enumerate(ParallelConfig(pp=p, schedule=kind, virtual_stages=v).device_chunks(stage))}
+    for a in _schedule(kind, p, min(m, 2 * p), v)[stage]:
+        yield local[a.stage], 1 if a.kind == "F" else -1 if releases(a) else 0
+
+
+def _held_at_peak(kind: str, p: int, m: int, v: int, stage: int) -> tuple[int, ...]:
+    """Passes of each local chunk device ``stage`` holds when it holds the most (its order walked)."""
+    return _held_walked(kind, p, min(m, 2 * p), v, stage)
+
+
+@functools.lru_cache(maxsize=4096)
+def _held_walked(kind: str, p: int, m: int, v: int, stage: int) -> tuple[int, ...]:
+    held, best = [0] * v, (0, (0,) * v)
+    for j, step in _walk(kind, p, m, v, stage):
+        held[j] += step
+        if sum(held) > best[0]:
+            best = (sum(held), tuple(held))
+    return best[1]
+
+
+def order_peak(cfg: ParallelConfig, stage: int, micro_batches: int, chunk_bytes: Sequence[float]) -> float:
+    """Peak activation bytes of pipeline device ``stage`` under a zero-bubble schedule, its local chunks
+    leaving ``chunk_bytes[j]`` per pass: its order (runtime/schedules.py) walked, a forward adding its
+    chunk's bytes and a weight-gradient pass freeing them."""
+    held = peak = 0.0
+    for j, step in _walk(cfg.schedule, cfg.pp, micro_batches, cfg.virtual_stages, stage):
+        held += step * chunk_bytes[j]
+        peak = max(peak, held)
+    return peak
 
 
 def chunk_passes(cfg: ParallelConfig, stage: int, micro_batches: int) -> tuple[int, ...]:
@@ -203,6 +251,8 @@ def chunk_passes(cfg: ParallelConfig, stage: int, micro_batches: int) -> tuple[i
     bounds, solver/search.py and solver/even_split.py). :func:`in_flight` unless interleaved;
     interleaved, the warm-up's forwards and the first steady forward, all held before the first
     backward (:func:`interleaved_peak`), counted by chunk."""
+    if cfg.schedule in SPLIT_BACKWARD and cfg.pp > 1:
+        return _held_at_peak(cfg.schedule, cfg.pp, micro_batches, cfg.virtual_stages, stage)
     if cfg.schedule != "interleaved" or cfg.pp == 1:
         return (in_flight(cfg, stage, micro_batches),)
     p, v = cfg.pp, cfg.virtual_stages

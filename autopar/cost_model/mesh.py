@@ -30,8 +30,8 @@ def check_config(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_b
                           f"{per_step}, or change dp / micro_batch_size")
     chunks = cfg.pp * cfg.virtual_stages
     blocks = sum(1 for layer in graph.layers if layer.is_block)
-    if cfg.schedule == "interleaved" and chunks > blocks:
-        raise ConfigError(f"interleaved schedule with pp={cfg.pp} x virtual_stages={cfg.virtual_stages} = {chunks} "
+    if cfg.virtual_stages > 1 and chunks > blocks:
+        raise ConfigError(f"{cfg.schedule} schedule with pp={cfg.pp} x virtual_stages={cfg.virtual_stages} = {chunks} "
                           f"chunks, but the model has only {blocks} repeated layers: pick virtual_stages of at most "
                           f"{max(1, blocks // cfg.pp)} so that every chunk holds one")
     m = global_batch_size // per_step

@@ -12,6 +12,27 @@ tensor-parallel collectives + its p2p sends/receives), ``X = max_i x_i``:
 
       T = (m + (p - 1) / v) X          (bubble (p-1)/(v m), p2p traffic v times larger)
 
+- the zero-bubble schedules (Qi et al., ICLR 2024), device ``i``'s micro-batch split into its
+  forward ``F_i``, input-gradient ``I_i`` and weight-gradient ``W_i`` passes (``x_i = F_i + I_i + W_i``).
+  ZB-H1, for ``m >= p``::
+
+      T = m X + (p - 1) / p sum_i b_i,      b_i = max(F_i + I_i - W_i, F_i, I_i)
+
+  On even stages this is the action-level simulation's makespan exactly, and the published
+  ``(p - 1)(F + I - W)`` whenever ``W <= min(F, I)``, as for GEMM-bound layers, whose weight
+  gradient costs about their forward (Qi et al. Table 2). On uneven stages it is one of several
+  forms that agree on even ones (the slowest device's ``b``, or the sum but the slowest's): the
+  mean is the one the stage DP can minimise exactly (solver/stages.py), and it tracks the
+  simulation within 2% (median; 16% at worst) on random uneven stages where the slowest
+  device's ``b`` misses by 4% (29%).
+  ZB-V (two chunks a device, each half of ``F``, ``I``, ``W``) has no closed form for unequal
+  passes: its bubble is the simulation's of even stages (runtime/schedules.py) with the slowest
+  device's shares (rounded to 0.1%, cached), which for ``m >= 2p`` no longer depends on ``m``
+  (simulated at ``min(m, 2p)``). At ``F = I = W`` it is ``(p - 1) F / 2``: the pipeline's fill,
+  which each device's own span does not see (the published "zero bubble" counts from each
+  device's first pass, as if no step ended on a synchronisation) but the step's gradient
+  reduction waits for. ZB-H1 with ``m < p`` is simulated likewise.
+
 The bubble reported is ``T - m X``: time the slowest device is not working.
 
 Checked against an action-level simulation of each schedule (runtime/schedules.py, zero-time
@@ -29,7 +50,9 @@ from typing import Sequence
 import numpy as np
 
 from ..capture.opgraph import OpGraph
+from ..config import SPLIT_BACKWARD
 from ..errors import ConfigError
+from ..runtime.schedules import build, simulate
 
 
 @dataclass(frozen=True)
@@ -38,13 +61,26 @@ class PipelineTime:
     bubble: float
 
 
-def pipeline_time(work: Sequence[float], micro_batches: int, schedule: str, virtual_stages: int) -> PipelineTime:
-    """Seconds for ``micro_batches`` through devices doing ``work[i]`` seconds per micro-batch each."""
+def pipeline_time(work: Sequence[float], micro_batches: int, schedule: str, virtual_stages: int,
+                  passes: Sequence[tuple[float, float, float]] | None = None) -> PipelineTime:
+    """Seconds for ``micro_batches`` through devices doing ``work[i]`` seconds per micro-batch each.
+    ``passes[i]``: device ``i``'s (forward, input-gradient, weight-gradient) seconds of ``work[i]``, which
+    the zero-bubble schedules need; without them those are bounded below by ``m X`` (no bubble)."""
     if not work:
         raise ConfigError("a pipeline needs at least one stage")
     m, p, slowest = micro_batches, len(work), max(work)
     if p == 1:
         return PipelineTime(m * slowest, 0.0)
+    if schedule in SPLIT_BACKWARD:
+        bubble = 0.0
+        if passes is not None and slowest > 0:
+            if schedule == "zbh1" and m >= p:
+                bubble = (p - 1) / p * sum(zbh1_drain(*x) for x in passes)
+            else:
+                f, _, w = passes[max(range(p), key=lambda d: work[d])]
+                bubble = slowest * split_bubble(schedule, p, min(m, 2 * p), round(f / slowest, 3),
+                                                round(w / slowest, 3))
+        return PipelineTime(m * slowest + bubble, bubble)
     if schedule == "interleaved":
         total = (m + (p - 1) / virtual_stages) * slowest
     else:
@@ -52,13 +88,37 @@ def pipeline_time(work: Sequence[float], micro_batches: int, schedule: str, virt
     return PipelineTime(total, total - m * slowest)
 
 
-def even_partition(graph: OpGraph, chunks: int, layer_cost: Sequence[float]) -> list[list[int]]:
+def zbh1_drain(forward: float, input_grad: float, weight_grad: float) -> float:
+    """A device's share of ZB-H1's bubble per pipeline stage, ``b`` of the module docstring."""
+    return max(forward + input_grad - weight_grad, forward, input_grad)
+
+
+@functools.lru_cache(maxsize=65536)
+def split_bubble(schedule: str, p: int, m: int, forward: float, weight: float) -> float:
+    """The bubble of zero-bubble ``schedule`` over ``p`` even devices and ``m`` micro-batches, in units of
+    one device's work per micro-batch, of which ``forward`` is the forward and ``weight`` the
+    weight-gradient share (the rest the input gradient; a ZB-V chunk does half of each). ZB-V at
+    ``m = 2p`` is affine in ``p`` (tests/unit/cost_model/test_zero_bubble.py): two small simulations
+    give it for any ``p`` (a 64-stage one would take seconds)."""
+    if schedule == "zbv" and m == 2 * p and p > 3:
+        two, three = (split_bubble(schedule, k, 2 * k, forward, weight) for k in (2, 3))
+        return two + (p - 2) * (three - two)
+    v = 2 if schedule == "zbv" else 1
+    share = {"F": forward / v, "W": weight / v, "I": max(0.0, 1.0 - forward - weight) / v}
+    return simulate(build(schedule, p, m, v), v, lambda a: share[a.kind]).makespan - m
+
+
+def even_partition(graph: OpGraph, chunks: int, layer_cost: Sequence[float], v_shape: bool = False) -> list[list[int]]:
     """Megatron's split: the repeated blocks evenly over ``chunks`` model chunks, the layers
     before the first block on the first chunk and those after the last block on the last.
 
     When the blocks do not divide evenly, the contiguous split that minimises the most
-    expensive chunk (by ``layer_cost``) is used instead.
+    expensive chunk (by ``layer_cost``) is used instead. ``v_shape`` (ZB-V: device ``d`` holds chunks
+    ``d`` and ``chunks - 1 - d``, so the layers before the blocks and after them share device 0):
+    :func:`v_partition`.
     """
+    if v_shape:
+        return v_partition(graph, chunks, layer_cost)
     n = len(graph.layers)
     if chunks > n:
         raise ConfigError(f"{chunks} pipeline chunks (pp x virtual_stages) but the model has only {n} layers "
@@ -74,6 +134,38 @@ def even_partition(graph: OpGraph, chunks: int, layer_cost: Sequence[float]) -> 
         parts[-1] = parts[-1] + list(range(blocks[-1] + 1, n))
         return parts
     return balanced_partition(layer_cost, chunks)
+
+
+def v_partition(graph: OpGraph, chunks: int, layer_cost: Sequence[float]) -> list[list[int]]:
+    """ZB-V's split into ``chunks = 2p`` runs, device ``d`` holding runs ``d`` and ``2p - 1 - d``: the layers
+    before the first block on run 0 and those after the last on run ``2p - 1`` (both device 0's), and
+    the blocks dealt so that the devices' costs are as even as whole blocks allow: each device gets two
+    blocks, then each further block goes to the device with the least cost so far (the blocks' mean
+    cost each; optimal for equal blocks), and a device's blocks are split between its two runs, the
+    extra one to its second (whose passes it holds fewer of). Models without a contiguous run of at
+    least ``chunks`` blocks: the plain balanced split (:func:`balanced_partition`)."""
+    p, n = chunks // 2, len(graph.layers)
+    blocks = [l.index for l in graph.layers if l.is_block]
+    if len(blocks) < chunks or blocks != list(range(blocks[0], blocks[-1] + 1)):
+        return balanced_partition(layer_cost, chunks)
+    mean = sum(layer_cost[i] for i in blocks) / len(blocks)
+    edges = sum(layer_cost[i] for i in range(n) if i < blocks[0] or i > blocks[-1])
+    held = [2] * p
+    load = [2 * mean + (edges if d == 0 else 0.0) for d in range(p)]
+    for _ in range(len(blocks) - 2 * p):
+        d = min(range(p), key=lambda k: (load[k], k))
+        held[d] += 1
+        load[d] += mean
+    count = [0] * chunks
+    for d in range(p):
+        count[d], count[chunks - 1 - d] = held[d] // 2, held[d] - held[d] // 2
+    parts, start = [], blocks[0]
+    for c in range(chunks):
+        parts.append(list(range(start, start + count[c])))
+        start += count[c]
+    parts[0] = list(range(0, blocks[0])) + parts[0]
+    parts[-1] = parts[-1] + list(range(blocks[-1] + 1, n))
+    return parts
 
 
 def balanced_partition(cost: Sequence[float], parts: int) -> list[list[int]]:

@@ -43,6 +43,7 @@ from ..runtime.experts import ExpertsModule
 from ..runtime.fp8 import Float8Linear, emulated
 from ..runtime.mesh import Coords, MeshGroups
 from ..runtime.optim import compile_step
+from ..runtime.pipeline import backward_ends
 from ..runtime.sharded_init import Materializer
 from .chunk import ChunkModule, NodeRunner
 from .materialize import dtensor_placement, local_view, materialize_buffers
@@ -231,7 +232,9 @@ def apply_data_parallel(setup: RankSetup, compiled: RankProgram, groups: MeshGro
     experts = compiled.program.expert_params
     named = [chunks[c.index].named_model_parameters() for c in compiled.chunks]
     dense = [[p for fqn, p in ps.items() if fqn not in experts] for ps in named]
-    reducers = [GradReducer(dedupe(dense), groups.dp.get_group(), replicas, setup.timeout)]
+    ends = backward_ends(compiled.actions)
+    reducers = [GradReducer(dedupe(dense, [ends[c.index] for c in compiled.chunks]), groups.dp.get_group(), replicas,
+                            setup.timeout)]
     if experts:
         expert = [[p for fqn, p in ps.items() if fqn in experts] for ps in named]
         reducers.append(GradReducer(expert, groups.group("edp"), replicas, setup.timeout))

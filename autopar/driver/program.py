@@ -8,10 +8,11 @@ device mesh, tp innermost (runtime/mesh.py: the layout and the groups the cost m
    module, as DDP and FSDP respect it), and checks it is the plan's model (its structure:
    capture/structure.py), whatever device and example batch the plan was made on and from;
 2. compiles its share (codegen/compile.py ``compile_rank``: the graph cut into the plan's chunks,
-   each op lowered for tensor parallelism, the chunks of its pipeline stage, ``c mod pp``, and its
-   actions) and builds those chunks: each layer's generated code (codegen/layers.py) with parameters
-   copied from the model, tensor-parallel ones distributed with the plan's split dims (assembly.py's
-   steps, each a function: export_model, apply_mesh, apply_tensor_parallel, build_chunks, ...);
+   each op lowered for tensor parallelism, the chunks of its pipeline stage, ``cfg.device_chunks(stage)``
+   (``c mod pp``, or ZB-V's V), and its actions) and builds those chunks: each layer's generated code
+   (codegen/layers.py) with parameters copied from the model, tensor-parallel ones distributed with the
+   plan's split dims (assembly.py's steps, each a function: export_model, apply_mesh,
+   apply_tensor_parallel, build_chunks, ...);
 3. sets up data parallelism: the bucketed all-reduce of data_parallel.py (ZeRO 0 and 1, the
    latter with its partitioned optimizer), or FSDP2 ``fully_shard`` on every layer and chunk
    (ZeRO-2: ``reshard_after_forward=False`` and no resharding between the step's micro-batches,
@@ -67,6 +68,7 @@ from ..codegen.inputs import check_batch, describe_inputs
 from ..codegen.layers import class_name
 from ..codegen.source import program_source, write_support
 from ..codegen.split import flatten_batch
+from ..config import SPLIT_BACKWARD
 from ..errors import ConfigError, PlanMismatchError
 from ..plan import Plan
 from ..runtime.batches import replica_micro_batches
@@ -136,6 +138,13 @@ class Program:
         if compile is None:
             compile = kernels == "compiled"
         self.compile: str | None = ("inductor" if compile is True else compile) or None
+        if self.compile and plan.config.schedule in SPLIT_BACKWARD:
+            priced = " (this plan priced compiled kernels)" if kernels == "compiled" else ""
+            raise ConfigError(
+                f"schedule={plan.config.schedule!r} splits each chunk's backward into an input- and a weight-gradient "
+                "pass, and a torch.compile'd chunk's backward is one compiled node that cannot be split (torch."
+                f"distributed.pipelining refuses it too): pass compile=False{priced}, or re-plan with "
+                "schedule='1f1b' or 'interleaved'")
         check_model(model)
         check_world(plan)
         if not (isinstance(timeout, (int, float)) and timeout > 0):
@@ -198,15 +207,18 @@ class Program:
         self.micro_losses: torch.Tensor | None = None
         # the step's micro-batch losses to every rank (runtime/losses.py): started after this rank's last
         # forward, in the gradients' last bucket when their all-reduce spans every rank
+        last_stage = cfg.chunk_device(cfg.pp * cfg.virtual_stages - 1)   # the loss's (ZB-V: pipeline rank 0)
         self.loss_share = LossShare(cfg.shares_losses, cfg.losses_ride_gradients,
-                                    self.pp_rank == cfg.pp - 1 and self.tp_rank == 0, cfg.dp, self.dp_rank,
+                                    self.pp_rank == last_stage and self.tp_rank == 0, cfg.dp, self.dp_rank,
                                     self.micro_batches, cfg.cp, self.device, self.timeout,
                                     self.reducers[0] if self.reducers else None)
         self.actions = compiled.actions   # the schedule's, checked for deadlock by the compiler
         sends = {c.index: {s.value: s for s in c.sends} for c in compiled.chunks}
+        topology = Topology(cfg.pp, list(groups.ranks("pp")), self.pp_rank,
+                            [cfg.chunk_device(c.index) for c in self.split.chunks])
         self.runner = PipelineRunner(
             self.chunks, {c.index: ChunkIO(c.graph_inputs, c.recv, c.send) for c in self.split.chunks},
-            dict(compiled.program.values), self.split.loss, Topology(cfg.pp, list(groups.ranks("pp")), self.pp_rank),
+            dict(compiled.program.values), self.split.loss, topology,
             lambda chunk, name, value: self.node_runner.to_cut(sends[chunk][name], value), self._before_backward,
             peer_wait(self.timeout), self.device, self.loss_share.start, self._after_backward)
 

@@ -182,10 +182,25 @@ def layers_of(plan: "Plan") -> Layers:
 
 
 def chunks_in_order(plan: "Plan") -> list[tuple[str, ...]]:
-    """The model chunks in model order: chunk ``c`` is chunk ``c // pp`` of pipeline device ``c % pp``
-    (codegen/split.py, and Megatron-LM's and torch.distributed.pipelining's interleaved order)."""
-    pp = plan.config.pp
-    return [tuple(plan.stages[c % pp].chunks[c // pp]) for c in range(pp * plan.config.virtual_stages)]
+    """The model chunks in model order: chunk ``c`` is device ``cfg.chunk_device(c)``'s chunk at its place in
+    ``cfg.device_chunks`` (looped: chunk ``c // pp`` of device ``c % pp``, Megatron-LM's and
+    torch.distributed.pipelining's interleaved order; ZB-V: a V, torch's "v" style)."""
+    cfg = plan.config
+    out = []
+    for c in range(cfg.pp * cfg.virtual_stages):
+        d = cfg.chunk_device(c)
+        out.append(tuple(plan.stages[d].chunks[cfg.device_chunks(d).index(c)]))
+    return out
+
+
+def zero_bubble_substitute(plan: "Plan", stack: str, written: str) -> str:
+    """What an export says of a zero-bubble schedule its stack cannot run: what it writes instead."""
+    cfg = plan.config
+    share = plan.breakdown.bubble / plan.step_time if plan.step_time > 0 else 0.0
+    return (f"config.schedule = {cfg.schedule!r} (zero bubble: each backward split into input- and weight-gradient "
+            f"passes, the weight passes filling the bubble, {share:.1%} of the predicted step): {stack} has no such "
+            f"schedule; written as {written}, whose bubble is larger (price it with schedule={written.split()[0]!r} "
+            "to see by how much)")
 
 
 def recompute_mode(plan: "Plan", stack: str) -> tuple[str, list[str]]:

@@ -37,7 +37,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from .common import (RECOMPUTE_PART, Export, Field, Fields, base_warnings, chunks_in_order, gb, recompute_mode,
-                     unsharded_memory)
+                     unsharded_memory, zero_bubble_substitute)
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -282,6 +282,9 @@ def _pipeline(plan: "Plan", add, warnings: list[str]) -> None:
         warnings.append(f"config.schedule = 'interleaved' ({cfg.virtual_stages} model chunks per device): DeepSpeed's "
                         "pipeline runs its own 1F1B schedule (TrainSchedule) with one chunk per device, which has a "
                         "larger bubble than the plan's")
+    elif cfg.schedule in ("zbh1", "zbv"):
+        warnings.append(zero_bubble_substitute(plan, "DeepSpeed's pipeline (TrainSchedule)",
+                                               "1f1b with one chunk per device"))
     elif cfg.schedule == "gpipe":
         warnings.append("config.schedule = 'gpipe': DeepSpeed's pipeline runs 1F1B (TrainSchedule), which holds fewer "
                         "micro-batches' activations and has the same bubble")

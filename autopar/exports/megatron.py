@@ -49,7 +49,7 @@ import shlex
 from typing import TYPE_CHECKING
 
 from .common import (RECOMPUTE_PART, Export, Field, Fields, base_warnings, chunks_in_order, gb, header, layers_of,
-                     recompute_mode, seq_len, unsharded_memory)
+                     recompute_mode, seq_len, unsharded_memory, zero_bubble_substitute)
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -119,6 +119,12 @@ def export(plan: "Plan") -> Export:
 
 def _pipeline(plan: "Plan", layers, add, warnings: list[str]) -> None:
     cfg = plan.config
+    if cfg.schedule == "zbh1":
+        warnings.append(zero_bubble_substitute(plan, "Megatron-LM", "1f1b with the same stages"))
+    elif cfg.schedule == "zbv":
+        warnings.append(zero_bubble_substitute(
+            plan, "Megatron-LM", "interleaved 1F1B with the same model chunks, two per device, placed looped (chunk "
+                                 "c on pipeline rank c mod pp) rather than as ZB-V's V"))
     if cfg.schedule == "gpipe":
         warnings.append("config.schedule = 'gpipe': Megatron-LM's non-interleaved pipeline schedule is 1F1B "
                         "(forward_backward_pipelining_without_interleaving), which holds fewer micro-batches' "

@@ -21,9 +21,11 @@ How the plan maps:
 - ``tensor_parallel_degree = tp``; torchtitan's tensor parallelism always shards the norms along the
   sequence (``SequenceParallel`` in ``apply_tp``), so a plan without sequence parallelism is said so.
 - ``pipeline_parallel_degree = pp``, the schedule by torch.distributed.pipelining's name ("GPipe",
-  "1F1B", "Interleaved1F1B"), ``pipeline_parallel_microbatch_size = micro_batch_size`` and the plan's
-  exact partition as ``module_fqns_per_model_part`` (one list per model chunk, in model order; torchtitan
-  places chunk ``c`` on pipeline rank ``c % pp`` for looped schedules, as the plan does), named as
+  "1F1B", "Interleaved1F1B", "ZBVZeroBubble"; ZB-H1 as "1F1B", said so: torchtitan's multi-stage
+  schedules need two stages a rank), ``pipeline_parallel_microbatch_size = micro_batch_size`` and the
+  plan's exact partition as ``module_fqns_per_model_part`` (one list per model chunk, in model order;
+  torchtitan places chunk ``c`` on pipeline rank ``c % pp`` for looped schedules and as a V for ZB-V,
+  as the plan does), named as
   torchtitan's decoder models name their modules (``tok_embeddings``, ``layers.N``, ``norm``,
   ``output``).
 - batch: with a pipeline, one step runs every micro-batch of a replica, so ``local_batch_size =
@@ -41,13 +43,16 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from .common import Export, Field, Fields, base_warnings, chunks_in_order, header, layers_of, recompute_mode, seq_len
+from .common import (Export, Field, Fields, base_warnings, chunks_in_order, header, layers_of, recompute_mode, seq_len,
+                     zero_bubble_substitute)
 
 if TYPE_CHECKING:
     from ..plan import Plan
 
 JOB_CONFIG = "torchtitan/config/job_config.py (0.2.2)"
-SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}  # get_schedule_class's names
+# get_schedule_class's names; torchtitan runs its multi-stage schedules (InterleavedZeroBubble, the ZB-H1 order) only
+# with two stages or more per rank (distributed/pipeline_parallel.py), so a one-chunk ZB-H1 plan is written as 1F1B
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "zbh1": "1F1B", "zbv": "ZBVZeroBubble"}
 # Built-in models that torchtitan ships (torchtitan/models/llama3/__init__.py llama3_configs)
 FLAVORS = {"llama3-8b": ("llama3", "8B"), "llama3-70b": ("llama3", "70B"), "llama3-405b": ("llama3", "405B")}
 
@@ -246,6 +251,9 @@ def _data_parallel(plan: "Plan", add, warnings: list[str]) -> None:
 
 def _pipeline(plan: "Plan", add, warnings: list[str]) -> None:
     cfg = plan.config
+    if cfg.schedule == "zbh1":
+        warnings.append(zero_bubble_substitute(plan, "torchtitan (its InterleavedZeroBubble needs two or more stages per "
+                                                     "rank)", "1f1b with the same stages"))
     add("parallelism.pipeline_parallel_schedule", SCHEDULES[cfg.schedule], ("config.schedule",),
         _doc("Parallelism.pipeline_parallel_schedule") + "; torch/distributed/pipelining/schedules.py get_schedule_class")
     add("parallelism.pipeline_parallel_microbatch_size", cfg.micro_batch_size, ("config.micro_batch_size",),

@@ -223,6 +223,7 @@ def _stage(s: Any, i: int) -> Stage:
         activation_per_microbatch=_float(s, "activation_per_microbatch", where),
         cp_comm_time=_float(s, "cp_comm_time", where, 0.0), ep_comm_time=_float(s, "ep_comm_time", where, 0.0),
         expert_param_count=_int(s, "expert_param_count", where, 0),
+        wgrad_time=_float(s, "wgrad_time", where, 0.0),
         memory=MemoryBreakdown(**{k: _float(mem, k, where + "memory.")
                                   for k in ("params", "grads", "optimizer", "activations", "buffers")}))
 

@@ -87,6 +87,7 @@ class Stage:
     cp_comm_time: float = 0.0         # context-parallel ring not hidden, per micro-batch
     ep_comm_time: float = 0.0         # expert-parallel all-to-alls, per micro-batch
     expert_param_count: int = 0       # of param_count, expert weights (after expert parallelism)
+    wgrad_time: float = 0.0           # of bwd_time, the weight gradients: a zero-bubble schedule's W pass
 
     @property
     def work(self) -> float:

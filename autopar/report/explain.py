@@ -152,7 +152,10 @@ def _pp(plan: Plan) -> str:
                 "tensor-parallel communication per device)")
     sizes = sorted(len(s.layers) for s in plan.stages)
     bubble = plan.breakdown.bubble
-    sched = c.schedule if c.virtual_stages == 1 else f"interleaved with {c.virtual_stages} chunks per device"
+    sched = {"zbh1": "ZB-H1 (zero bubble: each backward split, the weight-gradient passes filling the drain)",
+             "zbv": "ZB-V (zero bubble: two chunks per device placed as a V, each backward split)",
+             }.get(c.schedule, c.schedule if c.virtual_stages == 1
+                   else f"interleaved with {c.virtual_stages} chunks per device")
     return (f"pipeline {c.pp}: {why}. The {c.pp} stages hold {sizes[0]}-{sizes[-1]} layers each "
             f"(an exact partition minimising step time); schedule {sched}; the bubble costs {seconds(bubble)} "
             f"({percent(bubble / plan.step_time)}).")
@@ -178,7 +181,11 @@ def _dp(plan: Plan) -> str:
 def _micro(plan: Plan) -> str:
     c, m = plan.config, plan.micro_batches
     text = f"micro-batches: {m} of {c.micro_batch_size} sample(s) per pipeline and step"
-    if c.pp > 1:
+    if c.pp > 1 and c.schedule in ("zbh1", "zbv"):
+        share = plan.breakdown.bubble / max(plan.step_time - plan.breakdown.bubble, 1e-30)
+        text += (f"; the bubble left ({percent(share)} of the work) is the pipeline's fill and what the weight-gradient "
+                 "passes do not cover, and shrinks with more of them")
+    elif c.pp > 1:
         ideal = (c.pp - 1) / (c.virtual_stages * m)
         text += (f"; more of them shrink the bubble (about (p-1)/(v m) = {percent(ideal)} of the work) but hold "
                  "more activations in flight on the first stages")

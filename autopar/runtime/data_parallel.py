@@ -75,12 +75,15 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def dedupe(per_chunk: list[list[nn.Parameter]]) -> list[list[nn.Parameter]]:
-    """A parameter shared by two chunks of this rank is reduced once, with the earlier chunk (whose last
-    backward comes last)."""
+def dedupe(per_chunk: list[list[nn.Parameter]], ends: Sequence[int] | None = None) -> list[list[nn.Parameter]]:
+    """A parameter shared by two chunks of this rank is reduced once, with the chunk whose last backward of the
+    step comes last (its gradient is complete only then): ``ends[k]``, the position of chunk ``k``'s last
+    backward among the rank's actions (pipeline.backward_ends); by default the earlier chunk (a looped
+    placement's earlier chunk ends its backward last)."""
     seen: set[int] = set()
     out: list[list[nn.Parameter]] = [[] for _ in per_chunk]
-    for c in range(len(per_chunk)):
+    order = range(len(per_chunk)) if ends is None else sorted(range(len(per_chunk)), key=lambda k: -ends[k])
+    for c in order:
         for p in per_chunk[c]:
             if id(p) not in seen:
                 seen.add(id(p))

@@ -12,12 +12,25 @@ For every action of this rank, in order:
   (non-blocking; a value two chunks on go goes straight there);
 - ``B(c, i)``: receive the gradient of each sent value from each chunk that read it (summed),
   backpropagate through the chunk (from the loss, scaled by ``1 / micro_batches``, for the
-  last chunk), and send the gradients of the received values back.
+  last chunk), and send the gradients of the received values back;
+- ``I(c, i)`` and ``W(c, i)`` (the zero-bubble schedules, config.SPLIT_BACKWARD): ``B`` split in two with
+  torch.distributed.pipelining's own split (``_backward.stage_backward_input`` / ``stage_backward_weight``).
+  ``I`` receives the output gradients as ``B`` does, computes the received values' gradients only
+  (``torch.autograd.grad``; the autograd nodes where the weights' paths meet the inputs' keep their
+  incoming gradients) and sends them; ``W`` computes the weights' gradients from those nodes.
+  Outputs that no received value reaches (every output of a chunk receiving nothing that needs a
+  gradient, as torch's first stage) have nothing for ``I`` to do: their whole backward runs at ``W``.
+  The weight gradients ``W`` computes are assigned, not accumulated by autograd (no
+  post-accumulate-grad hooks fire): a data-parallel reducer starts its buckets when the chunk's last
+  ``W`` of the step returns (``after_backward``).
 
 Under context parallelism a value crosses a cut as this rank's tokens (context.py's local
 shape). Sends between two ranks are matched by tag (gloo) = one per (value, micro-batch, reading
 chunk, direction), so their order does not matter; values between two chunks of the same
-rank (interleaved) stay in memory.
+rank (interleaved, ZB-V) stay in memory.
+
+Chunk ``c`` runs on pipeline device ``c mod pp`` (looped), or where :class:`Topology`'s
+``chunk_devices`` says (ZB-V's V: device ``d`` holds chunks ``d`` and ``2 pp - 1 - d``).
 
 This module imports only torch: ``autopar.parallelize`` runs it, and an emitted program
 (codegen/standalone.py) carries it as it is. What it needs of the plan comes in as plain data
@@ -63,12 +76,18 @@ class Topology:
     pp: int
     rank_of_stage: Sequence[int]       # pipeline rank -> global rank (same dp, tp coordinates)
     my_stage: int
+    chunk_devices: Sequence[int] | None = None   # chunk -> pipeline rank (ParallelConfig.chunk_device); None:
+    #                                              looped, chunk % pp
+
+    def device_of(self, chunk: int) -> int:
+        """The pipeline rank running ``chunk``."""
+        return chunk % self.pp if self.chunk_devices is None else self.chunk_devices[chunk]
 
     def rank_of_chunk(self, chunk: int) -> int:
-        return self.rank_of_stage[chunk % self.pp]
+        return self.rank_of_stage[self.device_of(chunk)]
 
     def mine(self, chunk: int) -> bool:
-        return chunk % self.pp == self.my_stage
+        return self.device_of(chunk) == self.my_stage
 
 
 @dataclass
@@ -77,17 +96,74 @@ class _Pass:
     outputs: dict[str, torch.Tensor] = field(default_factory=dict)   # sent values (local, with autograd)
 
 
+@dataclass
+class _Deferred:
+    """What an ``I`` leaves its ``W``: the outputs no received value reaches, with their gradients (their
+    whole backward runs at ``W``), and stage_backward_input's parameter groups (None: nothing split)."""
+
+    outputs: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    param_groups: list[dict[str, Any]] | None
+    weights: list[torch.Tensor]
+
+
+def backward_ends(actions: Sequence[Any]) -> dict[int, int]:
+    """Chunk -> the position in ``actions`` of its last action that completes gradients (``B``, or ``W`` in
+    a split schedule): where its gradients of the step are final."""
+    return {a.stage: k for k, a in enumerate(actions) if a.kind in ("B", "W")}
+
+
+def split_backward() -> tuple[Callable, Callable]:
+    """torch.distributed.pipelining's split backward, ``(stage_backward_input, stage_backward_weight)``;
+    ConfigError on a torch without them."""
+    import inspect
+    try:
+        from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+        usable = ("weights" in inspect.signature(stage_backward_input).parameters
+                  and "retain_graph" in inspect.signature(stage_backward_weight).parameters)
+    except ImportError:
+        usable = False
+    if not usable:
+        from .errors import ConfigError
+        raise ConfigError(f"the zero-bubble schedules (zbh1, zbv) split each backward with torch.distributed."
+                          f"pipelining's stage_backward_input / stage_backward_weight, which this torch "
+                          f"({torch.__version__}) lacks: install torch >= 2.6, or plan with schedule='1f1b' or "
+                          "'interleaved'")
+    return stage_backward_input, stage_backward_weight
+
+
+class _Alias(torch.autograd.Function):
+    """The same values as a tensor of its own (no view, no leaf), for stage_backward_input, which detaches its
+    outputs in place (a view cannot be); gradient passed through."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    return _Alias.apply(t) if t._is_view() or t.grad_fn is None else t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)   # a DTensor's local data (no DTensor dispatch per add)
+
+
 class PipelineRunner:
     """Executes actions for one rank; ``run(actions, micro_batches)`` returns the last chunk's losses.
 
     ``chunks``: this rank's chunk modules; ``io``: every chunk's ChunkIO; ``values``: every value
     crossing a cut; ``loss``: the loss value's name; ``to_cut(chunk, name, value)``: a value as it
     is sent (in the spec it crosses the cut in); ``before_backward(chunk, last)``: called before
-    each backward (``last``: the chunk's last of the step); ``wait(work, what, peer)``: waits for a
-    point-to-point operation or raises; ``after_forwards(losses)``: called once a step, after this
-    rank's last forward, with the losses so far (all of the step's on the rank computing them), so
-    that sharing them can start under the backward passes left; ``after_backward(chunk)``: called after
-    each chunk's last backward of the step."""
+    each pass that completes gradients, ``B`` or ``W`` (``last``: the chunk's last of the step);
+    ``wait(work, what, peer)``: waits for a point-to-point operation or raises; ``after_forwards(losses)``:
+    called once a step, after this rank's last forward, with the losses so far (all of the step's on the
+    rank computing them), so that sharing them can start under the backward passes left;
+    ``after_backward(chunk)``: called after each chunk's last ``B`` (or ``W``) of the step."""
 
     def __init__(self, chunks: Mapping[int, torch.nn.Module], io: Mapping[int, ChunkIO],
                  values: Mapping[str, Value], loss: str, topo: Topology,
@@ -105,34 +181,41 @@ class PipelineRunner:
         self.device = device
         self.n_chunks = len(io)
         self.value_id = {v: i for i, v in enumerate(sorted(values))}
+        self._split: tuple[Callable, Callable] | None = None   # split_backward(), once a schedule needs it
+        self._reached: dict[int, tuple[bool, ...]] = {}          # chunk -> per output: a received value reaches it
 
     # --- one step -----------------------------------------------------------------------------
     def run(self, actions: Sequence[Any], micro: Sequence[Mapping[str, Any]], scale: float) -> list[torch.Tensor]:
-        """Run ``actions`` (each with ``kind`` "F" / "B", ``stage`` and ``micro_batch``); ``micro[i]`` are
-        micro-batch ``i``'s graph inputs by name."""
+        """Run ``actions`` (each with ``kind`` "F" / "B" / "I" / "W", ``stage`` and ``micro_batch``); ``micro[i]``
+        are micro-batch ``i``'s graph inputs by name."""
         self.m = len(micro)
         self.passes: dict[tuple[int, int], _Pass] = {}
+        self.deferred: dict[tuple[int, int], _Deferred] = {}
         self.mailbox: dict[tuple, torch.Tensor] = {}
         self.pending: list[tuple[Any, str, int]] = []
-        last_b, last_f = {}, -1
-        for k, a in enumerate(actions):
-            if a.kind == "B":
-                last_b[a.stage] = k
-            else:
-                last_f = k
+        last_b = backward_ends(actions)
+        last_f = max((k for k, a in enumerate(actions) if a.kind == "F"), default=-1)
+        if self._split is None and any(a.kind in ("I", "W") for a in actions):
+            self._split = split_backward()
         losses: list[torch.Tensor] = []
         for k, action in enumerate(actions):
+            c, i = action.stage, action.micro_batch
             if action.kind == "F":
-                loss = self._forward(action.stage, action.micro_batch, micro[action.micro_batch])
+                loss = self._forward(c, i, micro[i])
                 if loss is not None:
                     losses.append(loss)
                 if k == last_f:
                     self.after_forwards(losses)
-            else:
-                self.before_backward(action.stage, last_b[action.stage] == k)
-                self._backward(action.stage, action.micro_batch, scale)
-                if last_b[action.stage] == k:
-                    self.after_backward(action.stage)
+            elif action.kind == "I":
+                self._input_backward(c, i, scale)
+            else:   # "B", "W": the passes that complete gradients
+                self.before_backward(c, last_b[c] == k)
+                if action.kind == "B":
+                    self._backward(c, i, scale)
+                else:
+                    self._weight_backward(c, i)
+                if last_b[c] == k:
+                    self.after_backward(c)
         for work, what, peer in self.pending:
             self.wait(work, what, peer)
         self.pending.clear()
@@ -161,8 +244,9 @@ class PipelineRunner:
         self.passes[(c, i)] = state
         return loss
 
-    def _backward(self, c: int, i: int, scale: float) -> None:
-        state = self.passes.pop((c, i))
+    def _output_grads(self, state: _Pass, i: int, scale: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The chunk's outputs that backpropagate and their gradients: the loss's ``scale``, each sent value's
+        received from its readers (summed)."""
         tensors, grads = [], []
         for v, out in state.outputs.items():
             if v == self.loss:
@@ -178,12 +262,64 @@ class PipelineRunner:
             if out.requires_grad:
                 tensors.append(out)
                 grads.append(g)
+        return tensors, grads
+
+    def _backward(self, c: int, i: int, scale: float) -> None:
+        state = self.passes.pop((c, i))
+        tensors, grads = self._output_grads(state, i, scale)
         if tensors:
             torch.autograd.backward(tensors, grads)
         for v, leaf in state.leaves.items():
             if self.values[v].requires_grad:
                 g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 self._send(g, v, i, c, forward=False)
+
+    def _input_backward(self, c: int, i: int, scale: float) -> None:
+        """``I(c, i)``: the received values' gradients, sent back; the weights' part kept for ``W(c, i)``."""
+        state = self.passes.pop((c, i))
+        tensors, grads = self._output_grads(state, i, scale)
+        names = [v for v, leaf in state.leaves.items() if self.values[v].requires_grad]
+        leaves = [state.leaves[v] for v in names]
+        weights = [p for p in self.chunks[c].parameters() if p.requires_grad]
+        reached = self._reached.get(c)
+        if reached is None:
+            reached = self._reached[c] = _reached(tensors, leaves)
+        split = [k for k, r in enumerate(reached) if r]
+        whole = [k for k, r in enumerate(reached) if not r]
+        groups, dinputs = None, [None] * len(leaves)
+        if split:
+            stage_backward_input = self._split[0]
+            dinputs, groups = stage_backward_input([_own(tensors[k]) for k in split], [grads[k] for k in split],
+                                                   leaves, iter(weights))
+        for v, leaf, g in zip(names, leaves, dinputs):
+            self._send(g if g is not None else torch.zeros_like(leaf), v, i, c, forward=False)
+        self.deferred[(c, i)] = _Deferred([tensors[k] for k in whole], [grads[k] for k in whole], groups, weights)
+
+    def _weight_backward(self, c: int, i: int) -> None:
+        """``W(c, i)``: the weights' gradients, added to theirs; then the whole backward of the outputs no received
+        value reaches (through autograd's accumulation, last: a data-parallel hook it fires sees the weight's
+        final gradient of the pass)."""
+        d = self.deferred.pop((c, i))
+        if d.param_groups is not None:
+            # stage_backward_weight assigns each weight the gradient autograd.grad returned and adds later ones
+            # into it in place; autograd may return one tensor (or views of one) for several weights
+            # (``x + a + b``), which AccumulateGrad would copy: each weight's first gradient of the step is
+            # copied here, into memory of its own, and later ones added into that
+            before = [w.grad for w in d.weights]
+            for w in d.weights:
+                w.grad = None
+            self._split[1](iter(d.weights), d.param_groups, retain_graph=bool(d.outputs))
+            for w, old in zip(d.weights, before):
+                new = w.grad
+                if new is None:
+                    w.grad = old
+                elif old is None:
+                    w.grad = new.clone(memory_format=torch.contiguous_format)
+                else:
+                    _local(old).add_(_local(new))
+                    w.grad = old
+        if d.outputs:
+            torch.autograd.backward(d.outputs, d.grads)
 
     # --- values across cuts ---------------------------------------------------------------------
     def _tag(self, v: str, i: int, reader: int, forward: bool) -> int:
@@ -213,3 +349,17 @@ class PipelineRunner:
         what = f"receive of {'value' if forward else 'gradient of'} {v} (micro-batch {i})"
         self.wait(work, what, peer)
         return buf
+
+
+def _reached(outputs: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor]) -> tuple[bool, ...]:
+    """Per output: whether a received value (``leaves``) reaches it in the autograd graph. stage_backward_input
+    finds the weights' gradients only where their paths meet the received values', so an output none reaches
+    (a chunk receiving nothing that needs a gradient: all of them) backpropagates whole at ``W``."""
+    if not leaves:
+        return tuple(False for _ in outputs)
+    from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph,
+                                                        reverse_closure)
+    roots = [_get_grad_fn_or_grad_acc(t) for t in outputs]
+    edges = construct_reverse_graph([r for r in roots if r is not None])
+    closure, _ = reverse_closure([_get_grad_fn_or_grad_acc(t) for t in leaves], set(), edges)
+    return tuple(r is not None and r in closure for r in roots)

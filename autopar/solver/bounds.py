@@ -7,12 +7,18 @@ looks them up once for all their schedules and ZeRO stages)::
 
     LB_T(c) = (m - 1) max((W + C) / p, w_p) + W + C + opt(P / p)           (1F1B, GPipe)
     LB_T(c) = (m + (p - 1) / v) max((W + C) / p, w_p) + opt(P / p)          (interleaved)
+    LB_T(c) = m max((W + C) / p, w_p) + (p - 1) / p D + opt(P / p)          (ZB-H1)
+    LB_T(c) = m max((W + C) / p, w_p) + opt(P / p)                          (ZB-V)
     LB_M(c) = states(P / p) + sum_l min_r a_l^r / p
 
 ``W = sum_l c_l`` is the work of one micro-batch through all layers in the cheapest recompute
 mode, ``w_p = max_k ceil(k / p) c_(k)`` with ``c_(k)`` the ``k``-th costliest layer (some device
 holds ``ceil(k / p)`` of the ``k`` costliest: 80 blocks on 32 stages put 3 on some),
-``C = 2 (p v - 1) min_cut`` the p2p of the ``p v - 1`` cuts between chunks (each seen by its
+``D = max((W + C - W_w) / 2, W_f + C / 2)`` with ``W_w`` and ``W_f`` the weight-gradient and
+forward seconds of all layers (every mode's: recomputation runs in the input-gradient pass) floors
+ZB-H1's drain (``zbh1_drain_floor``); ZB-V's fill, at least ``(p - 1)/2`` of the least forward of any
+device (a device-by-device floor), enters the even split's bound. ``C = 2 (p v - 1) min_cut`` the p2p of the ``p v - 1`` cuts between chunks (``p v - 2`` under ZB-V,
+whose turn stays on one device) (each seen by its
 sender and its receiver; ``min_cut`` the cheapest cut of the model, ``v = 1`` unless
 interleaved), ``P`` the parameters after tensor parallelism and
 ``opt``/``states`` the optimizer time and model-state bytes of that many parameters: the
@@ -64,10 +70,10 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from ..config import ParallelConfig
+from ..config import SPLIT_BACKWARD, ParallelConfig
 from ..cost_model.memory import least_passes
 from .even_split import Knapsack, even_pipeline_floor, even_splits
-from .space import Candidate
+from .space import Candidate, compatible
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,16 @@ class LayerWork:
     layer_acts: np.ndarray   # (layers, modes) activation bytes, in layer order
     least_acts: float        # sum_l min_r a_l^r: one pass of every layer in its leanest mode
     costliest: np.ndarray    # (layers,) each layer's work in its cheapest mode, costliest first
+    layer_forward: np.ndarray   # (layers,) forward seconds with its collectives (the same in every mode)
+    layer_wgrad: np.ndarray     # (layers,) weight-gradient seconds (the same in every mode)
+
+    @functools.cached_property
+    def forward_total(self) -> float:
+        return float(self.layer_forward.sum())
+
+    @functools.cached_property
+    def wgrad_total(self) -> float:
+        return float(self.layer_wgrad.sum())
 
     @functools.cached_property
     def knapsack(self) -> Knapsack:
@@ -125,12 +141,14 @@ class SearchBounds:
             counts = np.bincount(np.array([where[row] for row in table])[list(kinds)], minlength=len(rows))
             cheapest = work.min(axis=1)
             modes = len(self.bound_modes)
+            forward = np.array([c.fwd + c.tp_fwd + c.cp_fwd + c.ep_fwd for c in costs[0]])[list(kinds)]
+            wgrad = np.array([c.wgrad for c in costs[0]])[list(kinds)]
             params, experts = self._local_params(c, cfg)
             self._work[key] = LayerWork(
                 total=float(cheapest.sum()), params=params, experts=experts,
                 work=rows[:, :modes], acts=rows[:, modes:], counts=counts.astype(float),
                 layer_work=work, layer_acts=acts, least_acts=float(acts.min(axis=1).sum()),
-                costliest=-np.sort(-cheapest))
+                costliest=-np.sort(-cheapest), layer_forward=forward, layer_wgrad=wgrad)
         return self._work[key]
 
     def _local_params(self, c: Candidate, cfg: ParallelConfig) -> tuple[float, float]:
@@ -159,13 +177,14 @@ class SearchBounds:
         steps = [self._per_step(rep, z) for z in zeros]
         acts = lw.least_acts
         for schedule, v in schedules:
-            pipe = _pipe(schedule, v, m, p, total, 2 * (p * v - 1) * cut if p > 1 else 0.0, largest)
+            pipe = _pipe(schedule, v, m, p, total, 2 * _crossings(schedule, p, v) * cut, largest, lw)
+            tried = [(z, step) for z, step in zip(zeros, steps) if compatible(schedule, z)]
             if not _all_held(schedule, m, p):
-                for z, (optimizer, states) in zip(zeros, steps):
+                for z, (optimizer, states) in tried:
                     yield pipe + optimizer, states, schedule, v, z
                 continue
             inverse, most = self._passes_of(rep, schedule, v, m)
-            for z, (optimizer, states) in zip(zeros, steps):
+            for z, (optimizer, states) in tried:
                 yield (pipe + optimizer, max(states + acts / p, (acts + p * states / most) / inverse),
                        schedule, v, z)
 
@@ -173,9 +192,9 @@ class SearchBounds:
         """(LB_T, LB_M) with ``total`` for ``W``."""
         lw = self._layer_work(c)
         m, p = c.micro_batches(self.global_batch_size), c.pp
-        p2p = 2 * (p * c.virtual_stages - 1) * self._least_cut(c) if p > 1 else 0.0
+        p2p = 2 * _crossings(c.schedule, p, c.virtual_stages) * self._least_cut(c) if p > 1 else 0.0
         optimizer, states = self._per_step(c)
-        lb_t = _pipe(c.schedule, c.virtual_stages, m, p, total, p2p, self._largest_stage(c)) + optimizer
+        lb_t = _pipe(c.schedule, c.virtual_stages, m, p, total, p2p, self._largest_stage(c), lw) + optimizer
         if not _all_held(c.schedule, m, p):
             return lb_t, states
         inverse, most = self._passes(c, m)
@@ -202,7 +221,9 @@ class SearchBounds:
         zero = c.zero if zero is None else zero
         key = (c.variant, c.tp, c.sequence_parallel, c.cp, c.ep, c.pp, c.dp, zero, c.offload)
         if key not in self._fixed:
-            lw, p, est, cfg = self._layer_work(c), c.pp, self.estimator(c.variant), replace(c, zero=zero).config()
+            # any schedule prices the step alike: 1F1B's takes every ZeRO stage (the zero-bubble ones 0-1 only)
+            cfg = replace(c, zero=zero, schedule="1f1b", virtual_stages=1).config()
+            lw, p, est = self._layer_work(c), c.pp, self.estimator(c.variant)
             self._fixed[key] = (float(est.tail.optimizer_time(cfg, lw.params / p, lw.experts / p)),
                                 float(sum(est.state_bytes(cfg, lw.params / p, lw.experts / p))))
         return self._fixed[key]
@@ -251,10 +272,12 @@ class SearchBounds:
         the search takes it only for a candidate whose summed bound reaches the queue's head."""
         m = c.micro_batches(self.global_batch_size)
         lw, est, cfg = self._layer_work(c), self.estimator(c.variant), c.config()
-        key = (c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep, c.pp, c.virtual_stages)
+        key = (c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep, c.pp, c.virtual_stages,
+               c.schedule == "zbv")   # the V places the chunks otherwise
         if key not in self._splits:
             self._splits[key] = even_splits(est, cfg, lw.layer_work)
-        pipe = even_pipeline_floor(est, cfg, m, self._splits[key], lw.layer_work, lw.layer_acts,
+        pipe = even_pipeline_floor(est, cfg, m, self._splits[key], lw.layer_work, lw.layer_acts, lw.layer_forward,
+                                   lw.layer_wgrad,
                                    self.cluster.device.memory if self._holds(c, m) else math.inf)
         if pipe is None:
             return None
@@ -284,13 +307,35 @@ class SearchBounds:
         return min(c.pp * (memory - states), memory * inverse - c.pp * states / most)
 
 
-def _pipe(schedule: str, virtual_stages: int, m: int, p: int, total: float, p2p: float, largest: float) -> float:
+def _pipe(schedule: str, virtual_stages: int, m: int, p: int, total: float, p2p: float, largest: float,
+          lw: LayerWork) -> float:
     """The pipeline term of ``LB_T`` (module docstring): ``m`` micro-batches of ``total`` work and ``p2p``
     over ``p`` devices, the slowest holding at least ``largest``."""
     x = max((total + p2p) / p, largest)
     if schedule == "interleaved":
         return (m + (p - 1) / virtual_stages) * x
+    if schedule == "zbh1" and m >= p:
+        return m * x + (p - 1) / p * zbh1_drain_floor(total + p2p, lw.forward_total + p2p / 2, lw.wgrad_total)
+    if schedule in SPLIT_BACKWARD:   # ZB-V's fill needs each device's forward: the even split's bound has it
+        return m * x
     return (m - 1) * x + total + p2p
+
+
+def zbh1_drain_floor(work: float, forward: float, wgrad: float) -> float:
+    """At most ``sum_k b_k`` (cost_model/schedule.py's ZB-H1 drain shares, ``b = max(x - 2w, f, x - f - w)``)
+    of devices whose work, forward and weight-gradient seconds sum to at least ``work`` and exactly ``forward``
+    and ``wgrad``: ``b >= max((x - w) / 2, f)`` for each (the mean of its last two terms is ``(x - w) / 2``), a
+    sum of maxima at least the maximum of the sums. Recomputation, which the weight-gradient pass reruns
+    (estimator.reruns), adds as much to ``x`` as to ``w``: ``x - f - w`` and ``f`` keep their floors
+    (``x - 2w`` would not)."""
+    return max((work - wgrad) / 2, forward)
+
+
+def _crossings(schedule: str, p: int, v: int) -> int:
+    """Cuts between chunks on two devices: ``p v - 1``, but ZB-V's turn, whose two chunks share a device."""
+    if p == 1:
+        return 0
+    return p * v - 1 - (schedule == "zbv")
 
 
 def _all_held(schedule: str, m: int, p: int) -> bool:

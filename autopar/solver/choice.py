@@ -48,10 +48,10 @@ def check_tolerance(tie_tolerance: Any) -> float:
 
 
 def moving_parts(cfg: ParallelConfig) -> tuple:
-    """Fewer is simpler: (parts in use, ZeRO stage, parallel dimensions besides dp, interleaved,
-    sequence parallel, recomputes)."""
+    """Fewer is simpler: (parts in use, ZeRO stage, parallel dimensions besides dp, a schedule other than
+    1F1B (interleaved, zero-bubble), sequence parallel, recomputes)."""
     dims = sum(d > 1 for d in (cfg.tp, cfg.pp, cfg.cp, cfg.ep))
-    interleaved = cfg.schedule == "interleaved"
+    interleaved = cfg.schedule not in ("1f1b", "gpipe")
     recomputes = cfg.recompute != "none" or any(m != "none" for m in cfg.stage_recompute)
     parts = (cfg.zero > 0) + dims + interleaved + cfg.sequence_parallel + recomputes + cfg.offload
     return (parts, cfg.zero + cfg.offload, dims, interleaved, cfg.sequence_parallel, recomputes)

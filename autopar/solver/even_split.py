@@ -66,29 +66,34 @@ def even_splits(est: Estimator, cfg: ParallelConfig, work: np.ndarray) -> tuple[
     micro-batch count (the search caches them)."""
     p, chunks = cfg.pp, cfg.pp * cfg.virtual_stages
     cuts = est.p2p_cut_times(cfg, est.placements(cfg)["pp"]) if p > 1 else []
-    runs = {tuple(tuple(run) for run in even_partition(est.graph, chunks, list(work[:, k])))
+    runs = {tuple(tuple(run) for run in even_partition(est.graph, chunks, list(work[:, k]), cfg.schedule == "zbv"))
             for k in range(work.shape[1])}
     own, own_experts = est.own_params(cfg)
     out = []
     for split in sorted(runs):
-        members, device, chunk, held = _placement(split, p, len(work))
+        members, device, chunk, held = _placement(split, cfg, len(work))
         params = np.array([own[h].sum() for h in held])
         experts = np.array([own_experts[h].sum() for h in held])
-        p2p = np.array([device_p2p(cuts, split, range(d, chunks, p)) for d in range(p)], dtype=float)
+        p2p = np.array([device_p2p(cuts, split, cfg.device_chunks(d)) for d in range(p)], dtype=float)
         out.append(Split(members, device, chunk, params, experts, p2p))
     return tuple(out)
 
 
+def _placement(split: tuple[tuple[int, ...], ...], cfg: ParallelConfig, layers: int) -> tuple[np.ndarray, ...]:
+    """(members, device, chunk, the layers each device holds) of chunks ``split`` on ``cfg``'s pipeline
+    (device ``d`` holds chunks ``cfg.device_chunks(d)``): the same for every micro-batch, layout and ZeRO
+    stage of a pipeline (cached by the placement, read-only)."""
+    return _placed(split, tuple(cfg.device_chunks(d) for d in range(cfg.pp)), layers)
+
+
 @functools.lru_cache(maxsize=4096)
-def _placement(split: tuple[tuple[int, ...], ...], p: int, layers: int) -> tuple[np.ndarray, ...]:
-    """(members, device, chunk, the layers each device holds) of chunks ``split`` on ``p`` devices
-    (device ``d`` holds chunks ``d, d + p, ...``): the same for every micro-batch, layout and ZeRO
-    stage of a pipeline (cached, read-only)."""
+def _placed(split: tuple[tuple[int, ...], ...], places: tuple[tuple[int, ...], ...], layers: int) -> tuple:
+    p = len(places)
     members = np.zeros((layers, p))
     device, chunk = np.zeros(layers, dtype=int), np.zeros(layers, dtype=int)
     held = []
     for d in range(p):
-        mine = range(d, len(split), p)
+        mine = places[d]
         for j, c in enumerate(mine):
             members[list(split[c]), d] = 1.0
             device[list(split[c])], chunk[list(split[c])] = d, j
@@ -99,11 +104,13 @@ def _placement(split: tuple[tuple[int, ...], ...], p: int, layers: int) -> tuple
 
 
 def even_pipeline_floor(est: Estimator, cfg: ParallelConfig, micro_batches: int, splits: Sequence[Split],
-                        work: np.ndarray, acts: np.ndarray, memory: float) -> float | None:
+                        work: np.ndarray, acts: np.ndarray, forward: np.ndarray, wgrad: np.ndarray,
+                        memory: float) -> float | None:
     """The least pipeline time of ``cfg`` on any of its even ``splits`` over every choice of modes
     (module docstring); None when none fits. ``work`` and ``acts``: each layer's work and activation
-    bytes per micro-batch in each mode the search prices, ``(layers, modes)``; ``memory`` the
-    device's bytes (``inf``: no memory argument)."""
+    bytes per micro-batch in each mode the search prices, ``(layers, modes)``; ``forward`` and ``wgrad``
+    each layer's forward (with its collectives) and weight-gradient seconds, the same in every mode
+    (the zero-bubble schedules' passes); ``memory`` the device's bytes (``inf``: no memory argument)."""
     passes = np.array([chunk_passes(cfg, d, micro_batches) for d in range(cfg.pp)])   # (devices, v)
     best = None
     for split in splits:
@@ -111,7 +118,16 @@ def even_pipeline_floor(est: Estimator, cfg: ParallelConfig, micro_batches: int,
         held = passes[split.device, split.chunk]
         floors = Knapsack(work, acts * held[:, None], split.members).floors(room)
         if floors is not None:
-            t = pipeline_time(list(floors + split.p2p), micro_batches, cfg.schedule, cfg.virtual_stages).total
+            x = floors + split.p2p
+            f, w = forward @ split.members + split.p2p / 2, wgrad @ split.members
+            # ZB-H1's drain grows with each device's work at fixed forward and weight gradient: its time at
+            # the floors is a floor; ZB-V's bubble is at least its fill, (p - 1)/2 of the slowest device's
+            # forward (tests/unit/cost_model/test_zero_bubble.py), at least the least device's
+            zbh1 = cfg.schedule == "zbh1"
+            t = pipeline_time(list(x), micro_batches, cfg.schedule, cfg.virtual_stages,
+                              list(zip(f, x - f - w, w)) if zbh1 else None).total
+            if cfg.schedule == "zbv":
+                t += (cfg.pp - 1) * float(f.min()) / 2
             best = t if best is None else min(best, t)
     return best
 
@@ -166,12 +182,12 @@ class Unfit(NamedTuple):
 
 class EvenSplitPlans:
     """The plans of a candidate on Megatron's even split, for the outer search (search.Search, which
-    provides ``estimator``, ``graph``, ``cluster``, ``global_batch_size``, ``precision``, ``modes``,
+    provides ``estimator``, ``graph``, ``cluster``, ``global_batch_size``, ``precision``, ``modes``, ``modes_of``,
     ``fixed`` and ``must_fit``)."""
 
     def _even_split(self, c: Candidate) -> bool:
         """Whether ``c`` takes Megatron's even split (:meth:`_even`) rather than the stage DP."""
-        return c.schedule == "interleaved" or bool(self.fixed.get("recompute_layers"))
+        return c.virtual_stages > 1 or bool(self.fixed.get("recompute_layers"))
 
     def _even(self, c: Candidate) -> list[Plan | Unfit]:
         """Megatron's even split (stages.py: an interleaved candidate, or a pinned ``recompute_layers``,
@@ -179,8 +195,9 @@ class EvenSplitPlans:
         fastest partial recomputation that fits (:meth:`_partial`); a config that does not fit is
         only priced by its memory."""
         est = self.estimator(c.variant)
-        tried = [self._try(est, c, c.config(mode)) for mode in self.modes if mode != "full"]
-        if "full" in self.modes:
+        modes = self.modes_of(c)
+        tried = [self._try(est, c, c.config(mode)) for mode in modes if mode != "full"]
+        if "full" in modes:
             # partial recomputation only pays when keeping every activation does not fit
             keeps_all = any(isinstance(p, Plan) and p.fits and p.config.recompute == "none" for p in tried)
             tried += self._partial(c, est, bisect=not keeps_all)

@@ -31,14 +31,14 @@ import gc
 import heapq
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
-from ..config import DEFAULT_TIE_TOLERANCE, ParallelConfig, Precision
+from ..config import DEFAULT_TIE_TOLERANCE, SPLIT_BACKWARD, ParallelConfig, Precision
 from ..cost_model import Estimator, estimate_plan
 from ..cost_model.compute import MeasuredTimes
 from ..cost_model.layer_cost import LayerCostModel
@@ -49,7 +49,7 @@ from .choice import TIE, TOP_ALTERNATIVES, Seen, choose, could_beat
 from .bounds import LayerWork, SearchBounds
 from .even_split import EvenSplitPlans, Split
 from .sharding import WHOLE_BATCH
-from .space import Branch, Candidate, Key, branches, candidates, placeable, recompute_modes
+from .space import Branch, Candidate, Key, branches, candidates, compatible, placeable, recompute_modes
 from .stages import least_memory, partition, run_tables
 
 
@@ -159,9 +159,19 @@ class Search(SearchBounds, EvenSplitPlans):
     def modes(self) -> tuple[str, ...]:
         return recompute_modes(self.graph, self.fixed)
 
+    def modes_of(self, c: Candidate) -> tuple[str, ...]:
+        """:attr:`modes` that candidate ``c``'s schedule runs: the zero-bubble ones' two backward passes go
+        through a layer's checkpoint twice, which per-op recomputation does not allow (config.py)."""
+        return tuple(m for m in self.modes if m != "op") if c.schedule in SPLIT_BACKWARD else self.modes
+
     def _branches(self) -> Iterator[Branch]:
-        """The space's branches whose mesh places uniformly on the topology."""
+        """The space's branches whose mesh places uniformly on the topology; without the zero-bubble
+        schedules under compiled kernels (a compiled chunk's backward is one node: it cannot be split)."""
         for b in branches(self.graph, self.cluster, self.global_batch_size, self.fixed):
+            if self.precision.kernels == "compiled" and any(s in SPLIT_BACKWARD for s, _ in b.schedules):
+                b = replace(b, schedules=tuple((s, v) for s, v in b.schedules if s not in SPLIT_BACKWARD))
+                if not b.schedules:
+                    continue
             mesh = (b.tp, b.cp, b.dp, b.ep, b.pp)
             if mesh not in self._mesh_ok:
                 self._mesh_ok[mesh] = placeable(self.cluster, b.candidate("", False, *b.schedules[0], b.zeros[0]).config())
@@ -185,6 +195,8 @@ class Search(SearchBounds, EvenSplitPlans):
         for b in self._branches():
             for schedule, v in b.schedules:
                 for zero in b.zeros:
+                    if not compatible(schedule, zero):
+                        continue
                     for sp in b.sequence_parallel:
                         for variant in self._base_variants:
                             yield b.candidate(self._variant(variant, b.tp, b.micro_batch_size), sp, schedule, v,
@@ -250,7 +262,7 @@ class Search(SearchBounds, EvenSplitPlans):
                 return min(pl.peak for pl in tried)
             return min(fitting, key=lambda pl: pl.step_time)
         cfg = self._config(c)
-        tables = run_tables(est, cfg, m, self.modes)
+        tables = run_tables(est, cfg, m, self.modes_of(c))
         part = partition(tables, cfg, m, memory)
         if part is None:
             return least_memory(tables, cfg, m)[0]
@@ -392,7 +404,7 @@ class Search(SearchBounds, EvenSplitPlans):
         the stats (and on ``bar``): a sequence-parallel choice and variant at a time, whose
         candidates share their per-layer costs (SearchBounds.leaf_bounds)."""
         schedules = tuple(sv for sv in b.schedules if self._visits(sv[0]))
-        gpipe = (len(b.schedules) - len(schedules)) * len(b.zeros)
+        gpipe = sum(compatible(s, z) for s, _ in b.schedules if not self._visits(s) for z in b.zeros)
         for sp in b.sequence_parallel:
             for base in self._base_variants:
                 self.stats.candidates += b.leaves
@@ -474,5 +486,5 @@ class Search(SearchBounds, EvenSplitPlans):
             lean = min(self._even(c), key=lambda pl: pl.peak_memory if isinstance(pl, Plan) else pl.peak)
             return (lean.peak_memory, lean.config) if isinstance(lean, Plan) else lean
         cfg = self._config(c)
-        mem, modes = least_memory(run_tables(est, cfg, m, self.modes), cfg, m)
+        mem, modes = least_memory(run_tables(est, cfg, m, self.modes_of(c)), cfg, m)
         return mem, c.with_modes(modes)

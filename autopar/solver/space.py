@@ -31,7 +31,7 @@ from typing import Any, Iterator, Mapping, NamedTuple
 
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
-from ..config import RECOMPUTE_MODES, ParallelConfig
+from ..config import RECOMPUTE_MODES, SPLIT_BACKWARD, ParallelConfig
 from ..cost_model import context_parallel, expert_parallel
 from ..cost_model.mesh import mesh_groups
 from ..errors import ConfigError
@@ -177,7 +177,7 @@ class Branch:
     @property
     def leaves(self) -> int:
         """Candidates per sequence-parallel choice and variant."""
-        return len(self.schedules) * len(self.zeros)
+        return sum(compatible(s, z) for s, _ in self.schedules for z in self.zeros)
 
     def candidate(self, variant: str, sp: bool, schedule: str, virtual_stages: int, zero: int) -> Candidate:
         return Candidate(variant, self.dp, self.tp, self.pp, self.micro_batch_size, schedule, virtual_stages, zero,
@@ -211,9 +211,12 @@ def branches(graph: OpGraph, cluster: Cluster, global_batch_size: int, fixed: Ma
             for ep in allowed("ep", [e for e in divisors(dp) if expert_parallel.unsupported(graph, e) is None]):
                 for mb in allowed("micro_batch_size", divisors(global_batch_size // dp)):
                     m = global_batch_size // (dp * mb)
-                    # Megatron's interleaved order needs m to be a multiple of pp
+                    # Megatron's interleaved order needs m to be a multiple of pp; the zero-bubble schedules are
+                    # searched where their steady state is reached (ZB-H1 m >= pp: its stage DP is exact there;
+                    # ZB-V m >= 2 pp: its bubble in closed form, cost_model/schedule.py)
                     schedules = tuple((s, v) for s, v in _schedules(pp, blocks, fixed, capped)
-                                      if s != "interleaved" or m % pp == 0)
+                                      if (s != "interleaved" or m % pp == 0)
+                                      and (m >= pp * ZB_MICRO_BATCHES.get(s, 0) or "schedule" in fixed))
                     if schedules:
                         yield Branch(tp, cp, pp, dp, ep, mb, schedules, zeros, sps, offload)
 
@@ -224,9 +227,22 @@ def candidates(graph: OpGraph, cluster: Cluster, global_batch_size: int, variant
     for b in branches(graph, cluster, global_batch_size, fixed, capped):
         for schedule, v in b.schedules:
             for zero in b.zeros:
+                if not compatible(schedule, zero):
+                    continue
                 for sp in b.sequence_parallel:
                     for variant in variants:
                         yield b.candidate(variant, sp, schedule, v, zero)
+
+
+ZB_MICRO_BATCHES = {"zbh1": 1, "zbv": 2}
+"""The zero-bubble schedules are searched with at least this many micro-batches per pipeline device; pinned,
+with any (priced then by simulation, and ZB-H1's stage DP minimising its steady-state form)."""
+
+
+def compatible(schedule: str, zero: int) -> bool:
+    """Whether a schedule and ZeRO stage go together: the zero-bubble schedules' split backward takes
+    ZeRO 0 or 1 only (ParallelConfig's rule)."""
+    return schedule not in SPLIT_BACKWARD or zero <= 1
 
 
 def _meshes(graph: OpGraph, n_dev: int, n_layers: int, fixed: Mapping[str, Any],
@@ -274,6 +290,8 @@ def _schedules(pp: int, blocks: int, fixed: Mapping[str, Any], capped: bool) -> 
         # chunks need not divide the blocks: uneven chunks are balanced by cost (Llama 3 405B ran 126
         # layers over 16 stages interleaved), which Megatron-LM's own check does not allow
         out += [("interleaved", v) for v in range(2, most + 1) if pp * v <= blocks]
+        # the zero-bubble schedules torch.distributed.pipelining runs: ZB-H1, and ZB-V's two chunks a device
+        out += [("zbh1", 1)] + ([("zbv", 2)] if 2 * pp <= blocks else [])
     return [(s, v) for s, v in out if fixed.get("schedule", s) == s and fixed.get("virtual_stages", v) == v]
 
 
@@ -287,7 +305,8 @@ PIN_RULES = {
     "micro_batch_size": "dp x micro_batch_size divides the global batch (interleaved: the micro-batches per "
                         "pipeline are a multiple of pp)",
     "virtual_stages": "pp x virtual_stages is at most the repeated blocks (one per chunk)",
-    "schedule": "interleaved needs pp > 1 and at least one repeated block per chunk (pp x virtual_stages)",
+    "schedule": "interleaved and zbv need pp > 1 and at least one repeated block per chunk (pp x virtual_stages); "
+                "zbh1 and zbv need zero <= 1, recompute other than 'op' and kernels other than 'compiled'",
     "zero": "any stage 0-3",
     "sequence_parallel": "sequence parallelism needs tp > 1",
 }

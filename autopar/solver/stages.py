@@ -34,7 +34,12 @@ the optimum is exact. The DP runs on runs of at most ``L`` layers, ``L`` the mos
 can hold within memory (:class:`Band`): ``O(p n L)`` per DP, vectorised with numpy. When
 ``m = 1`` the ``X`` term vanishes and one ``X`` suffices.
 
-An interleaved schedule puts ``v`` chunks from all over the model on each device, which
+ZB-H1 (cost_model/schedule.py) prices ``T = m max_k x_k + (p - 1) / p sum_k b_k + max_k y_k``,
+``b_k`` its drain share of the run's forward, input- and weight-gradient passes: the same DP with
+``b`` summed in place of ``x`` and slope ``m`` in place of ``m - 1`` (the bound ``X`` still on
+``x``), so its partition is exact too.
+
+An interleaved schedule (or ZB-V) puts ``v`` chunks from all over the model on each device, which
 breaks the stage independence above; it keeps Megatron's even split of the blocks, balanced by
 cost when they do not divide into the chunks (:func:`autopar.cost_model.schedule.even_partition`),
 and one recompute mode.
@@ -49,7 +54,7 @@ from typing import Sequence
 import numpy as np
 
 from ..config import ParallelConfig
-from ..cost_model.estimator import Estimator
+from ..cost_model.estimator import Estimator, reruns
 from ..cost_model.memory import in_flight
 
 INF = float("inf")
@@ -73,6 +78,7 @@ class RunTables:
     tail: np.ndarray       # (R, n, n) y^r(i, j) seconds per step
     fixed_mem: np.ndarray  # (R, n, n) model states + buffers, bytes
     act: np.ndarray        # (R, n, n) activation bytes per micro-batch
+    summed: np.ndarray     # (R, n, n) what the objective sums per stage: ``work``, or ZB-H1's drain share
 
 
 def run_tables(est: Estimator, cfg: ParallelConfig, micro_batches: int, modes: Sequence[str]) -> RunTables:
@@ -88,14 +94,16 @@ def run_tables(est: Estimator, cfg: ParallelConfig, micro_batches: int, modes: S
     states = sum(est.state_bytes(cfg, params, experts))
     step = np.array([est.layers.step_comm_bytes(layer, cfg.tp) for layer in graph.layers], dtype=float)
     units, unit_params, kept, n_kept = est.unit_tables(cfg)   # ZeRO-2/3 units of each run, its largest, the kept ones
-    works, tails, fixed, acts = [], [], [], []
+    works, tails, fixed, acts, sums = [], [], [], [], []
     for mode in modes:
         costs = est.layer_costs(cfg, groups["tp"], mode, groups)
         col = lambda attr: np.array([getattr(c, attr) for c in costs], dtype=float)  # noqa: E731
-        fwd, bwd, rec = _run_sum(col("fwd")), _run_sum(col("bwd")), _run_sum(col("recompute"))
+        fwd, bwd = _run_sum(col("fwd")), _run_sum(col("bwd"))
+        rec = _run_sum(col("recompute")) * reruns(cfg)   # estimator.reruns: twice under a split backward
         tp = _run_sum(col("tp_fwd") + col("tp_bwd"))
         other = _run_sum(col("cp_fwd") + col("cp_bwd") + col("ep_fwd") + col("ep_bwd"))
-        work = fwd + bwd + rec + tp + other + q_in[:, None] + cuts[None, :]
+        p2p = q_in[:, None] + cuts[None, :]
+        work = fwd + bwd + rec + tp + other + p2p
         dp = est.tail.dp_time(cfg, micro_batches, groups, params, fwd, bwd, rec, tp, _run_sum(step), units, experts,
                               kept, n_kept)
         tail = dp + est.tail.optimizer_time(cfg, params, experts)
@@ -105,7 +113,15 @@ def run_tables(est: Estimator, cfg: ParallelConfig, micro_batches: int, modes: S
         tails.append(np.where(valid, tail, INF))
         fixed.append(np.where(valid, states + buffers, INF))
         acts.append(np.where(valid, _run_sum(col("activations")), INF))
-    return RunTables(tuple(modes), np.stack(works), np.stack(tails), np.stack(fixed), np.stack(acts))
+        if cfg.schedule == "zbh1":   # DeviceCost.passes of each run, and schedule.zbh1_drain of them
+            forward = fwd + _run_sum(col("tp_fwd") + col("cp_fwd") + col("ep_fwd")) + p2p / 2
+            weight = _run_sum(col("wgrad")) + rec / 2   # DeviceCost.passes: with its pass's rerun
+            drain = np.maximum(np.maximum(work - 2 * weight, forward), work - forward - weight)
+            sums.append(np.where(valid, drain * (cfg.pp - 1) / cfg.pp, INF))
+        else:
+            sums.append(works[-1])
+    return RunTables(tuple(modes), np.stack(works), np.stack(tails), np.stack(fixed), np.stack(acts),
+                     np.stack(sums))
 
 
 def _run_sum(values: np.ndarray) -> np.ndarray:
@@ -155,6 +171,7 @@ class Band:
     tail: np.ndarray
     fixed_mem: np.ndarray
     act: np.ndarray
+    summed: np.ndarray
     start: np.ndarray    # (n, L) int: j - l, clipped at 0
     valid: np.ndarray    # (n, L) bool: j - l >= 0
     _masks: dict = field(default_factory=dict, compare=False)
@@ -177,7 +194,8 @@ def band(tables: RunTables, length: int) -> Band:
 
     def cut(a: np.ndarray) -> np.ndarray:
         return np.where(valid[None], a[:, start, j], INF)
-    return Band(cut(tables.work), cut(tables.tail), cut(tables.fixed_mem), cut(tables.act), start, valid)
+    return Band(cut(tables.work), cut(tables.tail), cut(tables.fixed_mem), cut(tables.act), cut(tables.summed),
+                start, valid)
 
 
 def _longest_run(tables: RunTables, flights: Sequence[int], memory: float) -> int:
@@ -191,8 +209,9 @@ def _longest_run(tables: RunTables, flights: Sequence[int], memory: float) -> in
 
 def _min_sum(b: Band, flights: Sequence[int], memory: float, x_bound: float, y_bound: float,
              pinned: Sequence[int] | None = None) -> tuple[float, list[tuple[int, int, int]] | None]:
-    """min sum_k x_k under the bounds: ``(value, [(start, end, mode) per stage])`` or ``(inf, None)``."""
-    return _dp(b, lambda k: b.work, flights, memory, x_bound, y_bound, np.add, pinned)
+    """min sum_k of the summed values (x_k; ZB-H1's drain shares) under the bounds: ``(value, [(start, end,
+    mode) per stage])`` or ``(inf, None)``."""
+    return _dp(b, lambda k: b.summed, flights, memory, x_bound, y_bound, np.add, pinned)
 
 
 def _min_max(b: Band, value: np.ndarray, flights: Sequence[int], memory: float,
@@ -251,10 +270,16 @@ def flights_of(cfg: ParallelConfig, micro_batches: int) -> list[int]:
     return [in_flight(cfg, k, micro_batches) for k in range(cfg.pp)]
 
 
-def step_of(tables: RunTables, runs: Sequence[tuple[int, int, int]], micro_batches: int) -> float:
+def step_of(tables: RunTables, runs: Sequence[tuple[int, int, int]], micro_batches: int, cfg: ParallelConfig) -> float:
     x = [tables.work[r, i, j] for i, j, r in runs]
     y = [tables.tail[r, i, j] for i, j, r in runs]
-    return (micro_batches - 1) * max(x) + sum(x) + max(y)
+    summed = [tables.summed[r, i, j] for i, j, r in runs]
+    return _slope(cfg, micro_batches) * max(x) + sum(summed) + max(y)
+
+
+def _slope(cfg: ParallelConfig, micro_batches: int) -> float:
+    """The objective's factor on the largest run work: ``m - 1`` (1F1B, GPipe), ``m`` (ZB-H1)."""
+    return float(micro_batches - (cfg.schedule != "zbh1"))
 
 
 def pinned_modes(tables: RunTables, cfg: ParallelConfig) -> tuple[int, ...] | None:
@@ -299,10 +324,11 @@ def partition(tables: RunTables, cfg: ParallelConfig, micro_batches: int, memory
         x_used = max(tables.work[r, i, j] for i, j, r in runs)
         return g, x_used, runs
 
-    if m == 1:  # the max-work term vanishes
+    slope = _slope(cfg, m)
+    if slope == 0:  # the max-work term vanishes
         _, runs = inner(INF)
     else:
-        _, runs = _step_min(works, x_min, solve_x, slope=float(m - 1))
+        _, runs = _step_min(works, x_min, solve_x, slope=slope)
     return Partition(tuple(tuple(range(i, j + 1)) for i, j, _ in runs),
                      tuple(tables.modes[r] for _, _, r in runs))
 

@@ -71,11 +71,16 @@ def format_count(n: float) -> str:
 
 def chunk_order(plan: Any) -> list[tuple[int, int]]:
     """(device, local chunk) of every model chunk in model order: chunk ``g`` lives on device
-    ``g mod pp`` as that device's chunk ``g // pp`` (the interleaved placement; ``v = 1`` is the
-    plain one-chunk-per-device pipeline)."""
-    pp = len(plan.stages)
-    v = max(len(s.chunks) for s in plan.stages)
-    return [(g % pp, g // pp) for g in range(pp * v) if g // pp < len(plan.stages[g % pp].chunks)]
+    ``cfg.chunk_device(g)`` as that device's ``cfg.device_chunks(d).index(g)``-th chunk (looped for the
+    interleaved placement, a V for ZB-V; ``v = 1`` is the plain one-chunk-per-device pipeline)."""
+    cfg = plan.config
+    out = []
+    for g in range(cfg.pp * cfg.virtual_stages):
+        d = cfg.chunk_device(g)
+        j = cfg.device_chunks(d).index(g)
+        if j < len(plan.stages[d].chunks):
+            out.append((d, j))
+    return out
 
 
 def mix(color: Any, other: Any, amount: float) -> tuple[float, float, float]:

@@ -7,7 +7,9 @@ time beyond its share of a block), which records when every action starts and en
 :class:`~autopar.plan.Stage` (seconds per micro-batch, all of a device's chunks together):
 
 - forward  = (fwd_time + its share of tp_comm_time + half of p2p_time) / v
-- backward = (recompute_time + bwd_time + the rest of tp_comm and p2p) / v
+- backward = (recompute_time + bwd_time + the rest of tp_comm and p2p) / v; under a zero-bubble
+  schedule its weight gradients (wgrad_time) are the W pass and the rest the input-gradient pass I,
+  each with half of recompute_time (a split backward reruns the recomputed forward in both)
 
 with ``v`` the chunks per device (virtual_stages); context- and expert-parallel communication
 (cp_comm_time, ep_comm_time) counts with tp_comm, drawn as "TP/CP/EP comm". Tensor-parallel collectives are split
@@ -31,13 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from ..config import check_int
+from ..config import SPLIT_BACKWARD, check_int
 from ..errors import ConfigError
 from ..runtime.schedules import build, simulate
 from ._common import DPI, finish, format_time, mix, new_figure, time_unit
 
 FORWARD = "#1f77b4"
 BACKWARD = "#ff7f0e"
+WEIGHT = "#2ca02c"   # a zero-bubble schedule's weight-gradient passes
 COLORS = {"tp_comm": "#6a3d9a", "p2p": "#17becf", "dp_comm": "#d62728", "optimizer": "#4d4d4d",
           "idle": "#ececec"}
 LABELS = {"recompute": "recompute", "tp_comm": "TP/CP/EP comm", "p2p": "p2p",
@@ -49,9 +52,10 @@ ZOOM_BLOCK_PX = 28  # width of a typical block in the zoom panel
 
 @dataclass(frozen=True)
 class Block:
-    """One forward ("F") or backward ("B") of one micro-batch through one chunk, in seconds from
-    the start of the step. ``parts`` are (kind, seconds) in drawing order, summing to the length:
-    kinds "forward", "backward", "recompute", "tp_comm", "p2p"."""
+    """One forward ("F"), backward ("B"), input-gradient ("I") or weight-gradient ("W") pass of one
+    micro-batch through one chunk, in seconds from the start of the step. ``parts`` are (kind,
+    seconds) in drawing order, summing to the length: kinds "forward", "backward", "weight",
+    "recompute", "tp_comm", "p2p"."""
 
     device: int
     chunk: int            # the device's own chunk index, 0..v-1
@@ -85,16 +89,21 @@ class Timeline:
 
 
 def action_parts(stage: Any, virtual_stages: int) -> dict[str, tuple[tuple[str, float], ...]]:
-    """(kind, seconds) parts of one forward ("F") and one backward ("B") chunk action of ``stage``."""
+    """(kind, seconds) parts of one forward ("F"), backward ("B"), input-gradient ("I") and
+    weight-gradient ("W") chunk action of ``stage``."""
     v = virtual_stages
     compute = stage.fwd_time + stage.bwd_time + stage.recompute_time
     fwd_share = stage.fwd_time / compute if compute > 0 else 0.5
     comm = stage.tp_comm_time + stage.cp_comm_time + stage.ep_comm_time
+    backward_rest = (("tp_comm", comm * (1 - fwd_share) / v), ("p2p", stage.p2p_time / 2 / v))
     return {
         "F": (("forward", stage.fwd_time / v), ("tp_comm", comm * fwd_share / v),
               ("p2p", stage.p2p_time / 2 / v)),
-        "B": (("recompute", stage.recompute_time / v), ("backward", stage.bwd_time / v),
-              ("tp_comm", comm * (1 - fwd_share) / v), ("p2p", stage.p2p_time / 2 / v)),
+        "B": (("recompute", stage.recompute_time / v), ("backward", stage.bwd_time / v)) + backward_rest,
+        # a split backward reruns the recomputed forward in each of its passes (cost_model/estimator.reruns)
+        "I": (("recompute", stage.recompute_time / 2 / v),
+              ("backward", (stage.bwd_time - stage.wgrad_time) / v)) + backward_rest,
+        "W": (("recompute", stage.recompute_time / 2 / v), ("weight", stage.wgrad_time / v)),
     }
 
 
@@ -117,8 +126,8 @@ def build_timeline(plan: Any, max_micro_batches: int | None = None) -> Timeline:
     parts = [action_parts(s, v) for s in plan.stages]
     lengths = [{k: sum(t for _, t in p) for k, p in d.items()} for d in parts]
     schedule = build(cfg.schedule, pp, m, v)
-    times = simulate(schedule, v, lambda a: lengths[a.stage % pp][a.kind]).times
-    blocks = tuple(Block(device=d, chunk=a.stage // pp, kind=a.kind, micro_batch=a.micro_batch,
+    times = simulate(schedule, v, lambda a: lengths[cfg.chunk_device(a.stage)][a.kind]).times
+    blocks = tuple(Block(device=d, chunk=cfg.device_chunks(d).index(a.stage), kind=a.kind, micro_batch=a.micro_batch,
                          start=times[a][0], end=times[a][1], parts=parts[d][a.kind])
                    for d, actions in enumerate(schedule) for a in actions)
     ends = tuple(times[actions[-1]][1] for actions in schedule)
@@ -162,7 +171,7 @@ def plot_timeline(plan: Any, path: str | os.PathLike | None = None, *,
         return fig.add_axes((1.0 / fig_w, y_inches / fig_h, ax_w / fig_w, ax_h / fig_h))
 
     main = axes(bottom + (ax_h + gap if zoom else 0.0))
-    colors = _Colors(chunk_colors(FORWARD, v), chunk_colors(BACKWARD, v))
+    colors = _Colors(chunk_colors(FORWARD, v), chunk_colors(BACKWARD, v), chunk_colors(WEIGHT, v))
     hatched = _draw(main, plan, tl, right, width_px, colors, step_line=not truncated)
     b = plan.breakdown
     title = (f"{plan.model_name}: pipeline timeline of one step — predicted {format_time(plan.step_time)}\n"
@@ -192,6 +201,7 @@ class _Colors:
 
     fwd: list
     bwd: list
+    weight: list
 
     @property
     def rec(self) -> list:
@@ -223,14 +233,14 @@ def _draw(ax: Any, plan: Any, tl: Timeline, right: float, width_px: float, color
         x = b.start
         for kind, t in b.parts:
             color = {"forward": colors.fwd[b.chunk], "backward": colors.bwd[b.chunk],
-                     "recompute": rec[b.chunk]}.get(kind)
+                     "recompute": rec[b.chunk], "weight": colors.weight[b.chunk]}.get(kind)
             add(kind, x, t, b.device, COLORS[kind] if color is None else color)
             x += t
 
     widths = [(b.end - b.start) * px_per_s for b in shown]
     wide = bool(widths) and float(np.median(widths)) >= 8   # room for outlines and hatching
     height = 0.8
-    for kind in ("idle", "forward", "backward", "recompute", "tp_comm", "p2p", "dp_comm", "optimizer"):
+    for kind in ("idle", "forward", "backward", "weight", "recompute", "tp_comm", "p2p", "dp_comm", "optimizer"):
         if kind in rects:
             xs, cs = rects[kind]
             hatch = "////" if kind == "recompute" and wide else None
@@ -285,7 +295,10 @@ def _legend(ax: Any, plan: Any, colors: _Colors, truncated: bool, hatched: bool,
     for c in range(v):
         suffix = f", chunk {c}" if v > 1 else ""
         handles.append(Patch(facecolor=colors.fwd[c], label=f"forward{suffix}"))
-        handles.append(Patch(facecolor=colors.bwd[c], label=f"backward{suffix}"))
+        split = plan.config.schedule in SPLIT_BACKWARD
+        handles.append(Patch(facecolor=colors.bwd[c], label=f"{'input gradient' if split else 'backward'}{suffix}"))
+        if split:
+            handles.append(Patch(facecolor=colors.weight[c], label=f"weight gradient{suffix}"))
     b = plan.breakdown
     present = {"recompute": b.recompute, "tp_comm": b.tp_comm + b.cp_comm + b.ep_comm, "p2p": b.p2p, "dp_comm": b.dp_comm,
                "optimizer": b.optimizer, "idle": b.bubble}

@@ -9,9 +9,9 @@ import torch
 VOCAB, SEQ = 256, 16
 
 
-def llama():
+def llama(layers: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ,
                          attn_implementation="sdpa")
     return LlamaForCausalLM(config)
@@ -21,6 +21,11 @@ def llama_batch(step: int, global_batch: int) -> dict:
     g = torch.Generator().manual_seed(100 + step)
     ids = torch.randint(0, VOCAB, (global_batch, SEQ), generator=g)
     return {"input_ids": ids, "labels": torch.randint(0, VOCAB, (global_batch, SEQ), generator=g)}
+
+
+def llama4():
+    """Four blocks: one for each of ZB-V's chunks at pp=2."""
+    return llama(layers=4)
 
 
 def llama_on_meta():

@@ -33,6 +33,10 @@ TWO = {
     "pp2_gpipe": dict(pp=2, schedule="gpipe"),
     "pp2_1f1b": dict(pp=2),
     "pp2_interleaved": dict(pp=2, schedule="interleaved", virtual_stages=2),
+    # the zero-bubble schedules: each backward split into input- (I) and weight-gradient (W) passes, torch's split;
+    # ZB-V's V puts the loss's chunk (and the GPT's tied head) on pipeline rank 0, with the embedding
+    "pp2_zbh1": dict(pp=2, schedule="zbh1"),
+    "pp2_zbv": dict(pp=2, schedule="zbv", virtual_stages=2),
     "zero1": dict(dp=2, zero=1),
     "zero2": dict(dp=2, zero=2),
     "zero3": dict(dp=2, zero=3),
@@ -46,6 +50,11 @@ FOUR = {
     "tp2_pp2": dict(tp=2, pp=2),
     "dp2_tp2": dict(dp=2, tp=2),
     "dp2_tp2_zero3": dict(dp=2, tp=2, zero=3),   # FSDP2 over DTensor tensor-parallel shards (2-D)
+    "pp4_zbh1": dict(pp=4, schedule="zbh1"),
+    # the data-parallel buckets started when each chunk's last W returns (no gradient hook fires in W)
+    "dp2_pp2_zbh1": dict(dp=2, pp=2, schedule="zbh1"),
+    # tensor (and sequence) parallelism's collectives in I, the weights' products in W
+    "tp2_pp2_zbv": dict(tp=2, pp=2, schedule="zbv", virtual_stages=2, sequence_parallel=True),
     "planner": None,
 }
 MODELS = ("mlp", "gpt", "llama", "gpt2", "bert")
@@ -63,7 +72,8 @@ VARIANTS = ("pp2_gpipe", "pp2_interleaved", "zero1", "zero2")
 SAMPLE_TWO = {"gpt": set(TWO) - {"pp2_gpipe", "zero1", "zero2", "recompute_full"},
               "mlp": {"tp2", "pp2_interleaved", "zero3"}, "llama": {"pp2_interleaved", "zero2"},
               "gpt2": {"tp2_sp"}, "bert": {"tp2_sp"}}
-SAMPLE_FOUR = {("gpt", "tp2_pp2"), ("gpt", "dp2_tp2"), ("gpt", "dp2_tp2_zero3"), ("gpt", "planner")}
+SAMPLE_FOUR = {("gpt", "tp2_pp2"), ("gpt", "dp2_tp2"), ("gpt", "dp2_tp2_zero3"), ("gpt", "planner"),
+               ("gpt", "pp4_zbh1"), ("gpt", "dp2_pp2_zbh1"), ("gpt", "tp2_pp2_zbv")}
 # Hugging Face Llama, GPT-2 and BERT at dp2, tp2, pp2 1F1B, ZeRO-1 and ZeRO-3 on 2 ranks run in
 # test_new_users.py, planned as users plan them (meta device, batch-1 or larger example inputs).
 HF_ELSEWHERE = ({"llama", "gpt2", "bert"}, {"dp2", "tp2", "pp2_1f1b", "zero1", "zero3"})
@@ -112,12 +122,16 @@ COMPILED = [Case("gpt-tp2_sp_selective_compiled", "gpt-2l", {**BASE, "tp": 2, "m
 if ALL_CASES:
     COMPILED += [Case("llama-pp2_compiled", "llama", {**BASE, "pp": 2}, 2, compile="aot_eager"),
                  Case("gpt-sdpa-cp2_compiled", "gpt-sdpa-2l", {**BASE, "cp": 2}, 2, compile="aot_eager")]
+# ZB-V on dp=2 x pp=2 (8 samples: ZB-V is planned with at least 2 micro-batches a device): pipeline rank 0 holds
+# the GPT's tied embedding in its two chunks, one reduced once, with the chunk whose last W comes last
+ZERO_BUBBLE = [Case("gpt-dp2_pp2_zbv", "gpt", {**BASE, "dp": 2, "pp": 2, "schedule": "zbv", "virtual_stages": 2}, 4,
+                    global_batch=8)]
 CASES = {2: [Case(f"{m}-{k}", m, None if v is None else {**BASE, **v}, 2) for m in MODELS for k, v in TWO.items()
              if (k not in VARIANTS or m in VARIANTS_ON) and not (m in HF_ELSEWHERE[0] and k in HF_ELSEWHERE[1])
              and (ALL_CASES or k in SAMPLE_TWO[m])]
          + CNN + SELECTIVE + PARTIAL + COMPILED,
          4: [Case(f"{m}-{k}", m, None if v is None else {**BASE, **v}, 4) for m in MODELS for k, v in FOUR.items()
-             if (k == "planner" or m in VARIANTS_ON) and (ALL_CASES or (m, k) in SAMPLE_FOUR)]}
+             if (k == "planner" or m in VARIANTS_ON) and (ALL_CASES or (m, k) in SAMPLE_FOUR)] + ZERO_BUBBLE}
 
 
 @pytest.fixture(scope="module")

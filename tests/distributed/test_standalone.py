@@ -4,7 +4,7 @@ factory that imports only transformers, planned from batch-1 example inputs as t
 at tp=2 (+ sequence parallelism), pp=2 1F1B, dp=2 ZeRO-3, cp=2 (ring attention), pp=2 of a model
 built on the meta device (each rank gives values to what it holds, equal to autopar.init_weights),
 pp=2 of a plain-torch regressor whose loss_fn reads targets and a mask its forward does not take
-(they reach the last stage's loss; and, in make bench,
+(they reach the last stage's loss), pp=2 ZB-V (the split backward, a four-block Llama; and, in make bench,
 tp=2 x dp=2 ZeRO-3 on 4 ranks, FSDP2 sharding each tensor-parallel shard again over the data-parallel
 ranks, and cp=2 x tp=2): its
 losses equal one process's (fp32, relative 1e-5: only the order of additions differs). Each run
@@ -39,9 +39,11 @@ CASES = {   # name -> (ranks, pinned fields)
     # built on the meta device: each stage gives values to its own parameters and buffers (rotary tables)
     "pp2_meta": (2, dict(pp=2, micro_batch_size=2)),
     "pp2_targets": (2, dict(pp=2, micro_batch_size=1)),   # loss_fn reads batch keys forward does not take
+    # ZB-V: the split backward (I, W) and its V (chunks 0 and 3, the loss, on pipeline rank 0) in train.py
+    "pp2_zbv": (2, dict(pp=2, micro_batch_size=1, schedule="zbv", virtual_stages=2)),
 }
-FACTORY = {name: "llama_on_meta" if name.endswith("_meta") else "tagger" if name.endswith("_targets") else "llama"
-           for name in CASES}
+FACTORY = {name: "llama_on_meta" if name.endswith("_meta") else "tagger" if name.endswith("_targets") else
+           "llama4" if name.endswith("_zbv") else "llama" for name in CASES}
 BATCH = {"tagger": "tagger_batch"}   # factory -> its batch factory (default llama_batch) and loss_fn (default:
 LOSS = {"tagger": "tagger_loss"}     # the model's own), all in plain_factories
 if ALL_CASES:   # a second torchrun, of 4 ranks (4 processes on 2 cores: make bench only)
@@ -172,6 +174,9 @@ def test_standalone_program_trains_like_one_process(name, runs, references):
     assert ("from autopar_runtime import context_ops" in text) == name.startswith("cp2")
     if name.startswith("cp2"):
         assert "context_ops.ring(" in text and "CONTEXT_INPUTS = {" in text
+    if name.endswith("_zbv"):
+        assert "CHUNK_DEVICES = [0, 1, 1, 0]" in text and "SPLIT_BACKWARD = True" in text
+        assert "I3.0" in text and "W0.3" in text
     if "zero3" in name:   # the FSDP2 units the cost model priced: each block; embedding, final norm and
         # head (small) in the chunk's root unit
         assert "UNITS = {0: [([1], False), ([2], False)]}" in text

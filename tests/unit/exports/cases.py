@@ -18,13 +18,13 @@ def load_plans() -> dict[str, autopar.Plan]:
 
 def with_partition(plan: autopar.Plan, chunks: list[list[str]], **changes) -> autopar.Plan:
     """``plan`` with other config fields and its layers cut into ``chunks`` (model order: chunk c on
-    device c % pp), for the cases no stored plan has."""
+    device cfg.chunk_device(c)), for the cases no stored plan has."""
     cfg = dataclasses.replace(plan.config, **changes)
     pp, v = cfg.pp, cfg.virtual_stages
     assert len(chunks) == pp * v
     stages = []
     for d in range(pp):
-        own = tuple(tuple(chunks[k * pp + d]) for k in range(v))
+        own = tuple(tuple(chunks[c]) for c in cfg.device_chunks(d))
         stages.append(dataclasses.replace(plan.stages[min(d, len(plan.stages) - 1)], index=d, chunks=own,
                                           layers=tuple(n for c in own for n in c)))
     return dataclasses.replace(plan, config=cfg, stages=tuple(stages))
@@ -71,6 +71,9 @@ VARIANTS = [   # (stored plan, config changes, precision changes, blocks moved f
     ("llama3-70b_8x8xH100", dict(dp=8, tp=8, zero=3, offload=True, micro_batch_size=1), dict(optimizer="sgd"), 0),
     ("gpt3-175b_128x8xA100", dict(dp=16, pp=8, schedule="1f1b", virtual_stages=1, zero=3, offload=True),
      dict(compute="bf16"), 3),
+    # the zero-bubble schedules: ZB-H1 (one chunk a device), ZB-V (two, placed as a V)
+    ("llama3-70b_8x8xH100", dict(dp=4, tp=4, pp=4, schedule="zbh1", zero=1), {}, 0),
+    ("gpt3-175b_128x8xA100", dict(dp=16, pp=8, schedule="zbv", virtual_stages=2, zero=0), {}, 0),
 ]
 
 

@@ -615,3 +615,28 @@ def test_offload_where_a_stack_offloads_less(plans, tmp_path):
     acc = check_export(single, "accelerate", tmp_path)
     assert acc.field("distributed_type").value == "NO" and not any("fsdp" in f.key for f in acc.fields)
     assert any("config.offload = true on one device" in w for w in acc.warnings)
+
+
+def test_zero_bubble_schedules_as_each_stack_runs_them(plans, tmp_path):
+    """ZB-V is torchtitan's ZBVZeroBubble with the chunks in model order (torchtitan places them as a V, as the
+    plan does); ZB-H1 (one chunk a device, which torchtitan's multi-stage schedules refuse) and the stacks
+    without zero-bubble schedules (Megatron-LM, DeepSpeed) write their nearest schedule and say so."""
+    [h1] = [variant_plan(plans, i) for i, v in enumerate(VARIANTS) if v[1].get("schedule") == "zbh1"]
+    [zbv] = [variant_plan(plans, i) for i, v in enumerate(VARIANTS) if v[1].get("schedule") == "zbv"]
+    titan = check_export(zbv, "torchtitan", tmp_path)
+    assert titan.field("parallelism.pipeline_parallel_schedule").value == "ZBVZeroBubble"
+    parts = titan.field("parallelism.module_fqns_per_model_part").value
+    assert len(parts) == 16 and parts[0][0] == "tok_embeddings" and parts[-1][-1] == "output"
+    # in model order (device 0 holds the first part and the last: the V's placement is torchtitan's, not the list's)
+    blocks = [int(n.split(".")[1]) for part in parts for n in part if n.startswith("layers.")]
+    assert blocks == sorted(blocks) and zbv.stages[0].chunks[1][-1] == zbv.stages[0].layers[-1]
+    assert not any("zero bubble" in w for w in titan.warnings)
+    titan = check_export(h1, "torchtitan", tmp_path)
+    assert titan.field("parallelism.pipeline_parallel_schedule").value == "1F1B"
+    assert any(w.startswith("config.schedule = 'zbh1' (zero bubble") and "two or more stages per rank" in w
+               for w in titan.warnings)
+    for stack, plan in (("megatron", h1), ("megatron", zbv), ("deepspeed", h1), ("deepspeed", zbv)):
+        result = check_export(plan, stack, tmp_path)
+        assert any(w.startswith(f"config.schedule = {plan.config.schedule!r} (zero bubble") for w in result.warnings), stack
+    meg = check_export(zbv, "megatron", tmp_path)
+    assert any("placed looped" in w for w in meg.warnings)

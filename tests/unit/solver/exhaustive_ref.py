@@ -42,20 +42,28 @@ def configs(graph, devices: int, global_batch: int, modes, valid=lambda cfg: Tru
                 mesh = dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
                 if not valid(ParallelConfig(**mesh, micro_batch_size=mb)):
                     continue
+                m = global_batch // (dp * mb)
+                # the zero-bubble schedules: ZB-H1 where its drain is full (m >= pp), ZB-V with a block a chunk and
+                # m >= 2 pp
                 scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)] + [
-                    ("interleaved", v) for v in range(2, 9) if blocks and blocks % (pp * v) == 0]
+                    ("interleaved", v) for v in range(2, 9) if blocks and blocks % (pp * v) == 0] + [
+                    ("zbh1", 1)] * (m >= pp) + [("zbv", 2)] * (2 * pp <= blocks and m >= 2 * pp)
                 zeros = [(z, False) for z in ([0, 1, 2, 3] if dp * cp > 1 else [0])] + [(3, True)] * offload
                 for (sched, v), (zero, off), sp in itertools.product(scheds, zeros, [False, True] if tp > 1 else [False]):
+                    if sched.startswith("zb") and zero > 1:   # the split backward takes ZeRO 0 or 1
+                        continue
+                    # and recomputation but per-op (whose checkpoint allows one backward through a layer)
+                    tried = [m for m in modes if m != "op"] if sched.startswith("zb") else modes
                     base = dict(**mesh, micro_batch_size=mb, schedule=sched, virtual_stages=v,
                                 zero=zero, offload=off, sequence_parallel=sp)
-                    if sched == "interleaved":
-                        for mode in modes:
+                    if v > 1:   # Megatron's even split
+                        for mode in tried:
                             yield ParallelConfig(**base, recompute=mode), None
                             if mode == "full":   # the first k blocks of each chunk only
                                 for k in range(1, blocks or n):
                                     yield ParallelConfig(**base, recompute=mode, recompute_layers=k), None
                         continue
-                    for stage_modes in itertools.product(modes, repeat=pp):
+                    for stage_modes in itertools.product(tried, repeat=pp):
                         for chunks in partitions(n, pp):
                             extra = {"stage_recompute": stage_modes} if len(set(stage_modes)) > 1 else {}
                             yield ParallelConfig(**base, recompute=stage_modes[0], **extra), chunks

@@ -278,7 +278,9 @@ def test_branches_bound_each_candidate_as_alone(request, graph_name, spec, gbs):
             dominated += 1
         else:
             alone[c.sort_key()] = one.bounds(c)
-    assert len({key.zero for key in alone}) == 4 and len({key.schedule for key in alone}) == 2   # ZeRO, interleaved
+    # every ZeRO stage; 1F1B, interleaved and the two zero-bubble schedules
+    assert len({key.zero for key in alone}) == 4 and {key.schedule for key in alone} == {"1f1b", "interleaved", "zbh1",
+                                                                                       "zbv"}
     together = search_of(Cluster.from_spec(spec))
     bounds = {key: (lb_t, lb_m) for b in together._branches() for key, lb_t, lb_m in together._branch_bounds(b)}
     assert bounds == alone

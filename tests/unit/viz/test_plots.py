@@ -16,7 +16,7 @@ from autopar.cost_model import estimate_plan
 from autopar.solver import price
 from autopar.cost_model.schedule import pipeline_time
 from autopar.models import registry
-from autopar.runtime.schedules import Action, build, dependencies, simulate
+from autopar.runtime.schedules import Action, build, dependencies, kinds_of, simulate
 from autopar.viz import plot_memory, plot_partition, plot_timeline
 from autopar.viz import _common
 from autopar.viz.partition import layer_positions, run_labels
@@ -37,6 +37,8 @@ CASES = {
     "gpipe": (dict(dp=2, pp=4, schedule="gpipe"), 32),
     "interleaved": (dict(dp=2, pp=4, schedule="interleaved", virtual_stages=2), 32),
     "tp_recompute": (dict(dp=1, tp=2, pp=4, recompute="full"), 16),
+    "zbh1": (dict(dp=2, pp=4, schedule="zbh1"), 32),
+    "zbv": (dict(dp=4, pp=2, schedule="zbv", virtual_stages=2), 32),
 }
 
 
@@ -52,7 +54,7 @@ def balanced(plan):
     ref = plan.stages[1 if len(plan.stages) > 1 else 0]
     stages = tuple(dataclasses.replace(s, fwd_time=ref.fwd_time, bwd_time=ref.bwd_time,
                                        recompute_time=ref.recompute_time, tp_comm_time=ref.tp_comm_time,
-                                       p2p_time=ref.p2p_time) for s in plan.stages)
+                                       p2p_time=ref.p2p_time, wgrad_time=ref.wgrad_time) for s in plan.stages)
     return dataclasses.replace(plan, stages=stages)
 
 
@@ -64,18 +66,19 @@ def test_blocks_complete_ordered_and_dependencies_respected(plans, name):
     pp, v, m = plan.config.pp, plan.config.virtual_stages, plan.micro_batches
     assert tl.micro_batches == m and tl.virtual_stages == v
     end = {}
+    kinds = kinds_of(plan.config.schedule)
     for d in range(pp):
         mine = [b for b in tl.blocks if b.device == d]
-        assert len(mine) == 2 * m * v
+        assert len(mine) == len(kinds) * m * v
         assert {(b.chunk, b.kind, b.micro_batch) for b in mine} == {
-            (c, k, i) for c in range(v) for k in "FB" for i in range(m)}
+            (c, k, i) for c in range(v) for k in kinds for i in range(m)}
         mine.sort(key=lambda b: b.start)
         for a, b in zip(mine, mine[1:]):
             assert b.start >= a.end - 1e-12 * a.end        # one action at a time per device
         stage = plan.stages[d]
         for b in mine:
             assert b.end - b.start == pytest.approx(sum(t for _, t in b.parts), rel=1e-12)
-            end[Action(b.chunk * pp + d, b.kind, b.micro_batch)] = (b.start, b.end)
+            end[Action(plan.config.device_chunks(d)[b.chunk], b.kind, b.micro_batch)] = (b.start, b.end)
         # the device's blocks add up to m micro-batches of its whole work
         busy = sum(b.end - b.start for b in mine)
         assert busy == pytest.approx(m * stage.work, rel=1e-9)
@@ -91,7 +94,7 @@ def test_makespan_agrees_with_schedule_simulation_and_cost_model(plans, name):
     pp, v, m, kind = plan.config.pp, plan.config.virtual_stages, plan.micro_batches, plan.config.schedule
     tl = build_timeline(plan)
     lengths = {(b.device, b.kind): b.end - b.start for b in tl.blocks}
-    reference = simulate(build(kind, pp, m, v), v, lambda a: lengths[(a.stage % pp, a.kind)])
+    reference = simulate(build(kind, pp, m, v), v, lambda a: lengths[(plan.config.chunk_device(a.stage), a.kind)])
     # the same rule; durations re-derived as end - start: float rounding only
     assert tl.makespan == pytest.approx(reference.makespan, rel=1e-9)
     b = plan.breakdown
@@ -102,6 +105,8 @@ def test_makespan_agrees_with_schedule_simulation_and_cost_model(plans, name):
     # forward before any backward, is bounded by its two phases apart instead: each takes at most
     # (m - 1) x its slowest stage's block + one block of every stage.
     bound = formula
+    if kind in ("zbh1", "zbv"):   # its formula is not an upper bound on unequal stages (cost_model/schedule.py)
+        bound = float("inf")
     if kind == "gpipe":
         slowest = {k: max(t for (_, kind_), t in lengths.items() if kind_ == k) for _, k in lengths}
         bound = max(formula, (m - 1) * sum(slowest.values()) + sum(lengths.values()))
@@ -109,8 +114,12 @@ def test_makespan_agrees_with_schedule_simulation_and_cost_model(plans, name):
     assert tl.step_end == pytest.approx(tl.makespan + b.dp_comm + b.optimizer, rel=1e-12)
     # balanced stages: exact for every schedule (float summation order only)
     even = balanced(plan)
-    expected = pipeline_time([s.work for s in even.stages], m, kind, v).total
-    assert build_timeline(even).makespan == pytest.approx(expected, rel=1e-9)
+    passes = [((s.fwd_time + s.tp_comm_time * s.fwd_time / (s.fwd_time + s.bwd_time + s.recompute_time)
+                + s.p2p_time / 2), 0.0, s.wgrad_time) for s in even.stages]
+    passes = [(f, s.work - f - w, w) for (f, _, w), s in zip(passes, even.stages)]
+    expected = pipeline_time([s.work for s in even.stages], m, kind, v, passes).total
+    # ZB-V's priced bubble rounds the pass shares to 0.1%
+    assert build_timeline(even).makespan == pytest.approx(expected, rel=1e-3 if kind == "zbv" else 1e-9)
 
 
 def test_balanced_1f1b_step_matches_the_plans_step_time(plans):
