@@ -93,14 +93,8 @@ class SplitGraph:
 
 
 def plan_chunks(plan) -> list[tuple[str, ...]]:
-    """The plan's chunks in model order: chunk ``c`` is device ``d = cfg.chunk_device(c)``'s chunk at its place in
-    ``cfg.device_chunks(d)`` (looped: chunk ``c // pp`` of stage ``c mod pp``; ZB-V: its V)."""
-    cfg = plan.config
-    out = []
-    for c in range(cfg.pp * cfg.virtual_stages):
-        d = cfg.chunk_device(c)
-        out.append(tuple(plan.stages[d].chunks[cfg.device_chunks(d).index(c)]))
-    return out
+    """The plan's chunks in model order (Plan.model_chunks)."""
+    return plan.model_chunks()
 
 
 def split_graph(program: ExportedProgram, graph: OpGraph, chunk_layers: Sequence[Sequence[str]],

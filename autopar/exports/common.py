@@ -182,15 +182,8 @@ def layers_of(plan: "Plan") -> Layers:
 
 
 def chunks_in_order(plan: "Plan") -> list[tuple[str, ...]]:
-    """The model chunks in model order: chunk ``c`` is device ``cfg.chunk_device(c)``'s chunk at its place in
-    ``cfg.device_chunks`` (looped: chunk ``c // pp`` of device ``c % pp``, Megatron-LM's and
-    torch.distributed.pipelining's interleaved order; ZB-V: a V, torch's "v" style)."""
-    cfg = plan.config
-    out = []
-    for c in range(cfg.pp * cfg.virtual_stages):
-        d = cfg.chunk_device(c)
-        out.append(tuple(plan.stages[d].chunks[cfg.device_chunks(d).index(c)]))
-    return out
+    """The model chunks in model order (Plan.model_chunks: looped, or ZB-V's V as torch's "v" style places them)."""
+    return plan.model_chunks()
 
 
 def zero_bubble_substitute(plan: "Plan", stack: str, written: str) -> str:

@@ -144,6 +144,16 @@ class Plan:
     schema_version: int = SCHEMA_VERSION
     extra: Mapping[str, Any] = field(default_factory=dict)
 
+    def model_chunks(self) -> list[tuple[str, ...]]:
+        """The layer names of every model chunk in model order: chunk ``c`` is stage
+        ``config.chunk_device(c)``'s chunk at its place in ``config.device_chunks`` (looped: chunk ``c // pp``
+        of stage ``c mod pp``, Megatron-LM's and torch.distributed.pipelining's order; ZB-V: a V)."""
+        cfg, out = self.config, []
+        for c in range(cfg.pp * cfg.virtual_stages):
+            d = cfg.chunk_device(c)
+            out.append(tuple(self.stages[d].chunks[cfg.device_chunks(d).index(c)]))
+        return out
+
     @property
     def devices(self) -> int:
         return self.config.devices
