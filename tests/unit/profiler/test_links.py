@@ -243,7 +243,10 @@ def test_measure_links_on_two_gloo_ranks():
         assert [b for b, _ in pairs] == sizes
         times = [t for _, t in pairs]
         assert all(t > 0 for t in times), kind
-        assert times[-1] > times[0], f"{kind}: {pairs}"   # 4096x the bytes takes longer, whatever the noise
+        # 16 MB takes longer than the least of the small messages: each sample is the mean of its calls, stalls
+        # included (link_timing.py), and on a loaded machine one small message's mean can hold a 25 ms stall
+        # (CI, both suites side by side: all_gather of 4 KB at 25 ms beside 16 MB at 12 ms); two such seldom
+        assert times[-1] > min(times[:-1]), f"{kind}: {pairs}"
     assert profile.dispatch_fwd_seconds >= 0 and profile.dispatch_bwd_seconds >= 0
     assert 0 <= profile.overlap_fraction <= 1
     assert set(profile.context_seconds) == {"all_reduce", "p2p"} and min(profile.context_seconds.values()) >= 0
