@@ -14,8 +14,8 @@ looks them up once for all their schedules and ZeRO stages)::
 ``W = sum_l c_l`` is the work of one micro-batch through all layers in the cheapest recompute
 mode, ``w_p = max_k ceil(k / p) c_(k)`` with ``c_(k)`` the ``k``-th costliest layer (some device
 holds ``ceil(k / p)`` of the ``k`` costliest: 80 blocks on 32 stages put 3 on some),
-``D = max((W + C - W_w) / 2, W_f + C / 2)`` with ``W_w`` and ``W_f`` the weight-gradient and
-forward seconds of all layers (every mode's: recomputation runs in the input-gradient pass) floors
+``D = max((W + C - W_w) / 2, W_f + C / 2, W_p + C / 2 - W_f - W_w)`` with ``W_w`` and ``W_f`` the weight-gradient and
+forward seconds of all layers and ``W_p`` their work without recomputation (each the same in every mode) floors
 ZB-H1's drain (``zbh1_drain_floor``); ZB-V's fill, at least ``(p - 1)/2`` of the least forward of any
 device (a device-by-device floor), enters the even split's bound. ``C = 2 (p v - 1) min_cut`` the p2p of the ``p v - 1`` cuts between chunks (``p v - 2`` under ZB-V,
 whose turn stays on one device) (each seen by its
@@ -93,6 +93,7 @@ class LayerWork:
     costliest: np.ndarray    # (layers,) each layer's work in its cheapest mode, costliest first
     layer_forward: np.ndarray   # (layers,) forward seconds with its collectives (the same in every mode)
     layer_wgrad: np.ndarray     # (layers,) weight-gradient seconds (the same in every mode)
+    layer_plain: np.ndarray     # (layers,) work without its recomputation (the same in every mode)
 
     @functools.cached_property
     def forward_total(self) -> float:
@@ -101,6 +102,10 @@ class LayerWork:
     @functools.cached_property
     def wgrad_total(self) -> float:
         return float(self.layer_wgrad.sum())
+
+    @functools.cached_property
+    def plain_total(self) -> float:
+        return float(self.layer_plain.sum())
 
     @functools.cached_property
     def knapsack(self) -> Knapsack:
@@ -143,12 +148,13 @@ class SearchBounds:
             modes = len(self.bound_modes)
             forward = np.array([c.fwd + c.tp_fwd + c.cp_fwd + c.ep_fwd for c in costs[0]])[list(kinds)]
             wgrad = np.array([c.wgrad for c in costs[0]])[list(kinds)]
+            plain = np.array([c.work - c.recompute for c in costs[0]])[list(kinds)]
             params, experts = self._local_params(c, cfg)
             self._work[key] = LayerWork(
                 total=float(cheapest.sum()), params=params, experts=experts,
                 work=rows[:, :modes], acts=rows[:, modes:], counts=counts.astype(float),
                 layer_work=work, layer_acts=acts, least_acts=float(acts.min(axis=1).sum()),
-                costliest=-np.sort(-cheapest), layer_forward=forward, layer_wgrad=wgrad)
+                costliest=-np.sort(-cheapest), layer_forward=forward, layer_wgrad=wgrad, layer_plain=plain)
         return self._work[key]
 
     def _local_params(self, c: Candidate, cfg: ParallelConfig) -> tuple[float, float]:
@@ -315,20 +321,21 @@ def _pipe(schedule: str, virtual_stages: int, m: int, p: int, total: float, p2p:
     if schedule == "interleaved":
         return (m + (p - 1) / virtual_stages) * x
     if schedule == "zbh1" and m >= p:
-        return m * x + (p - 1) / p * zbh1_drain_floor(total + p2p, lw.forward_total + p2p / 2, lw.wgrad_total)
+        return m * x + (p - 1) / p * zbh1_drain_floor(total + p2p, lw.forward_total + p2p / 2, lw.wgrad_total,
+                                                      lw.plain_total + p2p)
     if schedule in SPLIT_BACKWARD:   # ZB-V's fill needs each device's forward: the even split's bound has it
         return m * x
     return (m - 1) * x + total + p2p
 
 
-def zbh1_drain_floor(work: float, forward: float, wgrad: float) -> float:
-    """At most ``sum_k b_k`` (cost_model/schedule.py's ZB-H1 drain shares, ``b = max(x - 2w, f, x - f - w)``)
-    of devices whose work, forward and weight-gradient seconds sum to at least ``work`` and exactly ``forward``
-    and ``wgrad``: ``b >= max((x - w) / 2, f)`` for each (the mean of its last two terms is ``(x - w) / 2``), a
-    sum of maxima at least the maximum of the sums. Recomputation, which the weight-gradient pass reruns
-    (estimator.reruns), adds as much to ``x`` as to ``w``: ``x - f - w`` and ``f`` keep their floors
-    (``x - 2w`` would not)."""
-    return max((work - wgrad) / 2, forward)
+def zbh1_drain_floor(work: float, forward: float, wgrad: float, plain: float) -> float:
+    """At most ``sum_k b_k`` (cost_model/schedule.py's ZB-H1 drain shares, ``b = max(x - 2w, f, x - f - w)``
+    of each device's passes) of devices whose work sums to at least ``work`` and whose forward,
+    weight-gradient and work without recomputation sum to exactly ``forward``, ``wgrad`` and ``plain``:
+    recomputation (rerun in both passes, estimator.reruns) adds ``r`` to ``x`` and half of it to ``w``, so
+    ``x - f - w >= x_plain - f - w``, and ``b >= max(f, x - f - w) >= (x - w) / 2`` whatever the mode; a
+    sum of maxima is at least the maximum of the sums."""
+    return max((work - wgrad) / 2, forward, plain - forward - wgrad)
 
 
 def _crossings(schedule: str, p: int, v: int) -> int:
