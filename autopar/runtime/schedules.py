@@ -140,50 +140,37 @@ def _zero_bubble_v(d: int, p: int, m: int) -> tuple[Action, ...]:
     n = max(2 * p - 1, m)
     first, second = d, 2 * p - 1 - d
     out: list[Action] = []
-    f0 = f1 = b0 = b1 = 0
+    done: dict[tuple[int, str], int] = {}   # (chunk, kind) -> its passes so far: the next one's micro-batch
 
-    def add(stage: int, kind: str, i: int) -> None:
-        out.append(Action(stage, kind, i))
+    def add(stage: int, *kinds: str) -> None:
+        for kind in kinds:
+            i = done.get((stage, kind), 0)
+            done[(stage, kind)] = i + 1
+            out.append(Action(stage, kind, i))
+
+    def count(stage: int, kind: str) -> int:
+        return done.get((stage, kind), 0)
 
     for _ in range(2 * (p - d) - 1):
-        add(first, "F", f0)
-        f0 += 1
+        add(first, "F")
     for _ in range(d):
-        add(second, "F", f1)
-        f1 += 1
-        add(first, "F", f0)
-        f0 += 1
+        add(second, "F")
+        add(first, "F")
     for _ in range(p - d):
-        add(second, "F", f1)
-        f1 += 1
-        add(second, "I", b1)
-        add(second, "W", b1)
-        b1 += 1
-    while f1 < f0 or f0 < n:
-        if f0 < n:
-            add(first, "F", f0)
-            f0 += 1
-        add(first, "I", b0)
-        add(first, "W", b0)
-        b0 += 1
-        add(second, "F", f1)
-        f1 += 1
-        add(second, "I", b1)
-        add(second, "W", b1)
-        b1 += 1
-    w0, w1 = b0, b1
+        add(second, "F", "I", "W")
+    while count(second, "F") < count(first, "F") or count(first, "F") < n:
+        if count(first, "F") < n:
+            add(first, "F")
+        add(first, "I", "W")
+        add(second, "F", "I", "W")
     for _ in range(d):
-        add(first, "I", b0)
-        b0 += 1
-        add(second, "I", b1)
-        b1 += 1
+        add(first, "I")
+        add(second, "I")
     for _ in range(p - d):
-        add(first, "I", b0)
-        b0 += 1
-        add(first, "W", w0)
-        w0 += 1
-    out += [Action(second, "W", i) for i in range(w1, b1)]
-    out += [Action(first, "W", i) for i in range(w0, b0)]
+        add(first, "I", "W")
+    for stage in (second, first):   # the weight passes left, the second chunk's first
+        while count(stage, "W") < count(stage, "I"):
+            add(stage, "W")
     return tuple(a for a in out if a.micro_batch < m)
 
 
