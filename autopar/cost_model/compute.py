@@ -59,7 +59,7 @@ from .low_precision import Recipe, cast_seconds, is_fp8_linear
 
 _GEMM_KINDS = (OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION)
 _FUSABLE = (OpKind.ELEMENTWISE, OpKind.DROPOUT, OpKind.SOFTMAX)
-_FREE = (OpKind.VIEW,)
+FREE_KINDS = (OpKind.VIEW,)   # ops that take no time (views: no kernel)
 FUSED_ATTENTION_BACKWARD = 5 / 4   # products a fused attention backward runs / those its FLOPs count
 TILE = (256, 128)                  # a GPU GEMM's output tile, m x n (module docstring)
 SPLIT_K = (1, 2, 4, 8, 16)         # the split-K factors a GPU GEMM library picks from
@@ -175,7 +175,7 @@ class ComputeModel:
 
     def _alone(self, node: OpNode, batch_scale: float, shard: int, split_dim: str,
                fused: frozenset[str] | Mapping[str, bool]) -> OpTime:
-        if node.kind in _FREE:
+        if node.kind in FREE_KINDS:
             return OpTime(0.0, 0.0)
         if self.measured is not None:
             hit = self.measured.lookup(node, batch_scale, shard, split_dim, self.dtype)

@@ -26,7 +26,7 @@ from ..cluster import Cluster
 from ..config import Precision
 from . import context_parallel, expert_parallel
 from .comm import Collective, GroupPlacement, collective_time
-from .compute import ComputeModel, MeasuredTimes, OpTime, fused_ops
+from .compute import FREE_KINDS, ComputeModel, MeasuredTimes, OpTime, fused_ops
 from .low_precision import AMAX_SYNCS, check_device, is_fp8_linear, recipe_of
 from .memory import ActivationModel, op_kept, saved_owner
 from .tensor_parallel import TPLayout, Work, sequence_gathers, single_rank_layout
@@ -315,12 +315,13 @@ class LayerCostModel:
 
     def _node_facts(self, layer: Layer, tp: int, sp: bool) -> tuple[tuple[OpNode, int, str, bool], ...]:
         """(node, compute shard, split GEMM dim, kept by recompute "op") of each node of ``layer`` under
-        tp's layout: what its pricing needs that no micro-batch size changes (cached)."""
+        tp's layout that takes time (views cost nothing: compute.py): what its pricing needs that no
+        micro-batch size changes (cached)."""
         key = (layer.index, tp, sp)
         if key not in self._facts:
             layout, kept = self.layout(tp), op_kept(self.graph, layer)
             self._facts[key] = tuple((node, compute_shard(node, layout, sp), split_dim(node, layout), node.name in kept)
-                                     for node in self.graph.layer_nodes(layer))
+                                     for node in self.graph.layer_nodes(layer) if node.kind not in FREE_KINDS)
         return self._facts[key]
 
     def _layer_comms(self, layer: Layer, layout: TPLayout, sp: bool) -> tuple:

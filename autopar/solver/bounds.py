@@ -54,7 +54,9 @@ of that multiple-choice knapsack::
     W_M = max_{lambda >= 0}  sum_l min_r (c_l^r + lambda a_l^r) - lambda B
 
 (concave and piecewise linear in ``lambda``: its maximum is at 0 or a breakpoint where a layer's
-cheapest mode changes), and ``W_M`` replaces ``W`` above. When even ``sum_l min_r a_l^r > B``
+cheapest mode changes), and ``W_M`` replaces ``W`` above. Under a split backward (ZB-H1, ZB-V) each
+backward pass reruns a recomputing layer's forward (cost_model/estimator.reruns), so ``c_l^r`` counts its
+recomputation twice there; ZB-H1's drain floor ``D`` takes ``W_M`` with it once (``zbh1_drain_floor``). When even ``sum_l min_r a_l^r > B``
 the candidate cannot fit (pruned by memory). The refined bound also adds the data-parallel
 communication of ``P / p`` parameters that no overlap hides (``StepTail.dp_floor``: the
 device with the most parameters pays at least that much after its pipeline) and the loss's
@@ -94,6 +96,8 @@ class LayerWork:
     layer_forward: np.ndarray   # (layers,) forward seconds with its collectives (the same in every mode)
     layer_wgrad: np.ndarray     # (layers,) weight-gradient seconds (the same in every mode)
     layer_plain: np.ndarray     # (layers,) work without its recomputation (the same in every mode)
+    rerun: np.ndarray           # (distinct layers, modes) recomputation seconds, which a split backward pays twice
+    layer_rerun: np.ndarray     # (layers, modes) the same, in layer order
 
     @functools.cached_property
     def forward_total(self) -> float:
@@ -111,6 +115,13 @@ class LayerWork:
     def knapsack(self) -> Knapsack:
         """The Lagrangian bound of its distinct layers (module docstring), their counts the one group."""
         return Knapsack(self.work, self.acts, self.counts[:, None])
+
+    @functools.cached_property
+    def split_knapsack(self) -> Knapsack:
+        """:attr:`knapsack` under a split backward (the zero-bubble schedules), whose two passes each rerun a
+        recomputing layer's forward (cost_model/estimator.reruns)."""
+        return Knapsack(self.work + self.rerun, self.acts, self.counts[:, None])
+
 
 
 class SearchBounds:
@@ -137,9 +148,10 @@ class SearchBounds:
             kinds = est.kinds[0]    # layers of one kind share their costs: each priced once
             kind_work = np.array([[cost.work for cost in row] for row in zip(*costs)])    # (kinds, modes)
             kind_acts = np.array([[cost.activations for cost in row] for row in zip(*costs)])
-            work, acts = kind_work[list(kinds)], kind_acts[list(kinds)]                          # (layers, modes)
+            kind_rerun = np.array([[cost.recompute for cost in row] for row in zip(*costs)])
+            work, acts, rerun = kind_work[list(kinds)], kind_acts[list(kinds)], kind_rerun[list(kinds)]  # (layers, modes)
             # the distinct rows, sorted (np.unique(axis=0)'s, without its cost on a few rows)
-            table = list(map(tuple, np.concatenate([kind_work, kind_acts], axis=1).tolist()))
+            table = list(map(tuple, np.concatenate([kind_work, kind_acts, kind_rerun], axis=1).tolist()))
             distinct = sorted(set(table))
             where = {row: i for i, row in enumerate(distinct)}
             rows = np.array(distinct)
@@ -152,9 +164,10 @@ class SearchBounds:
             params, experts = self._local_params(c, cfg)
             self._work[key] = LayerWork(
                 total=float(cheapest.sum()), params=params, experts=experts,
-                work=rows[:, :modes], acts=rows[:, modes:], counts=counts.astype(float),
+                work=rows[:, :modes], acts=rows[:, modes:2 * modes], rerun=rows[:, 2 * modes:], counts=counts.astype(float),
                 layer_work=work, layer_acts=acts, least_acts=float(acts.min(axis=1).sum()),
-                costliest=-np.sort(-cheapest), layer_forward=forward, layer_wgrad=wgrad, layer_plain=plain)
+                costliest=-np.sort(-cheapest), layer_forward=forward, layer_wgrad=wgrad, layer_plain=plain,
+                layer_rerun=rerun)
         return self._work[key]
 
     def _local_params(self, c: Candidate, cfg: ParallelConfig) -> tuple[float, float]:
@@ -194,13 +207,13 @@ class SearchBounds:
                 yield (pipe + optimizer, max(states + acts / p, (acts + p * states / most) / inverse),
                        schedule, v, z)
 
-    def _bounds(self, c: Candidate, total: float) -> tuple[float, float]:
-        """(LB_T, LB_M) with ``total`` for ``W``."""
+    def _bounds(self, c: Candidate, total: float, drained: float | None = None) -> tuple[float, float]:
+        """(LB_T, LB_M) with ``total`` for ``W`` (and ``drained`` for ZB-H1's drain floor, :func:`_pipe`)."""
         lw = self._layer_work(c)
         m, p = c.micro_batches(self.global_batch_size), c.pp
         p2p = 2 * _crossings(c.schedule, p, c.virtual_stages) * self._least_cut(c) if p > 1 else 0.0
         optimizer, states = self._per_step(c)
-        lb_t = _pipe(c.schedule, c.virtual_stages, m, p, total, p2p, self._largest_stage(c), lw) + optimizer
+        lb_t = _pipe(c.schedule, c.virtual_stages, m, p, total, p2p, self._largest_stage(c), lw, drained) + optimizer
         if not _all_held(c.schedule, m, p):
             return lb_t, states
         inverse, most = self._passes(c, m)
@@ -265,13 +278,16 @@ class SearchBounds:
         """:meth:`refine` without the even split's own bound."""
         m = c.micro_batches(self.global_batch_size)
         lw = self._layer_work(c)
-        total = lw.total
+        total = drained = lw.total
         if self._holds(c, m):
-            floors = lw.knapsack.floors(np.array([self._budget(c, m)]))
+            budget = np.array([self._budget(c, m)])
+            floors = lw.knapsack.floors(budget)
             if floors is None:
                 return None
-            total = max(total, float(floors[0]))
-        return max(lb_t, self._bounds(c, total)[0] + self._tail(c, m))
+            total = drained = max(total, float(floors[0]))
+            if c.schedule in SPLIT_BACKWARD:   # the recomputation it forces, paid twice
+                total = max(total, float(lw.split_knapsack.floors(budget)[0]))
+        return max(lb_t, self._bounds(c, total, drained)[0] + self._tail(c, m))
 
     def _refine_even(self, c: Candidate, lb_t: float) -> float | None:
         """The even split's device-by-device bound (even_split.py), the costlier part of :meth:`refine`:
@@ -282,7 +298,10 @@ class SearchBounds:
                c.schedule == "zbv")   # the V places the chunks otherwise
         if key not in self._splits:
             self._splits[key] = even_splits(est, cfg, lw.layer_work)
-        pipe = even_pipeline_floor(est, cfg, m, self._splits[key], lw.layer_work, lw.layer_acts, lw.layer_forward,
+        # ZB-V's device work with its recomputation paid twice (its floor needs each device's work alone); ZB-H1's
+        # drain floor takes it once (zbh1_drain_floor: the second rerun goes to the weight-gradient pass)
+        work = lw.layer_work + lw.layer_rerun if c.schedule == "zbv" else lw.layer_work
+        pipe = even_pipeline_floor(est, cfg, m, self._splits[key], work, lw.layer_acts, lw.layer_forward,
                                    lw.layer_wgrad,
                                    self.cluster.device.memory if self._holds(c, m) else math.inf)
         if pipe is None:
@@ -314,14 +333,17 @@ class SearchBounds:
 
 
 def _pipe(schedule: str, virtual_stages: int, m: int, p: int, total: float, p2p: float, largest: float,
-          lw: LayerWork) -> float:
+          lw: LayerWork, drained: float | None = None) -> float:
     """The pipeline term of ``LB_T`` (module docstring): ``m`` micro-batches of ``total`` work and ``p2p``
-    over ``p`` devices, the slowest holding at least ``largest``."""
+    over ``p`` devices, the slowest holding at least ``largest``; ZB-H1's drain floored with ``drained`` work
+    (default ``total``; under a split backward ``total`` may count the recomputation twice, the drain floor's
+    work only once)."""
     x = max((total + p2p) / p, largest)
     if schedule == "interleaved":
         return (m + (p - 1) / virtual_stages) * x
     if schedule == "zbh1" and m >= p:
-        return m * x + (p - 1) / p * zbh1_drain_floor(total + p2p, lw.forward_total + p2p / 2, lw.wgrad_total,
+        work = total if drained is None else drained
+        return m * x + (p - 1) / p * zbh1_drain_floor(work + p2p, lw.forward_total + p2p / 2, lw.wgrad_total,
                                                       lw.plain_total + p2p)
     if schedule in SPLIT_BACKWARD:   # ZB-V's fill needs each device's forward: the even split's bound has it
         return m * x

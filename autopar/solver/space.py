@@ -26,6 +26,7 @@ than blocks...) is refused, naming the rule and the nearest values that work
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import Any, Iterator, Mapping, NamedTuple
 
@@ -174,7 +175,7 @@ class Branch:
     sequence_parallel: tuple[bool, ...]
     offload: bool = False   # every candidate's (one search offloads, or none does: search.py)
 
-    @property
+    @functools.cached_property
     def leaves(self) -> int:
         """Candidates per sequence-parallel choice and variant."""
         return sum(compatible(s, z) for s, _ in self.schedules for z in self.zeros)

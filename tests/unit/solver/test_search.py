@@ -352,3 +352,41 @@ def test_even_split_bound_is_below_every_plan(deep_graph, fixed, fraction):
             assert refined <= result.step_time * (1 + 1e-9), (c, refined, result.step_time)
             tightened += refined > lb_t * (1 + 1e-9)
     assert checked and tightened
+
+
+@pytest.mark.parametrize("schedule", ["zbh1", "zbv"])
+@pytest.mark.parametrize("fraction", [0.1, 0.4])
+def test_zero_bubble_bound_pays_the_rerun_twice(deep_graph, schedule, fraction):
+    """A split backward reruns a recomputing layer's forward in both of its passes (estimator.reruns), so
+    the work the activations' memory forces is bounded with the recomputation counted twice (bounds.py:
+    LayerWork.split_knapsack; ZB-H1's drain floor with it once): the refined bound stays below every
+    zero-bubble plan that fits, and is tighter than with the rerun counted once somewhere."""
+    spec, gbs = "1x8xA100-80GB", 32
+    fixed = {"schedule": schedule}
+    sharding = _sharding(deep_graph, spec)
+    loose = Search(deep_graph, Cluster.from_spec(spec), gbs, sharding.precision, layouts_for(sharding), fixed,
+                   splits_batch=sharding.splits_batch)
+    peaks = sorted(loose.leanest(c)[0] for c in loose._usable() if c.pp > 1)
+    memory = peaks[0] + fraction * (peaks[-1] - peaks[0])
+    search = Search(deep_graph, _cluster(spec, memory), gbs, sharding.precision, layouts_for(sharding), fixed,
+                    splits_batch=sharding.splits_batch)
+    once = Search(deep_graph, _cluster(spec, memory), gbs, sharding.precision, layouts_for(sharding), fixed,
+                  splits_batch=sharding.splits_batch)
+    checked = tightened = 0
+    for c in search._usable():
+        lb_t, lb_m = search.bounds(c)
+        if c.pp == 1 or lb_m > memory:
+            continue
+        refined = search.refine(c, lb_t)
+        result = search.evaluate(c)
+        if refined is None:
+            assert not isinstance(result, Plan), c
+            continue
+        if isinstance(result, Plan):
+            checked += 1
+            assert refined <= result.step_time * (1 + 1e-9), (c, refined, result.step_time)
+            lw = once._layer_work(c)    # the same bound with the rerun counted once
+            single = dataclasses.replace(lw, layer_rerun=0 * lw.layer_rerun, rerun=0 * lw.rerun)
+            once._work[(c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep)] = single
+            tightened += refined > once.refine(c, lb_t) * (1 + 1e-9)
+    assert checked and tightened
