@@ -27,7 +27,9 @@ import torch
 import autopar
 from autopar.capture import capture
 from autopar.models import GPTConfig, LlamaConfig, build_gpt, build_llama
+from autopar.config import DEFAULT_TIE_TOLERANCE
 from autopar.solver import solve
+from autopar.solver.choice import choose
 
 DATA = Path(__file__).resolve().parent / "data"
 RUNS = DATA / "published_runs.json"
@@ -171,8 +173,27 @@ def cluster_of(row: Row, **device: Any) -> autopar.Cluster:
     return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, **changes)) if changes else cluster
 
 
+# The pipeline schedules each stack runs (a row that does not publish its schedule is planned with these):
+# Megatron-LM, Megatron-Core and Megatron-DeepSpeed run 1F1B and Megatron's interleaving (no zero-bubble
+# schedule; DeepSpeed's own pipeline engine runs 1F1B); the others are left to the planner.
+STACK_SCHEDULES = {"Megatron-LM": ("1f1b", "interleaved"), "Megatron-Core": ("1f1b", "interleaved"),
+                   "Megatron-DeepSpeed": ("1f1b", "interleaved"), "Megatron-LM (2019)": ("1f1b", "interleaved")}
+
+
 def plan_row(row: Row, **device: Any) -> autopar.Plan:
-    """The planner's plan of ``row`` with everything published pinned."""
-    plan, _ = solve(graph_of(row.model), cluster_of(row, **device), row.global_batch, precision=row.precision,
-                    fixed=row.fixed)
-    return plan
+    """The planner's plan of ``row`` with everything published pinned, among the schedules its stack runs
+    (:data:`STACK_SCHEDULES`: the planner's choice among the plans of each, as it chooses among candidates)."""
+    graph, cluster = graph_of(row.model), cluster_of(row, **device)
+    schedules = STACK_SCHEDULES.get(row.stack) if "schedule" not in row.fixed else None
+    if schedules is None:
+        return solve(graph, cluster, row.global_batch, precision=row.precision, fixed=row.fixed)[0]
+    plans = []
+    for schedule in schedules:
+        try:
+            plans.append(solve(graph, cluster, row.global_batch, precision=row.precision,
+                               fixed={**row.fixed, "schedule": schedule})[0])
+        except (autopar.InfeasiblePlanError, autopar.ConfigError):   # e.g. interleaving with pp pinned to 1
+            continue
+    if not plans:
+        raise autopar.InfeasiblePlanError(f"{row.name}: no plan fits with any of {row.stack}'s schedules {schedules}")
+    return choose(plans, DEFAULT_TIE_TOLERANCE)
