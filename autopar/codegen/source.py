@@ -10,9 +10,11 @@ Tensors the code creates (``arange``, masks) go to the module's ``DEVICE``, whic
 to its rank's device (the graph was exported on the CPU or the meta device, whose name it held).
 A layer's class takes its parameters (this rank's shards) and the model's buffers as ``forward``
 arguments, in the order of its signature, and the tensor-parallel process group as
-``__init__(tp_group)``; a layer whose attention core is recomputed (selective recompute) builds
-its recomputed part as a class of its own. An MoE region run as one call needs autopar's expert
-dispatch (runtime/experts.py): its class takes that module as ``__init__(experts=...)``.
+``__init__(tp_group)``; an fp8 program's linear layers are called through ``__init__(fp8=...)``, the
+runtime library's torchao float8 module (runtime/fp8.py) that train.py builds for the rank; a layer whose
+attention core is recomputed (selective recompute) builds its recomputed part as a class of its own. An
+MoE region run as one call needs autopar's expert dispatch (runtime/experts.py): its class takes that
+module as ``__init__(experts=...)``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import ConfigError
-from ..runtime import VENDORED, collectives, context_ops, shard_ops, vendor
+from ..runtime import VENDORED, collectives, context_ops, fp8, shard_ops, vendor
 
 _OURS = {collectives.__name__: "collectives", shard_ops.__name__: "shard_ops", context_ops.__name__: "context_ops"}
 _FX_GLOBALS = frozenset({"inf", "nan", "NoneType", "torch", "device", "fx_pytree", "pytree"})
@@ -110,7 +112,9 @@ def _class(name: str, module: fx.GraphModule, imports: dict[str, str]) -> str:
         elif isinstance(value, fx.GraphModule):
             sub = f"{name}_{attr}"
             subclasses.append(_class(sub, value, imports))
-            init.append(f"        self.{attr} = {sub}(tp_group, cp_group=cp_group)")
+            init.append(f"        self.{attr} = {sub}(tp_group, cp_group=cp_group, fp8=fp8)")
+        elif isinstance(value, fp8.Float8Linear):
+            init.append(f"        self.{attr} = fp8   # torchao's float8 training on this rank's shards (fp8.py)")
         elif isinstance(value, torch.nn.Module):
             init.append(f"        self.{attr} = experts[{attr!r}]   # autopar's expert dispatch (runtime/experts.py)")
         elif isinstance(value, torch.Tensor) and value.numel() <= 64:
@@ -119,7 +123,7 @@ def _class(name: str, module: fx.GraphModule, imports: dict[str, str]) -> str:
             raise ConfigError(f"generated source: {name}'s attribute {attr} ({type(value).__name__}) cannot be "
                               "written as source; run the program in-process (autopar.parallelize)")
     text = (f"class {name}(torch.nn.Module):\n"
-            f"    def __init__(self, tp_group=None, experts=None, cp_group=None):\n" + "\n".join(init) + "\n" +
+            f"    def __init__(self, tp_group=None, experts=None, cp_group=None, fp8=None):\n" + "\n".join(init) + "\n" +
             textwrap.indent(body.strip("\n"), "    ") + "\n")
     return "\n\n".join([*subclasses, text])
 

@@ -26,6 +26,8 @@ context-parallel group (its place in the group is program.py's ``CP_RANK``, whic
 A model factory that builds on the meta device works as in ``parallelize``: each rank gives values
 to the parameters and buffers it holds, one module at a time, from ``(--seed, module name)``
 (autopar_runtime/sharded_init.py), the values ``parallelize(..., init_seed=)`` gives.
+An fp8 plan runs its linear layers through torchao's float8 training, as ``parallelize`` does (the runtime
+library's fp8.py: the folder then needs torchao beside torch, on the ranks and where it is emitted).
 What the folder cannot run yet is refused at emit time with what to change: expert parallelism,
 MoE regions run as one call (ep > 1, or cp > 1 on an MoE model), a batch that is not a flat tuple or
 dict of tensors.
@@ -52,6 +54,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch import nn
 
 from ..capture.export import loss_source, normalize_inputs, run_export
 from ..capture.loss import check_loss
@@ -62,6 +65,7 @@ from ..plan.loss import EMIT
 from .compile import ChunkProgram, CompiledProgram, compile_program
 from .constants import fill_made_constants
 from ..runtime.context_state import ContextRank
+from ..runtime.fp8 import Float8Linear
 from .inputs import example_at
 from .layers import class_name, layer_module
 from .source import Written, program_source, write_support
@@ -107,8 +111,7 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     cfg = plan.config
     refusals = [why for bad, why in (
         (cfg.ep > 1, "expert parallelism"),
-        (plan.precision.kernels == "fused", "hand-written fused kernels"),
-        (plan.precision.compute == "fp8", "fp8 linear layers")) if bad]
+        (plan.precision.kernels == "fused", "hand-written fused kernels")) if bad]
     if refusals:
         raise ConfigError(f"a standalone program cannot run {refusals[0]} ({cfg.short()}) yet: emit the script "
                           "that runs autopar.parallelize (standalone=False), or re-plan without it")
@@ -131,6 +134,9 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     split = compiled.split
     context = ContextRank(compiled.context, None, Written("CP_RANK"), Written("TIMEOUT")) \
         if compiled.context is not None else None
+    # an fp8 plan's linear layers call the module train.py builds for its rank (FP8_RECIPE; runtime/fp8.py):
+    # one here marks the calls (it needs torchao, as the folder's train.py will)
+    fp8 = Float8Linear(plan.precision.recipe, emulate=True) if plan.precision.compute == "fp8" else None
     os.makedirs(out_dir, exist_ok=True)
     write_support(out_dir)   # autopar_runtime/: the runtime library, as parallelize runs it
     shutil.copyfile(TRAIN_TEMPLATE, os.path.join(out_dir, TRAIN))
@@ -140,7 +146,7 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
                 if k not in unset}, os.path.join(out_dir, BUFFERS))
     layers, chunk_classes = [], []
     for chunk in compiled.chunks:
-        text, chunk_layers = _chunk(chunk, compiled, context)
+        text, chunk_layers = _chunk(chunk, compiled, context, fp8)
         layers += chunk_layers
         chunk_classes.append(text)
     source = program_source(layers, f"{plan.model_name} under {cfg.short()}: every chunk's layers and dataflow.")
@@ -203,15 +209,17 @@ def meta_model(model_factory: str) -> torch.nn.Module:
     return model
 
 
-def _chunk(chunk: ChunkProgram, compiled: CompiledProgram, context: ContextRank | None) -> tuple[str, list]:
-    """The chunk's class (its layers wired together) and its layers' generated modules."""
+def _chunk(chunk: ChunkProgram, compiled: CompiledProgram, context: ContextRank | None,
+           fp8: nn.Module | None) -> tuple[str, list]:
+    """The chunk's class (its layers wired together) and its layers' generated modules (an fp8 plan's linear
+    layers called through ``fp8``)."""
     split = compiled.split
     generated, build, body = [], [], []
     for k, layer in enumerate(chunk.layers):
         name = class_name(layer.spec.name)
         generated.append((name, layer_module(layer.io(split.param_of), split.node_map, split.program.graph_module,
-                                             compiled.lowered, None, name=name, context=context)))
-        build.append(f"            Held({name}(tp_group, cp_group=cp_group), {{f: params[f] for f in {list(layer.own)!r}}}, "
+                                             compiled.lowered, None, name=name, context=context, fp8=fp8)))
+        build.append(f"            Held({name}(tp_group, cp_group=cp_group, fp8=fp8), {{f: params[f] for f in {list(layer.own)!r}}}, "
                      f"[buffers[b] for b in {list(layer.spec.buffers)!r}], {layer.recompute!r}),   # {layer.spec.name}")
         outs = [*layer.spec.outputs, *layer.written]
         args = [*layer.spec.inputs, *(f"shared[{_attr(p)!r}]" for p in layer.shared)]
@@ -227,7 +235,7 @@ def _chunk(chunk: ChunkProgram, compiled: CompiledProgram, context: ContextRank 
     text = (f"class Chunk{chunk.index}(torch.nn.Module):\n"
             f'    """Chunk {chunk.index} (layers {layer_names}): reads {list(spec.graph_inputs + spec.recv)}, '
             f'sends {list(spec.send)}."""\n\n'
-            f"    def __init__(self, tp_group, params, buffers, cp_group=None):\n"
+            f"    def __init__(self, tp_group, params, buffers, cp_group=None, fp8=None):\n"
             f"        super().__init__()\n        self.tp_group = tp_group\n"
             + "".join(f"        self.register_parameter({_attr(p)!r}, params[{p!r}])\n" for p in chunk.shared)
             + "        self.layers = torch.nn.ModuleList([\n" + "\n".join(build) + "\n        ])\n\n"
@@ -266,6 +274,8 @@ def _constants(compiled: CompiledProgram, record: dict, unset: dict[str, str]) -
             f"CHUNK_DEVICES = {[cfg.chunk_device(c) for c in range(n)]!r}\n"
             "# OFFLOAD: ZeRO-3's shards, gradients and optimizer states in host memory (FSDP2's CPUOffloadPolicy)\n"
             f"OFFLOAD = {cfg.offload}\n"
+            "# fp8 linear layers: torchao's float8 training recipe (None: the plan's precision throughout; runtime/fp8.py)\n"
+            f"FP8_RECIPE = {plan.precision.recipe if plan.precision.compute == 'fp8' else None!r}\n"
             f"ZERO, MICRO_BATCH_SIZE, MICRO_BATCHES, GLOBAL_BATCH = {cfg.zero}, {cfg.micro_batch_size}, "
             f"{plan.micro_batches}, {plan.global_batch_size}\n"
             f"CHUNKS, LOSS = {n}, {split.loss!r}\n"

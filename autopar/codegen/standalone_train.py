@@ -14,7 +14,8 @@ checkpoint format (dcp_state.py): the very files ``autopar.parallelize`` runs. T
 rank's share: its process groups, its shards of the weights of the model ``MODEL_FACTORY`` builds
 (the same seed on every rank, so the same weights; a model built on the meta device gets the values
 of the parameters and buffers this rank holds only, one module at a time: sharded_init.py), FSDP2
-for ZeRO-2/3, AdamW; then per step: the rank's micro-batches (under context parallelism its tokens
+for ZeRO-2/3, an fp8 plan's linear layers through torchao's float8 training (fp8.py: torchao is then needed
+beside torch), AdamW; then per step: the rank's micro-batches (under context parallelism its tokens
 of each sequence) through the schedule, the gradient reductions (the mean over the data- and
 context-parallel replicas, tied parameters, tensor-parallel partial sums), the optimizer step, and
 the mean loss over the global batch (rank 0 prints it and appends it to --loss-file).
@@ -152,7 +153,12 @@ def main():
     buffers = {k: v.to(device) for k, v in buffers.items()}
     del model, value
     mine = [c for c in range(P.CHUNKS) if P.CHUNK_DEVICES[c] == pp_rank]
-    chunks = {c: getattr(P, f"Chunk{c}")(g.group("tp"), params, buffers, cp_group=g.group("cp")) for c in mine}
+    fp8_linear = None
+    if P.FP8_RECIPE is not None:   # the plan's linear layers through torchao's float8 training (fp8.py)
+        from autopar_runtime import fp8
+        fp8_linear = fp8.Float8Linear(P.FP8_RECIPE, fp8.emulated(device), g.tp)
+    chunks = {c: getattr(P, f"Chunk{c}")(g.group("tp"), params, buffers, cp_group=g.group("cp"), fp8=fp8_linear)
+              for c in mine}
     fsdp = P.ZERO >= 2 and (REPLICAS > 1 or P.OFFLOAD)
     if fsdp:   # ZeRO-2/3: each unit's parameters sharded over the gradient replicas (the dp x cp mesh; with
         # tp > 1 each tp rank's shards are sharded again over it), gathered around it

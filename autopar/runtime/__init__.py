@@ -9,7 +9,8 @@ sharded initialisation (sharded_init.py), failures with deadlines (failures.py) 
 (mesh.py). codegen/ compiles a plan into what these run; driver/ (``autopar.parallelize``) and a
 standalone folder's train.py drive them.
 
-:data:`STANDALONE` are the modules that import only torch, the standard library and each other: a
+:data:`STANDALONE` are the modules that import only torch, the standard library and each other (fp8.py
+imports torchao too, when an fp8 program builds its linear layers: a folder of a bf16 plan never does): a
 standalone folder carries them as the package ``autopar_runtime`` (:func:`vendor`), so generated code
 and train.py import the same files ``autopar.parallelize`` runs. This file imports nothing else.
 """
@@ -20,7 +21,7 @@ import os
 import shutil
 
 STANDALONE = ("batches", "buckets", "collectives", "context_ops", "context_state", "data_parallel", "dcp_state",
-              "failures", "losses", "mesh", "optim", "pipeline", "recompute", "ring_attention", "shard_ops",
+              "failures", "fp8", "losses", "mesh", "optim", "pipeline", "recompute", "ring_attention", "shard_ops",
               "sharded_init")
 VENDORED = "autopar_runtime"
 """The package name a folder's copy has (not ``autopar``: it must not hide an installed autopar)."""

@@ -4,7 +4,8 @@ factory that imports only transformers, planned from batch-1 example inputs as t
 at tp=2 (+ sequence parallelism), pp=2 1F1B, dp=2 ZeRO-3, cp=2 (ring attention), pp=2 of a model
 built on the meta device (each rank gives values to what it holds, equal to autopar.init_weights),
 pp=2 of a plain-torch regressor whose loss_fn reads targets and a mask its forward does not take
-(they reach the last stage's loss), pp=2 ZB-V (the split backward, a four-block Llama; and, in make bench,
+(they reach the last stage's loss), pp=2 ZB-V (the split backward, a four-block Llama), tp=2 of an fp8 plan
+(torchao's float8 training, emulated, against one process converted alike; and, in make bench,
 tp=2 x dp=2 ZeRO-3 on 4 ranks, FSDP2 sharding each tensor-parallel shard again over the data-parallel
 ranks, and cp=2 x tp=2): its
 losses equal one process's (fp32, relative 1e-5: only the order of additions differs). Each run
@@ -14,6 +15,7 @@ into one process equal to the reference after its first step."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -41,7 +43,12 @@ CASES = {   # name -> (ranks, pinned fields)
     "pp2_targets": (2, dict(pp=2, micro_batch_size=1)),   # loss_fn reads batch keys forward does not take
     # ZB-V: the split backward (I, W) and its V (chunks 0 and 3, the loss, on pipeline rank 0) in train.py
     "pp2_zbv": (2, dict(pp=2, micro_batch_size=1, schedule="zbv", virtual_stages=2)),
+    # fp8 linear layers (torchao's float8 training, emulated on this CPU) on tensor-parallel shards: row-wise
+    # scales (one token's or channel's each), whose amax the runtime all-reduces where tp splits it
+    "tp2_fp8": (2, dict(tp=2, micro_batch_size=2)),
 }
+PRECISION = {"tp2_fp8": dict(compute="fp8", recipe="rowwise_with_gw_hp")}   # the plan edited to it (this CPU has
+# no fp8 peak to price it with: what runs is what this case tests), the reference converted alike
 FACTORY = {name: "llama_on_meta" if name.endswith("_meta") else "tagger" if name.endswith("_targets") else
            "llama4" if name.endswith("_zbv") else "llama" for name in CASES}
 BATCH = {"tagger": "tagger_batch"}   # factory -> its batch factory (default llama_batch) and loss_fn (default:
@@ -64,15 +71,19 @@ def hook(tmp_path_factory):
     return env
 
 
-def _one_process(factory: str):
+def _one_process(factory: str, recipe: str | None = None):
     """One process's losses and the weights after its first step: the factory's model under
-    torch.manual_seed(0), or a meta-built one given the values every plan gives it (init_weights, seed 0)."""
+    torch.manual_seed(0), or a meta-built one given the values every plan gives it (init_weights, seed 0);
+    with ``recipe``, its linear layers converted to torchao's float8 training as an fp8 plan runs them."""
     import autopar
     from autopar.capture.export import LossWrapper
+    from harness import to_fp8
     torch.manual_seed(0)
     model = getattr(plain_factories, factory)()
     if factory.endswith("_meta"):
         model = autopar.init_weights(model, seed=0)
+    if recipe is not None:
+        to_fp8(model, recipe)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     out, after_first = [], None
     for step in range(STEPS):
@@ -97,12 +108,18 @@ def _loss_fn(factory: str):
 
 @pytest.fixture(scope="module")
 def references():
-    return {f: _one_process(f) for f in sorted(set(FACTORY.values()))}
+    """By case: its one-process reference (cases of one factory and precision share theirs)."""
+    out: dict = {}
+    for name in CASES:
+        recipe = PRECISION.get(name, {}).get("recipe")
+        if (FACTORY[name], recipe) not in out:
+            out[FACTORY[name], recipe] = _one_process(FACTORY[name], recipe)
+    return {name: out[FACTORY[name], PRECISION.get(name, {}).get("recipe")] for name in CASES}
 
 
 @pytest.fixture(scope="module")
 def reference(references):
-    return references["llama"]
+    return references["pp2_1f1b"]   # the llama's, in fp32
 
 
 DRIVER = '''import os, runpy, sys
@@ -141,6 +158,8 @@ def runs(hook, tmp_path_factory):
         model = getattr(plain_factories, factory)()   # a meta one planned on meta, as the README shows
         plan = autopar.plan(model, Cluster.from_spec(f"1x{world}xcpu"), example, global_batch_size=GLOBAL,
                             fixed={**BASE, **config}, loss_fn=_loss_fn(factory), verbose=False)
+        if name in PRECISION:
+            plan = dataclasses.replace(plan, precision=autopar.Precision(**PRECISION[name]))
         autopar.codegen.emit(plan, root / name, f"plain_factories:{factory}",
                              batch_factory=f"plain_factories:{BATCH.get(factory, 'llama_batch')}",
                              loss_fn=f"plain_factories:{LOSS[factory]}" if factory in LOSS else None, lr=LR,
@@ -162,9 +181,9 @@ def runs(hook, tmp_path_factory):
 def test_standalone_program_trains_like_one_process(name, runs, references):
     import autopar
     text, got, checkpoint = runs[name]
-    losses, after_first = references[FACTORY[name]]
+    losses, after_first = references[name]
     assert "import autopar" not in text and "class Chunk0(torch.nn.Module)" in text
-    if name.startswith("tp2"):
+    if name.startswith("tp2") and CASES[name][1].get("sequence_parallel"):
         assert "collectives.gather_partial(" in text and "collectives.reduce_scatter(" in text
     if name.endswith("_meta"):   # the rotary tables: given values on each rank, not in buffers.pt
         assert "META_BUFFERS = {'b_model_model_rotary_emb_inv_freq'" in text
@@ -174,6 +193,11 @@ def test_standalone_program_trains_like_one_process(name, runs, references):
     assert ("from autopar_runtime import context_ops" in text) == name.startswith("cp2")
     if name.startswith("cp2"):
         assert "context_ops.ring(" in text and "CONTEXT_INPUTS = {" in text
+    if name in PRECISION:   # the linear layers through the runtime library's torchao float8 module
+        assert f"FP8_RECIPE = {PRECISION[name]['recipe']!r}" in text and "self.fp8_linear(" in text
+        assert (checkpoint.parents[1] / "autopar_runtime" / "fp8.py").exists()
+    else:
+        assert "FP8_RECIPE = None" in text and "fp8_linear" not in text
     if name.endswith("_zbv"):
         assert "CHUNK_DEVICES = [0, 1, 1, 0]" in text and "SPLIT_BACKWARD = True" in text
         assert "I3.0" in text and "W0.3" in text

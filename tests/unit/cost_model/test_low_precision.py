@@ -103,12 +103,26 @@ def test_plans_in_fp8(llama):
     assert tensorwise.breakdown.tp_comm > rowwise.breakdown.tp_comm
 
 
-def test_the_standalone_folder_refuses_fp8(tmp_path):
-    """parallelize runs fp8 linear layers (tests/distributed/test_fp8.py); the standalone folder, torch alone,
-    has no torchao to run them with, and says so."""
+def gpt_tiny(device="cpu"):
+    """The standalone test's model factory (callable with no arguments, as train.py calls it)."""
+    return build("gpt-tiny", batch_size=1, device=device)[0]
+
+
+def test_the_standalone_folder_runs_fp8_linear_layers(tmp_path):
+    """An fp8 plan's standalone folder calls its linear layers through the runtime library's torchao float8
+    module (runtime/fp8.py, copied beside it), built by train.py for the plan's recipe; the bf16 plan's layers
+    call none (tests/distributed/test_standalone.py trains one against one process converted alike)."""
     model, inputs = build("gpt-tiny", batch_size=1)
-    plan = autopar.estimate(model, autopar.Cluster.from_spec("1x2xH100-SXM"), inputs, ParallelConfig(dp=2),
-                            global_batch_size=2, precision=Precision(compute="fp8"))
+    cluster = autopar.Cluster.from_spec("1x2xH100-SXM")
     from autopar.codegen.standalone import emit_standalone
-    with pytest.raises(ConfigError, match="fp8 linear layers"):
-        emit_standalone(plan, str(tmp_path), "autopar.models:build", None, None, 1e-3)
+    texts = {}
+    for compute in ("fp8", "bf16"):
+        plan = autopar.estimate(model, cluster, inputs, ParallelConfig(dp=2), global_batch_size=2,
+                                precision=Precision(compute=compute))
+        emit_standalone(plan, str(tmp_path / compute), "test_low_precision:gpt_tiny", None, None, 1e-3)
+        texts[compute] = (tmp_path / compute / "program.py").read_text()
+    assert "FP8_RECIPE = 'tensorwise'" in texts["fp8"] and "FP8_RECIPE = None" in texts["bf16"]
+    linears = texts["fp8"].count("self.fp8_linear(")
+    assert linears >= 4 and "self.fp8_linear = fp8" in texts["fp8"]   # the block's 4 linear layers at least
+    assert "fp8_linear" not in texts["bf16"]
+    assert (tmp_path / "fp8" / "autopar_runtime" / "fp8.py").exists()
