@@ -126,10 +126,17 @@ if ALL_CASES:
 # the GPT's tied embedding in its two chunks, one reduced once, with the chunk whose last W comes last
 ZERO_BUBBLE = [Case("gpt-dp2_pp2_zbv", "gpt", {**BASE, "dp": 2, "pp": 2, "schedule": "zbv", "virtual_stages": 2}, 4,
                     global_batch=8)]
+# ZB-H1's split backward through cross attention (decoder tokens attending to memory tokens of their own
+# embedding: a query length other than the key length) and Hugging Face Mixtral's routed experts (the
+# router's and experts' weight gradients in W); make bench, where every MODELS one runs pp2_zbh1 too
+if ALL_CASES:
+    ZERO_BUBBLE_TWO = [Case(f"{m}-pp2_zbh1", m, {**BASE, "pp": 2, "schedule": "zbh1"}, 2) for m in ("xattn", "mixtral")]
+else:
+    ZERO_BUBBLE_TWO = []
 CASES = {2: [Case(f"{m}-{k}", m, None if v is None else {**BASE, **v}, 2) for m in MODELS for k, v in TWO.items()
              if (k not in VARIANTS or m in VARIANTS_ON) and not (m in HF_ELSEWHERE[0] and k in HF_ELSEWHERE[1])
              and (ALL_CASES or k in SAMPLE_TWO[m])]
-         + CNN + SELECTIVE + PARTIAL + COMPILED,
+         + CNN + SELECTIVE + PARTIAL + COMPILED + ZERO_BUBBLE_TWO,
          4: [Case(f"{m}-{k}", m, None if v is None else {**BASE, **v}, 4) for m in MODELS for k, v in FOUR.items()
              if (k == "planner" or m in VARIANTS_ON) and (ALL_CASES or (m, k) in SAMPLE_FOUR)] + ZERO_BUBBLE}
 
