@@ -110,7 +110,7 @@ def _search(graph: OpGraph, cluster: Cluster, global_batch_size: int, precision:
                           "may differ), precision and ILP limits, and is not taken with time_limit: pass none to "
                           "make one")
     search = Search(graph, cluster, global_batch_size, precision, layouts_for(sharding), fixed, time_limit,
-                    splits_batch=sharding.splits_batch, measured=measured, progress=progress)
+                    splits_batch=sharding.splits_batch, measured=measured, progress=progress, layouts_ahead=sharding)
     return search, sharding
 
 
@@ -118,6 +118,7 @@ def _run(search: Search, sharding: ShardingSolver, must_fit: bool) -> tuple[Plan
     search.must_fit = must_fit
     best, best_c, seen = search.run()
     search.stats.ilp_seconds, search.stats.ilp_solves = sharding.seconds, sharding.solves
+    search.stats.ilp_waited = sharding.waited
     search.stats.ilp_stopped_early, search.stats.ilp_greedy = sharding.stopped_early, sharding.greedy_after_deadline
     search.stats.ilp_fallbacks = tuple(sharding.fallbacks)
     if best is None:

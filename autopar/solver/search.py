@@ -81,7 +81,8 @@ class SearchStats:
     infeasible: int = 0
     timed_out: bool = False
     search_seconds: float = 0.0
-    ilp_seconds: float = 0.0
+    ilp_seconds: float = 0.0        # building and solving sharding ILPs, in either thread (ShardingSolver.prefetch)
+    ilp_waited: float = 0.0         # of search_seconds, spent solving them or waiting for them
     ilp_solves: int = 0
     ilp_stopped_early: int = 0      # group ILPs stopped at a time or node limit, or sharded greedily
     ilp_greedy: int = 0             # groups sharded greedily because time_limit had passed
@@ -131,6 +132,7 @@ class Search(SearchBounds, EvenSplitPlans):
     time_limit: float | None = None
     splits_batch: Callable[[int, str], bool] | None = None   # (tp, variant) -> the layout splits the batch
     measured: MeasuredTimes | None = None                    # profiled op times (profile=True)
+    layouts_ahead: Any = None   # a ShardingSolver to solve the layouts in a second thread while the bounds run
     progress: bool = False                                   # a progress bar once the search takes over 1 s
     tie_tolerance: float = DEFAULT_TIE_TOLERANCE   # plans this close to the fastest are ties (choice.py)
     must_fit: bool = True      # False: the fastest plan whatever its memory (an estimate of a config that fits nowhere)
@@ -284,6 +286,18 @@ class Search(SearchBounds, EvenSplitPlans):
         data-parallel plan, for the runners-up."""
         t0 = time.perf_counter()
         deadline = None if self.time_limit is None else t0 + self.time_limit
+        ahead = self.layouts_ahead
+        if ahead is not None:   # the layouts the bounds will ask for, in the order they will
+            degrees = sorted({b.tp for b in self._branches()} - {1})
+            ahead.prefetch([(tp, variant) for tp in degrees for variant in self._base_variants])
+        try:
+            return self._run(t0, deadline)
+        finally:
+            if ahead is not None:
+                ahead.stop_prefetch()
+
+    def _run(self, t0: float, deadline: float | None) -> tuple[Plan | None, Candidate | None, Seen]:
+        """:meth:`run` once the layouts are on their way."""
         with _cycles_uncollected():
             queue = self._queue(deadline)
             self.settled = Settled.of(queue)
@@ -385,7 +399,7 @@ class Search(SearchBounds, EvenSplitPlans):
         queue = []
         memory = self.cluster.device.memory
         with counter("autopar: bounding", unit="candidates", enabled=self.progress) as bar:
-            for b in self._branches():
+            for b in self._ready_first():
                 if queue and self._past(deadline):
                     # past the limit with something to evaluate: the candidates not yet bounded are
                     # left out, so no gap can be claimed for them
@@ -398,6 +412,28 @@ class Search(SearchBounds, EvenSplitPlans):
                     queue.append((lb_t, key, len(queue), "summed", None))   # the index keeps ties ordered
         heapq.heapify(queue)
         return queue
+
+    def _ready_first(self) -> Iterator[Branch]:
+        """:meth:`_branches`, those whose layouts are solved first: while a second thread solves them
+        (``layouts_ahead``), a branch whose layouts are not there yet waits until no other branch is ready,
+        then the waiting ones of the least tensor-parallel degree go (waiting for their layouts)."""
+        ahead = self.layouts_ahead
+        if ahead is None:
+            yield from self._branches()
+            return
+        waiting: dict[int, list[Branch]] = {}    # by tp, in the space's order
+
+        def solved(tp: int) -> bool:
+            return all(ahead.solved(tp, variant) for variant in self._base_variants)
+        for b in self._branches():
+            if b.tp not in waiting and solved(b.tp):
+                yield b
+            else:
+                waiting.setdefault(b.tp, []).append(b)
+                for tp in [t for t in waiting if solved(t)]:
+                    yield from waiting.pop(tp)
+        for tp in sorted(waiting):
+            yield from waiting[tp]
 
     def _branch_bounds(self, b: Branch, bar=None) -> Iterator[tuple[Key, float, float]]:
         """(sort key, LB_T, LB_M) of each candidate of branch ``b`` that is not dominated, counted in

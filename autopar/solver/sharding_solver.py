@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import time as _time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
@@ -36,9 +37,17 @@ from .strategies import OpContext
 class ShardingSolver:
     """Per-op sharding ILPs for one graph, cluster and precision; layouts cached per (tp, variant).
 
-    ``seconds`` and ``solves`` count the time spent building and solving ILPs and the number of
-    group ILPs solved (each has two solver calls). ``deadline`` (a ``time.perf_counter()`` value,
-    the search's time limit): groups reached after it are sharded greedily, without an ILP.
+    ``seconds`` and ``solves`` count the time spent building and solving ILPs (in whichever thread) and
+    the number of group ILPs solved (each has two solver calls); ``waited`` the part of it the callers
+    of :meth:`solutions` spent solving or waiting for a :meth:`prefetch` to finish a layout they asked
+    for. ``deadline`` (a ``time.perf_counter()`` value, the search's time limit): groups reached after
+    it are sharded greedily, without an ILP.
+
+    :meth:`prefetch` solves layouts in a second thread while the caller goes on: HiGHS releases
+    Python's lock while it solves (most of an ILP's time), so on two cores the search bounds the
+    layouts it has while the next are solved. Each layout is solved once, by whichever thread asks
+    first (the other waits for it), and is the same whichever thread solves it (one HiGHS thread under
+    a node limit is deterministic; under a wall-clock limit no layout is reproducible anyway).
 
     No ILP reads the device's memory (the lean variants minimise memory, they are not bounded by
     it; the search decides what fits), so one solver serves clusters that differ only in it
@@ -54,9 +63,14 @@ class ShardingSolver:
     stopped_early: int = 0  # group ILPs that stopped at a limit or fell back to greedy (not proven optimal)
     greedy_after_deadline: int = 0   # groups sharded greedily because the deadline had passed
     fallbacks: list[str] = field(default_factory=list)   # solver failures and what replaced them
+    waited: float = 0.0
     _layouts: dict[tuple[int, str], TPLayout] = field(default_factory=dict, repr=False)
     _solutions: dict[tuple[int, str], list[GroupSolution]] = field(default_factory=dict, repr=False)
     _contexts: dict[bool, OpContext] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _solving: dict[tuple[int, str], threading.Event] = field(default_factory=dict, repr=False, compare=False)
+    _failed: dict[tuple[int, str], BaseException] = field(default_factory=dict, repr=False, compare=False)
+    _stop: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.graph = for_kernels(self.graph, self.precision.kernels)   # the activations its kernels keep
@@ -96,9 +110,58 @@ class ShardingSolver:
         key = (tp, variant)
         if key not in self._solutions:
             start = _time.perf_counter()
-            self._solutions[key] = self._solve_all(tp, variant)
-            self.seconds += _time.perf_counter() - start
+            self._solve(key)
+            self.waited += _time.perf_counter() - start
+        if key in self._failed:
+            raise self._failed[key]
         return self._solutions[key]
+
+    def solved(self, tp: int, variant: str) -> bool:
+        """Whether :meth:`solutions` of ``(tp, variant)`` returns without solving or waiting."""
+        return tp == 1 or (tp, variant) in self._solutions or (tp, variant) in self._failed
+
+    def prefetch(self, keys: Sequence[tuple[int, str]]) -> None:
+        """Solve the layouts of ``keys`` ((tp, variant) pairs, tp > 1), in order, in a daemon thread (those
+        solved or being solved are skipped); :meth:`stop_prefetch` ends it after the layout it is on."""
+        for tp, variant in keys:
+            _check(tp, variant)
+        for made in (self._groups, self._consumers, self._fused, self._context(True), self._context(False)):
+            assert made is not None   # made here, once, not by two threads at a time
+
+        def run() -> None:
+            for key in keys:
+                if self._stop.is_set():
+                    return
+                self._solve(key)
+        self._stop.clear()
+        threading.Thread(target=run, name="autopar-sharding-ilp", daemon=True).start()
+
+    def stop_prefetch(self) -> None:
+        self._stop.set()
+
+    def _solve(self, key: tuple[int, str]) -> None:
+        """Solve ``key``'s layout unless it is solved; while another thread is on it, wait for that one. A
+        failure is kept for whoever asks for the layout (:meth:`solutions` raises it)."""
+        with self._lock:
+            if key in self._solutions or key in self._failed:
+                return
+            event = self._solving.get(key)
+            mine = event is None
+            if mine:
+                event = self._solving[key] = threading.Event()
+        if not mine:
+            event.wait()
+            return
+        start = _time.perf_counter()
+        try:
+            self._solutions[key] = self._solve_all(*key)
+        except BaseException as exc:   # noqa: BLE001 - raised where the layout is asked for
+            self._failed[key] = exc
+        finally:
+            with self._lock:
+                self.seconds += _time.perf_counter() - start
+                del self._solving[key]
+            event.set()
 
     def describe(self, tp: int, variant: str) -> tuple[ShardingGroup, ...]:
         """The plan's record of the layout: per layer group its layers (the first ``solved`` were solved, the
@@ -182,17 +245,20 @@ class ShardingSolver:
             stats: dict[str, Any] = {"ops": len(nodes)}
             if self.deadline is not None and start > self.deadline:
                 result = realise(problem, greedy_choice(problem, variant))
-                self.greedy_after_deadline += 1
+                with self._lock:
+                    self.greedy_after_deadline += 1
                 stats["stopped_early"] = True
             else:   # an ILP started before the deadline stops at it (or at its own limit)
                 limits = self.limits if self.deadline is None else ILPLimits(
                     time=min(self.limits.time or math.inf, max(self.deadline - start, 0.05)),
                     nodes=self.limits.nodes)
                 result = solve_group(problem, variant, stats=stats, limits=limits)
-                self.solves += 1
-                self.fallbacks += stats["fallbacks"]
+                with self._lock:
+                    self.solves += 1
+                    self.fallbacks += stats["fallbacks"]
             stats["seconds"] = _time.perf_counter() - start
-            self.stopped_early += bool(stats.get("stopped_early"))
+            with self._lock:
+                self.stopped_early += bool(stats.get("stopped_early"))
             for k, j in enumerate(result.choice):
                 for p, d in problem.strategies[k][j].params:
                     decided.setdefault(p, d)

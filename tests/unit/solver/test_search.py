@@ -390,3 +390,18 @@ def test_zero_bubble_bound_pays_the_rerun_twice(deep_graph, schedule, fraction):
             once._work[(c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep)] = single
             tightened += refined > once.refine(c, lb_t) * (1 + 1e-9)
     assert checked and tightened
+
+
+def test_layouts_solved_ahead_change_no_plan(gpt_graph):
+    """The search with its layouts solved in a second thread (Search.layouts_ahead, the default) and without:
+    the same plan, alternatives and counts (only the seconds differ)."""
+    from autopar.solver.plan_search import _run, _search
+    plans = []
+    for ahead in (True, False):
+        search, sharding = _search(gpt_graph, Cluster.from_spec("2x4xA100-80GB"), 16, None, None, None, None, False,
+                                   None, 10_000, None)
+        if not ahead:
+            search.layouts_ahead = None
+        plan, stats = _run(search, sharding, must_fit=True)
+        plans.append((plan.to_dict(), stats.counts()))
+    assert plans[0] == plans[1]

@@ -303,3 +303,33 @@ def test_resharding_table():
     assert reshard_comms(R, Shard(0), n, False, False, src_const=True) == ()   # a constant: sliced for free
     assert reshard_comms(Shard(1), R, n, True, True, dst_const=True) == ()     # a const op makes its own
     assert reshard_comms(R, P, n, False, False, src_const=True) is None
+
+
+def test_layouts_solved_ahead_are_the_same_each_solved_once(gpt, monkeypatch):
+    """ShardingSolver.prefetch solves layouts in a second thread: a layout asked for meanwhile is waited
+    for, never solved twice, and equals the one solved in the caller's thread; a failure in the second
+    thread is raised where the layout is asked for."""
+    graph, solver = gpt
+    calls = []
+    real = ShardingSolver._solve_all
+
+    def counted(self, tp, variant):
+        if self is ahead:
+            calls.append((tp, variant))
+        return real(self, tp, variant)
+    monkeypatch.setattr(ShardingSolver, "_solve_all", counted)
+    ahead = ShardingSolver(graph, Cluster.from_spec(A100x8), Precision())
+    keys = [(tp, v) for tp in (2, 4, 8) for v in ("fast", "lean")]
+    ahead.prefetch(keys)
+    for tp, variant in reversed(keys):   # asked for while the thread works through them in the other order
+        assert ahead.describe(tp, variant) == solver.describe(tp, variant)
+        assert ahead.layout(tp, variant) == solver.layout(tp, variant)
+    assert sorted(calls) == sorted(keys) and ahead.solved(8, "lean") and ahead.waited <= ahead.seconds + 1e-3
+    boom = ShardingSolver(graph, Cluster.from_spec(A100x8), Precision())
+
+    def fails(self, tp, variant):
+        raise ConfigError(f"no layout for tp={tp}")
+    monkeypatch.setattr(ShardingSolver, "_solve_all", fails)
+    boom.prefetch([(2, "fast")])
+    with pytest.raises(ConfigError, match="no layout for tp=2"):
+        boom.solutions(2, "fast")
