@@ -56,8 +56,8 @@ of that multiple-choice knapsack::
 (concave and piecewise linear in ``lambda``: its maximum is at 0 or a breakpoint where a layer's
 cheapest mode changes), and ``W_M`` replaces ``W`` above. Under a split backward (ZB-H1, ZB-V) each
 backward pass reruns a recomputing layer's forward (cost_model/estimator.reruns), so ``c_l^r`` counts its
-recomputation twice there; ZB-H1's drain floor ``D`` takes ``W_M`` with it once (``zbh1_drain_floor``). When even ``sum_l min_r a_l^r > B``
-the candidate cannot fit (pruned by memory). The refined bound also adds the data-parallel
+recomputation twice there; ZB-H1's drain floor ``D`` takes ``W_M`` with it once (``zbh1_drain_floor``).
+When even ``sum_l min_r a_l^r > B`` the candidate cannot fit (pruned by memory). The refined bound also adds the data-parallel
 communication of ``P / p`` parameters that no overlap hides (``StepTail.dp_floor``: the
 device with the most parameters pays at least that much after its pipeline) and the loss's
 all-reduce.
@@ -123,7 +123,6 @@ class LayerWork:
         return Knapsack(self.work + self.rerun, self.acts, self.counts[:, None])
 
 
-
 class SearchBounds:
     """The bounds of search.Search's candidates (a mixin: Search provides ``estimator``, ``graph``,
     ``cluster``, ``global_batch_size``, ``must_fit``, ``modes``, ``_even_split`` and the caches
@@ -149,7 +148,7 @@ class SearchBounds:
             kind_work = np.array([[cost.work for cost in row] for row in zip(*costs)])    # (kinds, modes)
             kind_acts = np.array([[cost.activations for cost in row] for row in zip(*costs)])
             kind_rerun = np.array([[cost.recompute for cost in row] for row in zip(*costs)])
-            work, acts, rerun = kind_work[list(kinds)], kind_acts[list(kinds)], kind_rerun[list(kinds)]  # (layers, modes)
+            work, acts, rerun = (a[list(kinds)] for a in (kind_work, kind_acts, kind_rerun))   # (layers, modes)
             # the distinct rows, sorted (np.unique(axis=0)'s, without its cost on a few rows)
             table = list(map(tuple, np.concatenate([kind_work, kind_acts, kind_rerun], axis=1).tolist()))
             distinct = sorted(set(table))
@@ -164,7 +163,8 @@ class SearchBounds:
             params, experts = self._local_params(c, cfg)
             self._work[key] = LayerWork(
                 total=float(cheapest.sum()), params=params, experts=experts,
-                work=rows[:, :modes], acts=rows[:, modes:2 * modes], rerun=rows[:, 2 * modes:], counts=counts.astype(float),
+                work=rows[:, :modes], acts=rows[:, modes:2 * modes], rerun=rows[:, 2 * modes:],
+                counts=counts.astype(float),
                 layer_work=work, layer_acts=acts, least_acts=float(acts.min(axis=1).sum()),
                 costliest=-np.sort(-cheapest), layer_forward=forward, layer_wgrad=wgrad, layer_plain=plain,
                 layer_rerun=rerun)

@@ -32,7 +32,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -51,6 +51,9 @@ from .even_split import EvenSplitPlans, Split
 from .sharding import WHOLE_BATCH
 from .space import Branch, Candidate, Key, branches, candidates, compatible, placeable, recompute_modes
 from .stages import least_memory, partition, run_tables
+
+if TYPE_CHECKING:
+    from .sharding_solver import ShardingSolver
 
 
 @contextlib.contextmanager
@@ -132,7 +135,7 @@ class Search(SearchBounds, EvenSplitPlans):
     time_limit: float | None = None
     splits_batch: Callable[[int, str], bool] | None = None   # (tp, variant) -> the layout splits the batch
     measured: MeasuredTimes | None = None                    # profiled op times (profile=True)
-    layouts_ahead: Any = None   # a ShardingSolver to solve the layouts in a second thread while the bounds run
+    layouts_ahead: "ShardingSolver | None" = None   # solves the layouts in a second thread while the bounds run
     progress: bool = False                                   # a progress bar once the search takes over 1 s
     tie_tolerance: float = DEFAULT_TIE_TOLERANCE   # plans this close to the fastest are ties (choice.py)
     must_fit: bool = True      # False: the fastest plan whatever its memory (an estimate of a config that fits nowhere)

@@ -125,8 +125,8 @@ class ShardingSolver:
         solved or being solved are skipped); :meth:`stop_prefetch` ends it after the layout it is on."""
         for tp, variant in keys:
             _check(tp, variant)
-        for made in (self._groups, self._consumers, self._fused, self._context(True), self._context(False)):
-            assert made is not None   # made here, once, not by two threads at a time
+        # what every solve shares, made here once (not by two threads at a time)
+        _ = (self._groups, self._consumers, self._fused, self._context(True), self._context(False))
 
         def run() -> None:
             for key in keys:
@@ -155,7 +155,7 @@ class ShardingSolver:
         start = _time.perf_counter()
         try:
             self._solutions[key] = self._solve_all(*key)
-        except BaseException as exc:   # noqa: BLE001 - raised where the layout is asked for
+        except Exception as exc:   # noqa: BLE001 - raised where the layout is asked for
             self._failed[key] = exc
         finally:
             with self._lock:
