@@ -175,9 +175,10 @@ def cluster_of(row: Row, **device: Any) -> autopar.Cluster:
 
 # The pipeline schedules each stack runs (a row that does not publish its schedule is planned with these):
 # Megatron-LM, Megatron-Core and Megatron-DeepSpeed run 1F1B and Megatron's interleaving (no zero-bubble
-# schedule; DeepSpeed's own pipeline engine runs 1F1B); the others are left to the planner.
+# schedule; DeepSpeed's own pipeline engine runs 1F1B); Megatron-LM in 2019 had no pipeline (1F1B is the
+# schedule of one stage); the others are left to the planner.
 STACK_SCHEDULES = {"Megatron-LM": ("1f1b", "interleaved"), "Megatron-Core": ("1f1b", "interleaved"),
-                   "Megatron-DeepSpeed": ("1f1b", "interleaved"), "Megatron-LM (2019)": ("1f1b", "interleaved")}
+                   "Megatron-DeepSpeed": ("1f1b", "interleaved"), "Megatron-LM (2019)": ("1f1b",)}
 
 
 def plan_row(row: Row, **device: Any) -> autopar.Plan:
