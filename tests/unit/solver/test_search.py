@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from typing import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -322,25 +323,29 @@ def deep_graph():
     return capture(model, inputs)
 
 
-@pytest.mark.parametrize("fixed", [{"schedule": "interleaved"}, {"pp": 4, "recompute_layers": 1}])
-@pytest.mark.parametrize("fraction", [0.2, 0.6])
-def test_even_split_bound_is_below_every_plan(deep_graph, fixed, fraction):
-    """Megatron's even split (interleaved, or pinned recompute_layers) is bounded device by device
-    (even_split.py): the refined bound is below every plan of the candidate that fits, refuses only
-    candidates nothing of which fits, and is above the summed bound somewhere."""
-    spec, gbs = "1x8xA100-80GB", 16
-    sharding = _sharding(deep_graph, spec)
-    loose = Search(deep_graph, Cluster.from_spec(spec), gbs, sharding.precision, layouts_for(sharding), fixed,
-                   splits_batch=sharding.splits_batch)
-    peaks = sorted(loose.leanest(c)[0] for c in loose._usable() if loose._even_split(c))
+def _search_at(graph, spec: str, gbs: int, fixed: dict, memory: float | None = None) -> Search:
+    """A Search of ``spec`` (its device's memory replaced by ``memory`` when given), on the shared layouts."""
+    sharding = _sharding(graph, spec)
+    cluster = Cluster.from_spec(spec) if memory is None else _cluster(spec, memory)
+    return Search(graph, cluster, gbs, sharding.precision, layouts_for(sharding), fixed,
+                  splits_batch=sharding.splits_batch)
+
+
+def _squeezed(graph, spec: str, gbs: int, fixed: dict, keep, fraction: float) -> tuple[Search, float]:
+    """A Search whose device memory lies ``fraction`` of the way from the leanest to the fullest of the kept
+    candidates' least peaks (memory binds some of them), and that memory."""
+    loose = _search_at(graph, spec, gbs, fixed)
+    peaks = sorted(loose.leanest(c)[0] for c in loose._usable() if keep(loose, c))
     memory = peaks[0] + fraction * (peaks[-1] - peaks[0])
-    cluster = _cluster(spec, memory)
-    search = Search(deep_graph, cluster, gbs, sharding.precision, layouts_for(sharding), fixed,
-                    splits_batch=sharding.splits_batch)
-    checked = tightened = 0
+    return _search_at(graph, spec, gbs, fixed, memory), memory
+
+
+def _below_every_plan(search: Search, memory: float, keep) -> Iterator[tuple]:
+    """(candidate, LB_T, refined bound) of each kept candidate with a plan that fits, after checking that the
+    refined bound is below that plan's step time and refuses only candidates nothing of which fits."""
     for c in search._usable():
         lb_t, lb_m = search.bounds(c)
-        if not search._even_split(c) or lb_m > memory:
+        if not keep(search, c) or lb_m > memory:
             continue
         refined = search.refine(c, lb_t)
         result = search.evaluate(c)
@@ -348,9 +353,29 @@ def test_even_split_bound_is_below_every_plan(deep_graph, fixed, fraction):
             assert not isinstance(result, Plan), c
             continue
         if isinstance(result, Plan):
-            checked += 1
             assert refined <= result.step_time * (1 + 1e-9), (c, refined, result.step_time)
-            tightened += refined > lb_t * (1 + 1e-9)
+            yield c, lb_t, refined
+
+
+def _even(search: Search, c) -> bool:
+    return search._even_split(c)
+
+
+def _pipelined(search: Search, c) -> bool:
+    return c.pp > 1
+
+
+@pytest.mark.parametrize("fixed", [{"schedule": "interleaved"}, {"pp": 4, "recompute_layers": 1}])
+@pytest.mark.parametrize("fraction", [0.2, 0.6])
+def test_even_split_bound_is_below_every_plan(deep_graph, fixed, fraction):
+    """Megatron's even split (interleaved, or pinned recompute_layers) is bounded device by device
+    (even_split.py): the refined bound is below every plan of the candidate that fits, refuses only
+    candidates nothing of which fits, and is above the summed bound somewhere."""
+    search, memory = _squeezed(deep_graph, "1x8xA100-80GB", 16, fixed, _even, fraction)
+    checked = tightened = 0
+    for _, lb_t, refined in _below_every_plan(search, memory, _even):
+        checked += 1
+        tightened += refined > lb_t * (1 + 1e-9)
     assert checked and tightened
 
 
@@ -361,34 +386,16 @@ def test_zero_bubble_bound_pays_the_rerun_twice(deep_graph, schedule, fraction):
     the work the activations' memory forces is bounded with the recomputation counted twice (bounds.py:
     LayerWork.split_knapsack; ZB-H1's drain floor with it once): the refined bound stays below every
     zero-bubble plan that fits, and is tighter than with the rerun counted once somewhere."""
-    spec, gbs = "1x8xA100-80GB", 32
     fixed = {"schedule": schedule}
-    sharding = _sharding(deep_graph, spec)
-    loose = Search(deep_graph, Cluster.from_spec(spec), gbs, sharding.precision, layouts_for(sharding), fixed,
-                   splits_batch=sharding.splits_batch)
-    peaks = sorted(loose.leanest(c)[0] for c in loose._usable() if c.pp > 1)
-    memory = peaks[0] + fraction * (peaks[-1] - peaks[0])
-    search = Search(deep_graph, _cluster(spec, memory), gbs, sharding.precision, layouts_for(sharding), fixed,
-                    splits_batch=sharding.splits_batch)
-    once = Search(deep_graph, _cluster(spec, memory), gbs, sharding.precision, layouts_for(sharding), fixed,
-                  splits_batch=sharding.splits_batch)
+    search, memory = _squeezed(deep_graph, "1x8xA100-80GB", 32, fixed, _pipelined, fraction)
+    once = _search_at(deep_graph, "1x8xA100-80GB", 32, fixed, memory)
     checked = tightened = 0
-    for c in search._usable():
-        lb_t, lb_m = search.bounds(c)
-        if c.pp == 1 or lb_m > memory:
-            continue
-        refined = search.refine(c, lb_t)
-        result = search.evaluate(c)
-        if refined is None:
-            assert not isinstance(result, Plan), c
-            continue
-        if isinstance(result, Plan):
-            checked += 1
-            assert refined <= result.step_time * (1 + 1e-9), (c, refined, result.step_time)
-            lw = once._layer_work(c)    # the same bound with the rerun counted once
-            single = dataclasses.replace(lw, layer_rerun=0 * lw.layer_rerun, rerun=0 * lw.rerun)
-            once._work[(c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep)] = single
-            tightened += refined > once.refine(c, lb_t) * (1 + 1e-9)
+    for c, lb_t, refined in _below_every_plan(search, memory, _pipelined):
+        checked += 1
+        lw = once._layer_work(c)    # the same bound with the rerun counted once
+        single = dataclasses.replace(lw, layer_rerun=0 * lw.layer_rerun, rerun=0 * lw.rerun)
+        once._work[(c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep)] = single
+        tightened += refined > once.refine(c, lb_t) * (1 + 1e-9)
     assert checked and tightened
 
 
