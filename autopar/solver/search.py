@@ -3,7 +3,7 @@ r"""The outer search: the fastest configuration that fits, by best-first branch 
 Every candidate ``c`` of the space (space.py) gets a lower bound on its step time and on its memory
 from per-layer costs alone (bounds.py, where the maths is), a branch at a time (space.Branch: the
 candidates of one mesh and micro-batch, whose schedules, ZeRO stages, sequence parallelism and layout
-variants share their layers' costs); the queue holds each one's sort key, and its Candidate is made
+variants share their layers' costs); the queue (bounded_queue.py) holds each one's sort key, and its Candidate is made
 when the search reaches it. Those not pruned by memory or dominated are visited in increasing
 bound; each is solved exactly by the stage DP (stages.py), or on Megatron's even split
 (even_split.py), and estimated; the search stops when the next bound reaches the best step time
@@ -34,8 +34,6 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
-import numpy as np
-
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
 from ..config import DEFAULT_TIE_TOLERANCE, SPLIT_BACKWARD, ParallelConfig, Precision
@@ -46,10 +44,11 @@ from ..cost_model.tensor_parallel import TPLayout
 from ..plan import Plan
 from ..progress import counter
 from .choice import TIE, TOP_ALTERNATIVES, Seen, choose, could_beat
+from .bounded_queue import BoundedQueue, Settled
 from .bounds import LayerWork, SearchBounds
 from .even_split import EvenSplitPlans, Split
 from .sharding import WHOLE_BATCH
-from .space import Branch, Candidate, Key, branches, candidates, compatible, placeable, recompute_modes
+from .space import Branch, Candidate, branches, candidates, compatible, placeable, recompute_modes
 from .stages import least_memory, partition, run_tables
 
 if TYPE_CHECKING:
@@ -102,28 +101,7 @@ class SearchStats:
 
 
 @dataclass
-class Settled:
-    """The queued candidates whose fate is known, which the search's bar counts: evaluated, pruned by
-    memory when refined, or with a bound at or above the fastest plan so far (pruned by the bound: the
-    search never visits them, the best only gets faster). Most are settled by the first plans found,
-    so the bar's rate and remaining time are those of the search, not of visiting every candidate."""
-
-    bound: np.ndarray    # by queue index: the candidate's bound, as refined so far
-    done: np.ndarray     # by queue index: evaluated or pruned by memory
-
-    @classmethod
-    def of(cls, queue: list) -> "Settled":
-        bound = np.empty(len(queue))
-        for entry in queue:
-            bound[entry[2]] = entry[0]
-        return cls(bound, np.zeros(len(queue), dtype=bool))
-
-    def count(self, limit: float) -> int:
-        return int(np.count_nonzero(self.done | (self.bound >= limit)))
-
-
-@dataclass
-class Search(SearchBounds, EvenSplitPlans):
+class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
     """One search of one graph on one cluster and global batch."""
 
     graph: OpGraph
@@ -394,109 +372,6 @@ class Search(SearchBounds, EvenSplitPlans):
     @staticmethod
     def _past(deadline: float | None) -> bool:
         return deadline is not None and time.perf_counter() > deadline
-
-    def _queue(self, deadline: float | None) -> list:
-        """Every usable candidate not dominated or pruned by memory, as a heap of (bound, sort key,
-        index, pending refinement: "summed" at first (_next), candidate or None: made from the key
-        when the search reaches it)."""
-        queue = []
-        memory = self.cluster.device.memory
-        with counter("autopar: bounding", unit="candidates", enabled=self.progress) as bar:
-            for b in self._ready_first():
-                if queue and self._past(deadline):
-                    # past the limit with something to evaluate: the candidates not yet bounded are
-                    # left out, so no gap can be claimed for them
-                    self.stats.timed_out, self.stats.unbounded = True, True
-                    break
-                for key, lb_t, lb_m in self._branch_bounds(b, bar):
-                    if lb_m > memory and self.must_fit:
-                        self.stats.pruned_memory += 1
-                        continue
-                    queue.append((lb_t, key, len(queue), "summed", None))   # the index keeps ties ordered
-        heapq.heapify(queue)
-        return queue
-
-    def _ready_first(self) -> Iterator[Branch]:
-        """:meth:`_branches`, those whose layouts are solved first: while a second thread solves them
-        (``layouts_ahead``), a branch whose layouts are not there yet waits until no other branch is ready,
-        then the waiting ones of the least tensor-parallel degree go (waiting for their layouts)."""
-        ahead = self.layouts_ahead
-        if ahead is None:
-            yield from self._branches()
-            return
-        waiting: dict[int, list[Branch]] = {}    # by tp, in the space's order
-
-        def solved(tp: int) -> bool:
-            return all(ahead.solved(tp, variant) for variant in self._base_variants)
-        for b in self._branches():
-            if b.tp not in waiting and solved(b.tp):
-                yield b
-            else:
-                waiting.setdefault(b.tp, []).append(b)
-                for tp in [t for t in waiting if solved(t)]:
-                    yield from waiting.pop(tp)
-        for tp in sorted(waiting):
-            yield from waiting[tp]
-
-    def _branch_bounds(self, b: Branch, bar=None) -> Iterator[tuple[Key, float, float]]:
-        """(sort key, LB_T, LB_M) of each candidate of branch ``b`` that is not dominated, counted in
-        the stats (and on ``bar``): a sequence-parallel choice and variant at a time, whose
-        candidates share their per-layer costs (SearchBounds.leaf_bounds)."""
-        schedules = tuple(sv for sv in b.schedules if self._visits(sv[0]))
-        gpipe = sum(compatible(s, z) for s, _ in b.schedules if not self._visits(s) for z in b.zeros)
-        for sp in b.sequence_parallel:
-            for base in self._base_variants:
-                self.stats.candidates += b.leaves
-                if bar is not None:
-                    bar.update(b.leaves)
-                variant = self._variant(base, b.tp, b.micro_batch_size)
-                if self._facts(variant, b.tp)[0]:
-                    self.stats.dominated += b.leaves
-                    continue
-                self.stats.dominated += gpipe
-                if not schedules:
-                    continue
-                rep = b.candidate(variant, sp, *schedules[0], b.zeros[0])
-                for lb_t, lb_m, schedule, v, zero in self.leaf_bounds(rep, schedules, b.zeros):
-                    yield Key(variant, b.dp, b.tp, b.pp, b.cp, b.ep, b.micro_batch_size, schedule, v, zero, sp,
-                              b.offload), \
-                        lb_t, lb_m
-
-    def _next(self, queue: list, limit: float, deadline: float | None = None) -> tuple | None:
-        """The queue's next entry with a bound below ``limit``, each refined before it is returned (a
-        refined bound goes back into the queue); None when none is left below it. An entry's
-        ``pending`` is what is left to refine: "summed" (the summed refinement), "even" (an
-        even split's own bound, taken only once the summed one reaches the head), or None. Past the
-        ``deadline`` an even split's own bound is skipped (it only prunes, and costs the most)."""
-        while queue:
-            entry = heapq.heappop(queue)
-            lb_t, key, index, pending, c = entry
-            if lb_t >= limit:
-                heapq.heappush(queue, entry)
-                return None
-            c = c or Candidate.of(key)
-            if pending is None or (pending == "even" and self._past(deadline)):
-                return (lb_t, key, index, None, c)
-            if pending == "even":
-                tighter, after = self._refine_even(c, lb_t), None
-            else:
-                tighter = self._refine_summed(c, lb_t)
-                after = "even" if self._even_split(c) else None
-            if tighter is None:
-                self.stats.pruned_memory += 1
-                self._settle(index, None)
-                continue
-            self._settle(index, tighter)
-            heapq.heappush(queue, (tighter, key, index, after, c))
-        return None
-
-    def _settle(self, index: int, bound: float | None) -> None:
-        """Record a refinement for the bar (:class:`Settled`): the tighter bound, or None: pruned by memory."""
-        if self.settled is not None:
-            if bound is None:
-                self.settled.done[index] = True
-            else:
-                self.settled.bound[index] = bound
 
     def least_memory_overall(self) -> tuple[float, ParallelConfig | None]:
         """The least peak memory per device over every candidate, and the configuration reaching it

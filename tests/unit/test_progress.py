@@ -7,6 +7,7 @@ import io
 import sys
 
 import autopar.progress as progress
+import autopar.solver.bounded_queue as bounded_queue
 import autopar.solver.search as search_module
 from autopar import Cluster
 from autopar.capture import capture
@@ -55,7 +56,8 @@ class Recorded:
         self.seen.append(self.n)
 
 
-def _recording(monkeypatch, module) -> list[Recorded]:
+def _recording(monkeypatch, *modules) -> list[Recorded]:
+    """The bars the ``counter`` of each of ``modules`` opens, in the order they open."""
     bars: list[Recorded] = []
 
     @contextlib.contextmanager
@@ -64,7 +66,8 @@ def _recording(monkeypatch, module) -> list[Recorded]:
         if enabled:
             bars.append(bar)
         yield bar
-    monkeypatch.setattr(module, "counter", counter)
+    for module in modules:
+        monkeypatch.setattr(module, "counter", counter)
     return bars
 
 
@@ -83,7 +86,7 @@ def test_search_bars_count_candidates_bounded_and_settled(monkeypatch):
     """Bounding counts every candidate; the search's bar counts the queued candidates whose fate is
     known, most of them pruned by the first plans' step times, so that its remaining time is the
     search's (a bar of evaluations over every queued candidate showed hours for seconds)."""
-    bars = _recording(monkeypatch, search_module)
+    bars = _recording(monkeypatch, bounded_queue, search_module)   # bounding's bar, then the search's
     model, inputs = build_llama(SMALL_LLAMA, batch_size=1, device="meta")
     graph = capture(model, inputs)
     _, stats = solve(graph, Cluster.from_spec("4x8xA100-80GB"), 256, progress=True)
