@@ -53,7 +53,6 @@ bench: $(STAMP)
 	$(PY) bench/solver_scaling.py
 	$(PY) bench/plan_vs_megatron.py
 	$(PY) bench/runtime_overhead.py
-	$(PY) bench/optimizer_alloc.py
 	$(PY) bench/host_overhead.py
 	$(PY) bench/link_fit.py
 	$(PY) bench/device_fit.py

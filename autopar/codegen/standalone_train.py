@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from autopar_runtime import (batches, data_parallel, dcp_state, failures, losses, mesh, optim,  # noqa: E402
+from autopar_runtime import (batches, data_parallel, dcp_state, failures, host_heap, losses, mesh, optim,  # noqa: E402
                              pipeline, sharded_init)
 import program as P  # noqa: E402
 
@@ -128,6 +128,8 @@ def main():
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    else:
+        host_heap.keep_freed_memory()   # the step's buffers reused, not faulted in again each step
     P.DEVICE = device   # where the generated code creates its tensors
     rank = dist.get_rank()
     at = MESH.coords(rank)

@@ -75,6 +75,7 @@ from ..runtime.batches import replica_micro_batches
 from ..runtime.context_ops import shard_inputs
 from ..runtime.data_parallel import all_reduce_grads, local
 from ..runtime.failures import at_step, non_finite_loss, peer_wait, wait_or_fail
+from ..runtime.host_heap import keep_freed_memory
 from ..runtime.mesh import Mesh
 from ..runtime.losses import LossShare
 from ..runtime.pipeline import ChunkIO, PipelineRunner, Topology
@@ -161,6 +162,8 @@ class Program:
             raise PlanMismatchError(f"plan's global batch {plan.global_batch_size} over dp={cfg.dp} is not "
                                     f"{self.micro_batches} micro-batches of {cfg.micro_batch_size}: re-plan")
         self.device = _device()
+        if self.device.type == "cpu":
+            keep_freed_memory()   # the step's buffers reused, not faulted in again each step (runtime/host_heap.py)
         # a model on meta: each rank materialises what it holds (runtime/sharded_init.py); ZeRO-2/3 parameters
         # only once sharded (after fully_shard), so that no rank ever holds its stage's whole weights
         materializer = Materializer(model, init_seed, init) if has_meta(model) else None

@@ -5,8 +5,8 @@ collectives with Megatron's gradient convention (collectives.py) and the sharded
 context parallelism (context_state.py, context_ops.py, ring_attention.py), data parallelism's gradient
 reduction and ZeRO via FSDP2 (data_parallel.py), expert parallelism (expert_parallel.py, experts.py),
 checkpoints (dcp_state.py), recomputation (recompute.py), the compiled optimizer step (optim.py),
-sharded initialisation (sharded_init.py), failures with deadlines (failures.py) and the one Mesh
-(mesh.py). codegen/ compiles a plan into what these run; driver/ (``autopar.parallelize``) and a
+sharded initialisation (sharded_init.py), failures with deadlines (failures.py), a CPU rank's heap
+(host_heap.py) and the one Mesh (mesh.py). codegen/ compiles a plan into what these run; driver/ (``autopar.parallelize``) and a
 standalone folder's train.py drive them.
 
 :data:`STANDALONE` are the modules that import only torch, the standard library and each other (fp8.py
@@ -21,7 +21,7 @@ import os
 import shutil
 
 STANDALONE = ("batches", "buckets", "collectives", "context_ops", "context_state", "data_parallel", "dcp_state",
-              "failures", "fp8", "losses", "mesh", "optim", "pipeline", "recompute", "ring_attention", "shard_ops",
+              "failures", "fp8", "host_heap", "losses", "mesh", "optim", "pipeline", "recompute", "ring_attention", "shard_ops",
               "sharded_init")
 VENDORED = "autopar_runtime"
 """The package name a folder's copy has (not ``autopar``: it must not hide an installed autopar)."""

@@ -7,8 +7,8 @@ about 8 tensor ops per parameter) into one kernel, a loop over each parameter. E
 ops is a pass over memory and a dispatch: torch's default AdamW on a CPU is the single-tensor loop
 (multi-tensor kernels are CUDA's). On a CPU the gain depends on the C allocator: eager, some ops make a
 temporary of each parameter's size, and where glibc maps those afresh (page faults) the compiled step
-takes under half the eager one's time; where it reuses heap memory, it is no faster (bench/optimizer_alloc.py,
-BENCHMARKS.md).
+takes under half the eager one's time; where it reuses heap memory, as a CPU rank's does
+(host_heap.py), it gains 15-35% (BENCHMARKS.md, runtime overhead).
 
 The step is compiled from its second call on: the first initialises the optimizer's state
 (``torch.optim`` creates it lazily, inside ``step``), and a step compiled on the empty state would
