@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .context_state import Local
-from .failures import wait_or_fail
+from .failures import start, wait_or_fail
 from .ring_attention import gather_sequence, local_indices, ring_attention, shard_sequence
 
 
@@ -100,7 +100,7 @@ def target_mean(total: torch.Tensor, target: torch.Tensor, ignore_index: int, cp
         count = torch.tensor([target.numel() // target.shape[1]], dtype=torch.float64, device=target.device)
     else:
         count = (target != int(ignore_index)).sum().to(torch.float64).reshape(1)
-    work = dist.all_reduce(count, group=group, async_op=True)
+    work = start(dist.all_reduce, count, group=group, async_op=True)
     wait_or_fail(work, timeout, "all_reduce of a context-parallel loss's target count", group)
     return total * (cp / count.to(total.dtype)).reshape(())
 
@@ -117,13 +117,13 @@ class _Resolve(torch.autograd.Function):
     def forward(ctx, t, cp, group, timeout):  # type: ignore[override]
         ctx.cp, ctx.group, ctx.timeout = cp, group, timeout
         out = t.detach().clone().contiguous()
-        wait_or_fail(dist.all_reduce(out, group=group, async_op=True), timeout,
+        wait_or_fail(start(dist.all_reduce, out, group=group, async_op=True), timeout,
                      "all_reduce of a context-parallel partial value", group)
         return out / cp if out.is_floating_point() else out // cp   # an integer sum divides exactly
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         grad = grad.contiguous().clone()
-        wait_or_fail(dist.all_reduce(grad, group=ctx.group, async_op=True), ctx.timeout,
+        wait_or_fail(start(dist.all_reduce, grad, group=ctx.group, async_op=True), ctx.timeout,
                      "all_reduce of a context-parallel partial value's gradient", ctx.group)
         return grad / ctx.cp, None, None, None

@@ -40,7 +40,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
 from .buckets import dp_bucket_bytes
-from .failures import wait_or_fail
+from .failures import start, wait_or_fail
 from .errors import ConfigError
 
 
@@ -100,7 +100,7 @@ def all_reduce_grads(items: Sequence[tuple[str, nn.Parameter, object]], timeout:
     for what, p, group in items:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        works.append((dist.all_reduce(local(p.grad), group=group, async_op=True), what, group))
+        works.append((start(dist.all_reduce, local(p.grad), group=group, async_op=True), what, group))
     for work, what, group in works:
         wait_or_fail(work, timeout, f"all_reduce of {what}", group)
 
@@ -188,7 +188,7 @@ class GradReducer:
             grads.append(bucket.carried)
         bucket.grads = grads
         bucket.flat = _flatten_dense_tensors(grads)
-        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True) if self.group is not None \
+        bucket.work = start(dist.all_reduce, bucket.flat, group=self.group, async_op=True) if self.group is not None \
             else _Done()
 
     def finish(self) -> None:
@@ -287,7 +287,7 @@ class Zero1Optimizer:
         works = []
         with torch.no_grad():
             for p, src, group in self.sources:
-                works.append((dist.broadcast(local(p.data), src=src, group=group, async_op=True), group))
+                works.append((start(dist.broadcast, local(p.data), src=src, group=group, async_op=True), group))
         for w, group in works:
             wait_or_fail(w, self.timeout, "broadcast of ZeRO-1 updated parameters", group)
 

@@ -72,7 +72,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .errors import ConfigError
-from .failures import wait_or_fail
+from .failures import start, wait_or_fail
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -184,7 +184,7 @@ def _exchange(x: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[in
     if timeout is None:
         dist.all_to_all_single(out, x, list(out_splits), list(in_splits), group=group)
     else:
-        work = dist.all_to_all_single(out, x, list(out_splits), list(in_splits), group=group, async_op=True)
+        work = start(dist.all_to_all_single, out, x, list(out_splits), list(in_splits), group=group, async_op=True)
         wait_or_fail(work, timeout, what, group)
     return out
 

@@ -1,7 +1,8 @@
 """Waiting on communication with a deadline, so that a dead or silent peer fails the run loudly.
 
-Every asynchronous send, receive and collective the program starts itself is waited on with
-``Work.wait(timeout)``; when the deadline passes (or the peer's connection breaks) the rank
+Every asynchronous send, receive and collective the program starts itself is started through
+:func:`start` and waited on with ``Work.wait(timeout)``; when the deadline passes (or the peer's
+connection breaks, which gloo may report as the collective starts or as it is waited on) the rank
 raises :class:`autopar.RuntimeFailure` naming itself, the collective and the peer rank(s),
 instead of hanging. Collectives that run inside an op (tensor parallelism's, FSDP2's) use the process
 group's own timeout (``init_process_group(timeout=...)``); :func:`at_step` turns what they raise
@@ -51,6 +52,30 @@ def at_step(step: int, what: str) -> Iterator[None]:
                              "the first error") from exc
     finally:
         _STEP.reset(token)
+
+
+class Failed:
+    """A collective that raised as it started (gloo reports a connection a dead peer closed at once): its
+    ``wait`` raises that error, so :func:`wait_or_fail` names the collective and its peers as it does for
+    one that fails while it runs."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def wait(self, timeout: Any = None) -> bool:
+        raise self.error
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def start(collective: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``collective(*args, **kwargs)`` (started with ``async_op=True``): its work, or a :class:`Failed` one
+    when starting it raised."""
+    try:
+        return collective(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - raised again by the wait, naming the collective and its peers
+        return Failed(exc)
 
 
 def wait_or_fail(work: Any, timeout: float, what: str, group: Any = None, peers: Sequence[int] | None = None) -> None:

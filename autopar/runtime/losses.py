@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from .failures import wait_or_fail
+from .failures import start, wait_or_fail
 
 
 def loss_slots(losses: Sequence[torch.Tensor], owner: bool, replicas: int, replica: int, micro_batches: int,
@@ -68,7 +68,7 @@ class LossShare:
             return
         self._values = loss_slots(losses, self.owner, self.replicas, self.replica, self.micro_batches, self.device)
         if not (self.ride and self.reducer is not None and self.reducer.carry(self._values)):
-            self._work = dist.all_reduce(self._values, async_op=True)
+            self._work = start(dist.all_reduce, self._values, async_op=True)
 
     def result(self) -> torch.Tensor:
         """Every replica's micro-batch losses (replica-major, on the CPU when shared; the local ones on

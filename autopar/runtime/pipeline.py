@@ -46,6 +46,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from .failures import Failed, start
+
 
 @dataclass(frozen=True)
 class ChunkIO:
@@ -333,8 +335,10 @@ class PipelineRunner:
             return
         peer = self.topo.rank_of_chunk(dest_chunk)
         t = t.contiguous()
-        work = dist.isend(t, dst=peer, tag=self._tag(v, i, reader, forward))
+        work = start(dist.isend, t, dst=peer, tag=self._tag(v, i, reader, forward))
         what = f"send of {'value' if forward else 'gradient of'} {v} (micro-batch {i})"
+        if isinstance(work, Failed):
+            self.wait(work, what, peer)   # raises, naming the peer
         self.pending.append((work, what, peer))
 
     def _receive(self, v: str, i: int, reader: int, forward: bool) -> torch.Tensor:
@@ -345,7 +349,7 @@ class PipelineRunner:
         peer = self.topo.rank_of_chunk(src_chunk)
         value = self.values[v]
         buf = torch.empty(value.shape, dtype=value.dtype, device=self.device)
-        work = dist.irecv(buf, src=peer, tag=self._tag(v, i, reader, forward))
+        work = start(dist.irecv, buf, src=peer, tag=self._tag(v, i, reader, forward))
         what = f"receive of {'value' if forward else 'gradient of'} {v} (micro-batch {i})"
         self.wait(work, what, peer)
         return buf

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import ConfigError
-from .failures import wait_or_fail
+from .failures import Failed, start, wait_or_fail
 
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for one p2p transfer before failing the run
 _NEG_INF = float("-inf")
@@ -106,7 +106,7 @@ class _GatherSequence(torch.autograd.Function):
         ctx.dim, ctx.cp, ctx.rank, ctx.group, ctx.timeout = dim, cp, rank, group, timeout
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(cp)]
-        wait_or_fail(dist.all_gather(parts, t, group=group, async_op=True), timeout,
+        wait_or_fail(start(dist.all_gather, parts, t, group=group, async_op=True), timeout,
                      "all_gather of a context-parallel sequence", group)
         order = torch.cat([local_indices(t.shape[dim] * cp, cp, r) for r in range(cp)]).to(t.device)
         return torch.cat(parts, dim).index_select(dim, torch.argsort(order))
@@ -115,7 +115,7 @@ class _GatherSequence(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         # all_reduce then slice: gloo has no reduce_scatter; costs 2x a reduce-scatter's volume.
         grad = grad.contiguous().clone()
-        wait_or_fail(dist.all_reduce(grad, group=ctx.group, async_op=True), ctx.timeout,
+        wait_or_fail(start(dist.all_reduce, grad, group=ctx.group, async_op=True), ctx.timeout,
                      "all_reduce of a gathered sequence's gradient", ctx.group)
         return shard_sequence(grad, ctx.dim, ctx.cp, ctx.rank), None, None, None, None, None
 
@@ -285,8 +285,9 @@ class _Ring:
         t = t.contiguous()
         buf = torch.empty_like(t)
         prev, nxt = self.peers
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, t, nxt, self.group, tag),
-                                        dist.P2POp(dist.irecv, buf, prev, self.group, tag)])
+        works = start(dist.batch_isend_irecv, [dist.P2POp(dist.isend, t, nxt, self.group, tag),
+                                               dist.P2POp(dist.irecv, buf, prev, self.group, tag)])
+        works = [works] if isinstance(works, Failed) else works
         return buf, works, t  # t stays referenced until the send completes
 
     def wait(self, posted: tuple[torch.Tensor, list, torch.Tensor], what: str) -> torch.Tensor:
