@@ -98,6 +98,7 @@ class LayerWork:
     layer_plain: np.ndarray     # (layers,) work without its recomputation (the same in every mode)
     rerun: np.ndarray           # (distinct layers, modes) recomputation seconds, which a split backward pays twice
     layer_rerun: np.ndarray     # (layers, modes) the same, in layer order
+    layer_rows: np.ndarray      # (layers,) each layer's row of ``work`` / ``acts`` / ``rerun``
 
     @functools.cached_property
     def forward_total(self) -> float:
@@ -154,7 +155,8 @@ class SearchBounds:
             distinct = sorted(set(table))
             where = {row: i for i, row in enumerate(distinct)}
             rows = np.array(distinct)
-            counts = np.bincount(np.array([where[row] for row in table])[list(kinds)], minlength=len(rows))
+            layer_rows = np.array([where[row] for row in table])[list(kinds)]
+            counts = np.bincount(layer_rows, minlength=len(rows))
             cheapest = work.min(axis=1)
             modes = len(self.bound_modes)
             forward = np.array([c.fwd + c.tp_fwd + c.cp_fwd + c.ep_fwd for c in costs[0]])[list(kinds)]
@@ -167,7 +169,7 @@ class SearchBounds:
                 counts=counts.astype(float),
                 layer_work=work, layer_acts=acts, least_acts=float(acts.min(axis=1).sum()),
                 costliest=-np.sort(-cheapest), layer_forward=forward, layer_wgrad=wgrad, layer_plain=plain,
-                layer_rerun=rerun)
+                layer_rerun=rerun, layer_rows=layer_rows)
         return self._work[key]
 
     def _local_params(self, c: Candidate, cfg: ParallelConfig) -> tuple[float, float]:
@@ -303,7 +305,7 @@ class SearchBounds:
         work = lw.layer_work + lw.layer_rerun if c.schedule == "zbv" else lw.layer_work
         pipe = even_pipeline_floor(est, cfg, m, self._splits[key], work, lw.layer_acts, lw.layer_forward,
                                    lw.layer_wgrad,
-                                   self.cluster.device.memory if self._holds(c, m) else math.inf)
+                                   self.cluster.device.memory if self._holds(c, m) else math.inf, lw.layer_rows)
         if pipe is None:
             return None
         return max(lb_t, pipe + self._per_step(c)[0] + self._tail(c, m))

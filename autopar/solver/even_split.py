@@ -105,18 +105,23 @@ def _placed(split: tuple[tuple[int, ...], ...], places: tuple[tuple[int, ...], .
 
 def even_pipeline_floor(est: Estimator, cfg: ParallelConfig, micro_batches: int, splits: Sequence[Split],
                         work: np.ndarray, acts: np.ndarray, forward: np.ndarray, wgrad: np.ndarray,
-                        memory: float) -> float | None:
+                        memory: float, rows: np.ndarray) -> float | None:
     """The least pipeline time of ``cfg`` on any of its even ``splits`` over every choice of modes
     (module docstring); None when none fits. ``work`` and ``acts``: each layer's work and activation
     bytes per micro-batch in each mode the search prices, ``(layers, modes)``; ``forward`` and ``wgrad``
     each layer's forward (with its collectives) and weight-gradient seconds, the same in every mode
-    (the zero-bubble schedules' passes); ``memory`` the device's bytes (``inf``: no memory argument)."""
+    (the zero-bubble schedules' passes); ``memory`` the device's bytes (``inf``: no memory argument);
+    ``rows`` each layer's row of its distinct ``(work, acts)`` rows (equal ids, equal rows): the knapsack
+    takes each distinct row and number of held passes once, counted per device (96 blocks, a few rows)."""
     passes = np.array([chunk_passes(cfg, d, micro_batches) for d in range(cfg.pp)])   # (devices, v)
     best = None
     for split in splits:
         room = memory - sum(est.state_bytes(cfg, split.params, split.experts))
         held = passes[split.device, split.chunk]
-        floors = Knapsack(work, acts * held[:, None], split.members).floors(room)
+        kinds, first, which = np.unique(rows * (int(held.max()) + 1) + held, return_index=True, return_inverse=True)
+        counts = np.zeros((len(kinds), cfg.pp))
+        np.add.at(counts, (which.ravel(), split.device), 1.0)
+        floors = Knapsack(work[first], acts[first] * held[first, None], counts).floors(room)
         if floors is not None:
             x = floors + split.p2p
             f, w = forward @ split.members + split.p2p / 2, wgrad @ split.members
