@@ -88,17 +88,39 @@ class LayerWork:
     experts: float      # of which expert weights
     work: np.ndarray    # (distinct layers, modes) seconds
     acts: np.ndarray    # (distinct layers, modes) activation bytes
+    rerun: np.ndarray   # (distinct layers, modes) recomputation seconds, which a split backward pays twice
     counts: np.ndarray  # layers of each distinct row
-    layer_work: np.ndarray   # (layers, modes) seconds, in layer order
-    layer_acts: np.ndarray   # (layers, modes) activation bytes, in layer order
     least_acts: float        # sum_l min_r a_l^r: one pass of every layer in its leanest mode
     costliest: np.ndarray    # (layers,) each layer's work in its cheapest mode, costliest first
-    layer_forward: np.ndarray   # (layers,) forward seconds with its collectives (the same in every mode)
-    layer_wgrad: np.ndarray     # (layers,) weight-gradient seconds (the same in every mode)
-    layer_plain: np.ndarray     # (layers,) work without its recomputation (the same in every mode)
-    rerun: np.ndarray           # (distinct layers, modes) recomputation seconds, which a split backward pays twice
-    layer_rerun: np.ndarray     # (layers, modes) the same, in layer order
-    layer_rows: np.ndarray      # (layers,) each layer's row of ``work`` / ``acts`` / ``rerun``
+    layer_rows: np.ndarray   # (layers,) each layer's row of ``work`` / ``acts`` / ``rerun``
+    kind_forward: np.ndarray    # (kinds,) forward seconds with its collectives of each kind of layer (every mode's)
+    kind_wgrad: np.ndarray      # (kinds,) weight-gradient seconds (the same in every mode)
+    kind_plain: np.ndarray      # (kinds,) work without its recomputation (the same in every mode)
+    kinds: np.ndarray           # (layers,) each layer's kind (Estimator.kinds)
+
+    # in layer order, made when a bound needs them (the even split's): most candidates' bounds take the totals
+    @functools.cached_property
+    def layer_work(self) -> np.ndarray:
+        """(layers, modes) seconds."""
+        return self.work[self.layer_rows]
+
+    @functools.cached_property
+    def layer_acts(self) -> np.ndarray:
+        """(layers, modes) activation bytes."""
+        return self.acts[self.layer_rows]
+
+    @functools.cached_property
+    def layer_rerun(self) -> np.ndarray:
+        """(layers, modes) recomputation seconds."""
+        return self.rerun[self.layer_rows]
+
+    @functools.cached_property
+    def layer_forward(self) -> np.ndarray:
+        return self.kind_forward[self.kinds]
+
+    @functools.cached_property
+    def layer_wgrad(self) -> np.ndarray:
+        return self.kind_wgrad[self.kinds]
 
     @functools.cached_property
     def forward_total(self) -> float:
@@ -110,7 +132,7 @@ class LayerWork:
 
     @functools.cached_property
     def plain_total(self) -> float:
-        return float(self.layer_plain.sum())
+        return float(self.kind_plain[self.kinds].sum())
 
     @functools.cached_property
     def knapsack(self) -> Knapsack:
@@ -145,32 +167,35 @@ class SearchBounds:
             groups = est.placements(cfg)
             split = est.split_groups(cfg, groups)
             costs = [est.kind_costs(cfg, groups["tp"], m, split) for m in self.bound_modes]
-            kinds = est.kinds[0]    # layers of one kind share their costs: each priced once
-            kind_work = np.array([[cost.work for cost in row] for row in zip(*costs)])    # (kinds, modes)
-            kind_acts = np.array([[cost.activations for cost in row] for row in zip(*costs)])
-            kind_rerun = np.array([[cost.recompute for cost in row] for row in zip(*costs)])
-            work, acts, rerun = (a[list(kinds)] for a in (kind_work, kind_acts, kind_rerun))   # (layers, modes)
-            # the distinct rows, sorted (np.unique(axis=0)'s, without its cost on a few rows)
-            table = list(map(tuple, np.concatenate([kind_work, kind_acts, kind_rerun], axis=1).tolist()))
+            kinds = self._kinds(est)    # layers of one kind share their costs: each priced once
+            # (kinds, 3 x modes): work, activations and recomputation, as tuples: the distinct rows, sorted
+            # (np.unique(axis=0)'s, without its cost on a few rows)
+            table = [tuple(x.work for x in row) + tuple(x.activations for x in row) + tuple(x.recompute for x in row)
+                     for row in zip(*costs)]
             distinct = sorted(set(table))
             where = {row: i for i, row in enumerate(distinct)}
             rows = np.array(distinct)
-            layer_rows = np.array([where[row] for row in table])[list(kinds)]
-            counts = np.bincount(layer_rows, minlength=len(rows))
-            cheapest = work.min(axis=1)
+            layer_rows = np.array([where[row] for row in table])[kinds]
             modes = len(self.bound_modes)
-            forward = np.array([c.fwd + c.tp_fwd + c.cp_fwd + c.ep_fwd for c in costs[0]])[list(kinds)]
-            wgrad = np.array([c.wgrad for c in costs[0]])[list(kinds)]
-            plain = np.array([c.work - c.recompute for c in costs[0]])[list(kinds)]
+            work, acts = rows[:, :modes], rows[:, modes:2 * modes]
+            cheapest = work.min(axis=1)[layer_rows]
             params, experts = self._local_params(c, cfg)
             self._work[key] = LayerWork(
                 total=float(cheapest.sum()), params=params, experts=experts,
-                work=rows[:, :modes], acts=rows[:, modes:2 * modes], rerun=rows[:, 2 * modes:],
-                counts=counts.astype(float),
-                layer_work=work, layer_acts=acts, least_acts=float(acts.min(axis=1).sum()),
-                costliest=-np.sort(-cheapest), layer_forward=forward, layer_wgrad=wgrad, layer_plain=plain,
-                layer_rerun=rerun, layer_rows=layer_rows)
+                work=work, acts=acts, rerun=rows[:, 2 * modes:],
+                counts=np.bincount(layer_rows, minlength=len(rows)).astype(float),
+                least_acts=float(acts.min(axis=1)[layer_rows].sum()), costliest=-np.sort(-cheapest),
+                layer_rows=layer_rows,
+                kind_forward=np.array([x.fwd + x.tp_fwd + x.cp_fwd + x.ep_fwd for x in costs[0]]),
+                kind_wgrad=np.array([x.wgrad for x in costs[0]]),
+                kind_plain=np.array([x.work - x.recompute for x in costs[0]]), kinds=kinds)
         return self._work[key]
+
+    def _kinds(self, est) -> np.ndarray:
+        """Each layer's kind (Estimator.kinds), as an index array (one per estimator's graph: the same for all)."""
+        if self._kind_index is None:
+            self._kind_index = np.array(est.kinds[0], dtype=np.intp)
+        return self._kind_index
 
     def _local_params(self, c: Candidate, cfg: ParallelConfig) -> tuple[float, float]:
         """(parameters per device after tensor and expert parallelism, the expert ones among them):

@@ -34,6 +34,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
+import numpy as np
+
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
 from ..config import DEFAULT_TIE_TOLERANCE, SPLIT_BACKWARD, ParallelConfig, Precision
@@ -130,6 +132,7 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
     _params: dict[tuple, tuple[float, float]] = field(default_factory=dict)   # _local_params
     _fixed: dict[tuple, tuple[float, float]] = field(default_factory=dict)    # _per_step
     _tails: dict[tuple, float] = field(default_factory=dict)    # _tail
+    _kind_index: np.ndarray | None = None    # SearchBounds._kinds
 
     def estimator(self, variant: str) -> Estimator:
         if variant not in self._estimators:

@@ -393,7 +393,7 @@ def test_zero_bubble_bound_pays_the_rerun_twice(deep_graph, schedule, fraction):
     for c, lb_t, refined in _below_every_plan(search, memory, _pipelined):
         checked += 1
         lw = once._layer_work(c)    # the same bound with the rerun counted once
-        single = dataclasses.replace(lw, layer_rerun=0 * lw.layer_rerun, rerun=0 * lw.rerun)
+        single = dataclasses.replace(lw, rerun=0 * lw.rerun)
         once._work[(c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep)] = single
         tightened += refined > once.refine(c, lb_t) * (1 + 1e-9)
     assert checked and tightened
