@@ -10,6 +10,7 @@ what autograd saves for backward (rules.py), FLOPs (flops.py) and bytes moved.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -261,8 +262,10 @@ def _stack(node: torch.fx.Node) -> list[tuple[str, str]]:
     return [(str(path), str(typ)) for path, typ in stack.values()]
 
 
+@functools.lru_cache(maxsize=65536)
 def _clean_path(path: str) -> str:
-    """Export paths look like "model.blocks.0.attn" (or "L['self'].model.blocks[0]" in some versions)."""
+    """Export paths look like "model.blocks.0.attn" (or "L['self'].model.blocks[0]" in some versions).
+    Cached: every op of a module repeats its path (a 126-layer Llama's 7,000 ops, about 30,000 levels)."""
     path = re.sub(r"^L\['self'\]\.?", "", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")
     if path == "model":
