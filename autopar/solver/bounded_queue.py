@@ -5,7 +5,7 @@ equal bounds, the index keeps the rest ordered and is the candidate's place in :
 progress bar counts), ``pending`` the refinement still to take ("summed", then "even" for an even split,
 bounds.py), and the candidate is made from its key only when the search reaches it. The space is bounded a
 branch (a mesh and micro-batch) at a time, its candidates sharing their per-layer costs
-(SearchBounds.leaf_bounds); while a second thread solves the sharding layouts (ShardingSolver.prefetch), the
+(SearchBounds.leaf_bounds); while a second process solves the sharding layouts (ShardingSolver.prefetch), the
 branches whose layouts are there go first.
 """
 
@@ -69,7 +69,7 @@ class BoundedQueue:
         return queue
 
     def _ready_first(self) -> Iterator[Branch]:
-        """:meth:`_branches`, those whose layouts are solved first: while a second thread solves them
+        """:meth:`_branches`, those whose layouts are solved first: while a second process solves them
         (``layouts_ahead``), a branch whose layouts are not there yet waits until no other branch is ready,
         then the waiting ones of the least tensor-parallel degree go (waiting for their layouts)."""
         ahead = self.layouts_ahead

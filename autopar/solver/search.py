@@ -115,7 +115,7 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
     time_limit: float | None = None
     splits_batch: Callable[[int, str], bool] | None = None   # (tp, variant) -> the layout splits the batch
     measured: MeasuredTimes | None = None                    # profiled op times (profile=True)
-    layouts_ahead: "ShardingSolver | None" = None   # solves the layouts in a second thread while the bounds run
+    layouts_ahead: "ShardingSolver | None" = None   # solves the layouts in a second process while the bounds run
     progress: bool = False                                   # a progress bar once the search takes over 1 s
     tie_tolerance: float = DEFAULT_TIE_TOLERANCE   # plans this close to the fastest are ties (choice.py)
     must_fit: bool = True      # False: the fastest plan whatever its memory (an estimate of a config that fits nowhere)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import functools
 import math
+import multiprocessing
 import threading
 import time as _time
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
@@ -43,11 +45,15 @@ class ShardingSolver:
     for. ``deadline`` (a ``time.perf_counter()`` value, the search's time limit): groups reached after
     it are sharded greedily, without an ILP.
 
-    :meth:`prefetch` solves layouts in a second thread while the caller goes on: HiGHS releases
-    Python's lock while it solves (most of an ILP's time), so on two cores the search bounds the
-    layouts it has while the next are solved. Each layout is solved once, by whichever thread asks
-    first (the other waits for it), and is the same whichever thread solves it (one HiGHS thread under
-    a node limit is deterministic; under a wall-clock limit no layout is reproducible anyway).
+    :meth:`prefetch` solves layouts in a second process (forked: it has the graph and every cache as
+    they are) while the caller goes on, and sends each back as it is solved: on two cores the search
+    bounds the layouts it has while the next are solved, neither waiting for the other's Python (a
+    thread shares Python's lock: building a group's ILP, half its time, held the search up). A layout
+    the search asks for before it arrives is waited for, never solved twice; one it asks for that was
+    not prefetched (or once the prefetch is stopped) is solved where it is asked for. Either way it is
+    the same layout (one HiGHS thread under a node limit is deterministic; under a wall-clock limit no
+    layout is reproducible anyway). Without ``fork`` (Windows, macOS by default), or inside a daemonic process,
+    nothing is solved ahead.
 
     No ILP reads the device's memory (the lean variants minimise memory, they are not bounded by
     it; the search decides what fits), so one solver serves clusters that differ only in it
@@ -67,10 +73,8 @@ class ShardingSolver:
     _layouts: dict[tuple[int, str], TPLayout] = field(default_factory=dict, repr=False)
     _solutions: dict[tuple[int, str], list[GroupSolution]] = field(default_factory=dict, repr=False)
     _contexts: dict[bool, OpContext] = field(default_factory=dict, repr=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-    _solving: dict[tuple[int, str], threading.Event] = field(default_factory=dict, repr=False, compare=False)
     _failed: dict[tuple[int, str], BaseException] = field(default_factory=dict, repr=False, compare=False)
-    _stop: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
+    _ahead: "_Ahead | None" = field(default=None, repr=False, compare=False)   # the prefetch under way
 
     def __post_init__(self) -> None:
         self.graph = for_kernels(self.graph, self.precision.kernels)   # the activations its kernels keep
@@ -118,39 +122,90 @@ class ShardingSolver:
 
     def solved(self, tp: int, variant: str) -> bool:
         """Whether :meth:`solutions` of ``(tp, variant)`` returns without solving or waiting."""
-        return tp == 1 or (tp, variant) in self._solutions or (tp, variant) in self._failed
+        if tp == 1:
+            return True
+        self._receive()
+        return (tp, variant) in self._solutions or (tp, variant) in self._failed
 
     def prefetch(self, keys: Sequence[tuple[int, str]]) -> None:
-        """Solve the layouts of ``keys`` ((tp, variant) pairs, tp > 1), in order, in a daemon thread (those
-        solved or being solved are skipped); :meth:`stop_prefetch` ends it after the layout it is on."""
+        """Solve the layouts of ``keys`` ((tp, variant) pairs, tp > 1), in order, in a second process (those
+        solved are skipped); :meth:`stop_prefetch` ends it."""
         for tp, variant in keys:
             _check(tp, variant)
-        # what every solve shares, made here once (not by two threads at a time)
+        self.stop_prefetch()
+        keys = [k for k in keys if k not in self._solutions and k not in self._failed]
+        if not keys or "fork" not in multiprocessing.get_all_start_methods() or multiprocessing.current_process().daemon:
+            return   # no second process to be had (a daemonic process may not start one): each solved where asked
+        # what every solve shares, made here once (the second process starts with it)
         _ = (self._groups, self._consumers, self._fused, self._context(True), self._context(False))
-
-        def run() -> None:
-            for key in keys:
-                if self._stop.is_set():
-                    return
-                self._solve(key)
-        self._stop.clear()
-        threading.Thread(target=run, name="autopar-sharding-ilp", daemon=True).start()
+        context = multiprocessing.get_context("fork")
+        receiver, sender = context.Pipe(duplex=False)
+        process = context.Process(target=self._solve_ahead, args=(keys, sender), name="autopar-sharding-ilp",
+                                  daemon=True)
+        with warnings.catch_warnings():   # Python 3.12+ warns of fork beside threads: the child runs no one's locks
+            warnings.simplefilter("ignore", DeprecationWarning)
+            process.start()
+        sender.close()
+        self._ahead = _Ahead(process, receiver, set(keys))
+        self._ahead.reader.start()
 
     def stop_prefetch(self) -> None:
-        self._stop.set()
+        """End the second process (the layouts it has sent are kept; any other is solved where asked for)."""
+        self._receive()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead.close()
+
+    def _solve_ahead(self, keys: Sequence[tuple[int, str]], sender: Any) -> None:
+        """The second process: each key's solutions (or its failure) and the counts it added, sent in order."""
+        for key in keys:
+            before = (self.seconds, self.solves, self.stopped_early, self.greedy_after_deadline, len(self.fallbacks))
+            start = _time.perf_counter()
+            try:
+                found: Any = self._solve_all(*key)
+            except Exception as exc:   # noqa: BLE001 - raised where the layout is asked for
+                found = exc
+            self.seconds += _time.perf_counter() - start
+            added = (self.seconds - before[0], self.solves - before[1], self.stopped_early - before[2],
+                     self.greedy_after_deadline - before[3], self.fallbacks[before[4]:])
+            try:
+                sender.send((key, found, added))
+            except Exception as exc:   # noqa: BLE001 - an error that does not pickle: its text
+                sender.send((key, RuntimeError(f"solving the tp={key[0]} {key[1]!r} layout failed: {found!r} "
+                                               f"(not sent back: {exc})"), added))
+        sender.close()
+
+    def _receive(self, until: tuple[int, str] | None = None) -> None:
+        """Take what the second process has sent (and, with ``until``, wait for that key's)."""
+        ahead = self._ahead
+        if ahead is None:
+            return
+        with ahead.arrived:
+            if until is not None:
+                ahead.arrived.wait_for(lambda: until in ahead.received or ahead.ended)
+            received, ahead.received = ahead.received, {}
+            ended = ahead.ended and ahead.pending - set(received)
+        for key, (found, (seconds, solves, stopped, greedy, fallbacks)) in received.items():
+            ahead.pending.discard(key)
+            if isinstance(found, BaseException):
+                self._failed[key] = found
+            else:
+                self._solutions[key] = found
+            self.seconds += seconds
+            self.solves += solves
+            self.stopped_early += stopped
+            self.greedy_after_deadline += greedy
+            self.fallbacks += fallbacks
+        if ended:   # it ended before sending them all: the rest are solved here
+            self._ahead = None
+            ahead.close()
 
     def _solve(self, key: tuple[int, str]) -> None:
-        """Solve ``key``'s layout unless it is solved; while another thread is on it, wait for that one. A
-        failure is kept for whoever asks for the layout (:meth:`solutions` raises it)."""
-        with self._lock:
-            if key in self._solutions or key in self._failed:
-                return
-            event = self._solving.get(key)
-            mine = event is None
-            if mine:
-                event = self._solving[key] = threading.Event()
-        if not mine:
-            event.wait()
+        """Solve ``key``'s layout unless it is solved or on its way from the second process (then wait for
+        it). A failure is kept for whoever asks for the layout (:meth:`solutions` raises it)."""
+        if self._ahead is not None and key in self._ahead.pending:
+            self._receive(until=key)
+        if key in self._solutions or key in self._failed:
             return
         start = _time.perf_counter()
         try:
@@ -158,10 +213,7 @@ class ShardingSolver:
         except Exception as exc:   # noqa: BLE001 - raised where the layout is asked for
             self._failed[key] = exc
         finally:
-            with self._lock:
-                self.seconds += _time.perf_counter() - start
-                del self._solving[key]
-            event.set()
+            self.seconds += _time.perf_counter() - start
 
     def describe(self, tp: int, variant: str) -> tuple[ShardingGroup, ...]:
         """The plan's record of the layout: per layer group its layers (the first ``solved`` were solved, the
@@ -245,20 +297,17 @@ class ShardingSolver:
             stats: dict[str, Any] = {"ops": len(nodes)}
             if self.deadline is not None and start > self.deadline:
                 result = realise(problem, greedy_choice(problem, variant))
-                with self._lock:
-                    self.greedy_after_deadline += 1
+                self.greedy_after_deadline += 1
                 stats["stopped_early"] = True
             else:   # an ILP started before the deadline stops at it (or at its own limit)
                 limits = self.limits if self.deadline is None else ILPLimits(
                     time=min(self.limits.time or math.inf, max(self.deadline - start, 0.05)),
                     nodes=self.limits.nodes)
                 result = solve_group(problem, variant, stats=stats, limits=limits)
-                with self._lock:
-                    self.solves += 1
-                    self.fallbacks += stats["fallbacks"]
+                self.solves += 1
+                self.fallbacks += stats["fallbacks"]
             stats["seconds"] = _time.perf_counter() - start
-            with self._lock:
-                self.stopped_early += bool(stats.get("stopped_early"))
+            self.stopped_early += bool(stats.get("stopped_early"))
             for k, j in enumerate(result.choice):
                 for p, d in problem.strategies[k][j].params:
                     decided.setdefault(p, d)
@@ -266,6 +315,44 @@ class ShardingSolver:
                         decided.setdefault(pmap.get(p, p), d)
             out.append(GroupSolution(g, problem, result, boundary.spec, stats))
         return out
+
+
+@dataclass
+class _Ahead:
+    """A prefetch under way: the second process, the end of the pipe it sends on, the keys not yet taken,
+    and what a thread of this process has read from the pipe (:meth:`drain`: the second process never
+    waits for the search to read a layout it sent)."""
+
+    process: Any
+    receiver: Any
+    pending: set[tuple[int, str]]
+    received: dict[tuple[int, str], tuple] = field(default_factory=dict)
+    ended: bool = False
+    arrived: threading.Condition = field(default_factory=threading.Condition)
+    reader: threading.Thread = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reader = threading.Thread(target=self.drain, name="autopar-sharding-ilp-pipe", daemon=True)
+
+    def close(self) -> None:
+        """End the process, then the reader (which sees the pipe close), then the pipe."""
+        self.process.terminate()
+        self.process.join()
+        self.reader.join()
+        self.receiver.close()
+
+    def drain(self) -> None:
+        while True:
+            try:
+                key, found, added = self.receiver.recv()
+            except (EOFError, OSError):   # every layout sent, or the process ended (stopped, or killed)
+                with self.arrived:
+                    self.ended = True
+                    self.arrived.notify_all()
+                return
+            with self.arrived:
+                self.received[key] = (found, added)
+                self.arrived.notify_all()
 
 
 def _pick(options: Sequence[Sequence[GroupSolution]], variant: str) -> int:
