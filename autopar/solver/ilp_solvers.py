@@ -18,7 +18,7 @@ import sys
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import pulp
 
@@ -179,6 +179,20 @@ class _HiGHS:
 # degree; a sweep; a notebook planning again) is answered without solving. Least recently used first out.
 SOLVED_KEPT = 4096
 _SOLVED: OrderedDict[bytes, tuple[str, list[float] | None, int]] = OrderedDict()
+
+
+def solved_models() -> dict[bytes, tuple]:
+    """The models answered from memory (a copy): what a second process solved, to send back."""
+    return dict(_SOLVED)
+
+
+def remember(models: Mapping[bytes, tuple]) -> None:
+    """Take models another process solved (:func:`solved_models`' entries) into this one's memory."""
+    for key, answer in models.items():
+        _SOLVED[key] = answer
+        _SOLVED.move_to_end(key)
+    while len(_SOLVED) > SOLVED_KEPT:
+        _SOLVED.popitem(last=False)
 
 
 def _model_key(options: dict[str, Any], *arrays: Any) -> bytes:

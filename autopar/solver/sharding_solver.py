@@ -30,6 +30,7 @@ from ..cost_model.tensor_parallel import TPLayout, replicated_layout
 from ..errors import ConfigError
 from ..plan.placement import Replicate, Shard
 from ..plan.sharding import OpSharding, ShardingGroup, replicated
+from . import ilp_solvers
 from .sharding import MEMORY_SLACK, TIME_SLACK, VARIANTS, WHOLE_BATCH, ILPLimits, greedy_choice, solve_group
 from .sharding_layout import GroupSolution, LayerGroup, assemble, consumers_of, layer_groups, totals
 from .sharding_problem import Boundary, Pricing, build_problem, realise
@@ -157,7 +158,9 @@ class ShardingSolver:
             ahead.close()
 
     def _solve_ahead(self, keys: Sequence[tuple[int, str]], sender: Any) -> None:
-        """The second process: each key's solutions (or its failure) and the counts it added, sent in order."""
+        """The second process: each key's solutions (or its failure), the counts it added and the ILP models it
+        solved (ilp_solvers' memory, so that this process answers them again without solving), sent in order."""
+        known = set(ilp_solvers.solved_models())
         for key in keys:
             before = (self.seconds, self.solves, self.stopped_early, self.greedy_after_deadline, len(self.fallbacks))
             start = _time.perf_counter()
@@ -166,8 +169,10 @@ class ShardingSolver:
             except Exception as exc:   # noqa: BLE001 - raised where the layout is asked for
                 found = exc
             self.seconds += _time.perf_counter() - start
+            models = {k: v for k, v in ilp_solvers.solved_models().items() if k not in known}
+            known.update(models)
             added = (self.seconds - before[0], self.solves - before[1], self.stopped_early - before[2],
-                     self.greedy_after_deadline - before[3], self.fallbacks[before[4]:])
+                     self.greedy_after_deadline - before[3], self.fallbacks[before[4]:], models)
             try:
                 sender.send((key, found, added))
             except Exception as exc:   # noqa: BLE001 - an error that does not pickle: its text
@@ -185,7 +190,8 @@ class ShardingSolver:
                 ahead.arrived.wait_for(lambda: until in ahead.received or ahead.ended)
             received, ahead.received = ahead.received, {}
             ended = ahead.ended and ahead.pending - set(received)
-        for key, (found, (seconds, solves, stopped, greedy, fallbacks)) in received.items():
+        for key, (found, (seconds, solves, stopped, greedy, fallbacks, models)) in received.items():
+            ilp_solvers.remember(models)
             ahead.pending.discard(key)
             if isinstance(found, BaseException):
                 self._failed[key] = found

@@ -167,17 +167,24 @@ def test_time_limit_validated(tiny, limit) -> None:
 def test_a_model_met_again_is_answered_without_solving(tiny, monkeypatch) -> None:
     """HiGHS under a node limit alone is deterministic: a model it solved before in this process (the same
     arrays, objective and options) is answered from memory with the same layouts; with a wall-clock limit
-    every model is solved anew (its answer depends on the clock)."""
+    every model is solved anew (its answer depends on the clock). Models the search's second process solved
+    (ShardingSolver.prefetch) come back into this process's memory."""
     import highspy
 
-    from autopar.solver import ilp_solvers
+    from autopar.solver import ilp_solvers, sharding_solver
+    monkeypatch.setattr(ilp_solvers, "_SOLVED", type(ilp_solvers._SOLVED)())
+    ahead, _ = solve(tiny, TWO, 4, fixed={"tp": 2})   # its layouts solved in a second process
+    sent_back = set(ilp_solvers._SOLVED)
+    # the same in this process alone (no fork: nothing is solved ahead), counting HiGHS's runs
+    monkeypatch.setattr(sharding_solver.multiprocessing, "get_all_start_methods", lambda: ["spawn"])
+    monkeypatch.setattr(ilp_solvers, "_SOLVED", type(ilp_solvers._SOLVED)())
     runs = []
     real_run = highspy.Highs.run
     monkeypatch.setattr(highspy.Highs, "run", lambda self: runs.append(1) or real_run(self))
-    monkeypatch.setattr(ilp_solvers, "_SOLVED", type(ilp_solvers._SOLVED)())
     first, stats = solve(tiny, TWO, 4, fixed={"tp": 2})
     solved = len(runs)
-    assert solved > 0 and len(ilp_solvers._SOLVED) == solved
+    assert solved > 0 and len(ilp_solvers._SOLVED) == solved and set(ilp_solvers._SOLVED) == sent_back
+    assert first.sharding == ahead.sharding and first.step_time == ahead.step_time
     again, stats_again = solve(tiny, TWO, 4, fixed={"tp": 2})
     assert len(runs) == solved and stats_again.ilp_solves == stats.ilp_solves
     assert again.sharding == first.sharding and again.step_time == first.step_time
