@@ -180,18 +180,22 @@ def test_from_record_rejects_foreign_or_truncated_records():
 
 
 # --- Measuring ---------------------------------------------------------------------------------
-def test_a_series_stops_before_a_call_would_exceed_the_cap():
-    # times in tenths of a second: a loaded machine's oversleeping must not move a case across the cap. Case 4
-    # (0.12 s) is predicted from case 2 (0.06 s) and stays under the cap unless that sleep overran by 40 ms;
-    # case 8 is predicted at twice case 4's measured time, at least 0.24 s, over the cap however long 4 slept
+def test_a_series_stops_before_a_call_would_exceed_the_cap(monkeypatch):
+    # on a clock that moves only when a case runs (a loaded machine's oversleeping must not move a case
+    # across the cap): case c takes 0.04 c s
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+
+    def taking(seconds: float):
+        def run() -> None:
+            now[0] += seconds
+        return run
     budget = replace(dev.BUDGETS[("cpu", "quick")], call_cap=0.2, warmup=1, repeats=1)
     cpu = torch.device("cpu")
-    rows = dev._time_series([8, 1, 4, 2, 16], float, lambda c: (lambda: time.sleep(0.03 * c)), cpu, budget,
-                            dev._Timer())
-    assert [c for c, _ in rows] == [1, 2, 4]  # 8 would take about 0.24 s
-    first = dev._time_series([10, 20], float, lambda c: (lambda: time.sleep(0.03 * c)), cpu, budget,
-                             dev._Timer())
-    assert [c for c, _ in first] == [10] and first[0][1] > 0.2  # the first case is kept, over the cap
+    rows = dev._time_series([8, 1, 4, 2, 16], float, lambda c: taking(0.04 * c), cpu, budget, dev._Timer())
+    assert rows == [(1, pytest.approx(0.04)), (2, pytest.approx(0.08)), (4, pytest.approx(0.16))]   # 8: 0.32 s
+    first = dev._time_series([10, 20], float, lambda c: taking(0.03 * c), cpu, budget, dev._Timer())
+    assert first == [(10, pytest.approx(0.3))]   # the first case is kept, over the cap
 
 
 def test_measure_device_refuses_bad_arguments():
