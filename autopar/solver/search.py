@@ -85,7 +85,7 @@ class SearchStats:
     infeasible: int = 0
     timed_out: bool = False
     search_seconds: float = 0.0
-    ilp_seconds: float = 0.0        # building and solving sharding ILPs, in either thread (ShardingSolver.prefetch)
+    ilp_seconds: float = 0.0        # building and solving sharding ILPs, in either process (ShardingSolver.prefetch)
     ilp_waited: float = 0.0         # of search_seconds, spent solving them or waiting for them
     ilp_solves: int = 0
     ilp_stopped_early: int = 0      # group ILPs stopped at a time or node limit, or sharded greedily

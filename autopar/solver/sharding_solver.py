@@ -163,12 +163,7 @@ class ShardingSolver:
         known = set(ilp_solvers.solved_models())
         for key in keys:
             before = (self.seconds, self.solves, self.stopped_early, self.greedy_after_deadline, len(self.fallbacks))
-            start = _time.perf_counter()
-            try:
-                found: Any = self._solve_all(*key)
-            except Exception as exc:   # noqa: BLE001 - raised where the layout is asked for
-                found = exc
-            self.seconds += _time.perf_counter() - start
+            found = self._attempt(key)
             models = {k: v for k, v in ilp_solvers.solved_models().items() if k not in known}
             known.update(models)
             added = (self.seconds - before[0], self.solves - before[1], self.stopped_early - before[2],
@@ -193,10 +188,7 @@ class ShardingSolver:
         for key, (found, (seconds, solves, stopped, greedy, fallbacks, models)) in received.items():
             ilp_solvers.remember(models)
             ahead.pending.discard(key)
-            if isinstance(found, BaseException):
-                self._failed[key] = found
-            else:
-                self._solutions[key] = found
+            self._keep(key, found)
             self.seconds += seconds
             self.solves += solves
             self.stopped_early += stopped
@@ -211,15 +203,24 @@ class ShardingSolver:
         it). A failure is kept for whoever asks for the layout (:meth:`solutions` raises it)."""
         if self._ahead is not None and key in self._ahead.pending:
             self._receive(until=key)
-        if key in self._solutions or key in self._failed:
-            return
+        if key not in self._solutions and key not in self._failed:
+            self._keep(key, self._attempt(key))
+
+    def _attempt(self, key: tuple[int, str]) -> list[GroupSolution] | Exception:
+        """``key``'s solutions, or the failure to raise where the layout is asked for; its seconds counted."""
         start = _time.perf_counter()
         try:
-            self._solutions[key] = self._solve_all(*key)
+            return self._solve_all(*key)
         except Exception as exc:   # noqa: BLE001 - raised where the layout is asked for
-            self._failed[key] = exc
+            return exc
         finally:
             self.seconds += _time.perf_counter() - start
+
+    def _keep(self, key: tuple[int, str], found: list[GroupSolution] | BaseException) -> None:
+        if isinstance(found, BaseException):
+            self._failed[key] = found
+        else:
+            self._solutions[key] = found
 
     def describe(self, tp: int, variant: str) -> tuple[ShardingGroup, ...]:
         """The plan's record of the layout: per layer group its layers (the first ``solved`` were solved, the
