@@ -151,6 +151,15 @@ VOCAB_LOSSES: Mapping[str, VocabLoss] = MappingProxyType({
     "cross_entropy_loss": VocabLoss("cross_entropy", 3, True),   # label smoothing adds a fourth value, left out
     "nll_loss": _NLL, "nll_loss_nd": _NLL, "nll_loss2d": _NLL})
 """The class losses of one output and arguments ``(self, target, weight, reduction, ignore_index...)``."""
+
+
+def is_cross_entropy(target: object) -> bool:
+    """A softmax cross entropy: a class loss of scores (log_softmax and nll_loss in one op), which
+    programs run as several passes over its scores (cost_model/compute.py's ``loss_bytes``)."""
+    loss = VOCAB_LOSSES.get(base_name(target))
+    return loss is not None and loss.form == "cross_entropy"
+
+
 CLASS_LOSSES = frozenset(VOCAB_LOSSES) | {"nll_loss_forward", "nll_loss2d_forward"}
 """Class scores along dim 1 (dim 0 unbatched) against class ids (the ``_forward`` ones return the loss
 and the total weight: no vocabulary-parallel form)."""

@@ -12,8 +12,8 @@ kept values is recomputed inside the fused backward kernel instead of stored.
   concatenated input, a fused RMSNorm its input and the per-row statistics. The ops around them are
   their own kernels and keep what autograd keeps: a matrix product its inputs (the GeLU's output
   that the second MLP product reads, the normalised input of the QKV product), a LayerNorm its input,
-  a softmax its output, a dropout its mask. Korthikanti et al.'s activation counts are this
-  program's.
+  a softmax its output, a dropout its mask; Megatron's cross entropy its fp32 probabilities.
+  Korthikanti et al.'s activation counts are this program's.
 - A compiled program (``"compiled"``) recomputes across those boundaries too, which is what
   torch.compile's AOTAutograd partitioner (``min_cut_rematerialization_partition``) decides, and what
   Transformer Engine's newer fused kernels do by hand (a fused RMSNorm keeps its input and the
@@ -47,6 +47,7 @@ from dataclasses import replace
 
 import networkx as nx
 
+from .. import ops
 from .opgraph import OpGraph, OpKind, OpNode, SavedTensor
 
 RECOMPUTABLE = {"compiled": frozenset((OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.CREATION, OpKind.NORM, OpKind.DROPOUT)),
@@ -181,8 +182,18 @@ def _layer(graph: OpGraph, nodes: list[OpNode], saves: str) -> dict[str, tuple[S
     out = {}
     for n in nodes:
         roots = sorted(frozenset().union(*(reads[st.root] for st in n.saved if not _extra(st))))
-        out[n.name] = tuple(values[r] for r in roots) + tuple(st for st in n.saved if _extra(st))
+        out[n.name] = tuple(values[r] for r in roots) + tuple(_extra_kept(n, st, saves) for st in n.saved if _extra(st))
     return out
+
+
+def _extra_kept(node: OpNode, st: SavedTensor, saves: str) -> SavedTensor:
+    """An op-internal tensor as ``saves`` keeps it: as eager does, but for the probabilities of a softmax
+    cross entropy, which Megatron-LM's (fused) keeps in fp32 (megatron/core/tensor_parallel/
+    cross_entropy.py: the normalised exponentials of its fp32 copy of the scores)."""
+    if saves == "fused" and st.root.endswith(":log_probs") and \
+            ops.is_cross_entropy(node.target):
+        return replace(st, dtype="float32")
+    return st
 
 
 def _value(graph: OpGraph, name: str) -> SavedTensor:

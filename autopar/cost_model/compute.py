@@ -37,6 +37,20 @@ Eager kernels (the default) write and read back every op's output.
 Backward moves about twice the forward bytes (read the output gradient and the saved
 tensors, write the input gradient). Views cost nothing.
 
+A softmax cross entropy over ``C`` classes is one captured op, but each program runs it as several
+passes over its ``N x C`` scores (``d`` bytes each), which for a large vocabulary weigh as much as a
+transformer layer's element-wise ops (:func:`loss_bytes`); bytes moved per score:
+
+    eager     forward 2d (log_softmax reads the scores, writes the log-probabilities; nll_loss gathers)
+              backward 4d (nll_loss writes a zero-filled gradient, log_softmax's backward reads it and
+              the log-probabilities and writes the scores' gradient)
+    fused     Megatron-LM's vocab-parallel cross entropy (megatron/core/tensor_parallel/cross_entropy.py),
+              in fp32 as its GPT models call it: forward c + 32 (an fp32 copy, c = d + 4 or 0 for fp32
+              scores; the row max reads 4; subtract, exponentiate and normalise in place 8 each; the
+              sum reads 4), backward 8 + c (the output gradient multiplied in place, cast back)
+    compiled  forward 2d (one looped reduction kernel reads the scores twice: max, then the sum of
+              exponentials), backward 2d (reads the scores again, writes their gradient)
+
 Every time is a rank's while all ranks of its machine compute at once: the device's
 ``concurrency_slowdown`` (CPU ranks sharing cores and caches, measured by ``Cluster.local``; 1 for
 a GPU) times the op's time alone.
@@ -52,6 +66,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Mapping, Protocol
 
+from .. import ops
+from ..config import DTYPE_BYTES
 from ..capture.fusion import for_kernels
 from ..capture.opgraph import FLOAT_DTYPES, Gemm, OpGraph, OpKind, OpNode, dtype_bytes
 from ..hardware import Device
@@ -121,6 +137,27 @@ def scaled_gemm(gemm: Gemm, batch_scale: float, split_dim: str, tp: int) -> Gemm
     return g
 
 
+def loss_bytes(graph: OpGraph, node: OpNode, kernels: str, dtype: str) -> tuple[float, float] | None:
+    """Forward and backward bytes a softmax cross entropy moves over its scores as ``kernels`` run it
+    (module docstring), at the captured batch and unsplit; None for any other op, or scores whose
+    producer the graph does not hold. ``dtype`` is the training dtype, which scores of the model's
+    dtype are kept in (scores cast to another dtype on purpose keep theirs)."""
+    if node.kind is not OpKind.LOSS or not ops.is_cross_entropy(node.target):
+        return None
+    if not node.inputs or node.inputs[0] not in graph.node_index:
+        return None
+    scores = graph.node(node.inputs[0]).outputs[0]
+    d = DTYPE_BYTES[dtype] if scores.dtype == graph.float_dtype else dtype_bytes(scores.dtype)
+    if kernels == "fused":
+        cast = 0.0 if d >= 4 else d + 4.0
+        per = (cast + 32.0, 8.0 + cast)
+    elif kernels == "compiled":
+        per = (2.0 * d, 2.0 * d)
+    else:
+        per = (2.0 * d, 4.0 * d)
+    return per[0] * scores.numel, per[1] * scores.numel
+
+
 def fused_away(graph: OpGraph) -> frozenset[str]:
     """Element-wise ops whose output is consumed only by one same-sized element-wise op and is
     not kept for backward (a saved tensor must be written, fused kernel or not)."""
@@ -188,6 +225,9 @@ class ComputeModel:
             moved = max(moved, 0.0)
         launch = self.device.kernel_overhead
         mem_fwd, mem_bwd = moved / self.bandwidth, 2.0 * moved / self.bandwidth
+        passes = loss_bytes(self.graph, node, self.kernels, self.dtype)
+        if passes is not None:
+            mem_fwd, mem_bwd = (b * scale / self.bandwidth for b in passes)
         if node.kind in _GEMM_KINDS and node.gemm is not None:
             gemm = scaled_gemm(node.gemm, batch_scale if node.batch_dependent else 1.0, split_dim, shard)
             eff = gemm_efficiency(self.device, gemm, node.kind is OpKind.ATTENTION, self.waves)
@@ -222,5 +262,5 @@ class ComputeModel:
         RMSNorm's float32 statistics of a bf16 model) keeps its own."""
         out = node.outputs[0].dtype
         if out in FLOAT_DTYPES and out == self.graph.float_dtype:
-            return {"bf16": 2, "fp16": 2, "fp32": 4}[self.dtype] / dtype_bytes(out)
+            return DTYPE_BYTES[self.dtype] / dtype_bytes(out)
         return 1.0
