@@ -141,8 +141,8 @@ class ShardingSolver:
         _ = (self._groups, self._consumers, self._fused, self._context(True), self._context(False))
         context = multiprocessing.get_context("fork")
         receiver, sender = context.Pipe(duplex=False)
-        process = context.Process(target=self._solve_ahead, args=(keys, sender), name="autopar-sharding-ilp",
-                                  daemon=True)
+        process = context.Process(target=self._solve_ahead, args=(keys, sender, receiver),
+                                  name="autopar-sharding-ilp", daemon=True)
         with warnings.catch_warnings():   # Python 3.12+ warns of fork beside threads: the child runs no one's locks
             warnings.simplefilter("ignore", DeprecationWarning)
             process.start()
@@ -157,9 +157,12 @@ class ShardingSolver:
         if ahead is not None:
             ahead.close()
 
-    def _solve_ahead(self, keys: Sequence[tuple[int, str]], sender: Any) -> None:
+    def _solve_ahead(self, keys: Sequence[tuple[int, str]], sender: Any, receiver: Any) -> None:
         """The second process: each key's solutions (or its failure), the counts it added and the ILP models it
-        solved (ilp_solvers' memory, so that this process answers them again without solving), sent in order."""
+        solved (ilp_solvers' memory, so that this process answers them again without solving), sent in order.
+        It closes its copy of the pipe's reading end, so that a send after this process died (killed, where
+        no exit handler ends its daemonic children) fails and it stops instead of waiting forever."""
+        receiver.close()
         known = set(ilp_solvers.solved_models())
         for key in keys:
             before = (self.seconds, self.solves, self.stopped_early, self.greedy_after_deadline, len(self.fallbacks))
@@ -170,6 +173,8 @@ class ShardingSolver:
                      self.greedy_after_deadline - before[3], self.fallbacks[before[4]:], models)
             try:
                 sender.send((key, found, added))
+            except OSError:            # the process that started this one is gone: no one to send to
+                return
             except Exception as exc:   # noqa: BLE001 - an error that does not pickle: its text
                 sender.send((key, RuntimeError(f"solving the tp={key[0]} {key[1]!r} layout failed: {found!r} "
                                                f"(not sent back: {exc})"), added))

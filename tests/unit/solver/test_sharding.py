@@ -342,3 +342,57 @@ def test_layouts_solved_ahead_are_the_same_each_solved_once(gpt, monkeypatch):
     boom.prefetch([(2, "fast")])
     with pytest.raises(ConfigError, match="no layout for tp=2"):
         boom.solutions(2, "fast")
+
+
+_KILLED_PARENT = """
+import os, signal, sys, time
+import torch
+from autopar.capture import capture
+from autopar.cluster import Cluster
+from autopar.config import Precision
+from autopar.models import GPTConfig, build_gpt
+from autopar.solver.sharding_solver import ShardingSolver
+
+model, inputs = build_gpt(GPTConfig(vocab_size=64, hidden=32, heads=4, layers=1, seq_len=8), batch_size=1,
+                          device="meta", dtype=torch.bfloat16)
+solver = ShardingSolver(capture(model, inputs), Cluster.from_spec("1x8xA100-80GB"), Precision())
+
+def large(self, key):            # a layout that outgrows the pipe's buffer, sent after this process died
+    time.sleep(0.5)
+    return b"x" * (1 << 20)
+ShardingSolver._attempt = large
+solver.prefetch([(2, "fast"), (4, "fast")])
+print(solver._ahead.process.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)   # no exit handler runs: the daemonic child is not terminated
+"""
+
+
+@pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(), reason="no fork")
+def test_the_second_process_ends_when_the_first_is_killed(tmp_path):
+    """A search killed while its second process solves ahead leaves no process behind: the second one's next
+    send fails (it holds no copy of the reading end) and it stops."""
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED_PARENT)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    line = parent.stdout.readline()    # not read to its end: the second process holds the pipe too
+    assert parent.wait(timeout=120) == -9 and line.strip().isdigit(), line
+    pid = int(line)
+
+    def alive() -> bool:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                state = next(line for line in f if line.startswith("State:"))
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        return "Z" not in state.split()[1]   # a zombie has ended (its new parent may not reap it)
+    deadline = time.monotonic() + 20
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    still = alive()
+    if still:
+        __import__("os").kill(pid, 9)
+    parent.stdout.close()
+    assert not still, "the second process outlived the search that started it"
