@@ -119,7 +119,9 @@ def alternatives(best: Plan, seen: Seen, memory: float, tolerance: float) -> tup
     ``best`` shards and one fits."""
     plans = [r for _, _, r in seen if isinstance(r, Plan) and r is not best]
     fastest = min([best.step_time] + [p.step_time for p in plans])
-    faster_unfit = sorted(((lb, c, r) for lb, c, r in seen if not isinstance(r, Plan)),
+    # an offloading candidate whose states overflow the host's memory needs no more device memory (its need is
+    # infinite, search.evaluate): no number of bytes per device says why it lost
+    faster_unfit = sorted(((lb, c, r) for lb, c, r in seen if not isinstance(r, Plan) and math.isfinite(r)),
                           key=lambda e: (e[0], e[1].sort_key()))
     out = []
     distinct: dict[ParallelConfig, Plan] = {}

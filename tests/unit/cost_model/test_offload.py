@@ -82,3 +82,27 @@ def test_host_round_trips_and_presets_describe_theirs():
     assert gb200.link_bandwidth > 3 * device.host.link_bandwidth   # NVLink-C2C against PCIe 5.0
     with pytest.raises(ConfigError):
         Host(memory=-1.0, memory_bandwidth=1e9, link_bandwidth=1e9, source="")
+
+
+def test_a_host_overflow_is_no_alternative_with_infinite_memory(gpt):
+    """An offloading candidate whose states overflow the host's memory needs no more device memory (search.evaluate
+    gives it an infinite need): the alternatives leave it out, where it made a plan whose file could not be read
+    back (``autopar sweep`` failed on llama3-70b), and keep the unfit candidates that say how much they need."""
+    from types import SimpleNamespace
+
+    from autopar.plan import Plan
+    from autopar.solver.choice import alternatives, with_search_results
+
+    best = _estimate(gpt, autopar.Cluster.from_spec("1x2xH100-SXM"), dp=2, zero=3)
+
+    def candidate(cfg):
+        return SimpleNamespace(config=lambda: cfg, sort_key=lambda: cfg.short())
+    host_full = candidate(ParallelConfig(dp=2, zero=3, offload=True))
+    too_big = candidate(ParallelConfig(dp=2, zero=1))
+    seen = [(best.step_time, None, best), (best.step_time * 0.8, host_full, float("inf")),
+            (best.step_time * 0.9, too_big, 2 * best.cluster.device.memory)]
+    alts = alternatives(best, seen, best.cluster.device.memory, 0.0)
+    assert [a.config for a in alts] == [too_big.config()] and "GB more per device" in alts[0].reason
+    stats = SimpleNamespace(timed_out=False, ilp_stopped_early=0, gap=None, ilp_fallbacks=(), counts=lambda: {})
+    chosen = with_search_results(best, stats, alts, (), "even", seen, 0.0)
+    assert Plan.from_dict(chosen.to_dict()).alternatives == chosen.alternatives
