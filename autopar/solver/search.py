@@ -7,7 +7,10 @@ variants share their layers' costs); the queue (bounded_queue.py) holds each one
 when the search reaches it. Those not pruned by memory or dominated are visited in increasing
 bound; each is solved exactly by the stage DP (stages.py), or on Megatron's even split
 (even_split.py), and estimated; the search stops when the next bound reaches the best step time
-found (every remaining candidate is pruned by the bound). A bound is tightened in steps as its
+found (every remaining candidate is pruned by the bound). A candidate's stage DP stops as soon as its
+floor shows it slower than every plan the search can still return or show (``_Needed``: the tie band
+of the fastest, the six fastest configurations, the fastest of each kind the runners-up name); such a
+candidate counts as pruned by the bound, and the plan and its runners-up are the same as without it. A bound is tightened in steps as its
 candidate reaches the queue's head: by the memory its activations force, then, for an even split,
 device by device.
 
@@ -51,7 +54,7 @@ from .bounds import LayerWork, SearchBounds
 from .even_split import EvenSplitPlans, Split
 from .sharding import WHOLE_BATCH
 from .space import Branch, Candidate, branches, candidates, compatible, placeable, recompute_modes
-from .stages import least_memory, partition, run_tables
+from .stages import ABOVE, least_memory, partition, run_tables
 
 if TYPE_CHECKING:
     from .sharding_solver import ShardingSolver
@@ -100,6 +103,39 @@ class SearchStats:
                 "did_not_fit": self.infeasible,
                 "ilp_solves": self.ilp_solves, "ilp_stopped_early": self.ilp_stopped_early,
                 "ilp_sharded_greedily": self.ilp_greedy, "stopped_at_time_limit": self.timed_out}
+
+
+# The runners-up plan.explain() shows besides the fastest few: the best plan of each of these kinds
+# (choice.alternatives' counterfactuals), which a candidate of that kind may be
+_KINDS = {"no cp": lambda c: c.cp == 1, "no ep": lambda c: c.ep == 1, "no ZeRO-3": lambda c: c.zero < 3,
+          "no ZeRO": lambda c: c.zero == 0}
+
+
+@dataclass
+class _Needed:
+    """Which plans the search must price exactly: the fastest within the tie band (choice.choose), the
+    TOP_ALTERNATIVES + 1 fastest configurations (choice.alternatives' runners-up besides the choice), and the
+    fastest of each of :data:`_KINDS`. A candidate none of whose plans could be one of them (every plan at or
+    above :meth:`cutoff`) needs no plan: its stage DP stops at the cutoff (stages.partition)."""
+
+    by_config: dict[ParallelConfig, float] = field(default_factory=dict)
+    by_kind: dict[str, float] = field(default_factory=dict)
+
+    def add(self, plan: Plan) -> None:
+        cfg, t = plan.config, plan.step_time
+        self.by_config[cfg] = min(t, self.by_config.get(cfg, math.inf))
+        for kind, holds in _KINDS.items():
+            if holds(cfg):
+                self.by_kind[kind] = min(t, self.by_kind.get(kind, math.inf))
+
+    def cutoff(self, c: Candidate, band: float) -> float:
+        """Seconds at and above which no plan of ``c`` is needed (infinite until enough plans are known)."""
+        times = sorted(self.by_config.values())
+        limit = max(band, times[TOP_ALTERNATIVES] if len(times) > TOP_ALTERNATIVES else math.inf)
+        for kind, holds in _KINDS.items():
+            if holds(c):
+                limit = max(limit, self.by_kind.get(kind, math.inf))
+        return limit
 
 
 @dataclass
@@ -228,16 +264,17 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
         return self._layout_facts[key]
 
     # --- evaluation --------------------------------------------------------------------------
-    def evaluate(self, c: Candidate) -> Plan | float:
+    def evaluate(self, c: Candidate, cutoff: float = math.inf) -> Plan | float | None:
         """The best plan of this candidate (partition and recompute solved), or, when nothing
         fits, the least peak memory per device it could reach (bytes; infinite when an offloading
-        candidate's states overflow host memory)."""
-        result = self._evaluate(c)
+        candidate's states overflow host memory), or None when a partition fits but none is faster
+        than ``cutoff`` (seconds: the search needs no plan that slow, :meth:`_cutoff`)."""
+        result = self._evaluate(c, cutoff)
         if c.offload and self.must_fit and isinstance(result, Plan) and not result.fits:
             return math.inf   # device memory fits (the partition saw to it): the host's does not
         return result
 
-    def _evaluate(self, c: Candidate) -> Plan | float:
+    def _evaluate(self, c: Candidate, cutoff: float = math.inf) -> Plan | float | None:
         est = self.estimator(c.variant)
         m = c.micro_batches(self.global_batch_size)
         memory = self.cluster.device.memory if self.must_fit else math.inf
@@ -249,9 +286,11 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
             return min(fitting, key=lambda pl: pl.step_time)
         cfg = self._config(c)
         tables = run_tables(est, cfg, m, self.modes_of(c))
-        part = partition(tables, cfg, m, memory)
+        part = partition(tables, cfg, m, memory, cutoff)
         if part is None:
             return least_memory(tables, cfg, m)[0]
+        if part is ABOVE:
+            return None
         return estimate_plan(self.graph, self.cluster, c.with_modes(part.modes), self.global_batch_size,
                              self.precision, est, chunks=part.chunks)
 
@@ -298,17 +337,26 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
         """:meth:`run`'s three passes over the bounded ``queue``, moving ``bar`` by the settled candidates."""
         seen: Seen = []
         fastest: list[Plan] = []      # the fastest plan so far (at most one)
+        needed = _Needed()
 
-        def evaluate(lb_t: float, index: int, c: Candidate) -> None:
-            result = self.evaluate(c)
-            self.stats.evaluated += 1
+        def evaluate(lb_t: float, index: int, c: Candidate) -> Plan | float | None:
+            cutoff = needed.cutoff(c, fastest[0].step_time * (1 + self.tie_tolerance) * (1 + TIE) if fastest
+                                   else math.inf)
+            result = self.evaluate(c, cutoff)
             self.settled.done[index] = True
+            if result is None:   # a plan fits, slower than any the search can return or show: pruned by the bound
+                bar.update(self.settled.count(fastest[0].step_time if fastest else math.inf) - bar.n)
+                return None
+            self.stats.evaluated += 1
             seen.append((lb_t, c, result))
             if not isinstance(result, Plan):
                 self.stats.infeasible += 1
-            elif not fastest or result.step_time < fastest[0].step_time:
-                fastest[:] = [result]
+            else:
+                needed.add(result)
+                if not fastest or result.step_time < fastest[0].step_time:
+                    fastest[:] = [result]
             bar.update(self.settled.count(fastest[0].step_time if fastest else math.inf) - bar.n)
+            return result
 
         for lb_t, _, index, _, c in iter(lambda: self._next(queue, fastest[0].step_time if fastest else math.inf,
                                                            deadline), None):
@@ -329,9 +377,9 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
                     deferred.append(entry)
                     break
                 if could_beat(entry[-1], entry[0], choice):
-                    evaluate(entry[0], entry[2], entry[-1])
-                    if isinstance(seen[-1][2], Plan):   # no plan here is faster than fastest[0]
-                        choice = choose((choice, seen[-1][2]), self.tie_tolerance, fastest[0].step_time)
+                    result = evaluate(entry[0], entry[2], entry[-1])
+                    if isinstance(result, Plan):   # no plan here is faster than fastest[0]
+                        choice = choose((choice, result), self.tie_tolerance, fastest[0].step_time)
                 else:
                     deferred.append(entry)
             queue += deferred
@@ -345,7 +393,7 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
         best_c = next((c for _, c, r in seen if r is best), None)
         return best, best_c, seen
 
-    def _runners_up(self, best: Plan, queue: list, seen: Seen, evaluate: Callable[[float, int, Candidate], None],
+    def _runners_up(self, best: Plan, queue: list, seen: Seen, evaluate: Callable[[float, int, Candidate], Any],
                     deadline: float | None) -> None:
         """Evaluate the next candidates in bound order until TOP_ALTERNATIVES configurations other than
         ``best``'s have a plan (the runners-up plan.explain() shows): where the bounds are tight the
@@ -356,7 +404,7 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
                 (entry := self._next(queue, math.inf, deadline)) is not None:
             evaluate(entry[0], entry[2], entry[-1])
 
-    def _plain(self, queue: list, seen: Seen, evaluate: Callable[[float, int, Candidate], None],
+    def _plain(self, queue: list, seen: Seen, evaluate: Callable[[float, int, Candidate], Any],
                deadline: float | None) -> None:
         """Evaluate the zero=0 candidates in bound order up to the fastest zero=0 plan (a runner-up)."""
         plain = [e for e in queue if e[1].zero == 0]

@@ -30,7 +30,9 @@ work is ``x* <= X``) stays optimal for every bound in ``[x*, X]``. :func:`partit
 ``(m - 1) X + G(X)`` over ``X >= X_min`` (the bottleneck optimum, :func:`_min_max`) and each
 ``G(X)`` over ``Y >= Y_min(X)`` by bisection (:func:`_step_min`): an interval whose two ends give
 the same ``S`` is constant, and one whose lower bound cannot beat the best is skipped, so
-the optimum is exact. The DP runs on runs of at most ``L`` layers, ``L`` the most one stage
+the optimum is exact. With a ``cutoff`` (the search needs no plan that slow) the bisection starts
+from it, and ``slope X_min + S(inf, inf) + Y_min`` (three DPs) at or above it ends the problem
+before any bisection. The DP runs on runs of at most ``L`` layers, ``L`` the most one stage
 can hold within memory (:class:`Band`): ``O(p n L)`` per DP, vectorised with numpy. When
 ``m = 1`` the ``X`` term vanishes and one ``X`` suffices.
 
@@ -58,6 +60,17 @@ from ..cost_model.estimator import Estimator, reruns
 from ..cost_model.memory import in_flight
 
 INF = float("inf")
+
+
+class _Above:
+    """:func:`partition`'s answer when no partition is below its ``cutoff`` (one fits: none is faster)."""
+
+    def __repr__(self) -> str:
+        return "ABOVE"
+
+
+ABOVE = _Above()
+CUTOFF_MARGIN = 1e-6   # relative: the DP's objective and the estimate's step time agree to ~1e-8
 
 
 @dataclass(frozen=True)
@@ -289,9 +302,13 @@ def pinned_modes(tables: RunTables, cfg: ParallelConfig) -> tuple[int, ...] | No
     return tuple(tables.modes.index(mode) for mode in cfg.stage_recompute)
 
 
-def partition(tables: RunTables, cfg: ParallelConfig, micro_batches: int, memory: float) -> Partition | None:
-    """The exact optimum of the module docstring's problem, or None when no partition fits. When
-    ``cfg.stage_recompute`` is set, stage ``k`` uses its mode ``cfg.stage_recompute[k]`` (pinned).
+def partition(tables: RunTables, cfg: ParallelConfig, micro_batches: int, memory: float,
+              cutoff: float = INF) -> Partition | None | _Above:
+    """The exact optimum of the module docstring's problem, or None when no partition fits, or
+    :data:`ABOVE` when one fits but none has a step time below ``cutoff`` (times ``1 + CUTOFF_MARGIN``, for
+    float noise; the caller needs no plan slower than that: the bisection skips every interval whose floor
+    reaches it). When ``cfg.stage_recompute`` is set, stage ``k`` uses its mode ``cfg.stage_recompute[k]``
+    (pinned).
 
     With ``G(X) = min {sum x + max y : max x <= X}`` the step time is ``min_X (m - 1) X + G(X)``
     over the run works ``X``, and ``G(X) = min_Y S(X, Y) + Y`` over the run tails ``Y``. Both ``G``
@@ -309,9 +326,16 @@ def partition(tables: RunTables, cfg: ParallelConfig, micro_batches: int, memory
     works = np.unique(b.work[np.isfinite(b.work)])
     tails = np.unique(b.tail[np.isfinite(b.tail)])
 
+    y_lows: dict[float, float] = {}
+
+    def least_tail(x_bound: float) -> float:
+        if x_bound not in y_lows:
+            y_lows[x_bound] = _min_max(b, b.tail, flights, memory, x_bound, pinned=pinned)
+        return y_lows[x_bound]
+
     def inner(x_bound: float):
         """G(X) by bisection over Y: (G, max work of its partition, its runs)."""
-        y_lo = _min_max(b, b.tail, flights, memory, x_bound, pinned=pinned)
+        y_lo = least_tail(x_bound)
 
         def solve_y(y: float):
             s_val, runs = _min_sum(b, flights, memory, x_bound, y, pinned)
@@ -325,21 +349,28 @@ def partition(tables: RunTables, cfg: ParallelConfig, micro_batches: int, memory
         return g, x_used, runs
 
     slope = _slope(cfg, m)
+    limit = cutoff * (1 + CUTOFF_MARGIN)
+    # every partition's objective is at least slope X_min + S(inf, inf) + Y_min: three DPs before the bisections
+    if limit < INF and slope * x_min + _min_sum(b, flights, memory, INF, INF, pinned)[0] + least_tail(INF) >= limit:
+        return ABOVE
     if slope == 0:  # the max-work term vanishes
-        _, runs = inner(INF)
+        value, runs = inner(INF)
+        runs = runs if value < limit else None
     else:
-        _, runs = _step_min(works, x_min, solve_x, slope=slope)
+        _, runs = _step_min(works, x_min, solve_x, slope=slope, above=limit)
+    if runs is None:
+        return ABOVE
     return Partition(tuple(tuple(range(i, j + 1)) for i, j, _ in runs),
                      tuple(tables.modes[r] for _, _, r in runs))
 
 
-def _step_min(values: np.ndarray, lowest: float, solve, slope: float):
+def _step_min(values: np.ndarray, lowest: float, solve, slope: float, above: float = INF):
     """``min_v slope * v + S(v)`` over the sorted ``values >= lowest`` (and ``v = inf``), where
     ``solve(v) -> (S(v), used, runs)`` gives a non-increasing step function ``S`` whose optimum
     under bound ``v`` only uses ``used <= v`` (so ``S`` is constant on ``[used, v]``). Bisection:
-    an interval whose ends have equal ``S`` is constant (its best is its lowest end); one whose
-    lower bound ``slope * v_lo + S(v_hi)`` cannot beat the best so far is skipped.
-    Returns (best objective, runs attaining it)."""
+    an interval whose lower bound ``slope * v_lo + S(v_hi)`` cannot beat the best so far (at first
+    ``above``) is skipped, and one whose ends have equal ``S`` is constant (its best is its lowest end).
+    Returns (best objective, runs attaining it): ``(above, None)`` when nothing is below ``above``."""
     cand = values[values >= lowest]
     cache: dict[int, tuple] = {}
 
@@ -349,7 +380,7 @@ def _step_min(values: np.ndarray, lowest: float, solve, slope: float):
             cache[k] = solve(v)
         return cache[k]
 
-    best = [INF, None]
+    best = [above, None]
 
     def consider(k: int) -> None:
         s_val, used, runs = at(k)
@@ -364,10 +395,10 @@ def _step_min(values: np.ndarray, lowest: float, solve, slope: float):
         hi = min(hi, int(np.searchsorted(cand, used, side="left")))
         if hi <= lo:
             return
+        if slope * float(cand[lo]) + at(hi)[0] >= best[0]:
+            return
         consider(lo)
         if at(lo)[0] == at(hi)[0] or hi - lo <= 1:
-            return
-        if slope * float(cand[lo]) + at(hi)[0] >= best[0]:
             return
         mid = (lo + hi) // 2
         search(mid, hi)

@@ -412,3 +412,39 @@ def test_layouts_solved_ahead_change_no_plan(gpt_graph):
         plan, stats = _run(search, sharding, must_fit=True)
         plans.append((plan.to_dict(), stats.counts()))
     assert plans[0] == plans[1]
+
+
+def test_stage_dp_cutoff_changes_no_plan(deep_graph, monkeypatch):
+    """The stage DP stops at the cutoff of the plans the search still needs (search._Needed): the same plan,
+    runners-up and notes as solving every evaluated candidate to its optimum, with fewer solved exactly; and
+    the DP itself returns its optimum under a cutoff above it and ABOVE at or under it."""
+    from autopar.solver import search as search_module
+    from autopar.solver.plan_search import _run, _search
+    from autopar.solver.stages import ABOVE, partition, run_tables, step_of
+
+    def planned(spec: str, gbs: int):
+        search, sharding = _search(deep_graph, Cluster.from_spec(spec), gbs, None, None, None, None, False,
+                                   None, 10_000, None)
+        plan, stats = _run(search, sharding, must_fit=True)
+        data = plan.to_dict()
+        data["extra"].pop("search")
+        return data, stats.evaluated, search
+
+    for spec, gbs in (("2x4xA100-80GB", 16), ("4x4xA100-80GB", 32)):
+        cut, cut_evaluated, search = planned(spec, gbs)
+        with monkeypatch.context() as m:
+            m.setattr(search_module._Needed, "cutoff", lambda self, c, band: float("inf"))
+            full, full_evaluated, _ = planned(spec, gbs)
+        assert cut == full and len(cut["alternatives"]) == 5
+        assert cut_evaluated < full_evaluated, (spec, cut_evaluated, full_evaluated)
+    c = next(c for c in search._usable() if c.pp == 4 and not search._even_split(c) and not search._dominated(c))
+    cfg, m = search._config(c), c.micro_batches(32)   # the 4x4 search of 32 samples
+    tables = run_tables(search.estimator(c.variant), cfg, m, search.modes_of(c))
+    memory = search.cluster.device.memory
+    best = partition(tables, cfg, m, memory)
+    runs = [(ch[0], ch[-1], tables.modes.index(mode)) for ch, mode in zip(best.chunks, best.modes)]
+    optimum = step_of(tables, runs, m, cfg)
+    assert partition(tables, cfg, m, memory, optimum * 1.01) == best
+    assert partition(tables, cfg, m, memory, optimum) == best   # the cutoff keeps a margin for float noise
+    assert partition(tables, cfg, m, memory, optimum * (1 - 1e-5)) is ABOVE
+    assert partition(tables, cfg, m, memory, optimum / 2) is ABOVE
