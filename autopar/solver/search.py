@@ -10,9 +10,9 @@ bound; each is solved exactly by the stage DP (stages.py), or on Megatron's even
 found (every remaining candidate is pruned by the bound). A candidate's stage DP stops as soon as its
 floor shows it slower than every plan the search can still return or show (``_Needed``: the tie band
 of the fastest, the six fastest configurations, the fastest of each kind the runners-up name); such a
-candidate counts as pruned by the bound, and the plan and its runners-up are the same as without it. A bound is tightened in steps as its
-candidate reaches the queue's head: by the memory its activations force, then, for an even split,
-device by device.
+candidate counts as pruned by the bound, and the plan and its runners-up are the same as without it.
+A bound is tightened in steps as its candidate reaches the queue's head: by the memory its
+activations force, then, for an even split, device by device.
 
 The search returns the simplest plan within ``tie_tolerance`` of the fastest (choice.py): once the
 fastest is found, the candidates whose bound lies within the tolerance of it are evaluated too when
@@ -268,7 +268,7 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
         """The best plan of this candidate (partition and recompute solved), or, when nothing
         fits, the least peak memory per device it could reach (bytes; infinite when an offloading
         candidate's states overflow host memory), or None when a partition fits but none is faster
-        than ``cutoff`` (seconds: the search needs no plan that slow, :meth:`_cutoff`)."""
+        than ``cutoff`` (seconds: the search needs no plan that slow, :meth:`_Needed.cutoff`)."""
         result = self._evaluate(c, cutoff)
         if c.offload and self.must_fit and isinstance(result, Plan) and not result.fits:
             return math.inf   # device memory fits (the partition saw to it): the host's does not
