@@ -24,6 +24,8 @@ own (a failure in one is printed with its traceback and the others still run):
    model's own steps on the GPU (1e-4).
 
 Run: python3 bench/cuda_check.py [--out DIR] [--parts 1,4,2,3] [--cpu-dry-run]
+(or, with no GPU, ``--reprice bench/results/cuda_check_h200.json``: part 3's measured steps against today's
+cost model)
 Writes DIR/cuda_check.json (default bench/results/).
 """
 
@@ -255,6 +257,31 @@ def part_standalone() -> dict:
     return {"ours": got, "own": ref, "worst_rel": worst, "ok": len(got) == 2 and worst <= 1e-4}
 
 
+def reprice(path: str) -> int:
+    """Part 3's measured steps in a results file against today's cost model (no GPU: ``autopar.estimate``
+    on the meta model, as part 3 prices it), of the file's last run that measured them (earlier runs
+    measured earlier programs)."""
+    import autopar
+    from autopar import Cluster, Precision
+    runs = json.loads(Path(path).read_text())["runs"]
+    precision = Precision(compute="bf16", grads="bf16", master_weights=False)
+    meta, example = llama(BIG, 1, torch.bfloat16, "meta")
+    for run, data in [[r, d] for r, d in runs.items() if d.get("closed_loop", {}).get("rows")][-1:]:
+        rows = data["closed_loop"]["rows"]
+        cluster = Cluster.from_spec(f"1x1x{data['preset']}")
+        print(f"{run}: {data['device']}, priced on the {data['preset']} preset today")
+        for mb, recompute, compiled in ROWS:
+            name = f"micro-batch {mb}, recompute {recompute}" + (", compile=True" if compiled else "")
+            if "measured_s" not in rows.get(name, {}):
+                continue
+            cfg = autopar.ParallelConfig(**dict(BASE, micro_batch_size=mb, recompute=recompute))
+            priced = dataclasses.replace(precision, kernels="compiled" if compiled else "eager")
+            step = autopar.estimate(meta, cluster, example, cfg, global_batch_size=BIG_BATCH, precision=priced).step_time
+            measured = rows[name]["measured_s"]
+            print(f"  {name:<42} measured {measured:.4f} s  predicted {step:.4f} s  {100 * (step / measured - 1):+.1f}%")
+    return 0
+
+
 PARTS = {"1": ("correctness", part_correctness), "2": ("host_overhead", part_host_overhead),
          "3": ("closed_loop", part_closed_loop), "4": ("standalone", part_standalone)}
 
@@ -266,7 +293,11 @@ def main() -> int:
     parser.add_argument("--rows", choices=("all", "eager", "compiled"), default="all",
                         help="part 3's rows: all, or only the eager / compiled programs")
     parser.add_argument("--cpu-dry-run", action="store_true", help="run the script on CPU (gloo, small shapes)")
+    parser.add_argument("--reprice", metavar="JSON", help="no GPU: part 3's measured steps in this results file "
+                                                            "against today's cost model")
     args = parser.parse_args()
+    if args.reprice:
+        return reprice(args.reprice)
     global DEVICE, ROW_FILTER
     ROW_FILTER = args.rows
     if args.cpu_dry_run:
