@@ -12,6 +12,7 @@ prices and the plan's ``sharding`` records.
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import multiprocessing
 import threading
@@ -161,7 +162,11 @@ class ShardingSolver:
         """The second process: each key's solutions (or its failure), the counts it added and the ILP models it
         solved (ilp_solvers' memory, so that this process answers them again without solving), sent in order.
         It closes its copy of the pipe's reading end, so that a send after this process died (killed, where
-        no exit handler ends its daemonic children) fails and it stops instead of waiting forever."""
+        no exit handler ends its daemonic children) fails and it stops instead of waiting forever. It never
+        collects what it inherited (gc.freeze): garbage of the caller's, a process group of an earlier
+        program among it, would run its destructor here, where the threads it joins do not exist (a gloo
+        process group's waited forever on a condition variable, hanging the search that waited for it)."""
+        gc.freeze()
         receiver.close()
         known = set(ilp_solvers.solved_models())
         for key in keys:
