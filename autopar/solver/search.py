@@ -344,17 +344,16 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
                                    else math.inf)
             result = self.evaluate(c, cutoff)
             self.settled.done[index] = True
-            if result is None:   # a plan fits, slower than any the search can return or show: pruned by the bound
-                bar.update(self.settled.count(fastest[0].step_time if fastest else math.inf) - bar.n)
-                return None
-            self.stats.evaluated += 1
-            seen.append((lb_t, c, result))
-            if not isinstance(result, Plan):
-                self.stats.infeasible += 1
-            else:
-                needed.add(result)
-                if not fastest or result.step_time < fastest[0].step_time:
-                    fastest[:] = [result]
+            # None: a plan fits, slower than any the search can return or show (counted as pruned by the bound)
+            if result is not None:
+                self.stats.evaluated += 1
+                seen.append((lb_t, c, result))
+                if not isinstance(result, Plan):
+                    self.stats.infeasible += 1
+                else:
+                    needed.add(result)
+                    if not fastest or result.step_time < fastest[0].step_time:
+                        fastest[:] = [result]
             bar.update(self.settled.count(fastest[0].step_time if fastest else math.inf) - bar.n)
             return result
 
