@@ -167,24 +167,34 @@ def median_step(step, warmup: int = 2, steps: int = 5) -> float:
     return statistics.median(times)
 
 
-def part_closed_loop() -> dict:
+def priced_rows(cluster):
+    """Part 3's rows on ``cluster``: (row name, compiled, a call that prices it with ``autopar.estimate`` on
+    the meta model) each."""
     import autopar
-    from autopar import Cluster, Precision
-    cluster = Cluster.from_spec(f"1x1x{preset()}")
+    from autopar import Precision
     precision = Precision(compute="bf16", grads="bf16", master_weights=False)
     meta, example = llama(BIG, 1, torch.bfloat16, "meta")
+    for mb, recompute, compiled in ROWS:
+        name = f"micro-batch {mb}, recompute {recompute}" + (", compile=True" if compiled else "")
+        cfg = autopar.ParallelConfig(**dict(BASE, micro_batch_size=mb, recompute=recompute))
+        priced = dataclasses.replace(precision, kernels="compiled" if compiled else "eager")
+        yield name, compiled, lambda cfg=cfg, priced=priced: autopar.estimate(
+            meta, cluster, example, cfg, global_batch_size=BIG_BATCH, precision=priced)
+
+
+def part_closed_loop() -> dict:
+    import autopar
+    from autopar import Cluster
+    cluster = Cluster.from_spec(f"1x1x{preset()}")
     g = torch.Generator().manual_seed(1)
     x = {k: torch.randint(0, BIG["vocab"], (BIG_BATCH, BIG["seq_len"]), generator=g).to(DEVICE)
          for k in ("input_ids", "labels")}
     rows = {}
-    for mb, recompute, compiled in ROWS:
+    for name, compiled, estimate in priced_rows(cluster):
         if ROW_FILTER not in ("all", "compiled" if compiled else "eager"):
             continue
-        name = f"micro-batch {mb}, recompute {recompute}" + (", compile=True" if compiled else "")
-        cfg = autopar.ParallelConfig(**dict(BASE, micro_batch_size=mb, recompute=recompute))
-        priced = dataclasses.replace(precision, kernels="compiled" if compiled else "eager")
         try:
-            plan = autopar.estimate(meta, cluster, example, cfg, global_batch_size=BIG_BATCH, precision=priced)
+            plan = estimate()
             program = autopar.parallelize(llama(BIG, 1, torch.bfloat16, "meta")[0], plan,
                                           lambda ps: torch.optim.AdamW(ps, lr=1e-5), compile=compiled)
             measured = median_step(lambda: program.train_step(x))
@@ -261,22 +271,15 @@ def reprice(path: str) -> int:
     """Part 3's measured steps in a results file against today's cost model (no GPU: ``autopar.estimate``
     on the meta model, as part 3 prices it), of the file's last run that measured them (earlier runs
     measured earlier programs)."""
-    import autopar
-    from autopar import Cluster, Precision
+    from autopar import Cluster
     runs = json.loads(Path(path).read_text())["runs"]
-    precision = Precision(compute="bf16", grads="bf16", master_weights=False)
-    meta, example = llama(BIG, 1, torch.bfloat16, "meta")
     for run, data in [[r, d] for r, d in runs.items() if d.get("closed_loop", {}).get("rows")][-1:]:
         rows = data["closed_loop"]["rows"]
-        cluster = Cluster.from_spec(f"1x1x{data['preset']}")
         print(f"{run}: {data['device']}, priced on the {data['preset']} preset today")
-        for mb, recompute, compiled in ROWS:
-            name = f"micro-batch {mb}, recompute {recompute}" + (", compile=True" if compiled else "")
+        for name, _, estimate in priced_rows(Cluster.from_spec(f"1x1x{data['preset']}")):
             if "measured_s" not in rows.get(name, {}):
                 continue
-            cfg = autopar.ParallelConfig(**dict(BASE, micro_batch_size=mb, recompute=recompute))
-            priced = dataclasses.replace(precision, kernels="compiled" if compiled else "eager")
-            step = autopar.estimate(meta, cluster, example, cfg, global_batch_size=BIG_BATCH, precision=priced).step_time
+            step = estimate().step_time
             measured = rows[name]["measured_s"]
             print(f"  {name:<42} measured {measured:.4f} s  predicted {step:.4f} s  {100 * (step / measured - 1):+.1f}%")
     return 0
