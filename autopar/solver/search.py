@@ -310,9 +310,14 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
         t0 = time.perf_counter()
         deadline = None if self.time_limit is None else t0 + self.time_limit
         ahead = self.layouts_ahead
-        if ahead is not None:   # the layouts the bounds will ask for, in the order they will
-            degrees = sorted({b.tp for b in self._branches()} - {1})
-            ahead.prefetch([(tp, variant) for tp in degrees for variant in self._base_variants])
+        if ahead is not None:   # the layouts the bounds will ask for, in the order they will: each degree's, with
+            # its whole-batch ones where a micro-batch does not divide by it (asked for where the base layout
+            # splits the batch, _variant; solved here while the search waited for them otherwise)
+            meshes = {(b.tp, b.micro_batch_size % b.tp != 0) for b in self._branches() if b.tp > 1}
+            degrees = sorted({tp for tp, _ in meshes})
+            ahead.prefetch([(tp, variant + suffix) for tp in degrees
+                            for suffix in ("", WHOLE_BATCH) if not suffix or (tp, True) in meshes
+                            for variant in self._base_variants])
         try:
             return self._run(t0, deadline)
         finally:
@@ -323,8 +328,7 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
         """:meth:`run` once the layouts are on their way."""
         with _cycles_uncollected():
             queue = self._queue(deadline)
-            self.settled = Settled.of(queue)
-            total = len(queue)
+            total = self.settled.total
             with counter("autopar: searching", total=total, unit="candidates", enabled=self.progress) as bar:
                 best, best_c, seen = self._search(queue, deadline, bar)
                 bar.update(total - bar.n)   # the rest are pruned by the bound
@@ -406,10 +410,7 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
     def _plain(self, queue: list, seen: Seen, evaluate: Callable[[float, int, Candidate], Any],
                deadline: float | None) -> None:
         """Evaluate the zero=0 candidates in bound order up to the fastest zero=0 plan (a runner-up)."""
-        plain = [e for e in queue if e[1].zero == 0]
-        queue[:] = [e for e in queue if e[1].zero != 0]
-        heapq.heapify(queue)
-        heapq.heapify(plain)
+        plain, queue[:] = self._split(queue, lambda zero: zero == 0)
 
         def best_plain() -> float:
             return min((r.step_time for _, _, r in seen if isinstance(r, Plan) and r.config.zero == 0),

@@ -131,7 +131,8 @@ class ShardingSolver:
 
     def prefetch(self, keys: Sequence[tuple[int, str]]) -> None:
         """Solve the layouts of ``keys`` ((tp, variant) pairs, tp > 1), in order, in a second process (those
-        solved are skipped); :meth:`stop_prefetch` ends it."""
+        solved are skipped, and a whole-batch one whose base layout does not split the batch, :meth:`_wanted`);
+        :meth:`stop_prefetch` ends it."""
         for tp, variant in keys:
             _check(tp, variant)
         self.stop_prefetch()
@@ -171,7 +172,9 @@ class ShardingSolver:
         known = set(ilp_solvers.solved_models())
         for key in keys:
             before = (self.seconds, self.solves, self.stopped_early, self.greedy_after_deadline, len(self.fallbacks))
-            found = self._attempt(key)
+            found = self._attempt(key) if self._wanted(key) else None
+            if found is not None:
+                self._keep(key, found)   # what a whole-batch key asks of its base layout (_wanted)
             models = {k: v for k, v in ilp_solvers.solved_models().items() if k not in known}
             known.update(models)
             added = (self.seconds - before[0], self.solves - before[1], self.stopped_early - before[2],
@@ -184,6 +187,17 @@ class ShardingSolver:
                 sender.send((key, RuntimeError(f"solving the tp={key[0]} {key[1]!r} layout failed: {found!r} "
                                                f"(not sent back: {exc})"), added))
         sender.close()
+
+    def _wanted(self, key: tuple[int, str]) -> bool:
+        """Whether the second process solves ``key``: a whole-batch layout only where its base layout, solved
+        before it, splits the batch (the search asks for it there alone, Search._variant)."""
+        tp, variant = key
+        if not variant.endswith(WHOLE_BATCH):
+            return True
+        try:
+            return self.splits_batch(tp, variant.removesuffix(WHOLE_BATCH))
+        except Exception:   # noqa: BLE001 - the base layout failed: the search raises that one where it asks
+            return False
 
     def _receive(self, until: tuple[int, str] | None = None) -> None:
         """Take what the second process has sent (and, with ``until``, wait for that key's)."""
@@ -198,7 +212,8 @@ class ShardingSolver:
         for key, (found, (seconds, solves, stopped, greedy, fallbacks, models)) in received.items():
             ilp_solvers.remember(models)
             ahead.pending.discard(key)
-            self._keep(key, found)
+            if found is not None:   # None: not wanted (_wanted); solved here if ever asked for
+                self._keep(key, found)
             self.seconds += seconds
             self.solves += solves
             self.stopped_early += stopped
