@@ -252,13 +252,17 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
         return schedule != "gpipe" or "schedule" in self.fixed
 
     def _facts(self, variant: str, tp: int) -> tuple[bool, bool]:
-        """Per (variant, tp), computed once: (a later variant whose layout equals an earlier one's,
-        which adds nothing; the layout splits the batch, so micro-batches must divide by tp)."""
+        """Per (variant, tp), computed once: (a later variant whose layout equals the one an earlier variant
+        runs on the same micro-batches (:meth:`_variant`: a whole-batch one's, those tp does not divide), which
+        adds nothing; the layout splits the batch, so micro-batches must divide by tp)."""
         key = (variant, tp)
         if key not in self._layout_facts:
-            variants = list(self.layouts)
+            bases = list(self._base_variants)
+            base = variant.removesuffix(WHOLE_BATCH)
+            uneven = 1 if variant != base else tp    # a micro-batch size this variant runs
             mine = self.estimator(variant).layers.layout(tp)
-            duplicate = any(self.estimator(v).layers.layout(tp) == mine for v in variants[:variants.index(variant)])
+            duplicate = any(self.estimator(self._variant(v, tp, uneven)).layers.layout(tp) == mine
+                            for v in bases[:bases.index(base)])
             splits = self.splits_batch is not None and self.splits_batch(tp, variant)
             self._layout_facts[key] = (duplicate, splits)
         return self._layout_facts[key]

@@ -21,7 +21,7 @@ from autopar.cost_model.layer_cost import LayerCostModel
 from autopar.cost_model.tensor_parallel import Work, megatron_layout, replicated_layout
 from autopar.errors import AutoparError, ConfigError
 from autopar.models import GPTConfig, LlamaConfig, build_gpt, build_llama, registry
-from autopar.solver.sharding import solve_group
+from autopar.solver.sharding import WHOLE_BATCH, solve_group
 from autopar.solver.sharding_layout import evaluate_layout
 from autopar.solver.sharding_solver import ShardingSolver, tp_group
 from autopar.solver.sharding_problem import reshard_comms
@@ -342,6 +342,32 @@ def test_layouts_solved_ahead_are_the_same_each_solved_once(gpt, monkeypatch):
     boom.prefetch([(2, "fast")])
     with pytest.raises(ConfigError, match="no layout for tp=2"):
         boom.solutions(2, "fast")
+
+
+def test_whole_batch_layouts_solved_ahead_where_the_base_splits_the_batch(gpt, monkeypatch):
+    """A whole-batch layout asked of the second process is solved there only where its base layout splits the
+    batch (the search asks for it there alone); one it passed over is solved here if ever asked for, and each
+    equals the layout solved in this process."""
+    graph, inline = gpt
+    here = []
+    real = ShardingSolver._solve_all
+
+    def counted(self, tp, variant):
+        here.append((tp, variant))
+        return real(self, tp, variant)
+    monkeypatch.setattr(ShardingSolver, "_solve_all", counted)
+    ahead = ShardingSolver(graph, Cluster.from_spec(A100x8), Precision())
+    keys = [(4, v + suffix) for suffix in ("", WHOLE_BATCH) for v in ("fast", "lean")]
+    ahead.prefetch(keys)
+    splits = {v: ahead.splits_batch(4, v) for v in ("fast", "lean")}   # waits for the base layouts
+    assert splits == {"fast": False, "lean": True} and here == []
+    solved_there = ahead.layout(4, "lean" + WHOLE_BATCH)
+    assert here == [] and solved_there == inline.layout(4, "lean" + WHOLE_BATCH)
+    ahead.stop_prefetch()
+    here.clear()
+    passed_over = ahead.layout(4, "fast" + WHOLE_BATCH)
+    assert here == [(4, "fast" + WHOLE_BATCH)]   # passed over there, solved here when asked for
+    assert passed_over == inline.layout(4, "fast" + WHOLE_BATCH)
 
 
 _KILLED_PARENT = """
