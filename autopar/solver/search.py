@@ -3,8 +3,9 @@ r"""The outer search: the fastest configuration that fits, by best-first branch 
 Every candidate ``c`` of the space (space.py) gets a lower bound on its step time and on its memory
 from per-layer costs alone (bounds.py, where the maths is), a branch at a time (space.Branch: the
 candidates of one mesh and micro-batch, whose schedules, ZeRO stages, sequence parallelism and layout
-variants share their layers' costs); the queue (bounded_queue.py) holds each one's sort key, and its Candidate is made
-when the search reaches it. Those not pruned by memory or dominated are visited in increasing
+variants share their layers' costs); the queue (bounded_queue.py) holds them as groups of one branch,
+sequence-parallel choice and variant, each ordered as its least member and opened into one sort key per
+candidate when it reaches the head, and a Candidate is made when the search reaches it. Those not pruned by memory or dominated are visited in increasing
 bound; each is solved exactly by the stage DP (stages.py), or on Megatron's even split
 (even_split.py), and estimated; the search stops when the next bound reaches the best step time
 found (every remaining candidate is pruned by the bound). A candidate's stage DP stops as soon as its
