@@ -262,7 +262,7 @@ def collective_time(kind: Collective, nbytes: float, group: GroupPlacement, clus
     uses the inter-node link when the group spans several nodes (a pipeline runs at
     its slowest hop), the intra-node link otherwise.
     """
-    kind = Collective(kind)
+    kind = kind if isinstance(kind, Collective) else Collective(kind)   # an Enum lookup by value is slow
     _check(nbytes, group, cluster)
     if nbytes == 0:
         return 0.0
@@ -277,7 +277,7 @@ def collective_lines(kind: Collective, group: GroupPlacement, cluster: Cluster) 
     """``(alpha, beta)`` of every way ``kind`` may run over ``group`` (protocol x algorithm): one call of
     ``S > 0`` bytes takes ``min(alpha + beta * S)`` seconds, the form vectorised code (data-parallel
     buckets and ZeRO gathers in the stage partition DP) evaluates on arrays. Not for p2p."""
-    kind = Collective(kind)
+    kind = kind if isinstance(kind, Collective) else Collective(kind)
     # kept per (kind, group, cluster object): a plan's search prices the same few groups tens of thousands
     # of times (0.8 of the 2.0 s that building a tiny Llama's sharding ILPs for 32 A100s took, measured).
     # Keyed on the cluster's identity, not its value:
