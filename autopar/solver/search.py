@@ -5,10 +5,10 @@ from per-layer costs alone (bounds.py, where the maths is), a branch at a time (
 candidates of one mesh and micro-batch, whose schedules, ZeRO stages, sequence parallelism and layout
 variants share their layers' costs); the queue (bounded_queue.py) holds them as groups of one branch,
 sequence-parallel choice and variant, each ordered as its least member and opened into one sort key per
-candidate when it reaches the head, and a Candidate is made when the search reaches it. Those not pruned by memory or dominated are visited in increasing
-bound; each is solved exactly by the stage DP (stages.py), or on Megatron's even split
-(even_split.py), and estimated; the search stops when the next bound reaches the best step time
-found (every remaining candidate is pruned by the bound). A candidate's stage DP stops as soon as its
+candidate when it reaches the head, and a Candidate is made when the search reaches it. Those not pruned
+by memory or dominated are visited in increasing bound; each is solved exactly by the stage DP
+(stages.py), or on Megatron's even split (even_split.py), and estimated; the search stops when the next
+bound reaches the best step time found (every remaining candidate is pruned by the bound). A candidate's stage DP stops as soon as its
 floor shows it slower than every plan the search can still return or show (``_Needed``: the tie band
 of the fastest, the six fastest configurations, the fastest of each kind the runners-up name); such a
 candidate counts as pruned by the bound, and the plan and its runners-up are the same as without it.
