@@ -10,7 +10,7 @@ costs (SearchBounds.leaf_bounds); while a second process solves the sharding lay
 the branches whose layouts are there go first. The candidates of one branch, sequence-parallel choice and
 layout variant that fit enter the heap as one *group* entry (``pending`` "group"), ordered as the least of
 them (its bound and key), and their own entries are made when it reaches the head: a search that settles
-most of the space by its first plans (HF GPT-2 175B on 1,024 GPUs: 762 of 17,710 groups reach the head,
+most of the space by its first plans (HF GPT-2 175B on 1,024 GPUs: 758 of 17,706 groups reach the head,
 where there are 174,769 candidates) makes and orders an entry per group, not per candidate, and visits the
 candidates in the same order as a heap of all of them (the group's entry sorts as its least member would,
 and the rest follow it).
