@@ -242,6 +242,14 @@ def _rank_nic_bandwidth(group: GroupPlacement, cluster: Cluster, kind: Collectiv
     return min(inter.bandwidth * sharing, intra.bandwidth) * inter.efficiency
 
 
+def _collective(kind: Collective | str) -> Collective:
+    """``kind`` as a Collective: by a dict of the values (Collective(value), an Enum lookup by value, was 0.5 s
+    of building HF Llama 405B's sharding ILPs); an unknown value raises as Collective(value) does."""
+    if isinstance(kind, Collective):
+        return kind
+    return (_BY_VALUE.get(kind) if isinstance(kind, str) else None) or Collective(kind)
+
+
 def _check(nbytes: float, group: GroupPlacement, cluster: Cluster) -> None:
     if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not math.isfinite(nbytes) \
             or nbytes < 0:
@@ -262,22 +270,31 @@ def collective_time(kind: Collective, nbytes: float, group: GroupPlacement, clus
     uses the inter-node link when the group spans several nodes (a pipeline runs at
     its slowest hop), the intra-node link otherwise.
     """
-    kind = kind if isinstance(kind, Collective) else Collective(kind)   # an Enum lookup by value is slow
+    kind = _collective(kind)
     _check(nbytes, group, cluster)
-    if nbytes == 0:
-        return 0.0
-    if kind is Collective.P2P:
-        return p2p_time(nbytes, cluster, across_nodes=group.nodes > 1)
-    if group.size == 1:
-        return 0.0
-    return min(alpha + beta * nbytes for alpha, beta in collective_lines(kind, group, cluster))
+    # kept per (kind, bytes, group, cluster object), as collective_lines: a search asks for a few hundred
+    # distinct times tens of thousands of times (HF GPT-2 175B's: 714 in 36,210 calls)
+    key = (kind, nbytes, group, id(cluster))
+    hit = _TIMES.get(key)
+    if hit is not None and hit[0] is cluster:
+        return hit[1]
+    if nbytes == 0 or (kind is not Collective.P2P and group.size == 1):
+        t = 0.0
+    elif kind is Collective.P2P:
+        t = p2p_time(nbytes, cluster, across_nodes=group.nodes > 1)
+    else:
+        t = min(alpha + beta * nbytes for alpha, beta in collective_lines(kind, group, cluster))
+    if len(_TIMES) >= _TIMES_KEPT:
+        _TIMES.clear()
+    _TIMES[key] = (cluster, t)
+    return t
 
 
 def collective_lines(kind: Collective, group: GroupPlacement, cluster: Cluster) -> tuple[tuple[float, float], ...]:
     """``(alpha, beta)`` of every way ``kind`` may run over ``group`` (protocol x algorithm): one call of
     ``S > 0`` bytes takes ``min(alpha + beta * S)`` seconds, the form vectorised code (data-parallel
     buckets and ZeRO gathers in the stage partition DP) evaluates on arrays. Not for p2p."""
-    kind = kind if isinstance(kind, Collective) else Collective(kind)
+    kind = _collective(kind)
     # kept per (kind, group, cluster object): a plan's search prices the same few groups tens of thousands
     # of times (0.8 of the 2.0 s that building a tiny Llama's sharding ILPs for 32 A100s took, measured).
     # Keyed on the cluster's identity, not its value:
@@ -296,6 +313,9 @@ def collective_lines(kind: Collective, group: GroupPlacement, cluster: Cluster) 
 
 _LINES: dict[tuple, tuple] = {}
 _LINES_KEPT = 4096
+_TIMES: dict[tuple, tuple] = {}     # collective_time's
+_TIMES_KEPT = 65536
+_BY_VALUE = {c.value: c for c in Collective}
 
 
 def _lines(kind: Collective, group: GroupPlacement, cluster: Cluster) -> tuple[tuple[float, float], ...]:

@@ -148,7 +148,6 @@ class LayerCostModel:
     _comms: dict[tuple, tuple] = field(default_factory=dict)   # _layer_comms, by (layer, tp, sp)
     _op_times: dict[tuple, OpTime] = field(default_factory=dict)   # the graph's op times, by (node, scale, shard, dim)
     _layer_flops: dict[tuple, tuple] = field(default_factory=dict)   # _flops, by (layer, scale)
-    _collectives: dict[tuple, float] = field(default_factory=dict)   # _collective, by (kind, bytes, group)
     expert_load_cv: float = expert_parallel.DEFAULT_LOAD_CV   # spread of the experts' shares of the rows
 
     def __post_init__(self) -> None:
@@ -249,7 +248,7 @@ class LayerCostModel:
         tp_fwd, tp_bwd, tp_rerun = self._tp_comm(layer, layout, scale, tp_group, sp)
         syncs = self._amax_syncs(layer, tp, sp)
         if syncs:   # tensor-wise fp8 scales of sharded operands: one scalar all-reduce each (low_precision.py)
-            t = syncs * self._collective(Collective.ALL_REDUCE, 4.0, tp_group) / 2
+            t = syncs * collective_time(Collective.ALL_REDUCE, 4.0, tp_group, self.cluster) / 2
             tp_fwd, tp_bwd, tp_rerun = tp_fwd + t, tp_bwd + t, tp_rerun + t
         ep_fwd = ep_bwd = 0.0
         if split.ep > 1:
@@ -304,7 +303,7 @@ class LayerCostModel:
         for comm in self._layer_comms(layer, layout, sp):
             nbytes = comm.numel * per * (scale if comm.batch_dependent else 1.0)
             kind = _COLLECTIVES[comm.kind]
-            t = self._collective(kind, nbytes, group)
+            t = collective_time(kind, nbytes, group, self.cluster)
             if comm.phase == "fwd":
                 fwd += t
                 rerun += t if kind is not Collective.REDUCE_SCATTER else 0.0
@@ -313,15 +312,6 @@ class LayerCostModel:
             else:
                 bwd += t
         return fwd, bwd, rerun
-
-    def _collective(self, kind: Collective, nbytes: float, group: GroupPlacement) -> float:
-        """comm.collective_time on this cluster, cached (a search asks for a few hundred distinct ones tens
-        of thousands of times)."""
-        key = (kind, nbytes, group)
-        t = self._collectives.get(key)
-        if t is None:
-            t = self._collectives[key] = collective_time(kind, nbytes, group, self.cluster)
-        return t
 
     def _node_facts(self, layer: Layer, tp: int, sp: bool) -> tuple[tuple[OpNode, int, str, bool], ...]:
         """(node, compute shard, split GEMM dim, kept by recompute "op") of each node of ``layer`` under

@@ -211,17 +211,15 @@ class BoundedQueue:
             if entry[3] != "group":
                 (yes if holds(entry[1].zero) else no).append(entry)
                 continue
-            first, rest = entry[-1].split(holds)
-            index = entry[2]
-            for part, out in ((first, yes), (rest, no)):
-                if part is None:
-                    continue
-                if index is None:
-                    index = self.settled.add(part.leaves[0][0], len(part.leaves))
+            parts = [(part, out) for part, out in zip(entry[-1].split(holds), (yes, no)) if part is not None]
+            for k, (part, out) in enumerate(parts):
+                bound, weight = part.leaves[0][0], len(part.leaves)
+                if k == 0:
+                    index = entry[2]
+                    self.settled.bound[index], self.settled.weight[index] = bound, weight
                 else:
-                    self.settled.bound[index], self.settled.weight[index] = part.leaves[0][0], len(part.leaves)
+                    index = self.settled.add(bound, weight)
                 out.append(part.entry(index))
-                index = None
         heapq.heapify(yes)
         heapq.heapify(no)
         return yes, no

@@ -260,9 +260,9 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
         if key not in self._layout_facts:
             bases = list(self._base_variants)
             base = variant.removesuffix(WHOLE_BATCH)
-            uneven = 1 if variant != base else tp    # a micro-batch size this variant runs
+            micro_batch = 1 if variant != base else tp    # a micro-batch size this variant runs
             mine = self.estimator(variant).layers.layout(tp)
-            duplicate = any(self.estimator(self._variant(v, tp, uneven)).layers.layout(tp) == mine
+            duplicate = any(self.estimator(self._variant(v, tp, micro_batch)).layers.layout(tp) == mine
                             for v in bases[:bases.index(base)])
             splits = self.splits_batch is not None and self.splits_batch(tp, variant)
             self._layout_facts[key] = (duplicate, splits)

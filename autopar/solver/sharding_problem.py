@@ -76,7 +76,6 @@ class Pricing:
     fused: frozenset[str]
     model: ComputeModel = field(init=False)
     owner: Mapping[str, int] = field(init=False)    # memory.saved_owner of the graph
-    _collectives: dict[tuple[str, float], float] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         # Priced per sample (``scale``): a GEMM of one sample is a tile or two, where tile and wave
@@ -94,10 +93,7 @@ class Pricing:
     def comm(self, c: Comm) -> float:
         """Seconds one micro-batch spends on ``c`` (forward and backward), as layer_cost prices it."""
         nbytes = c.numel * self.precision.activation_bytes * (self.scale if c.batch_dependent else 1.0)
-        t = self._collectives.get((c.kind, nbytes))   # the same few priced for every strategy pair (cached)
-        if t is None:
-            t = self._collectives[(c.kind, nbytes)] = collective_time(Collective(c.kind), nbytes, self.group,
-                                                                      self.cluster)
+        t = collective_time(c.kind, nbytes, self.group, self.cluster)
         return 2 * t if (c.phase == "fwd" and c.kind in _SELF_TRANSPOSED) else t
 
     def step(self, numel: int, bwd: float) -> float:
