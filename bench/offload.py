@@ -3,7 +3,8 @@
 1. **The CPU step** (cost_model/offload.py: ``28 bytes per parameter / the host's streaming bandwidth``), on
    this machine's CPU: a 64 M-parameter fp32 AdamW step (torch.optim.AdamW, fused, as the model prices it;
    the default tensor-by-tensor loop beside it) against 28 bytes per parameter over the bandwidth of STREAM's
-   Triad measured alike. Target: the fused step within 25% of the model.
+   Triad measured alike (its bytes counted as they move: with write-allocate, 16 an element). Target: the fused
+   step within 25% of the model.
 2. **Plans that fit only offloaded**: Llama 3 8B on one H100 and Llama 3 70B on 8 H100 (sequence 8192, one
    sequence per micro-batch, 16 sequences a step): ZeRO-3's states (16 bytes per parameter) outgrow the GPU
    (128 GB and 140 GB per device), so without offload nothing fits; the search, free to offload, finds a plan
@@ -45,8 +46,11 @@ def cpu_step() -> bool:
     torch.manual_seed(0)
     a, b, c = torch.randn(PARAMS), torch.randn(PARAMS), torch.empty(PARAMS)
     # STREAM's Triad (c = b + s a: two reads and a write per element), the streaming rate HOST_STREAM_EFFICIENCY
-    # takes of a server's channels
-    stream = 3 * PARAMS * 4 / _best(lambda: torch.add(b, a, alpha=2.0, out=c))
+    # takes of a server's channels. Its bytes as they move here: torch writes ``c`` with ordinary stores, so each
+    # line of ``c`` is read before it is written (write-allocate), 16 bytes an element where STREAM counts 12
+    # (servers' published Triad figures are mostly taken with non-temporal stores, which move what they
+    # count); the AdamW step updates its arrays in place, and its 28 bytes are what it moves
+    stream = 4 * PARAMS * 4 / _best(lambda: torch.add(b, a, alpha=2.0, out=c))
     predicted = CPU_ADAM_BYTES / stream
     print(f"Triad {stream / 1e9:.1f} GB/s ({torch.get_num_threads()} threads): the model's AdamW step "
           f"{predicted * 1e9:.2f} ns/parameter")
