@@ -130,6 +130,20 @@ class Collective(str, enum.Enum):
     BROADCAST = "broadcast"
     P2P = "p2p"
 
+    @classmethod
+    def of(cls, kind: "Collective | str") -> "Collective":
+        """``kind`` as a Collective, by a dict of the values (``Collective(value)``, an Enum lookup by value,
+        was 0.5 s of building HF Llama 405B's sharding ILPs); an unknown value raises as ``Collective(value)``."""
+        if isinstance(kind, Collective):
+            return kind
+        return (_BY_VALUE.get(kind) if isinstance(kind, str) else None) or cls(kind)
+
+
+_BY_VALUE = {c.value: c for c in Collective}
+SELF_TRANSPOSED = frozenset((Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL))
+"""The collectives whose backward is the same collective's transpose, of the same volume (a gather's is a
+reduce-scatter): a forward one costs its time again in backward. A str enum: the values' strings match too."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class GroupPlacement:
@@ -242,14 +256,6 @@ def _rank_nic_bandwidth(group: GroupPlacement, cluster: Cluster, kind: Collectiv
     return min(inter.bandwidth * sharing, intra.bandwidth) * inter.efficiency
 
 
-def _collective(kind: Collective | str) -> Collective:
-    """``kind`` as a Collective: by a dict of the values (Collective(value), an Enum lookup by value, was 0.5 s
-    of building HF Llama 405B's sharding ILPs); an unknown value raises as Collective(value) does."""
-    if isinstance(kind, Collective):
-        return kind
-    return (_BY_VALUE.get(kind) if isinstance(kind, str) else None) or Collective(kind)
-
-
 def _check(nbytes: float, group: GroupPlacement, cluster: Cluster) -> None:
     if isinstance(nbytes, bool) or not isinstance(nbytes, (int, float)) or not math.isfinite(nbytes) \
             or nbytes < 0:
@@ -270,12 +276,10 @@ def collective_time(kind: Collective, nbytes: float, group: GroupPlacement, clus
     uses the inter-node link when the group spans several nodes (a pipeline runs at
     its slowest hop), the intra-node link otherwise.
     """
-    kind = _collective(kind)
+    kind = Collective.of(kind)
     _check(nbytes, group, cluster)
-    # kept per (kind, bytes, group, cluster object), as collective_lines: a search asks for a few hundred
-    # distinct times tens of thousands of times (HF GPT-2 175B's: 714 in 36,210 calls)
-    key = (kind, nbytes, group, id(cluster))
-    hit = _TIMES.get(key)
+    # a search asks for a few hundred distinct times tens of thousands of times (HF GPT-2 175B's: 714 in 36,210)
+    hit = _TIMES.get((kind, nbytes, group, id(cluster)))
     if hit is not None and hit[0] is cluster:
         return hit[1]
     if nbytes == 0 or (kind is not Collective.P2P and group.size == 1):
@@ -284,38 +288,37 @@ def collective_time(kind: Collective, nbytes: float, group: GroupPlacement, clus
         t = p2p_time(nbytes, cluster, across_nodes=group.nodes > 1)
     else:
         t = min(alpha + beta * nbytes for alpha, beta in collective_lines(kind, group, cluster))
-    if len(_TIMES) >= _TIMES_KEPT:
-        _TIMES.clear()
-    _TIMES[key] = (cluster, t)
-    return t
+    return _keep(_TIMES, _TIMES_KEPT, (kind, nbytes, group, id(cluster)), cluster, t)
 
 
 def collective_lines(kind: Collective, group: GroupPlacement, cluster: Cluster) -> tuple[tuple[float, float], ...]:
     """``(alpha, beta)`` of every way ``kind`` may run over ``group`` (protocol x algorithm): one call of
     ``S > 0`` bytes takes ``min(alpha + beta * S)`` seconds, the form vectorised code (data-parallel
     buckets and ZeRO gathers in the stage partition DP) evaluates on arrays. Not for p2p."""
-    kind = _collective(kind)
-    # kept per (kind, group, cluster object): a plan's search prices the same few groups tens of thousands
-    # of times (0.8 of the 2.0 s that building a tiny Llama's sharding ILPs for 32 A100s took, measured).
-    # Keyed on the cluster's identity, not its value:
-    # hashing a Cluster (its links' protocol tables) costs as much as the lines. Each entry holds its
-    # cluster, so no other object can take that id while the entry is there.
-    key = (kind, group, id(cluster))
-    hit = _LINES.get(key)
+    kind = Collective.of(kind)
+    # a plan's search prices the same few groups tens of thousands of times (0.8 of the 2.0 s that building a
+    # tiny Llama's sharding ILPs for 32 A100s took, measured)
+    hit = _LINES.get((kind, group, id(cluster)))
     if hit is not None and hit[0] is cluster:
         return hit[1]
-    if len(_LINES) >= _LINES_KEPT:
-        _LINES.clear()
-    lines = _lines(kind, group, cluster)
-    _LINES[key] = (cluster, lines)
-    return lines
+    return _keep(_LINES, _LINES_KEPT, (kind, group, id(cluster)), cluster, _lines(kind, group, cluster))
 
 
+# collective_lines' and collective_time's answers, keyed on the cluster's identity, not its value: hashing a
+# Cluster (its links' protocol tables) costs as much as the lines. Each entry holds its cluster, so no other
+# object can take that id while the entry is there (a lookup checks it is the same object).
 _LINES: dict[tuple, tuple] = {}
 _LINES_KEPT = 4096
-_TIMES: dict[tuple, tuple] = {}     # collective_time's
+_TIMES: dict[tuple, tuple] = {}
 _TIMES_KEPT = 65536
-_BY_VALUE = {c.value: c for c in Collective}
+
+
+def _keep(store: dict, kept: int, key: tuple, cluster: Cluster, value):
+    """``value`` kept in ``store`` under ``key`` with its cluster (emptied first when it holds ``kept``)."""
+    if len(store) >= kept:
+        store.clear()
+    store[key] = (cluster, value)
+    return value
 
 
 def _lines(kind: Collective, group: GroupPlacement, cluster: Cluster) -> tuple[tuple[float, float], ...]:
@@ -397,7 +400,7 @@ def bus_bandwidth(kind: Collective, nbytes: float, seconds: float, group_size: i
     Factors: all-reduce ``2(n-1)/n``; all-gather, reduce-scatter, all-to-all ``(n-1)/n``;
     broadcast and p2p 1. Useful to compare predictions with measured busbw tables.
     """
-    kind, n = Collective(kind), group_size
+    kind, n = Collective.of(kind), group_size
     factor = {Collective.ALL_REDUCE: 2 * (n - 1) / n, Collective.BROADCAST: 1.0,
               Collective.P2P: 1.0}.get(kind, (n - 1) / n)
     return nbytes * factor / seconds

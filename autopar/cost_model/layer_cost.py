@@ -25,7 +25,7 @@ from ..capture.opgraph import Layer, OpGraph, OpKind, OpNode
 from ..cluster import Cluster
 from ..config import Precision
 from . import context_parallel, expert_parallel
-from .comm import Collective, GroupPlacement, collective_time
+from .comm import SELF_TRANSPOSED, Collective, GroupPlacement, collective_time
 from .compute import FREE_KINDS, ComputeModel, MeasuredTimes, OpTime, fused_ops
 from .low_precision import AMAX_SYNCS, check_device, is_fp8_linear, recipe_of
 from .memory import ActivationModel, op_kept, saved_owner
@@ -63,9 +63,6 @@ class LayerCost:
         return self.fwd + self.bwd + self.recompute + self.comm
 
 
-_COLLECTIVES = {"all_reduce": Collective.ALL_REDUCE, "all_gather": Collective.ALL_GATHER,
-                "reduce_scatter": Collective.REDUCE_SCATTER, "all_to_all": Collective.ALL_TO_ALL}
-_SELF_TRANSPOSED = (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL)
 
 
 def weight_share(node: OpNode) -> float:
@@ -302,12 +299,12 @@ class LayerCostModel:
         per = self.precision.activation_bytes
         for comm in self._layer_comms(layer, layout, sp):
             nbytes = comm.numel * per * (scale if comm.batch_dependent else 1.0)
-            kind = _COLLECTIVES[comm.kind]
+            kind = Collective.of(comm.kind)
             t = collective_time(kind, nbytes, group, self.cluster)
             if comm.phase == "fwd":
                 fwd += t
                 rerun += t if kind is not Collective.REDUCE_SCATTER else 0.0
-                if kind in _SELF_TRANSPOSED:
+                if kind in SELF_TRANSPOSED:
                     bwd += t  # backward of a gather is a reduce-scatter of the same volume (and vice versa)
             else:
                 bwd += t

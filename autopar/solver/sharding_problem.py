@@ -33,7 +33,7 @@ from typing import Mapping, Sequence
 from ..capture.opgraph import OpGraph, OpNode
 from ..cluster import Cluster
 from ..config import Precision
-from ..cost_model.comm import Collective, GroupPlacement, collective_time
+from ..cost_model.comm import SELF_TRANSPOSED, Collective, GroupPlacement, collective_time
 from ..cost_model.compute import ComputeModel
 from ..cost_model.layer_cost import compute_shard, split_dim
 from ..cost_model.low_precision import recipe_of
@@ -42,7 +42,6 @@ from ..cost_model.tensor_parallel import TPLayout, Work
 from ..plan.placement import Placement, Shard
 from .strategies import Comm, OpContext, P, R, Strategy, node_strategies
 
-_SELF_TRANSPOSED = frozenset(("all_gather", "reduce_scatter", "all_to_all"))  # as layer_cost._tp_comm
 
 
 def reshard_comms(src: Placement, dst: Placement, numel: int, batch_dependent: bool, grad: bool,
@@ -94,7 +93,7 @@ class Pricing:
         """Seconds one micro-batch spends on ``c`` (forward and backward), as layer_cost prices it."""
         nbytes = c.numel * self.precision.activation_bytes * (self.scale if c.batch_dependent else 1.0)
         t = collective_time(c.kind, nbytes, self.group, self.cluster)
-        return 2 * t if (c.phase == "fwd" and c.kind in _SELF_TRANSPOSED) else t
+        return 2 * t if (c.phase == "fwd" and c.kind in SELF_TRANSPOSED) else t
 
     def step(self, numel: int, bwd: float) -> float:
         """Exposed seconds per sample of a once-per-step gradient all-reduce of ``numel`` elements."""
