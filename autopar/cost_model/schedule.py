@@ -44,6 +44,7 @@ later stages catch up: stages of work (2, 1) with two micro-batches take 4.33, n
 from __future__ import annotations
 
 import functools
+import heapq
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -108,96 +109,113 @@ def split_bubble(schedule: str, p: int, m: int, forward: float, weight: float) -
     return simulate(build(schedule, p, m, v), v, lambda a: share[a.kind]).makespan - m
 
 
-def even_partition(graph: OpGraph, chunks: int, layer_cost: Sequence[float], v_shape: bool = False) -> list[list[int]]:
+def even_partition(graph: OpGraph, chunks: int, layer_cost: Sequence[float], v_shape: bool = False
+                   ) -> tuple[range, ...]:
     """Megatron's split: the repeated blocks evenly over ``chunks`` model chunks, the layers
-    before the first block on the first chunk and those after the last block on the last.
+    before the first block on the first chunk and those after the last block on the last; each
+    chunk a run of layer indices.
 
     When the blocks do not divide evenly, the contiguous split that minimises the most
     expensive chunk (by ``layer_cost``) is used instead. ``v_shape`` (ZB-V: device ``d`` holds chunks
     ``d`` and ``chunks - 1 - d``, so the layers before the blocks and after them share device 0):
     :func:`v_partition`.
     """
-    if v_shape:
-        return v_partition(graph, chunks, layer_cost)
+    return even_partitions(graph, chunks, [tuple(map(float, layer_cost))], v_shape)[0]
+
+
+def even_partitions(graph: OpGraph, chunks: int, layer_costs: Sequence[tuple[float, ...]], v_shape: bool = False
+                    ) -> list[tuple[range, ...]]:
+    """:func:`even_partition` of each of ``layer_costs`` (the search splits one mesh's layers by each recompute
+    mode's costs: the balanced splits of the same length are solved together, :func:`_partitions`)."""
     n = len(graph.layers)
+    blocks = [l.index for l in graph.layers if l.is_block]
+    run = bool(blocks) and blocks == list(range(blocks[0], blocks[-1] + 1))   # the blocks one contiguous run
+    if v_shape:
+        if len(blocks) < chunks or not run:
+            return _partitions(layer_costs, chunks)
+        return [v_partition(n, blocks[0], len(blocks), chunks, cost) for cost in layer_costs]
     if chunks > n:
         raise ConfigError(f"{chunks} pipeline chunks (pp x virtual_stages) but the model has only {n} layers "
                           f"({', '.join(l.name for l in graph.layers[:6])}{'...' if n > 6 else ''}): lower pp or "
                           "virtual_stages")
-    blocks = [l.index for l in graph.layers if l.is_block]
     if chunks == 1:
-        return [list(range(n))]
-    if blocks and len(blocks) % chunks == 0 and blocks == list(range(blocks[0], blocks[-1] + 1)):
-        per = len(blocks) // chunks
-        parts = [blocks[i * per:(i + 1) * per] for i in range(chunks)]
-        parts[0] = list(range(0, blocks[0])) + parts[0]
-        parts[-1] = parts[-1] + list(range(blocks[-1] + 1, n))
-        return parts
-    return balanced_partition(layer_cost, chunks)
+        return [(range(n),)] * len(layer_costs)
+    if run and len(blocks) % chunks == 0:
+        per, first = len(blocks) // chunks, blocks[0]
+        starts = [0] + [first + k * per for k in range(1, chunks)] + [n]
+        return [tuple(range(a, b) for a, b in zip(starts, starts[1:]))] * len(layer_costs)
+    return _partitions(layer_costs, chunks)
 
 
-def v_partition(graph: OpGraph, chunks: int, layer_cost: Sequence[float]) -> list[list[int]]:
-    """ZB-V's split into ``chunks = 2p`` runs, device ``d`` holding runs ``d`` and ``2p - 1 - d``: the layers
-    before the first block on run 0 and those after the last on run ``2p - 1`` (both device 0's), and
-    the blocks dealt so that the devices' costs are as even as whole blocks allow: each device gets two
-    blocks, then each further block goes to the device with the least cost so far (the blocks' mean
-    cost each; optimal for equal blocks), and a device's blocks are split between its two runs, the
-    extra one to its second (whose passes it holds fewer of). Models without a contiguous run of at
-    least ``chunks`` blocks: the plain balanced split (:func:`balanced_partition`)."""
-    p, n = chunks // 2, len(graph.layers)
-    blocks = [l.index for l in graph.layers if l.is_block]
-    if len(blocks) < chunks or blocks != list(range(blocks[0], blocks[-1] + 1)):
-        return balanced_partition(layer_cost, chunks)
-    mean = sum(layer_cost[i] for i in blocks) / len(blocks)
-    edges = sum(layer_cost[i] for i in range(n) if i < blocks[0] or i > blocks[-1])
+def v_partition(layers: int, first: int, blocks: int, chunks: int, layer_cost: Sequence[float]) -> tuple[range, ...]:
+    """ZB-V's split of ``layers`` layers whose ``blocks`` repeated blocks run from layer ``first`` into
+    ``chunks = 2p`` runs, device ``d`` holding runs ``d`` and ``2p - 1 - d``: the layers before the first
+    block on run 0 and those after the last on run ``2p - 1`` (both device 0's), and the blocks dealt so
+    that the devices' costs are as even as whole blocks allow: each device gets two blocks, then each
+    further block goes to the device with the least cost so far (the blocks' mean cost each; optimal for
+    equal blocks; the first such device on a tie), and a device's blocks are split between its two runs,
+    the extra one to its second (whose passes it holds fewer of)."""
+    p, last = chunks // 2, first + blocks - 1
+    mean = sum(layer_cost[i] for i in range(first, last + 1)) / blocks
+    edges = sum(layer_cost[i] for i in range(layers) if i < first or i > last)
     held = [2] * p
-    load = [2 * mean + (edges if d == 0 else 0.0) for d in range(p)]
-    for _ in range(len(blocks) - 2 * p):
-        d = min(range(p), key=lambda k: (load[k], k))
+    load = [(2 * mean + (edges if d == 0 else 0.0), d) for d in range(p)]
+    heapq.heapify(load)
+    for _ in range(blocks - 2 * p):
+        cost, d = heapq.heappop(load)
         held[d] += 1
-        load[d] += mean
+        heapq.heappush(load, (cost + mean, d))
     count = [0] * chunks
     for d in range(p):
         count[d], count[chunks - 1 - d] = held[d] // 2, held[d] - held[d] // 2
-    parts, start = [], blocks[0]
-    for c in range(chunks):
-        parts.append(list(range(start, start + count[c])))
-        start += count[c]
-    parts[0] = list(range(0, blocks[0])) + parts[0]
-    parts[-1] = parts[-1] + list(range(blocks[-1] + 1, n))
-    return parts
+    starts, at = [0], first
+    for c in range(chunks - 1):
+        at += count[c]
+        starts.append(at)
+    starts.append(layers)
+    return tuple(range(a, b) for a, b in zip(starts, starts[1:]))
 
 
 def balanced_partition(cost: Sequence[float], parts: int) -> list[list[int]]:
     """Contiguous split of ``cost`` into ``parts`` non-empty runs minimising the largest run sum
-    (the classic linear-partition DP, O(n^2 parts)): ``best[k][j]``, the least largest run of the
-    first ``j`` layers in ``k`` runs, is ``min_i max(best[k-1][i], prefix[j] - prefix[i])``, the
-    first minimising ``i`` kept. Each ``k`` is one numpy reduction over the (i, j) matrix (the
-    search asks for many splits: a Python triple loop was half the plan time of a 96-layer model)."""
-    return [list(run) for run in _partition(tuple(float(c) for c in cost), parts)]
+    (the classic linear-partition DP, :func:`_partitions`)."""
+    return [list(run) for run in _partitions([tuple(float(c) for c in cost)], parts)[0]]
 
 
-@functools.lru_cache(maxsize=4096)
-def _partition(cost: tuple[float, ...], parts: int) -> tuple[range, ...]:
-    n = len(cost)
-    pre = np.concatenate([[0.0], np.cumsum(cost)])
-    across = pre[:, None] - pre[None, :]           # across[j, i] = prefix[j] - prefix[i], a run i..j-1
-    across[_not_after(n + 1)] = np.inf             # a run is non-empty: i < j
-    width = n - parts + 1                          # the ends (and starts) the k-th run may take
-    best = np.full(width, np.inf)                  # best[k - 1] at its possible starts k - 1 ...
-    best[0] = 0.0
-    firsts = []
-    for k in range(1, parts + 1):
-        # the k-th run ends at j in [k, n - (parts - k)] and starts at i in [k - 1, j): rows j, columns i
-        cand = np.maximum(best[None, :], across[k:k + width, k - 1:k - 1 + width])
-        firsts.append(cand.argmin(axis=1))        # the first i reaching the least value
-        best = cand.min(axis=1)                   # best[k] at its ends k ..., the next run's starts
-    bounds, j = [], n
-    for k in range(parts, 0, -1):
-        i = int(firsts[k - 1][j - k]) + k - 1
-        bounds.append(range(i, j))
-        j = i
-    return tuple(bounds[::-1])
+_SPLITS: dict[tuple[tuple[float, ...], int], tuple[range, ...]] = {}   # _partitions' answers (the search asks again)
+
+
+def _partitions(costs: Sequence[tuple[float, ...]], parts: int) -> list[tuple[range, ...]]:
+    """The balanced split of each of ``costs`` (of one length) into ``parts`` runs: ``best[k][j]``, the least
+    largest run of the first ``j`` layers in ``k`` runs, is ``min_i max(best[k-1][i], prefix[j] - prefix[i])``,
+    the first minimising ``i`` kept. Each ``k`` is one numpy reduction over the (cost, j, i) array of the splits
+    not answered before (a Python triple loop was half the plan time of a 96-layer model; one reduction per
+    cost and ``k``, 0.35 s of HF GPT-2 175B's search)."""
+    todo = list(dict.fromkeys(c for c in costs if (c, parts) not in _SPLITS))
+    if todo:
+        n = len(todo[0])
+        pre = np.concatenate([np.zeros((len(todo), 1)), np.cumsum(np.array(todo), axis=1)], axis=1)
+        across = pre[:, :, None] - pre[:, None, :]     # across[c, j, i] = prefix[j] - prefix[i], a run i..j-1
+        across[:, _not_after(n + 1)] = np.inf          # a run is non-empty: i < j
+        width = n - parts + 1                          # the ends (and starts) the k-th run may take
+        best = np.full((len(todo), width), np.inf)     # best[c, k - 1] at its possible starts k - 1 ...
+        best[:, 0] = 0.0
+        firsts = []
+        for k in range(1, parts + 1):
+            # the k-th run ends at j in [k, n - (parts - k)] and starts at i in [k - 1, j): rows j, columns i
+            cand = np.maximum(best[:, None, :], across[:, k:k + width, k - 1:k - 1 + width])
+            firsts.append(cand.argmin(axis=2))        # the first i reaching the least value
+            best = cand.min(axis=2)                   # best[c, k] at its ends k ..., the next run's starts
+        for c, cost in enumerate(todo):
+            bounds, j = [], n
+            for k in range(parts, 0, -1):
+                i = int(firsts[k - 1][c, j - k]) + k - 1
+                bounds.append(range(i, j))
+                j = i
+            if len(_SPLITS) >= 65536:
+                _SPLITS.clear()
+            _SPLITS[(cost, parts)] = tuple(bounds[::-1])
+    return [_SPLITS[(c, parts)] for c in costs]
 
 
 @functools.lru_cache(maxsize=None)

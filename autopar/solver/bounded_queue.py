@@ -5,21 +5,26 @@ equal bounds, the index keeps the rest ordered and is the entry's place in :clas
 progress bar counts), ``pending`` what is left to do when the entry reaches the head, and ``payload`` the
 candidate (made from its key only when the search reaches it) or a group's leaves.
 
-The space is bounded a branch (a mesh and micro-batch) at a time, its candidates sharing their per-layer
-costs (SearchBounds.leaf_bounds); while a second process solves the sharding layouts (ShardingSolver.prefetch),
-the branches whose layouts are there go first. The candidates of one branch, sequence-parallel choice and
-layout variant that fit enter the heap as one *group* entry (``pending`` "group"), ordered as the least of
-them (its bound and key), and their own entries are made when it reaches the head: a search that settles
-most of the space by its first plans (HF GPT-2 175B on 1,024 GPUs: 758 of 17,706 groups reach the head,
-where there are 174,769 candidates) makes and orders an entry per group, not per candidate, and visits the
-candidates in the same order as a heap of all of them (the group's entry sorts as its least member would,
-and the rest follow it).
+The space enters the heap a branch (a mesh and micro-batch) at a time (``pending`` "branch"), under a floor
+below every one of its candidates' bounds (SearchBounds.branch_floor: from the per-layer costs its candidates
+share, without their schedules' and ZeRO stages' own terms); while a second process solves the sharding layouts
+(ShardingSolver.prefetch), the branches whose layouts are there go first. A branch whose floor reaches the
+head is bounded candidate by candidate (SearchBounds.leaf_bounds); the ones of one sequence-parallel choice
+and layout variant that fit go back as one *group* entry (``pending`` "group"), ordered as the least of them
+(its bound and key), and their own entries are made when it reaches the head. A search that settles most of
+the space by its first plans bounds few branches one by one (HF GPT-2 175B on 1,024 GPUs: 5,844 branches,
+280,768 candidates) and visits the candidates in the same order as a heap of all of them: a branch's entry
+sorts before every one of its candidates would (its floor is at most their bounds, its key at most their
+keys), a group's as its least member would, and the rest follow it. A branch whose floor on memory exceeds
+the device's is pruned whole; the candidates of a branch the search never reaches are pruned by the bound
+(whether they would also have been pruned by memory is not asked).
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import numpy as np
@@ -55,6 +60,43 @@ class Group:
         no = tuple(leaf for leaf in self.leaves if not holds(leaf[3]))
         return (Group(self.branch, self.variant, self.sequence_parallel, yes) if yes else None,
                 Group(self.branch, self.variant, self.sequence_parallel, no) if no else None)
+
+
+@dataclass(frozen=True)
+class Unbounded:
+    """A branch's candidates before their own bounds: the visited ``schedules`` of ``branch`` (its ZeRO stages
+    ``branch.zeros``) for each (layout variant, sequence parallelism) of ``parts`` (those not dominated)."""
+
+    branch: Branch
+    schedules: tuple[tuple[str, int], ...]
+    parts: tuple[tuple[str, bool], ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.parts) * sum(compatible(s, z) for s, _ in self.schedules for z in self.branch.zeros)
+
+    def representative(self, variant: str, sp: bool) -> Candidate:
+        """A candidate of part (``variant``, ``sp``): the first schedule and ZeRO stage that go together (what its
+        candidates share does not depend on them)."""
+        b = self.branch
+        schedule, v, zero = next((s, v, z) for s, v in self.schedules for z in b.zeros if compatible(s, z))
+        return b.candidate(variant, sp, schedule, v, zero)
+
+    def key(self) -> Key:
+        """A key at most every one of its candidates' (the least variant, then the branch's fields, then a
+        schedule, virtual stage count, ZeRO stage and sequence-parallel choice before any real one)."""
+        b = self.branch
+        return Key(min(v for v, _ in self.parts), b.dp, b.tp, b.pp, b.cp, b.ep, b.micro_batch_size, "", 0, -1, False,
+                   b.offload)
+
+    def split(self, holds: Callable[[int], bool]) -> tuple["Unbounded | None", "Unbounded | None"]:
+        """(the candidates whose ZeRO stage ``holds``, the rest), each as its own Unbounded or None when empty."""
+        out = []
+        for want in (True, False):
+            zeros = tuple(z for z in self.branch.zeros if holds(z) == want)
+            part = Unbounded(replace(self.branch, zeros=zeros), self.schedules, self.parts)
+            out.append(part if zeros and part.size else None)
+        return out[0], out[1]
 
 
 @dataclass
@@ -97,8 +139,8 @@ class BoundedQueue:
     ``_past``, ``_even_split``, and from SearchBounds ``leaf_bounds``, ``_refine_summed`` and ``_refine_even``)."""
 
     def _queue(self, deadline: float | None) -> list:
-        """Every usable candidate not dominated or pruned by memory, as a heap of group entries (module
-        docstring); :attr:`settled` counts them."""
+        """Every usable candidate not dominated, as a heap of branch entries (module docstring; a branch whose
+        floor on memory exceeds the device's is pruned by memory); :attr:`settled` counts them."""
         queue = []
         self.settled = Settled()
         memory = self.cluster.device.memory
@@ -109,13 +151,14 @@ class BoundedQueue:
                     # left out, so no gap can be claimed for them
                     self.stats.timed_out, self.stats.unbounded = True, True
                     break
-                for variant, sp, leaves in self._branch_groups(b, bar):
-                    fit = sorted((lb_t, schedule, v, zero) for lb_t, lb_m, schedule, v, zero in leaves
-                                 if lb_m <= memory or not self.must_fit)
-                    self.stats.pruned_memory += len(leaves) - len(fit)
-                    if fit:
-                        group = Group(b, variant, sp, tuple(fit))
-                        queue.append(group.entry(self.settled.add(fit[0][0], len(fit))))
+                pending = self._branch_parts(b, bar)
+                if pending is None:
+                    continue
+                floor, least_memory = self.branch_floor(pending)
+                if self.must_fit and least_memory > memory:
+                    self.stats.pruned_memory += pending.size
+                    continue
+                queue.append((floor, pending.key(), self.settled.add(floor, pending.size), "branch", pending))
         heapq.heapify(queue)
         return queue
 
@@ -141,14 +184,12 @@ class BoundedQueue:
         for tp in sorted(waiting):
             yield from waiting[tp]
 
-    def _branch_groups(self, b: Branch, bar=None) -> list[tuple[str, bool, list[tuple[float, float, str, int, int]]]]:
-        """(layout variant, sequence parallelism, (LB_T, LB_M, schedule, virtual stages, ZeRO stage) of each
-        candidate) of branch ``b``'s candidates that are not dominated, counted in the stats (and on ``bar``):
-        a sequence-parallel choice and variant at a time, whose candidates share their per-layer costs
-        (SearchBounds.leaf_bounds)."""
+    def _branch_parts(self, b: Branch, bar=None) -> Unbounded | None:
+        """Branch ``b``'s candidates that are not dominated (None: none), counted in the stats (and on ``bar``):
+        a (layout variant, sequence parallelism) part at a time, whose candidates share their per-layer costs."""
         schedules = tuple(sv for sv in b.schedules if self._visits(sv[0]))
         gpipe = sum(compatible(s, z) for s, _ in b.schedules if not self._visits(s) for z in b.zeros)
-        out = []
+        parts = []
         for sp in b.sequence_parallel:
             for base in self._base_variants:
                 self.stats.candidates += b.leaves
@@ -159,11 +200,13 @@ class BoundedQueue:
                     self.stats.dominated += b.leaves
                     continue
                 self.stats.dominated += gpipe
-                if not schedules:
-                    continue
-                rep = b.candidate(variant, sp, *schedules[0], b.zeros[0])
-                out.append((variant, sp, list(self.leaf_bounds(rep, schedules, b.zeros))))
-        return out
+                if schedules:
+                    parts.append((variant, sp))
+        return Unbounded(b, schedules, tuple(parts)) if parts else None
+
+    def _part_leaves(self, pending: Unbounded, variant: str, sp: bool) -> list[tuple[float, float, str, int, int]]:
+        """(LB_T, LB_M, schedule, virtual stages, ZeRO stage) of each candidate of one part of ``pending``."""
+        return list(self.leaf_bounds(pending.representative(variant, sp), pending.schedules, pending.branch.zeros))
 
     def _next(self, queue: list, limit: float, deadline: float | None = None) -> tuple | None:
         """The queue's next candidate entry with a bound below ``limit``, each refined before it is returned
@@ -177,6 +220,9 @@ class BoundedQueue:
             if lb_t >= limit:
                 heapq.heappush(queue, entry)
                 return None
+            if pending == "branch":
+                self._bound_branch(queue, index, c)
+                continue
             if pending == "group":
                 self._expand(queue, index, c)
                 continue
@@ -196,6 +242,22 @@ class BoundedQueue:
             heapq.heappush(queue, (tighter, key, index, after, c))
         return None
 
+    def _bound_branch(self, queue: list, index: int, pending: Unbounded) -> None:
+        """A branch's candidates bounded one by one: those that fit into the queue, a group entry per part (the
+        branch's entry weighs nothing now), the rest pruned by memory."""
+        settled, memory = self.settled, self.cluster.device.memory
+        settled.weight[index] = 0
+        for variant, sp in pending.parts:
+            leaves = self._part_leaves(pending, variant, sp)
+            fit = sorted((lb_t, schedule, v, zero) for lb_t, lb_m, schedule, v, zero in leaves
+                         if lb_m <= memory or not self.must_fit)
+            if len(fit) < len(leaves):
+                self.stats.pruned_memory += len(leaves) - len(fit)
+                settled.done[settled.add(math.inf, len(leaves) - len(fit))] = True
+            if fit:
+                group = Group(pending.branch, variant, sp, tuple(fit))
+                heapq.heappush(queue, group.entry(settled.add(fit[0][0], len(fit))))
+
     def _expand(self, queue: list, index: int, group: Group) -> None:
         """A group's candidates into the queue, each with its own entry (the group's weighs nothing now)."""
         settled = self.settled
@@ -208,18 +270,21 @@ class BoundedQueue:
         both is split in two (one keeps its index, the other gets its own)."""
         yes, no = [], []
         for entry in queue:
-            if entry[3] != "group":
+            if entry[3] not in ("group", "branch"):
                 (yes if holds(entry[1].zero) else no).append(entry)
                 continue
             parts = [(part, out) for part, out in zip(entry[-1].split(holds), (yes, no)) if part is not None]
             for k, (part, out) in enumerate(parts):
-                bound, weight = part.leaves[0][0], len(part.leaves)
+                if entry[3] == "group":
+                    bound, weight, key = part.leaves[0][0], len(part.leaves), part.key(part.leaves[0])
+                else:   # the branch's floor is a floor of either part
+                    bound, weight, key = entry[0], part.size, part.key()
                 if k == 0:
                     index = entry[2]
                     self.settled.bound[index], self.settled.weight[index] = bound, weight
                 else:
                     index = self.settled.add(bound, weight)
-                out.append(part.entry(index))
+                out.append((bound, key, index, entry[3], part))
         heapq.heapify(yes)
         heapq.heapify(no)
         return yes, no

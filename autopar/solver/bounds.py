@@ -27,7 +27,12 @@ slowest stage has at least the mean work and the mean parameters, and the pipeli
 of layer ``l`` in mode ``r``: every device holds at least one pass of each of its layers at its
 peak (below), so the fullest holds at least the mean of states and activations (a micro-batch
 of 1024 sequences is refused here, not after its stage DP). A candidate with ``LB_M > M`` cannot fit
-(pruned by memory). The rest are visited in increasing ``LB_T``; each is solved exactly by the
+(pruned by memory). A branch (one mesh and micro-batch) enters the queue under floors of its candidates'
+bounds (``branch_floor``): every schedule's pipeline term is at least ``m max((W + C_1) / p, w_p)``
+(``W + C >= max((W + C) / p, w_p)``; ``C_1 = 2 (p - 1) min_cut``, the fewest crossings), plus the least
+``opt`` of its ZeRO stages; and ``LB_M`` at least the least ``states + sum_l min_r a_l^r / p``: a branch
+whose floor on memory exceeds ``M`` is pruned whole, the others are bounded candidate by candidate when
+their floor reaches the queue's head (most never do). The rest are visited in increasing ``LB_T``; each is solved exactly by the
 stage DP (stages.py) and estimated; the search stops when the next bound reaches the best
 step time found (every remaining candidate is pruned by the bound). GPipe is never visited
 unless pinned: under this cost model it takes the same time as 1F1B and holds more
@@ -68,7 +73,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
@@ -76,6 +81,9 @@ from ..config import SPLIT_BACKWARD, ParallelConfig
 from ..cost_model.memory import least_passes
 from .even_split import Knapsack, even_pipeline_floor, even_splits
 from .space import Candidate, compatible
+
+if TYPE_CHECKING:
+    from .bounded_queue import Unbounded
 
 
 @dataclass(frozen=True)
@@ -148,7 +156,7 @@ class LayerWork:
 
 class SearchBounds:
     """The bounds of search.Search's candidates (a mixin: Search provides ``estimator``, ``graph``,
-    ``cluster``, ``global_batch_size``, ``must_fit``, ``modes``, ``_even_split`` and the caches
+    ``cluster``, ``global_batch_size``, ``must_fit``, ``modes``, ``_even_split``, ``ahead`` and the caches
     ``_work``, ``_cuts``, ``_splits``, ``_stage_floor``, ``_held``, ``_params``, ``_fixed`` and ``_tails``)."""
 
     @functools.cached_property
@@ -225,6 +233,8 @@ class SearchBounds:
         for schedule, v in schedules:
             pipe = _pipe(schedule, v, m, p, total, 2 * _crossings(schedule, p, v) * cut, largest, lw)
             tried = [(z, step) for z, step in zip(zeros, steps) if compatible(schedule, z)]
+            if not tried:
+                continue
             if not _all_held(schedule, m, p):
                 for z, (optimizer, states) in tried:
                     yield pipe + optimizer, states, schedule, v, z
@@ -233,6 +243,27 @@ class SearchBounds:
             for z, (optimizer, states) in tried:
                 yield (pipe + optimizer, max(states + acts / p, (acts + p * states / most) / inverse),
                        schedule, v, z)
+
+    def branch_floor(self, pending: "Unbounded") -> tuple[float, float]:
+        """(a floor on LB_T, a floor on LB_M) of every candidate of a branch's ``pending`` parts (module
+        docstring): ``m max((W + C_1) / p, w_p) + min_z opt_z`` with ``C_1 = 2 (p - 1) min_cut`` the fewest
+        crossings of any schedule (every schedule's pipeline term is at least ``m`` times its ``max(...)``:
+        ``W + C >= max((W + C) / p, w_p)``), and the least ``states_z (+ least_acts / p)`` of any ZeRO stage;
+        made a millionth lower, so that rounding in the candidates' own bounds cannot put one under it."""
+        b, schedules = pending.branch, pending.schedules
+        m, p = self.global_batch_size // (b.dp * b.micro_batch_size), b.pp
+        zeros = [z for z in b.zeros if any(compatible(s, z) for s, _ in schedules)]
+        held = all(_all_held(s, m, p) for s, _ in schedules)
+        floor = least = math.inf
+        for variant, sp in pending.parts:
+            rep = pending.representative(variant, sp)
+            lw = self._layer_work(rep)
+            cut = self._least_cut(rep) if p > 1 else 0.0
+            x = max((lw.total + 2 * (p - 1) * cut) / p, self._largest_stage(rep))
+            steps = [self._per_step(rep, z) for z in zeros]
+            floor = min(floor, m * x + min(optimizer for optimizer, _ in steps))
+            least = min(least, min(states + lw.least_acts / p if held else states for _, states in steps))
+        return floor * (1 - 1e-6), least
 
     def _bounds(self, c: Candidate, total: float, drained: float | None = None) -> tuple[float, float]:
         """(LB_T, LB_M) with ``total`` for ``W`` (and ``drained`` for ZB-H1's drain floor, :func:`_pipe`)."""
@@ -318,11 +349,18 @@ class SearchBounds:
 
     def _refine_even(self, c: Candidate, lb_t: float) -> float | None:
         """The even split's device-by-device bound (even_split.py), the costlier part of :meth:`refine`:
-        the search takes it only for a candidate whose summed bound reaches the queue's head."""
-        m = c.micro_batches(self.global_batch_size)
-        lw, est, cfg = self._layer_work(c), self.estimator(c.variant), c.config()
+        the search takes it only for a candidate whose summed bound reaches the queue's head (half of them
+        from a second process when one walks the queue ahead, ahead.py)."""
         key = (c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep, c.pp, c.virtual_stages,
                c.schedule == "zbv")   # the V places the chunks otherwise
+        if self.ahead is not None:
+            return self.ahead.refine(key, c, lb_t, self._even_bound)
+        return self._even_bound(c, lb_t, key)
+
+    def _even_bound(self, c: Candidate, lb_t: float, key: tuple) -> float | None:
+        """:meth:`_refine_even` computed here (``key``: the candidate's even splits, cached)."""
+        m = c.micro_batches(self.global_batch_size)
+        lw, est, cfg = self._layer_work(c), self.estimator(c.variant), c.config()
         if key not in self._splits:
             self._splits[key] = even_splits(est, cfg, lw.layer_work)
         # ZB-V's device work with its recomputation paid twice (its floor needs each device's work alone); ZB-H1's

@@ -43,7 +43,7 @@ from ..config import ParallelConfig
 from ..cost_model import Estimator, estimate_plan
 from ..cost_model.estimator import device_p2p
 from ..cost_model.memory import chunk_passes
-from ..cost_model.schedule import even_partition, pipeline_time
+from ..cost_model.schedule import even_partitions, pipeline_time
 from ..plan import Plan
 from .space import Candidate
 
@@ -66,11 +66,11 @@ def even_splits(est: Estimator, cfg: ParallelConfig, work: np.ndarray) -> tuple[
     micro-batch count (the search caches them)."""
     p, chunks = cfg.pp, cfg.pp * cfg.virtual_stages
     cuts = est.p2p_cut_times(cfg, est.placements(cfg)["pp"]) if p > 1 else []
-    runs = {tuple(tuple(run) for run in even_partition(est.graph, chunks, list(work[:, k]), cfg.schedule == "zbv"))
-            for k in range(work.shape[1])}
+    columns = list(dict.fromkeys(tuple(work[:, k].tolist()) for k in range(work.shape[1])))
+    runs = set(even_partitions(est.graph, chunks, columns, cfg.schedule == "zbv"))
     own, own_experts = est.own_params(cfg)
     out = []
-    for split in sorted(runs):
+    for split in sorted(runs, key=lambda runs: [(run.start, run.stop) for run in runs]):
         members, device, chunk, held = _placement(split, cfg, len(work))
         params = np.array([own[h].sum() for h in held])
         experts = np.array([own_experts[h].sum() for h in held])
@@ -79,7 +79,7 @@ def even_splits(est: Estimator, cfg: ParallelConfig, work: np.ndarray) -> tuple[
     return tuple(out)
 
 
-def _placement(split: tuple[tuple[int, ...], ...], cfg: ParallelConfig, layers: int) -> tuple[np.ndarray, ...]:
+def _placement(split: tuple[range, ...], cfg: ParallelConfig, layers: int) -> tuple[np.ndarray, ...]:
     """(members, device, chunk, the layers each device holds) of chunks ``split`` on ``cfg``'s pipeline
     (device ``d`` holds chunks ``cfg.device_chunks(d)``): the same for every micro-batch, layout and ZeRO
     stage of a pipeline (cached by the placement, read-only)."""
@@ -87,7 +87,7 @@ def _placement(split: tuple[tuple[int, ...], ...], cfg: ParallelConfig, layers: 
 
 
 @functools.lru_cache(maxsize=4096)
-def _placed(split: tuple[tuple[int, ...], ...], places: tuple[tuple[int, ...], ...], layers: int) -> tuple:
+def _placed(split: tuple[range, ...], places: tuple[tuple[int, ...], ...], layers: int) -> tuple:
     p = len(places)
     members = np.zeros((layers, p))
     device, chunk = np.zeros(layers, dtype=int), np.zeros(layers, dtype=int)
@@ -95,9 +95,9 @@ def _placed(split: tuple[tuple[int, ...], ...], places: tuple[tuple[int, ...], .
     for d in range(p):
         mine = places[d]
         for j, c in enumerate(mine):
-            members[list(split[c]), d] = 1.0
-            device[list(split[c])], chunk[list(split[c])] = d, j
-        held.append(np.array([i for c in mine for i in split[c]], dtype=int))
+            run = slice(split[c].start, split[c].stop)
+            members[run, d], device[run], chunk[run] = 1.0, d, j
+        held.append(np.concatenate([np.arange(split[c].start, split[c].stop) for c in mine]).astype(int))
     for a in (members, device, chunk, *held):
         a.setflags(write=False)
     return members, device, chunk, tuple(held)

@@ -50,6 +50,7 @@ from ..cost_model.tensor_parallel import TPLayout
 from ..plan import Plan
 from ..progress import counter
 from .choice import TIE, TOP_ALTERNATIVES, Seen, choose, could_beat
+from .ahead import walk_ahead
 from .bounded_queue import BoundedQueue, Settled
 from .bounds import LayerWork, SearchBounds
 from .even_split import EvenSplitPlans, Split
@@ -158,6 +159,7 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
     must_fit: bool = True      # False: the fastest plan whatever its memory (an estimate of a config that fits nowhere)
     stats: SearchStats = field(default_factory=SearchStats)
     settled: Settled | None = None     # the run's queue, as its bar counts it
+    ahead: Any = None      # while the run's queue is walked ahead in a second process (ahead.py)
     _estimators: dict[str, Estimator] = field(default_factory=dict)
     _work: dict[tuple, LayerWork] = field(default_factory=dict)
     _mesh_ok: dict[tuple, bool] = field(default_factory=dict)       # (tp, cp, dp, ep, pp) -> placeable
@@ -334,9 +336,15 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
         with _cycles_uncollected():
             queue = self._queue(deadline)
             total = self.settled.total
-            with counter("autopar: searching", total=total, unit="candidates", enabled=self.progress) as bar:
-                best, best_c, seen = self._search(queue, deadline, bar)
-                bar.update(total - bar.n)   # the rest are pruned by the bound
+            self.ahead = walk_ahead(self, queue)
+            try:
+                with counter("autopar: searching", total=total, unit="candidates", enabled=self.progress) as bar:
+                    best, best_c, seen = self._search(queue, deadline, bar)
+                    bar.update(total - bar.n)   # the rest are pruned by the bound
+            finally:
+                if self.ahead is not None:
+                    self.ahead.close()
+                    self.ahead = None
             # the queue's entries (HF GPT-2 175B: 17,706 groups of 280,768 candidates) freed now, by their
             # counts: alive when the collector resumes, its first pass walked them too (0.20 s, 0.12 without)
             del queue

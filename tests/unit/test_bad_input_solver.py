@@ -150,7 +150,7 @@ def test_time_limit_gives_the_gap(tiny, monkeypatch) -> None:
 def test_time_limit_while_bounding(tiny, monkeypatch) -> None:
     """The limit passing before every candidate has its bound: the rest are left out, no gap. The
     space is bounded a branch (a mesh and micro-batch) at a time, the clock ticking once per branch."""
-    clock = Clock(monkeypatch, "_branch_groups")
+    clock = Clock(monkeypatch, "_branch_parts")
     plan, stats = solve(tiny, Cluster.from_spec("1x8xA100-80GB"), 64, time_limit=2.5)
     assert stats.unbounded and stats.timed_out and plan.optimal is False and plan.gap is None
     assert clock.now == 3.0 and plan.fits   # three branches: the third passed the limit, the rest left out

@@ -266,8 +266,10 @@ def hf_llama_graph():
 def test_branches_bound_each_candidate_as_alone(request, graph_name, spec, gbs):
     """The queue bounds a branch's candidates together (Search.leaf_bounds: what they share looked up
     once): each (LB_T, LB_M) is exactly Search.bounds of that candidate on a search of its own (its
-    caches filled one candidate at a time, in the space's order), and the counts (candidates,
-    dominated, pruned by memory, queued) are those of the candidates one at a time."""
+    caches filled one candidate at a time, in the space's order); a branch enters the queue under floors
+    (time, memory) and a key at most its candidates', so that the queue, its branches bounded and its groups
+    opened as they reach the head, gives the candidates in the order of a heap of them all; and the counts
+    (candidates, dominated, pruned by memory, queued) are those of the candidates one at a time."""
     graph = request.getfixturevalue(graph_name)
     sharding = _sharding(graph, spec)
 
@@ -285,26 +287,39 @@ def test_branches_bound_each_candidate_as_alone(request, graph_name, spec, gbs):
     assert len({key.zero for key in alone}) == 4 and {key.schedule for key in alone} == {"1f1b", "interleaved", "zbh1",
                                                                                        "zbv"}
     together = search_of(Cluster.from_spec(spec))
-    bounds = {Key(variant, b.dp, b.tp, b.pp, b.cp, b.ep, b.micro_batch_size, schedule, v, zero, sp, b.offload): (lb_t, lb_m)
-              for b in together._branches() for variant, sp, leaves in together._branch_groups(b)
-              for lb_t, lb_m, schedule, v, zero in leaves}
+    pending = [p for b in together._branches() if (p := together._branch_parts(b)) is not None]
+    bounds = {Key(variant, p.branch.dp, p.branch.tp, p.branch.pp, p.branch.cp, p.branch.ep, p.branch.micro_batch_size,
+                  schedule, v, zero, sp, p.branch.offload): (lb_t, lb_m)
+              for p in pending for variant, sp in p.parts
+              for lb_t, lb_m, schedule, v, zero in together._part_leaves(p, variant, sp)}
     assert bounds == alone
     assert (together.stats.candidates, together.stats.dominated) == (usable, dominated)
+    for p in pending:   # a branch's floors are at most its candidates' bounds
+        floor, least = together.branch_floor(p)
+        mine = [bound for key, bound in alone.items()
+                if (key.dp, key.tp, key.pp, key.cp, key.ep, key.micro_batch_size, key.offload)
+                == (p.branch.dp, p.branch.tp, p.branch.pp, p.branch.cp, p.branch.ep, p.branch.micro_batch_size,
+                    p.branch.offload)]
+        assert floor <= min(t for t, _ in mine) and least <= min(m for _, m in mine)
+        assert p.key() <= min(key for key in alone if key[1:7] == p.key()[1:7])
 
     memory = sorted(lb_m for _, lb_m in alone.values())[len(alone) // 2]    # some pruned by memory, some queued
     search = search_of(_cluster(spec, memory))
     queue = search._queue(None)
     fits = {key: lb_t for key, (lb_t, lb_m) in alone.items() if lb_m <= memory}
-    assert search.settled.total == len(fits) > len(queue)   # a group's entry weighs its candidates
-    popped = []   # a group's candidates made when it reaches the head: the order of a heap of them all
+    whole = search.stats.pruned_memory   # branches whose floor on memory is above it
+    assert 0 < whole and search.settled.total == len(alone) - whole > len(queue)   # a branch's entry weighs its own
+    popped = []   # a branch's candidates bounded, a group's made, as each reaches the head: the order of a heap of all
     while queue:
         entry = heapq.heappop(queue)
-        if entry[3] == "group":
+        if entry[3] == "branch":
+            search._bound_branch(queue, entry[2], entry[4])
+        elif entry[3] == "group":
             search._expand(queue, entry[2], entry[4])
         else:
             popped.append((entry[0], entry[1]))
     assert popped == sorted((lb_t, key) for key, lb_t in fits.items())
-    assert search.settled.total == len(fits)
+    assert search.settled.total == len(alone) - whole
     assert (search.stats.candidates, search.stats.dominated, search.stats.pruned_memory) == \
         (usable, dominated, len(alone) - len(fits))
 
@@ -425,6 +440,41 @@ def test_layouts_solved_ahead_change_no_plan(gpt_graph):
         plan, stats = _run(search, sharding, must_fit=True)
         plans.append((plan.to_dict(), stats.counts()))
     assert plans[0] == plans[1]
+
+
+def test_bounds_walked_ahead_change_no_plan(deep_graph, monkeypatch):
+    """The even split's bounds half taken from a second process walking the queue ahead (ahead.py) and all
+    computed by the search: the same plan, runners-up and counts; the search took every bound of the second
+    process's split keys from it (waiting for each here, where the search would compute it), each equal to
+    its own computation."""
+    from autopar.solver import ahead
+    from autopar.solver.plan_search import _run, _search
+
+    def planned():   # interleaved pinned: its candidates take the even split's bound, at tp = 1 and 2
+        search, sharding = _search(deep_graph, Cluster.from_spec("2x4xA100-80GB"), 16, None,
+                                   {"schedule": "interleaved"}, None, None, False, None, 10_000, None)
+        plan, stats = _run(search, sharding, must_fit=True)
+        return plan.to_dict(), stats.counts()
+    monkeypatch.setattr(ahead, "MIN_CANDIDATES", 10 ** 12)
+    alone = planned()
+    taken, own = [], []
+    real = ahead.Ahead.refine
+
+    def waiting(self, split_key, c, lb_t, bound):
+        if ahead.theirs(split_key):
+            while c.sort_key() not in self.received and self.receiver.poll(60):
+                key, summed, tighter = self.receiver.recv()
+                self.received[key] = (summed, tighter)
+            got = self.received[c.sort_key()]
+            taken.append(got[0] == lb_t and got[1] == bound(c, lb_t, split_key))
+        else:
+            own.append(c)
+        return real(self, split_key, c, lb_t, bound)
+    monkeypatch.setattr(ahead, "MIN_CANDIDATES", 0)
+    monkeypatch.setattr(ahead, "theirs", lambda split_key: split_key[1] == 1)   # by tensor parallelism: both sides
+    monkeypatch.setattr(ahead.Ahead, "refine", waiting)
+    assert planned() == alone
+    assert taken and own and all(taken)
 
 
 def test_stage_dp_cutoff_changes_no_plan(deep_graph, monkeypatch):
