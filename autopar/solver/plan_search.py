@@ -53,6 +53,7 @@ def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision
         again, _ = _search(graph, cluster, batch, precision, {**(fixed or {}), "dp": dp}, None, measured, False,
                            ilp_time_limit, ilp_node_limit, sharding)
         again.tie_tolerance = search.tie_tolerance
+        again.share_estimators(search)   # the same graph, cluster, precision and layouts: their costs cached
         return _run(again, sharding, must_fit=True)[0]
 
     notes = batch_notes(graph, cluster, global_batch_size, search.fixed, best,

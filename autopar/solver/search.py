@@ -180,6 +180,15 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
             self._estimators[variant] = Estimator(self.graph, self.cluster, self.precision, layers)
         return self._estimators[variant]
 
+    def share_estimators(self, other: "Search") -> None:
+        """Price with ``other``'s estimators (and what they have cached): a search of the same graph, cluster,
+        precision, measured times and layouts (one ShardingSolver's) at another batch or with other pins."""
+        if (other.graph is not self.graph or other.cluster != self.cluster or other.precision != self.precision
+                or other.measured is not self.measured or set(other.layouts) != set(self.layouts)
+                or other.layouts_ahead is None or other.layouts_ahead is not self.layouts_ahead):
+            raise ValueError("share_estimators: the searches price different graphs, clusters or layouts")
+        self._estimators = other._estimators
+
     @functools.cached_property
     def modes(self) -> tuple[str, ...]:
         return recompute_modes(self.graph, self.fixed)

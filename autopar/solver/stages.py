@@ -143,11 +143,18 @@ def _run_sum(values: np.ndarray) -> np.ndarray:
 
 
 def _run_max(values: np.ndarray) -> np.ndarray:
+    """``out[i, j] = max(values[i..j])`` for ``i <= j``, 0 below the diagonal."""
     n = len(values)
-    out = np.zeros((n, n))
-    for i in range(n):
-        out[i, i:] = np.maximum.accumulate(values[i:])
-    return out
+    upper = _upper(n)
+    return np.where(upper, np.maximum.accumulate(np.where(upper, values[None, :], -np.inf), axis=1), 0.0)
+
+
+@functools.lru_cache(maxsize=None)
+def _upper(n: int) -> np.ndarray:
+    """``mask[i, j]``: ``i <= j`` (read-only)."""
+    mask = np.triu(np.ones((n, n), dtype=bool))
+    mask.setflags(write=False)
+    return mask
 
 
 def _run_params(est: Estimator, cfg: ParallelConfig, n: int) -> tuple[np.ndarray, np.ndarray]:
