@@ -108,6 +108,7 @@ class Estimator:
     _costs: dict = field(default_factory=dict)
     _groups: dict = field(default_factory=dict)   # placements, by (tp, cp, dp, ep, pp)
     _last: tuple = ()    # the last even split's (config, micro-batches, devices): memory, then time
+    run_cache: dict = field(default_factory=dict)   # what the stage DP's run tables share (solver/stages.py)
     experts: frozenset[str] = field(init=False)   # the expert parameters (divided by ep)
     layer_flops: tuple[tuple[float, ...], ...] = field(init=False)   # _layer_flops
     sequence_length: int | None = field(init=False)   # what fused attention runs over (context_parallel.py)

@@ -113,7 +113,7 @@ def even_pipeline_floor(est: Estimator, cfg: ParallelConfig, micro_batches: int,
     (the zero-bubble schedules' passes); ``memory`` the device's bytes (``inf``: no memory argument);
     ``rows`` each layer's row of its distinct ``(work, acts)`` rows (equal ids, equal rows): the knapsack
     takes each distinct row and number of held passes once, counted per device (96 blocks, a few rows)."""
-    passes = np.array([chunk_passes(cfg, d, micro_batches) for d in range(cfg.pp)])   # (devices, v)
+    passes = _passes(cfg.schedule, cfg.pp, cfg.virtual_stages, micro_batches)   # (devices, v)
     best = None
     for split in splits:
         room = memory - sum(est.state_bytes(cfg, split.params, split.experts))
@@ -135,6 +135,16 @@ def even_pipeline_floor(est: Estimator, cfg: ParallelConfig, micro_batches: int,
                 t += (cfg.pp - 1) * float(f.min()) / 2
             best = t if best is None else min(best, t)
     return best
+
+
+@functools.lru_cache(maxsize=4096)
+def _passes(schedule: str, pp: int, virtual_stages: int, micro_batches: int) -> np.ndarray:
+    """(devices, chunks) passes each device holds of each of its chunks (memory.chunk_passes; read-only: the
+    same for every candidate of one pipeline and micro-batch count)."""
+    cfg = ParallelConfig(pp=pp, schedule=schedule, virtual_stages=virtual_stages)
+    out = np.array([chunk_passes(cfg, d, micro_batches) for d in range(pp)])
+    out.setflags(write=False)
+    return out
 
 
 class Knapsack:

@@ -103,7 +103,10 @@ def run_tables(est: Estimator, cfg: ParallelConfig, micro_batches: int, modes: S
     q_in = np.concatenate([[0.0], cuts[:-1]])                        # cut before layer i
     i_idx, j_idx = np.indices((n, n))
     valid = i_idx <= j_idx
-    params, experts = _run_params(est, cfg, n)
+    key = ("params", cfg.tp, cfg.ep)   # what they depend on (read-only)
+    if key not in est.run_cache:
+        est.run_cache[key] = _run_params(est, cfg, n)
+    params, experts = est.run_cache[key]
     states = sum(est.state_bytes(cfg, params, experts))
     step = np.array([est.layers.step_comm_bytes(layer, cfg.tp) for layer in graph.layers], dtype=float)
     units, unit_params, kept, n_kept = est.unit_tables(cfg)   # ZeRO-2/3 units of each run, its largest, the kept ones
@@ -178,6 +181,8 @@ def _run_params(est: Estimator, cfg: ParallelConfig, n: int) -> tuple[np.ndarray
             first = next((u for u in used if u >= i), None)
             if first is not None:
                 out[i, first:] += numel
+    out.setflags(write=False)
+    experts.setflags(write=False)
     return out, experts
 
 
