@@ -253,7 +253,8 @@ class BoundedQueue:
                          if lb_m <= memory or not self.must_fit)
             if len(fit) < len(leaves):
                 self.stats.pruned_memory += len(leaves) - len(fit)
-                settled.done[settled.add(math.inf, len(leaves) - len(fit))] = True
+                index = settled.add(math.inf, len(leaves) - len(fit))   # (add may grow the arrays: index first)
+                settled.done[index] = True
             if fit:
                 group = Group(pending.branch, variant, sp, tuple(fit))
                 heapq.heappush(queue, group.entry(settled.add(fit[0][0], len(fit))))

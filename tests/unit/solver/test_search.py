@@ -320,6 +320,18 @@ def test_branches_bound_each_candidate_as_alone(request, graph_name, spec, gbs):
             popped.append((entry[0], entry[1]))
     assert popped == sorted((lb_t, key) for key, lb_t in fits.items())
     assert search.settled.total == len(alone) - whole
+    # again with the bar's arrays full when the branches are bounded (each growth replaces them)
+    again = search_of(_cluster(spec, memory))
+    queue = again._queue(None)
+    while queue:
+        entry = heapq.heappop(queue)
+        if entry[3] == "branch":
+            while again.settled.size < len(again.settled.bound) <= 2 ** 14:
+                again.settled.add(0.0, 0)
+            again._bound_branch(queue, entry[2], entry[4])
+        elif entry[3] == "group":
+            again._expand(queue, entry[2], entry[4])
+    assert again.stats.pruned_memory == search.stats.pruned_memory and again.settled.total == len(alone) - whole
     assert (search.stats.candidates, search.stats.dominated, search.stats.pruned_memory) == \
         (usable, dominated, len(alone) - len(fits))
 
