@@ -40,6 +40,7 @@ from .plan.sweep import Sweep, SweepRow
 from .progress import progress_bar
 from .codegen.inputs import describe_inputs, with_inputs
 from .solver import solve
+from .solver.ahead import cores_taken
 from .solver.choice import check_tolerance
 from .solver.sharding import NODE_LIMIT
 from .solver.space import check_fixed
@@ -152,6 +153,7 @@ def _init_worker(task: _Task) -> None:
     # What the worker inherited (torch, the graph) lives as long as it does: out of the collector's
     # sight, the search's many small objects are collected without walking it again (about 15% faster).
     gc.freeze()
+    cores_taken()   # the workers keep the cores busy: no search of theirs forks a process to bound ahead
 
 
 def _solve_in_worker(nodes: int) -> tuple[int, dict[str, Any] | None, str | None]:

@@ -16,7 +16,8 @@ candidate and summed bound, and computes it itself when it has not. A bound is a
 candidate and its summed bound, so the plan, every bound and every count are the same with or without the
 second process; only the time changes. Without ``fork`` (Windows, macOS by default), inside a daemonic process,
 or for a queue of fewer than :data:`MIN_CANDIDATES` candidates (a second process costs more than it saves),
-the search computes every bound itself.
+the search computes every bound itself; nor where the cores are taken by processes like this one
+(:func:`cores_taken`).
 """
 
 from __future__ import annotations
@@ -87,9 +88,19 @@ class _Walker:
         return tighter
 
 
+_CORES_TAKEN = False
+
+
+def cores_taken() -> None:
+    """This process runs beside others that keep every core busy (autopar.sweep's workers, one size each): a
+    second process would only take time from them (the sweep bench: 26 s where it took 22 s without)."""
+    global _CORES_TAKEN
+    _CORES_TAKEN = True
+
+
 def walk_ahead(search: "Search", queue: list) -> Ahead | None:
     """The second process walking ``queue`` (module docstring), or None where there is none to be had."""
-    if (search.settled.total < MIN_CANDIDATES or "fork" not in multiprocessing.get_all_start_methods()
+    if (search.settled.total < MIN_CANDIDATES or _CORES_TAKEN or "fork" not in multiprocessing.get_all_start_methods()
             or multiprocessing.current_process().daemon):
         return None
     context = multiprocessing.get_context("fork")
