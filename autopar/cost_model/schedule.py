@@ -189,8 +189,8 @@ def _partitions(costs: Sequence[tuple[float, ...]], parts: int) -> list[tuple[ra
     """The balanced split of each of ``costs`` (of one length) into ``parts`` runs: ``best[k][j]``, the least
     largest run of the first ``j`` layers in ``k`` runs, is ``min_i max(best[k-1][i], prefix[j] - prefix[i])``,
     the first minimising ``i`` kept. Each ``k`` is one numpy reduction over the (cost, j, i) array of the splits
-    not answered before (a Python triple loop was half the plan time of a 96-layer model; one reduction per
-    cost and ``k``, 0.35 s of HF GPT-2 175B's search)."""
+    not answered before (a Python triple loop was half the plan time of a 96-layer model), the costs of one
+    call (a mesh's recompute modes) solved together."""
     todo = list(dict.fromkeys(c for c in costs if (c, parts) not in _SPLITS))
     if todo:
         n = len(todo[0])

@@ -105,8 +105,8 @@ class Settled:
     memory when refined, or with a bound at or above the fastest plan so far (pruned by the bound: the
     search never visits them, the best only gets faster). Most are settled by the first plans found,
     so the bar's rate and remaining time are those of the search, not of visiting every candidate.
-    By entry index: a group's entry weighs its candidates until it reaches the head, then nothing (its
-    candidates' own entries take over)."""
+    By entry index: a branch's or a group's entry weighs its candidates until it reaches the head, then nothing
+    (its groups' or candidates' own entries take over)."""
 
     bound: np.ndarray = field(default_factory=lambda: np.empty(1024))
     done: np.ndarray = field(default_factory=lambda: np.zeros(1024, dtype=bool))
@@ -253,8 +253,8 @@ class BoundedQueue:
                          if lb_m <= memory or not self.must_fit)
             if len(fit) < len(leaves):
                 self.stats.pruned_memory += len(leaves) - len(fit)
-                index = settled.add(math.inf, len(leaves) - len(fit))   # (add may grow the arrays: index first)
-                settled.done[index] = True
+                pruned = settled.add(math.inf, len(leaves) - len(fit))   # (add may grow the arrays: index first)
+                settled.done[pruned] = True
             if fit:
                 group = Group(pending.branch, variant, sp, tuple(fit))
                 heapq.heappush(queue, group.entry(settled.add(fit[0][0], len(fit))))
