@@ -3,21 +3,22 @@
 Once the queue is built (bounded_queue.py), the costliest step left in the search's own process is the
 even split's device-by-device bound (bounds.SearchBounds._refine_even: its splits' partitions, then a
 knapsack per split), which an interleaved or ZB-V candidate takes when its summed bound reaches the queue's
-head. On HF GPT-2 175B over 1,024 GPUs 1,079 candidates take it, about 1 ms each: a quarter of the search
-after its queue, on one core of two while the other has nothing left to do (the sharding ILPs' second
+head. On HF GPT-2 175B over 1,024 GPUs 1,079 candidates take it, about 1 ms each: half of the search after
+its queue, on one core of two while the other has nothing left to do (the sharding ILPs' second
 process is done by then).
 
 :func:`walk_ahead` forks a process holding the queue as it is. It walks the same queue in the same order
 (bounded_queue.BoundedQueue._next, bounds only: it evaluates nothing, so it runs ahead of the search) and
 takes the bounds of the candidates whose even splits are *its* (:func:`theirs`: half of the split keys, so
-that each process computes its own splits once), sending each back; those of the search's own split keys it
+that each process computes its own splits once; given more, it falls behind the search, which then waits or
+computes them twice: measured no faster), sending each back; those of the search's own split keys it
 passes over. The search takes a bound of theirs from the pipe when it has arrived, checked to be for the same
 candidate and summed bound, and computes it itself when it has not. A bound is a pure function of the
 candidate and its summed bound, so the plan, every bound and every count are the same with or without the
 second process; only the time changes. Without ``fork`` (Windows, macOS by default), inside a daemonic process,
 or for a queue of fewer than :data:`MIN_CANDIDATES` candidates (a second process costs more than it saves),
-the search computes every bound itself; nor where the cores are taken by processes like this one
-(:func:`cores_taken`).
+the search computes every bound itself; nor in a process that runs beside others keeping every core busy
+(:func:`cores_taken`: autopar.sweep's workers).
 """
 
 from __future__ import annotations
