@@ -63,8 +63,6 @@ class LayerCost:
         return self.fwd + self.bwd + self.recompute + self.comm
 
 
-
-
 def weight_share(node: OpNode) -> float:
     """The share of an op's backward that computes its parameters' gradients (what a zero-bubble
     schedule's W pass runs): none without parameters; all of an embedding's (its input, indices, has

@@ -70,7 +70,7 @@ def even_splits(est: Estimator, cfg: ParallelConfig, work: np.ndarray) -> tuple[
     runs = set(even_partitions(est.graph, chunks, columns, cfg.schedule == "zbv"))
     own, own_experts = est.own_params(cfg)
     out = []
-    for split in sorted(runs, key=lambda runs: [(run.start, run.stop) for run in runs]):
+    for split in sorted(runs, key=lambda split: [(run.start, run.stop) for run in split]):
         members, device, chunk, held = _placement(split, cfg, len(work))
         params = np.array([own[h].sum() for h in held])
         experts = np.array([own_experts[h].sum() for h in held])

@@ -43,7 +43,6 @@ from ..plan.placement import Placement, Shard
 from .strategies import Comm, OpContext, P, R, Strategy, node_strategies
 
 
-
 def reshard_comms(src: Placement, dst: Placement, numel: int, batch_dependent: bool, grad: bool,
                   src_const: bool = False, dst_const: bool = False) -> tuple[Comm, ...] | None:
     """Collectives that turn spec ``src`` into ``dst`` (None: impossible); ``src_const``: the value is a
