@@ -126,13 +126,13 @@ def even_partition(graph: OpGraph, chunks: int, layer_cost: Sequence[float], v_s
 def even_partitions(graph: OpGraph, chunks: int, layer_costs: Sequence[tuple[float, ...]], v_shape: bool = False
                     ) -> list[tuple[range, ...]]:
     """:func:`even_partition` of each of ``layer_costs`` (the search splits one mesh's layers by each recompute
-    mode's costs: the balanced splits of the same length are solved together, :func:`_partitions`)."""
+    mode's costs: the balanced splits of the same length are solved together, :func:`balanced_partitions`)."""
     n = len(graph.layers)
     blocks = [l.index for l in graph.layers if l.is_block]
     run = bool(blocks) and blocks == list(range(blocks[0], blocks[-1] + 1))   # the blocks one contiguous run
     if v_shape:
         if len(blocks) < chunks or not run:
-            return _partitions(layer_costs, chunks)
+            return balanced_partitions(layer_costs, chunks)
         return [v_partition(n, blocks[0], len(blocks), chunks, cost) for cost in layer_costs]
     if chunks > n:
         raise ConfigError(f"{chunks} pipeline chunks (pp x virtual_stages) but the model has only {n} layers "
@@ -144,7 +144,7 @@ def even_partitions(graph: OpGraph, chunks: int, layer_costs: Sequence[tuple[flo
         per, first = len(blocks) // chunks, blocks[0]
         starts = [0] + [first + k * per for k in range(1, chunks)] + [n]
         return [tuple(range(a, b) for a, b in zip(starts, starts[1:]))] * len(layer_costs)
-    return _partitions(layer_costs, chunks)
+    return balanced_partitions(layer_costs, chunks)
 
 
 def v_partition(layers: int, first: int, blocks: int, chunks: int, layer_cost: Sequence[float]) -> tuple[range, ...]:
@@ -176,17 +176,12 @@ def v_partition(layers: int, first: int, blocks: int, chunks: int, layer_cost: S
     return tuple(range(a, b) for a, b in zip(starts, starts[1:]))
 
 
-def balanced_partition(cost: Sequence[float], parts: int) -> list[list[int]]:
-    """Contiguous split of ``cost`` into ``parts`` non-empty runs minimising the largest run sum
-    (the classic linear-partition DP, :func:`_partitions`)."""
-    return [list(run) for run in _partitions([tuple(float(c) for c in cost)], parts)[0]]
+_SPLITS: dict[tuple[tuple[float, ...], int], tuple[range, ...]] = {}   # balanced_partitions' answers (the search asks again)
 
 
-_SPLITS: dict[tuple[tuple[float, ...], int], tuple[range, ...]] = {}   # _partitions' answers (the search asks again)
-
-
-def _partitions(costs: Sequence[tuple[float, ...]], parts: int) -> list[tuple[range, ...]]:
-    """The balanced split of each of ``costs`` (of one length) into ``parts`` runs: ``best[k][j]``, the least
+def balanced_partitions(costs: Sequence[tuple[float, ...]], parts: int) -> list[tuple[range, ...]]:
+    """The contiguous split of each of ``costs`` (of one length) into ``parts`` non-empty runs that minimises the
+    largest run sum (the classic linear-partition DP, O(n^2 parts)): ``best[k][j]``, the least
     largest run of the first ``j`` layers in ``k`` runs, is ``min_i max(best[k-1][i], prefix[j] - prefix[i])``,
     the first minimising ``i`` kept. Each ``k`` is one numpy reduction over the (cost, j, i) array of the splits
     not answered before (a Python triple loop was half the plan time of a 96-layer model), the costs of one

@@ -1,4 +1,4 @@
-"""The balanced split of layers into pipeline chunks (cost_model/schedule.balanced_partition) against the
+"""The balanced split of layers into pipeline chunks (cost_model/schedule.balanced_partitions) against the
 linear-partition recurrence written out in Python: the same runs, ties broken alike (the first start
 reaching the least largest run), on integer costs (exact sums, many ties) and on float ones."""
 
@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.cost_model.schedule import balanced_partition
+from autopar.cost_model.schedule import balanced_partitions
 
 
 def _reference(cost: list[float], parts: int) -> list[list[int]]:
@@ -35,10 +35,12 @@ def _reference(cost: list[float], parts: int) -> list[list[int]]:
 @given(st.lists(st.integers(0, 4), min_size=1, max_size=14) | st.lists(st.floats(0, 1e3), min_size=1, max_size=14),
        st.data())
 def test_balanced_partition_is_the_recurrence(cost, data):
+    """Each of several costs of one length solved together is its own recurrence's split."""
     parts = data.draw(st.integers(1, len(cost)))
-    runs = balanced_partition(cost, parts)
-    assert runs == _reference([float(c) for c in cost], parts)
-    assert [i for run in runs for i in run] == list(range(len(cost))) and all(runs)
+    other = data.draw(st.permutations(cost))   # another cost of the same length, in the same call
+    for runs, c in zip(balanced_partitions([tuple(map(float, cost)), tuple(map(float, other))], parts), (cost, other)):
+        assert [list(run) for run in runs] == _reference([float(x) for x in c], parts)
+        assert [i for run in runs for i in run] == list(range(len(c))) and all(runs)
 
 
 def test_balanced_partition_minimises_the_largest_run():
@@ -47,4 +49,4 @@ def test_balanced_partition_minimises_the_largest_run():
     for parts in range(1, len(cost) + 1):
         least = min(max(sum(cost[a:b]) for a, b in zip((0, *cuts), (*cuts, len(cost))))
                     for cuts in itertools.combinations(range(1, len(cost)), parts - 1))
-        assert max(sum(cost[i] for i in run) for run in balanced_partition(cost, parts)) == least
+        assert max(sum(cost[i] for i in run) for run in balanced_partitions([tuple(cost)], parts)[0]) == least
