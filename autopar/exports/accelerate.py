@@ -13,10 +13,14 @@ How the plan maps: ZeRO-3 is FSDP2 with ``fsdp_reshard_after_forward: true``, Ze
 (``distributed_type: MULTI_GPU``); ZeRO-0 with tensor or context parallelism and ZeRO-1 have no
 accelerate equivalent and are written as the ZeRO-2-like FSDP2, which holds less memory. Tensor and
 context parallelism are ``parallelism_config_tp_size`` / ``_cp_size``. Recomputation is
-``fsdp_activation_checkpointing`` (every transformer block, full). An offloaded ZeRO-3 (``config.offload``)
-is ``fsdp_offload_params: true``: launch.py passes it on as ``FSDP_OFFLOAD_PARAMS``, from which
+``fsdp_activation_checkpointing`` (every transformer block, full). An offloaded ZeRO-3 (``config.offload =
+"all"``) is ``fsdp_offload_params: true``: launch.py passes it on as ``FSDP_OFFLOAD_PARAMS``, from which
 ``FullyShardedDataParallelPlugin`` (utils/dataclasses.py ``set_cpu_offload``) builds FSDP2's
 ``CPUOffloadPolicy``: parameter and gradient shards in host memory, and so the optimizer's states and step.
+accelerate's FSDP (and DDP) has no optimizer-only offload (``config.offload = "optimizer"``): nothing is
+written, the optimizer states stay on the GPU, and the memory that adds is said (accelerate offloads the
+optimizer alone only through its DeepSpeed plugin, ``deepspeed_config.offload_optimizer_device``, which
+this FSDP file does not use).
 
 Not in accelerate's FSDP config, and so reported: pipeline parallelism (the pipeline ranks become FSDP
 ranks: another plan, which the warning says how to price), expert parallelism, Megatron's sequence
@@ -32,7 +36,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .common import RECOMPUTE_PART, Export, Field, Fields, base_warnings, header, layers_of, recompute_mode, seq_len
+from .common import (RECOMPUTE_PART, Export, Field, Fields, base_warnings, header, layers_of, optimizer_on_device,
+                     peak_instead, recompute_mode, seq_len)
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -81,10 +86,12 @@ def export(plan: "Plan") -> Export:
             _parallelism(plan, add, warnings)
     else:
         _recompute(plan, None, warnings)
-        if cfg.offload:
-            warnings.append("config.offload = true on one device: accelerate's CPU offload is an FSDP setting "
+        if cfg.offload == "all":
+            warnings.append("config.offload = \"all\" on one device: accelerate's CPU offload is an FSDP setting "
                             "(fsdp_config.fsdp_offload_params) and one process runs without FSDP; the parameters, "
                             "gradients and optimizer states stay on the GPU, more memory than the plan")
+    if cfg.offload == "optimizer":
+        _optimizer_offload(plan, kind, warnings)
     if cfg.pp > 1:
         how = "FSDP sharding (dp_shard_size" if kind == "FSDP" else "DDP replicas (num_processes"
         warnings.append(f"config.pp = {cfg.pp}: accelerate's config has no pipeline parallelism; the {cfg.pp} pipeline "
@@ -108,7 +115,7 @@ def _fsdp(plan: "Plan", add, warnings: list[str]) -> None:
         "ZeRO-3: parameters gathered again for backward" if cfg.zero == 3 else
         "ZeRO-2: parameters whole from forward to backward" if cfg.zero == 2 else
         f"ZeRO-2-like, the nearest to the plan's ZeRO-{cfg.zero}")
-    if cfg.offload:
+    if cfg.offload == "all":
         add("fsdp_config.fsdp_offload_params", True, ("config.offload",),
             LAUNCH + " --fsdp_offload_params (FSDP_OFFLOAD_PARAMS); " + OFFLOAD_PLUGIN,
             "FSDP2's CPUOffloadPolicy: parameter and gradient shards in host memory, the optimizer's states and "
@@ -128,6 +135,30 @@ def _fsdp(plan: "Plan", add, warnings: list[str]) -> None:
                         f"in {prec.compute} (FullyShardedDataParallelPlugin.set_mixed_precision); reduce in "
                         f"{prec.grads} in code: FullyShardedDataParallelPlugin(mixed_precision_policy={{'param_dtype': "
                         f"'{prec.compute}', 'reduce_dtype': '{prec.grads}', 'output_dtype': '{prec.compute}'}})")
+
+
+def _optimizer_offload(plan: "Plan", kind: str, warnings: list[str]) -> None:
+    """config.offload = "optimizer": accelerate's FSDP plugin offloads with CPUOffloadPolicy only
+    (fsdp_offload_params: the parameter and gradient shards too), its DDP not at all; nothing is written."""
+    cfg = plan.config
+    sharded = kind == "FSDP" and cfg.dp * cfg.pp * cfg.cp > 1     # (a pipeline is folded into the sharding)
+    held = "sharded by FSDP over the data-parallel ranks" if sharded else "whole on each rank"
+    if cfg.pp > 1:   # another layout than the plan's: its memory is the folded plan's (the config.pp warning)
+        memory = "more memory than the plan (price the folded plan as the config.pp warning says)"
+    else:
+        memory = peak_instead(plan, *optimizer_on_device(plan, sharded))
+    if kind == "FSDP":
+        how = ("its one CPU offload, fsdp_config.fsdp_offload_params, is FSDP2's CPUOffloadPolicy, which keeps the "
+               "parameter and gradient shards in host memory too (copied over the host link at every all-gather "
+               "and reduce-scatter), a plan autopar prices as offload = \"all\" with zero = 3")
+    else:
+        how = (f"this file runs {'DDP' if kind == 'MULTI_GPU' else 'one process'} without FSDP, and FSDP's one CPU "
+               "offload, fsdp_offload_params, moves the parameters and gradients too")
+    warnings.append(f"config.offload = \"optimizer\": accelerate's FSDP has no optimizer-only CPU offload: {how}; "
+                    "only accelerate's DeepSpeed plugin offloads the optimizer alone (distributed_type: DEEPSPEED "
+                    "with deepspeed_config.offload_optimizer_device: cpu; `autopar export --to deepspeed` writes "
+                    "DeepSpeed's own config). Nothing is written here: the optimizer states and the optimizer step "
+                    f"stay on the GPU, {held}: {memory}")
 
 
 def _recompute(plan: "Plan", add, warnings: list[str]) -> None:
@@ -176,7 +207,8 @@ def _folded_estimate(plan: "Plan", kind: str) -> str:
     spec = (f"{cluster.nodes}x{cluster.devices_per_node}x{cluster.device.name}" if " " not in cluster.device.name
             else "local")
     zero = 0 if kind != "FSDP" else 3 if cfg.zero == 3 else 2
-    fields = (f"dp={cfg.dp * cfg.pp},tp={cfg.tp},cp={cfg.cp},pp=1,zero={zero},"
+    offload = ",offload=all" if kind == "FSDP" and cfg.offload == "all" else ""   # what fsdp_offload_params runs
+    fields = (f"dp={cfg.dp * cfg.pp},tp={cfg.tp},cp={cfg.cp},pp=1,zero={zero}{offload},"
               f"mbs={cfg.micro_batch_size}" + (",sp=true" if cfg.sequence_parallel else "")
               + f",recompute={'none' if mode == 'none' else 'full'}")
     return (f"autopar estimate {model or 'MODEL'} --cluster {spec} --global-batch {plan.global_batch_size} "

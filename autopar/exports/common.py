@@ -227,6 +227,30 @@ def unsharded_memory(plan: "Plan", zero: int) -> tuple[float, bool]:
     return peak, peak <= plan.cluster.device.memory
 
 
+def optimizer_on_device(plan: "Plan", sharded: bool) -> tuple[float, bool]:
+    """The peak bytes per device if the optimizer states that ``offload = "optimizer"`` keeps in host memory
+    stay on the device (a stack without optimizer-only offload): the fp32 master weights under mixed
+    precision and the optimizer's own states, ZeRO-sharded over the data-parallel ranks (``sharded``) or
+    whole, per stage from its parameter count; and whether that still fits the device."""
+    cfg, prec = plan.config, plan.precision
+    peak = 0.0
+    for stage in plan.stages:
+        mem = stage.memory
+        params = cfg.zero_shard(stage.param_count, stage.expert_param_count) if sharded else stage.param_count
+        optimizer = max(mem.optimizer, params * prec.optimizer_bytes)
+        peak = max(peak, mem.params + mem.grads + optimizer + mem.activations + mem.buffers)
+    return peak, peak <= plan.cluster.device.memory
+
+
+def peak_instead(plan: "Plan", peak: float, fits: bool) -> str:
+    """What a stack's fallback does to the peak memory per device, in words: the new peak against the plan's
+    and the device's, or that the plan already counts it."""
+    if peak <= max(stage.memory.total for stage in plan.stages) * (1 + 1e-6):
+        return f"within the plan's {gb(plan.peak_memory)} per device"
+    return (f"about {gb(peak)} per device at the peak instead of {gb(plan.peak_memory)}, which "
+            f"{'still fits' if fits else 'does not fit'} the {gb(plan.cluster.device.memory)} device")
+
+
 def base_warnings(plan: "Plan") -> list[str]:
     """What every export says first: a plan that does not fit its devices."""
     if plan.fits:

@@ -8,7 +8,8 @@ and, without one, every rank), ``deepspeed/runtime/zero/config.py`` (``zero_opti
 ``deepspeed/runtime/engine.py`` (``_do_optimizer_sanity_check``: ZeRO runs an optimizer outside
 ``ZERO_SUPPORTED_OPTIMIZERS``, such as SGD, only with ``zero_allow_untested_optimizer``),
 ``deepspeed/runtime/zero/offload_config.py`` (``zero_optimization.offload_param`` and ``offload_optimizer``:
-``device`` "cpu" and ``pin_memory``, the plan's offloaded ZeRO-3; parameters only under stage 3),
+``device`` "cpu" and ``pin_memory``; ``config.offload = "all"`` is both, parameters only under stage 3,
+``"optimizer"`` is ``offload_optimizer`` alone, which DeepSpeed runs under ZeRO stage 1, 2 or 3 only),
 ``deepspeed/runtime/tensor_parallel/config.py`` (``tensor_parallel.autotp_size``, AutoTP training),
 ``deepspeed/module_inject/auto_ep_config.py`` (``parse_autoep_config``: ``expert_parallel.enabled``,
 false unless written, and ``autoep_size``) and ``get_pipeline_config``
@@ -108,10 +109,18 @@ def export(plan: "Plan") -> Export:
                         "optimizer state: less memory than the plan, the same bytes on the network")
         zero, sources, note = 1, ("config.zero", "precision.grads", "precision.compute"), \
             f"ZeRO keeps {prec.grads} gradients of {prec.storage} weights"
+    if zero == 0 and cfg.offload == "optimizer":
+        ranks_note = ("with one data-parallel rank the same as the plan's ZeRO-0" if ranks == 1 else
+                      f"which also shards the optimizer states, their host copies and the CPU step over the {ranks} "
+                      "data-parallel ranks: less host memory and CPU work than the plan, the same bytes on the network")
+        warnings.append("config.zero = 0 with config.offload = \"optimizer\": DeepSpeed needs ZeRO stage 1 or higher "
+                        "for offload_optimizer (its ZeRO optimizers run the offload; stage 0 builds none, and the "
+                        f"optimizer states would stay on the GPU); written as stage 1, {ranks_note}")
+        zero, sources, note = 1, ("config.zero", "config.offload"), "DeepSpeed offloads the optimizer under ZeRO only"
     zero_sources = sources if zero != cfg.zero else ("config.zero",)
     add("zero_optimization.stage", zero, zero_sources, CONFIG_JSON + " zero_optimization.stage; " + ZERO,
         "" if zero == cfg.zero else note)
-    if cfg.offload:
+    if cfg.offload != "none":
         _offload(plan, zero, add, warnings)
     _optimizer(plan, zero, zero_sources, add, warnings)
 
@@ -129,11 +138,11 @@ def export(plan: "Plan") -> Export:
 
 
 def _offload(plan: "Plan", zero: int, add, warnings: list[str]) -> None:
-    """The plan's offloaded ZeRO-3: DeepSpeed's offload_param (the parameter shards; stage 3 only) and
-    offload_optimizer (the optimizer states, fp32 master weights and gradients; the step on the CPU), in
-    pinned host memory."""
+    """config.offload: "all" (the plan's offloaded ZeRO-3) is DeepSpeed's offload_param (the parameter shards;
+    stage 3 only) with offload_optimizer; "optimizer" is offload_optimizer alone (the optimizer states, fp32
+    master weights and gradient shards in host memory, the step on the CPU); both in pinned host memory."""
     src = ("config.offload",)
-    if zero == 3:
+    if plan.config.offload == "all" and zero == 3:
         add("zero_optimization.offload_param.device", "cpu", src, OFFLOAD_PARAM + ".device",
             "each rank's parameter shards in host memory")
         add("zero_optimization.offload_param.pin_memory", True, src, OFFLOAD_PARAM + ".pin_memory",
@@ -142,18 +151,18 @@ def _offload(plan: "Plan", zero: int, add, warnings: list[str]) -> None:
         "optimizer states and gradient shards in host memory, the step on the CPU")
     add("zero_optimization.offload_optimizer.pin_memory", True, src, OFFLOAD_OPTIMIZER + ".pin_memory",
         "page-locked: asynchronous copies at the host link's full bandwidth")
-    if zero != 3:
-        warnings.append(f"config.offload = true with pp = {plan.config.pp}: DeepSpeed offloads parameters only under "
-                        "ZeRO-3 (offload_param: \"Valid only with stage 3\"), which its pipeline engine refuses; only "
-                        f"offload_optimizer is written, valid with stage {zero} (the optimizer states and the step on "
-                        "the CPU), and the parameters stay on the GPU, whole (the memory said above)")
+    if plan.config.offload == "all" and zero != 3:
+        warnings.append(f"config.offload = \"all\" with pp = {plan.config.pp}: DeepSpeed offloads parameters only "
+                        "under ZeRO-3 (offload_param: \"Valid only with stage 3\"), which its pipeline engine refuses; "
+                        f"only offload_optimizer is written, valid with stage {zero} (the optimizer states and the "
+                        "step on the CPU), and the parameters stay on the GPU, whole (the memory said above)")
 
 
 def _optimizer(plan: "Plan", zero: int, zero_sources: tuple[str, ...], add, warnings: list[str]) -> None:
     """The optimizer is built in code; ZeRO runs SGD only when the config allows an untested optimizer, and
     with offloaded optimizer states anything but DeepSpeed's CPU optimizers only when the config forces it."""
     sgd = plan.precision.optimizer == "sgd"
-    offload = plan.config.offload
+    offload = plan.config.offload != "none"   # offload_optimizer written, under both modes
     optimizer = "torch.optim.SGD" if sgd else "DeepSpeedCPUAdam" if offload else "torch.optim.AdamW"
     allowed = sgd and zero >= 1
     if allowed:

@@ -28,11 +28,13 @@ Every flag is one of ``megatron/training/arguments.py`` (its argument groups ``_
   ``optim_grads_params``, with the flags its user guide lists), which works with tensor, context and
   expert parallelism and not with a pipeline: there they fall back to the distributed optimizer, and the
   memory that adds is said.
-- offload (the plan's offloaded ZeRO-3): Megatron-LM offloads the optimizer only, ``--optimizer-cpu-offload
-  --optimizer-offload-fraction 1.0`` with ``--use-precision-aware-optimizer`` (which ``validate_args``
-  requires with it, and which runs Adam only) and ``--overlap-cpu-optimizer-d2h-h2d``, as its guide
-  (megatron/core/optimizer/cpu_offloading/README.md) lists: the optimizer states and step on the CPU;
-  the parameters and their gradients stay on the GPU, and the memory that adds is said.
+- offload: Megatron-LM offloads the optimizer only, ``--optimizer-cpu-offload --optimizer-offload-fraction
+  1.0`` with ``--use-precision-aware-optimizer`` (which ``validate_args`` requires with it, and which runs
+  Adam only, under the distributed optimizer) and ``--overlap-cpu-optimizer-d2h-h2d``, as its guide
+  (megatron/core/optimizer/cpu_offloading/README.md) lists: the optimizer states and step on the CPU.
+  That is the plan's ``offload = "optimizer"`` (ZeRO-0 written as the distributed optimizer, which the
+  precision-aware optimizer needs, and said so); for ``"all"`` (the offloaded ZeRO-3) the parameters and
+  their gradients stay on the GPU, and the memory that adds is said.
 - precision: ``--bf16`` / ``--fp16``, gradients reduced in fp32 (``--accumulate-allreduce-grads-in-fp32``)
   or bf16 (``--grad-reduce-in-bf16``), ``--optimizer adam|sgd``.
 
@@ -112,7 +114,7 @@ def export(plan: "Plan") -> Export:
     _recompute(plan, add, warnings)
     _zero(plan, add, warnings)
     _precision(plan, add, warnings)
-    if cfg.offload:
+    if cfg.offload != "none":
         _offload(plan, add, warnings)
     return Export("Megatron-LM", render(plan, fields, warnings), tuple(fields), tuple(warnings), "megatron_args.sh")
 
@@ -223,17 +225,21 @@ def _zero(plan: "Plan", add, warnings: list[str]) -> None:
 
 
 def _offload(plan: "Plan", add, warnings: list[str]) -> None:
-    """The plan's offloaded ZeRO-3 as Megatron-LM's optimizer CPU offload (HybridDeviceOptimizer: the fp32 main
-    parameters, the optimizer states and the step on the CPU), which is all Megatron-LM offloads."""
+    """config.offload as Megatron-LM's optimizer CPU offload (HybridDeviceOptimizer: the fp32 main parameters,
+    the optimizer states and the step on the CPU), which is all Megatron-LM offloads: the plan's "optimizer"
+    exactly, its "all" without the parameters and gradients."""
     cfg, prec = plan.config, plan.precision
     train, src = "_add_training_args", ("config.offload",)
+    mode = f"config.offload = \"{cfg.offload}\""
     if prec.optimizer != "adam":
-        warnings.append(f"config.offload = true with precision.optimizer = {prec.optimizer!r}: Megatron-LM's optimizer "
+        warnings.append(f"{mode} with precision.optimizer = {prec.optimizer!r}: Megatron-LM's optimizer "
                         "CPU offload (--optimizer-cpu-offload) needs --use-precision-aware-optimizer (validate_args: "
                         "\"The optimizer cpu offload must be used in conjunction with `--use-precision-aware-"
                         "optimizer`\"), which runs Adam only (megatron/core/optimizer/optimizer_config.py: "
                         "\"--use-precision-aware-optimizer only supported with adam\"); nothing is offloaded: the "
-                        "parameters, gradients and optimizer states stay on the GPU, more memory than the plan")
+                        + ("optimizer states stay" if cfg.offload == "optimizer"
+                           else "parameters, gradients and optimizer states stay")
+                        + " on the GPU, more memory than the plan")
         return
     add("--optimizer-cpu-offload", True, src, _doc(train, "--optimizer-cpu-offload") + "; " + CPU_OFFLOAD_GUIDE,
         "optimizer states and fp32 main parameters in host memory, the step on the CPU")
@@ -245,6 +251,22 @@ def _offload(plan: "Plan", add, warnings: list[str]) -> None:
     add("--overlap-cpu-optimizer-d2h-h2d", True, src, _doc(train, "--overlap-cpu-optimizer-d2h-h2d") + "; "
         + CPU_OFFLOAD_GUIDE, "gradients to the host, the CPU step and parameters back overlapped, as the guide "
         "recommends")
+    if cfg.zero == 0:   # _zero wrote no distributed optimizer, which the precision-aware optimizer needs
+        ranks = cfg.dp * cfg.cp
+        add("--use-distributed-optimizer", True, ("config.zero", "config.offload"),
+            _doc("_add_distributed_args", "--use-distributed-optimizer") + "; megatron/core/optimizer/"
+            "optimizer_config.py (\"--use-precision-aware-optimizer only supported with distributed optimizer\")",
+            "required by the precision-aware optimizer that the CPU offload runs on")
+        warnings.append(f"config.zero = 0 with {mode}: Megatron-LM's optimizer CPU offload needs "
+                        "--use-precision-aware-optimizer, which runs only under the distributed optimizer "
+                        "(megatron/core/optimizer/optimizer_config.py: \"--use-precision-aware-optimizer only "
+                        "supported with distributed optimizer\"); written with --use-distributed-optimizer (ZeRO-1), "
+                        + ("with one data-parallel rank the same as the plan's ZeRO-0" if ranks == 1 else
+                           f"which shards the optimizer states, their host copies and the CPU step over the {ranks} "
+                           "data-parallel ranks: less host memory and CPU work than the plan, the same bytes on the "
+                           "network"))
+    if cfg.offload == "optimizer":   # exactly Megatron-LM's optimizer CPU offload
+        return
     if cfg.pp > 1:
         where = "whole under the distributed optimizer (the memory said above)"
     else:
@@ -255,14 +277,14 @@ def _offload(plan: "Plan", add, warnings: list[str]) -> None:
             where = (f"sharded by Megatron FSDP: about {gb(peak)} per device at the peak instead of "
                      f"{gb(plan.peak_memory)}, which {'still fits' if fits else 'does not fit'} the "
                      f"{gb(plan.cluster.device.memory)} device")
-    warnings.append("config.offload = true: Megatron-LM offloads the optimizer only (--optimizer-cpu-offload: the "
+    warnings.append(f"{mode}: Megatron-LM offloads the optimizer only (--optimizer-cpu-offload: the "
                     "optimizer states, the fp32 main parameters and the step on the CPU); each rank's parameters and "
                     f"gradients stay on the GPU, {where}")
 
 
 def _shards_on_device(plan: "Plan") -> tuple[float, bool]:
-    """The peak bytes per device when the offloaded ZeRO-3 keeps its parameter and gradient shards on the
-    device (dense weights sharded over dp x cp, experts over dp x cp / ep), and whether that fits."""
+    """The peak bytes per device when the offloaded ZeRO-3 (offload "all") keeps its parameter and gradient shards
+    on the device (dense weights sharded over dp x cp, experts over dp x cp / ep), and whether that fits."""
     cfg, prec = plan.config, plan.precision
     peak = 0.0
     for stage in plan.stages:

@@ -10,10 +10,13 @@ How the plan maps:
 - data parallelism: ``data_parallel_shard_degree = dp`` (FSDP2 over the data-parallel ranks) with
   ``fsdp_reshard_after_forward = "always"`` for ZeRO-3 (parameters gathered again for backward) and
   ``"never"`` for ZeRO-2 (kept whole from forward to backward, gradients and optimizer state sharded).
-  An offloaded ZeRO-3 (``config.offload``) is ``training.enable_cpu_offload = true``: FSDP2's
+  An offloaded ZeRO-3 (``config.offload = "all"``) is ``training.enable_cpu_offload = true``: FSDP2's
   ``CPUOffloadPolicy`` (``apply_fsdp`` in models/llama3/infra/parallelize.py), which keeps the parameter,
   gradient and optimizer-state shards in host memory and steps the optimizer on the CPU; torchtitan
   applies FSDP only over more than one data- or context-parallel rank, and then only is it written.
+  torchtitan has no optimizer-only offload (``config.offload = "optimizer"``): that switch is the only
+  one, and it moves the parameters and gradients too; nothing is written, the optimizer states stay on
+  the GPU, and the memory that adds is said.
   ZeRO-0 is ``data_parallel_replicate_degree = dp`` (DDP), which torchtitan runs only without any other
   parallelism ("DDP has not supported > 1D parallelism", models/llama3/infra/parallelize.py); with
   tensor, pipeline, context or expert parallelism, ZeRO-0 and ZeRO-1 are written as the ZeRO-2-like
@@ -43,8 +46,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from .common import (Export, Field, Fields, base_warnings, chunks_in_order, header, layers_of, recompute_mode, seq_len,
-                     zero_bubble_substitute)
+from .common import (Export, Field, Fields, base_warnings, chunks_in_order, header, layers_of, optimizer_on_device,
+                     peak_instead, recompute_mode, seq_len, zero_bubble_substitute)
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -90,7 +93,7 @@ def export(plan: "Plan") -> Export:
         warnings.append(f"training.seq_len: {where}; set it to the sequence length the plan was made for")
     else:
         add("training.seq_len", seq, (where,), _doc("Training.seq_len"))
-    if cfg.offload:
+    if cfg.offload != "none":
         _offload(plan, add, warnings)
     _precision(plan, add, warnings)
 
@@ -201,21 +204,43 @@ def _fp8(plan: "Plan", add, warnings: list[str]) -> None:
 
 
 def _offload(plan: "Plan", add, warnings: list[str]) -> None:
-    """training.enable_cpu_offload: FSDP2's CPUOffloadPolicy on every FSDP unit (apply_fsdp). torchtitan applies
-    FSDP only when ParallelDims.fsdp_enabled (data_parallel_shard_degree or context_parallel_degree > 1); without
-    it the switch would leave the model where it initialises it with the switch on, the CPU (train.py)."""
+    """config.offload = "all": training.enable_cpu_offload, FSDP2's CPUOffloadPolicy on every FSDP unit
+    (apply_fsdp). torchtitan applies FSDP only when ParallelDims.fsdp_enabled (data_parallel_shard_degree or
+    context_parallel_degree > 1); without it the switch would leave the model where it initialises it with the
+    switch on, the CPU (train.py). config.offload = "optimizer": torchtitan has no such switch (said, not written)."""
     cfg = plan.config
+    if cfg.offload == "optimizer":
+        _optimizer_offload(plan, warnings)
+        return
     if cfg.dp * cfg.cp > 1:
         add("training.enable_cpu_offload", True, ("config.offload",), _doc("Training.enable_cpu_offload")
             + "; models/llama3/infra/parallelize.py apply_fsdp (CPUOffloadPolicy)",
             "FSDP2's CPUOffloadPolicy: parameter, gradient and optimizer-state shards in host memory, the "
             "optimizer step on the CPU")
         return
-    warnings.append("config.offload = true with dp = 1 and cp = 1: torchtitan's CPU offload is FSDP2's "
+    warnings.append("config.offload = \"all\" with dp = 1 and cp = 1: torchtitan's CPU offload is FSDP2's "
                     "CPUOffloadPolicy, and torchtitan applies FSDP only over more than one data- or "
                     "context-parallel rank (ParallelDims.fsdp_enabled); with none, training.enable_cpu_offload "
                     "would initialise the model on the CPU and leave it there. It is left out: the parameters, "
                     "gradients and optimizer states stay on the GPU, more memory than the plan")
+
+
+def _optimizer_offload(plan: "Plan", warnings: list[str]) -> None:
+    """config.offload = "optimizer": torchtitan's one CPU offload, training.enable_cpu_offload ("Whether to apply CPU
+    offloading of parameters, gradients, and optimizer states in FSDP"), is FSDP2's CPUOffloadPolicy, which moves
+    the parameter and gradient shards to the host too; not written, the optimizer states stay on the GPU."""
+    cfg = plan.config
+    ddp = cfg.zero == 0 and cfg.tp == cfg.pp == cfg.cp == cfg.ep == 1     # as _data_parallel writes it
+    sharded = not ddp and cfg.dp * cfg.cp > 1                                # FSDP shards the optimizer states
+    peak, fits = optimizer_on_device(plan, sharded)
+    held = (f"sharded by FSDP over the {cfg.dp * cfg.cp} data- and context-parallel ranks" if sharded else
+            "whole on each rank")
+    warnings.append("config.offload = \"optimizer\": torchtitan has no optimizer-only CPU offload; its one switch, "
+                    "training.enable_cpu_offload, is FSDP2's CPUOffloadPolicy, which keeps the parameter and gradient "
+                    "shards in host memory too (copied over the host link at every all-gather and reduce-scatter), "
+                    "a plan autopar prices as offload = \"all\" (with zero = 3). It is not written: the optimizer "
+                    f"states and the optimizer step stay on the GPU, {held}: {peak_instead(plan, peak, fits)}; the "
+                    "step then skips the host copies and runs on the GPU, faster than the plan predicts")
 
 
 def _data_parallel(plan: "Plan", add, warnings: list[str]) -> None:

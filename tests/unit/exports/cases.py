@@ -65,12 +65,21 @@ VARIANTS = [   # (stored plan, config changes, precision changes, blocks moved f
      dict(compute="fp8", recipe="tensorwise", kernels="compiled"), 0),
     ("llama3-70b_8x8xH100", dict(dp=4, tp=4, pp=4, zero=1), dict(compute="fp8", recipe="rowwise_with_gw_hp"), 0),
     ("llama3-70b_8x8xH100", dict(dp=8, tp=8, zero=1), dict(compute="fp8", recipe="mxfp8", kernels="compiled"), 0),
-    # offloaded ZeRO-3: FSDP alone; with tensor parallelism and SGD; under a pipeline (ZeRO-1 fallbacks)
-    ("llama3-70b_8x8xH100", dict(dp=64, tp=1, zero=3, offload=True, micro_batch_size=1, sequence_parallel=False),
+    # offloaded ZeRO-3 (offload="all"): FSDP alone; with tensor parallelism and SGD; under a pipeline (ZeRO-1
+    # fallbacks)
+    ("llama3-70b_8x8xH100", dict(dp=64, tp=1, zero=3, offload="all", micro_batch_size=1, sequence_parallel=False),
      {}, 0),
-    ("llama3-70b_8x8xH100", dict(dp=8, tp=8, zero=3, offload=True, micro_batch_size=1), dict(optimizer="sgd"), 0),
-    ("gpt3-175b_128x8xA100", dict(dp=16, pp=8, schedule="1f1b", virtual_stages=1, zero=3, offload=True),
+    ("llama3-70b_8x8xH100", dict(dp=8, tp=8, zero=3, offload="all", micro_batch_size=1), dict(optimizer="sgd"), 0),
+    ("gpt3-175b_128x8xA100", dict(dp=16, pp=8, schedule="1f1b", virtual_stages=1, zero=3, offload="all"),
      dict(compute="bf16"), 3),
+    # the optimizer alone in host memory (offload="optimizer"): under ZeRO-1; under ZeRO-0 with tensor parallelism
+    # (DeepSpeed and Megatron-LM offload it under ZeRO only: written as ZeRO-1); under a pipeline with ZeRO-2 and
+    # SGD (DeepSpeed's pipeline falls back to ZeRO-1; Megatron-LM's CPU offload runs Adam only)
+    ("llama3-70b_8x8xH100", dict(dp=64, tp=1, zero=1, offload="optimizer", micro_batch_size=1,
+                                 sequence_parallel=False), {}, 0),
+    ("llama3-70b_8x8xH100", dict(dp=8, tp=8, zero=0, offload="optimizer", micro_batch_size=1), dict(grads="bf16"), 0),
+    ("gpt3-175b_128x8xA100", dict(dp=16, pp=8, schedule="1f1b", virtual_stages=1, zero=2, offload="optimizer"),
+     dict(compute="bf16", optimizer="sgd"), 3),
     # the zero-bubble schedules: ZB-H1 (one chunk a device), ZB-V (two, placed as a V)
     ("llama3-70b_8x8xH100", dict(dp=4, tp=4, pp=4, schedule="zbh1", zero=1), {}, 0),
     ("gpt3-175b_128x8xA100", dict(dp=16, pp=8, schedule="zbv", virtual_stages=2, zero=0), {}, 0),

@@ -304,7 +304,7 @@ def _held(plan: autopar.Plan) -> list[str]:
     cfg, prec = plan.config, plan.precision
     paths = ["precision.optimizer", "global_batch_size", "config.micro_batch_size"]
     paths += [f"config.{k}" for k in ("zero", "tp", "pp", "cp", "ep") if getattr(cfg, k) > (0 if k == "zero" else 1)]
-    if cfg.offload:
+    if cfg.offload != "none":
         paths.append("config.offload")
     if prec.compute != "fp32":
         paths.append("precision.compute")
@@ -506,21 +506,21 @@ def test_fp8_plans_carry_each_stacks_fp8_switches(plans):
     assert any("no fp8 training switch" in w for w in ds.warnings)
 
 
-# --- offloaded ZeRO-3 (config.offload): each stack's own switches, and none without it ---------------
-def _offload_plans() -> tuple[autopar.Plan, autopar.Plan]:
-    """A plan of ParallelConfig(dp=2, zero=3, offload=True) on two H100s, and the same without offload, made by
-    autopar.estimate on a small model (the offloaded one from the zero=3 plan if estimate refuses offload)."""
+# --- offload (config.offload "all" and "optimizer"): each stack's own switches, and none without it -----
+def _offload_plans(offload: str = "all", zero: int = 3) -> tuple[autopar.Plan, autopar.Plan]:
+    """A plan of ParallelConfig(dp=2, zero=zero, offload=offload) on two H100s, and the same without offload, made
+    by autopar.estimate on a small model (the offloaded one from the plain plan if estimate refuses offload)."""
     torch = pytest.importorskip("torch")
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
                                                       torch.nn.Linear(256, 64)) for _ in range(4)])
     cluster, inputs = autopar.Cluster.from_spec("1x2xH100-SXM"), (torch.randn(4, 64),)
-    plain = autopar.estimate(model, cluster, inputs, autopar.ParallelConfig(dp=2, zero=3), global_batch_size=8)
+    plain = autopar.estimate(model, cluster, inputs, autopar.ParallelConfig(dp=2, zero=zero), global_batch_size=8)
     try:
-        offloaded = autopar.estimate(model, cluster, inputs, autopar.ParallelConfig(dp=2, zero=3, offload=True),
+        offloaded = autopar.estimate(model, cluster, inputs, autopar.ParallelConfig(dp=2, zero=zero, offload=offload),
                                      global_batch_size=8)
     except (ConfigError, NotImplementedError):
-        offloaded = dataclasses.replace(plain, config=dataclasses.replace(plain.config, offload=True))
-    assert offloaded.config.offload and not plain.config.offload
+        offloaded = dataclasses.replace(plain, config=dataclasses.replace(plain.config, offload=offload))
+    assert offloaded.config.offload == offload and plain.config.offload == "none"
     return offloaded, plain
 
 
@@ -576,23 +576,26 @@ def test_offload_where_a_stack_offloads_less(plans, tmp_path):
     """A pipeline (DeepSpeed and Megatron-LM fall back to ZeRO-1: the optimizer only), SGD (Megatron-LM's CPU
     offload runs Adam only; DeepSpeed's needs its CPU optimizer forced off), one data-parallel rank
     (torchtitan applies FSDP, and so its offload, over more than one) and one device (accelerate: no FSDP)."""
-    [piped] = [variant_plan(plans, i) for i, v in enumerate(VARIANTS) if v[1].get("offload") and v[1].get("pp", 1) > 1]
+    [piped] = [variant_plan(plans, i) for i, v in enumerate(VARIANTS)
+               if v[1].get("offload") == "all" and v[1].get("pp", 1) > 1]
     ds = check_export(piped, "deepspeed", tmp_path)
     assert ds.field("zero_optimization.stage").value == 1
     assert ds.field("zero_optimization.offload_optimizer.device").value == "cpu"
     assert not any(f.key.startswith("zero_optimization.offload_param") for f in ds.fields)
-    assert any("config.offload = true with pp = 8" in w and "only under ZeRO-3" in w for w in ds.warnings)
+    assert any('config.offload = "all" with pp = 8' in w and "only under ZeRO-3" in w for w in ds.warnings)
     meg = check_export(piped, "megatron", tmp_path)
     assert meg.field("--optimizer-cpu-offload").value is True and meg.field("--use-distributed-optimizer").value
     assert not any(f.key == "--use-megatron-fsdp" for f in meg.fields)
-    assert any(w.startswith("config.offload = true:") and "whole under the distributed optimizer" in w
+    assert any(w.startswith('config.offload = "all":') and "whole under the distributed optimizer" in w
                for w in meg.warnings)
     assert check_export(piped, "torchtitan", tmp_path).field("training.enable_cpu_offload").value is True
 
-    [sgd] = [variant_plan(plans, i) for i, v in enumerate(VARIANTS) if v[1].get("offload") and v[2].get("optimizer")]
+    [sgd] = [variant_plan(plans, i) for i, v in enumerate(VARIANTS)
+             if v[1].get("offload") == "all" and v[2].get("optimizer")]
     meg = check_export(sgd, "megatron", tmp_path)
     assert not any("offload" in f.key or f.key == "--use-precision-aware-optimizer" for f in meg.fields)
-    assert any("config.offload = true with precision.optimizer = 'sgd'" in w and "Adam only" in w for w in meg.warnings)
+    assert any("config.offload = \"all\" with precision.optimizer = 'sgd'" in w and "Adam only" in w
+               for w in meg.warnings)
     ds = check_export(sgd, "deepspeed", tmp_path)
     assert ds.field("zero_force_ds_cpu_optimizer").value is False
     assert ds.field("zero_optimization.offload_param.device").value == "cpu"
@@ -600,21 +603,137 @@ def test_offload_where_a_stack_offloads_less(plans, tmp_path):
 
     base = plans["llama3-70b_8x8xH100"]
     one_rank = with_partition(base, [list(c) for c in autopar.exports.common.chunks_in_order(base)], dp=1, tp=8,
-                              zero=3, offload=True)
+                              zero=3, offload="all")
     one_rank = dataclasses.replace(one_rank, cluster=dataclasses.replace(base.cluster, nodes=1),
                                    global_batch_size=base.config.micro_batch_size * 4, micro_batches=4)
     titan = check_export(one_rank, "torchtitan", tmp_path)
     assert not any(f.key == "training.enable_cpu_offload" for f in titan.fields)
-    assert any("config.offload = true with dp = 1 and cp = 1" in w for w in titan.warnings)
+    assert any('config.offload = "all" with dp = 1 and cp = 1' in w for w in titan.warnings)
     assert check_export(one_rank, "accelerate", tmp_path).field("fsdp_config.fsdp_offload_params").value is True
 
     single = with_partition(base, [list(c) for c in autopar.exports.common.chunks_in_order(base)], dp=1, tp=1,
-                            zero=3, offload=True, sequence_parallel=False)
+                            zero=3, offload="all", sequence_parallel=False)
     single = dataclasses.replace(single, cluster=dataclasses.replace(base.cluster, nodes=1, devices_per_node=1),
                                  global_batch_size=base.config.micro_batch_size, micro_batches=1)
     acc = check_export(single, "accelerate", tmp_path)
     assert acc.field("distributed_type").value == "NO" and not any("fsdp" in f.key for f in acc.fields)
-    assert any("config.offload = true on one device" in w for w in acc.warnings)
+    assert any('config.offload = "all" on one device' in w for w in acc.warnings)
+
+
+OPTIMIZER_OFFLOAD_KEYS = {   # offload="optimizer": the optimizer's offload alone, where a stack has one
+    "deepspeed": {"zero_optimization.offload_optimizer.device": "cpu",
+                  "zero_optimization.offload_optimizer.pin_memory": True},
+    "megatron": OFFLOAD_KEYS["megatron"],
+    "torchtitan": {},
+    "accelerate": {},
+}
+
+
+def test_offload_optimizer_writes_the_optimizers_offload_alone(tmp_path):
+    """offload = "optimizer" (the optimizer states and step on the CPU, any ZeRO stage) is DeepSpeed's
+    offload_optimizer alone and Megatron-LM's optimizer CPU offload, exactly and without a word; torchtitan and
+    accelerate have no optimizer-only offload (their one switch, FSDP2's CPUOffloadPolicy, moves the parameters
+    and gradients too): nothing is written, and that is said with the memory the optimizer then takes."""
+    offloaded, plain = _offload_plans("optimizer", zero=1)
+    for stack in STACKS:
+        on = check_export(offloaded, stack, tmp_path)
+        fields = {f.key: f.value for f in on.fields}
+        for key, value in OPTIMIZER_OFFLOAD_KEYS[stack].items():
+            assert fields.get(key) == value, (stack, key)
+            assert on.field(key).sources == ("config.offload",), (stack, key)
+        assert {f.key for f in on.fields if "config.offload" in f.sources} == set(OPTIMIZER_OFFLOAD_KEYS[stack]), stack
+        assert not any(f.key in OFFLOAD_KEYS[stack] for f in on.fields if f.key not in OPTIMIZER_OFFLOAD_KEYS[stack])
+        said = [w for w in on.warnings if "config.offload" in w]
+        if stack in ("deepspeed", "megatron"):
+            assert not said, (stack, said)         # the stack's own optimizer offload: nothing lost
+        else:
+            [w] = said
+            assert w.startswith('config.offload = "optimizer": ') and "no optimizer-only CPU offload" in w, w
+            assert "CPUOffloadPolicy" in w and "parameter and gradient shards in host memory too" in w, w
+            assert "stay on the GPU, sharded by FSDP" in w and "GB per device" in w, w
+        off = check_export(plain, stack, tmp_path)
+        assert not any("config.offload" in w for w in off.warnings), stack
+    # in the files as the stacks read them
+    ds = json.loads(export(offloaded, "deepspeed").text)
+    assert ds["zero_optimization"] == {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    assert "zero_force_ds_cpu_optimizer" not in ds    # Adam: DeepSpeedCPUAdam, which the warning names
+    assert any("DeepSpeedCPUAdam(model.parameters(), lr=...)" in w and "ZeRO-Offload" in w
+               for w in export(offloaded, "deepspeed").warnings)
+    args = export(offloaded, "megatron").text
+    for flag in ("--optimizer-cpu-offload", "--optimizer-offload-fraction 1.0", "--use-precision-aware-optimizer",
+                 "--overlap-cpu-optimizer-d2h-h2d", "--use-distributed-optimizer"):
+        assert flag in args, flag
+    assert "--use-megatron-fsdp" not in args
+    assert export(offloaded, "megatron").field("--use-distributed-optimizer").sources == ("config.zero",)
+    assert "enable_cpu_offload" not in tomllib.loads(export(offloaded, "torchtitan").text)["training"]
+    acc = _yaml(export(offloaded, "accelerate").text)
+    assert acc["distributed_type"] == "FSDP" and "fsdp_offload_params" not in acc["fsdp_config"]
+    assert any("deepspeed_config.offload_optimizer_device: cpu" in w for w in export(offloaded, "accelerate").warnings)
+
+
+def test_offload_optimizer_where_a_stack_needs_zero_or_adam(plans, tmp_path):
+    """ZeRO-0 (DeepSpeed runs offload_optimizer under ZeRO only; Megatron-LM's precision-aware optimizer only
+    under the distributed optimizer: both written as ZeRO-1, and said), a pipeline with SGD (DeepSpeed's
+    pipeline stage 1 keeps offload_optimizer, with its CPU optimizer forced off; Megatron-LM's CPU offload runs
+    Adam only) and one device (ZeRO-1 on one rank is the plan's ZeRO-0; the optimizer whole on the GPU)."""
+    [zero0] = [variant_plan(plans, i) for i, v in enumerate(VARIANTS)
+               if v[1].get("offload") == "optimizer" and v[1]["zero"] == 0]
+    ds = check_export(zero0, "deepspeed", tmp_path)
+    stage = ds.field("zero_optimization.stage")
+    assert stage.value == 1 and stage.sources == ("config.zero", "config.offload")
+    assert ds.field("zero_optimization.offload_optimizer.device").value == "cpu"
+    assert not any(f.key.startswith("zero_optimization.offload_param") for f in ds.fields)
+    [w] = [w for w in ds.warnings if w.startswith('config.zero = 0 with config.offload = "optimizer"')]
+    assert "DeepSpeed needs ZeRO stage 1 or higher for offload_optimizer" in w and "over the 8 data-parallel" in w
+    meg = check_export(zero0, "megatron", tmp_path)
+    dist = meg.field("--use-distributed-optimizer")
+    assert dist.value is True and dist.sources == ("config.zero", "config.offload")
+    assert meg.field("--optimizer-cpu-offload").value is True
+    [w] = [w for w in meg.warnings if w.startswith('config.zero = 0 with config.offload = "optimizer"')]
+    assert "only supported with distributed optimizer" in w and "over the 8 data-parallel" in w
+    assert not any(w.startswith('config.offload = "optimizer"') for w in meg.warnings)
+    titan = check_export(zero0, "torchtitan", tmp_path)   # ZeRO-0 with tensor parallelism: torchtitan's FSDP
+    assert any(w.startswith('config.offload = "optimizer"') and "sharded by FSDP over the 8" in w
+               for w in titan.warnings)
+
+    [piped] = [variant_plan(plans, i) for i, v in enumerate(VARIANTS)
+               if v[1].get("offload") == "optimizer" and v[1].get("pp", 1) > 1]
+    assert piped.precision.optimizer == "sgd"
+    ds = check_export(piped, "deepspeed", tmp_path)
+    assert ds.field("zero_optimization.stage").value == 1        # the pipeline engine's highest stage
+    assert ds.field("zero_optimization.offload_optimizer.device").value == "cpu"
+    assert not any(f.key.startswith("zero_optimization.offload_param") for f in ds.fields)
+    assert ds.field("zero_force_ds_cpu_optimizer").value is False
+    assert ds.field("zero_allow_untested_optimizer").value is True
+    assert any(w.startswith("config.zero = 2 with pp = 8") for w in ds.warnings)
+    assert not any(w.startswith("config.offload") for w in ds.warnings)
+    meg = check_export(piped, "megatron", tmp_path)
+    assert not any("offload" in f.key or f.key == "--use-precision-aware-optimizer" for f in meg.fields)
+    assert any("config.offload = \"optimizer\" with precision.optimizer = 'sgd'" in w and "Adam only" in w
+               and "the optimizer states stay on the GPU" in w for w in meg.warnings)
+    acc = check_export(piped, "accelerate", tmp_path)
+    assert any(w.startswith('config.offload = "optimizer"') and "folded plan" in w for w in acc.warnings)
+
+    base = plans["llama3-70b_8x8xH100"]
+    single = with_partition(base, [list(c) for c in autopar.exports.common.chunks_in_order(base)], dp=1, tp=1,
+                            zero=0, offload="optimizer", sequence_parallel=False)
+    single = dataclasses.replace(single, cluster=dataclasses.replace(base.cluster, nodes=1, devices_per_node=1),
+                                 precision=dataclasses.replace(base.precision, grads="bf16"),
+                                 global_batch_size=base.config.micro_batch_size, micro_batches=1)
+    ds = check_export(single, "deepspeed", tmp_path)
+    assert ds.field("zero_optimization.stage").value == 1
+    assert any(w.startswith('config.zero = 0 with config.offload = "optimizer"')
+               and "with one data-parallel rank the same as the plan's ZeRO-0" in w for w in ds.warnings)
+    meg = check_export(single, "megatron", tmp_path)
+    assert meg.field("--use-distributed-optimizer").value is True
+    assert any("with one data-parallel rank the same as the plan's ZeRO-0" in w for w in meg.warnings)
+    titan = check_export(single, "torchtitan", tmp_path)
+    assert not any(f.key == "training.enable_cpu_offload" for f in titan.fields)
+    assert any(w.startswith('config.offload = "optimizer"') and "whole on each rank" in w for w in titan.warnings)
+    acc = check_export(single, "accelerate", tmp_path)
+    assert acc.field("distributed_type").value == "NO" and not any("fsdp" in f.key for f in acc.fields)
+    [w] = [w for w in acc.warnings if "config.offload" in w]
+    assert "one process without FSDP" in w and "whole on each rank" in w and "offload_optimizer_device" in w
 
 
 def test_zero_bubble_schedules_as_each_stack_runs_them(plans, tmp_path):

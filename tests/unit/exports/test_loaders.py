@@ -112,10 +112,11 @@ def test_accelerate_loads_the_yaml(plans, name, tmp_path, monkeypatch):
         fsdp = FullyShardedDataParallelPlugin()
         assert (fsdp.fsdp_version, fsdp.reshard_after_forward) == (2, plan.config.zero == 3)
         assert fsdp.activation_checkpointing == fields["fsdp_config.fsdp_activation_checkpointing"]
-        # fsdp_offload_params -> FSDP_OFFLOAD_PARAMS -> FSDP2's CPUOffloadPolicy (set_cpu_offload), else OffloadPolicy()
+        # fsdp_offload_params -> FSDP_OFFLOAD_PARAMS -> FSDP2's CPUOffloadPolicy (set_cpu_offload), else
+        # OffloadPolicy(): offload="all" only (accelerate's FSDP has no optimizer-only offload: "optimizer" is a warning)
         from torch.distributed.fsdp import CPUOffloadPolicy
-        assert env["FSDP_OFFLOAD_PARAMS"] == ("true" if plan.config.offload else "false")
-        assert isinstance(fsdp.cpu_offload, CPUOffloadPolicy) == plan.config.offload
+        assert env["FSDP_OFFLOAD_PARAMS"] == ("true" if plan.config.offload == "all" else "false")
+        assert isinstance(fsdp.cpu_offload, CPUOffloadPolicy) == (plan.config.offload == "all")
         assert env["FSDP_AUTO_WRAP_POLICY"] == "TRANSFORMER_BASED_WRAP"
         prefix = "parallelism_config.parallelism_config_"
         if any(k.startswith(prefix) for k in fields):
@@ -169,18 +170,20 @@ def test_deepspeed_loads_the_json(plans, name, tmp_path, monkeypatch):
         assert (config.train_batch_size, config.gradient_accumulation_steps) == (plan.global_batch_size,
                                                                                 plan.micro_batches)
     assert config.zero_optimization_stage == result.field("zero_optimization.stage").value
-    # offloaded ZeRO-3: both offloads under stage 3, the optimizer's alone under a pipeline's stage 1
+    # offload="all": both offloads under stage 3, the optimizer's alone under a pipeline's stage 1; "optimizer": the
+    # optimizer's alone, under ZeRO (stage 1 or higher: a ZeRO-0 plan is written as stage 1)
     zero = config.zero_config
     def device(offload):   # OffloadDeviceEnum, kept as its value by DeepSpeedConfigModel (use_enum_values)
         return "none" if offload is None else getattr(offload.device, "value", offload.device)
     offload_param, offload_optimizer = device(zero.offload_param), device(zero.offload_optimizer)
-    assert offload_optimizer == ("cpu" if cfg.offload else "none")
-    assert offload_param == ("cpu" if cfg.offload and config.zero_optimization_stage == 3 else "none")
-    if cfg.offload:
+    assert offload_optimizer == ("cpu" if cfg.offload != "none" else "none")
+    assert offload_param == ("cpu" if cfg.offload == "all" and config.zero_optimization_stage == 3 else "none")
+    if cfg.offload != "none":
         assert zero.offload_optimizer.pin_memory and (zero.offload_param is None or zero.offload_param.pin_memory)
+        assert config.zero_optimization_stage >= 1
     # runtime/engine.py _configure_optimizer: a client optimizer other than DeepSpeedCPUAdam under ZeRO-Offload
     # raises unless this is false, as the export writes for SGD
-    assert config.zero_force_ds_cpu_optimizer == (not (cfg.offload and plan.precision.optimizer == "sgd"))
+    assert config.zero_force_ds_cpu_optimizer == (not (cfg.offload != "none" and plan.precision.optimizer == "sgd"))
     # an fp8 plan's other ops, weights and activations are bf16 (DeepSpeed itself has no fp8 switch: a warning)
     assert config.bfloat16_config.enabled == (plan.precision.compute in ("bf16", "fp8"))
     assert config.float16_config.enabled == (plan.precision.compute == "fp16")
@@ -252,8 +255,12 @@ ONE_DEVICE = [   # (config changes, precision changes) of a one-device plan that
     (dict(zero=1), dict(compute="fp32", grads="fp32", optimizer="sgd")),    # SGD under ZeRO
     (dict(zero=2), dict(compute="bf16", grads="fp32", optimizer="adam")),   # bf16 weights, fp32 gradients
     (dict(zero=0), dict(compute="bf16", grads="fp32", optimizer="sgd")),    # ZeRO-0 with that mix: written as ZeRO-1
-    (dict(zero=3, offload=True), dict(compute="fp32", grads="fp32", optimizer="sgd")),   # offloaded: torch's SGD forced
-    (dict(zero=3, offload=True), dict(compute="fp32", grads="fp32", optimizer="adam")),  # offloaded: DeepSpeedCPUAdam
+    (dict(zero=3, offload="all"), dict(compute="fp32", grads="fp32", optimizer="sgd")),   # torch's SGD forced
+    (dict(zero=3, offload="all"), dict(compute="fp32", grads="fp32", optimizer="adam")),  # DeepSpeedCPUAdam
+    # the optimizer alone offloaded: under ZeRO-2 with bf16 weights; under ZeRO-0, written as stage 1; with SGD
+    (dict(zero=2, offload="optimizer"), dict(compute="bf16", grads="fp32", optimizer="adam")),
+    (dict(zero=0, offload="optimizer"), dict(compute="fp32", grads="fp32", optimizer="adam")),
+    (dict(zero=1, offload="optimizer"), dict(compute="fp32", grads="fp32", optimizer="sgd")),
 ]
 
 
@@ -271,16 +278,18 @@ def test_deepspeed_initialize_trains_with_the_export(plans, case, one_rank_deeps
                                micro_batches=2)
     result = export(plan, "deepspeed", tmp_path / "ds.json")
     optimizer = torch.optim.SGD if plan.precision.optimizer == "sgd" else torch.optim.AdamW
-    if plan.config.offload and optimizer is torch.optim.AdamW:   # what ZeRO-Offload takes, as the warning says
+    if plan.config.offload != "none" and optimizer is torch.optim.AdamW:   # ZeRO-Offload's, as the warning says
         from deepspeed.ops.adam import DeepSpeedCPUAdam as optimizer
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     engine, *_ = one_rank_deepspeed.initialize(model=model, optimizer=optimizer(model.parameters(), lr=0.01),
                                                config=str(tmp_path / "ds.json"))
     assert engine.zero_optimization_stage() == result.field("zero_optimization.stage").value
-    assert engine.zero_cpu_offload() == plan.config.offload    # the optimizer states on the CPU
-    if plan.config.offload:
+    assert engine.zero_cpu_offload() == (plan.config.offload != "none")    # the optimizer states on the CPU
+    if plan.config.offload == "all":
         assert engine.zero_offload_param().device == "cpu"
+    else:   # "optimizer" (or none): the parameters stay on the device
+        assert engine.zero_offload_param() is None
     assert engine.gradient_accumulation_steps() == plan.micro_batches
     before = [p.detach().float().clone() for p in engine.module.parameters()]
     for _ in range(plan.micro_batches):
