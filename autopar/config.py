@@ -22,12 +22,15 @@ Recompute = Literal["none", "selective", "op", "full"]
 DType = Literal["fp32", "bf16", "fp16"]
 Compute = Literal["fp32", "bf16", "fp16", "fp8"]
 Kernels = Literal["eager", "fused", "compiled"]
+Offload = Literal["none", "optimizer", "all"]
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
 SPLIT_BACKWARD: tuple[str, ...] = ("zbh1", "zbv")
 """The zero-bubble schedules (Qi et al., ICLR 2024): each backward split into an input-gradient pass
 ("I", sent on at once) and a weight-gradient pass ("W", deferred into what would be bubble)."""
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "op", "full")
+OFFLOADS: tuple[str, ...] = ("none", "optimizer", "all")
+"""What ParallelConfig.offload keeps in host memory (cost_model/offload.py)."""
 DTYPE_BYTES: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 KERNELS: tuple[str, ...] = ("eager", "fused", "compiled")
 FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
@@ -88,11 +91,14 @@ class ParallelConfig:
     """Model chunks per pipeline device; > 1 only with schedule="interleaved" (any) or "zbv" (2)."""
     zero: int = 0
     """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP full shard)."""
-    offload: bool = False
-    """With ``zero=3``: each rank's shards of the parameters, their gradients and the optimizer states live
-    in host memory, and the optimizer steps there, on the CPU (FSDP2's ``CPUOffloadPolicy``; DeepSpeed's
-    ``offload_param`` and ``offload_optimizer``). A layer's shards cross the host link before each
-    all-gather and its gradient shard after each reduce-scatter."""
+    offload: Offload = "none"
+    """What lives in host memory rather than on the device (cost_model/offload.py): "none"; "optimizer"
+    (the optimizer states, with fp32 master weights under mixed precision, and the step on the CPU: each
+    rank copies its gradient shard to the host after backward, steps there and copies the updated weights
+    back; any ZeRO stage, as DeepSpeed's ``offload_optimizer`` and Megatron-LM's
+    ``--optimizer-cpu-offload``); "all" (with ``zero=3``: the shards of the parameters and their gradients
+    too, crossing the host link before each all-gather and after each reduce-scatter: FSDP2's
+    ``CPUOffloadPolicy``, DeepSpeed's ``offload_param`` with ``offload_optimizer``)."""
     recompute: Recompute = "none"
     """Activation recomputation: "none"; "selective" (the attention core, Korthikanti et al.); "op" (per op, as
     torchtitan's ``selective_ac_option = "op"``: keep every second matrix product's output and fused
@@ -120,11 +126,14 @@ class ParallelConfig:
             raise ConfigError(f"recompute_layers={self.recompute_layers} recomputes part of each chunk in full: it "
                               "needs recompute='full' and no stage_recompute (or recompute_layers=0)")
         check_int("zero", self.zero, 0, 3)
-        if not isinstance(self.offload, bool):
-            raise ConfigError(f"offload must be True or False, got {self.offload!r}")
-        if self.offload and self.zero != 3:
-            raise ConfigError(f"offload=True keeps ZeRO-3's shards in host memory: it needs zero=3 (got zero={self.zero}); "
-                              "set zero=3 or offload=False")
+        if isinstance(self.offload, bool):
+            raise ConfigError(f"offload takes one of {OFFLOADS}, not {self.offload!r}: \"all\" keeps ZeRO-3's "
+                              "parameter, gradient and optimizer shards in host memory, \"optimizer\" the optimizer's "
+                              "states alone")
+        check_choice("offload", self.offload, OFFLOADS)
+        if self.offload == "all" and self.zero != 3:
+            raise ConfigError(f"offload='all' keeps ZeRO-3's shards in host memory: it needs zero=3 (got zero={self.zero}); "
+                              "set zero=3, or offload='optimizer' (the optimizer states alone, any ZeRO stage)")
         check_choice("schedule", self.schedule, SCHEDULES)
         check_choice("recompute", self.recompute, RECOMPUTE_MODES)
         if not isinstance(self.sequence_parallel, bool):
@@ -247,6 +256,8 @@ class ParallelConfig:
         data = dict(data)
         if "stage_recompute" in data:
             data["stage_recompute"] = tuple(data["stage_recompute"])
+        if isinstance(data.get("offload"), bool):   # plan files written before "optimizer": true was ZeRO-3's all
+            data["offload"] = "all" if data["offload"] else "none"
         return cls(**data)
 
     def short(self) -> str:
@@ -260,7 +271,7 @@ class ParallelConfig:
         if self.recompute_layers:
             rec += f"({self.recompute_layers} layers per chunk)"
         return (f"dp={self.dp}{ep} tp={self.tp}{sp}{cp} pp={self.pp} mb={self.micro_batch_size} {sched} "
-                f"zero={self.zero}{' offload' if self.offload else ''} recompute={rec}")
+                f"zero={self.zero}{'' if self.offload == 'none' else ' offload=' + self.offload} recompute={rec}")
 
 
 @dataclass(frozen=True, kw_only=True)

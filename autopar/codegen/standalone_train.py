@@ -161,24 +161,27 @@ def main():
         fp8_linear = fp8.Float8Linear(P.FP8_RECIPE, fp8.emulated(device), g.tp)
     chunks = {c: getattr(P, f"Chunk{c}")(g.group("tp"), params, buffers, cp_group=g.group("cp"), fp8=fp8_linear)
               for c in mine}
-    fsdp = P.ZERO >= 2 and (REPLICAS > 1 or P.OFFLOAD)
+    fsdp = P.ZERO >= 2 and (REPLICAS > 1 or P.OFFLOAD == "all")
     if fsdp:   # ZeRO-2/3: each unit's parameters sharded over the gradient replicas (the dp x cp mesh; with
         # tp > 1 each tp rank's shards are sharded again over it), gathered around it
         for c, chunk in chunks.items():
             for unit, kept in P.UNITS[c]:
                 modules = [chunk.layers[k] for k in unit]
-                data_parallel.shard_unit(modules if len(modules) > 1 else modules[0], P.OFFLOAD, mesh=g.dp,
+                data_parallel.shard_unit(modules if len(modules) > 1 else modules[0], P.OFFLOAD == "all", mesh=g.dp,
                                          reshard_after_forward=P.ZERO == 3 and not kept)
-            data_parallel.shard_unit(chunk, P.OFFLOAD, mesh=g.dp, reshard_after_forward=False)   # the root: small runs, kept
+            data_parallel.shard_unit(chunk, P.OFFLOAD == "all", mesh=g.dp, reshard_after_forward=False)   # the root: small runs, kept
     if args.compile:
         for chunk in chunks.values():
             for module in (chunk.layers if fsdp else [chunk]):
                 module.compile()
     parameters = list({id(p): p for c in chunks.values() for p in c.parameters()}.values())
-    optimizer = torch.optim.AdamW(parameters, lr=args.lr)
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=args.lr)   # noqa: E731
+    # offloaded, the states and the step on the host, over copies of the weights (optim.HostOptimizer)
+    optimizer = optim.HostOptimizer(parameters, adamw, P.MASTER_WEIGHTS) if P.OFFLOAD == "optimizer" else adamw(parameters)
     if args.compile:   # and its step, from the second on (optim.py)
-        optim.compile_step(optimizer, "inductor")
+        optim.compile_step(optim.innermost(optimizer), "inductor")
     named = {fqn: p for c in chunks.values() for fqn, p in _named(c).items()}
+    stepped = optimizer.stepped(named) if P.OFFLOAD == "optimizer" else named   # what the checkpoint's state names
 
     io = {c: pipeline.ChunkIO(*P.CHUNK_IO[c]) for c in P.CHUNK_IO}
     values = {v: pipeline.Value(prod, readers, shape, getattr(torch, dtype.removeprefix("torch.")), grad)
@@ -208,11 +211,13 @@ def main():
                                      failures.peer_wait(args.timeout), device, after_forwards=share.start,
                                      after_backward=after_backward)
     batch_of = load(P.BATCH_FACTORY) if P.BATCH_FACTORY else (lambda step, n: batches.example_at(P.EXAMPLE, n))
-    present = presenter(g, fsdp, shapes) if checkpointing else None
+    present = presenter(g, fsdp, shapes, named) if checkpointing else None
     start = 0
     if args.resume:   # collective: every rank reads its own shards, resharded to this plan
-        start = dcp_state.resume(dcp_state.latest(args.resume), named, named, optimizer, present,
+        start = dcp_state.resume(dcp_state.latest(args.resume), named, stepped, optim.innermost(optimizer), present,
                                  lambda fqn, p: shapes[fqn], {}) or 0
+        if P.OFFLOAD == "optimizer":   # the host copies of the weights just loaded
+            optimizer.reload()
         if rank == 0:
             print(f"resumed from {args.resume} at step {start}", flush=True)
     for step in range(start, args.steps):
@@ -240,8 +245,8 @@ def main():
                 with open(args.loss_file, "a") as fh:
                     fh.write(f"{loss:.9g}\n")
         if args.checkpoint and (step + 1 == args.steps or (args.save_every and (step + 1) % args.save_every == 0)):
-            dcp_state.save(os.path.join(args.checkpoint, f"step{step + 1:08d}"), named, named, optimizer, present,
-                           whole, step + 1)
+            dcp_state.save(os.path.join(args.checkpoint, f"step{step + 1:08d}"), named, stepped,
+                           optim.innermost(optimizer), present, whole, step + 1)
     dist.barrier()
     del runner, chunks
     gc.collect()
@@ -267,16 +272,17 @@ def whole_entries(model, value):
     return out
 
 
-def presenter(g, fsdp, shapes):
+def presenter(g, fsdp, shapes, named):
     """dcp_state's presenter: a tensor-parallel block is a block of the parameter on this stage's tp
-    mesh at Shard(split dim), under ZeRO-2/3 on its (tp, dp) mesh, whose second dim FSDP2 may shard
-    again (the order the two cuts were made in); an FSDP2 shard of a parameter held whole by the tp
-    ranks is FSDP2's own DTensor already; anything else is whole."""
-    from torch.distributed.tensor import Shard
+    mesh at Shard(split dim); under ZeRO-2/3 every parameter is FSDP2's DTensor, whose own layout presents
+    the plain local shards an offloaded optimizer steps (its host copies); anything else is whole."""
+    from torch.distributed.tensor import DTensor, Shard
+    if fsdp:
+        return dcp_state.presenter({fqn: dcp_state.Layout(p.device_mesh, tuple(p.placements), p.shape)
+                                    for fqn, p in named.items() if isinstance(p, DTensor)})
     if P.TP == 1:
         return dcp_state.presenter({})
-    mesh = g.submesh(("tp", "dp")) if fsdp else g.tp
-    return dcp_state.presenter({fqn: dcp_state.Layout(mesh, (Shard(d % len(shapes[fqn])),), shapes[fqn])
+    return dcp_state.presenter({fqn: dcp_state.Layout(g.tp, (Shard(d % len(shapes[fqn])),), shapes[fqn])
                                 for fqn, d in P.TP_DIMS.items()})
 
 

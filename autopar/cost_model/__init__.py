@@ -62,12 +62,14 @@ def estimate_plan(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_
     model_flops, recompute_flops = _flops(est, cfg, scale, devices)
     notes = _layout_notes(graph, est.layers.layout(cfg.tp)) + tuple(graph.warnings)
     fits = peak <= cluster.device.memory
-    if cfg.offload and not cluster.device.is_cpu:   # the states in host memory (offload.py)
+    if cfg.offload != "none" and not cluster.device.is_cpu:   # the states in host memory (offload.py)
         host, held = require_host(cluster.device), max(float(est.host_bytes(cfg, d.params, d.expert_params))
                                                        for d in devices)
         fits = fits and held <= host.memory
-        notes += (f"offload: {held / 1e9:.1f} GB of parameter, gradient and optimizer-state shards per device in host "
-                  f"memory (of {host.memory / 1e9:.0f} GB per device), the optimizer step on the CPU",)
+        what = ("parameter, gradient and optimizer-state shards" if cfg.offload == "all"
+                else "optimizer states, master weights and their gradients")
+        notes += (f"offload: {held / 1e9:.1f} GB of {what} per device in host memory (of {host.memory / 1e9:.0f} GB "
+                  "per device), the optimizer step on the CPU",)
     return Plan(model_name=graph.model_name, fingerprint=graph.fingerprint, structure=graph.structure,
                 loss=graph.loss, cluster=cluster, config=cfg,
                 precision=precision, global_batch_size=global_batch_size, micro_batches=m, step_time=step,

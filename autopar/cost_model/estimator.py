@@ -33,7 +33,7 @@ from .comm import Collective, GroupPlacement, collective_time
 from .layer_cost import LayerCost, LayerCostModel, SplitGroups
 from ..plan.record import MemoryBreakdown
 from .memory import in_flight, interleaved_peak, model_state_bytes, op_kept, order_peak
-from .offload import host_bytes
+from .offload import host_bytes, master_bytes, moment_bytes
 from .mesh import mesh_groups
 from .schedule import even_partition
 from .step_tail import StepTail
@@ -292,15 +292,26 @@ class Estimator:
         Floats or numpy arrays."""
         dense = model_state_bytes(params - experts, self.precision, cfg.zero, cfg.grad_replicas)
         expert = model_state_bytes(experts, self.precision, cfg.zero, cfg.expert_replicas)
-        if cfg.offload and not self.cluster.device.is_cpu:   # in host memory (offload.py; a CPU is its own host)
+        w, g, k = (a + b for a, b in zip(dense, expert))
+        if cfg.offload == "all" and not self.cluster.device.is_cpu:   # in host memory (offload.py; a CPU is its own host)
             return (0.0 * params, 0.0 * params, 0.0 * params)
-        return tuple(a + b for a, b in zip(dense, expert))
+        if cfg.offload == "optimizer":   # the states in host memory; on a CPU, the master copy beside the weights
+            if not self.cluster.device.is_cpu:
+                return (w, g, 0.0 * k)
+            counted = self.precision.optimizer_bytes - moment_bytes(self.precision)
+            k = k + (master_bytes(self.precision) - counted) * self.optimizer_params(cfg, params, experts)
+        return (w, g, k)
+
+    @staticmethod
+    def optimizer_params(cfg: ParallelConfig, params, experts=0.0):
+        """Parameters a device's optimizer steps: its ZeRO shard of ``params`` (ZeRO >= 1), or all of them."""
+        return params if cfg.zero == 0 else cfg.zero_shard(params, experts)
 
     def host_bytes(self, cfg: ParallelConfig, params, experts=0.0):
-        """Host memory a device's offloaded states take (0 without offload): its shards of ``params``."""
-        if not cfg.offload:
-            return 0.0 * params
-        return host_bytes(self.precision, cfg.zero_shard(params, experts))
+        """Host memory a device's offloaded states take (0 without offload; offload.host_bytes)."""
+        if cfg.offload == "all":
+            return host_bytes(self.precision, cfg, cfg.zero_shard(params, experts))
+        return host_bytes(self.precision, cfg, self.optimizer_params(cfg, params, experts))
 
     def buffer_bytes(self, cfg: ParallelConfig, recompute: str, largest, working, layer_params):
         """Transient bytes: two of the largest activation (output and gradient buffers), the

@@ -53,8 +53,10 @@ the step through torch.compile, as compiled programs run it (runtime/optim.py), 
 code runs on the local tensors: no dispatch term. Tensor-parallel shards are stepped as plain
 tensors (driver/assembly.py), as Megatron's optimizer steps them: no dispatch term either.
 
-Offloaded ZeRO-3 (``ParallelConfig.offload``, offload.py) adds each shard's trip over the host link to its
-gathers and reduce-scatters, and steps the optimizer on the host's CPU cores.
+Offloading (``ParallelConfig.offload``, offload.py) steps the optimizer on the host's CPU cores: "all"
+(ZeRO-3's shards in host memory) adds each shard's trip over the host link to its gathers and
+reduce-scatters; "optimizer" adds the gradients' trip to the host and the updated weights' back to the
+step, after it (nothing hides them).
 
 Every function takes floats or numpy arrays alike: the stage DP prices every run of layers at once.
 """
@@ -70,7 +72,7 @@ from ..config import ParallelConfig, Precision
 from ..runtime.buckets import dp_bucket_bytes
 from .comm import Collective, GroupPlacement, collective_lines, collective_time, place_axes
 from .compute import MeasuredTimes
-from .offload import copy_time, cpu_step_time
+from .offload import copy_time, cpu_step_time, optimizer_round_trip
 
 # Tensor ops per parameter of torch's single-tensor AdamW (the CPU default): weight decay, the two
 # moment updates (lerp_, mul_ + addcmul_), sqrt, div, add_ (eps) and addcdiv_ (torch/optim/adam.py)
@@ -122,7 +124,7 @@ class StepTail:
         tp_buckets = _buckets(tp_bytes, cfg.tp, g_b)
         tp_sync = (self.collective(Collective.ALL_REDUCE, tp_bytes, tp_group, tp_buckets)
                    if tp_group is not None else 0.0)
-        if cfg.grad_replicas == 1 and not cfg.offload:   # offloaded, FSDP2 copies on a one-rank mesh too
+        if cfg.grad_replicas == 1 and cfg.offload != "all":   # offloaded, FSDP2 copies on a one-rank mesh too
             total = tp_sync + 0.0 * params
             return total - self.overlap(tp_group) * np.minimum(hidden, total - total / tp_buckets)
         o = self.overlap(group)
@@ -212,18 +214,23 @@ class StepTail:
         local = params if cfg.zero == 0 else cfg.zero_shard(params, experts)
         kernels = self.precision.kernels
         measured = self.measured.optimizer_seconds_per_param(kernels) if self.measured is not None else None
-        if cfg.offload and not self.cluster.device.is_cpu:   # on the host's CPU cores (offload.py)
-            out = np.asarray(cpu_step_time(self.cluster.device, local))
+        device = self.cluster.device
+        if cfg.offload != "none" and not device.is_cpu:   # on the host's CPU cores (offload.py)
+            out = np.asarray(cpu_step_time(device, local))
         elif measured is not None:
             out = local * measured
-            if cfg.zero >= 2 and cfg.grad_replicas > 1 and kernels == "eager":
+            if cfg.zero >= 2 and cfg.grad_replicas > 1 and kernels == "eager" and cfg.offload != "optimizer":
                 # FSDP2's DTensor parameters: every op of the per-tensor update pays the dispatch overhead
-                out = out + param_tensors * ADAM_OPS_PER_TENSOR * self.cluster.device.dispatch_overhead
+                # (not under offload="optimizer": its host copies are plain tensors)
+                out = out + param_tensors * ADAM_OPS_PER_TENSOR * device.dispatch_overhead
         else:
             p = self.precision
             per_param = 2 * p.optimizer_bytes + p.grad_bytes + p.weight_bytes
-            bandwidth = self.cluster.device.memory_bandwidth * self.cluster.device.memory_efficiency
+            bandwidth = device.memory_bandwidth * device.memory_efficiency
             out = local * per_param / bandwidth
+        if cfg.offload == "optimizer":   # the gradients to the host, the updated weights back: two copies a tensor
+            stepped = param_tensors / cfg.grad_replicas if cfg.zero == 1 else param_tensors   # ZeRO-1: whole tensors
+            out = out + optimizer_round_trip(device, self.precision, local) + 2 * stepped * device.dispatch_overhead
         out = out * self.cluster.device.concurrency_slowdown   # every rank steps at once (compute.py)
         return float(out) if out.ndim == 0 else out
 

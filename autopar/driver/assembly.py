@@ -42,7 +42,7 @@ from ..runtime.expert_parallel import shard_experts
 from ..runtime.experts import ExpertsModule
 from ..runtime.fp8 import Float8Linear, emulated
 from ..runtime.mesh import Coords, MeshGroups
-from ..runtime.optim import compile_step
+from ..runtime.optim import HostOptimizer, compile_step, innermost
 from ..runtime.pipeline import backward_ends
 from ..runtime.sharded_init import Materializer
 from .chunk import ChunkModule, NodeRunner
@@ -65,14 +65,14 @@ class RankSetup:
 
     @property
     def fsdp(self) -> bool:
-        """ZeRO-2/3 with more than one gradient replica, or offloaded (on one too): FSDP2 units."""
+        """ZeRO-2/3 with more than one gradient replica, or offloaded whole (on one too): FSDP2 units."""
         return self.zero >= 2
 
     @property
     def zero(self) -> int:
-        """The ZeRO stage that runs: 0 without gradient replicas, unless offloaded (FSDP2's offload policy)."""
+        """The ZeRO stage that runs: 0 without gradient replicas, unless offloaded whole (FSDP2's offload policy)."""
         cfg = self.plan.config
-        return cfg.zero if cfg.grad_replicas > 1 or cfg.offload else 0
+        return cfg.zero if cfg.grad_replicas > 1 or cfg.offload == "all" else 0
 
     def value(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """A parameter's or buffer's full value: materialised (one module at a time) when on meta."""
@@ -181,7 +181,7 @@ def apply_fsdp(setup: RankSetup, compiled: RankProgram, groups: MeshGroups, chun
     # arise: silence that warning for autopar's own modules only
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \((FSDP)?(Layer|Chunk)Module\) "
                             r"returned a view tensor", category=UserWarning)
-    replicas, zero3, offload = setup.plan.config.grad_replicas, setup.zero == 3, setup.plan.config.offload
+    replicas, zero3, offload = setup.plan.config.grad_replicas, setup.zero == 3, setup.plan.config.offload == "all"
     expert_ranks = groups.ranks("edp") if compiled.program.regions else (setup.rank,)
     for chunk in chunks.values():
         for layer in chunk.layers:
@@ -264,6 +264,10 @@ def build_optimizer(setup: RankSetup, compiled: RankProgram, groups: MeshGroups,
     if factory is None:
         return None, stepped, shards
     unique = list({id(p): p for p in stepped.values()}.values())
+    offload = setup.plan.config.offload
+    if offload == "optimizer":   # the states and the step on the host (cost_model/offload.py)
+        on_device, master_weights = factory, setup.plan.precision.master_weights
+        factory = lambda ps: HostOptimizer(ps, on_device, master_weights)  # noqa: E731
     if setup.zero == 1:
         experts = {id(stepped[f]) for f in compiled.program.expert_params if f in stepped}
         dp_group = groups.dp.get_group()
@@ -271,12 +275,15 @@ def build_optimizer(setup: RankSetup, compiled: RankProgram, groups: MeshGroups,
         if experts:
             partitions.append(([p for p in unique if id(p) in experts], groups.group("edp"), list(groups.ranks("edp"))))
         optimizer = Zero1Optimizer(partitions, factory, setup.rank, setup.timeout)
-        inner = optimizer.inner
+        outer = optimizer.inner
     else:
-        optimizer = inner = factory(unique)
+        optimizer = outer = factory(unique)
+    if isinstance(outer, HostOptimizer):   # checkpoints name the host copies the optimizer steps
+        stepped = outer.stepped(stepped)
+    inner = innermost(optimizer)
     if compile and inner is not None:
         compile_step(inner, compile)
-    if (setup.plan.config.offload and setup.device.type != "cpu" and isinstance(inner, torch.optim.Adam | torch.optim.AdamW)
+    if (offload != "none" and setup.device.type != "cpu" and isinstance(inner, torch.optim.Adam | torch.optim.AdamW)
             and not inner.defaults.get("fused")):   # on the host's CPU cores (cost_model/offload.py)
         warnings.warn("this plan offloads the optimizer to the CPU and prices a fused AdamW step there; this optimizer "
                       "steps tensor by tensor, several times slower on a CPU (bench/offload.py): build it with fused=True",

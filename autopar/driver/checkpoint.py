@@ -24,6 +24,10 @@ How each tensor carries its global layout:
   ``torch.chunk``'s split). Without FSDP2 the optimizer steps a tensor-parallel parameter's local
   shard (``Program.stepped``), and its state is plain: both are presented as DTensors of the
   parameter's mesh and placements, views of the same memory;
+- offloading the optimizer (``offload="optimizer"``), it steps host copies of what it would step on
+  the device (runtime/optim.py's HostOptimizer: plain tensors of the local shape, ``Program.stepped``
+  names them); their state is presented as a local shard's is. After loading, the copies are
+  refreshed from the loaded weights: a 16-bit weight's fp32 master is not saved beyond the weight;
 - expert weights under expert parallelism (``ep > 1``) are plain tensors of this rank's ``E/ep``
   experts (or an FSDP2 shard of them over the expert replicas): they are presented as a DTensor
   of global shape ``[E, ...]`` on a 2-D ``(ep, expert replica)`` mesh with placements
@@ -65,23 +69,27 @@ from torch.distributed.tensor import DTensor, Shard
 from ..errors import ConfigError
 from ..runtime import dcp_state
 from ..runtime.data_parallel import Zero1Optimizer
+from ..runtime.optim import HostOptimizer, innermost
 
 
 def save_program(program: Any, path: str | os.PathLike) -> None:
     """Collective: every rank writes its shards of ``program``'s parameters and optimizer state."""
     extra = dict(program.buffers)
     extra.update({k: v for k, v in program.unused.items() if k not in program.params})
-    dcp_state.save(os.fspath(path), program.params, program.stepped, _inner(program.optimizer), _presenter(program),
+    dcp_state.save(os.fspath(path), program.params, program.stepped, innermost(program.optimizer), _presenter(program),
                    extra, program.steps)
 
 
 def load_program(program: Any, path: str | os.PathLike) -> None:
     """Collective: fill ``program``'s parameters and optimizer state from the checkpoint at ``path``."""
-    steps = dcp_state.resume(os.fspath(path), program.params, program.stepped, _inner(program.optimizer),
+    steps = dcp_state.resume(os.fspath(path), program.params, program.stepped, innermost(program.optimizer),
                              _presenter(program), lambda fqn, p: _global_shape(program, fqn, p),
                              {k: v for k, v in program.unused.items() if k not in program.params}, error=ConfigError)
     if steps is not None:
         program.steps = steps
+    host = getattr(program.optimizer, "inner", None) if isinstance(program.optimizer, Zero1Optimizer) else program.optimizer
+    if isinstance(host, HostOptimizer):   # its host copies of the weights just loaded
+        host.reload()
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module,
@@ -104,10 +112,6 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
 
 
 # --- layouts ---------------------------------------------------------------------------------
-def _inner(optimizer: Any) -> torch.optim.Optimizer | None:
-    return optimizer.inner if isinstance(optimizer, Zero1Optimizer) else optimizer
-
-
 def _global_shape(program: Any, fqn: str, p: torch.Tensor) -> torch.Size:
     if fqn in program.expert_fqns and program.cfg.ep > 1:
         return torch.Size(program.graph.params[fqn].shape)

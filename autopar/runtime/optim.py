@@ -1,4 +1,5 @@
-"""The optimizer step of a compiled program: the optimizer's own ``step`` through ``torch.compile``.
+"""The optimizer's step as a program runs it: compiled (:func:`compile_step`), and on the host's CPU when the
+plan offloads the optimizer (:class:`HostOptimizer`).
 
 A compiled program (``parallelize(..., compile=True)``, ``train.py --compile``) compiles its
 optimizer's step as well as its chunks, as torch's "compiling the optimizer" recipe does:
@@ -18,7 +19,8 @@ compiled step. A learning rate that changes is a float that dynamo does not spec
 (``torch._dynamo.config.specialize_float``, False by default in torch 2.13), so a schedule costs one
 recompile, not one a step (tests/unit/codegen/test_optim.py).
 
-Imports only torch: the standalone folder (standalone.py) carries this file beside its train.py.
+Imports only torch and data_parallel.py: the standalone folder (standalone.py) carries this file beside its
+train.py.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import types
 from typing import Any, Callable
 
 import torch
+
+from .data_parallel import local
 
 
 def compile_step(optimizer: torch.optim.Optimizer, backend: str | Callable[..., Any]) -> None:
@@ -42,3 +46,74 @@ def compile_step(optimizer: torch.optim.Optimizer, backend: str | Callable[..., 
         return (eager if calls == 1 else compiled)(*args, **kwargs)
 
     optimizer.step = types.MethodType(step, optimizer)
+
+
+class HostOptimizer:
+    """``offload="optimizer"`` (cost_model/offload.py): the optimizer's states, and a master copy of the
+    tensors it steps, in host memory, the step on the CPU, as DeepSpeed's ``offload_optimizer`` and
+    Megatron-LM's ``--optimizer-cpu-offload`` run it.
+
+    ``params`` are what the program's optimizer steps on the device (parameters, FSDP2's sharded DTensors,
+    or tensor-parallel local shards: their local data is copied); ``factory`` builds the real optimizer over
+    the host copies (``inner``), fp32 where ``master_weights`` and the tensor is 16-bit, else in its own dtype.
+    Each :meth:`step` copies every gradient to the host in its own dtype (converted there), steps ``inner``,
+    and copies each updated master back, converted to the device's dtype on the host first: the bytes
+    the cost model prices over the host link. On a CPU device the gradient is already in host memory (no
+    copy when the dtypes agree); the master is a copy all the same, so that the step runs as on a GPU.
+    Checkpoints see ``inner`` over the masters (:meth:`stepped` names them), which have the local shape of
+    what they copy; :meth:`reload` refreshes them after the device tensors are loaded."""
+
+    def __init__(self, params: Any, factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+                 master_weights: bool = True) -> None:
+        self.params = list(params)
+        pin = torch.cuda.is_available()
+        self.masters: list[torch.Tensor] = []
+        for p in self.params:
+            data = local(p).detach()
+            wide = master_weights and data.is_floating_point() and data.element_size() < 4
+            master = torch.empty(data.shape, dtype=torch.float32 if wide else data.dtype, device="cpu",
+                                 pin_memory=pin and data.device.type != "cpu")
+            master.copy_(data)
+            self.masters.append(master)
+        self._master = {id(p): m for p, m in zip(self.params, self.masters)}
+        self.inner = factory(self.masters)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    def stepped(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``tensors`` (fqn -> what the program steps) with each tensor this optimizer copies replaced by its
+        host master (what ``inner`` steps: the names a checkpoint gives its state)."""
+        return {fqn: self._master.get(id(t), t) for fqn, t in tensors.items()}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for t in (*self.params, *self.masters):
+            t.grad = None if set_to_none or t.grad is None else t.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, master in zip(self.params, self.masters):
+            grad = p.grad
+            master.grad = None if grad is None else local(grad).to(master.device).to(master.dtype)
+        self.inner.step()
+        for p, master in zip(self.params, self.masters):
+            data = local(p)
+            data.copy_(master.to(data.dtype))
+            master.grad = None
+
+    @torch.no_grad()
+    def reload(self) -> None:
+        """Refresh the masters from the device tensors (after a checkpoint filled those)."""
+        for p, master in zip(self.params, self.masters):
+            master.copy_(local(p))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+
+def innermost(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer under a program's (ZeRO-1's partition, HostOptimizer's host copies), or None."""
+    while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = getattr(optimizer, "inner", None)
+    return optimizer

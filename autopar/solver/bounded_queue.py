@@ -30,6 +30,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..progress import counter
+from ..config import OFFLOADS
 from .space import Branch, Candidate, Key, compatible
 
 # (bound, schedule, virtual stages, ZeRO stage) of each candidate of a group, least first
@@ -48,7 +49,7 @@ class Group:
     def key(self, leaf: tuple[float, str, int, int]) -> Key:
         b, (_, schedule, v, zero) = self.branch, leaf
         return Key(self.variant, b.dp, b.tp, b.pp, b.cp, b.ep, b.micro_batch_size, schedule, v, zero,
-                   self.sequence_parallel, b.offload)
+                   self.sequence_parallel, OFFLOADS.index(b.offload))
 
     def entry(self, index: int) -> tuple:
         """Its heap entry: the bound and key of its least candidate (the leaves are sorted)."""
@@ -87,7 +88,7 @@ class Unbounded:
         schedule, virtual stage count, ZeRO stage and sequence-parallel choice before any real one)."""
         b = self.branch
         return Key(min(v for v, _ in self.parts), b.dp, b.tp, b.pp, b.cp, b.ep, b.micro_batch_size, "", 0, -1, False,
-                   b.offload)
+                   OFFLOADS.index(b.offload))
 
     def split(self, holds: Callable[[int], bool]) -> tuple["Unbounded | None", "Unbounded | None"]:
         """(the candidates whose ZeRO stage ``holds``, the rest), each as its own Unbounded or None when empty."""

@@ -26,7 +26,7 @@ import math
 from dataclasses import replace
 from typing import Any, Iterable, Mapping
 
-from ..config import ParallelConfig
+from ..config import OFFLOADS, ParallelConfig
 from ..cost_model.coverage import zero3_scaling_note
 from ..plan import Alternative, Plan
 from .space import Candidate
@@ -53,8 +53,9 @@ def moving_parts(cfg: ParallelConfig) -> tuple:
     dims = sum(d > 1 for d in (cfg.tp, cfg.pp, cfg.cp, cfg.ep))
     interleaved = cfg.schedule not in ("1f1b", "gpipe")
     recomputes = cfg.recompute != "none" or any(m != "none" for m in cfg.stage_recompute)
-    parts = (cfg.zero > 0) + dims + interleaved + cfg.sequence_parallel + recomputes + cfg.offload
-    return (parts, cfg.zero + cfg.offload, dims, interleaved, cfg.sequence_parallel, recomputes)
+    offload = OFFLOADS.index(cfg.offload)   # none, optimizer, all: more moves to the host
+    parts = (cfg.zero > 0) + dims + interleaved + cfg.sequence_parallel + recomputes + (offload > 0)
+    return (parts, cfg.zero + offload, dims, interleaved, cfg.sequence_parallel, recomputes)
 
 
 def least_parts(c: Candidate) -> tuple:

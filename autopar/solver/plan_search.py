@@ -153,11 +153,12 @@ def _infeasible(search: Search, fixed: Mapping[str, Any]) -> InfeasiblePlanError
              f"about {scaled} would do)", f"a device with more than {_gb(need)}"]
     if arg is not None and arg.micro_batch_size > 1:
         hints.append("a smaller micro-batch (pin micro_batch_size=1)")
-    if not cluster.device.is_cpu and not (arg is not None and arg.offload):
-        if fixed.get("offload") is False:
-            hints.append("ZeRO-3's states in host memory (offload=True: unpin it)")
+    if not cluster.device.is_cpu and not (arg is not None and arg.offload == "all"):
+        if fixed.get("offload", "all") != "all":
+            hints.append(f"more states in host memory (offload={fixed['offload']!r} is pinned: unpin it, or pin "
+                         "offload='all' with zero=3)")
         elif cluster.device.host is None:
-            hints.append(f"a host to offload ZeRO-3's states to (Device(host=Host(...)): {cluster.device.name!r} "
+            hints.append(f"a host to offload states to (Device(host=Host(...)): {cluster.device.name!r} "
                          "describes none)")
     if fixed:
         hints.append(f"fewer pinned fields (fixed={dict(fixed)!r} rules out the leaner configurations)")

@@ -286,7 +286,7 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
         candidate's states overflow host memory), or None when a partition fits but none is faster
         than ``cutoff`` (seconds: the search needs no plan that slow, :meth:`_Needed.cutoff`)."""
         result = self._evaluate(c, cutoff)
-        if c.offload and self.must_fit and isinstance(result, Plan) and not result.fits:
+        if c.offload != "none" and self.must_fit and isinstance(result, Plan) and not result.fits:
             return math.inf   # device memory fits (the partition saw to it): the host's does not
         return result
 

@@ -32,7 +32,7 @@ from typing import Any, Iterator, Mapping, NamedTuple
 
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
-from ..config import RECOMPUTE_MODES, SPLIT_BACKWARD, ParallelConfig
+from ..config import OFFLOADS, RECOMPUTE_MODES, SPLIT_BACKWARD, ParallelConfig
 from ..cost_model import context_parallel, expert_parallel
 from ..cost_model.mesh import mesh_groups
 from ..errors import ConfigError
@@ -58,7 +58,7 @@ class Candidate:
     sequence_parallel: bool
     cp: int = 1
     ep: int = 1
-    offload: bool = False
+    offload: str = "none"
 
     def config(self, recompute: str = "none", stage_recompute: tuple[str, ...] = (),
                recompute_layers: int = 0) -> ParallelConfig:
@@ -80,13 +80,13 @@ class Candidate:
 
     def sort_key(self) -> "Key":
         return Key(self.variant, self.dp, self.tp, self.pp, self.cp, self.ep, self.micro_batch_size, self.schedule,
-                   self.virtual_stages, self.zero, self.sequence_parallel, self.offload)
+                   self.virtual_stages, self.zero, self.sequence_parallel, OFFLOADS.index(self.offload))
 
     @classmethod
     def of(cls, key: "Key") -> "Candidate":
         """The candidate of a :meth:`sort_key`."""
         return cls(key.variant, key.dp, key.tp, key.pp, key.micro_batch_size, key.schedule, key.virtual_stages,
-                   key.zero, key.sequence_parallel, key.cp, key.ep, key.offload)
+                   key.zero, key.sequence_parallel, key.cp, key.ep, OFFLOADS[key.offload])
 
 
 class Key(NamedTuple):
@@ -104,7 +104,7 @@ class Key(NamedTuple):
     virtual_stages: int
     zero: int
     sequence_parallel: bool
-    offload: bool = False
+    offload: int = 0   # OFFLOADS' index: none, optimizer, all
 
 
 def check_fixed(fixed: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -127,7 +127,7 @@ def check_fixed(fixed: Mapping[str, Any] | None) -> dict[str, Any]:
         probe["tp"] = 2
     if "ep" in probe and "dp" not in probe:
         probe["dp"] = probe["ep"]
-    if probe.get("offload") and "zero" not in probe:
+    if probe.get("offload") == "all" and "zero" not in probe:
         probe["zero"] = 3
     if probe.get("recompute_layers") and "recompute" not in probe:
         probe["recompute"] = "full"
@@ -173,7 +173,7 @@ class Branch:
     schedules: tuple[tuple[str, int], ...]   # (schedule, virtual stages)
     zeros: tuple[int, ...]
     sequence_parallel: tuple[bool, ...]
-    offload: bool = False   # every candidate's (one search offloads, or none does: search.py)
+    offload: str = "none"   # every candidate's
 
     @functools.cached_property
     def leaves(self) -> int:
@@ -200,13 +200,13 @@ def branches(graph: OpGraph, cluster: Cluster, global_batch_size: int, fixed: Ma
     # offloading is searched where the device describes a host to offload to (a CPU is its own: nothing to
     # gain), pinned either way by fixed["offload"]
     offloads = ((fixed["offload"],) if "offload" in fixed
-                else (False, True) if cluster.device.host is not None and not cluster.device.is_cpu else (False,))
+                else OFFLOADS if cluster.device.host is not None and not cluster.device.is_cpu else ("none",))
     for tp, cp, pp, dp in _meshes(graph, n_dev, n_layers, fixed, capped):
         if global_batch_size % dp:
             continue
         sps = allowed("sequence_parallel", [False, True] if tp > 1 else [False])
-        for offload in offloads:   # offloading is ZeRO-3's, on one replica too
-            zeros = allowed("zero", [3] if offload else [0, 1, 2, 3] if dp * cp > 1 or "zero" in fixed else [0])
+        for offload in offloads:   # offloading all is ZeRO-3's, on one replica too
+            zeros = allowed("zero", [3] if offload == "all" else [0, 1, 2, 3] if dp * cp > 1 or "zero" in fixed else [0])
             if not zeros or not sps:
                 continue
             for ep in allowed("ep", [e for e in divisors(dp) if expert_parallel.unsupported(graph, e) is None]):

@@ -46,6 +46,10 @@ SCENARIOS = {
     "moe-ep2-zero1": ("moe", dict(dp=2, ep=2, zero=1), {}),
     # the optimizer steps tensor-parallel shards as plain tensors: saved (and resumed) as DTensors
     "gpt-tp2": ("gpt", dict(tp=2, micro_batch_size=2), {"dp2-zero3": dict(dp=2, zero=3)}),
+    # the optimizer offloaded: its state is the host copies' (of FSDP2's shards, then of tensor-parallel shards),
+    # refreshed from the loaded weights on resume
+    "gpt-dp2-zero3-offload": ("gpt", dict(dp=2, zero=3, offload="optimizer"),
+                              {"tp2-offload": dict(tp=2, micro_batch_size=2, offload="optimizer")}),
 }
 TARGETS = [(s, t) for s, (_, _, targets) in SCENARIOS.items() for t in [*targets, "one_process"]]
 

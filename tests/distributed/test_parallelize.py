@@ -42,14 +42,19 @@ TWO = {
     "zero3": dict(dp=2, zero=3),
     # offloaded (FSDP2's CPUOffloadPolicy): the states on the host, the optimizer stepping there; on one
     # replica too, a pipeline whose every stage offloads (FSDP2 on a one-rank mesh)
-    "zero3_offload": dict(dp=2, zero=3, offload=True),
-    "pp2_zero3_offload": dict(pp=2, zero=3, offload=True),
+    "zero3_offload": dict(dp=2, zero=3, offload="all"),
+    "pp2_zero3_offload": dict(pp=2, zero=3, offload="all"),
+    # the optimizer offloaded (runtime/optim.HostOptimizer: host copies stepped, the weights copied back): over
+    # ZeRO-1's partition, and over tensor-parallel local shards
+    "zero1_offload_optimizer": dict(dp=2, zero=1, offload="optimizer"),
+    "tp2_offload_optimizer": dict(tp=2, micro_batch_size=2, offload="optimizer"),
     "recompute_full": dict(dp=2, recompute="full"),
 }
 FOUR = {
     "tp2_pp2": dict(tp=2, pp=2),
     "dp2_tp2": dict(dp=2, tp=2),
     "dp2_tp2_zero3": dict(dp=2, tp=2, zero=3),   # FSDP2 over DTensor tensor-parallel shards (2-D)
+    "dp2_tp2_zero3_offload_optimizer": dict(dp=2, tp=2, zero=3, offload="optimizer"),   # host copies of their shards
     "pp4_zbh1": dict(pp=4, schedule="zbh1"),
     # the data-parallel buckets started when each chunk's last W returns (no gradient hook fires in W)
     "dp2_pp2_zbh1": dict(dp=2, pp=2, schedule="zbh1"),
@@ -73,6 +78,7 @@ SAMPLE_TWO = {"gpt": set(TWO) - {"pp2_gpipe", "zero1", "zero2", "recompute_full"
               "mlp": {"tp2", "pp2_interleaved", "zero3"}, "llama": {"pp2_interleaved", "zero2"},
               "gpt2": {"tp2_sp"}, "bert": {"tp2_sp"}}
 SAMPLE_FOUR = {("gpt", "tp2_pp2"), ("gpt", "dp2_tp2"), ("gpt", "dp2_tp2_zero3"), ("gpt", "planner"),
+               ("gpt", "dp2_tp2_zero3_offload_optimizer"),
                ("gpt", "pp4_zbh1"), ("gpt", "dp2_pp2_zbh1"), ("gpt", "tp2_pp2_zbv")}
 # Hugging Face Llama, GPT-2 and BERT at dp2, tp2, pp2 1F1B, ZeRO-1 and ZeRO-3 on 2 ranks run in
 # test_new_users.py, planned as users plan them (meta device, batch-1 or larger example inputs).

@@ -228,7 +228,8 @@ def test_search_recomputes_only_the_layers_memory_needs(plan_graph) -> None:
     assert full.peak_memory < one.peak_memory < none.peak_memory
     memory = (one.peak_memory + none.peak_memory) / 2
     cluster = dataclasses.replace(ONE_NODE, device=dataclasses.replace(ONE_NODE.device, memory=memory))
-    plan, _ = solve(plan_graph, cluster, GBS, fixed={**INTERLEAVED, "zero": 0, "tp": 1, "sequence_parallel": False})
+    plan, _ = solve(plan_graph, cluster, GBS, fixed={**INTERLEAVED, "zero": 0, "tp": 1, "sequence_parallel": False,
+                                                  "offload": "none"})
     assert plan.fits and plan.config.recompute == "full" and plan.config.recompute_layers > 0
     assert plan.step_time < full.step_time
     fewer = est(plan_graph, **INTERLEAVED, recompute="full", recompute_layers=plan.config.recompute_layers - 1) \

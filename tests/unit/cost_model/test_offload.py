@@ -1,5 +1,5 @@
-"""Offloaded ZeRO-3 (ParallelConfig.offload): priced from the host's figures, searched when it makes a plan
-fit, refused where the device describes no host (cost_model/offload.py)."""
+"""Offloading (ParallelConfig.offload: the optimizer alone, or ZeRO-3's states whole): priced from the host's
+figures, searched when it makes a plan fit, refused where the device describes no host (cost_model/offload.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _with(cluster, **device):
 
 def test_offload_prices_the_host_step_and_copies_and_frees_the_device(gpt):
     cluster = autopar.Cluster.from_spec("1x2xH100-SXM")
-    kept, moved = _estimate(gpt, cluster, dp=2, zero=3), _estimate(gpt, cluster, dp=2, zero=3, offload=True)
+    kept, moved = _estimate(gpt, cluster, dp=2, zero=3), _estimate(gpt, cluster, dp=2, zero=3, offload="all")
     host = cluster.device.host
     local = kept.stages[0].param_count / 2
     assert moved.breakdown.optimizer == pytest.approx(local * CPU_ADAM_BYTES / (host.memory_bandwidth * HOST_STREAM_EFFICIENCY))
@@ -40,27 +40,29 @@ def test_offload_prices_the_host_step_and_copies_and_frees_the_device(gpt):
     assert moved.breakdown.compute == kept.breakdown.compute
     states = kept.stages[0].memory.params + kept.stages[0].memory.grads + kept.stages[0].memory.optimizer
     assert moved.peak_memory == pytest.approx(kept.peak_memory - states)
-    assert any("host memory" in n for n in moved.notes) and moved.config.offload
-    assert "offload" in moved.config.short()
+    assert any("host memory" in n for n in moved.notes) and moved.config.offload == "all"
+    assert "offload=all" in moved.config.short()
 
 
 def test_host_memory_overflow_does_not_fit(gpt):
     cluster = autopar.Cluster.from_spec("1x2xH100-SXM")
     tiny = _with(cluster, host=dataclasses.replace(cluster.device.host, memory=1e3))
-    assert not _estimate(gpt, tiny, dp=2, zero=3, offload=True).fits
+    assert not _estimate(gpt, tiny, dp=2, zero=3, offload="all").fits
 
 
 def test_the_search_offloads_when_only_that_fits(gpt):
-    """Device memory between the two peaks: only the offloaded states fit; with room, nothing offloads."""
+    """Device memory between the two peaks (the leanest plan that keeps any states on the device: ZeRO-2 with the
+    optimizer offloaded and full recomputation; and ZeRO-3 offloaded whole): only the states offloaded whole fit;
+    with room, nothing offloads."""
     model, inputs = gpt
     cluster = autopar.Cluster.from_spec("1x2xH100-SXM")
     fixed = {"dp": 2, "micro_batch_size": 4}   # the rest free
-    kept = _estimate(gpt, cluster, zero=3, **fixed)
-    moved = _estimate(gpt, cluster, zero=3, offload=True, **fixed)
+    kept = _estimate(gpt, cluster, zero=2, offload="optimizer", recompute="full", **fixed)
+    moved = _estimate(gpt, cluster, zero=3, offload="all", recompute="full", **fixed)
     tight = _with(cluster, memory=(kept.peak_memory + moved.peak_memory) / 2)
     chosen = autopar.plan(model, tight, inputs, global_batch_size=8, fixed=fixed)
-    assert chosen.fits and chosen.config.offload and chosen.config.zero == 3
-    assert not autopar.plan(model, cluster, inputs, global_batch_size=8, fixed=fixed).config.offload
+    assert chosen.fits and chosen.config.offload == "all" and chosen.config.zero == 3
+    assert autopar.plan(model, cluster, inputs, global_batch_size=8, fixed=fixed).config.offload == "none"
     no_host = _with(tight, host=None)   # nowhere to offload to: nothing fits
     with pytest.raises(InfeasiblePlanError):
         autopar.plan(model, no_host, inputs, global_batch_size=8, fixed=fixed)
@@ -68,10 +70,15 @@ def test_the_search_offloads_when_only_that_fits(gpt):
 
 def test_offload_needs_zero3_and_a_host(gpt):
     with pytest.raises(ConfigError, match="needs zero=3"):
-        ParallelConfig(dp=2, zero=2, offload=True)
+        ParallelConfig(dp=2, zero=2, offload="all")
+    with pytest.raises(ConfigError, match='"optimizer" the optimizer.s states alone'):
+        ParallelConfig(dp=2, zero=3, offload=True)   # the old bool: the error names the modes
+    # a plan file written when offload was a bool reads as the same mode
+    assert ParallelConfig.from_dict({"dp": 2, "zero": 3, "offload": True}).offload == "all"
+    assert ParallelConfig.from_dict({"dp": 2, "offload": False}).offload == "none"
     cluster = _with(autopar.Cluster.from_spec("1x2xH100-SXM"), host=None)
     with pytest.raises(ConfigError, match="describes no host"):
-        _estimate(gpt, cluster, dp=2, zero=3, offload=True)
+        _estimate(gpt, cluster, dp=2, zero=3, offload="all")
 
 
 def test_host_round_trips_and_presets_describe_theirs():
@@ -97,7 +104,7 @@ def test_a_host_overflow_is_no_alternative_with_infinite_memory(gpt):
 
     def candidate(cfg):
         return SimpleNamespace(config=lambda: cfg, sort_key=lambda: cfg.short())
-    host_full = candidate(ParallelConfig(dp=2, zero=3, offload=True))
+    host_full = candidate(ParallelConfig(dp=2, zero=3, offload="all"))
     too_big = candidate(ParallelConfig(dp=2, zero=1))
     seen = [(best.step_time, None, best), (best.step_time * 0.8, host_full, float("inf")),
             (best.step_time * 0.9, too_big, 2 * best.cluster.device.memory)]
@@ -106,3 +113,46 @@ def test_a_host_overflow_is_no_alternative_with_infinite_memory(gpt):
     stats = SimpleNamespace(timed_out=False, ilp_stopped_early=0, gap=None, ilp_fallbacks=(), counts=lambda: {})
     chosen = with_search_results(best, stats, alts, (), "even", seen, 0.0)
     assert Plan.from_dict(chosen.to_dict()).alternatives == chosen.alternatives
+
+
+def test_optimizer_offload_prices_the_round_trip_and_the_host_step(gpt):
+    """offload="optimizer": the device keeps its weights and gradients, the states go to the host; the step
+    is the CPU's, after the gradients' copy to the host and before the weights' copy back (offload.py)."""
+    model, _ = gpt
+    cluster = autopar.Cluster.from_spec("1x2xH100-SXM")
+    device, host = cluster.device, cluster.device.host
+    kept, moved = (_estimate(gpt, cluster, dp=2, zero=1, offload=mode) for mode in ("none", "optimizer"))
+    local = kept.stages[0].param_count / 2   # ZeRO-1: the optimizer steps half
+    tensors = len(list(model.parameters())) / 2   # ZeRO-1 partitions whole tensors
+    p = moved.precision
+    expected = (local * CPU_ADAM_BYTES / (host.memory_bandwidth * HOST_STREAM_EFFICIENCY)
+                + local * (p.grad_bytes + p.weight_bytes) / host.link_bandwidth
+                + 2 * tensors * device.dispatch_overhead) * device.concurrency_slowdown
+    assert moved.breakdown.optimizer == pytest.approx(expected)
+    assert moved.breakdown.dp_comm == kept.breakdown.dp_comm and moved.breakdown.compute == kept.breakdown.compute
+    a, b = kept.stages[0].memory, moved.stages[0].memory
+    assert (b.params, b.grads, b.optimizer) == (a.params, a.grads, 0.0)
+    assert moved.peak_memory == pytest.approx(kept.peak_memory - a.optimizer)
+    # on the host: the fp32 master, its fp32 gradient and Adam's two moments of the shard it steps
+    assert any(f"{local * 16 / 1e9:.1f} GB of optimizer states" in n for n in moved.notes)
+    assert "offload=optimizer" in moved.config.short()
+    tiny = _with(cluster, host=dataclasses.replace(host, memory=local * 15))
+    assert not _estimate(gpt, tiny, dp=2, zero=1, offload="optimizer").fits
+
+
+def test_the_search_offloads_the_optimizer_when_only_that_fits(gpt):
+    """Device memory under the leanest plan that offloads nothing (ZeRO-2 with full recomputation) but over the
+    optimizer-offloaded ZeRO-2 without recomputation: the search offloads the optimizer alone (offloading
+    ZeRO-3's states whole fits too, but is no simpler nor faster)."""
+    model, inputs = gpt
+    cluster = autopar.Cluster.from_spec("1x2xH100-SXM")
+    fixed = {"dp": 2, "micro_batch_size": 4}
+    leanest = _estimate(gpt, cluster, zero=2, recompute="full", **fixed)
+    moved = _estimate(gpt, cluster, zero=2, offload="optimizer", **fixed)
+    assert moved.peak_memory < leanest.peak_memory
+    tight = _with(cluster, memory=(leanest.peak_memory + moved.peak_memory) / 2)
+    chosen = autopar.plan(model, tight, inputs, global_batch_size=8, fixed=fixed)
+    assert chosen.fits and chosen.config.offload == "optimizer" and chosen.peak_memory <= tight.device.memory
+    assert chosen.step_time <= moved.step_time
+    with pytest.raises(InfeasiblePlanError):   # with nothing offloaded, nothing fits
+        autopar.plan(model, tight, inputs, global_batch_size=8, fixed={**fixed, "offload": "none"})

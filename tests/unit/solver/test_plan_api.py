@@ -167,10 +167,10 @@ def test_infeasible_error_says_what_to_change():
                               batch_size=1, device="meta")
     graph = capture(model, inputs)
     with pytest.raises(InfeasiblePlanError) as err:
-        solve(graph, Cluster.from_spec("1x1xA100-80GB"), 8, fixed={"offload": False})
+        solve(graph, Cluster.from_spec("1x1xA100-80GB"), 8, fixed={"offload": "none"})
     msg = str(err.value)
     assert "leanest plan needs" in msg and "per device" in msg and "80 GB" in msg
-    assert "host memory (offload=True" in msg   # offloaded, it fits (tests/unit/cost_model/test_offload.py)
+    assert "host memory (offload='none' is pinned" in msg   # offloaded, it fits (tests/unit/cost_model/test_offload.py)
     assert "more devices" in msg and "a device with more than" in msg
     need = float(msg.split("leanest plan needs ")[1].split(" GB")[0])
     # 7.9e9 parameters x 16 bytes on one device is 126 GB: no plan is below

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from autopar import Cluster, InfeasiblePlanError
 from autopar.capture import capture
-from autopar.config import Precision
+from autopar.config import OFFLOADS, Precision
 from autopar.models import GPTConfig, build_gpt
 from autopar.models.llama import LlamaConfig, build_llama
 from autopar.solver import solve
@@ -172,7 +172,8 @@ def test_first_stage_gets_fewer_layers_when_it_holds_more_micro_batches(plan_gra
     memory Megatron's even split needs, the DP moves blocks off the first stage."""
     from autopar.config import ParallelConfig
     from autopar.cost_model import estimate_plan
-    fixed = {"tp": 1, "pp": 4, "dp": 1, "micro_batch_size": 32, "schedule": "1f1b", "zero": 0, "recompute": "none"}
+    fixed = {"tp": 1, "pp": 4, "dp": 1, "micro_batch_size": 32, "schedule": "1f1b", "zero": 0, "recompute": "none",
+             "offload": "none"}
     cluster = Cluster.from_spec("1x4xA100-80GB")
     even = estimate_plan(plan_graph, cluster, ParallelConfig(**fixed), 256)
     assert even.stages[0].memory.total > even.stages[-1].memory.total  # activations dominate
@@ -289,7 +290,7 @@ def test_branches_bound_each_candidate_as_alone(request, graph_name, spec, gbs):
     together = search_of(Cluster.from_spec(spec))
     pending = [p for b in together._branches() if (p := together._branch_parts(b)) is not None]
     bounds = {Key(variant, p.branch.dp, p.branch.tp, p.branch.pp, p.branch.cp, p.branch.ep, p.branch.micro_batch_size,
-                  schedule, v, zero, sp, p.branch.offload): (lb_t, lb_m)
+                  schedule, v, zero, sp, OFFLOADS.index(p.branch.offload)): (lb_t, lb_m)
               for p in pending for variant, sp in p.parts
               for lb_t, lb_m, schedule, v, zero in together._part_leaves(p, variant, sp)}
     assert bounds == alone
@@ -299,7 +300,7 @@ def test_branches_bound_each_candidate_as_alone(request, graph_name, spec, gbs):
         mine = [bound for key, bound in alone.items()
                 if (key.dp, key.tp, key.pp, key.cp, key.ep, key.micro_batch_size, key.offload)
                 == (p.branch.dp, p.branch.tp, p.branch.pp, p.branch.cp, p.branch.ep, p.branch.micro_batch_size,
-                    p.branch.offload)]
+                    OFFLOADS.index(p.branch.offload))]
         assert floor <= min(t for t, _ in mine) and least <= min(m for _, m in mine)
         assert p.key() <= min(key for key in alone if key[1:7] == p.key()[1:7])
 
