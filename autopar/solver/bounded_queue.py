@@ -18,10 +18,17 @@ sorts before every one of its candidates would (its floor is at most their bound
 keys), a group's as its least member would, and the rest follow it. A branch whose floor on memory exceeds
 the device's is pruned whole; the candidates of a branch the search never reaches are pruned by the bound
 (whether they would also have been pruned by memory is not asked).
+
+A branch that offloads (ParallelConfig.offload) waits outside the heap for its twin without offload (the same
+mesh and micro-batch) to reach the head, and then enters it under its own floor: that floor is at least the
+twin's (BoundedQueue._offload_follows) and its key sorts after the twin's, so the order is unchanged, and the
+offloading branches of twins the search never reaches are never floored (HF GPT-2 175B: 5,840 of the 8,760
+branches wait; 1,252 enter the heap, 984 of them are bounded).
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass, field, replace
@@ -30,7 +37,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..progress import counter
-from ..config import OFFLOADS
+from ..config import OFFLOADS, ParallelConfig
+from ..errors import ConfigError
 from .space import Branch, Candidate, Key, compatible
 
 # (bound, schedule, virtual stages, ZeRO stage) of each candidate of a group, least first
@@ -55,10 +63,11 @@ class Group:
         """Its heap entry: the bound and key of its least candidate (the leaves are sorted)."""
         return (self.leaves[0][0], self.key(self.leaves[0]), index, "group", self)
 
-    def split(self, holds: Callable[[int], bool]) -> tuple["Group | None", "Group | None"]:
-        """(the candidates whose ZeRO stage ``holds``, the rest), each a group or None when empty."""
-        yes = tuple(leaf for leaf in self.leaves if holds(leaf[3]))
-        no = tuple(leaf for leaf in self.leaves if not holds(leaf[3]))
+    def split(self, holds: Callable[[int, str], bool]) -> tuple["Group | None", "Group | None"]:
+        """(the candidates for whose ZeRO stage and offload ``holds``, the rest), each a group or None when empty."""
+        offload = self.branch.offload
+        yes = tuple(leaf for leaf in self.leaves if holds(leaf[3], offload))
+        no = tuple(leaf for leaf in self.leaves if not holds(leaf[3], offload))
         return (Group(self.branch, self.variant, self.sequence_parallel, yes) if yes else None,
                 Group(self.branch, self.variant, self.sequence_parallel, no) if no else None)
 
@@ -90,11 +99,12 @@ class Unbounded:
         return Key(min(v for v, _ in self.parts), b.dp, b.tp, b.pp, b.cp, b.ep, b.micro_batch_size, "", 0, -1, False,
                    OFFLOADS.index(b.offload))
 
-    def split(self, holds: Callable[[int], bool]) -> tuple["Unbounded | None", "Unbounded | None"]:
-        """(the candidates whose ZeRO stage ``holds``, the rest), each as its own Unbounded or None when empty."""
+    def split(self, holds: Callable[[int, str], bool]) -> tuple["Unbounded | None", "Unbounded | None"]:
+        """(the candidates for whose ZeRO stage and offload ``holds``, the rest), each as its own Unbounded or None
+        when empty."""
         out = []
         for want in (True, False):
-            zeros = tuple(z for z in self.branch.zeros if holds(z) == want)
+            zeros = tuple(z for z in self.branch.zeros if holds(z, self.branch.offload) == want)
             part = Unbounded(replace(self.branch, zeros=zeros), self.schedules, self.parts)
             out.append(part if zeros and part.size else None)
         return out[0], out[1]
@@ -134,6 +144,11 @@ class Settled:
         return int(self.weight[:n][self.done[:n] | (self.bound[:n] >= limit)].sum())
 
 
+def _twin(b: Branch) -> tuple:
+    """What a branch and its twins of the other offload modes share: the mesh and micro-batch."""
+    return (b.tp, b.cp, b.pp, b.dp, b.ep, b.micro_batch_size)
+
+
 class BoundedQueue:
     """The queue of search.Search (a mixin: Search provides ``cluster``, ``must_fit``, ``progress``, ``stats``,
     ``settled``, ``layouts_ahead``, ``_branches``, ``_base_variants``, ``_variant``, ``_facts``, ``_visits``,
@@ -145,6 +160,8 @@ class BoundedQueue:
         queue = []
         self.settled = Settled()
         memory = self.cluster.device.memory
+        self._deferred, self._release_to = {}, queue   # (offloading branch, its settled index) by twin
+        twins: dict[tuple, float] = {}   # the queued branches without offload, by mesh and micro-batch: floors
         with counter("autopar: bounding", unit="candidates", enabled=self.progress) as bar:
             for b in self._ready_first():
                 if queue and self._past(deadline):
@@ -155,13 +172,38 @@ class BoundedQueue:
                 pending = self._branch_parts(b, bar)
                 if pending is None:
                     continue
+                twin = _twin(b)
+                if b.offload != "none" and twin in twins and self._offload_follows:
+                    # its floor is at least its twin's: it waits for the twin to reach the head (_bound_branch)
+                    self._deferred.setdefault(twin, []).append((pending, self.settled.add(twins[twin], pending.size)))
+                    continue
                 floor, least_memory = self.branch_floor(pending)
                 if self.must_fit and least_memory > memory:
                     self.stats.pruned_memory += pending.size
                     continue
+                if b.offload == "none":
+                    twins[twin] = floor
                 queue.append((floor, pending.key(), self.settled.add(floor, pending.size), "branch", pending))
         heapq.heapify(queue)
         return queue
+
+    @functools.cached_property
+    def _offload_follows(self) -> bool:
+        """Whether an offloading branch's floor (SearchBounds.branch_floor) is at least that of its twin without
+        offload (the same mesh, micro-batch and schedules): its every other term is the twin's, and its
+        optimizer step, linear in the parameters stepped as the twin's is, takes at least as long per
+        parameter (the host's CPU and link against the device's memory: true of every preset). Then it enters
+        the queue when its twin is bounded, behind it (its key sorts after the twin's), so that the candidates
+        are visited in the same order as with every branch queued from the start, and the offloading branches
+        of a twin the search never reaches are never floored."""
+        tail = self.estimator(self._base_variants[0]).tail
+        try:
+            for cfg in (ParallelConfig(offload="optimizer"), ParallelConfig(zero=3, offload="all")):
+                if tail.optimizer_time(cfg, 1e9) < tail.optimizer_time(replace(cfg, offload="none"), 1e9):
+                    return False
+        except ConfigError:   # no host to offload to: nothing is deferred
+            return False
+        return True
 
     def _ready_first(self) -> Iterator[Branch]:
         """:meth:`_branches`, those whose layouts are solved first: while a second process solves them
@@ -187,23 +229,28 @@ class BoundedQueue:
 
     def _branch_parts(self, b: Branch, bar=None) -> Unbounded | None:
         """Branch ``b``'s candidates that are not dominated (None: none), counted in the stats (and on ``bar``):
-        a (layout variant, sequence parallelism) part at a time, whose candidates share their per-layer costs."""
+        a (layout variant, sequence parallelism) part at a time, whose candidates share their per-layer costs
+        (the parts of a mesh and micro-batch found once for its offload twins)."""
         schedules = tuple(sv for sv in b.schedules if self._visits(sv[0]))
+        key = (_twin(b), schedules, b.sequence_parallel)
+        if key not in self._parts_of:
+            parts, dominated = [], 0
+            for sp in b.sequence_parallel:
+                for base in self._base_variants:
+                    variant = self._variant(base, b.tp, b.micro_batch_size)
+                    if self._facts(variant, b.tp)[0]:
+                        dominated += 1
+                    elif schedules:
+                        parts.append((variant, sp))
+            self._parts_of[key] = (tuple(parts), dominated)
+        parts, dominated = self._parts_of[key]
+        pairs = len(b.sequence_parallel) * len(self._base_variants)
         gpipe = sum(compatible(s, z) for s, _ in b.schedules if not self._visits(s) for z in b.zeros)
-        parts = []
-        for sp in b.sequence_parallel:
-            for base in self._base_variants:
-                self.stats.candidates += b.leaves
-                if bar is not None:
-                    bar.update(b.leaves)
-                variant = self._variant(base, b.tp, b.micro_batch_size)
-                if self._facts(variant, b.tp)[0]:
-                    self.stats.dominated += b.leaves
-                    continue
-                self.stats.dominated += gpipe
-                if schedules:
-                    parts.append((variant, sp))
-        return Unbounded(b, schedules, tuple(parts)) if parts else None
+        self.stats.candidates += pairs * b.leaves
+        self.stats.dominated += dominated * b.leaves + (pairs - dominated) * gpipe
+        if bar is not None:
+            bar.update(pairs * b.leaves)
+        return Unbounded(b, schedules, parts) if parts else None
 
     def _part_leaves(self, pending: Unbounded, variant: str, sp: bool) -> list[tuple[float, float, str, int, int]]:
         """(LB_T, LB_M, schedule, virtual stages, ZeRO stage) of each candidate of one part of ``pending``."""
@@ -248,6 +295,14 @@ class BoundedQueue:
         branch's entry weighs nothing now), the rest pruned by memory."""
         settled, memory = self.settled, self.cluster.device.memory
         settled.weight[index] = 0
+        for waiting, at in self._deferred.pop(_twin(pending.branch), ()) if pending.branch.offload == "none" else ():
+            floor, least_memory = self.branch_floor(waiting)   # at least the twin's (_offload_follows)
+            settled.bound[at] = floor
+            if self.must_fit and least_memory > memory:
+                self.stats.pruned_memory += waiting.size
+                settled.done[at] = True
+            else:   # into the main queue (the twin may be in _plain's share of it: search._split)
+                heapq.heappush(self._release_to, (floor, waiting.key(), at, "branch", waiting))
         for variant, sp in pending.parts:
             leaves = self._part_leaves(pending, variant, sp)
             fit = sorted((lb_t, schedule, v, zero) for lb_t, lb_m, schedule, v, zero in leaves
@@ -267,13 +322,13 @@ class BoundedQueue:
         for leaf in group.leaves:
             heapq.heappush(queue, (leaf[0], group.key(leaf), settled.add(leaf[0]), "summed", None))
 
-    def _split(self, queue: list, holds: Callable[[int], bool]) -> tuple[list, list]:
-        """(the entries of candidates whose ZeRO stage ``holds``, the rest), each a heap: a group holding
-        both is split in two (one keeps its index, the other gets its own)."""
+    def _split(self, queue: list, holds: Callable[[int, str], bool]) -> tuple[list, list]:
+        """(the entries of candidates for whose ZeRO stage and offload ``holds``, the rest), each a heap: a group
+        holding both is split in two (one keeps its index, the other gets its own)."""
         yes, no = [], []
         for entry in queue:
             if entry[3] not in ("group", "branch"):
-                (yes if holds(entry[1].zero) else no).append(entry)
+                (yes if holds(entry[1].zero, OFFLOADS[entry[1].offload]) else no).append(entry)
                 continue
             parts = [(part, out) for part, out in zip(entry[-1].split(holds), (yes, no)) if part is not None]
             for k, (part, out) in enumerate(parts):

@@ -79,7 +79,7 @@ import numpy as np
 
 from ..config import SPLIT_BACKWARD, ParallelConfig
 from ..cost_model.memory import least_passes
-from .even_split import Knapsack, even_pipeline_floor, even_splits
+from .even_split import Knapsack, even_pipeline_floor, even_splits, prepare_splits
 from .space import Candidate, compatible
 
 if TYPE_CHECKING:
@@ -157,7 +157,7 @@ class LayerWork:
 class SearchBounds:
     """The bounds of search.Search's candidates (a mixin: Search provides ``estimator``, ``graph``,
     ``cluster``, ``global_batch_size``, ``must_fit``, ``modes``, ``_even_split``, ``ahead`` and the caches
-    ``_work``, ``_cuts``, ``_splits``, ``_stage_floor``, ``_held``, ``_params``, ``_fixed`` and ``_tails``)."""
+    ``_work``, ``_cuts``, ``_splits``, ``_prepared``, ``_stage_floor``, ``_held``, ``_params``, ``_fixed`` and ``_tails``)."""
 
     @functools.cached_property
     def bound_modes(self) -> tuple[str, ...]:
@@ -363,12 +363,15 @@ class SearchBounds:
         lw, est, cfg = self._layer_work(c), self.estimator(c.variant), c.config()
         if key not in self._splits:
             self._splits[key] = even_splits(est, cfg, lw.layer_work)
-        # ZB-V's device work with its recomputation paid twice (its floor needs each device's work alone); ZB-H1's
-        # drain floor takes it once (zbh1_drain_floor: the second rerun goes to the weight-gradient pass)
-        work = lw.layer_work + lw.layer_rerun if c.schedule == "zbv" else lw.layer_work
-        pipe = even_pipeline_floor(est, cfg, m, self._splits[key], work, lw.layer_acts, lw.layer_forward,
-                                   lw.layer_wgrad,
-                                   self.cluster.device.memory if self._holds(c, m) else math.inf, lw.layer_rows)
+        prepared_key = (key, c.schedule, m)   # the knapsacks: every ZeRO stage's and offload's alike
+        if prepared_key not in self._prepared:
+            # ZB-V's device work with its recomputation paid twice (its floor needs each device's work alone);
+            # ZB-H1's drain floor takes it once (zbh1_drain_floor: the second rerun goes to the weight-gradient pass)
+            work = lw.layer_work + lw.layer_rerun if c.schedule == "zbv" else lw.layer_work
+            self._prepared[prepared_key] = prepare_splits(cfg, m, self._splits[key], work, lw.layer_acts,
+                                                          lw.layer_rows)
+        pipe = even_pipeline_floor(est, cfg, m, self._prepared[prepared_key], lw.layer_forward, lw.layer_wgrad,
+                                   self.cluster.device.memory if self._holds(c, m) else math.inf)
         if pipe is None:
             return None
         return max(lb_t, pipe + self._per_step(c)[0] + self._tail(c, m))

@@ -147,8 +147,11 @@ def alternatives(best: Plan, seen: Seen, memory: float, tolerance: float) -> tup
                        for degree, label in (("cp", "context"), ("ep", "expert")) if getattr(best.config, degree) > 1]
     if best.config.zero == 3:   # what ZeRO-3 was weighed against (cost_model/coverage.py's note reads it)
         counterfactuals.append((lambda cfg: cfg.zero < 3, " (the best without ZeRO-3)"))
-    if best.config.zero:
-        counterfactuals.append((lambda cfg: cfg.zero == 0, " (the best without ZeRO: plain data parallelism)"))
+    if best.config.zero or best.config.offload != "none":
+        counterfactuals.append((lambda cfg: cfg.zero == 0 and cfg.offload == "none",
+                                " (the best without ZeRO: plain data parallelism)"))
+    if best.config.offload != "none":
+        counterfactuals.append((lambda cfg: cfg.offload == "none", " (the best without offload)"))
     for keep, why in counterfactuals:
         without = [pl for pl in distinct.values() if keep(pl.config)]
         if without:   # the counterfactual plan.explain() cites, when the search evaluated one

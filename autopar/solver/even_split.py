@@ -103,25 +103,37 @@ def _placed(split: tuple[range, ...], places: tuple[tuple[int, ...], ...], layer
     return members, device, chunk, tuple(held)
 
 
-def even_pipeline_floor(est: Estimator, cfg: ParallelConfig, micro_batches: int, splits: Sequence[Split],
-                        work: np.ndarray, acts: np.ndarray, forward: np.ndarray, wgrad: np.ndarray,
-                        memory: float, rows: np.ndarray) -> float | None:
-    """The least pipeline time of ``cfg`` on any of its even ``splits`` over every choice of modes
-    (module docstring); None when none fits. ``work`` and ``acts``: each layer's work and activation
-    bytes per micro-batch in each mode the search prices, ``(layers, modes)``; ``forward`` and ``wgrad``
-    each layer's forward (with its collectives) and weight-gradient seconds, the same in every mode
-    (the zero-bubble schedules' passes); ``memory`` the device's bytes (``inf``: no memory argument);
-    ``rows`` each layer's row of its distinct ``(work, acts)`` rows (equal ids, equal rows): the knapsack
-    takes each distinct row and number of held passes once, counted per device (96 blocks, a few rows)."""
+def prepare_splits(cfg: ParallelConfig, micro_batches: int, splits: Sequence[Split], work: np.ndarray,
+                   acts: np.ndarray, rows: np.ndarray) -> tuple[tuple[Split, "Knapsack"], ...]:
+    """Each of ``splits`` with the knapsack of its devices' layers (what :func:`even_pipeline_floor` needs
+    besides the room the model states leave, the same for every ZeRO stage and offload of one pipeline,
+    schedule and micro-batch count). ``work`` and ``acts``: each layer's work and activation bytes per
+    micro-batch in each mode the search prices, ``(layers, modes)``; ``rows`` each layer's row of its
+    distinct ``(work, acts)`` rows (equal ids, equal rows): the knapsack takes each distinct row and number
+    of held passes once, counted per device (96 blocks, a few rows)."""
     passes = _passes(cfg.schedule, cfg.pp, cfg.virtual_stages, micro_batches)   # (devices, v)
-    best = None
+    out = []
     for split in splits:
-        room = memory - sum(est.state_bytes(cfg, split.params, split.experts))
         held = passes[split.device, split.chunk]
         kinds, first, which = np.unique(rows * (int(held.max()) + 1) + held, return_index=True, return_inverse=True)
         counts = np.zeros((len(kinds), cfg.pp))
         np.add.at(counts, (which.ravel(), split.device), 1.0)
-        floors = Knapsack(work[first], acts[first] * held[first, None], counts).floors(room)
+        out.append((split, Knapsack(work[first], acts[first] * held[first, None], counts)))
+    return tuple(out)
+
+
+def even_pipeline_floor(est: Estimator, cfg: ParallelConfig, micro_batches: int,
+                        prepared: Sequence[tuple[Split, "Knapsack"]], forward: np.ndarray, wgrad: np.ndarray,
+                        memory: float) -> float | None:
+    """The least pipeline time of ``cfg`` on any of its even splits over every choice of modes
+    (module docstring); None when none fits. ``prepared``: the splits with their knapsacks
+    (:func:`prepare_splits`); ``forward`` and ``wgrad`` each layer's forward (with its collectives) and
+    weight-gradient seconds, the same in every mode (the zero-bubble schedules' passes); ``memory`` the
+    device's bytes (``inf``: no memory argument)."""
+    best = None
+    for split, knapsack in prepared:
+        room = memory - sum(est.state_bytes(cfg, split.params, split.experts))
+        floors = knapsack.floors(room)
         if floors is not None:
             x = floors + split.p2p
             f, w = forward @ split.members + split.p2p / 2, wgrad @ split.members

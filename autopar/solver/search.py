@@ -110,7 +110,7 @@ class SearchStats:
 # The runners-up plan.explain() shows besides the fastest few: the best plan of each of these kinds
 # (choice.alternatives' counterfactuals), which a candidate of that kind may be
 _KINDS = {"no cp": lambda c: c.cp == 1, "no ep": lambda c: c.ep == 1, "no ZeRO-3": lambda c: c.zero < 3,
-          "no ZeRO": lambda c: c.zero == 0}
+          "no ZeRO": lambda c: c.zero == 0 and c.offload == "none", "no offload": lambda c: c.offload == "none"}
 
 
 @dataclass
@@ -166,6 +166,10 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
     _layout_facts: dict[tuple, tuple[bool, bool]] = field(default_factory=dict)  # (variant, tp) -> facts
     _cuts: dict[tuple, float] = field(default_factory=dict)   # (tp, cp, mb, pp) -> least p2p cut
     _splits: dict[tuple, tuple[Split, ...]] = field(default_factory=dict)   # even splits of a layer work and mesh
+    _prepared: dict[tuple, tuple] = field(default_factory=dict)   # their knapsacks, by schedule and micro-batches
+    _parts_of: dict[tuple, tuple] = field(default_factory=dict)   # a branch's parts, by mesh and micro-batch
+    _deferred: dict[tuple, list] = field(default_factory=dict)    # offloading branches waiting for their twin
+    _release_to: list | None = None                               # the queue they go into
     _stage_floor: dict[tuple, float] = field(default_factory=dict)    # _largest_stage
     _held: dict[tuple, tuple[float, int]] = field(default_factory=dict)   # _passes
     _params: dict[tuple, tuple[float, float]] = field(default_factory=dict)   # _local_params
@@ -435,11 +439,12 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
 
     def _plain(self, queue: list, seen: Seen, evaluate: Callable[[float, int, Candidate], Any],
                deadline: float | None) -> None:
-        """Evaluate the zero=0 candidates in bound order up to the fastest zero=0 plan (a runner-up)."""
-        plain, queue[:] = self._split(queue, lambda zero: zero == 0)
+        """Evaluate the plain data-parallel candidates (zero=0, nothing offloaded) in bound order up to the fastest
+        such plan (a runner-up)."""
+        plain, queue[:] = self._split(queue, lambda zero, offload: zero == 0 and offload == "none")
 
         def best_plain() -> float:
-            return min((r.step_time for _, _, r in seen if isinstance(r, Plan) and r.config.zero == 0),
+            return min((r.step_time for _, _, r in seen if isinstance(r, Plan) and _KINDS["no ZeRO"](r.config)),
                        default=math.inf)
         while not self._past(deadline) and (entry := self._next(plain, best_plain(), deadline)) is not None:
             evaluate(entry[0], entry[2], entry[-1])

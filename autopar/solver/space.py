@@ -205,8 +205,16 @@ def branches(graph: OpGraph, cluster: Cluster, global_batch_size: int, fixed: Ma
         if global_batch_size % dp:
             continue
         sps = allowed("sequence_parallel", [False, True] if tp > 1 else [False])
-        for offload in offloads:   # offloading all is ZeRO-3's, on one replica too
-            zeros = allowed("zero", [3] if offload == "all" else [0, 1, 2, 3] if dp * cp > 1 or "zero" in fixed else [0])
+        for offload in offloads:
+            # offloading all is ZeRO-3's, on one replica too; the optimizer is offloaded with its states sharded
+            # over the replicas where there are some (as DeepSpeed and Megatron-LM offload it: ZeRO >= 1)
+            if offload == "all":
+                stages = [3]
+            elif dp * cp > 1 or "zero" in fixed:
+                stages = [1, 2, 3] if offload == "optimizer" and dp * cp > 1 and "zero" not in fixed else [0, 1, 2, 3]
+            else:
+                stages = [0]
+            zeros = allowed("zero", stages)
             if not zeros or not sps:
                 continue
             for ep in allowed("ep", [e for e in divisors(dp) if expert_parallel.unsupported(graph, e) is None]):

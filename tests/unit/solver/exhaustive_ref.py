@@ -23,8 +23,8 @@ def partitions(n: int, parts: int):
 
 
 def configs(graph, devices: int, global_batch: int, modes, valid=lambda cfg: True, offload: bool = False):
-    """Every configuration; with ``offload`` (the device describes a host), the optimizer offloaded at every ZeRO
-    stage and ZeRO-3 offloaded whole, on one replica as well."""
+    """Every configuration; with ``offload`` (the device describes a host), the optimizer offloaded (at ZeRO 1-3,
+    or 0 on one replica) and ZeRO-3 offloaded whole, on one replica as well."""
     blocks = sum(1 for layer in graph.layers if layer.is_block)
     n = len(graph.layers)
     for tp, cp in itertools.product(divisors(devices), divisors(devices)):
@@ -49,7 +49,8 @@ def configs(graph, devices: int, global_batch: int, modes, valid=lambda cfg: Tru
                     ("interleaved", v) for v in range(2, 9) if blocks and blocks % (pp * v) == 0] + [
                     ("zbh1", 1)] * (m >= pp) + [("zbv", 2)] * (2 * pp <= blocks and m >= 2 * pp)
                 stages = [0, 1, 2, 3] if dp * cp > 1 else [0]
-                zeros = [(z, "none") for z in stages] + ([(z, "optimizer") for z in stages] + [(3, "all")]) * offload
+                sharded = [1, 2, 3] if dp * cp > 1 else [0]   # the optimizer offloaded with its states sharded
+                zeros = [(z, "none") for z in stages] + ([(z, "optimizer") for z in sharded] + [(3, "all")]) * offload
                 for (sched, v), (zero, off), sp in itertools.product(scheds, zeros, [False, True] if tp > 1 else [False]):
                     if sched.startswith("zb") and zero > 1:   # the split backward takes ZeRO 0 or 1
                         continue
