@@ -5,7 +5,7 @@ validation by bench/data/split.json.
 Each row is the published model rebuilt on the meta device, the published cluster, and ``fixed=``
 holding exactly what the source publishes (the row's ``config``); what it does not publish
 (micro-batch size, interleaving, recomputation where not stated, ZeRO stage) is left to the planner,
-as the authors tuned it. A row whose ``config`` holds every field is an estimate (``autopar.estimate``
+as the authors tuned it; offloading, which a run that uses it states, is pinned off where the row does not. A row whose ``config`` holds every field is an estimate (``autopar.estimate``
 prices the same). The prediction is the plan's step time, turned into the published metric with the
 source's own FLOP formula (:meth:`Row.flops_per_step`).
 
@@ -185,14 +185,17 @@ def plan_row(row: Row, **device: Any) -> autopar.Plan:
     """The planner's plan of ``row`` with everything published pinned, among the schedules its stack runs
     (:data:`STACK_SCHEDULES`: the planner's choice among the plans of each, as it chooses among candidates)."""
     graph, cluster = graph_of(row.model), cluster_of(row, **device)
+    # a run that offloads states to host memory says so (DeepSpeed's ZeRO-Offload papers, Megatron's flags): one
+    # that does not, did not
+    fixed = {"offload": "none", **row.fixed}
     schedules = STACK_SCHEDULES.get(row.stack) if "schedule" not in row.fixed else None
     if schedules is None:
-        return solve(graph, cluster, row.global_batch, precision=row.precision, fixed=row.fixed)[0]
+        return solve(graph, cluster, row.global_batch, precision=row.precision, fixed=fixed)[0]
     plans = []
     for schedule in schedules:
         try:
             plans.append(solve(graph, cluster, row.global_batch, precision=row.precision,
-                               fixed={**row.fixed, "schedule": schedule})[0])
+                               fixed={**fixed, "schedule": schedule})[0])
         except (autopar.InfeasiblePlanError, autopar.ConfigError):   # e.g. interleaving with pp pinned to 1
             continue
     if not plans:

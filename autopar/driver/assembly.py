@@ -42,7 +42,7 @@ from ..runtime.expert_parallel import shard_experts
 from ..runtime.experts import ExpertsModule
 from ..runtime.fp8 import Float8Linear, emulated
 from ..runtime.mesh import Coords, MeshGroups
-from ..runtime.optim import HostOptimizer, compile_step, innermost
+from ..runtime.optim import HostOptimizer, compile_step, innermost, wrapped
 from ..runtime.pipeline import backward_ends
 from ..runtime.sharded_init import Materializer
 from .chunk import ChunkModule, NodeRunner
@@ -275,11 +275,10 @@ def build_optimizer(setup: RankSetup, compiled: RankProgram, groups: MeshGroups,
         if experts:
             partitions.append(([p for p in unique if id(p) in experts], groups.group("edp"), list(groups.ranks("edp"))))
         optimizer = Zero1Optimizer(partitions, factory, setup.rank, setup.timeout)
-        outer = optimizer.inner
     else:
-        optimizer = outer = factory(unique)
-    if isinstance(outer, HostOptimizer):   # checkpoints name the host copies the optimizer steps
-        stepped = outer.stepped(stepped)
+        optimizer = factory(unique)
+    if (host := wrapped(optimizer, HostOptimizer)) is not None:   # checkpoints name the host copies it steps
+        stepped = host.stepped(stepped)
     inner = innermost(optimizer)
     if compile and inner is not None:
         compile_step(inner, compile)

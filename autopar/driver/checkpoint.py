@@ -68,8 +68,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import ConfigError
 from ..runtime import dcp_state
-from ..runtime.data_parallel import Zero1Optimizer
-from ..runtime.optim import HostOptimizer, innermost
+from ..runtime.optim import HostOptimizer, innermost, wrapped
 
 
 def save_program(program: Any, path: str | os.PathLike) -> None:
@@ -87,8 +86,8 @@ def load_program(program: Any, path: str | os.PathLike) -> None:
                              {k: v for k, v in program.unused.items() if k not in program.params}, error=ConfigError)
     if steps is not None:
         program.steps = steps
-    host = getattr(program.optimizer, "inner", None) if isinstance(program.optimizer, Zero1Optimizer) else program.optimizer
-    if isinstance(host, HostOptimizer):   # its host copies of the weights just loaded
+    host = wrapped(program.optimizer, HostOptimizer)
+    if host is not None:   # its host copies of the weights just loaded
         host.reload()
 
 

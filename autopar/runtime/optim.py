@@ -112,8 +112,14 @@ class HostOptimizer:
         return self.inner.state_dict()
 
 
-def innermost(optimizer: Any) -> torch.optim.Optimizer | None:
-    """The torch optimizer under a program's (ZeRO-1's partition, HostOptimizer's host copies), or None."""
-    while optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+def wrapped(optimizer: Any, kind: type) -> Any:
+    """The first ``kind`` down a program's optimizer and the ones it wraps (``inner``: ZeRO-1's partition,
+    HostOptimizer's host copies), or None."""
+    while optimizer is not None and not isinstance(optimizer, kind):
         optimizer = getattr(optimizer, "inner", None)
     return optimizer
+
+
+def innermost(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer under a program's, or None."""
+    return wrapped(optimizer, torch.optim.Optimizer)
