@@ -244,12 +244,13 @@ class ComputeModel:
 
     def _fp8_linear(self, node: OpNode, gemm: Gemm, work_bf16: float, scale: float, mem_fwd: float,
                     mem_bwd: float) -> OpTime:
-        """A linear layer's GEMMs on the fp8 tensor cores plus their operands' casts (low_precision.py)."""
+        """A linear layer's GEMMs on the fp8 tensor cores (the forward's on its recipe's kernel, at ``gemm_share``
+        of the tensor-wise one's throughput) plus their operands' casts and outputs' rescales (low_precision.py)."""
         recipe = self.fp8
         work = scale / (self.device.peak(recipe.peak) * gemm_efficiency(self.device, gemm, False, self.waves, True))
         cast_fwd, cast_bwd = cast_seconds(recipe, self.kernels, gemm, self.device)
         launch = self.device.kernel_overhead
-        fwd = max(node.flops_fwd * work, mem_fwd) + cast_fwd + launch
+        fwd = max(node.flops_fwd * work / recipe.gemm_share, mem_fwd) + cast_fwd + launch
         if not node.flops_bwd:
             return OpTime(fwd, 0.0)
         grads = (node.flops_bwd / 2 * (work + work_bf16) if recipe.hp_grad_weight   # dW in bf16

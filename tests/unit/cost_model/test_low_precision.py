@@ -12,7 +12,8 @@ from autopar.capture import capture
 from autopar.config import ParallelConfig, Precision
 from autopar.cost_model import estimate_plan
 from autopar.cost_model.compute import ComputeModel, gemm_efficiency, scaled_gemm
-from autopar.cost_model.low_precision import RECIPES, cast_bytes_per_element, check_device, is_fp8_linear
+from autopar.cost_model.low_precision import (RECIPES, RESCALE_BYTES, RESCALE_KERNELS, ROWWISE_GEMM_SHARE,
+                                               cast_bytes_per_element, check_device, is_fp8_linear)
 from autopar.errors import ConfigError
 from autopar.models import build
 from autopar.presets import DEVICE_PRESETS
@@ -87,6 +88,48 @@ def test_an_fp8_linear_costs_its_gemms_at_the_fp8_peak_plus_its_casts(llama):
     assert cast_bytes_per_element(RECIPES["mxfp8"], "eager") == pytest.approx(3 + 1 / 32)
 
 
+def test_row_wise_recipes_run_their_forward_gemm_at_the_row_wise_kernels_share(llama):
+    """torchao runs a row-wise recipe's forward GEMM on the row-wise kernel (ROWWISE_GEMM_SHARE of the tensor-wise
+    kernel's throughput) and its backward GEMMs on the tensor-wise kernel, rescaling their outputs after."""
+    node = next(n for n in llama.nodes if is_fp8_linear(n) and n.gemm.n == 14336)
+    h100 = DEVICE_PRESETS["H100-SXM"]
+    no_casts = dataclasses.replace(h100, memory_bandwidth=1e30, kernel_overhead=0.0)
+
+    def op(device, recipe, kernels="compiled"):
+        fp8 = RECIPES[recipe] if isinstance(recipe, str) else recipe
+        return ComputeModel(llama, device, "bf16", fp8=fp8, kernels=kernels).op_time(node, 1.0, 1, "")
+
+    share = RECIPES["rowwise"].gemm_share
+    assert share == RECIPES["rowwise_with_gw_hp"].gemm_share == ROWWISE_GEMM_SHARE and 0.5 < share < 1
+    assert RECIPES["tensorwise"].gemm_share == RECIPES["mxfp8"].gemm_share == 1.0
+    assert RECIPES["tensorwise"].rescaled_grads == RECIPES["mxfp8"].rescaled_grads == 0
+    bf16 = ComputeModel(llama, no_casts, "bf16").op_time(node, 1.0, 1, "")
+    tensorwise, rowwise, hp = (op(no_casts, r) for r in ("tensorwise", "rowwise", "rowwise_with_gw_hp"))
+    # the forward GEMM: the tensor-wise one's time over the share; tensor-wise itself at P_fp8 e_8 (test above)
+    g = scaled_gemm(node.gemm, 1.0, "", 1)
+    assert tensorwise.fwd == pytest.approx(node.flops_fwd / (h100.peak("fp8") * gemm_efficiency(h100, g, fp8=True)),
+                                           rel=1e-9)
+    assert rowwise.fwd == pytest.approx(tensorwise.fwd / share, rel=1e-9)
+    assert hp.fwd == pytest.approx(tensorwise.fwd / share, rel=1e-9)
+    # the backward GEMMs run on the tensor-wise kernel; rowwise_with_gw_hp's weight gradient stays bf16's
+    assert rowwise.bwd == pytest.approx(tensorwise.bwd, rel=1e-9)
+    assert hp.bwd == pytest.approx(bf16.bwd / 2 + tensorwise.bwd / 2, rel=1e-9)
+    # the rescales at the streaming bandwidth: dx (m x k) and dW (k x n), dx alone with dW in bf16
+    stream = h100.memory_bandwidth * h100.memory_efficiency
+    dx, dw = g.m * g.k, g.k * g.n
+    for kernels, mode in (("compiled", "fused"), ("fused", "fused"), ("eager", "eager")):
+        per, launches = RESCALE_BYTES[mode], RESCALE_KERNELS[mode] * h100.kernel_overhead
+        unscaled = {r: dataclasses.replace(RECIPES[r], rescaled_grads=0) for r in ("rowwise", "rowwise_with_gw_hp")}
+        assert (op(h100, "rowwise", kernels).bwd - op(h100, unscaled["rowwise"], kernels).bwd
+                == pytest.approx((dx + dw) * per / stream + 2 * launches, rel=1e-9))
+        assert (op(h100, "rowwise_with_gw_hp", kernels).bwd - op(h100, unscaled["rowwise_with_gw_hp"], kernels).bwd
+                == pytest.approx(dx * per / stream + launches, rel=1e-9))
+        # the casts are tensor-wise's: the row-wise forward differs by the GEMM's shortfall alone
+        assert (op(h100, "rowwise", kernels).fwd - op(h100, "tensorwise", kernels).fwd
+                == pytest.approx(tensorwise.fwd * (1 / share - 1), rel=1e-9))
+    assert RESCALE_BYTES["eager"] == 2 * 4 + 4 and RESCALE_BYTES["fused"] == 2 + 2
+
+
 def test_plans_in_fp8(llama):
     cluster = autopar.Cluster.from_spec("1x8xH100-SXM")
     cfg = ParallelConfig(dp=8, zero=3, recompute="op")
@@ -101,6 +144,10 @@ def test_plans_in_fp8(llama):
     tensorwise = price(llama, cluster, tp, 8, precision=Precision(compute="fp8", kernels="compiled"))
     rowwise = price(llama, cluster, tp, 8, precision=Precision(compute="fp8", recipe="rowwise", kernels="compiled"))
     assert tensorwise.breakdown.tp_comm > rowwise.breakdown.tp_comm
+    # a row-wise plan is slower than the tensor-wise one (at 1,024-token micro-batches, slower than bf16's too)
+    row = estimate_plan(llama, cluster, cfg, 8, precision=Precision(compute="fp8", recipe="rowwise",
+                                                                    kernels="compiled"))
+    assert row.step_time > fp8.step_time
 
 
 def gpt_tiny(device="cpu"):
