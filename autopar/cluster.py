@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from .conditions import ProfileConditions, noisy_profile_warning
 from .errors import ConfigError
-from .hardware import Device, Link, check_count, check_number, from_dict
+from .hardware import Device, Fabric, Link, check_count, check_number, from_dict
 from .presets import DEVICE_PRESETS, device_preset, host_devices, link_presets
 
 _SPEC_FORM = "NODESxDEVICES_PER_NODExDEVICE e.g. 128x8xA100-80GB"
@@ -60,8 +60,10 @@ class Cluster:
     rack's 72. ``devices_per_host``: the devices one machine (one operating system, one torchrun) drives,
     which a domain larger than a machine holds several of (a GB200 compute tray: 4); None: the node is
     one machine. ``inter_node`` is per device: a node's total NIC bandwidth is
-    ``devices_per_node * inter_node.bandwidth``. ``profile_conditions``: what the measurements of a
-    :meth:`local` cluster were taken under (its device, its links; autopar/conditions.py), () for presets.
+    ``devices_per_node * inter_node.bandwidth``. ``fabric``: the tiers above the nodes when there is more
+    than one (pods of nodes, oversubscribed between them; hardware.Fabric), None: one non-blocking tier.
+    ``profile_conditions``: what the measurements of a :meth:`local` cluster were taken under (its device,
+    its links; autopar/conditions.py), () for presets.
     """
 
     nodes: int
@@ -71,6 +73,7 @@ class Cluster:
     inter_node: Link
     profile_conditions: tuple[ProfileConditions, ...] = ()
     devices_per_host: int | None = None
+    fabric: Fabric | None = None
 
     def __post_init__(self) -> None:
         check_count("Cluster", "nodes", self.nodes)
@@ -86,6 +89,8 @@ class Cluster:
         for name in ("intra_node", "inter_node"):
             if not isinstance(getattr(self, name), Link):
                 raise ConfigError(f"Cluster.{name}={getattr(self, name)!r} must be a Link")
+        if self.fabric is not None and not isinstance(self.fabric, Fabric):
+            raise ConfigError(f"Cluster.fabric={self.fabric!r} must be a Fabric or None")
         object.__setattr__(self, "profile_conditions", tuple(self.profile_conditions))
         if not all(isinstance(c, ProfileConditions) for c in self.profile_conditions):
             raise ConfigError(f"Cluster.profile_conditions={self.profile_conditions!r} must hold ProfileConditions")
@@ -113,7 +118,8 @@ class Cluster:
     @classmethod
     def from_spec(cls, spec: str, *, intra_node_bandwidth: float | None = None,
                   inter_node_bandwidth: float | None = None, intra_node_latency: float | None = None,
-                  inter_node_latency: float | None = None, device_memory: float | None = None) -> "Cluster":
+                  inter_node_latency: float | None = None, device_memory: float | None = None,
+                  fabric: Fabric | None = None) -> "Cluster":
         """Build a cluster from "NODESxDEVICES_PER_NODExDEVICE" (e.g. "128x8xA100-80GB", "1x2xcpu").
 
         "8xA100-80GB" means one node. A node is one NVLink domain: "16x72xGB200" is 16 GB200 NVL72 racks
@@ -122,7 +128,9 @@ class Cluster:
         direction, in bytes/s and seconds; an overridden bandwidth is taken as the
         achievable number and so gets ``efficiency=1.0`` (an overridden latency keeps
         the preset efficiency). ``device_memory`` (bytes) replaces the preset's memory per device,
-        e.g. to keep a reserve for the framework: ``device_memory=70e9`` on an 80 GB part.
+        e.g. to keep a reserve for the framework: ``device_memory=70e9`` on an 80 GB part. ``fabric``: the
+        network's tiers above the nodes (hardware.Fabric; presets.FABRICS names published ones), None: one
+        non-blocking tier.
         """
         nodes, per_node, device_name = _parse_spec(spec)
         device = device_preset(device_name)
@@ -140,7 +148,7 @@ class Cluster:
         else:
             host = None
         return cls(nodes=nodes, devices_per_node=per_node, device=device, intra_node=intra, inter_node=inter,
-                   devices_per_host=host)
+                   devices_per_host=host, fabric=fabric)
 
     @classmethod
     def local(cls, nprocs: int | None = None, threads_per_rank: int | None = None, *,
@@ -171,12 +179,13 @@ class Cluster:
         return {"nodes": self.nodes, "devices_per_node": self.devices_per_node, "devices_per_host": self.devices_per_host,
                 "device": self.device.to_dict(),
                 "intra_node": self.intra_node.to_dict(), "inter_node": self.inter_node.to_dict(),
-                "profile_conditions": [c.to_dict() for c in self.profile_conditions]}
+                "profile_conditions": [c.to_dict() for c in self.profile_conditions],
+                "fabric": self.fabric.to_dict() if self.fabric is not None else None}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Cluster":
         data = from_dict(cls, data)
-        for key, kind in (("device", Device), ("intra_node", Link), ("inter_node", Link)):
+        for key, kind in (("device", Device), ("intra_node", Link), ("inter_node", Link), ("fabric", Fabric)):
             if isinstance(data.get(key), Mapping):
                 data[key] = kind.from_dict(data[key])
         conditions = data.get("profile_conditions", [])
@@ -190,8 +199,10 @@ class Cluster:
         intra = f"{self.intra_node.name or 'intra-node'} {self.intra_node.bandwidth / 1e9:g} GB/s"
         inter = f"{self.inter_node.name or 'inter-node'} {self.inter_node.bandwidth / 1e9:g} GB/s"
         hosts = f", {self.hosts} machines of {self.host_devices}" if self.devices_per_host else ""
+        fabric = (f"; pods of {self.fabric.pod_nodes} nodes, 1:{self.fabric.oversubscription:g} between them"
+                  if self.fabric is not None else "")
         return (f"{self.nodes} x {self.devices_per_node} x {self.device.name} "
-                f"({self.devices} devices{hosts}; {intra}, {inter} per device)")
+                f"({self.devices} devices{hosts}; {intra}, {inter} per device{fabric})")
 
 
 def _override(link: Link, which: str, bandwidth: float | None, latency: float | None) -> Link:

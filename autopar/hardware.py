@@ -71,6 +71,37 @@ class Host:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Fabric:
+    """The network above the nodes when it has more than one tier (cost_model/comm.py): ``pod_nodes`` nodes
+    under full bisection bandwidth (a pod: the leaf and spine switches of a rail-optimised fat tree), pods
+    joined by a tier that carries ``1 / oversubscription`` of the pods' NIC bandwidth (Meta's 24K-GPU RoCE
+    cluster: pods of 3,072 GPUs, 1:7 between them). None on a Cluster: one non-blocking tier."""
+
+    pod_nodes: int
+    """Nodes (NVLink domains) per pod: consecutive nodes, as ranks fill them."""
+    oversubscription: float
+    """The pods' NIC bandwidth over what the tier above them carries (1: non-blocking)."""
+    source: str
+    """Where the numbers come from."""
+
+    def __post_init__(self) -> None:
+        check_count("Fabric", "pod_nodes", self.pod_nodes)
+        check_number("Fabric", "oversubscription", self.oversubscription)
+        if self.oversubscription < 1:
+            raise ConfigError(f"Fabric.oversubscription={self.oversubscription!r} must be >= 1 (1: the tier above the "
+                              "pods carries all of their NIC bandwidth)")
+        if not isinstance(self.source, str):
+            raise ConfigError(f"Fabric.source={self.source!r} must be a string")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Fabric":
+        return cls(**from_dict(cls, data))
+
+
+@dataclass(frozen=True, kw_only=True)
 class Device:
     """One accelerator (or CPU socket set): peaks, memory and achieved-fraction constants."""
 

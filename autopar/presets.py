@@ -12,7 +12,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from .errors import ConfigError
-from .hardware import Device, Host, Link, Protocol
+from .hardware import Device, Fabric, Host, Link, Protocol
 
 # --- Achieved-fraction constants, per device family --------------------------------------------
 # matmul_efficiency: fraction of the dense peak a large GEMM whose output tiles fill whole waves of the
@@ -385,3 +385,14 @@ def host_devices(device_name: str) -> int | None:
 def link_presets(device_name: str) -> tuple[Link, Link]:
     """(intra-node, inter-node) preset links for the family of the preset device ``device_name``."""
     return _LINKS[_FAMILY[device_preset(device_name).name]]
+
+
+# --- Fabrics: networks of more than one tier above the nodes (Cluster.fabric) ------------------------------
+FABRICS: Mapping[str, Fabric] = MappingProxyType({
+    "llama3-24k-roce": Fabric(
+        pod_nodes=384, oversubscription=7.0,
+        source="Llama 3 Herd of Models (arXiv 2407.21783) section 3.3.1: Meta's 24K-H100 RoCE cluster, a three-layer "
+               "Clos; 192 racks of 16 GPUs form a pod of 3,072 GPUs (384 8-GPU nodes) with full bisection "
+               "bandwidth, eight pods joined by aggregation switches at 1:7 oversubscription"),
+})
+"""Published fabrics by name, for ``Cluster.from_spec(..., fabric=FABRICS[name])``."""

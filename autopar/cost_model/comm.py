@@ -1,4 +1,5 @@
-r"""Alpha-beta cost of collectives on a two-level (NVLink inside a node, NICs between nodes) topology.
+r"""Alpha-beta cost of collectives on a two-level (NVLink inside a node, NICs between nodes) topology, and
+a third where the fabric has pods.
 
 Notation: a group of ``n`` ranks, ``r`` of them on each of ``N = n / r`` nodes, ``g``
 groups of the same axis communicating at once through one node's NICs; ``S`` the
@@ -89,6 +90,22 @@ Two more ways for an all-reduce:
 A collective with a measured fit (``Link.collectives``, the profiler's gloo links) or a link
 without protocols is the plain ring above with ``latency`` per step.
 
+**A fabric of more than one tier** (``Cluster.fabric``: pods of ``pod_nodes`` consecutive nodes under full
+bisection bandwidth, joined by a tier that carries ``1 / sigma`` of the pods' NIC bandwidth, as clusters of
+tens of thousands of GPUs are built). A group spanning ``P > 1`` pods (``GroupPlacement.pods``) has
+``N / P`` of its nodes in each. Its ring, ordered by node, leaves each pod by one edge, which takes the
+group's share of the tier above: its nodes own ``(N / P) r b`` of the pod's NICs, of which ``1 / sigma``
+goes up, so
+
+    B_eff' = min(B_eff, (N / P) r b / sigma)
+
+(the tree all-reduce alike): a data-parallel ring over hundreds of nodes a pod keeps its bandwidth, a
+group with a few nodes in each pod is cut. All-to-all: of a rank's ``n - 1`` peers, ``n / P - r`` share
+its pod off its node and ``n - n / P`` sit in other pods, whose share crosses at ``b / sigma``:
+``beta = (r-1)/n / B_intra + (n/P - r)/n / b + (n - n/P)/n / (b / sigma)``. The tier adds no latency
+of its own: the inter-node link's step latency (NCCL's tuning model) is that of a path through the
+network. Point to point is priced as below (one flow per pipeline boundary).
+
 **Point to point**: ``t = S / B + a`` over the intra-node link, or over the inter-node
 link (one device's NIC) when the two ranks sit on different nodes.
 
@@ -108,7 +125,9 @@ profiler (gloo on a small VM: several ms).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -155,9 +174,11 @@ class GroupPlacement:
     """How many of the group's ranks share one node (1 .. devices_per_node); divides ``size``."""
     groups_per_node: int
     """How many groups of this axis communicate at the same time through one node's NICs."""
+    pods: int = 1
+    """Pods of the cluster's fabric (Cluster.fabric) the group spans; 1 without one."""
 
     def __post_init__(self) -> None:
-        for name in ("size", "ranks_per_node", "groups_per_node"):
+        for name in ("size", "ranks_per_node", "groups_per_node", "pods"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"GroupPlacement.{name}={value!r} is out of range: it must be an integer >= 1")
@@ -239,11 +260,27 @@ def place_axes(cluster: Cluster, degrees: Sequence[tuple[str, int]]) -> dict[str
 
 def place_run(cluster: Cluster, size: int, stride: int) -> GroupPlacement:
     """Placement of the groups ``{base + k * stride : k < size}`` that tile the cluster's ranks (a
-    mesh axis ``stride`` ranks apart), ranks ``k * devices_per_node ..`` forming node ``k``."""
+    mesh axis ``stride`` ranks apart), ranks ``k * devices_per_node ..`` forming node ``k`` (and, with a
+    fabric, nodes ``j * pod_nodes ..`` pod ``j``)."""
     placement = _placement_by_formula(stride, size, cluster.devices_per_node)
     if placement is None:
         placement = _placement_by_enumeration(stride, size, cluster.devices_per_node, cluster.devices)
+    fabric = cluster.fabric
+    if fabric is not None and fabric.pod_nodes < cluster.nodes and size > 1:
+        pods = _pods_spanned(stride, size, cluster.devices_per_node * fabric.pod_nodes, cluster.devices)
+        if pods > 1:
+            placement = dataclasses.replace(placement, pods=pods)
     return placement
+
+
+@functools.lru_cache(maxsize=1024)
+def _pods_spanned(stride: int, size: int, pod_devices: int, devices: int) -> int:
+    """The most pods any group ``{base + k * stride : k < size}`` spans, pods of ``pod_devices`` consecutive ranks."""
+    ranks = np.arange(devices, dtype=np.int64)
+    group = ranks - ((ranks // stride) % size) * stride
+    pods = devices // pod_devices + (devices % pod_devices > 0)
+    pairs = np.unique(group * pods + ranks // pod_devices)
+    return int(np.bincount(pairs // pods).max())
 
 
 def _rank_nic_bandwidth(group: GroupPlacement, cluster: Cluster, kind: Collective) -> float:
@@ -329,10 +366,13 @@ def _lines(kind: Collective, group: GroupPlacement, cluster: Cluster) -> tuple[t
     intra, inter = cluster.intra_node, cluster.inter_node
     b_intra = intra.achievable(kind.value) * intra.group_share(r)
     context = _context(group, cluster)
+    sigma = cluster.fabric.oversubscription if group.pods > 1 else 1.0   # the tier above the pods (Cluster.fabric)
     if kind is Collective.ALL_TO_ALL:
         beta = (r - 1) / n / b_intra
-        if N > 1:
-            beta += (n - r) / n / _rank_nic_bandwidth(group, cluster, kind)
+        if N > 1:   # of the ranks off the node, those in other pods over the tier above: 1 / sigma of the NICs
+            b = _rank_nic_bandwidth(group, cluster, kind)
+            in_pod = n / group.pods
+            beta += (in_pod - r) / n / b + (n - in_pod) / n / (b / sigma)
         a_intra, a_inter = intra.step_latency(kind.value), inter.step_latency(kind.value)
         return ((context + (r - 1) * a_intra + (n - r) * a_inter, beta),)
     volume = {Collective.ALL_REDUCE: 2 * (n - 1) / n, Collective.BROADCAST: 1.0}.get(kind, (n - 1) / n)
@@ -346,6 +386,8 @@ def _lines(kind: Collective, group: GroupPlacement, cluster: Cluster) -> tuple[t
         else:
             nic = b_nic * p_inter.bandwidth_fraction
             b_eff = nic if r == 1 else min(b_intra * p_intra.bandwidth_fraction, r * nic)
+            if group.pods > 1:   # the ring's edge out of a pod: its N / P nodes' share of the tier above
+                b_eff = min(b_eff, N / group.pods * r * nic / sigma)
             if N > 2 and p_inter.bus_bandwidth_cap > 0:
                 b_eff = min(b_eff, p_inter.bus_bandwidth_cap)
             base = max(p_intra.base_latency, p_inter.base_latency)
