@@ -293,7 +293,7 @@ class Estimator:
         dense = model_state_bytes(params - experts, self.precision, cfg.zero, cfg.grad_replicas)
         expert = model_state_bytes(experts, self.precision, cfg.zero, cfg.expert_replicas)
         w, g, k = (a + b for a, b in zip(dense, expert))
-        if cfg.offload == "all" and not self.cluster.device.is_cpu:   # in host memory (offload.py; a CPU is its own host)
+        if cfg.offload == "all" and not self.cluster.device.is_cpu:   # in host memory (offload.py; a CPU is its own)
             return (0.0 * params, 0.0 * params, 0.0 * params)
         if cfg.offload == "optimizer":   # the states in host memory; on a CPU, the master copy beside the weights
             if not self.cluster.device.is_cpu:

@@ -75,7 +75,7 @@ def _memory(plan: Plan) -> str:
 
 def _choices(plan: Plan) -> str:
     lines = ["The choices:"]
-    parts = [_tp(plan), _cp(plan), _pp(plan), _dp(plan), _ep(plan), _micro(plan), _recompute(plan)]
+    parts = [_tp(plan), _cp(plan), _pp(plan), _dp(plan), _ep(plan), _micro(plan), _recompute(plan), _offload(plan)]
     lines += [f"  - {line}" for line in parts if line]
     return "\n".join(lines)
 
@@ -96,6 +96,33 @@ def _without(plan: Plan, field: str) -> str:
         return ""
     return ("no plan without it could be faster: each either does not fit or has a lower bound on step time "
             "above this plan's")
+
+
+def _offload(plan: Plan) -> str:
+    """What the plan keeps in host memory and what its step pays for it (cost_model/offload.py), and the best
+    plan without offload the search evaluated (or that none fits)."""
+    c, b = plan.config, plan.breakdown
+    if c.offload == "none":
+        return ""
+    held = next((n.split(": ", 1)[1].removesuffix(", the optimizer step on the CPU") for n in plan.notes
+                 if n.startswith("offload: ")), "")
+    what = ("the optimizer's states and master weights live in host memory and the host's CPU steps them; "
+            "each step copies the gradients to the host and the updated weights back" if c.offload == "optimizer"
+            else "ZeRO-3's shards of the parameters, their gradients and the optimizer states live in host memory "
+                 "and the host's CPU steps them; each shard crosses the host link before its all-gather and after "
+                 "its reduce-scatter")
+    plain = [a for a in plan.alternatives if a.config.offload == "none"]
+    fitting = [a for a in plain if a.fits]
+    if fitting:
+        best = min(fitting, key=lambda a: a.step_time)
+        why = (f"the fastest plan without it the search evaluated, {best.config.short()}, takes "
+               f"{seconds(best.step_time)} ({(best.step_time / plan.step_time - 1) * 100:.0f}% slower)")
+    elif plain:
+        why = f"without it the fastest candidates do not fit ({plain[0].reason})"
+    else:
+        why = ""
+    step = f"the optimizer step takes {seconds(b.optimizer)} ({percent(b.optimizer / plan.step_time)})"
+    return f"offload {c.offload}: {what}" + (f" ({held})" if held else "") + f"; {step}" + (f"; {why}." if why else ".")
 
 
 def _cp(plan: Plan) -> str:

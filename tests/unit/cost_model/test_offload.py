@@ -154,5 +154,7 @@ def test_the_search_offloads_the_optimizer_when_only_that_fits(gpt):
     chosen = autopar.plan(model, tight, inputs, global_batch_size=8, fixed=fixed)
     assert chosen.fits and chosen.config.offload == "optimizer" and chosen.peak_memory <= tight.device.memory
     assert chosen.step_time <= moved.step_time
+    line = next(l for l in chosen.explain().splitlines() if "offload optimizer:" in l)   # explain says what moved
+    assert "host memory" in line and "GB of optimizer states" in line and "the optimizer step takes" in line
     with pytest.raises(InfeasiblePlanError):   # with nothing offloaded, nothing fits
         autopar.plan(model, tight, inputs, global_batch_size=8, fixed={**fixed, "offload": "none"})
