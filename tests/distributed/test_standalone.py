@@ -46,6 +46,9 @@ CASES = {   # name -> (ranks, pinned fields)
     # fp8 linear layers (torchao's float8 training, emulated on this CPU) on tensor-parallel shards: row-wise
     # scales (one token's or channel's each), whose amax the runtime all-reduces where tp splits it
     "tp2_fp8": (2, dict(tp=2, micro_batch_size=2)),
+    # the optimizer offloaded (optim.HostOptimizer over FSDP2's shards): stepped on host copies, checkpointed
+    # and resumed through them
+    "dp2_zero3_offload": (2, dict(dp=2, zero=3, micro_batch_size=2, offload="optimizer")),
 }
 PRECISION = {"tp2_fp8": dict(compute="fp8", recipe="rowwise_with_gw_hp")}   # the plan edited to it (this CPU has
 # no fp8 peak to price it with: what runs is what this case tests), the reference converted alike
@@ -201,6 +204,7 @@ def test_standalone_program_trains_like_one_process(name, runs, references):
     if name.endswith("_zbv"):
         assert "CHUNK_DEVICES = [0, 1, 1, 0]" in text and "SPLIT_BACKWARD = True" in text
         assert "I3.0" in text and "W0.3" in text
+    assert (f"OFFLOAD, MASTER_WEIGHTS = {CASES[name][1].get('offload', 'none')!r}," in text)
     if "zero3" in name:   # the FSDP2 units the cost model priced: each block; embedding, final norm and
         # head (small) in the chunk's root unit
         assert "UNITS = {0: [([1], False), ([2], False)]}" in text
