@@ -301,6 +301,9 @@ def _check(nbytes: float, group: GroupPlacement, cluster: Cluster) -> None:
     # (e.g. 3 ranks as 2 + 1 on two nodes) as if spread one rank per node, which can count more nodes
     # than the cluster has; that is the conservative price, not a placement error.
     dpn = cluster.devices_per_node
+    if group.pods > 1 and cluster.fabric is None:
+        raise ConfigError(f"{group} spans {group.pods} pods, but {cluster.describe()} has no fabric of pods: build "
+                          "placements with place_axes() on the cluster they are priced on")
     if group.ranks_per_node * group.groups_per_node > dpn:
         raise ConfigError(f"{group} does not fit {cluster.describe()}: ranks_per_node * groups_per_node must be "
                           f"<= {dpn}; build placements with place_axes()")

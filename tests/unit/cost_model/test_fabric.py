@@ -45,6 +45,8 @@ def test_groups_inside_a_pod_or_without_a_fabric_are_priced_as_before():
     assert after["dp"].pods == 1 and after["tp"].pods == 1 and after["pp"].pods == 3
     for name in ("tp", "dp"):
         assert after[name] == before[name]
+    with pytest.raises(ConfigError, match="no fabric of pods"):   # a placement priced on another cluster
+        collective_time(Collective.ALL_REDUCE, 1e6, after["pp"], plain)
     small_plain, small = _clusters(nodes=256)   # the cluster fits in one pod: nothing changes
     assert place_axes(small, axes[:2] + [("pp", 2)]) == place_axes(small_plain, axes[:2] + [("pp", 2)])
 
