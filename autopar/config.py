@@ -332,10 +332,19 @@ class Precision:
         return DTYPE_BYTES[self.grads]
 
     @property
+    def master_bytes(self) -> int:
+        """The fp32 master copy per parameter kept beside 16-bit weights (0: none, the weights are stepped)."""
+        return 4 if (self.master_weights and DTYPE_BYTES[self.storage] < 4) else 0
+
+    @property
+    def moment_bytes(self) -> int:
+        """The optimizer's own fp32 states per parameter: Adam's two moments, SGD's momentum."""
+        return 8 if self.optimizer == "adam" else 4
+
+    @property
     def optimizer_bytes(self) -> int:
         """Optimizer state per parameter: fp32 master (if kept) plus the optimizer's fp32 states."""
-        master = 4 if (self.master_weights and DTYPE_BYTES[self.storage] < 4) else 0
-        return master + (8 if self.optimizer == "adam" else 4)
+        return self.master_bytes + self.moment_bytes
 
     @property
     def activation_bytes(self) -> int:

@@ -41,8 +41,19 @@ def from_dict(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
     return dict(data)
 
 
+class _FlatRecord:
+    """``to_dict`` / ``from_dict`` of a dataclass whose fields are all plain values (Host, Fabric)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]):
+        return cls(**from_dict(cls, data))
+
+
 @dataclass(frozen=True, kw_only=True)
-class Host:
+class Host(_FlatRecord):
     """The host side of one accelerator, its share of the machine's CPUs: what offloading (ParallelConfig.offload)
     keeps there and the link it crosses. The machine's figures divided by its accelerators."""
 
@@ -62,16 +73,9 @@ class Host:
         if not isinstance(self.source, str):
             raise ConfigError(f"Host.source={self.source!r} must be a string")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Host":
-        return cls(**from_dict(cls, data))
-
 
 @dataclass(frozen=True, kw_only=True)
-class Fabric:
+class Fabric(_FlatRecord):
     """The network above the nodes when it has more than one tier (cost_model/comm.py): ``pod_nodes`` nodes
     under full bisection bandwidth (a pod: the leaf and spine switches of a rail-optimised fat tree), pods
     joined by a tier that carries ``1 / oversubscription`` of the pods' NIC bandwidth (Meta's 24K-GPU RoCE
@@ -92,13 +96,6 @@ class Fabric:
                               "pods carries all of their NIC bandwidth)")
         if not isinstance(self.source, str):
             raise ConfigError(f"Fabric.source={self.source!r} must be a string")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Fabric":
-        return cls(**from_dict(cls, data))
 
 
 @dataclass(frozen=True, kw_only=True)

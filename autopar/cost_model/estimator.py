@@ -33,7 +33,7 @@ from .comm import Collective, GroupPlacement, collective_time
 from .layer_cost import LayerCost, LayerCostModel, SplitGroups
 from ..plan.record import MemoryBreakdown
 from .memory import in_flight, interleaved_peak, model_state_bytes, op_kept, order_peak
-from .offload import host_bytes, master_bytes, moment_bytes
+from .offload import host_bytes, master_dtype_bytes
 from .mesh import mesh_groups
 from .schedule import even_partition
 from .step_tail import StepTail
@@ -298,8 +298,8 @@ class Estimator:
         if cfg.offload == "optimizer":   # the states in host memory; on a CPU, the master copy beside the weights
             if not self.cluster.device.is_cpu:
                 return (w, g, 0.0 * k)
-            counted = self.precision.optimizer_bytes - moment_bytes(self.precision)
-            k = k + (master_bytes(self.precision) - counted) * self.optimizer_params(cfg, params, experts)
+            extra = master_dtype_bytes(self.precision) - self.precision.master_bytes   # beyond the states counted
+            k = k + extra * self.optimizer_params(cfg, params, experts)
         return (w, g, k)
 
     @staticmethod

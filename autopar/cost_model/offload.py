@@ -76,10 +76,11 @@ def require_host(device: Device) -> Host:
     return host
 
 
-def shard_param_bytes(precision: Precision) -> float:
-    """Bytes per parameter of a sharded (offloaded) parameter and of its gradient shard: the master dtype
-    (fp32 with master weights), what FSDP2 keeps sharded and copies."""
-    return 4.0 if precision.master_weights or precision.compute == "fp32" else float(precision.weight_bytes)
+def master_dtype_bytes(precision: Precision) -> float:
+    """Bytes per parameter of the dtype the optimizer steps: fp32 under mixed precision with master weights,
+    else the weights' own. What FSDP2 keeps sharded and copies under "all" (a parameter's shard and its
+    gradient's), and the host copy runtime/optim.py's HostOptimizer keeps under "optimizer"."""
+    return float(precision.master_bytes or precision.weight_bytes)
 
 
 def copy_time(device: Device, precision: Precision, cfg: ParallelConfig, shard_params):
@@ -87,25 +88,13 @@ def copy_time(device: Device, precision: Precision, cfg: ParallelConfig, shard_p
     host link one way under ``offload="all"``; 0 otherwise. Floats or numpy arrays."""
     if cfg.offload != "all":
         return 0.0 * shard_params
-    return shard_params * shard_param_bytes(precision) / require_host(device).link_bandwidth
+    return shard_params * master_dtype_bytes(precision) / require_host(device).link_bandwidth
 
 
 def cpu_step_time(device: Device, local_params):
     """Seconds of a CPU AdamW step over ``local_params`` parameters (the shard a rank holds)."""
     host = require_host(device)
     return local_params * CPU_ADAM_BYTES / (host.memory_bandwidth * HOST_STREAM_EFFICIENCY)
-
-
-def master_bytes(precision: Precision) -> float:
-    """Bytes per parameter of the master copy ``offload="optimizer"`` keeps on the host: fp32 under mixed
-    precision with master weights, else the weights' own dtype (runtime/optim.py's HostOptimizer)."""
-    return 4.0 if precision.master_weights and precision.weight_bytes < 4 else float(precision.weight_bytes)
-
-
-def moment_bytes(precision: Precision) -> float:
-    """Bytes per parameter of the optimizer's own states (Adam's two fp32 moments, SGD's momentum)."""
-    master = 4.0 if precision.master_weights and precision.weight_bytes < 4 else 0.0
-    return precision.optimizer_bytes - master
 
 
 def optimizer_round_trip(device: Device, precision: Precision, local_params):
@@ -122,8 +111,8 @@ def host_bytes(precision: Precision, cfg: ParallelConfig, local_params):
     weights, gradients and optimizer states; under "optimizer" the master copy, its gradient and the
     moments of the ``local_params`` its optimizer steps; 0 without offload. Floats or numpy arrays."""
     if cfg.offload == "optimizer":
-        return local_params * (2 * master_bytes(precision) + moment_bytes(precision))
+        return local_params * (2 * master_dtype_bytes(precision) + precision.moment_bytes)
     if cfg.offload == "all":
-        b = shard_param_bytes(precision)
+        b = master_dtype_bytes(precision)
         return local_params * (2 * b + precision.optimizer_bytes - (4.0 if precision.master_weights else 0.0))
     return 0.0 * local_params

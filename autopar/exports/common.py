@@ -242,6 +242,15 @@ def optimizer_on_device(plan: "Plan", sharded: bool) -> tuple[float, bool]:
     return peak, peak <= plan.cluster.device.memory
 
 
+def zero1_for_offload(ranks: int) -> str:
+    """What writing ZeRO-1 for a ZeRO-0 plan that offloads its optimizer (a stack that offloads only under
+    ZeRO-1 or its distributed optimizer) changes, over ``ranks`` data-parallel ranks, in words."""
+    if ranks == 1:
+        return "with one data-parallel rank the same as the plan's ZeRO-0"
+    return (f"which shards the optimizer states, their host copies and the CPU step over the {ranks} data-parallel "
+            "ranks: less host memory and CPU work than the plan, the same bytes on the network")
+
+
 def peak_instead(plan: "Plan", peak: float, fits: bool) -> str:
     """What a stack's fallback does to the peak memory per device, in words: the new peak against the plan's
     and the device's, or that the plan already counts it."""

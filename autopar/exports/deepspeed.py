@@ -38,7 +38,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from .common import (RECOMPUTE_PART, Export, Field, Fields, base_warnings, chunks_in_order, gb, recompute_mode,
-                     unsharded_memory, zero_bubble_substitute)
+                     unsharded_memory, zero1_for_offload, zero_bubble_substitute)
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -110,12 +110,9 @@ def export(plan: "Plan") -> Export:
         zero, sources, note = 1, ("config.zero", "precision.grads", "precision.compute"), \
             f"ZeRO keeps {prec.grads} gradients of {prec.storage} weights"
     if zero == 0 and cfg.offload == "optimizer":
-        ranks_note = ("with one data-parallel rank the same as the plan's ZeRO-0" if ranks == 1 else
-                      f"which also shards the optimizer states, their host copies and the CPU step over the {ranks} "
-                      "data-parallel ranks: less host memory and CPU work than the plan, the same bytes on the network")
         warnings.append("config.zero = 0 with config.offload = \"optimizer\": DeepSpeed needs ZeRO stage 1 or higher "
                         "for offload_optimizer (its ZeRO optimizers run the offload; stage 0 builds none, and the "
-                        f"optimizer states would stay on the GPU); written as stage 1, {ranks_note}")
+                        f"optimizer states would stay on the GPU); written as stage 1, {zero1_for_offload(ranks)}")
         zero, sources, note = 1, ("config.zero", "config.offload"), "DeepSpeed offloads the optimizer under ZeRO only"
     zero_sources = sources if zero != cfg.zero else ("config.zero",)
     add("zero_optimization.stage", zero, zero_sources, CONFIG_JSON + " zero_optimization.stage; " + ZERO,

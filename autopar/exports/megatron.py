@@ -51,7 +51,7 @@ import shlex
 from typing import TYPE_CHECKING
 
 from .common import (RECOMPUTE_PART, Export, Field, Fields, base_warnings, chunks_in_order, gb, header, layers_of,
-                     recompute_mode, seq_len, unsharded_memory, zero_bubble_substitute)
+                     recompute_mode, seq_len, unsharded_memory, zero1_for_offload, zero_bubble_substitute)
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -252,7 +252,6 @@ def _offload(plan: "Plan", add, warnings: list[str]) -> None:
         + CPU_OFFLOAD_GUIDE, "gradients to the host, the CPU step and parameters back overlapped, as the guide "
         "recommends")
     if cfg.zero == 0:   # _zero wrote no distributed optimizer, which the precision-aware optimizer needs
-        ranks = cfg.dp * cfg.cp
         add("--use-distributed-optimizer", True, ("config.zero", "config.offload"),
             _doc("_add_distributed_args", "--use-distributed-optimizer") + "; megatron/core/optimizer/"
             "optimizer_config.py (\"--use-precision-aware-optimizer only supported with distributed optimizer\")",
@@ -261,10 +260,7 @@ def _offload(plan: "Plan", add, warnings: list[str]) -> None:
                         "--use-precision-aware-optimizer, which runs only under the distributed optimizer "
                         "(megatron/core/optimizer/optimizer_config.py: \"--use-precision-aware-optimizer only "
                         "supported with distributed optimizer\"); written with --use-distributed-optimizer (ZeRO-1), "
-                        + ("with one data-parallel rank the same as the plan's ZeRO-0" if ranks == 1 else
-                           f"which shards the optimizer states, their host copies and the CPU step over the {ranks} "
-                           "data-parallel ranks: less host memory and CPU work than the plan, the same bytes on the "
-                           "network"))
+                        + zero1_for_offload(cfg.dp * cfg.cp))
     if cfg.offload == "optimizer":   # exactly Megatron-LM's optimizer CPU offload
         return
     if cfg.pp > 1:

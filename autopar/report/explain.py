@@ -7,6 +7,9 @@ their breakdowns. Nothing is re-estimated (a loaded plan has no model graph).
 
 from __future__ import annotations
 
+from typing import Callable
+
+from ..config import ParallelConfig
 from ..plan import Alternative, Plan, TimeBreakdown
 from .compare import config_changes
 from .format import BREAKDOWN_LABELS, gigabytes, peak_stage, percent, seconds, step_range, throughput
@@ -80,10 +83,10 @@ def _choices(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _without(plan: Plan, field: str) -> str:
-    """What the search says of plans with ``field`` = 1: the best evaluated one, else the fastest bound
-    of one that does not fit, else that the bound ruled them all out."""
-    plain = [a for a in plan.alternatives if getattr(a.config, field) == 1]
+def _without(plan: Plan, keep: Callable[[ParallelConfig], bool]) -> str:
+    """What the search says of plans whose config ``keep`` holds for (without the choice): the best evaluated
+    one, else the fastest bound of one that does not fit, else that the bound ruled them all out."""
+    plain = [a for a in plan.alternatives if keep(a.config)]
     fitting = [a for a in plain if a.fits]
     if fitting:
         best = min(fitting, key=lambda a: a.step_time)
@@ -99,8 +102,8 @@ def _without(plan: Plan, field: str) -> str:
 
 
 def _offload(plan: Plan) -> str:
-    """What the plan keeps in host memory and what its step pays for it (cost_model/offload.py), and the best
-    plan without offload the search evaluated (or that none fits)."""
+    """What the plan keeps in host memory and what its step pays for it (cost_model/offload.py), and what the
+    search says of the plans without offload (:func:`_without`)."""
     c, b = plan.config, plan.breakdown
     if c.offload == "none":
         return ""
@@ -111,16 +114,7 @@ def _offload(plan: Plan) -> str:
             else "ZeRO-3's shards of the parameters, their gradients and the optimizer states live in host memory "
                  "and the host's CPU steps them; each shard crosses the host link before its all-gather and after "
                  "its reduce-scatter")
-    plain = [a for a in plan.alternatives if a.config.offload == "none"]
-    fitting = [a for a in plain if a.fits]
-    if fitting:
-        best = min(fitting, key=lambda a: a.step_time)
-        why = (f"the fastest plan without it the search evaluated, {best.config.short()}, takes "
-               f"{seconds(best.step_time)} ({(best.step_time / plan.step_time - 1) * 100:.0f}% slower)")
-    elif plain:
-        why = f"without it the fastest candidates do not fit ({plain[0].reason})"
-    else:
-        why = ""
+    why = _without(plan, lambda cfg: cfg.offload == "none")
     step = f"the optimizer step takes {seconds(b.optimizer)} ({percent(b.optimizer / plan.step_time)})"
     return f"offload {c.offload}: {what}" + (f" ({held})" if held else "") + f"; {step}" + (f"; {why}." if why else ".")
 
@@ -131,7 +125,7 @@ def _cp(plan: Plan) -> str:
         return ""
     tokens = plan.extra.get("sequence_length")
     seq = f"each sequence ({tokens} tokens)" if tokens else "each sequence"
-    why = _without(plan, "cp")
+    why = _without(plan, lambda cfg: cfg.cp == 1)
     return (f"context parallel {c.cp}: {seq} is cut into {2 * c.cp} chunks, device r of {c.cp} holding chunks r and "
             f"{2 * c.cp - 1}-r, so every device does the same share of the causal attention and holds 1/{c.cp} of "
             f"the activations; keys and values travel around a ring under the attention compute, and what it does "
@@ -143,7 +137,7 @@ def _ep(plan: Plan) -> str:
     if c.ep == 1:
         return ""
     experts = max((s.expert_param_count for s in plan.stages), default=0)
-    why = _without(plan, "ep")
+    why = _without(plan, lambda cfg: cfg.ep == 1)
     return (f"expert parallel {c.ep}: the experts of each MoE layer are split over {c.ep} data-parallel replicas, "
             f"so a device holds 1/{c.ep} of them ({experts / 1e9:.3g}B expert parameters) and runs its experts on "
             f"{c.ep}x larger GEMMs (every replica's tokens for them); the dispatch and combine all-to-alls cost "

@@ -535,14 +535,19 @@ OFFLOAD_KEYS = {
 }
 
 
+def _assert_switches(exported, stack: str, switches: dict) -> None:
+    """Each of ``switches`` (key -> value) written by ``exported`` with that value, from config.offload."""
+    fields = {f.key: f.value for f in exported.fields}
+    for key, value in switches.items():
+        assert fields.get(key) == value, (stack, key)
+        assert exported.field(key).sources == ("config.offload",), (stack, key)
+
+
 def test_offload_writes_each_stacks_switches_and_nothing_without_it(tmp_path):
     offloaded, plain = _offload_plans()
     for stack in STACKS:
         on = check_export(offloaded, stack, tmp_path)
-        fields = {f.key: f.value for f in on.fields}
-        for key, value in OFFLOAD_KEYS[stack].items():
-            assert fields.get(key) == value, (stack, key)
-            assert on.field(key).sources == ("config.offload",), (stack, key)
+        _assert_switches(on, stack, OFFLOAD_KEYS[stack])
         off = check_export(plain, stack, tmp_path)
         assert not set(OFFLOAD_KEYS[stack]) & {f.key for f in off.fields}, stack
         assert not any("offload" in f.key for f in off.fields), stack
@@ -637,10 +642,7 @@ def test_offload_optimizer_writes_the_optimizers_offload_alone(tmp_path):
     offloaded, plain = _offload_plans("optimizer", zero=1)
     for stack in STACKS:
         on = check_export(offloaded, stack, tmp_path)
-        fields = {f.key: f.value for f in on.fields}
-        for key, value in OPTIMIZER_OFFLOAD_KEYS[stack].items():
-            assert fields.get(key) == value, (stack, key)
-            assert on.field(key).sources == ("config.offload",), (stack, key)
+        _assert_switches(on, stack, OPTIMIZER_OFFLOAD_KEYS[stack])
         assert {f.key for f in on.fields if "config.offload" in f.sources} == set(OPTIMIZER_OFFLOAD_KEYS[stack]), stack
         assert not any(f.key in OFFLOAD_KEYS[stack] for f in on.fields if f.key not in OPTIMIZER_OFFLOAD_KEYS[stack])
         said = [w for w in on.warnings if "config.offload" in w]
