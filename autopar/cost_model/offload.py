@@ -107,12 +107,10 @@ def optimizer_round_trip(device: Device, precision: Precision, local_params):
 
 
 def host_bytes(precision: Precision, cfg: ParallelConfig, local_params):
-    """Host memory a device's offloaded states take: under "all" its shards of ``local_params`` parameters'
-    weights, gradients and optimizer states; under "optimizer" the master copy, its gradient and the
-    moments of the ``local_params`` its optimizer steps; 0 without offload. Floats or numpy arrays."""
-    if cfg.offload == "optimizer":
-        return local_params * (2 * master_dtype_bytes(precision) + precision.moment_bytes)
-    if cfg.offload == "all":
-        b = master_dtype_bytes(precision)
-        return local_params * (2 * b + precision.optimizer_bytes - (4.0 if precision.master_weights else 0.0))
-    return 0.0 * local_params
+    """Host memory a device's offloaded states take for the ``local_params`` parameters its optimizer steps (its
+    ZeRO shard): the weights in the dtype stepped (under "all" FSDP2's shards, which are the master; under
+    "optimizer" the host copy), their gradients in it, and the optimizer's moments; 0 without offload. Floats
+    or numpy arrays."""
+    if cfg.offload == "none":
+        return 0.0 * local_params
+    return local_params * (2 * master_dtype_bytes(precision) + precision.moment_bytes)

@@ -158,3 +158,17 @@ def test_the_search_offloads_the_optimizer_when_only_that_fits(gpt):
     assert "host memory" in line and "GB of optimizer states" in line and "the optimizer step takes" in line
     with pytest.raises(InfeasiblePlanError):   # with nothing offloaded, nothing fits
         autopar.plan(model, tight, inputs, global_batch_size=8, fixed={**fixed, "offload": "none"})
+
+
+def test_host_bytes_count_the_weights_gradients_and_moments_in_the_dtype_stepped():
+    """Both modes keep, per parameter stepped, the weight and its gradient in the dtype the optimizer steps and
+    the moments: 16 bytes under bf16 with fp32 masters and under fp32 alike (fp32 training keeps no master beside
+    its weights: nothing to take off), 12 with bf16 weights stepped as they are."""
+    from autopar import Precision
+    from autopar.cost_model.offload import host_bytes
+    for mode in ("optimizer", "all"):
+        cfg = ParallelConfig(dp=2, zero=3, offload=mode)
+        assert host_bytes(Precision(), cfg, 1.0) == 16.0
+        assert host_bytes(Precision(compute="fp32", grads="fp32"), cfg, 1.0) == 16.0
+        assert host_bytes(Precision(master_weights=False), cfg, 1.0) == 12.0
+    assert host_bytes(Precision(), ParallelConfig(dp=2), 1.0) == 0.0
