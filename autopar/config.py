@@ -17,17 +17,22 @@ def is_cpu_device(device_name: str) -> bool:
     """A CPU device name: the "cpu" preset, or a measured "cpu <model> xN thread(s)" (profiler)."""
     return device_name.split(" ")[0] == "cpu"
 
-Schedule = Literal["gpipe", "1f1b", "interleaved", "zbh1", "zbv"]
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev"]
 Recompute = Literal["none", "selective", "op", "full"]
 DType = Literal["fp32", "bf16", "fp16"]
 Compute = Literal["fp32", "bf16", "fp16", "fp8"]
 Kernels = Literal["eager", "fused", "compiled"]
 Offload = Literal["none", "optimizer", "all"]
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
-SPLIT_BACKWARD: tuple[str, ...] = ("zbh1", "zbv")
-"""The zero-bubble schedules (Qi et al., ICLR 2024): each backward split into an input-gradient pass
-("I", sent on at once) and a weight-gradient pass ("W", deferred into what would be bubble)."""
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev")
+SPLIT_BACKWARD: tuple[str, ...] = ("zbh1", "zbv", "dualpipev")
+"""The zero-bubble schedules (Qi et al., ICLR 2024; DualPipeV): backwards split into an input-gradient pass
+("I", sent on at once) and a weight-gradient pass ("W", deferred into what would be bubble). ZB-H1 and ZB-V
+split every backward; DualPipeV only those of its warm-up and drain (its steady F&B pairs run whole ones)."""
+SPLIT_EVERY_BACKWARD: tuple[str, ...] = ("zbh1", "zbv")
+"""The schedules splitting every backward, so that a recomputed forward reruns twice per micro-batch."""
+V_SHAPED: tuple[str, ...] = ("zbv", "dualpipev")
+"""The schedules placing two chunks on each pipeline device as a V: chunks ``d`` and ``2 pp - 1 - d`` on ``d``."""
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "op", "full")
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "all")
 """What ParallelConfig.offload keeps in host memory (cost_model/offload.py)."""
@@ -86,9 +91,12 @@ class ParallelConfig:
     split into an input-gradient and a weight-gradient pass, the weight passes deferred into the
     drain's bubble; every device holds 1F1B's first device's ``pp`` passes) and "zbv" (ZB-V: two
     chunks per device placed as a V, chunk ``d`` and ``2 pp - 1 - d`` on device ``d``, so that the
-    last device runs the turn; needs ``virtual_stages=2``). The zero-bubble schedules need ``zero <= 1``."""
+    last device runs the turn; needs ``virtual_stages=2``) and "dualpipev" (DeepSeek's DualPipeV as
+    torch.distributed.pipelining runs it: ZB-V's V, steady pairs of one chunk's forward and the other's
+    whole backward, split backwards in the warm-up and drain; needs ``virtual_stages=2`` and at least
+    ``2 pp`` micro-batches). The zero-bubble schedules need ``zero <= 1``."""
     virtual_stages: int = 1
-    """Model chunks per pipeline device; > 1 only with schedule="interleaved" (any) or "zbv" (2)."""
+    """Model chunks per pipeline device; > 1 only with schedule="interleaved" (any), "zbv" or "dualpipev" (2)."""
     zero: int = 0
     """ZeRO stage: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters (FSDP full shard)."""
     offload: Offload = "none"
@@ -138,10 +146,10 @@ class ParallelConfig:
         check_choice("recompute", self.recompute, RECOMPUTE_MODES)
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
-        if self.schedule == "zbv" and self.virtual_stages != 2:
-            raise ConfigError(f"schedule='zbv' places two chunks on each device as a V: it needs virtual_stages=2 "
-                              f"(got {self.virtual_stages})")
-        if self.virtual_stages > 1 and self.schedule not in ("interleaved", "zbv"):
+        if self.schedule in V_SHAPED and self.virtual_stages != 2:
+            raise ConfigError(f"schedule={self.schedule!r} places two chunks on each device as a V: it needs "
+                              f"virtual_stages=2 (got {self.virtual_stages})")
+        if self.virtual_stages > 1 and self.schedule not in ("interleaved", *V_SHAPED):
             raise ConfigError(
                 f"virtual_stages={self.virtual_stages} needs schedule='interleaved' "
                 f"(got {self.schedule!r}): set schedule='interleaved' or virtual_stages=1")
@@ -172,17 +180,22 @@ class ParallelConfig:
                 raise ConfigError("stage_recompute needs a non-interleaved schedule (an interleaved device holds "
                                   "chunks from every part of the model): use recompute= instead")
 
+    @property
+    def v_shaped(self) -> bool:
+        """Whether the schedule places each device's two chunks as a V (:data:`V_SHAPED`)."""
+        return self.schedule in V_SHAPED
+
     def device_chunks(self, device: int) -> tuple[int, ...]:
         """The model chunks (of ``pp * virtual_stages``, in model order) pipeline device ``device`` holds, in
-        model order: its local chunks 0, 1, ... Looped (every schedule but "zbv"): ``device, device + pp,
-        ...``; "zbv" (a V): ``device`` and ``2 pp - 1 - device``."""
-        if self.schedule == "zbv":
+        model order: its local chunks 0, 1, ... Looped (every schedule but the V-shaped ones): ``device,
+        device + pp, ...``; "zbv" and "dualpipev" (a V): ``device`` and ``2 pp - 1 - device``."""
+        if self.v_shaped:
             return (device, 2 * self.pp - 1 - device)
         return tuple(range(device, self.pp * self.virtual_stages, self.pp))
 
     def chunk_device(self, chunk: int) -> int:
         """The pipeline device holding model chunk ``chunk`` (:meth:`device_chunks`' inverse)."""
-        if self.schedule == "zbv" and chunk >= self.pp:
+        if self.v_shaped and chunk >= self.pp:
             return 2 * self.pp - 1 - chunk
         return chunk % self.pp
 

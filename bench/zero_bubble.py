@@ -1,18 +1,27 @@
-"""Zero-bubble pipeline schedules (ZB-H1, ZB-V): the bubble against the published formulas, and what they
-change in plans at scale.
+"""Zero-bubble pipeline schedules (ZB-H1, ZB-V, DualPipeV): the bubble against the published formulas, and
+what they change in plans at scale.
 
 1. **Published formulas** (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, Table 2 and section 6),
    on even stages with forward F, input gradient I and weight gradient W per micro-batch: ZB-H1's bubble is
    (p - 1)(F + I - W) (1F1B's (p - 1)(F + I + W)); ZB-V has none, every device busy from its first pass to
    its last, at F = I = W. Checked for the cost model's pipeline time and for torch.distributed.pipelining's
    own orders run by runtime/schedules.py's simulation. Target: equal within 1e-9 (relative).
+   DualPipeV (DeepSeek-V3, arXiv 2412.19437; torch's ScheduleDualPipeV): its published bubble,
+   (PP/2 - 1)(F&B + B - 3W), prices each F&B pair at the time of the overlapped pair DeepSeek's kernels
+   run; torch's runtime runs the pair's two passes one after the other, and so does autopar, whose cost
+   model prices the simulation of that order (with recomputation, a whole backward rerunning the forward
+   once, a split pass twice). Targets: the priced pipeline time equals the simulation within 0.2% (the
+   shares are rounded to 0.1%) over p = 2..16, m = 2p..4p; activations held 2p + 1 chunk passes on every
+   device (the published "PP + 1").
 2. **Plans at scale**, each configuration pinned and priced with its own stage partition (solver.price):
    GPT-3 175B on 128 x 8 A100 (tp 8, pp 8, dp 16, one sequence a micro-batch, 96 micro-batches, full
    recomputation) and Llama 3 70B on 32 x 8 H100 (tp 8, pp 4, dp 8, 16 micro-batches, selective), under
-   1F1B, interleaved (two chunks), ZB-H1 and ZB-V: step time, bubble and peak memory per device; and the
-   search's own pick with the pipeline degree pinned. Targets: ZB-H1's bubble below 1F1B's and ZB-V's below
-   two-chunk interleaving's, on both models; ZB-H1's peak memory no lower than 1F1B's (it holds ``p`` passes
-   on every device, each until its weight-gradient pass, where 1F1B's later devices hold fewer).
+   1F1B, interleaved (two chunks), ZB-H1, ZB-V and DualPipeV: step time, bubble and peak memory per device;
+   and the search's own pick with the pipeline degree pinned. Targets: ZB-H1's bubble below 1F1B's and ZB-V's
+   below two-chunk interleaving's, on both models; ZB-H1's peak memory no lower than 1F1B's (it holds ``p``
+   passes on every device, each until its weight-gradient pass, where 1F1B's later devices hold fewer);
+   under full recomputation (GPT-3) DualPipeV's step below ZB-V's (its steady pairs rerun the forward once,
+   ZB-V's split backwards twice).
 
 Run: .venv/bin/python bench/zero_bubble.py   (about 1 minute)
 """
@@ -32,7 +41,7 @@ from autopar.models import GPTConfig, build, build_gpt
 from autopar.runtime.schedules import build as build_schedule, simulate
 from autopar.solver import price, solve
 
-SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zbv", 2))
+SCHEDULES = (("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zbv", 2), ("dualpipev", 2))
 
 
 def formulas() -> bool:
@@ -56,7 +65,22 @@ def formulas() -> bool:
     ok = worst <= 1e-9
     print(f"published bubble formulas (ZB-H1 (p - 1)(F + I - W); ZB-V no idle time on any device): largest "
           f"relative difference {worst:.1e} over p = 2..16 (target <= 1e-9): {ok}")
-    return ok
+    dual, held = 0.0, True
+    for p in (2, 4, 8, 16):
+        for m in (2 * p, 3 * p + 1, 4 * p):
+            for _ in range(5):
+                f, i, w = rng.uniform(0.5, 1.5), rng.uniform(0.5, 1.5), rng.uniform(0.3, 1.5)
+                r = rng.choice([0.0, rng.uniform(0.2, 0.5) * f])   # one rerun of a recomputed forward
+                durations = {"F": f / 2, "I": i / 2, "W": (w + r) / 2, "B": (i + w) / 2}
+                sim = simulate(build_schedule("dualpipev", p, m, 2), 2, lambda a: durations[a.kind]).makespan
+                priced = pipeline_time([f + i + w] * p, m, "dualpipev", 2, [(f, i, w)] * p, [r] * p).total
+                dual = max(dual, abs(priced / sim - 1))
+            held &= simulate(build_schedule("dualpipev", p, m, 2), 2, lambda a: 1.0).peak_in_flight == (2 * p + 1,) * p
+    dual_ok = dual <= 2e-3 and held
+    print(f"DualPipeV priced as the simulation of torch's order (pairs run one pass after the other): largest "
+          f"relative difference {dual:.1e} over p = 2..16, m = 2p..4p (target <= 2e-3); 2p + 1 chunk passes held "
+          f"on every device (the published PP + 1): {held}: {dual_ok}")
+    return ok and dual_ok
 
 
 ROWS = [
@@ -92,11 +116,15 @@ def plans() -> bool:
         bubble = {s: p.breakdown.bubble for s, p in got.items()}
         row_ok = (bubble["zbh1"] < bubble["1f1b"] and bubble["zbv"] < bubble["interleaved"]
                   and got["zbh1"].peak_memory >= got["1f1b"].peak_memory)
+        if pins["recompute"] == "full":
+            row_ok &= got["dualpipev"].step_time < got["zbv"].step_time
         ok &= row_ok
         t0 = time.perf_counter()
         pick, _ = solve(graph, cluster, gbs, fixed={"pp": pins["pp"]})
-        print(f"  bubble / 1F1B's: ZB-H1 {bubble['zbh1'] / bubble['1f1b']:.2f}, ZB-V {bubble['zbv'] / bubble['1f1b']:.2f} "
-              f"(interleaved {bubble['interleaved'] / bubble['1f1b']:.2f}); ZB-H1's peak memory "
+        print(f"  bubble / 1F1B's: ZB-H1 {bubble['zbh1'] / bubble['1f1b']:.2f}, ZB-V {bubble['zbv'] / bubble['1f1b']:.2f}, "
+              f"DualPipeV {bubble['dualpipev'] / bubble['1f1b']:.2f} (interleaved "
+              f"{bubble['interleaved'] / bubble['1f1b']:.2f}); DualPipeV's step / ZB-V's "
+              f"{got['dualpipev'].step_time / got['zbv'].step_time:.3f}; ZB-H1's peak memory "
               f"{got['zbh1'].peak_memory / 1e9:.1f} vs 1F1B's {got['1f1b'].peak_memory / 1e9:.1f} GB: {row_ok}\n"
               f"  the search with pp={pins['pp']} pinned picks {pick.config.short()} ({pick.step_time:.2f} s, "
               f"{time.perf_counter() - t0:.1f} s to plan)")

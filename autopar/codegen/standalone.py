@@ -265,7 +265,7 @@ def _constants(compiled: CompiledProgram, record: dict, unset: dict[str, str]) -
     units = {c.index: _units(c, graph) for c in compiled.chunks}
     dims = compiled.param_dims
     lowered = compiled.lowered
-    placement = "ZB-V's V: rank d holds chunks d and 2 PP - 1 - d" if cfg.schedule == "zbv" else "c % PP"
+    placement = f"{cfg.schedule}'s V: rank d holds chunks d and 2 PP - 1 - d" if cfg.v_shaped else "c % PP"
     fmt = lambda x: pprint.pformat(x, width=110, sort_dicts=False)   # noqa: E731
     return ("\n# --- the plan ------------------------------------------------------------------------------\n"
             "# the mesh (mesh.py): ranks tp innermost, then cp, dp, pp outermost\n"
@@ -278,6 +278,7 @@ def _constants(compiled: CompiledProgram, record: dict, unset: dict[str, str]) -
             f"OFFLOAD, MASTER_WEIGHTS = {cfg.offload!r}, {plan.precision.master_weights}\n"
             "# fp8 linear layers: torchao's float8 training recipe (None: the plan's precision throughout; runtime/fp8.py)\n"
             f"FP8_RECIPE = {plan.precision.recipe if plan.precision.compute == 'fp8' else None!r}\n"
+
             f"ZERO, MICRO_BATCH_SIZE, MICRO_BATCHES, GLOBAL_BATCH = {cfg.zero}, {cfg.micro_batch_size}, "
             f"{plan.micro_batches}, {plan.global_batch_size}\n"
             f"CHUNKS, LOSS = {n}, {split.loss!r}\n"

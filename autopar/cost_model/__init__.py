@@ -36,7 +36,8 @@ def estimate_plan(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_
     m = check_config(graph, cluster, cfg, global_batch_size)
     devices = est.devices(cfg, m, chunks)
     groups = est.placements(cfg)
-    pipe = pipeline_time([d.work for d in devices], m, cfg.schedule, cfg.virtual_stages, [d.passes for d in devices])
+    pipe = pipeline_time([d.work for d in devices], m, cfg.schedule, cfg.virtual_stages, [d.passes for d in devices],
+                         [d.recompute / d.reruns for d in devices])
     # the losses' stage: one micro-batch's backward of its last chunk follows the last loss
     last = devices[cfg.chunk_device(cfg.pp * cfg.virtual_stages - 1)]
     loss = est.tail.loss_share_time(cfg, (last.bwd + last.recompute) / cfg.virtual_stages)

@@ -27,7 +27,7 @@ from ..capture.fusion import for_kernels
 from ..capture.opgraph import OpGraph
 from ..plan.structure import ShardUnits
 from ..cluster import Cluster
-from ..config import SPLIT_BACKWARD, ParallelConfig, Precision
+from ..config import SPLIT_BACKWARD, SPLIT_EVERY_BACKWARD, ParallelConfig, Precision
 from . import context_parallel, expert_parallel
 from .comm import Collective, GroupPlacement, collective_time
 from .layer_cost import LayerCost, LayerCostModel, SplitGroups
@@ -61,7 +61,7 @@ class DeviceCost:
     expert_params: int = 0      # of ``params``, those of experts (reduced over the expert replicas)
     fwd_comm: float = 0.0       # of the collectives above, the forward's (tensor, context, expert parallel)
     wgrad: float = 0.0          # of ``bwd``, the weight gradients (layer_cost.weight_share)
-    reruns: int = 1             # of ``recompute``, the forward reruns (reruns(): two under a split backward)
+    reruns: int = 1             # of ``recompute``, the forward reruns (reruns(): two when every backward is split)
 
     @property
     def work(self) -> float:
@@ -79,9 +79,11 @@ class DeviceCost:
 
 def reruns(cfg: ParallelConfig) -> int:
     """How many times a recomputing layer reruns its forward per micro-batch: once per backward pass, so
-    twice under a zero-bubble schedule, whose input- and weight-gradient passes each unpack the layer's
-    checkpoint (torch.utils.checkpoint recomputes on each; counted on the runtime's split, test_pipeline)."""
-    return 2 if cfg.schedule in SPLIT_BACKWARD and cfg.pp > 1 else 1
+    twice under ZB-H1 and ZB-V, whose input- and weight-gradient passes each unpack the layer's
+    checkpoint (torch.utils.checkpoint recomputes on each; counted on the runtime's split, test_pipeline).
+    DualPipeV's steady pairs run whole backwards: once (its split passes' second rerun is in the
+    simulated schedule, cost_model/schedule.py)."""
+    return 2 if cfg.schedule in SPLIT_EVERY_BACKWARD and cfg.pp > 1 else 1
 
 
 def device_p2p(cuts: Sequence[float], chunks: Sequence[Sequence[int]], mine: Sequence[int]) -> float:
@@ -196,7 +198,7 @@ class Estimator:
         if chunks is None:
             uniform = costs(cfg.stage_mode(0))
             chunks = even_partition(self.graph, cfg.pp * cfg.virtual_stages, [c.work for c in uniform],
-                                    cfg.schedule == "zbv")
+                                    cfg.v_shaped)
         chunks = [list(c) for c in chunks]
         cuts = self.p2p_cut_times(cfg, groups["pp"])
         recomputable = self.graph.recomputable

@@ -10,6 +10,7 @@ from ..config import ParallelConfig
 from ..errors import ConfigError
 from . import context_parallel, expert_parallel
 from ..runtime.mesh import GROUPS, Mesh
+from ..runtime.schedules import check_micro_batches
 from .comm import GroupPlacement, place_run
 
 
@@ -35,9 +36,7 @@ def check_config(graph: OpGraph, cluster: Cluster, cfg: ParallelConfig, global_b
                           f"chunks, but the model has only {blocks} repeated layers: pick virtual_stages of at most "
                           f"{max(1, blocks // cfg.pp)} so that every chunk holds one")
     m = global_batch_size // per_step
-    if cfg.schedule == "interleaved" and m % cfg.pp:
-        raise ConfigError(f"the interleaved schedule needs the micro-batches per pipeline ({m}) to be a multiple of "
-                          f"pp={cfg.pp} (Megatron-LM's order): lower micro_batch_size or raise the global batch")
+    check_micro_batches(cfg.schedule, cfg.pp, m)
     if chunks > len(graph.layers):
         raise ConfigError(f"pp*virtual_stages = {chunks} chunks but the model has only {len(graph.layers)} layers: "
                           "lower pp or virtual_stages")

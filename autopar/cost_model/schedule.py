@@ -32,6 +32,14 @@ tensor-parallel collectives + its p2p sends/receives), ``X = max_i x_i``:
   which each device's own span does not see (the published "zero bubble" counts from each
   device's first pass, as if no step ended on a synchronisation) but the step's gradient
   reduction waits for. ZB-H1 with ``m < p`` is simulated likewise.
+  DualPipeV (``m >= 2p``; its steady pairs run a whole backward, so a recomputed forward reruns once
+  there, ``x_i`` counting one rerun ``r_i``, and twice in the passes its warm-up and drain split, whose
+  ``W`` pays the second) is the simulation of its order likewise: ``T = m X + bubble(2p)``, each
+  micro-batch past ``2p`` one more steady pair of exactly ``x``. Its published bubble,
+  ``(PP/2 - 1)(F&B + B - 3W)``, prices the F&B pair at the overlapped time DeepSeek's kernels reach;
+  torch's runtime, and autopar's, run the pair's two passes one after the other, which is what the
+  simulation prices (the overlap that hides one micro-batch's all-to-all under the other's compute
+  is neither run nor priced).
 
 The bubble reported is ``T - m X``: time the slowest device is not working.
 
@@ -51,9 +59,9 @@ from typing import Sequence
 import numpy as np
 
 from ..capture.opgraph import OpGraph
-from ..config import SPLIT_BACKWARD
+from ..config import SPLIT_BACKWARD, V_SHAPED
 from ..errors import ConfigError
-from ..runtime.schedules import build, simulate
+from ..runtime.schedules import makespan
 
 
 @dataclass(frozen=True)
@@ -63,10 +71,13 @@ class PipelineTime:
 
 
 def pipeline_time(work: Sequence[float], micro_batches: int, schedule: str, virtual_stages: int,
-                  passes: Sequence[tuple[float, float, float]] | None = None) -> PipelineTime:
+                  passes: Sequence[tuple[float, float, float]] | None = None,
+                  rerun: Sequence[float] | None = None) -> PipelineTime:
     """Seconds for ``micro_batches`` through devices doing ``work[i]`` seconds per micro-batch each.
     ``passes[i]``: device ``i``'s (forward, input-gradient, weight-gradient) seconds of ``work[i]``, which
-    the zero-bubble schedules need; without them those are bounded below by ``m X`` (no bubble)."""
+    the zero-bubble schedules need; without them those are bounded below by ``m X`` (no bubble).
+    ``rerun[i]``: DualPipeV's, the seconds of one rerun of device ``i``'s recomputed forward, which a split
+    pass pays again (default none)."""
     if not work:
         raise ConfigError("a pipeline needs at least one stage")
     m, p, slowest = micro_batches, len(work), max(work)
@@ -78,9 +89,11 @@ def pipeline_time(work: Sequence[float], micro_batches: int, schedule: str, virt
             if schedule == "zbh1" and m >= p:
                 bubble = (p - 1) / p * sum(zbh1_drain(*x) for x in passes)
             else:
-                f, _, w = passes[max(range(p), key=lambda d: work[d])]
+                d = max(range(p), key=lambda d: work[d])
+                f, _, w = passes[d]
+                again = rerun[d] if rerun is not None and schedule == "dualpipev" else 0.0
                 bubble = slowest * split_bubble(schedule, p, min(m, 2 * p), round(f / slowest, 3),
-                                                round(w / slowest, 3))
+                                                round(w / slowest, 3), round(again / slowest, 3))
         return PipelineTime(m * slowest + bubble, bubble)
     if schedule == "interleaved":
         total = (m + (p - 1) / virtual_stages) * slowest
@@ -94,19 +107,28 @@ def zbh1_drain(forward: float, input_grad: float, weight_grad: float) -> float:
     return max(forward + input_grad - weight_grad, forward, input_grad)
 
 
+AFFINE_FROM = {"zbv": 2}
+"""From how many devices on a schedule's bubble at ``m = 2p`` is affine in ``p`` (tests/unit/cost_model/
+test_zero_bubble.py): two small simulations give it for any ``p``. ZB-V's is; DualPipeV's is not (its
+slope grows where the deferred weight passes start to pile into the drain, at some ``p`` that depends on
+the shares), so it is simulated at its ``p`` (runtime/schedules.makespan: 6 ms at 64 devices)."""
+
+
 @functools.lru_cache(maxsize=65536)
-def split_bubble(schedule: str, p: int, m: int, forward: float, weight: float) -> float:
+def split_bubble(schedule: str, p: int, m: int, forward: float, weight: float, rerun: float = 0.0) -> float:
     """The bubble of zero-bubble ``schedule`` over ``p`` even devices and ``m`` micro-batches, in units of
     one device's work per micro-batch, of which ``forward`` is the forward and ``weight`` the
-    weight-gradient share (the rest the input gradient; a ZB-V chunk does half of each). ZB-V at
-    ``m = 2p`` is affine in ``p`` (tests/unit/cost_model/test_zero_bubble.py): two small simulations
-    give it for any ``p`` (a 64-stage one would take seconds)."""
-    if schedule == "zbv" and m == 2 * p and p > 3:
-        two, three = (split_bubble(schedule, k, 2 * k, forward, weight) for k in (2, 3))
-        return two + (p - 2) * (three - two)
-    v = 2 if schedule == "zbv" else 1
-    share = {"F": forward / v, "W": weight / v, "I": max(0.0, 1.0 - forward - weight) / v}
-    return simulate(build(schedule, p, m, v), v, lambda a: share[a.kind]).makespan - m
+    weight-gradient share (the rest the input gradient; a V-shaped schedule's chunk does half of each).
+    DualPipeV: a whole backward is the input and weight gradients' shares together, and a split pass's
+    ``W`` also reruns the recomputed forward, ``rerun`` of the work (the whole backward reruns it once)."""
+    start = AFFINE_FROM.get(schedule)
+    if start is not None and m == 2 * p and p > start + 1:
+        low, high = (split_bubble(schedule, k, 2 * k, forward, weight, rerun) for k in (start, start + 1))
+        return low + (p - start) * (high - low)
+    v = 2 if schedule in V_SHAPED else 1
+    share = {"F": forward / v, "W": (weight + rerun) / v, "I": max(0.0, 1.0 - forward - weight) / v,
+             "B": max(0.0, 1.0 - forward) / v}
+    return makespan(schedule, p, m, v, share) - m
 
 
 def even_partition(graph: OpGraph, chunks: int, layer_cost: Sequence[float], v_shape: bool = False

@@ -190,7 +190,7 @@ def zero_bubble_substitute(plan: "Plan", stack: str, written: str) -> str:
     """What an export says of a zero-bubble schedule its stack cannot run: what it writes instead."""
     cfg = plan.config
     share = plan.breakdown.bubble / plan.step_time if plan.step_time > 0 else 0.0
-    return (f"config.schedule = {cfg.schedule!r} (zero bubble: each backward split into input- and weight-gradient "
+    return (f"config.schedule = {cfg.schedule!r} (zero bubble: backwards split into input- and weight-gradient "
             f"passes, the weight passes filling the bubble, {share:.1%} of the predicted step): {stack} has no such "
             f"schedule; written as {written}, whose bubble is larger (price it with schedule={written.split()[0]!r} "
             "to see by how much)")

@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from ..config import SPLIT_BACKWARD
 from .common import (RECOMPUTE_PART, Export, Field, Fields, base_warnings, chunks_in_order, gb, recompute_mode,
                      unsharded_memory, zero1_for_offload, zero_bubble_substitute)
 
@@ -288,7 +289,7 @@ def _pipeline(plan: "Plan", add, warnings: list[str]) -> None:
         warnings.append(f"config.schedule = 'interleaved' ({cfg.virtual_stages} model chunks per device): DeepSpeed's "
                         "pipeline runs its own 1F1B schedule (TrainSchedule) with one chunk per device, which has a "
                         "larger bubble than the plan's")
-    elif cfg.schedule in ("zbh1", "zbv"):
+    elif cfg.schedule in SPLIT_BACKWARD:
         warnings.append(zero_bubble_substitute(plan, "DeepSpeed's pipeline (TrainSchedule)",
                                                "1f1b with one chunk per device"))
     elif cfg.schedule == "gpipe":

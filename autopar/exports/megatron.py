@@ -123,10 +123,10 @@ def _pipeline(plan: "Plan", layers, add, warnings: list[str]) -> None:
     cfg = plan.config
     if cfg.schedule == "zbh1":
         warnings.append(zero_bubble_substitute(plan, "Megatron-LM", "1f1b with the same stages"))
-    elif cfg.schedule == "zbv":
+    elif cfg.v_shaped:
         warnings.append(zero_bubble_substitute(
             plan, "Megatron-LM", "interleaved 1F1B with the same model chunks, two per device, placed looped (chunk "
-                                 "c on pipeline rank c mod pp) rather than as ZB-V's V"))
+                                 f"c on pipeline rank c mod pp) rather than as {cfg.schedule}'s V"))
     if cfg.schedule == "gpipe":
         warnings.append("config.schedule = 'gpipe': Megatron-LM's non-interleaved pipeline schedule is 1F1B "
                         "(forward_backward_pipelining_without_interleaving), which holds fewer micro-batches' "

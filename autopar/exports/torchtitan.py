@@ -24,11 +24,11 @@ How the plan maps:
 - ``tensor_parallel_degree = tp``; torchtitan's tensor parallelism always shards the norms along the
   sequence (``SequenceParallel`` in ``apply_tp``), so a plan without sequence parallelism is said so.
 - ``pipeline_parallel_degree = pp``, the schedule by torch.distributed.pipelining's name ("GPipe",
-  "1F1B", "Interleaved1F1B", "ZBVZeroBubble"; ZB-H1 as "1F1B", said so: torchtitan's multi-stage
+  "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"; ZB-H1 as "1F1B", said so: torchtitan's multi-stage
   schedules need two stages a rank), ``pipeline_parallel_microbatch_size = micro_batch_size`` and the
   plan's exact partition as ``module_fqns_per_model_part`` (one list per model chunk, in model order;
-  torchtitan places chunk ``c`` on pipeline rank ``c % pp`` for looped schedules and as a V for ZB-V,
-  as the plan does), named as
+  torchtitan places chunk ``c`` on pipeline rank ``c % pp`` for looped schedules and as a V for ZB-V
+  and DualPipeV, as the plan does), named as
   torchtitan's decoder models name their modules (``tok_embeddings``, ``layers.N``, ``norm``,
   ``output``).
 - batch: with a pipeline, one step runs every micro-batch of a replica, so ``local_batch_size =
@@ -55,7 +55,8 @@ if TYPE_CHECKING:
 JOB_CONFIG = "torchtitan/config/job_config.py (0.2.2)"
 # get_schedule_class's names; torchtitan runs its multi-stage schedules (InterleavedZeroBubble, the ZB-H1 order) only
 # with two stages or more per rank (distributed/pipeline_parallel.py), so a one-chunk ZB-H1 plan is written as 1F1B
-SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "zbh1": "1F1B", "zbv": "ZBVZeroBubble"}
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B", "zbh1": "1F1B", "zbv": "ZBVZeroBubble",
+             "dualpipev": "DualPipeV"}
 # Built-in models that torchtitan ships (torchtitan/models/llama3/__init__.py llama3_configs)
 FLAVORS = {"llama3-8b": ("llama3", "8B"), "llama3-70b": ("llama3", "70B"), "llama3-405b": ("llama3", "405B")}
 
@@ -283,6 +284,16 @@ def _pipeline(plan: "Plan", add, warnings: list[str]) -> None:
         _doc("Parallelism.pipeline_parallel_schedule") + "; torch/distributed/pipelining/schedules.py get_schedule_class")
     add("parallelism.pipeline_parallel_microbatch_size", cfg.micro_batch_size, ("config.micro_batch_size",),
         _doc("Parallelism.pipeline_parallel_microbatch_size"))
+    if cfg.schedule == "dualpipev":
+        # torchtitan overlaps a DualPipeV pair's expert all-to-all with the other pass's compute by default (ep > 1,
+        # distributed/dual_pipe_v.py), which the plan does not price (its pairs run one pass after the other)
+        add("parallelism.pipeline_parallel_expert_parallel_overlap", False, ("config.schedule",),
+            _doc("Parallelism.pipeline_parallel_expert_parallel_overlap"))
+        if cfg.ep > 1:
+            warnings.append("config.schedule = 'dualpipev' with ep > 1: written with pipeline_parallel_expert_parallel_"
+                            "overlap = false, the pairs run one pass after the other as the plan prices them; true "
+                            "overlaps one micro-batch's expert all-to-all with the other's compute, which the plan does "
+                            "not price (torchtitan refuses it with activation checkpointing)")
     if cfg.schedule == "interleaved":
         rounds = max(1, plan.micro_batches // cfg.pp)
         if plan.micro_batches % rounds:

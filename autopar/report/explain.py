@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..config import ParallelConfig
+from ..config import SPLIT_BACKWARD, ParallelConfig
 from ..plan import Alternative, Plan, TimeBreakdown
 from .compare import config_changes
 from .format import BREAKDOWN_LABELS, gigabytes, peak_stage, percent, seconds, step_range, throughput
@@ -175,6 +175,8 @@ def _pp(plan: Plan) -> str:
     bubble = plan.breakdown.bubble
     sched = {"zbh1": "ZB-H1 (zero bubble: each backward split, the weight-gradient passes filling the drain)",
              "zbv": "ZB-V (zero bubble: two chunks per device placed as a V, each backward split)",
+             "dualpipev": "DualPipeV (two chunks per device placed as a V, steady pairs of one chunk's forward and "
+                          "the other's backward run one after the other, the drain's backwards split)",
              }.get(c.schedule, c.schedule if c.virtual_stages == 1
                    else f"interleaved with {c.virtual_stages} chunks per device")
     return (f"pipeline {c.pp}: {why}. The {c.pp} stages hold {sizes[0]}-{sizes[-1]} layers each "
@@ -202,7 +204,7 @@ def _dp(plan: Plan) -> str:
 def _micro(plan: Plan) -> str:
     c, m = plan.config, plan.micro_batches
     text = f"micro-batches: {m} of {c.micro_batch_size} sample(s) per pipeline and step"
-    if c.pp > 1 and c.schedule in ("zbh1", "zbv"):
+    if c.pp > 1 and c.schedule in SPLIT_BACKWARD:
         share = plan.breakdown.bubble / max(plan.step_time - plan.breakdown.bubble, 1e-30)
         text += (f"; the bubble left ({percent(share)} of the work) is the pipeline's fill and what the weight-gradient "
                  "passes do not cover, and shrinks with more of them")

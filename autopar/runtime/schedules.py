@@ -2,7 +2,7 @@
 
 A pipeline of ``p`` devices runs ``S = p v`` model chunks ("stages" here). Chunk ``s`` lives on
 device ``s mod p`` (``v`` chunks per device when interleaved), except under ZB-V, which places
-device ``d``'s two chunks as a V: ``d`` and ``2 p - 1 - d`` (:func:`device_of`). An
+device ``d``'s two chunks as a V: ``d`` and ``2 p - 1 - d`` (:func:`device_of`), as does DualPipeV. An
 :class:`Action` is one pass of one micro-batch through one chunk: a forward (``F``), a whole
 backward (``B``), or, in the zero-bubble schedules, a backward split in two (Qi et al., "Zero
 Bubble Pipeline Parallelism", ICLR 2024): the input gradient (``I``, what the previous chunk
@@ -11,8 +11,9 @@ A schedule is, per device, the order in which that device runs its actions. Depe
 (what p2p carries):
 
 - ``F(s, i)`` needs ``F(s - 1, i)`` (its input activation), for ``s > 0``;
-- ``B(s, i)`` needs ``B(s + 1, i)`` (its output gradient), for ``s < S - 1``, and ``F(s, i)``;
-  ``I(s, i)`` likewise with ``I(s + 1, i)``; ``W(s, i)`` needs ``I(s, i)``.
+- ``B(s, i)`` and ``I(s, i)`` need ``F(s, i)`` and, for ``s < S - 1``, the input gradient of ``(s + 1, i)``
+  (its output gradient): whichever of ``B(s + 1, i)`` and ``I(s + 1, i)`` the schedule runs; ``W(s, i)``
+  needs ``I(s, i)``.
 
 A device blocks on its next action until that action's dependencies are done (a blocking
 receive), so a schedule deadlocks exactly when no device's next action is ready:
@@ -34,6 +35,14 @@ Orders (Narayanan et al., SC21, section 2; torch.distributed.pipelining for the 
   ``d`` pairs of forwards (second chunk, first chunk), ``p - d`` of (``F``, ``I``, ``W``) on its
   second chunk, then steady rounds of ``F I W`` on each chunk, and a drain of ``I``s with the
   ``W``s last.
+- DualPipeV (``ScheduleDualPipeV``, after DeepSeek-V3's DualPipe, arXiv 2412.19437): ZB-V's V with
+  ``m >= 2p``; per device ``2 (p - d - 1)`` forwards of its first chunk, ``d + 1`` pairs of forwards (first,
+  second), ``p - d - 1`` of (``I``, the oldest pending ``W``, ``F``) on its second chunk, then steady
+  pairs of one chunk's forward and the other chunk's whole backward (torch's ``OVERLAP_F_B`` actions,
+  whose two passes its runtime runs one after the other, as here: the overlap of one's communication
+  with the other's compute that DeepSeek's kernels get is neither run nor priced), and a drain whose
+  later backwards are split (``I``), their ``W``s filling the end. A pass is a ``B`` or an ``I`` and a
+  ``W``: :func:`check` accepts either.
 
 :func:`simulate` gives the makespan for per-action durations and each device's peak number
 of micro-batch activations held (forwards done whose backward, or weight-gradient pass, is
@@ -42,10 +51,11 @@ not), which the cost model's ``pipeline_time`` and ``in_flight`` formulas must a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-from ..config import SCHEDULES, SPLIT_BACKWARD, check_choice, check_int
+from ..config import SCHEDULES, SPLIT_BACKWARD, V_SHAPED, check_choice, check_int
 from .errors import ConfigError
 
 
@@ -77,27 +87,44 @@ def build(kind: str, pp: int, micro_batches: int, virtual_stages: int = 1) -> Sc
         return tuple(_zero_bubble_h1(d, pp, micro_batches) for d in range(pp))
     if kind == "zbv":
         return tuple(_zero_bubble_v(d, pp, micro_batches) for d in range(pp))
+    if kind == "dualpipev":
+        return tuple(_dual_pipe_v(d, pp, micro_batches) for d in range(pp))
     return tuple(_interleaved(d, pp, micro_batches, virtual_stages) for d in range(pp))
 
 
 def device_of(kind: str, stage: int, pp: int) -> int:
     """The pipeline device running chunk ``stage`` under schedule ``kind`` (ParallelConfig.chunk_device)."""
-    if kind == "zbv" and stage >= pp:
+    if kind in V_SHAPED and stage >= pp:
         return 2 * pp - 1 - stage
     return stage % pp
+
+
+def least_micro_batches(kind: str, pp: int) -> int:
+    """The fewest micro-batches schedule ``kind`` runs on ``pp`` devices: DualPipeV ``2 pp`` (torch's
+    ScheduleDualPipeV refuses fewer: its steady pairs need one micro-batch per chunk in flight), else 1."""
+    return 2 * pp if kind == "dualpipev" else 1
 
 
 def _check_args(kind: str, pp: int, m: int, v: int) -> None:
     check_choice("schedule", kind, SCHEDULES)
     for name, value in (("pp", pp), ("micro_batches", m), ("virtual_stages", v)):
         check_int(name, value, 1)
-    if kind == "zbv" and v != 2:
-        raise ConfigError(f"schedule='zbv' needs virtual_stages=2 (got {v})")
-    if kind not in ("interleaved", "zbv") and v != 1:
+    if kind in V_SHAPED and v != 2:
+        raise ConfigError(f"schedule={kind!r} needs virtual_stages=2 (got {v})")
+    if kind not in ("interleaved", *V_SHAPED) and v != 1:
         raise ConfigError(f"virtual_stages={v} needs schedule='interleaved'")
+    check_micro_batches(kind, pp, m)
+
+
+def check_micro_batches(kind: str, pp: int, m: int) -> None:
+    """Raise ConfigError unless schedule ``kind`` runs ``m`` micro-batches per pipeline on ``pp`` devices."""
     if kind == "interleaved" and m % pp:
         raise ConfigError(f"the interleaved schedule needs the micro-batches per pipeline ({m}) to be a multiple "
-                          f"of pp={pp} (Megatron-LM's order): change micro_batch_size or the global batch")
+                          f"of pp={pp} (Megatron-LM's order): lower micro_batch_size or raise the global batch")
+    if m < least_micro_batches(kind, pp):
+        raise ConfigError(f"schedule={kind!r} needs at least 2 x pp = {least_micro_batches(kind, pp)} micro-batches "
+                          f"per pipeline (got {m}; torch's ScheduleDualPipeV refuses fewer): lower micro_batch_size, "
+                          "raise the global batch, or use schedule='zbv'")
 
 
 def _gpipe(d: int, p: int, m: int) -> tuple[Action, ...]:
@@ -174,6 +201,59 @@ def _zero_bubble_v(d: int, p: int, m: int) -> tuple[Action, ...]:
     return tuple(a for a in out if a.micro_batch < m)
 
 
+def _dual_pipe_v(d: int, p: int, m: int) -> tuple[Action, ...]:
+    """torch's ``ScheduleDualPipeV._calculate_single_rank_operations`` with each ``OVERLAP_F_B`` pair as its
+    forward then its whole backward (the order its runtime runs them in), for ``m >= 2p``."""
+    first, second = d, 2 * p - 1 - d
+    out: list[Action] = []
+    done: dict[tuple[int, str], int] = {}   # (chunk, "F" / "I" / "W") -> its passes so far; a "B" counts as I and W
+    weights: list[tuple[int, int]] = []     # the input-gradient passes whose weight pass is still to run, oldest first
+
+    def add(stage: int, kind: str) -> None:
+        i = done.get((stage, "I" if kind == "B" else kind), 0)
+        out.append(Action(stage, kind, i))
+        for counted in ("I", "W") if kind == "B" else (kind,):
+            done[(stage, counted)] = done.get((stage, counted), 0) + 1
+        if kind == "I":
+            weights.append((stage, i))
+
+    def weight() -> None:
+        if weights:
+            stage, i = weights.pop(0)
+            out.append(Action(stage, "W", i))
+
+    for _ in range(2 * (p - d - 1)):
+        add(first, "F")
+    for _ in range(d + 1):
+        add(first, "F")
+        add(second, "F")
+    for _ in range(p - d - 1):
+        add(second, "I")
+        weight()
+        add(second, "F")
+    for _ in range(m - 2 * p + d + 1):   # the steady pairs (torch's first pair on the last device is not one)
+        add(first, "F")
+        add(second, "B")
+        add(second, "F")
+        add(first, "B")
+    for _ in range(p - d - 1):
+        add(second, "B")
+        add(second, "F")
+        add(first, "B")
+    split = False
+    for i in range(d + 1):   # the drain's backwards split from its middle on, the odd devices' a pass earlier
+        split = split or (i == (d + 1) // 2 and d % 2 == 1)
+        add(second, "I" if split else "B")
+        split = split or (i == (d + 1) // 2 and d % 2 == 0)
+        add(first, "I" if split else "B")
+    for _ in range(p - d - 1):
+        weight()
+        add(first, "I" if split else "B")
+    for _ in range(d + 1):
+        weight()
+    return tuple(out)
+
+
 def _interleaved(d: int, p: int, m: int, v: int) -> tuple[Action, ...]:
     total = m * v
 
@@ -193,8 +273,12 @@ def _interleaved(d: int, p: int, m: int, v: int) -> tuple[Action, ...]:
     return tuple(out)
 
 
+GRADIENT = "G"
+"""The kind :func:`dependencies` names a chunk's input gradient by: done when its ``B`` or its ``I`` is."""
+
+
 def dependencies(action: Action, stages: int) -> tuple[Action, ...]:
-    """The actions ``action`` waits for (see the module docstring)."""
+    """What ``action`` waits for (see the module docstring); a next chunk's input gradient as ``(s + 1, "G", i)``."""
     s, i, kind = action.stage, action.micro_batch, action.kind
     if kind == "F":
         return (Action(s - 1, "F", i),) if s > 0 else ()
@@ -202,14 +286,16 @@ def dependencies(action: Action, stages: int) -> tuple[Action, ...]:
         return (Action(s, "I", i),)
     deps = [Action(s, "F", i)]
     if s < stages - 1:
-        deps.append(Action(s + 1, kind, i))
+        deps.append(Action(s + 1, GRADIENT, i))
     return tuple(deps)
 
 
-def kinds_of(kind: str) -> str:
-    """The action kinds schedule ``kind`` runs per chunk and micro-batch: "FB", or "FIW" when it splits
-    the backward."""
-    return "FIW" if kind in SPLIT_BACKWARD else "FB"
+def kinds_of(kind: str) -> tuple[str, ...]:
+    """The ways schedule ``kind`` may run one chunk's pass of one micro-batch, each as its action kinds:
+    "FB"; "FIW" when it splits the backward; either under DualPipeV."""
+    if kind == "dualpipev":
+        return ("FB", "FIW")
+    return ("FIW",) if kind in SPLIT_BACKWARD else ("FB",)
 
 
 def releases(action: Action) -> bool:
@@ -224,13 +310,18 @@ def check(schedule: Schedule, micro_batches: int, virtual_stages: int = 1, kind:
     without deadlock."""
     p = len(schedule)
     stages = p * virtual_stages
-    expected = {Action(s, k, i) for s in range(stages) for k in kinds_of(kind) for i in range(micro_batches)}
     seen: list[Action] = [a for actions in schedule for a in actions]
-    if len(seen) != len(set(seen)) or set(seen) != expected:
-        missing = sorted(expected - set(seen))[:4]
-        extra = sorted(set(seen) - expected)[:4]
-        raise ConfigError(f"schedule does not run every chunk x micro-batch pass ({kinds_of(kind)}) exactly once "
-                          f"(missing {list(map(str, missing))}, unexpected {list(map(str, extra))})")
+    ran: dict[tuple[int, int], str] = {}
+    for a in seen:
+        ran[(a.stage, a.micro_batch)] = ran.get((a.stage, a.micro_batch), "") + a.kind
+    ways = kinds_of(kind)
+    allowed = {"".join(sorted(w)) for w in ways}
+    cells = set(ran) | {(s, i) for s in range(stages) for i in range(micro_batches)}
+    wrong = [f"chunk {s} micro-batch {i} ran {ran.get((s, i), 'nothing')!r}" for s, i in sorted(cells)
+             if not (0 <= s < stages and 0 <= i < micro_batches) or "".join(sorted(ran.get((s, i), ""))) not in allowed]
+    if wrong:
+        raise ConfigError(f"schedule does not run every chunk x micro-batch pass exactly once as one of "
+                          f"{' / '.join(ways)}: missing, repeated or unexpected passes ({'; '.join(wrong[:4])})")
     for d, actions in enumerate(schedule):
         wrong = [str(a) for a in actions if device_of(kind, a.stage, p) != d]
         if wrong:
@@ -268,6 +359,8 @@ def simulate(schedule: Schedule, virtual_stages: int, duration: Callable[[Action
                     break
                 start = max([clock[d]] + [done[dep] for dep in deps])
                 clock[d] = done[action] = start + duration(action)
+                if action.kind in "BI":
+                    done[Action(action.stage, GRADIENT, action.micro_batch)] = clock[d]
                 times[action] = (start, clock[d])
                 held[d] += 1 if action.kind == "F" else -1 if releases(action) else 0
                 peak[d] = max(peak[d], held[d])
@@ -278,6 +371,47 @@ def simulate(schedule: Schedule, virtual_stages: int, duration: Callable[[Action
             blocked = [f"device {d} waits at {schedule[d][pos[d]]}" for d in range(p) if pos[d] < len(schedule[d])]
             raise ConfigError(f"schedule deadlocks: {'; '.join(blocked[:6])}")
     return Simulation(max(clock), tuple(peak), times)
+
+
+def makespan(kind: str, pp: int, micro_batches: int, virtual_stages: int, duration: Mapping[str, float]) -> float:
+    """:func:`simulate`'s makespan of :func:`build`'s order when an action's duration depends on its kind alone
+    (``duration["F"]`` ...: even devices), without the simulation: the order's dependency graph, walked once in
+    a topological order (cached per schedule), gives each action's end as the latest of its device's previous
+    action's and its dependencies' plus its own duration (a 64-device DualPipeV step in 6 ms, not 300, once its
+    graph is built: 0.5 s)."""
+    kinds, prev, deps = _compiled(kind, pp, micro_batches, virtual_stages)
+    cost = [duration.get(k, 0.0) for k in ACTION_KINDS]
+    end = [0.0] * len(kinds)
+    for k, (before, needs) in enumerate(zip(prev, deps)):
+        start = end[before] if before >= 0 else 0.0
+        for j in needs:
+            if end[j] > start:
+                start = end[j]
+        end[k] = start + cost[kinds[k]]
+    return max(end, default=0.0)
+
+
+ACTION_KINDS = "FBIW"
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(kind: str, pp: int, m: int, v: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """:func:`build`'s order as (kind index in ACTION_KINDS, the device's previous action or -1, the actions it
+    waits for) per action, in the order :func:`simulate` runs them (a topological one)."""
+    schedule = build(kind, pp, m, v)
+    ran = simulate(schedule, v, lambda a: 1.0).times
+    order = sorted(ran, key=lambda a: ran[a])   # the start times of unit actions: dependencies first
+    index = {a: k for k, a in enumerate(order)}
+    for a in order:
+        if a.kind in "BI":
+            index[Action(a.stage, GRADIENT, a.micro_batch)] = index[a]
+    before = {}
+    for actions in schedule:
+        for a, b in zip(actions, actions[1:]):
+            before[b] = index[a]
+    stages = pp * v
+    return (tuple(ACTION_KINDS.index(a.kind) for a in order), tuple(before.get(a, -1) for a in order),
+            tuple(tuple(index[d] for d in dependencies(a, stages)) for a in order))
 
 
 def format_schedule(schedule: Schedule) -> str:

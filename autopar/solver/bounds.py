@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import numpy as np
 
-from ..config import SPLIT_BACKWARD, ParallelConfig
+from ..config import SPLIT_BACKWARD, SPLIT_EVERY_BACKWARD, V_SHAPED, ParallelConfig
 from ..cost_model.memory import least_passes
 from .even_split import Knapsack, even_pipeline_floor, even_splits, prepare_splits
 from .space import Candidate, compatible
@@ -343,7 +343,7 @@ class SearchBounds:
             if floors is None:
                 return None
             total = drained = max(total, float(floors[0]))
-            if c.schedule in SPLIT_BACKWARD:   # the recomputation it forces, paid twice
+            if c.schedule in SPLIT_EVERY_BACKWARD:   # the recomputation it forces, paid twice
                 total = max(total, float(lw.split_knapsack.floors(budget)[0]))
         return max(lb_t, self._bounds(c, total, drained)[0] + self._tail(c, m))
 
@@ -352,7 +352,7 @@ class SearchBounds:
         the search takes it only for a candidate whose summed bound reaches the queue's head (half of them
         from a second process when one walks the queue ahead, ahead.py)."""
         key = (c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep, c.pp, c.virtual_stages,
-               c.schedule == "zbv")   # the V places the chunks otherwise
+               c.schedule in V_SHAPED)   # the V places the chunks otherwise
         if self.ahead is not None:
             return self.ahead.refine(key, c, lb_t, self._even_bound)
         return self._even_bound(c, lb_t, key)
@@ -413,7 +413,7 @@ def _pipe(schedule: str, virtual_stages: int, m: int, p: int, total: float, p2p:
         work = total if drained is None else drained
         return m * x + (p - 1) / p * zbh1_drain_floor(work + p2p, lw.forward_total + p2p / 2, lw.wgrad_total,
                                                       lw.plain_total + p2p)
-    if schedule in SPLIT_BACKWARD:   # ZB-V's fill needs each device's forward: the even split's bound has it
+    if schedule in SPLIT_BACKWARD:   # a V's fill needs each device's forward: the even split's bound has it
         return m * x
     return (m - 1) * x + total + p2p
 
@@ -429,10 +429,10 @@ def zbh1_drain_floor(work: float, forward: float, wgrad: float, plain: float) ->
 
 
 def _crossings(schedule: str, p: int, v: int) -> int:
-    """Cuts between chunks on two devices: ``p v - 1``, but ZB-V's turn, whose two chunks share a device."""
+    """Cuts between chunks on two devices: ``p v - 1``, but a V's turn, whose two chunks share a device."""
     if p == 1:
         return 0
-    return p * v - 1 - (schedule == "zbv")
+    return p * v - 1 - (schedule in V_SHAPED)
 
 
 def _all_held(schedule: str, m: int, p: int) -> bool:

@@ -67,7 +67,7 @@ def even_splits(est: Estimator, cfg: ParallelConfig, work: np.ndarray) -> tuple[
     p, chunks = cfg.pp, cfg.pp * cfg.virtual_stages
     cuts = est.p2p_cut_times(cfg, est.placements(cfg)["pp"]) if p > 1 else []
     columns = list(dict.fromkeys(tuple(work[:, k].tolist()) for k in range(work.shape[1])))
-    runs = set(even_partitions(est.graph, chunks, columns, cfg.schedule == "zbv"))
+    runs = set(even_partitions(est.graph, chunks, columns, cfg.v_shaped))
     own, own_experts = est.own_params(cfg)
     out = []
     for split in sorted(runs, key=lambda split: [(run.start, run.stop) for run in split]):
@@ -138,12 +138,12 @@ def even_pipeline_floor(est: Estimator, cfg: ParallelConfig, micro_batches: int,
             x = floors + split.p2p
             f, w = forward @ split.members + split.p2p / 2, wgrad @ split.members
             # ZB-H1's drain grows with each device's work at fixed forward and weight gradient: its time at
-            # the floors is a floor; ZB-V's bubble is at least its fill, (p - 1)/2 of the slowest device's
-            # forward (tests/unit/cost_model/test_zero_bubble.py), at least the least device's
+            # the floors is a floor; a V's bubble (ZB-V's, DualPipeV's) is at least its fill, (p - 1)/2 of the
+            # slowest device's forward (tests/unit/cost_model/test_zero_bubble.py), at least the least device's
             zbh1 = cfg.schedule == "zbh1"
             t = pipeline_time(list(x), micro_batches, cfg.schedule, cfg.virtual_stages,
                               list(zip(f, x - f - w, w)) if zbh1 else None).total
-            if cfg.schedule == "zbv":
+            if cfg.v_shaped:
                 t += (cfg.pp - 1) * float(f.min()) / 2
             best = t if best is None else min(best, t)
     return best

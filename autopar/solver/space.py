@@ -36,6 +36,7 @@ from ..config import OFFLOADS, RECOMPUTE_MODES, SPLIT_BACKWARD, ParallelConfig
 from ..cost_model import context_parallel, expert_parallel
 from ..cost_model.mesh import mesh_groups
 from ..errors import ConfigError
+from ..runtime.schedules import least_micro_batches
 
 MAX_TP = 64               # beyond 64-way tensor parallelism every layer of a real model is communication bound
 MAX_CP = 32               # the ring's per-step block (S / cp tokens) stops hiding its transfer long before
@@ -222,9 +223,10 @@ def branches(graph: OpGraph, cluster: Cluster, global_batch_size: int, fixed: Ma
                     m = global_batch_size // (dp * mb)
                     # Megatron's interleaved order needs m to be a multiple of pp; the zero-bubble schedules are
                     # searched where their steady state is reached (ZB-H1 m >= pp: its stage DP is exact there;
-                    # ZB-V m >= 2 pp: its bubble in closed form, cost_model/schedule.py)
+                    # ZB-V and DualPipeV m >= 2 pp: their bubbles in closed form, cost_model/schedule.py), DualPipeV
+                    # nowhere else (torch's refuses fewer)
                     schedules = tuple((s, v) for s, v in _schedules(pp, blocks, fixed, capped)
-                                      if (s != "interleaved" or m % pp == 0)
+                                      if (s != "interleaved" or m % pp == 0) and m >= least_micro_batches(s, pp)
                                       and (m >= pp * ZB_MICRO_BATCHES.get(s, 0) or "schedule" in fixed))
                     if schedules:
                         yield Branch(tp, cp, pp, dp, ep, mb, schedules, zeros, sps, offload)
@@ -243,7 +245,7 @@ def candidates(graph: OpGraph, cluster: Cluster, global_batch_size: int, variant
                         yield b.candidate(variant, sp, schedule, v, zero)
 
 
-ZB_MICRO_BATCHES = {"zbh1": 1, "zbv": 2}
+ZB_MICRO_BATCHES = {"zbh1": 1, "zbv": 2, "dualpipev": 2}
 """The zero-bubble schedules are searched with at least this many micro-batches per pipeline device; pinned,
 with any (priced then by simulation, and ZB-H1's stage DP minimising its steady-state form)."""
 
@@ -299,8 +301,9 @@ def _schedules(pp: int, blocks: int, fixed: Mapping[str, Any], capped: bool) -> 
         # chunks need not divide the blocks: uneven chunks are balanced by cost (Llama 3 405B ran 126
         # layers over 16 stages interleaved), which Megatron-LM's own check does not allow
         out += [("interleaved", v) for v in range(2, most + 1) if pp * v <= blocks]
-        # the zero-bubble schedules torch.distributed.pipelining runs: ZB-H1, and ZB-V's two chunks a device
-        out += [("zbh1", 1)] + ([("zbv", 2)] if 2 * pp <= blocks else [])
+        # the zero-bubble schedules torch.distributed.pipelining runs: ZB-H1, and ZB-V's and DualPipeV's two chunks
+        # a device
+        out += [("zbh1", 1)] + ([("zbv", 2), ("dualpipev", 2)] if 2 * pp <= blocks else [])
     return [(s, v) for s, v in out if fixed.get("schedule", s) == s and fixed.get("virtual_stages", v) == v]
 
 
@@ -314,8 +317,9 @@ PIN_RULES = {
     "micro_batch_size": "dp x micro_batch_size divides the global batch (interleaved: the micro-batches per "
                         "pipeline are a multiple of pp)",
     "virtual_stages": "pp x virtual_stages is at most the repeated blocks (one per chunk)",
-    "schedule": "interleaved and zbv need pp > 1 and at least one repeated block per chunk (pp x virtual_stages); "
-                "zbh1 and zbv need zero <= 1, recompute other than 'op' and kernels other than 'compiled'",
+    "schedule": "interleaved, zbv and dualpipev need pp > 1 and at least one repeated block per chunk (pp x "
+                "virtual_stages), dualpipev 2 x pp micro-batches; zbh1, zbv and dualpipev need zero <= 1, recompute "
+                "other than 'op' and kernels other than 'compiled'",
     "zero": "any stage 0-3",
     "sequence_parallel": "sequence parallelism needs tp > 1",
 }

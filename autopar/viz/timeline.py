@@ -35,7 +35,8 @@ import numpy as np
 
 from ..config import SPLIT_BACKWARD, check_int
 from ..errors import ConfigError
-from ..runtime.schedules import build, simulate
+from ..cost_model.estimator import reruns
+from ..runtime.schedules import build, least_micro_batches, simulate
 from ._common import DPI, finish, format_time, mix, new_figure, time_unit
 
 FORWARD = "#1f77b4"
@@ -88,10 +89,12 @@ class Timeline:
         return self.makespan + self.dp_comm + self.optimizer
 
 
-def action_parts(stage: Any, virtual_stages: int) -> dict[str, tuple[tuple[str, float], ...]]:
+def action_parts(stage: Any, virtual_stages: int, reruns: int = 1) -> dict[str, tuple[tuple[str, float], ...]]:
     """(kind, seconds) parts of one forward ("F"), backward ("B"), input-gradient ("I") and
-    weight-gradient ("W") chunk action of ``stage``."""
+    weight-gradient ("W") chunk action of ``stage``, whose ``recompute_time`` counts ``reruns`` reruns of the
+    recomputed forward per micro-batch (cost_model/estimator.reruns): each backward pass reruns it once."""
     v = virtual_stages
+    once = stage.recompute_time / reruns
     compute = stage.fwd_time + stage.bwd_time + stage.recompute_time
     fwd_share = stage.fwd_time / compute if compute > 0 else 0.5
     comm = stage.tp_comm_time + stage.cp_comm_time + stage.ep_comm_time
@@ -99,11 +102,10 @@ def action_parts(stage: Any, virtual_stages: int) -> dict[str, tuple[tuple[str, 
     return {
         "F": (("forward", stage.fwd_time / v), ("tp_comm", comm * fwd_share / v),
               ("p2p", stage.p2p_time / 2 / v)),
-        "B": (("recompute", stage.recompute_time / v), ("backward", stage.bwd_time / v)) + backward_rest,
+        "B": (("recompute", once / v), ("backward", stage.bwd_time / v)) + backward_rest,
         # a split backward reruns the recomputed forward in each of its passes (cost_model/estimator.reruns)
-        "I": (("recompute", stage.recompute_time / 2 / v),
-              ("backward", (stage.bwd_time - stage.wgrad_time) / v)) + backward_rest,
-        "W": (("recompute", stage.recompute_time / 2 / v), ("weight", stage.wgrad_time / v)),
+        "I": (("recompute", once / v), ("backward", (stage.bwd_time - stage.wgrad_time) / v)) + backward_rest,
+        "W": (("recompute", once / v), ("weight", stage.wgrad_time / v)),
     }
 
 
@@ -122,8 +124,8 @@ def build_timeline(plan: Any, max_micro_batches: int | None = None) -> Timeline:
     if max_micro_batches is not None:
         check_int("max_micro_batches", max_micro_batches, 1)
         step = pp if cfg.schedule == "interleaved" else 1
-        m = min(m, -(-max_micro_batches // step) * step)
-    parts = [action_parts(s, v) for s in plan.stages]
+        m = min(m, max(-(-max_micro_batches // step) * step, least_micro_batches(cfg.schedule, pp)))
+    parts = [action_parts(s, v, reruns(cfg)) for s in plan.stages]
     lengths = [{k: sum(t for _, t in p) for k, p in d.items()} for d in parts]
     schedule = build(cfg.schedule, pp, m, v)
     times = simulate(schedule, v, lambda a: lengths[cfg.chunk_device(a.stage)][a.kind]).times

@@ -37,6 +37,8 @@ TWO = {
     # ZB-V's V puts the loss's chunk (and the GPT's tied head) on pipeline rank 0, with the embedding
     "pp2_zbh1": dict(pp=2, schedule="zbh1"),
     "pp2_zbv": dict(pp=2, schedule="zbv", virtual_stages=2),
+    # DualPipeV (4 micro-batches, its least on 2 devices): whole backwards and split ones in one step
+    "pp2_dualpipev": dict(pp=2, schedule="dualpipev", virtual_stages=2),
     "zero1": dict(dp=2, zero=1),
     "zero2": dict(dp=2, zero=2),
     "zero3": dict(dp=2, zero=3),
@@ -131,7 +133,11 @@ if ALL_CASES:
 # ZB-V on dp=2 x pp=2 (8 samples: ZB-V is planned with at least 2 micro-batches a device): pipeline rank 0 holds
 # the GPT's tied embedding in its two chunks, one reduced once, with the chunk whose last W comes last
 ZERO_BUBBLE = [Case("gpt-dp2_pp2_zbv", "gpt", {**BASE, "dp": 2, "pp": 2, "schedule": "zbv", "virtual_stages": 2}, 4,
-                    global_batch=8)]
+                    global_batch=8),
+               # DualPipeV under full recomputation: a chunk's last gradient pass a B on some ranks and a W on others
+               # (the data-parallel buckets started by the hooks of one, by its end for the other)
+               Case("gpt-dp2_pp2_dualpipev", "gpt", {**BASE, "dp": 2, "pp": 2, "schedule": "dualpipev",
+                                                    "virtual_stages": 2, "recompute": "full"}, 4, global_batch=8)]
 # ZB-H1's split backward through cross attention (decoder tokens attending to memory tokens of their own
 # embedding: a query length other than the key length) and Hugging Face Mixtral's routed experts (the
 # router's and experts' weight gradients in W); make bench, where every MODELS one runs pp2_zbh1 too

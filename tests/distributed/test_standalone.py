@@ -43,6 +43,9 @@ CASES = {   # name -> (ranks, pinned fields)
     "pp2_targets": (2, dict(pp=2, micro_batch_size=1)),   # loss_fn reads batch keys forward does not take
     # ZB-V: the split backward (I, W) and its V (chunks 0 and 3, the loss, on pipeline rank 0) in train.py
     "pp2_zbv": (2, dict(pp=2, micro_batch_size=1, schedule="zbv", virtual_stages=2)),
+    # DualPipeV: ZB-V's V, whole backwards (B) in its steady pairs and split ones (I, W) in its warm-up and drain,
+    # under full recomputation (each split pass reruns the forward, a whole backward once)
+    "pp2_dualpipev": (2, dict(pp=2, micro_batch_size=1, schedule="dualpipev", virtual_stages=2, recompute="full")),
     # fp8 linear layers (torchao's float8 training, emulated on this CPU) on tensor-parallel shards: row-wise
     # scales (one token's or channel's each), whose amax the runtime all-reduces where tp splits it
     "tp2_fp8": (2, dict(tp=2, micro_batch_size=2)),
@@ -53,7 +56,7 @@ CASES = {   # name -> (ranks, pinned fields)
 PRECISION = {"tp2_fp8": dict(compute="fp8", recipe="rowwise_with_gw_hp")}   # the plan edited to it (this CPU has
 # no fp8 peak to price it with: what runs is what this case tests), the reference converted alike
 FACTORY = {name: "llama_on_meta" if name.endswith("_meta") else "tagger" if name.endswith("_targets") else
-           "llama4" if name.endswith("_zbv") else "llama" for name in CASES}
+           "llama4" if name.endswith(("_zbv", "_dualpipev")) else "llama" for name in CASES}
 BATCH = {"tagger": "tagger_batch"}   # factory -> its batch factory (default llama_batch) and loss_fn (default:
 LOSS = {"tagger": "tagger_loss"}     # the model's own), all in plain_factories
 if ALL_CASES:   # a second torchrun, of 4 ranks (4 processes on 2 cores: make bench only)
@@ -201,9 +204,11 @@ def test_standalone_program_trains_like_one_process(name, runs, references):
         assert (checkpoint.parents[1] / "autopar_runtime" / "fp8.py").exists()
     else:
         assert "FP8_RECIPE = None" in text and "fp8_linear" not in text
-    if name.endswith("_zbv"):
+    if name.endswith(("_zbv", "_dualpipev")):
         assert "CHUNK_DEVICES = [0, 1, 1, 0]" in text and "SPLIT_BACKWARD = True" in text
         assert "I3.0" in text and "W0.3" in text
+    if name.endswith("_dualpipev"):
+        assert "B3.1" in text and "B0.0" in text
     assert (f"OFFLOAD, MASTER_WEIGHTS = {CASES[name][1].get('offload', 'none')!r}," in text)
     if "zero3" in name:   # the FSDP2 units the cost model priced: each block; embedding, final norm and
         # head (small) in the chunk's root unit

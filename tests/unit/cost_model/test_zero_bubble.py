@@ -1,5 +1,6 @@
-"""The zero-bubble schedules (ZB-H1, ZB-V): torch.distributed.pipelining's orders, accepted by the checker,
-priced as the published formulas on even stages, held in memory as their orders hold, and searched."""
+"""The zero-bubble schedules (ZB-H1, ZB-V, DualPipeV): torch.distributed.pipelining's orders, accepted by the
+checker, priced as the published formulas on even stages (DualPipeV: as the simulation of the order torch's
+runtime runs), held in memory as their orders hold, and searched."""
 
 from __future__ import annotations
 
@@ -15,19 +16,20 @@ from autopar import Cluster, ConfigError, InfeasiblePlanError, ParallelConfig
 from autopar.capture import capture
 from autopar.cost_model import estimate_plan
 from autopar.cost_model.memory import chunk_passes, in_flight, order_peak
-from autopar.cost_model.schedule import pipeline_time, split_bubble
+from autopar.cost_model.schedule import AFFINE_FROM, pipeline_time, split_bubble
 from autopar.models import GPTConfig, build_gpt
 from autopar.runtime.schedules import Action, build, check, device_of, simulate
 from autopar.solver import price, solve
 
-KINDS = (("zbh1", 1), ("zbv", 2))
+KINDS = (("zbh1", 1), ("zbv", 2), ("dualpipev", 2))
 
 
 def _torch_order(kind: str, p: int, m: int) -> list[tuple] | None:
     """torch's own order for every rank (its schedule classes' per-rank calculation, without stages), or None
     where this torch does not expose it."""
     from torch.distributed.pipelining import schedules as ts
-    cls = {"zbh1": getattr(ts, "ScheduleInterleavedZeroBubble", None), "zbv": getattr(ts, "ScheduleZBVZeroBubble", None)}[kind]
+    cls = {"zbh1": getattr(ts, "ScheduleInterleavedZeroBubble", None), "zbv": getattr(ts, "ScheduleZBVZeroBubble", None),
+           "dualpipev": getattr(ts, "ScheduleDualPipeV", None)}[kind]
     if cls is None:
         return None
     obj = cls.__new__(cls)
@@ -39,6 +41,8 @@ def _torch_order(kind: str, p: int, m: int) -> list[tuple] | None:
         out = []
         for rank in range(p):
             ops = [a for a in obj._calculate_single_rank_operations(rank) if a is not None]
+            # DualPipeV's OVERLAP_F_B pairs: their forward then their backward, as its runtime runs them
+            ops = [sub for a in ops for sub in (a.sub_actions if _kind(a) == "pair" else (a,))]
             out.append(tuple((a.stage_index, _kind(a), a.microbatch_index) for a in ops))
         return out
     except (AttributeError, TypeError, KeyError):
@@ -46,8 +50,9 @@ def _torch_order(kind: str, p: int, m: int) -> list[tuple] | None:
 
 
 def _kind(action) -> str:
-    name = action.computation_type.name   # FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT
-    return {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}[name]
+    name = action.computation_type.name   # FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FULL_BACKWARD, OVERLAP_F_B
+    return {"FORWARD": "F", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FULL_BACKWARD": "B",
+            "OVERLAP_F_B": "pair"}[name]
 
 
 @pytest.mark.parametrize("kind,v", KINDS)
@@ -55,6 +60,10 @@ def test_orders_are_torchs_and_pass_the_checker(kind, v):
     for p in range(2, 6):
         for m in range(1, 3 * p + 1):
             if kind == "zbh1" and m % max(1, m // p):   # torch's rounds: m a multiple of its rounds
+                continue
+            if kind == "dualpipev" and m < 2 * p:   # torch's ScheduleDualPipeV refuses fewer
+                with pytest.raises(ConfigError, match="at least 2 x pp"):
+                    build(kind, p, m, v)
                 continue
             schedule = build(kind, p, m, v)
             check(schedule, m, v, kind)
@@ -78,14 +87,21 @@ def test_the_checker_refuses_a_weight_pass_before_its_input_pass_and_a_misplaced
         check(looped, 2, 2, "zbv")
     with pytest.raises(ConfigError, match="exactly once"):
         check(build("1f1b", 2, 2), 2, 1, "zbh1")   # whole backwards where the split ones are expected
+    order = build("dualpipev", 2, 4, 2)   # DualPipeV: a pass is a B or an I and a W, never both
+    doubled = (order[0] + (Action(0, "B", 3),), order[1])
+    assert any(a == Action(0, "I", 3) for a in order[0])
+    with pytest.raises(ConfigError, match="chunk 0 micro-batch 3 ran"):
+        check(doubled, 4, 2, "dualpipev")
     assert [device_of("zbv", s, 3) for s in range(6)] == [0, 1, 2, 2, 1, 0]
     assert [ParallelConfig(pp=3, schedule="zbv", virtual_stages=2).device_chunks(d) for d in range(3)] == \
         [(0, 5), (1, 4), (2, 3)]
 
 
-def _passes(kind: str, f: float, i: float, w: float):
-    v = 2 if kind == "zbv" else 1
-    return lambda a: {"F": f, "I": i, "W": w}[a.kind] / v
+def _passes(kind: str, f: float, i: float, w: float, r: float = 0.0):
+    """Chunk action durations of even devices whose passes are f, i, w (``r``: DualPipeV's rerun of the
+    recomputed forward, in ``i`` once, which a whole backward pays once and a split pass's W again)."""
+    v = 2 if kind in ("zbv", "dualpipev") else 1
+    return lambda a: {"F": f, "I": i, "W": w + r, "B": i + w}[a.kind] / v
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
@@ -133,28 +149,58 @@ def test_zbv_is_zero_bubble_per_device_and_priced_as_its_simulation(p):
             assert priced.total == pytest.approx(sim.makespan, rel=2e-3), (m, f, i, w)
 
 
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_dualpipev_is_priced_as_the_simulation_of_the_order_torch_runs(p):
+    """DualPipeV's published bubble, (PP/2 - 1)(F&B + B - 3W), prices its F&B pairs overlapped as DeepSeek's
+    kernels run them; torch's runtime runs a pair's two passes one after the other, and the cost model prices
+    that order's simulation: for any passes and recomputation (a whole backward reruns the forward once, a
+    split pass twice), and any m >= 2p (each micro-batch past 2p one more steady pair of exactly the work x).
+    At F = I = W without recomputation its bubble is ZB-V's, the fill (p - 1) F / 2; it holds one chunk pass
+    more (test_memory_is_what_the_order_holds)."""
+    rng = random.Random(p)
+    for m in (2 * p, 2 * p + 1, 3 * p + 1, 4 * p):
+        for _ in range(6):
+            f, i, w = (round(rng.uniform(0.1, 2.0), 2) for _ in range(3))
+            r = round(rng.choice([0.0, rng.uniform(0.1, 0.6) * f]), 2)
+            x = f + i + w
+            sim = simulate(build("dualpipev", p, m, 2), 2, _passes("dualpipev", f, i, w, r))
+            priced = pipeline_time([x] * p, m, "dualpipev", 2, [(f, i, w)] * p, [r] * p)
+            assert priced.total == pytest.approx(sim.makespan, rel=2e-3), (m, f, i, w, r)
+            assert priced.bubble >= 0
+        equal = pipeline_time([3.0] * p, m, "dualpipev", 2, [(1.0, 1.0, 1.0)] * p)
+        assert equal.bubble == pytest.approx(pipeline_time([3.0] * p, m, "zbv", 2, [(1.0, 1.0, 1.0)] * p).bubble)
+        assert equal.bubble == pytest.approx((p - 1) * 0.5, rel=3e-3)   # the shares rounded to 0.1%
+
+
 def test_zbv_bubble_is_at_least_its_fill():
-    """The even split's bound (solver/even_split.py) counts on it: ZB-V's priced bubble is at least (p - 1)/2
-    of a device's forward, for every share of forward and weight gradient."""
+    """The even split's bound (solver/even_split.py) counts on it: a V's priced bubble (ZB-V's, DualPipeV's) is
+    at least (p - 1)/2 of a device's forward, for every share of forward, weight gradient and rerun."""
     for p, m in itertools.product((2, 3, 5, 8), (1, 3, 8, 16)):
         for f in np.linspace(0.0, 1.0, 11):
             for w in np.linspace(0.0, 1.0 - f, 6):
                 assert split_bubble("zbv", p, m, round(f, 3), round(w, 3)) >= (p - 1) * round(f, 3) / 2 - 1e-12
+                if m >= 2 * p:
+                    for r in (0.0, round(f / 3, 3)):
+                        assert split_bubble("dualpipev", p, m, round(f, 3), round(w, 3), r) >= \
+                            (p - 1) * round(f, 3) / 2 - 1e-12
 
 
 @pytest.mark.parametrize("kind,v", KINDS)
 def test_memory_is_what_the_order_holds(kind, v):
-    """A pass holds its activations from its forward to its weight-gradient pass. ZB-H1 holds min(m, p)
-    passes on every device (1F1B's first device's); ZB-V 2p chunk passes (as many layers); the walk of
-    min(m, 2p) micro-batches is the long step's."""
+    """A pass holds its activations from its forward to its weight-gradient pass (or its whole backward). ZB-H1
+    holds min(m, p) passes on every device (1F1B's first device's); ZB-V 2p chunk passes (as many layers);
+    DualPipeV 2p + 1 (DeepSeek's "PP + 1", PP its chunks); the walk of min(m, 2p) micro-batches is the long
+    step's."""
     rng = random.Random(0)
     for p in range(2, 7):
         cfg = ParallelConfig(pp=p, schedule=kind, virtual_stages=v)
-        for m in range(1, 4 * p):
+        for m in range(2 * p if kind == "dualpipev" else 1, 4 * p):
             sim = simulate(build(kind, p, m, v), v, lambda a: 1.0)
             assert list(sim.peak_in_flight) == [in_flight(cfg, d, m) for d in range(p)]
             if kind == "zbh1":
                 assert all(in_flight(cfg, d, m) == min(m, p) for d in range(p))
+            elif kind == "dualpipev":
+                assert all(in_flight(cfg, d, m) == 2 * p + 1 for d in range(p))
             elif m >= 2 * p:
                 assert [chunk_passes(cfg, d, m) for d in range(p)] == [(2 * p - 1 - d, d + 1) for d in range(p)]
             sizes = [rng.uniform(0.1, 4.0) for _ in range(v)]
@@ -162,7 +208,7 @@ def test_memory_is_what_the_order_holds(kind, v):
                 held = peak = 0.0
                 for a in actions:
                     size = sizes[cfg.device_chunks(d).index(a.stage)]
-                    held += size if a.kind == "F" else -size if a.kind == "W" else 0.0
+                    held += size if a.kind == "F" else -size if a.kind in "BW" else 0.0
                     peak = max(peak, held)
                 assert order_peak(cfg, d, m, sizes) == pytest.approx(peak)
 
@@ -227,19 +273,25 @@ def test_the_search_picks_zero_bubble_when_faster_and_not_when_memory_says(gpt_g
 
 def test_zbv_bubble_at_2p_micro_batches_is_affine_in_p():
     """What cost_model/schedule.split_bubble's closed form rests on: at m = 2p ZB-V's simulated bubble is
-    b(2) + (p - 2)(b(3) - b(2)) for every share of forward and weight gradient (simulated here in full)."""
+    b(2) + (p - 2)(b(3) - b(2)) for every share of forward and weight gradient (simulated here in full).
+    DualPipeV's is not (priced by its simulation at its p): shares F, I, W = 0.2, 0.25, 0.55 grow its bubble
+    by 0.100 a device up to 5 devices and 0.125 from 6 on."""
+    kind, start, r = "zbv", AFFINE_FROM["zbv"], 0.0
     rng = random.Random(7)
     for _ in range(25):
         f = round(rng.uniform(0.05, 0.6), 3)
         w = round(rng.uniform(0.0, 0.9 - f), 3)
-        share = {"F": f / 2, "W": w / 2, "I": (1 - f - w) / 2}
+        share = {"F": f / 2, "W": (w + r) / 2, "I": (1 - f - w) / 2, "B": (1 - f) / 2}
 
         def simulated(p: int) -> float:
-            return simulate(build("zbv", p, 2 * p, 2), 2, lambda a: share[a.kind]).makespan - 2 * p
-        two, three = simulated(2), simulated(3)
-        for p in (4, 6, 9):
-            assert simulated(p) == pytest.approx(two + (p - 2) * (three - two), rel=1e-9, abs=1e-12)
-            assert split_bubble("zbv", p, 2 * p, f, w) == pytest.approx(simulated(p), rel=1e-9, abs=1e-12)
+            return simulate(build(kind, p, 2 * p, 2), 2, lambda a: share[a.kind]).makespan - 2 * p
+        low, high = simulated(start), simulated(start + 1)
+        for p in (start + 2, 6, 9):
+            assert simulated(p) == pytest.approx(low + (p - start) * (high - low), rel=1e-9, abs=1e-12)
+            assert split_bubble(kind, p, 2 * p, f, w, r) == pytest.approx(simulated(p), rel=1e-9, abs=1e-12)
+    dual = [split_bubble("dualpipev", p, 2 * p, 0.2, 0.55) for p in range(2, 10)]
+    slopes = [round(b - a, 3) for a, b in zip(dual, dual[1:])]
+    assert slopes[:3] == [0.1] * 3 and slopes[-2:] == [0.125] * 2
 
 
 def test_a_split_backward_reruns_the_recomputed_forward_in_both_passes(gpt_graph):
@@ -255,3 +307,23 @@ def test_a_split_backward_reruns_the_recomputed_forward_in_both_passes(gpt_graph
     assert split.hardware_flops - split.model_flops == pytest.approx(2 * (one.hardware_flops - one.model_flops))
     with pytest.raises(ConfigError, match="per-op recomputation"):
         ParallelConfig(**{**base, "recompute": "op"}, schedule="zbv", virtual_stages=2)
+
+
+def test_the_search_picks_dualpipev_when_faster_and_not_when_memory_says(gpt_graph):
+    """Under full recomputation ZB-H1 and ZB-V rerun each forward twice a micro-batch, DualPipeV only in the
+    passes its warm-up and drain split: its plan is the fastest of the pinned schedules' best plans and the
+    search picks it; with memory between ZB-V's leanest plan and DualPipeV's (which holds one chunk pass
+    more), it does not."""
+    pins = dict(pp=4, dp=2, tp=1, micro_batch_size=1, zero=0, recompute="full")
+    best = {s: solve(gpt_graph, CLUSTER, GLOBAL_BATCH, fixed={**pins, "schedule": s, "virtual_stages": v},
+                     tie_tolerance=0)[0] for s, v in (("1f1b", 1), ("zbh1", 1), ("zbv", 2), ("dualpipev", 2))}
+    plan, _ = solve(gpt_graph, CLUSTER, GLOBAL_BATCH, fixed=pins, tie_tolerance=0)
+    assert plan.config.schedule == "dualpipev"
+    assert plan.step_time == pytest.approx(best["dualpipev"].step_time)
+    assert all(best["dualpipev"].step_time < p.step_time for s, p in best.items() if s != "dualpipev")
+    lean = {s: _leanest(gpt_graph, pins, s, 2) for s in ("zbv", "dualpipev")}
+    assert lean["zbv"] < lean["dualpipev"]
+    memory = (lean["zbv"] + lean["dualpipev"]) / 2
+    tight = dataclasses.replace(CLUSTER, device=dataclasses.replace(CLUSTER.device, memory=memory))
+    plan, _ = solve(gpt_graph, tight, GLOBAL_BATCH, fixed=pins, tie_tolerance=0)
+    assert plan.config.schedule != "dualpipev" and plan.fits and plan.peak_memory <= memory

@@ -80,9 +80,12 @@ VARIANTS = [   # (stored plan, config changes, precision changes, blocks moved f
     ("llama3-70b_8x8xH100", dict(dp=8, tp=8, zero=0, offload="optimizer", micro_batch_size=1), dict(grads="bf16"), 0),
     ("gpt3-175b_128x8xA100", dict(dp=16, pp=8, schedule="1f1b", virtual_stages=1, zero=2, offload="optimizer"),
      dict(compute="bf16", optimizer="sgd"), 3),
-    # the zero-bubble schedules: ZB-H1 (one chunk a device), ZB-V (two, placed as a V)
+    # the zero-bubble schedules: ZB-H1 (one chunk a device), ZB-V (two, placed as a V), DualPipeV (ZB-V's V, with
+    # expert parallelism: torchtitan overlaps its all-to-alls in the pairs unless told not to)
     ("llama3-70b_8x8xH100", dict(dp=4, tp=4, pp=4, schedule="zbh1", zero=1), {}, 0),
     ("gpt3-175b_128x8xA100", dict(dp=16, pp=8, schedule="zbv", virtual_stages=2, zero=0), {}, 0),
+    ("llama3-70b_8x8xH100", dict(dp=4, tp=4, pp=4, ep=2, schedule="dualpipev", virtual_stages=2, zero=1,
+                                 micro_batch_size=1), {}, 0),
 ]
 
 

@@ -761,3 +761,14 @@ def test_zero_bubble_schedules_as_each_stack_runs_them(plans, tmp_path):
         assert any(w.startswith(f"config.schedule = {plan.config.schedule!r} (zero bubble") for w in result.warnings), stack
     meg = check_export(zbv, "megatron", tmp_path)
     assert any("placed looped" in w for w in meg.warnings)
+    # DualPipeV: torchtitan's own, its pairs run one pass after the other as priced (no expert-parallel overlap)
+    [dual] = [variant_plan(plans, i) for i, v in enumerate(VARIANTS) if v[1].get("schedule") == "dualpipev"]
+    assert dual.micro_batches >= 2 * dual.config.pp
+    titan = check_export(dual, "torchtitan", tmp_path)
+    assert titan.field("parallelism.pipeline_parallel_schedule").value == "DualPipeV"
+    assert titan.field("parallelism.pipeline_parallel_expert_parallel_overlap").value is False
+    assert any("pipeline_parallel_expert_parallel_overlap = false" in w for w in titan.warnings)
+    for stack in ("megatron", "deepspeed"):
+        result = check_export(dual, stack, tmp_path)
+        assert any(w.startswith("config.schedule = 'dualpipev' (zero bubble") for w in result.warnings), stack
+    assert any("rather than as dualpipev's V" in w for w in check_export(dual, "megatron", tmp_path).warnings)

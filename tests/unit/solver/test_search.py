@@ -284,9 +284,9 @@ def test_branches_bound_each_candidate_as_alone(request, graph_name, spec, gbs):
             dominated += 1
         else:
             alone[c.sort_key()] = one.bounds(c)
-    # every ZeRO stage; 1F1B, interleaved and the two zero-bubble schedules
+    # every ZeRO stage; 1F1B, interleaved and the three zero-bubble schedules
     assert len({key.zero for key in alone}) == 4 and {key.schedule for key in alone} == {"1f1b", "interleaved", "zbh1",
-                                                                                       "zbv"}
+                                                                                       "zbv", "dualpipev"}
     together = search_of(Cluster.from_spec(spec))
     pending = [p for b in together._branches() if (p := together._branch_parts(b)) is not None]
     bounds = {Key(variant, p.branch.dp, p.branch.tp, p.branch.pp, p.branch.cp, p.branch.ep, p.branch.micro_batch_size,
