@@ -41,7 +41,7 @@ from ..plan.placement import Placement, normal
 from ..runtime.mesh import Coords, Mesh
 from ..runtime import schedules
 from .context import ContextPlan, analyse
-from .layers import LayerIO
+from .layers import LayerIO, fp8_linear
 from .lower import How, LoweredGraph, cut_spec, lower, written_inputs
 from ..runtime.pipeline import Value, split_backward
 from .regions import check_regions
@@ -119,6 +119,22 @@ class CompiledProgram:
     @cached_property
     def expert_params(self) -> frozenset[str]:
         return frozenset(p for r in self.regions for p in (r.gate_up, r.down))
+
+    @cached_property
+    def fp8_gathered(self) -> frozenset[str]:
+        """The parameters FSDP2 gathers in fp8 (Precision.gathers_fp8): the weights every use of which is an fp8
+        linear layer's weight (a weight also read otherwise, a tied embedding's, is gathered as it is held)."""
+        if not self.plan.precision.gathers_fp8(self.plan.config):
+            return frozenset()
+        fp8, other = set(), set()
+        for name, fqn in self.split.param_of.items():
+            node = self.split.node_map.get(name)
+            if node is None:
+                continue
+            for user in node.users:
+                ok = fp8_linear(user) and user.args[1] is node and node not in (*user.args[:1], *user.args[2:])
+                (fp8 if ok else other).add(fqn)
+        return frozenset(fp8 - other)
 
     @cached_property
     def moe_inputs(self) -> dict[str, tuple[str, str, str]]:

@@ -203,7 +203,7 @@ class _Emitter:
         first = len(self.graph.nodes)
         if step is not None and step.mode.replaces_op:
             out = self._context_op(node, op, step, args, kwargs)
-        elif op is None and self.fp8 is not None and _in_fp8(node):
+        elif op is None and self.fp8 is not None and fp8_linear(node):
             self.attrs["fp8_linear"] = self.fp8
             out = self.graph.call_module("fp8_linear", tuple(args), kwargs)
         elif op is None:
@@ -308,7 +308,7 @@ class _Emitter:
     def _lowered_op(self, node: fx.Node, op: LoweredOp, args: list, kwargs: dict) -> Any:
         g, target, how, name = self.group_node, node.target, op.how, node.name
         call = self.graph.call_function
-        if how in (How.LOCAL, How.WHOLE) and self.fp8 is not None and _in_fp8(node):
+        if how in (How.LOCAL, How.WHOLE) and self.fp8 is not None and fp8_linear(node):
             self.attrs["fp8_linear"] = self.fp8
             out = self.graph.call_module("fp8_linear", tuple(args), {**kwargs, **_linear_split(node, op)})
         elif how in (How.LOCAL, How.WHOLE):
@@ -404,7 +404,7 @@ class _Emitter:
             self.env[out] = self.graph.call_function(operator.getitem, (result, i))
 
 
-def _in_fp8(node: fx.Node) -> bool:
+def fp8_linear(node: fx.Node) -> bool:
     """A linear layer an fp8 program runs on the fp8 tensor cores (ops.runs_in_fp8)."""
     if len(node.args) < 2 or not isinstance(node.args[1], fx.Node):
         return False

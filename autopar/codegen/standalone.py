@@ -278,7 +278,8 @@ def _constants(compiled: CompiledProgram, record: dict, unset: dict[str, str]) -
             f"OFFLOAD, MASTER_WEIGHTS = {cfg.offload!r}, {plan.precision.master_weights}\n"
             "# fp8 linear layers: torchao's float8 training recipe (None: the plan's precision throughout; runtime/fp8.py)\n"
             f"FP8_RECIPE = {plan.precision.recipe if plan.precision.compute == 'fp8' else None!r}\n"
-
+            "# the weights FSDP2 gathers in fp8, each shard cast with the whole weight's scale (Precision.gathers_fp8)\n"
+            f"FP8_GATHERED = {sorted(compiled.fp8_gathered)!r}\n"
             f"ZERO, MICRO_BATCH_SIZE, MICRO_BATCHES, GLOBAL_BATCH = {cfg.zero}, {cfg.micro_batch_size}, "
             f"{plan.micro_batches}, {plan.global_batch_size}\n"
             f"CHUNKS, LOSS = {n}, {split.loss!r}\n"

@@ -159,6 +159,8 @@ def main():
     if P.FP8_RECIPE is not None:   # the plan's linear layers through torchao's float8 training (fp8.py)
         from autopar_runtime import fp8
         fp8_linear = fp8.Float8Linear(P.FP8_RECIPE, fp8.emulated(device), g.tp)
+        # the weights FSDP2 gathers in fp8 (FP8_GATHERED): torchao's cast-before-gather weights
+        params = {f: fp8.gathered_in_fp8(p, fp8_linear) if f in P.FP8_GATHERED else p for f, p in params.items()}
     chunks = {c: getattr(P, f"Chunk{c}")(g.group("tp"), params, buffers, cp_group=g.group("cp"), fp8=fp8_linear)
               for c in mine}
     fsdp = P.ZERO >= 2 and (REPLICAS > 1 or P.OFFLOAD == "all")
@@ -169,7 +171,11 @@ def main():
                 modules = [chunk.layers[k] for k in unit]
                 data_parallel.shard_unit(modules if len(modules) > 1 else modules[0], P.OFFLOAD == "all", mesh=g.dp,
                                          reshard_after_forward=P.ZERO == 3 and not kept)
+                if P.FP8_GATHERED:
+                    fp8.gather_bytes(modules[0])   # gloo has no fp8 type: the gathers move bytes
             data_parallel.shard_unit(chunk, P.OFFLOAD == "all", mesh=g.dp, reshard_after_forward=False)   # the root: small runs, kept
+            if P.FP8_GATHERED:
+                fp8.gather_bytes(chunk)
     if args.compile:
         for chunk in chunks.values():
             for module in (chunk.layers if fsdp else [chunk]):
@@ -220,9 +226,13 @@ def main():
             optimizer.reload()
         if rank == 0:
             print(f"resumed from {args.resume} at step {start}", flush=True)
+    # the weights FSDP2 gathers in fp8: their scales refreshed before each step's first gather (fp8.py)
+    fp8_weights = fp8.fp8_gathered(parameters) if P.FP8_GATHERED and fsdp else []
     for step in range(start, args.steps):
         with failures.at_step(step, "the training step"):
             optimizer.zero_grad(set_to_none=True)
+            if fp8_weights:
+                fp8.refresh_scales(fp8_weights, g.dp.get_group(), fp8_linear)
             runner.run(schedule, micro_batches(batch_of(step, P.GLOBAL_BATCH), dp_rank, cp_rank, device),
                        1.0 / P.MICRO_BATCHES)
             if reducer is not None:   # the mean over the replicas

@@ -31,6 +31,7 @@ from ..config import SPLIT_BACKWARD, SPLIT_EVERY_BACKWARD, ParallelConfig, Preci
 from . import context_parallel, expert_parallel
 from .comm import Collective, GroupPlacement, collective_time
 from .layer_cost import LayerCost, LayerCostModel, SplitGroups
+from .low_precision import gathered_weights
 from ..plan.record import MemoryBreakdown
 from .memory import in_flight, interleaved_peak, model_state_bytes, op_kept, order_peak
 from .offload import host_bytes, master_dtype_bytes
@@ -344,7 +345,7 @@ class Estimator:
         if key not in self._units:
             n = len(self.graph.layers)
             params = np.array([self._layer_params(i, cfg) for i in range(n)], dtype=float)
-            count, largest, kept, n_kept = (np.zeros((n, n)) for _ in range(4))
+            count, largest, n_kept = (np.zeros((n, n)) for _ in range(3))
             for i in range(n):
                 starts, partial = np.zeros(n), np.zeros(n)   # partial: a unit's parameters up to each layer
                 units = self.shard_units(range(i, n), cfg)
@@ -353,15 +354,38 @@ class Estimator:
                     partial[list(unit)] = np.cumsum(params[list(unit)])
                 count[i, i:] = np.cumsum(starts[i:])
                 largest[i, i:] = np.maximum.accumulate(partial[i:])
-                if units.root:   # the root is kept in every chunk, from its first layer on
-                    root = np.zeros(n)
-                    root[list(units.root)] = partial[list(units.root)]
-                    kept[i, i:] = np.maximum.accumulate(root[i:])
+                if units.root:
                     n_kept[i, units.root[0]:] = 1
-                last = [u for u in units.kept if u != units.root]   # the last unit, of a chunk ending the model
-                kept[i, n - 1] += sum(params[list(u)].sum() for u in last)
-                n_kept[i, n - 1] += len(last)
-            self._units[key] = (count, largest, kept, n_kept)
+                n_kept[i, n - 1] += sum(1 for u in units.kept if u != units.root)
+            self._units[key] = (count, largest, self.kept_tables(cfg, params), n_kept)
+        return self._units[key]
+
+    def kept_tables(self, cfg: ParallelConfig, values: np.ndarray) -> np.ndarray:
+        """For every run ``[i, j]`` of layers, the sum of ``values`` (one per layer) over the units ZeRO-3 keeps
+        gathered after forward: the root's layers so far, from its first layer on (it is kept in every chunk),
+        and, for a chunk ending the model, its last unit (ShardUnits.kept; :meth:`unit_tables`)."""
+        n = len(values)
+        kept = np.zeros((n, n))
+        for i in range(n):
+            units = self.shard_units(range(i, n), cfg)
+            if units.root:
+                root = np.zeros(n)
+                root[list(units.root)] = np.cumsum(values[list(units.root)])
+                kept[i, i:] = np.maximum.accumulate(root[i:])
+            kept[i, n - 1] += sum(values[list(u)].sum() for u in units.kept if u != units.root)
+        return kept
+
+    def fp8_layer_tables(self, cfg: ParallelConfig) -> tuple[np.ndarray, ...] | None:
+        """For every run ``[i, j]`` of layers, the (elements, tensors) its layers own that FSDP2 gathers in fp8 and
+        those of the units ZeRO-3 keeps gathered (dp_exposed's ``fp8``), or None when the plan gathers none."""
+        if not self.precision.gathers_fp8(cfg):
+            return None
+        key = ("fp8", cfg.tp, cfg.ep)
+        if key not in self._units:
+            owned = [self._fp8_gathered(layer.params) for layer in self.graph.layers]
+            elements, tensors = (np.array([x[k] for x in owned], dtype=float) for k in (0, 1))
+            self._units[key] = (_runs(elements), _runs(tensors), self.kept_tables(cfg, elements),
+                                self.kept_tables(cfg, tensors))
         return self._units[key]
 
     def _layer_param_names(self, i: int) -> tuple[str, ...]:
@@ -394,10 +418,32 @@ class Estimator:
         (with the tensor-parallel group's own gradient all-reduce, when the layout has one)."""
         chunks = [self.shard_units(c, cfg) for c in dev.chunks]
         kept = [u for c in chunks for u in c.kept]
+        fp8 = None
+        if self.precision.gathers_fp8(cfg):   # (elements, tensors) gathered in fp8, all and those in kept units
+            held = self._held(tuple(i for c in dev.chunks for i in c), cfg)[0]
+            in_kept = self._held(tuple(i for u in kept for i in u), cfg)[0]
+            fp8 = tuple(x for names in (held, in_kept) for x in self._fp8_gathered(names))
         return float(self.tail.dp_time(cfg, micro_batches, groups, dev.params, dev.fwd, dev.bwd, dev.recompute,
                                   dev.tp_comm, dev.tp_grad_bytes, sum(len(c.units) for c in chunks),
                                   dev.expert_params, sum(self._layer_params(i, cfg) for u in kept for i in u),
-                                  len(kept)))
+                                  len(kept), fp8))
+
+    @functools.cached_property
+    def fp8_weights(self) -> frozenset[str]:
+        """The weights an fp8 plan that gathers in fp8 gathers so (low_precision.gathered_weights)."""
+        return gathered_weights(self.graph)
+
+    def _fp8_gathered(self, names) -> tuple[int, int]:
+        """(elements, tensors) of parameters ``names`` gathered in fp8 (tensor parallelism is 1 there)."""
+        mine = [n for n in names if n in self.fp8_weights]
+        return sum(self.graph.params[n].numel for n in mine), len(mine)
+
+def _runs(values: np.ndarray) -> np.ndarray:
+    """``out[i, j]``: the sum of ``values[i..j]`` (0 where ``j < i``)."""
+    pre = np.concatenate([[0.0], np.cumsum(values)])
+    out = pre[None, 1:] - pre[:-1, None]
+    return np.where(np.triu(np.ones_like(out, dtype=bool)), out, 0.0)
+
 
 def _layer_flops(graph: OpGraph) -> tuple[tuple[float, ...], ...]:
     """Per layer, FLOPs at the captured batch, each split into (batch-dependent ops, the others): forward

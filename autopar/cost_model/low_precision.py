@@ -55,9 +55,18 @@ parallelism shards an operand each cast all-reduces one fp32 scalar over the ten
 (torchao under DTensor), priced as ``AMAX_SYNCS`` latency-bound all-reduces per layer and micro-batch
 (the three sharded operands' forward and backward casts). Row-wise and block scales are local.
 
+**Weights gathered in fp8** (Precision.gathers_fp8: tensor-wise, ZeRO 2-3 over replicas, no tensor
+parallelism; torchao's ``enable_fsdp_float8_all_gather``): the weights :func:`gathered_weights` names (read
+by fp8 linear layers alone) are cast on each rank's shard before FSDP2 gathers them, one byte an element
+where bf16 moves two, with the whole weight's scale: each step starts with every such weight's amax over
+its shards, one all-reduce of one fp32 scalar a weight (torchao's ``precompute_float8_dynamic_scale_for_fsdp``;
+runtime/fp8.refresh_scales). step_tail.py prices the gathers' bytes, that all-reduce and the read of the
+shards it takes, which nothing hides.
+
 Not priced: delayed scaling (Transformer Engine's amax history; torchao dropped it), the fp8 weight
-copies' transient memory, and FSDP2's fp8 all-gather (a tensor-wise plan's ZeRO-3 gathers are priced in
-bf16).
+copies' transient memory; with weights gathered in fp8, the casts are still priced as the whole weight's
+twice a micro-batch (the gathered path casts each shard once a gather: less), and the gathered weights'
+buffers at their bf16 size (one byte an element held: less).
 """
 
 from __future__ import annotations
@@ -149,6 +158,20 @@ def is_fp8_linear(node: OpNode) -> bool:
     g = node.gemm
     return (node.kind is OpKind.MATMUL and bool(node.params) and g is not None and g.batch == 1
             and runs_in_fp8(node.target, node.module_type, g.k, g.n))
+
+
+def gathered_weights(graph) -> frozenset[str]:
+    """The parameters FSDP2 gathers in fp8 when a plan gathers so (Precision.gathers_fp8): the weights every
+    reader of which is an fp8 linear layer reading it as its weight (a tied embedding's is read otherwise, a
+    bias is not a weight). codegen's CompiledProgram.fp8_gathered is the runtime's reading of the same rule."""
+    fp8, other = set(), set()
+    for node in graph.nodes:
+        if is_fp8_linear(node):
+            fp8.add(node.params[0])
+            other.update(node.params[1:])
+        else:
+            other.update(node.params)
+    return frozenset(fp8 - other)
 
 
 def cast_bytes_per_element(recipe: Recipe, kernels: str) -> float:

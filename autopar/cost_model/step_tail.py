@@ -104,14 +104,17 @@ class StepTail:
         return np.where(nbytes > 0, best, 0.0)
 
     def dp_time(self, cfg: ParallelConfig, micro_batches: int, groups: dict[str, GroupPlacement],
-                params, fwd, bwd, recompute, tp_comm, tp_grad_bytes, units, experts=0.0, kept=0.0, n_kept=0.0):
+                params, fwd, bwd, recompute, tp_comm, tp_grad_bytes, units, experts=0.0, kept=0.0, n_kept=0.0,
+                fp8: tuple[int, int, int, int] | None = None):
         """Data-parallel / ZeRO communication of one device that compute does not hide, per step (with
         the tensor-parallel group's own gradient all-reduce, when the layout has one).
 
         Gradients go in ``dp_bucket_bytes`` buckets (one collective each); ZeRO-2 and 3 gather and
         reduce-scatter unit by unit (one collective per unit held, ``units``: Estimator.shard_units);
         ZeRO-3 gathers again for backward every unit but the ``n_kept`` units of ``kept`` parameters
-        (``ShardUnits.kept``).
+        (``ShardUnits.kept``). ``fp8``: the (elements, tensors) of ``params`` FSDP2 gathers in fp8, and of
+        ``kept`` (Precision.gathers_fp8, low_precision.py): one byte an element, their scales from one
+        all-reduce of their amaxes a step.
         Dense weights synchronise over ``groups["dp"]`` (dp * cp ranks), the ``experts`` of ``params``
         over ``groups["edp"]``."""
         group, tp_group = groups["dp"], groups["tp"] if cfg.tp > 1 else None
@@ -132,7 +135,16 @@ class StepTail:
             # offloaded (offload.py): each shard crosses the host link before its gather, after its reduction
             def host(n, grp):
                 return copy_time(self.cluster.device, self.precision, cfg, n / grp.size)
-            ag = sum(self.collective(Collective.ALL_GATHER, n * w_b, grp, units) + host(n, grp) for n, grp in parts)
+            # gathered in fp8: f8 of the dense elements at one byte; before the step's first gather the amax of
+            # each of the f8_tensors weights' shards, read once, all-reduced in one call (nothing hides either)
+            f8, f8_tensors, f8_kept, f8_kept_tensors = fp8 if fp8 is not None else (0, 0, 0, 0)
+            device = self.cluster.device
+            scales = (self.collective(Collective.ALL_REDUCE, 4.0 * np.asarray(f8_tensors, dtype=float), group)
+                      + f8 / group.size * w_b / (device.memory_bandwidth * device.memory_efficiency))
+            dense = parts[0][0]
+            ag = (self.collective(Collective.ALL_GATHER, (dense - f8) * w_b + f8, group, units)
+                  + self.collective(Collective.ALL_GATHER, experts * w_b, groups["edp"], units)
+                  + host(dense, group) + host(experts, groups["edp"]))
             rs = sum(self.collective(Collective.REDUCE_SCATTER, n * g_b, grp, units) + host(n, grp) for n, grp in parts)
             fwd_c, bwd_c = fwd + tp_comm / 2, hidden + tp_comm / 2
             # forward prefetch needs a host that runs ahead of its device (GPU streams); a CPU rank
@@ -143,11 +155,14 @@ class StepTail:
             edges = (o_fwd * ag + o * rs) / np.maximum(1, units)
             if cfg.zero == 3:   # gathered again for backward, every micro-batch, all but the kept units
                 kept = np.asarray(kept, dtype=float)
-                again = (self.collective(Collective.ALL_GATHER, (parts[0][0] - kept) * w_b, group, units - n_kept)
+                again_f8 = f8 - f8_kept
+                again = (self.collective(Collective.ALL_GATHER, (dense - kept - again_f8) * w_b + again_f8, group,
+                                         units - n_kept)
                          + self.collective(Collective.ALL_GATHER, experts * w_b, groups["edp"], units)
-                         + host(parts[0][0] - kept, group) + host(experts, groups["edp"]))
-                return micro_batches * (gather + again + rs - o * np.minimum(again + rs, bwd_c)) + edges + tp_sync
-            return gather + edges + micro_batches * (rs - o * np.minimum(rs, bwd_c)) + tp_sync
+                         + host(dense - kept, group) + host(experts, groups["edp"]))
+                return (micro_batches * (gather + again + rs - o * np.minimum(again + rs, bwd_c)) + edges + tp_sync
+                        + scales)
+            return gather + edges + micro_batches * (rs - o * np.minimum(rs, bwd_c)) + tp_sync + scales
         total, buckets = 0.0, 0.0
         for n, grp in parts:
             nb = _buckets(n * g_b, grp.size, g_b)
@@ -175,7 +190,9 @@ class StepTail:
         def least(kind: Collective, nbytes: float) -> float:
             return min(float(self.collective(kind, nbytes, g)) for g in spans)
         o = self.overlap(groups["dp"])
-        g_b, w_b = self.precision.grad_bytes * params, self.precision.weight_bytes * params
+        # gathered in fp8 (Precision.gathers_fp8), any of the parameters may be a weight gathered at one byte
+        w_bytes = 1 if self.precision.gathers_fp8(cfg) else self.precision.weight_bytes
+        g_b, w_b = self.precision.grad_bytes * params, w_bytes * params
         if cfg.zero >= 2:
             o_fwd = 0.0 if self.cluster.device.is_cpu else o
             ag, rs = least(Collective.ALL_GATHER, w_b), least(Collective.REDUCE_SCATTER, g_b)

@@ -40,7 +40,7 @@ from ..runtime.context_state import ContextRank
 from ..runtime.data_parallel import GradReducer, Zero1Optimizer, dedupe, local, shard_unit
 from ..runtime.expert_parallel import shard_experts
 from ..runtime.experts import ExpertsModule
-from ..runtime.fp8 import Float8Linear, emulated
+from ..runtime.fp8 import Float8Linear, emulated, gather_bytes, gathered_in_fp8
 from ..runtime.mesh import Coords, MeshGroups
 from ..runtime.optim import HostOptimizer, compile_step, innermost, wrapped
 from ..runtime.pipeline import backward_ends
@@ -161,6 +161,8 @@ def build_chunks(setup: RankSetup, compiled: RankProgram, groups: MeshGroups, pa
     fp8 = None
     if setup.plan.precision.compute == "fp8":   # the plan's linear layers through torchao's float8 (runtime/fp8.py)
         fp8 = Float8Linear(setup.plan.precision.recipe, emulated(setup.device), groups.tp)
+        # the weights FSDP2 gathers in fp8 (Precision.gathers_fp8): torchao's cast-before-gather weights
+        params = {fqn: gathered_in_fp8(p, fp8) if fqn in program.fp8_gathered else p for fqn, p in params.items()}
     runner = NodeRunner(program, groups.tp, context, compile=compile, fp8=fp8)
     buffers = {k: v.to(setup.device) for k, v in program.split.buffer_value.items()}
     experts = {r.output: ExpertsModule(r, params[r.gate_up], params[r.down], groups.group("ep"), setup.timeout)
@@ -200,7 +202,9 @@ def apply_fsdp(setup: RankSetup, compiled: RankProgram, groups: MeshGroups, chun
                 modules = [layers[i] for i in unit]
                 shard_unit(modules if len(modules) > 1 else modules[0], offload, mesh=groups.dp,
                            reshard_after_forward=zero3 and unit not in units.kept)
+                gather_bytes(modules[0])
         shard_unit(chunk, offload, mesh=groups.dp, reshard_after_forward=False)
+        gather_bytes(chunk)
     params = {fqn: p for chunk in chunks.values() for fqn, p in chunk.named_model_parameters().items()}
     if setup.materializer is not None:
         _materialize_sharded(setup, compiled, chunks, params)

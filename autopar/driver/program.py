@@ -76,6 +76,7 @@ from ..runtime.context_ops import shard_inputs
 from ..runtime.data_parallel import all_reduce_grads, local
 from ..runtime.failures import at_step, non_finite_loss, peer_wait, wait_or_fail
 from ..runtime.host_heap import keep_freed_memory
+from ..runtime.fp8 import fp8_gathered, refresh_scales
 from ..runtime.mesh import Mesh
 from ..runtime.losses import LossShare
 from ..runtime.pipeline import ChunkIO, PipelineRunner, Topology
@@ -187,6 +188,8 @@ class Program:
             self.params, self.reducers = apply_fsdp(setup, compiled, groups, self.chunks), []
         else:
             self.reducers = apply_data_parallel(setup, compiled, groups, self.chunks, bool(self.compile))
+        # the weights FSDP2 gathers in fp8: their scales refreshed before each step's first gather (runtime/fp8.py)
+        self.fp8_weights = fp8_gathered(self.params.values()) if compiled.program.fp8_gathered else []
         self.compile_chunks = bool(self.compile) and not self.fsdp
         self.tied = tied_groups(compiled, groups, self.params)
         self.optimizer, self.stepped, self.shards = build_optimizer(setup, compiled, groups, self.params, optimizer,
@@ -258,6 +261,8 @@ class Program:
     def _forward_backward(self, batch: Any) -> torch.Tensor:
         for p in self.parameters():
             p.grad = None
+        if self.fp8_weights:
+            refresh_scales(self.fp8_weights, self.groups.dp.get_group(), self.node_runner.fp8)
         micro = []
         for part in replica_micro_batches(batch, self.dp_rank, self.cfg.dp, self.cfg.micro_batch_size,
                                           self.micro_batches, self.plan.global_batch_size):

@@ -229,7 +229,10 @@ def _fp8(plan: "Plan", add, warnings: list[str]) -> None:
         add("fp8_config.use_mxfp8_block_scaling", True, srcs, FP8_CONFIG, "MXFP8, 32-element block scales")
         return
     add("fp8_config.backend", "AO", srcs, FP8_CONFIG, "torchao's float8 training")
-    add("fp8_config.enable_fsdp_float8_all_gather", False, srcs, FP8_CONFIG, "the plan priced FSDP's gathers in bf16")
+    gathers = plan.precision.gathers_fp8(plan.config)
+    add("fp8_config.enable_fsdp_float8_all_gather", gathers, srcs + ("config.zero",), FP8_CONFIG,
+        "FSDP2 gathers the linear weights in fp8 (accelerate refreshes their scales after each optimizer step), as "
+        "priced" if gathers else "the plan gathers in bf16, as priced")
     if recipe != "tensorwise":
         warnings.append(f"precision.recipe = {recipe!r}: accelerate's AO backend builds torchao's default "
                         "Float8LinearConfig (tensor-wise) from this file; pass AORecipeKwargs(config=Float8LinearConfig."

@@ -252,7 +252,10 @@ def _precision(plan: "Plan", add, warnings: list[str]) -> None:
                         "switch (deepspeed/runtime/config.py: fp16, bf16, torch_autocast only); convert the model's "
                         "linear layers in the script before deepspeed.initialize (torchao.float8."
                         "convert_to_float8_training with Float8LinearConfig.from_recipe_name, or Transformer Engine's "
-                        "te.Linear under te.fp8_autocast), else it trains in bf16, slower than the plan predicts")
+                        "te.Linear under te.fp8_autocast), else it trains in bf16, slower than the plan predicts"
+                        + ("; the plan also gathers the linear weights in fp8 under ZeRO-3 (torchao's FSDP2 fp8 "
+                           "all-gather), which DeepSpeed's ZeRO-3 does not: its gathers move bf16, slower still"
+                           if prec.gathers_fp8(plan.config) else ""))
     add("data_types.grad_accum_dtype", prec.grads, ("precision.grads",), CONFIG_JSON + " data_types; " + DTYPES)
     add("communication_data_type", prec.grads, ("precision.grads",), CONFIG_JSON + " communication_data_type")
     if prec.storage != "fp32" and not prec.master_weights:

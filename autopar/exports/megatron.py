@@ -303,6 +303,11 @@ def _fp8(plan: "Plan", add, warnings: list[str]) -> None:
         "e4m3 forward, e5m2 gradients: torchao's and Transformer Engine's training formats")
     if recipe in ("tensorwise", "mxfp8"):
         add("--fp8-recipe", recipe, ("precision.recipe",), FP8_FLAGS)
+        if plan.precision.gathers_fp8(plan.config):
+            warnings.append("precision.recipe = 'tensorwise' under ZeRO-2/3: the plan gathers the linear layers' "
+                            "weights in fp8 (torchao's FSDP2 fp8 all-gather, priced at one byte a weight element); "
+                            "written without --fp8-param-gather (Megatron-LM's fp8 parameters, another mechanism), "
+                            "so Megatron-LM gathers them in bf16, slower than the plan predicts")
         return
     add("--fp8-recipe", "blockwise", ("precision.recipe",), FP8_FLAGS, "the nearest: Megatron-LM has no row-wise one")
     warnings.append(f"precision.recipe = {recipe!r}: Megatron-LM has no row-wise fp8 recipe; written as "

@@ -196,12 +196,16 @@ def _fp8(plan: "Plan", add, warnings: list[str]) -> None:
             "the plan priced the output head in fp8 too (torchtitan's default skips it)")
         return
     add("quantize.linear.float8.recipe_name", prec.recipe, srcs, _doc("Float8Linear.recipe_name"))
-    if prec.recipe == "tensorwise" and plan.config.zero >= 2:
-        add("quantize.linear.float8.enable_fsdp_float8_all_gather", False, srcs + ("config.zero",),
-            _doc("Float8Linear.enable_fsdp_float8_all_gather"), "the plan priced FSDP's gathers in bf16")
-        warnings.append("precision.recipe = 'tensorwise' under FSDP: quantize.linear.float8."
-                        "enable_fsdp_float8_all_gather = true gathers the weights in fp8, half the bytes the plan "
-                        "priced (faster than predicted; not priced)")
+    cfg = plan.config
+    if prec.gathers_fp8(cfg):   # FSDP2 gathers the linear weights in fp8, their scales from one all-reduce a step
+        add("quantize.linear.float8.enable_fsdp_float8_all_gather", True, srcs + ("config.zero",),
+            _doc("Float8Linear.enable_fsdp_float8_all_gather"), "the plan's weights gathered in fp8, as priced")
+        add("quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp", True, srcs + ("config.zero",),
+            _doc("Float8Linear.precompute_float8_dynamic_scale_for_fsdp"), "the scales from one all-reduce a step")
+    elif prec.recipe == "tensorwise" and cfg.zero >= 2:
+        add("quantize.linear.float8.enable_fsdp_float8_all_gather", False, srcs + ("config.zero", "config.tp"),
+            _doc("Float8Linear.enable_fsdp_float8_all_gather"),
+            "the plan gathers in bf16 (with tensor parallelism, or on one replica), as priced")
 
 
 def _offload(plan: "Plan", add, warnings: list[str]) -> None:

@@ -22,6 +22,13 @@ taken over the rows a call sees: a rank's micro-batch, where one process sees it
 parallelism and micro-batches change them; ``rowwise_with_gw_hp``, whose every scale is one token's or one
 channel's, computes what one process does whatever the rows).
 
+**Weights gathered in fp8** (Precision.gathers_fp8: tensor-wise scales under ZeRO 2-3, no tensor
+parallelism): the weights only fp8 linear layers read are torchao's ``WeightWithDynamicFloat8CastTensor``
+under FSDP2 (:func:`gathered_in_fp8`), whose pre-all-gather hook casts each rank's shard with the whole
+weight's scale (its amax all-reduced over the shards) and whose gather moves the fp8 bytes; the linear
+takes the gathered fp8 weight as it is (the cast it would make gives the same values). gloo has no fp8
+type: :func:`gather_bytes` has FSDP2 move them as bytes there.
+
 Imports torch and torchao only (torchao when an fp8 program is built).
 """
 
@@ -83,9 +90,10 @@ def _cast(t: torch.Tensor, cast_config: Any, role: Any, axis: int, split: int | 
     the dim this rank's shard splits, None when whole): its amax reduced over ``mesh`` when the scale spans
     the split dim."""
     from torchao.float8.config import ScalingType
+    from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
     from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
-    if cast_config.scaling_type is ScalingType.DISABLED:
-        return t
+    if cast_config.scaling_type is ScalingType.DISABLED or tensor_already_casted_to_fp8(t):
+        return t   # a weight FSDP2 gathered in fp8, cast on each shard with the whole weight's scale
     dim = get_maybe_axiswise_dim(axis, cast_config.scaling_granularity)
     reduce = split is not None and (dim is None or dim % t.dim() == split % t.dim())
     return hp_tensor_to_float8_dynamic(t, cast_config.target_dtype, mm_config, reduce_amax=reduce,
@@ -124,6 +132,64 @@ class _Float8Matmul(torch.autograd.Function):
         x8w = _cast(x2, c.cast_config_input_for_grad_weight, GemmInputRole.INPUT, 0, sx2, mm, c, mesh)
         grad_w = torch.mm(g8w.t(), x8w)
         return grad_x, grad_w.t(), None, None, None, None
+
+
+def gathered_in_fp8(param: nn.Parameter, fp8: Float8Linear) -> nn.Parameter:
+    """``param`` as torchao's fp8-gathered weight (module docstring), before FSDP2 shards it."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+    weight = WeightWithDynamicFloat8CastTensor(param.data, fp8._mm_config, fp8._config.cast_config_weight.target_dtype)
+    return nn.Parameter(weight, requires_grad=param.requires_grad)
+
+
+def fp8_gathered(params: Any) -> list[torch.Tensor]:
+    """Of ``params`` (parameters, DTensors under FSDP2), the weights :func:`gathered_in_fp8` made."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+    return [p for p in params if isinstance(getattr(p, "_local_tensor", p), WeightWithDynamicFloat8CastTensor)]
+
+
+@torch.no_grad()
+def refresh_scales(weights: list[torch.Tensor], group: Any, fp8: Float8Linear) -> None:
+    """Before a step's first gather: every fp8-gathered weight's scale from its amax over all its shards, in one
+    all-reduce over the shards' ``group`` (torchao's ``precompute_float8_dynamic_scale_for_fsdp``, which looks
+    for its own Float8Linear modules; without it each weight's gather all-reduces its own amax first). The
+    scale is torchao's of that amax, as a cast of the whole weight computes it."""
+    import torch.distributed as dist
+    from torchao.float8.float8_utils import amax_to_scale
+    if not weights:
+        return
+    shards = [getattr(w, "_local_tensor", w) for w in weights]
+    amax = torch.stack([s._tensor.abs().max() if s._tensor.numel() else s._tensor.new_zeros(())
+                        for s in shards]).float()
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    for s, a in zip(shards, amax):
+        s._precomputed_scale = amax_to_scale(a, s._dtype, fp8._config.round_scales_to_power_of_2)
+
+
+def gather_bytes(module: nn.Module) -> None:
+    """Have FSDP2 module ``module`` gather its fp8 weights as bytes when it holds any and the backend has no fp8
+    type (gloo; NCCL moves fp8 as it is)."""
+    import torch.distributed as dist
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+    if dist.get_backend() == "nccl" or not any(
+            isinstance(getattr(p, "_local_tensor", p), WeightWithDynamicFloat8CastTensor) for p in module.parameters()):
+        return
+    if not hasattr(module, "set_custom_all_gather"):
+        raise RuntimeError(f"gathering fp8 weights over {dist.get_backend()} needs FSDP2's set_custom_all_gather "
+                           f"(torch >= 2.8; this is {torch.__version__}): upgrade torch, or plan with a row-wise recipe")
+    module.set_custom_all_gather(_byte_all_gather())
+
+
+def _byte_all_gather() -> Any:
+    """FSDP2's default all-gather with its fp8 buffers viewed as bytes (built on first use: the module holding it
+    is FSDP2's own, private, and newer than torch 2.6)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
+
+    class ByteAllGather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            if output_tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+    return ByteAllGather()
 
 
 def emulated(device: torch.device) -> bool:

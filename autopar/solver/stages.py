@@ -121,7 +121,7 @@ def run_tables(est: Estimator, cfg: ParallelConfig, micro_batches: int, modes: S
         p2p = q_in[:, None] + cuts[None, :]
         work = fwd + bwd + rec + tp + other + p2p
         dp = est.tail.dp_time(cfg, micro_batches, groups, params, fwd, bwd, rec, tp, _run_sum(step), units, experts,
-                              kept, n_kept)
+                              kept, n_kept, est.fp8_layer_tables(cfg))
         tail = dp + est.tail.optimizer_time(cfg, params, experts)
         buffers = est.buffer_bytes(cfg, mode, _run_max(col("largest_tensor")), _run_max(col("activations_full")),
                                    unit_params)

@@ -45,6 +45,11 @@ EXACT = [
     Case("fp8-tensor-pp2-whole-batch", "gpt", {**BASE, "pp": 2, "micro_batch_size": 4}, 2, precision=TENSOR),
 ]
 NEAR = [Case("fp8-tensor-dp2", "gpt", {**BASE, "dp": 2, "micro_batch_size": 2}, 2, precision=TENSOR)]
+# ZeRO-3 with tensor-wise scales: FSDP2 gathers the linear layers' weights in fp8, each shard cast with the whole
+# weight's scale (its amax all-reduced over the shards: one process's), the gathers moving bytes over gloo
+GATHERED = Case("fp8-tensor-zero3-gathered", "gpt", {**BASE, "dp": 2, "zero": 3, "micro_batch_size": 2}, 2,
+                precision=TENSOR)
+NEAR += [GATHERED]
 EXACT += [Case("fp8-rows-tp2", "gpt", {**BASE, "tp": 2, "micro_batch_size": 2}, 2, precision=ROWS),
           Case("fp8-rows-tp2-sp", "gpt", {**BASE, "tp": 2, "micro_batch_size": 2, "sequence_parallel": True}, 2,
                precision=ROWS)]
@@ -53,8 +58,10 @@ TENSOR_TP = Case("fp8-tensor-tp2-whole-batch", "gpt", {**BASE, "tp": 2, "micro_b
 
 @pytest.fixture(scope="module")
 def results():
-    out = run_cases(EXACT + NEAR, 2)
+    out = run_cases([c for c in EXACT + NEAR if c is not GATHERED], 2)
     for rank, got in enumerate(run_cases([TENSOR_TP], 2, function="test_fp8:run_recording_scales")):
+        out[rank].update(got)
+    for rank, got in enumerate(run_cases([GATHERED], 2, function="test_fp8:run_counting_gathers")):
         out[rank].update(got)
     return out
 
@@ -83,6 +90,25 @@ def run_recording_scales(rank: int, world: int, case: Case, plan_dict: dict) -> 
     finally:
         undo()
     return {**out, "scales": log}
+
+
+def run_counting_gathers(rank: int, world: int, case: Case, plan_dict: dict) -> dict:
+    """harness.run_case, with the weights FSDP2 gathered in fp8: each cast torchao's pre-all-gather hook made (the
+    shape of the shard it cast, the dtype it gathered)."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Weight
+    from harness import run_case
+    original, log = Weight.fsdp_pre_all_gather, []
+
+    def pre(self, mesh):   # FSDP2 checks the hook's signature
+        out = original(self, mesh)
+        log.append((tuple(self._tensor.shape), str(out[0][0].dtype)))
+        return out
+    Weight.fsdp_pre_all_gather = pre
+    try:
+        out = run_case(rank, world, case, plan_dict)
+    finally:
+        Weight.fsdp_pre_all_gather = original
+    return {**out, "gathered": log}
 
 
 def reference_scales(case: Case) -> list:
@@ -147,6 +173,18 @@ def test_tensorwise_scales_are_taken_over_each_ranks_rows(results, case):
     largest = max(g.abs().max().item() for g in whole["grads"].values() if g.numel())
     assert max((ref["grads"][n] - g).abs().max().item() for n, g in whole["grads"].items()) > 1e-3 * largest
 
+
+
+def test_zero3_tensorwise_gathers_the_linear_weights_in_fp8(results):
+    """The plan's weights FSDP2 gathers in fp8 (Precision.gathers_fp8, CompiledProgram.fp8_gathered): every block's
+    four linear weights (32 x 96, 32 x 32, 32 x 128, 128 x 32, sharded in two along their rows) each gathered in
+    fp8 e4m3 once a micro-batch in forward and again in backward; the tied embedding and head (read by the
+    embedding too) gathered as held. It trains as one process running each rank's rows
+    (test_tensorwise_scales_are_taken_over_each_ranks_rows)."""
+    for rank, per_rank in enumerate(results):
+        got = per_rank[GATHERED.name]["gathered"]
+        assert got and {dtype for _, dtype in got} == {"torch.float8_e4m3fn"}, (rank, got[:4])
+        assert {shape for shape, _ in got} == {(48, 32), (16, 32), (64, 32), (16, 128)}, (rank, sorted(set(got)))
 
 
 def test_tensor_parallel_tensorwise_casts_use_one_process_scales(results):

@@ -52,8 +52,13 @@ CASES = {   # name -> (ranks, pinned fields)
     # the optimizer offloaded (optim.HostOptimizer over FSDP2's shards): stepped on host copies, checkpointed
     # and resumed through them
     "dp2_zero3_offload": (2, dict(dp=2, zero=3, micro_batch_size=2, offload="optimizer")),
+    # tensor-wise fp8 under ZeRO-3: FSDP2 gathers the linear weights in fp8 (FP8_GATHERED), each shard cast with
+    # the whole weight's scale; the activations' scales are each rank's rows' (one process runs them as calls)
+    "dp2_zero3_fp8_gathered": (2, dict(dp=2, zero=3, micro_batch_size=2)),
 }
-PRECISION = {"tp2_fp8": dict(compute="fp8", recipe="rowwise_with_gw_hp")}   # the plan edited to it (this CPU has
+PRECISION = {"tp2_fp8": dict(compute="fp8", recipe="rowwise_with_gw_hp"),
+             "dp2_zero3_fp8_gathered": dict(compute="fp8", recipe="tensorwise")}
+CALLS = {"dp2_zero3_fp8_gathered": 2}   # one process runs each step's batch as this many calls (a rank's rows each)   # the plan edited to it (this CPU has
 # no fp8 peak to price it with: what runs is what this case tests), the reference converted alike
 FACTORY = {name: "llama_on_meta" if name.endswith("_meta") else "tagger" if name.endswith("_targets") else
            "llama4" if name.endswith(("_zbv", "_dualpipev")) else "llama" for name in CASES}
@@ -77,10 +82,12 @@ def hook(tmp_path_factory):
     return env
 
 
-def _one_process(factory: str, recipe: str | None = None):
+def _one_process(factory: str, recipe: str | None = None, calls: int = 1):
     """One process's losses and the weights after its first step: the factory's model under
     torch.manual_seed(0), or a meta-built one given the values every plan gives it (init_weights, seed 0);
-    with ``recipe``, its linear layers converted to torchao's float8 training as an fp8 plan runs them."""
+    with ``recipe``, its linear layers converted to torchao's float8 training as an fp8 plan runs them; each
+    step's batch run as ``calls`` calls of its consecutive rows (their mean loss)."""
+    from autopar.runtime.batches import slice_batch
     import autopar
     from autopar.capture.export import LossWrapper
     from harness import to_fp8
@@ -95,7 +102,8 @@ def _one_process(factory: str, recipe: str | None = None):
     for step in range(STEPS):
         opt.zero_grad()
         batch = _batch(factory, step, GLOBAL)
-        loss = LossWrapper(model, _loss_fn(factory), batch)(**batch)
+        parts = [slice_batch(batch, k * GLOBAL // calls, (k + 1) * GLOBAL // calls, GLOBAL) for k in range(calls)]
+        loss = torch.stack([LossWrapper(model, _loss_fn(factory), part)(**part) for part in parts]).mean()
         loss.backward()
         opt.step()
         out.append(loss.item())
@@ -116,11 +124,11 @@ def _loss_fn(factory: str):
 def references():
     """By case: its one-process reference (cases of one factory and precision share theirs)."""
     out: dict = {}
+    key = {name: (FACTORY[name], PRECISION.get(name, {}).get("recipe"), CALLS.get(name, 1)) for name in CASES}
     for name in CASES:
-        recipe = PRECISION.get(name, {}).get("recipe")
-        if (FACTORY[name], recipe) not in out:
-            out[FACTORY[name], recipe] = _one_process(FACTORY[name], recipe)
-    return {name: out[FACTORY[name], PRECISION.get(name, {}).get("recipe")] for name in CASES}
+        if key[name] not in out:
+            out[key[name]] = _one_process(*key[name])
+    return {name: out[key[name]] for name in CASES}
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +207,7 @@ def test_standalone_program_trains_like_one_process(name, runs, references):
     assert ("from autopar_runtime import context_ops" in text) == name.startswith("cp2")
     if name.startswith("cp2"):
         assert "context_ops.ring(" in text and "CONTEXT_INPUTS = {" in text
+    assert ("FP8_GATHERED = []" in text) != (name == "dp2_zero3_fp8_gathered")
     if name in PRECISION:   # the linear layers through the runtime library's torchao float8 module
         assert f"FP8_RECIPE = {PRECISION[name]['recipe']!r}" in text and "self.fp8_linear(" in text
         assert (checkpoint.parents[1] / "autopar_runtime" / "fp8.py").exists()

@@ -29,7 +29,7 @@ from autopar.cli import main
 from autopar.exports import STACKS, export
 
 import export_schemas as schemas
-from cases import CASES, PLANS, RECIPES, VARIANTS, case_plan, variant_plan, with_partition
+from cases import CASES, PLANS, RECIPES, VARIANTS, case_plan, even_chunks, variant_plan, with_partition
 from make_goldens import STACK_FILES, golden_path, plan_path
 
 CONSTANTS = {("accelerate", "compute_environment"), ("accelerate", "fsdp_config.fsdp_version")}
@@ -486,8 +486,9 @@ def test_fp8_plans_carry_each_stacks_fp8_switches(plans):
     tensorwise, rowwise, mx = (variant_plan(plans, fp8[r]) for r in ("tensorwise", "rowwise_with_gw_hp", "mxfp8"))
     titan = tomllib.loads(export(tensorwise, "torchtitan").text)
     assert titan["model"]["converters"] == ["quantize.linear.float8"]
-    assert titan["quantize"]["linear"]["float8"] == {"recipe_name": "tensorwise",
-                                                     "enable_fsdp_float8_all_gather": False}
+    assert titan["quantize"]["linear"]["float8"] == {"recipe_name": "tensorwise",   # ZeRO-3 at tp = 1: fp8 gathers
+                                                     "enable_fsdp_float8_all_gather": True,
+                                                     "precompute_float8_dynamic_scale_for_fsdp": True}
     assert titan["training"]["mixed_precision_param"] == "bfloat16"
     titan_mx = tomllib.loads(export(mx, "torchtitan").text)
     assert titan_mx["model"]["converters"] == ["quantize.linear.mx"]
@@ -504,6 +505,27 @@ def test_fp8_plans_carry_each_stacks_fp8_switches(plans):
     ds = export(tensorwise, "deepspeed")
     assert ds.field("bf16.enabled").value is True
     assert any("no fp8 training switch" in w for w in ds.warnings)
+
+
+def test_fp8_gathers_are_each_stacks_fp8_all_gather(plans, tmp_path):
+    """A tensor-wise plan that gathers its linear weights in fp8 (Precision.gathers_fp8: ZeRO-3 over replicas, no
+    tensor parallelism): torchtitan's and accelerate's FSDP2 fp8 all-gather switched on with the scales from one
+    all-reduce a step (torchtitan's precompute switch; accelerate hooks it to the optimizer step itself); the
+    same plan with tensor parallelism gathers in bf16 and says so; Megatron-LM and DeepSpeed say they gather bf16."""
+    fp8 = {v[2].get("recipe"): i for i, v in enumerate(VARIANTS) if v[2].get("compute") == "fp8"}
+    gathering = variant_plan(plans, fp8["tensorwise"])   # dp=64 tp=1 zero=3
+    assert gathering.precision.gathers_fp8(gathering.config)
+    titan = check_export(gathering, "torchtitan", tmp_path)
+    assert titan.field("quantize.linear.float8.enable_fsdp_float8_all_gather").value is True
+    assert titan.field("quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp").value is True
+    assert check_export(gathering, "accelerate", tmp_path).field("fp8_config.enable_fsdp_float8_all_gather").value
+    assert any("--fp8-param-gather" in w for w in check_export(gathering, "megatron", tmp_path).warnings)
+    assert any("DeepSpeed's ZeRO-3 does not" in w for w in check_export(gathering, "deepspeed", tmp_path).warnings)
+    tp = with_partition(gathering, even_chunks(gathering, 1, 0), dp=8, tp=8)
+    assert not tp.precision.gathers_fp8(tp.config)
+    assert check_export(tp, "torchtitan", tmp_path).field("quantize.linear.float8.enable_fsdp_float8_all_gather") \
+        .value is False
+    assert export(tp, "accelerate").field("fp8_config.enable_fsdp_float8_all_gather").value is False
 
 
 # --- offload (config.offload "all" and "optimizer"): each stack's own switches, and none without it -----
