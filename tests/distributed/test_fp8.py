@@ -49,7 +49,10 @@ NEAR = [Case("fp8-tensor-dp2", "gpt", {**BASE, "dp": 2, "micro_batch_size": 2}, 
 # weight's scale (its amax all-reduced over the shards: one process's), the gathers moving bytes over gloo
 GATHERED = Case("fp8-tensor-zero3-gathered", "gpt", {**BASE, "dp": 2, "zero": 3, "micro_batch_size": 2}, 2,
                 precision=TENSOR)
-NEAR += [GATHERED]
+# and with the optimizer offloaded (optim.HostOptimizer's host copies of the fp8-gathered weights' shards)
+GATHERED_OFFLOAD = Case("fp8-tensor-zero3-gathered-offload", "gpt", {**GATHERED.fixed, "offload": "optimizer"}, 2,
+                        precision=TENSOR)
+NEAR += [GATHERED, GATHERED_OFFLOAD]
 EXACT += [Case("fp8-rows-tp2", "gpt", {**BASE, "tp": 2, "micro_batch_size": 2}, 2, precision=ROWS),
           Case("fp8-rows-tp2-sp", "gpt", {**BASE, "tp": 2, "micro_batch_size": 2, "sequence_parallel": True}, 2,
                precision=ROWS)]
@@ -58,10 +61,10 @@ TENSOR_TP = Case("fp8-tensor-tp2-whole-batch", "gpt", {**BASE, "tp": 2, "micro_b
 
 @pytest.fixture(scope="module")
 def results():
-    out = run_cases([c for c in EXACT + NEAR if c is not GATHERED], 2)
+    out = run_cases([c for c in EXACT + NEAR if c not in (GATHERED, GATHERED_OFFLOAD)], 2)
     for rank, got in enumerate(run_cases([TENSOR_TP], 2, function="test_fp8:run_recording_scales")):
         out[rank].update(got)
-    for rank, got in enumerate(run_cases([GATHERED], 2, function="test_fp8:run_counting_gathers")):
+    for rank, got in enumerate(run_cases([GATHERED, GATHERED_OFFLOAD], 2, function="test_fp8:run_counting_gathers")):
         out[rank].update(got)
     return out
 
@@ -182,9 +185,10 @@ def test_zero3_tensorwise_gathers_the_linear_weights_in_fp8(results):
     embedding too) gathered as held. It trains as one process running each rank's rows
     (test_tensorwise_scales_are_taken_over_each_ranks_rows)."""
     for rank, per_rank in enumerate(results):
-        got = per_rank[GATHERED.name]["gathered"]
-        assert got and {dtype for _, dtype in got} == {"torch.float8_e4m3fn"}, (rank, got[:4])
-        assert {shape for shape, _ in got} == {(48, 32), (16, 32), (64, 32), (16, 128)}, (rank, sorted(set(got)))
+        for case in (GATHERED, GATHERED_OFFLOAD):
+            got = per_rank[case.name]["gathered"]
+            assert got and {dtype for _, dtype in got} == {"torch.float8_e4m3fn"}, (rank, case.name, got[:4])
+            assert {shape for shape, _ in got} == {(48, 32), (16, 32), (64, 32), (16, 128)}, (rank, sorted(set(got)))
 
 
 def test_tensor_parallel_tensorwise_casts_use_one_process_scales(results):
