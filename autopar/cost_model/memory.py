@@ -236,12 +236,22 @@ def _held_walked(kind: str, p: int, m: int, v: int, stage: int) -> tuple[int, ..
 def order_peak(cfg: ParallelConfig, stage: int, micro_batches: int, chunk_bytes: Sequence[float]) -> float:
     """Peak activation bytes of pipeline device ``stage`` under a zero-bubble schedule, its local chunks
     leaving ``chunk_bytes[j]`` per pass: its order (runtime/schedules.py) walked, a forward adding its
-    chunk's bytes and a weight-gradient pass freeing them."""
-    held = peak = 0.0
-    for j, step in _walk(cfg.schedule, cfg.pp, micro_batches, cfg.virtual_stages, stage):
-        held += step * chunk_bytes[j]
-        peak = max(peak, held)
-    return peak
+    chunk's bytes and a weight-gradient pass freeing them (:func:`_holdings`: the passes of each chunk held
+    after each action, which the peak is the largest of, weighed by ``chunk_bytes``)."""
+    held = _holdings(cfg.schedule, cfg.pp, min(micro_batches, 2 * cfg.pp), cfg.virtual_stages, stage)
+    return max(0.0, float((held @ np.asarray(chunk_bytes, dtype=float)).max()))
+
+
+@functools.lru_cache(maxsize=4096)
+def _holdings(kind: str, p: int, m: int, v: int, stage: int) -> np.ndarray:
+    """The distinct (chunk passes held) vectors device ``stage``'s order goes through, one row each (read-only:
+    the search prices the same orders with every split's chunk sizes)."""
+    steps = np.zeros((len(_schedule(kind, p, m, v)[stage]), v))
+    for k, (j, step) in enumerate(_walk(kind, p, m, v, stage)):
+        steps[k, j] = step
+    held = np.unique(np.cumsum(steps, axis=0), axis=0) if len(steps) else np.zeros((1, v))
+    held.setflags(write=False)
+    return held
 
 
 def chunk_passes(cfg: ParallelConfig, stage: int, micro_batches: int) -> tuple[int, ...]:
