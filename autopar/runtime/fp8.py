@@ -174,8 +174,9 @@ def gather_bytes(module: nn.Module) -> None:
             isinstance(getattr(p, "_local_tensor", p), WeightWithDynamicFloat8CastTensor) for p in module.parameters()):
         return
     if not hasattr(module, "set_custom_all_gather"):
-        raise RuntimeError(f"gathering fp8 weights over {dist.get_backend()} needs FSDP2's set_custom_all_gather "
-                           f"(torch >= 2.8; this is {torch.__version__}): upgrade torch, or plan with a row-wise recipe")
+        from .errors import ConfigError
+        raise ConfigError(f"gathering fp8 weights over {dist.get_backend()} needs FSDP2's set_custom_all_gather, "
+                          f"which this torch ({torch.__version__}) lacks: upgrade torch, or plan with a row-wise recipe")
     module.set_custom_all_gather(_byte_all_gather())
 
 

@@ -127,7 +127,7 @@ def split_backward() -> tuple[Callable, Callable]:
         usable = False
     if not usable:
         from .errors import ConfigError
-        raise ConfigError(f"the zero-bubble schedules (zbh1, zbv) split each backward with torch.distributed."
+        raise ConfigError(f"the zero-bubble schedules (zbh1, zbv, dualpipev) split backwards with torch.distributed."
                           f"pipelining's stage_backward_input / stage_backward_weight, which this torch "
                           f"({torch.__version__}) lacks: install torch >= 2.6, or plan with schedule='1f1b' or "
                           "'interleaved'")

@@ -97,14 +97,14 @@ def run_recording_scales(rank: int, world: int, case: Case, plan_dict: dict) -> 
 
 def run_counting_gathers(rank: int, world: int, case: Case, plan_dict: dict) -> dict:
     """harness.run_case, with the weights FSDP2 gathered in fp8: each cast torchao's pre-all-gather hook made (the
-    shape of the shard it cast, the dtype it gathered)."""
+    shape of the shard it cast, the dtype it gathered, whether it had the step's precomputed scale)."""
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Weight
     from harness import run_case
     original, log = Weight.fsdp_pre_all_gather, []
 
     def pre(self, mesh):   # FSDP2 checks the hook's signature
         out = original(self, mesh)
-        log.append((tuple(self._tensor.shape), str(out[0][0].dtype)))
+        log.append((tuple(self._tensor.shape), str(out[0][0].dtype), self._precomputed_scale is not None))
         return out
     Weight.fsdp_pre_all_gather = pre
     try:
@@ -181,14 +181,17 @@ def test_tensorwise_scales_are_taken_over_each_ranks_rows(results, case):
 def test_zero3_tensorwise_gathers_the_linear_weights_in_fp8(results):
     """The plan's weights FSDP2 gathers in fp8 (Precision.gathers_fp8, CompiledProgram.fp8_gathered): every block's
     four linear weights (32 x 96, 32 x 32, 32 x 128, 128 x 32, sharded in two along their rows) each gathered in
-    fp8 e4m3 once a micro-batch in forward and again in backward; the tied embedding and head (read by the
-    embedding too) gathered as held. It trains as one process running each rank's rows
-    (test_tensorwise_scales_are_taken_over_each_ranks_rows)."""
+    fp8 e4m3 once a micro-batch in forward and again in backward, cast with the step's precomputed scale; the
+    tied embedding and head (read by the embedding too) gathered as held. It trains as one process running
+    each rank's rows (test_tensorwise_scales_are_taken_over_each_ranks_rows)."""
     for rank, per_rank in enumerate(results):
         for case in (GATHERED, GATHERED_OFFLOAD):
             got = per_rank[case.name]["gathered"]
-            assert got and {dtype for _, dtype in got} == {"torch.float8_e4m3fn"}, (rank, case.name, got[:4])
-            assert {shape for shape, _ in got} == {(48, 32), (16, 32), (64, 32), (16, 128)}, (rank, sorted(set(got)))
+            assert got and {dtype for _, dtype, _ in got} == {"torch.float8_e4m3fn"}, (rank, case.name, got[:4])
+            assert {shape for shape, _, _ in got} == {(48, 32), (16, 32), (64, 32), (16, 128)}, (rank, sorted(set(got)))
+            # every cast with the scale the step's one amax all-reduce gave (runtime/fp8.refresh_scales), none
+            # all-reducing its own amax
+            assert all(scaled for _, _, scaled in got), (rank, case.name)
 
 
 def test_tensor_parallel_tensorwise_casts_use_one_process_scales(results):
