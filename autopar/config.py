@@ -366,10 +366,9 @@ class Precision:
     def gathers_fp8(self, cfg: ParallelConfig) -> bool:
         """Whether FSDP2 gathers the fp8 linear layers' weights in fp8 (torchao's
         ``enable_fsdp_float8_all_gather``): a tensor-wise fp8 plan at ZeRO 2-3 over replicas without tensor
-        parallelism. Each
-        rank casts its shard with the scale of the whole weight (the amax over the shards, one all-reduce a step
-        for every weight, torchao's ``precompute_float8_dynamic_scale_for_fsdp``) and gathers one byte a
-        parameter where a bf16 gather moves two; the forward and the input gradient take the gathered fp8
+        parallelism. Each rank casts its shard with the scale of the whole weight (every such weight's amax over
+        its shards, all in one all-reduce a step: torchao's ``precompute_float8_dynamic_scale_for_fsdp``) and
+        gathers one byte a parameter where a bf16 gather moves two; the forward and the input gradient take the gathered fp8
         weight as they would cast it. Row-wise and block scales are cast after the gather (torchao supports
         the fp8 gather for tensor-wise scales only), and so is a tensor-parallel shard's (not run here)."""
         return (self.compute == "fp8" and self.recipe == "tensorwise" and cfg.zero >= 2 and cfg.tp == 1

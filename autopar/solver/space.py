@@ -223,8 +223,8 @@ def branches(graph: OpGraph, cluster: Cluster, global_batch_size: int, fixed: Ma
                     m = global_batch_size // (dp * mb)
                     # Megatron's interleaved order needs m to be a multiple of pp; the zero-bubble schedules are
                     # searched where their steady state is reached (ZB-H1 m >= pp: its stage DP is exact there;
-                    # ZB-V and DualPipeV m >= 2 pp: their bubbles in closed form, cost_model/schedule.py), DualPipeV
-                    # nowhere else (torch's refuses fewer)
+                    # ZB-V and DualPipeV m >= 2 pp: their bubbles no longer depend on m there, cost_model/schedule.py),
+                    # DualPipeV nowhere else (torch's refuses fewer)
                     schedules = tuple((s, v) for s, v in _schedules(pp, blocks, fixed, capped)
                                       if (s != "interleaved" or m % pp == 0) and m >= least_micro_batches(s, pp)
                                       and (m >= pp * ZB_MICRO_BATCHES.get(s, 0) or "schedule" in fixed))
