@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 
-from autopar.config import ParallelConfig
+from autopar.config import SPLIT_BACKWARD, ParallelConfig
 from autopar.cost_model import context_parallel, estimate_plan, expert_parallel
 from autopar.solver.sharding import WHOLE_BATCH
 from autopar.solver.space import divisors, placeable
@@ -43,19 +43,20 @@ def configs(graph, devices: int, global_batch: int, modes, valid=lambda cfg: Tru
                 if not valid(ParallelConfig(**mesh, micro_batch_size=mb)):
                     continue
                 m = global_batch // (dp * mb)
-                # the zero-bubble schedules: ZB-H1 where its drain is full (m >= pp), ZB-V with a block a chunk and
-                # m >= 2 pp
+                # the zero-bubble schedules: ZB-H1 where its drain is full (m >= pp), ZB-V and DualPipeV with a block
+                # a chunk and m >= 2 pp
                 scheds = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("gpipe", 1)] + [
                     ("interleaved", v) for v in range(2, 9) if blocks and blocks % (pp * v) == 0] + [
-                    ("zbh1", 1)] * (m >= pp) + [("zbv", 2)] * (2 * pp <= blocks and m >= 2 * pp)
+                    ("zbh1", 1)] * (m >= pp) + [("zbv", 2), ("dualpipev", 2)] * (2 * pp <= blocks and m >= 2 * pp)
                 stages = [0, 1, 2, 3] if dp * cp > 1 else [0]
                 sharded = [1, 2, 3] if dp * cp > 1 else [0]   # the optimizer offloaded with its states sharded
                 zeros = [(z, "none") for z in stages] + ([(z, "optimizer") for z in sharded] + [(3, "all")]) * offload
                 for (sched, v), (zero, off), sp in itertools.product(scheds, zeros, [False, True] if tp > 1 else [False]):
-                    if sched.startswith("zb") and zero > 1:   # the split backward takes ZeRO 0 or 1
+                    split = sched in SPLIT_BACKWARD
+                    if split and zero > 1:   # the split backward takes ZeRO 0 or 1
                         continue
                     # and recomputation but per-op (whose checkpoint allows one backward through a layer)
-                    tried = [m for m in modes if m != "op"] if sched.startswith("zb") else modes
+                    tried = [m for m in modes if m != "op"] if split else modes
                     base = dict(**mesh, micro_batch_size=mb, schedule=sched, virtual_stages=v,
                                 zero=zero, offload=off, sequence_parallel=sp)
                     if v > 1:   # Megatron's even split
