@@ -12,13 +12,10 @@ from autopar import Cluster
 from autopar.capture import capture
 from autopar.codegen.compile import compile_program
 from autopar.config import ParallelConfig, Precision
-from autopar.cost_model import estimate_plan
-from autopar.cost_model.comm import Collective
 from autopar.cost_model.estimator import Estimator
 from autopar.cost_model.layer_cost import LayerCostModel
 from autopar.cost_model.low_precision import gathered_weights
 from autopar.models import build
-from autopar.solver.plan_search import price
 
 TENSOR = Precision(compute="fp8", recipe="tensorwise")
 CLUSTER = Cluster.from_spec("2x8xH100-SXM")
