@@ -116,6 +116,12 @@ def _check_args(kind: str, pp: int, m: int, v: int) -> None:
     check_micro_batches(kind, pp, m)
 
 
+def runs_micro_batches(kind: str, pp: int, m: int) -> bool:
+    """Whether schedule ``kind`` runs ``m`` micro-batches per pipeline on ``pp`` devices (:func:`check_micro_batches`
+    says why not)."""
+    return not (kind == "interleaved" and m % pp) and m >= least_micro_batches(kind, pp)
+
+
 def check_micro_batches(kind: str, pp: int, m: int) -> None:
     """Raise ConfigError unless schedule ``kind`` runs ``m`` micro-batches per pipeline on ``pp`` devices."""
     if kind == "interleaved" and m % pp:

@@ -36,7 +36,7 @@ from ..config import OFFLOADS, RECOMPUTE_MODES, SPLIT_BACKWARD, ParallelConfig
 from ..cost_model import context_parallel, expert_parallel
 from ..cost_model.mesh import mesh_groups
 from ..errors import ConfigError
-from ..runtime.schedules import least_micro_batches
+from ..runtime.schedules import runs_micro_batches
 
 MAX_TP = 64               # beyond 64-way tensor parallelism every layer of a real model is communication bound
 MAX_CP = 32               # the ring's per-step block (S / cp tokens) stops hiding its transfer long before
@@ -226,7 +226,7 @@ def branches(graph: OpGraph, cluster: Cluster, global_batch_size: int, fixed: Ma
                     # ZB-V and DualPipeV m >= 2 pp: their bubbles no longer depend on m there, cost_model/schedule.py),
                     # DualPipeV nowhere else (torch's refuses fewer)
                     schedules = tuple((s, v) for s, v in _schedules(pp, blocks, fixed, capped)
-                                      if (s != "interleaved" or m % pp == 0) and m >= least_micro_batches(s, pp)
+                                      if runs_micro_batches(s, pp, m)
                                       and (m >= pp * ZB_MICRO_BATCHES.get(s, 0) or "schedule" in fixed))
                     if schedules:
                         yield Branch(tp, cp, pp, dp, ep, mb, schedules, zeros, sps, offload)
@@ -245,9 +245,10 @@ def candidates(graph: OpGraph, cluster: Cluster, global_batch_size: int, variant
                         yield b.candidate(variant, sp, schedule, v, zero)
 
 
-ZB_MICRO_BATCHES = {"zbh1": 1, "zbv": 2, "dualpipev": 2}
-"""The zero-bubble schedules are searched with at least this many micro-batches per pipeline device; pinned,
-with any (priced then by simulation, and ZB-H1's stage DP minimising its steady-state form)."""
+ZB_MICRO_BATCHES = {"zbh1": 1, "zbv": 2}
+"""ZB-H1 and ZB-V are searched with at least this many micro-batches per pipeline device; pinned, with any
+(priced then by simulation, and ZB-H1's stage DP minimising its steady-state form). DualPipeV's least
+(runtime/schedules.least_micro_batches) holds pinned too: torch refuses fewer."""
 
 
 def compatible(schedule: str, zero: int) -> bool:
