@@ -169,13 +169,10 @@ def main():
         for c, chunk in chunks.items():
             for unit, kept in P.UNITS[c]:
                 modules = [chunk.layers[k] for k in unit]
-                data_parallel.shard_unit(modules if len(modules) > 1 else modules[0], P.OFFLOAD == "all", mesh=g.dp,
-                                         reshard_after_forward=P.ZERO == 3 and not kept)
-                if P.FP8_GATHERED:
-                    fp8.gather_bytes(modules[0])   # gloo has no fp8 type: the gathers move bytes
-            data_parallel.shard_unit(chunk, P.OFFLOAD == "all", mesh=g.dp, reshard_after_forward=False)   # the root: small runs, kept
-            if P.FP8_GATHERED:
-                fp8.gather_bytes(chunk)
+                data_parallel.shard_unit(modules if len(modules) > 1 else modules[0], P.OFFLOAD == "all",
+                                         bool(P.FP8_GATHERED), mesh=g.dp, reshard_after_forward=P.ZERO == 3 and not kept)
+            data_parallel.shard_unit(chunk, P.OFFLOAD == "all", bool(P.FP8_GATHERED), mesh=g.dp,
+                                     reshard_after_forward=False)   # the root: small runs, kept
     if args.compile:
         for chunk in chunks.values():
             for module in (chunk.layers if fsdp else [chunk]):

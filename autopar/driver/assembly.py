@@ -40,7 +40,7 @@ from ..runtime.context_state import ContextRank
 from ..runtime.data_parallel import GradReducer, Zero1Optimizer, dedupe, local, shard_unit
 from ..runtime.expert_parallel import shard_experts
 from ..runtime.experts import ExpertsModule
-from ..runtime.fp8 import Float8Linear, emulated, gather_bytes, gathered_in_fp8
+from ..runtime.fp8 import Float8Linear, emulated, gathered_in_fp8
 from ..runtime.mesh import Coords, MeshGroups
 from ..runtime.optim import HostOptimizer, compile_step, innermost, wrapped
 from ..runtime.pipeline import backward_ends
@@ -184,6 +184,7 @@ def apply_fsdp(setup: RankSetup, compiled: RankProgram, groups: MeshGroups, chun
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \((FSDP)?(Layer|Chunk)Module\) "
                             r"returned a view tensor", category=UserWarning)
     replicas, zero3, offload = setup.plan.config.grad_replicas, setup.zero == 3, setup.plan.config.offload == "all"
+    fp8 = bool(compiled.program.fp8_gathered)   # weights gathered in fp8 (runtime/fp8.py)
     expert_ranks = groups.ranks("edp") if compiled.program.regions else (setup.rank,)
     for chunk in chunks.values():
         for layer in chunk.layers:
@@ -200,11 +201,9 @@ def apply_fsdp(setup: RankSetup, compiled: RankProgram, groups: MeshGroups, chun
         for unit in units.units:
             if unit != units.root:
                 modules = [layers[i] for i in unit]
-                shard_unit(modules if len(modules) > 1 else modules[0], offload, mesh=groups.dp,
+                shard_unit(modules if len(modules) > 1 else modules[0], offload, fp8, mesh=groups.dp,
                            reshard_after_forward=zero3 and unit not in units.kept)
-                gather_bytes(modules[0])
-        shard_unit(chunk, offload, mesh=groups.dp, reshard_after_forward=False)
-        gather_bytes(chunk)
+        shard_unit(chunk, offload, fp8, mesh=groups.dp, reshard_after_forward=False)
     params = {fqn: p for chunk in chunks.values() for fqn, p in chunk.named_model_parameters().items()}
     if setup.materializer is not None:
         _materialize_sharded(setup, compiled, chunks, params)

@@ -44,10 +44,11 @@ from .failures import start, wait_or_fail
 from .errors import ConfigError
 
 
-def shard_unit(module: nn.Module | list[nn.Module], offload: bool = False, **kwargs) -> None:
+def shard_unit(module: nn.Module | list[nn.Module], offload: bool = False, fp8: bool = False, **kwargs) -> None:
     """``fully_shard(module, **kwargs)``, leaving out the parameters with no elements; ``offload``: its shards of
     the parameters, their gradients and (so) the optimizer states in host memory (FSDP2's ``CPUOffloadPolicy``,
-    pinned where a GPU copies from them; ParallelConfig.offload).
+    pinned where a GPU copies from them; ParallelConfig.offload); ``fp8``: the program gathers weights in fp8
+    (fp8.gather_bytes: as bytes where the backend has no fp8 type).
 
     FSDP2 cannot reduce-scatter an empty gradient (torch 2.13: "_chunk_cat expects non-empty
     tensor" at the first backward): a parameter with no elements (MobileBERT's 0 x 256 dense when
@@ -68,6 +69,9 @@ def shard_unit(module: nn.Module | list[nn.Module], offload: bool = False, **kwa
         from torch.distributed.fsdp import CPUOffloadPolicy
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     fully_shard(module, **kwargs)
+    if fp8:
+        from .fp8 import gather_bytes
+        gather_bytes(modules[0])   # the unit's modules share one FSDP2 state
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
