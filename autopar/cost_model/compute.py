@@ -109,8 +109,7 @@ def gemm_efficiency(device: Device, gemm: Gemm, attention: bool = False, waves: 
     def g(d: float) -> float:
         return d / (d + half)
 
-    own = device.attention_efficiency if attention else device.fp8_matmul_efficiency if fp8 else None
-    base = (device.matmul_efficiency if own is None else own) * g(gemm.m) * g(gemm.n)
+    base = best_efficiency(device, attention, fp8) * g(gemm.m) * g(gemm.n)
     if attention or not waves or device.sm_count is None:
         return base * g(gemm.k)
     sms = device.sm_count
@@ -123,6 +122,13 @@ def gemm_efficiency(device: Device, gemm: Gemm, attention: bool = False, waves: 
         fill = gemm.batch * s * gemm.m * gemm.n / (math.ceil(parts / sms) * sms * TILE[0] * TILE[1])
         best = max(best, g(gemm.k / s) * fill)
     return base * best
+
+
+def best_efficiency(device: Device, attention: bool = False, fp8: bool = False) -> float:
+    """``e_max``: the most of peak :func:`gemm_efficiency` gives any shape of the kind (its every other
+    factor, ``g`` and the wave fill ``q``, is at most 1)."""
+    own = device.attention_efficiency if attention else device.fp8_matmul_efficiency if fp8 else None
+    return device.matmul_efficiency if own is None else own
 
 
 def scaled_gemm(gemm: Gemm, batch_scale: float, split_dim: str, tp: int) -> Gemm:
@@ -219,15 +225,8 @@ class ComputeModel:
             if hit is not None:
                 return OpTime(*hit)
         scale = (batch_scale if node.batch_dependent else 1.0) / shard
-        moved = node.bytes_fwd * scale * self._byte_ratio(node)
-        if node.name in fused:
-            moved -= node.output_bytes * scale * self._byte_ratio(node) * 2  # neither written nor re-read
-            moved = max(moved, 0.0)
         launch = self.device.kernel_overhead
-        mem_fwd, mem_bwd = moved / self.bandwidth, 2.0 * moved / self.bandwidth
-        passes = loss_bytes(self.graph, node, self.kernels, self.dtype)
-        if passes is not None:
-            mem_fwd, mem_bwd = (b * scale / self.bandwidth for b in passes)
+        mem_fwd, mem_bwd = self._memory_seconds(node, scale, fused)
         if node.kind in _GEMM_KINDS and node.gemm is not None:
             gemm = scaled_gemm(node.gemm, batch_scale if node.batch_dependent else 1.0, split_dim, shard)
             eff = gemm_efficiency(self.device, gemm, node.kind is OpKind.ATTENTION, self.waves)
@@ -241,6 +240,52 @@ class ComputeModel:
             fwd, bwd = mem_fwd, (mem_bwd if node.requires_grad else 0.0)
         fused_launch = 0.0 if node.name in fused else launch
         return OpTime(fwd + fused_launch, bwd + (fused_launch * 2 if node.requires_grad else 0.0))
+
+    def least_time(self, node: OpNode, shard: int, fused: frozenset[str] | Mapping[str, bool] = frozenset()
+                   ) -> tuple[OpTime, OpTime]:
+        """A floor on an unmeasured op's forward and backward seconds in any split (:meth:`op_time`), as
+        ``(rate, fixed)``: at least ``rate * batch_scale + fixed`` each (``rate`` is 0 for an op that does not
+        depend on the batch). Its GEMM runs at ``e_max`` (:func:`best_efficiency`), as fp8 where the recipe
+        makes it an fp8 linear (whichever of the two tensor-core rates is faster), its casts and rescales left
+        out; its bytes, density, fused backward and launches as :meth:`op_time` counts them. Every term of the
+        roofline is proportional to the op's share of the batch, so the floor is linear in it: what lets a
+        bound price a layer at every micro-batch size from a few numbers (solver/bounds.py)."""
+        if node.kind in FREE_KINDS:
+            return OpTime(0.0, 0.0), OpTime(0.0, 0.0)
+        if self.measured is not None:
+            raise ValueError("least_time floors the analytic times: a profiled op's measured time has none")
+        unit = 1.0 / shard   # the op's scale at batch_scale 1 (or at any, when it does not depend on the batch)
+        mem_fwd, mem_bwd = self._memory_seconds(node, unit, fused)
+        fp8 = self.fp8 is not None and is_fp8_linear(node)
+        if node.kind in _GEMM_KINDS and node.gemm is not None:
+            attention = node.kind is OpKind.ATTENTION
+            per_flop = unit * node.gemm.density / (self.peak * best_efficiency(self.device, attention))
+            if fp8:
+                per_flop = min(per_flop, unit / (self.device.peak(self.fp8.peak) * best_efficiency(self.device, fp8=True)))
+            redo = FUSED_ATTENTION_BACKWARD if attention else 1.0
+            fwd = max(node.flops_fwd * per_flop, mem_fwd)
+            bwd = max(node.flops_bwd * per_flop * redo, mem_bwd) if node.flops_bwd else 0.0
+        else:
+            fwd, bwd = mem_fwd, (mem_bwd if node.requires_grad else 0.0)
+        launch = 0.0 if node.name in fused else self.device.kernel_overhead
+        slow = self.device.concurrency_slowdown
+        fixed = OpTime(launch * slow, 2 * launch * slow if node.requires_grad and (node.flops_bwd or not fp8) else 0.0)
+        if node.batch_dependent:
+            return OpTime(fwd * slow, bwd * slow), fixed
+        return OpTime(0.0, 0.0), OpTime(fixed.fwd + fwd * slow, fixed.bwd + bwd * slow)
+
+    def _memory_seconds(self, node: OpNode, scale: float, fused: frozenset[str] | Mapping[str, bool]
+                        ) -> tuple[float, float]:
+        """(forward, backward) seconds the op's bytes take at ``scale`` (its share of the captured batch over
+        its split): proportional to ``scale``."""
+        moved = node.bytes_fwd * scale * self._byte_ratio(node)
+        if node.name in fused:
+            moved -= node.output_bytes * scale * self._byte_ratio(node) * 2  # neither written nor re-read
+            moved = max(moved, 0.0)
+        passes = loss_bytes(self.graph, node, self.kernels, self.dtype)
+        if passes is not None:
+            return tuple(b * scale / self.bandwidth for b in passes)
+        return moved / self.bandwidth, 2.0 * moved / self.bandwidth
 
     def _fp8_linear(self, node: OpNode, gemm: Gemm, work_bf16: float, scale: float, mem_fwd: float,
                     mem_bwd: float) -> OpTime:

@@ -158,6 +158,12 @@ class Estimator:
         return [self.layers.cost(layer, cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, mode, tp_group, split)
                 for layer in self.kinds[1]]
 
+    def least_kind_work(self, cfg: ParallelConfig, tp_group: GroupPlacement, split: SplitGroups) -> list[float]:
+        """A floor on each kind of layer's work in every recompute mode (LayerCostModel.least_work), in the
+        order of :meth:`kind_costs`: what a bound takes before it prices the layers."""
+        return [self.layers.least_work(layer, cfg.tp, cfg.sequence_parallel, cfg.micro_batch_size, tp_group, split)
+                for layer in self.kinds[1]]
+
     @functools.cached_property
     def kinds(self) -> tuple[tuple[int, ...], tuple]:
         """(each layer's kind as an index, the first layer of each kind), kinds in order of first layer."""

@@ -143,6 +143,8 @@ class LayerCostModel:
     _comms: dict[tuple, tuple] = field(default_factory=dict)   # _layer_comms, by (layer, tp, sp)
     _op_times: dict[tuple, OpTime] = field(default_factory=dict)   # the graph's op times, by (node, scale, shard, dim)
     _layer_flops: dict[tuple, tuple] = field(default_factory=dict)   # _flops, by (layer, scale)
+    _least: dict[tuple, tuple] = field(default_factory=dict)   # least_work's rates, by (kind, tp, sp)
+    _comm_times: dict[tuple, tuple[float, float, float]] = field(default_factory=dict)   # _tp_comm's
     expert_load_cv: float = expert_parallel.DEFAULT_LOAD_CV   # spread of the experts' shares of the rows
 
     def __post_init__(self) -> None:
@@ -188,6 +190,45 @@ class LayerCostModel:
                 self._timed[key] = self._time(layer, tp, sp, micro_batch, tp_group, split)
             self._cache[(*key, recompute)] = self._recomputed(self._timed[key], layer, recompute)
         return self._cache[(*key, recompute)]
+
+    def least_work(self, layer: Layer, tp: int, sp: bool, micro_batch: int, tp_group: GroupPlacement,
+                   split: SplitGroups = NO_SPLIT) -> float:
+        """A floor on ``cost(...).work`` of the same arguments in every recompute mode, for a bound that must
+        not price every op (solver/bounds.py): its ops at the device's best GEMM efficiency
+        (ComputeModel.least_time, linear in the micro-batch: a few numbers per layer kind, degree and
+        sequence-parallel choice), its tensor-parallel collectives and host dispatch as :meth:`cost` prices
+        them, each attention op's ring under context parallelism with the exposed time of its transfers at
+        that floor (attention plus exposed ring only grows with the attention's time: the ring hides at most
+        ``(cp - 1) / cp`` of it, context_parallel.ring_exposed), and none of what only adds to them: the
+        recomputation, the expert all-to-alls, the busiest expert rank's excess, fp8 casts and scale
+        all-reduces. Analytic times only: with ``measured`` op times there is no such floor
+        (ComputeModel.least_time raises)."""
+        key = (*self.kind(layer), tp, sp)
+        if key not in self._least:
+            rate = fixed = 0.0
+            rings = []   # the attention ops' (node, shard, rate, fixed), which context parallelism rings
+            for node, shard, _, _ in self._node_facts(layer, tp, sp):
+                r, c = self.compute.least_time(node, shard, self.fused)
+                rate, fixed = rate + r.fwd + r.bwd, fixed + c.fwd + c.bwd
+                if node.kind is OpKind.ATTENTION:
+                    rings.append((node, self.layout(tp).shard(node.name, False), r, c))
+            if tp > 1:
+                ops, grad_ops = self._flops(layer, 1.0)[:2]
+                fixed += (ops * self.cluster.device.dispatch_overhead
+                          + grad_ops * self.cluster.device.dispatch_overhead_backward)
+            self._least[key] = (rate, fixed, tuple(rings))
+        rate, fixed, rings = self._least[key]
+        scale = micro_batch / (self.graph.batch_size * split.cp)
+        tp_fwd, tp_bwd, _ = self._tp_comm(layer, self.layout(tp), scale, tp_group, sp)
+        ring = 0.0
+        if split.cp > 1:
+            per = self.precision.activation_bytes
+            for node, kv_shard, r, c in rings:
+                kv = context_parallel.kv_numel(node, self.graph) * scale * per / kv_shard
+                f, b = context_parallel.ring_exposed(kv, r.fwd * scale + c.fwd, r.bwd * scale + c.bwd, split.cp,
+                                                     split.cp_group, self.cluster)
+                ring += f + b
+        return rate * scale + fixed + tp_fwd + tp_bwd + ring
 
     def _recomputed(self, timed: "_Timed", layer: Layer, recompute: str) -> LayerCost:
         """The layer's cost under ``recompute``, from what it costs without."""
@@ -292,7 +333,15 @@ class LayerCostModel:
 
     def _tp_comm(self, layer: Layer, layout: TPLayout, scale: float, group: GroupPlacement,
                  sp: bool) -> tuple[float, float, float]:
-        """(forward, backward, forward but reduce-scatters: what recompute "op" reruns) seconds."""
+        """(forward, backward, forward but reduce-scatters: what recompute "op" reruns) seconds (cached: a bound
+        takes them before the layer is priced, least_work)."""
+        key = (*self.kind(layer), layout.tp, scale, group, sp)
+        if key not in self._comm_times:
+            self._comm_times[key] = self._price_comms(layer, layout, scale, group, sp)
+        return self._comm_times[key]
+
+    def _price_comms(self, layer: Layer, layout: TPLayout, scale: float, group: GroupPlacement,
+                     sp: bool) -> tuple[float, float, float]:
         fwd = bwd = rerun = 0.0
         per = self.precision.activation_bytes
         for comm in self._layer_comms(layer, layout, sp):

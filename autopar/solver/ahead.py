@@ -119,6 +119,8 @@ def _walk(search: "Search", queue: list, sender: Any, receiver: Any) -> None:
     receiver.close()
     search.ahead = _Walker(sender)
     search.progress = False
+    if search.layouts_ahead is not None:   # a layout not solved yet is solved here: the prefetch is the search's
+        search.layouts_ahead.forget_prefetch()
     try:
         while search._next(queue, math.inf) is not None:
             pass

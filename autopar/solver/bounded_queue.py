@@ -5,10 +5,12 @@ equal bounds, the index keeps the rest ordered and is the entry's place in :clas
 progress bar counts), ``pending`` what is left to do when the entry reaches the head, and ``payload`` the
 candidate (made from its key only when the search reaches it) or a group's leaves.
 
-The space enters the heap a branch (a mesh and micro-batch) at a time (``pending`` "branch"), under a floor
-below every one of its candidates' bounds (SearchBounds.branch_floor: from the per-layer costs its candidates
-share, without their schedules' and ZeRO stages' own terms); while a second process solves the sharding layouts
-(ShardingSolver.prefetch), the branches whose layouts are there go first. A branch whose floor reaches the
+The space enters the heap a branch (a mesh and micro-batch) at a time (``pending`` "floor"), under a quick floor
+(SearchBounds.quick_floor: from a floor of each layer's work, without pricing its ops), and goes back under its own
+floor when that one reaches the head (``pending`` "branch"): a floor below every one of its candidates' bounds
+(SearchBounds.branch_floor: from the per-layer costs its candidates share, without their schedules' and ZeRO
+stages' own terms); a branch whose floor on memory exceeds the device's is pruned whole there. While a second
+process solves the sharding layouts (ShardingSolver.prefetch), the branches whose layouts are there go first. A branch whose floor reaches the
 head is bounded candidate by candidate (SearchBounds.leaf_bounds); the ones of one sequence-parallel choice
 and layout variant that fit go back as one *group* entry (``pending`` "group"), ordered as the least of them
 (its bound and key), and their own entries are made when it reaches the head. A search that settles most of
@@ -177,13 +179,15 @@ class BoundedQueue:
                     # its floor is at least its twin's: it waits for the twin to reach the head (_bound_branch)
                     self._deferred.setdefault(twin, []).append((pending, self.settled.add(twins[twin], pending.size)))
                     continue
-                floor, least_memory = self.branch_floor(pending)
+                quick = self.quick_floor(pending)
+                floor, least_memory = self.branch_floor(pending) if quick is None else quick
                 if self.must_fit and least_memory > memory:
                     self.stats.pruned_memory += pending.size
                     continue
                 if b.offload == "none":
                     twins[twin] = floor
-                queue.append((floor, pending.key(), self.settled.add(floor, pending.size), "branch", pending))
+                queue.append((floor, pending.key(), self.settled.add(floor, pending.size),
+                              "branch" if quick is None else "floor", pending))
         heapq.heapify(queue)
         return queue
 
@@ -268,6 +272,9 @@ class BoundedQueue:
             if lb_t >= limit:
                 heapq.heappush(queue, entry)
                 return None
+            if pending == "floor":
+                self._floor_branch(queue, entry)
+                continue
             if pending == "branch":
                 self._bound_branch(queue, index, c)
                 continue
@@ -290,19 +297,26 @@ class BoundedQueue:
             heapq.heappush(queue, (tighter, key, index, after, c))
         return None
 
+    def _floor_branch(self, queue: list, entry: tuple) -> None:
+        """A branch queued under its quick floor back into the queue under its own (SearchBounds.branch_floor),
+        or pruned whole when that floor on memory exceeds the device's."""
+        quick, key, index, _, pending = entry
+        floor, least_memory = self.branch_floor(pending)
+        if self.must_fit and least_memory > self.cluster.device.memory:
+            self.stats.pruned_memory += pending.size
+            self._settle(index, None)
+            self._release(pending)   # its offloading twins may fit where it does not
+            return
+        floor = max(floor, quick)
+        self._settle(index, floor)
+        heapq.heappush(queue, (floor, key, index, "branch", pending))
+
     def _bound_branch(self, queue: list, index: int, pending: Unbounded) -> None:
         """A branch's candidates bounded one by one: those that fit into the queue, a group entry per part (the
         branch's entry weighs nothing now), the rest pruned by memory."""
         settled, memory = self.settled, self.cluster.device.memory
         settled.weight[index] = 0
-        for waiting, at in self._deferred.pop(_twin(pending.branch), ()) if pending.branch.offload == "none" else ():
-            floor, least_memory = self.branch_floor(waiting)   # at least the twin's (_offload_follows)
-            settled.bound[at] = floor
-            if self.must_fit and least_memory > memory:
-                self.stats.pruned_memory += waiting.size
-                settled.done[at] = True
-            else:   # into the main queue (the twin may be in _plain's share of it: search._split)
-                heapq.heappush(self._release_to, (floor, waiting.key(), at, "branch", waiting))
+        self._release(pending)
         for variant, sp in pending.parts:
             leaves = self._part_leaves(pending, variant, sp)
             fit = sorted((lb_t, schedule, v, zero) for lb_t, lb_m, schedule, v, zero in leaves
@@ -314,6 +328,19 @@ class BoundedQueue:
             if fit:
                 group = Group(pending.branch, variant, sp, tuple(fit))
                 heapq.heappush(queue, group.entry(settled.add(fit[0][0], len(fit))))
+
+    def _release(self, pending: Unbounded) -> None:
+        """The offloading branches waiting for ``pending``'s branch, their twin (:meth:`_queue`), into the queue
+        under their own floors, which are at least the twin's (_offload_follows), or pruned by memory."""
+        settled, memory = self.settled, self.cluster.device.memory
+        for waiting, at in self._deferred.pop(_twin(pending.branch), ()) if pending.branch.offload == "none" else ():
+            floor, least_memory = self.branch_floor(waiting)
+            settled.bound[at] = floor
+            if self.must_fit and least_memory > memory:
+                self.stats.pruned_memory += waiting.size
+                settled.done[at] = True
+            else:   # into the main queue (the twin may be in _plain's share of it: search._split)
+                heapq.heappush(self._release_to, (floor, waiting.key(), at, "branch", waiting))
 
     def _expand(self, queue: list, index: int, group: Group) -> None:
         """A group's candidates into the queue, each with its own entry (the group's weighs nothing now)."""
@@ -327,7 +354,7 @@ class BoundedQueue:
         holding both is split in two (one keeps its index, the other gets its own)."""
         yes, no = [], []
         for entry in queue:
-            if entry[3] not in ("group", "branch"):
+            if entry[3] not in ("group", "branch", "floor"):
                 (yes if holds(entry[1].zero, OFFLOADS[entry[1].offload]) else no).append(entry)
                 continue
             parts = [(part, out) for part, out in zip(entry[-1].split(holds), (yes, no)) if part is not None]

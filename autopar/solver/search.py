@@ -162,6 +162,7 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
     ahead: Any = None      # while the run's queue is walked ahead in a second process (ahead.py)
     _estimators: dict[str, Estimator] = field(default_factory=dict)
     _work: dict[tuple, LayerWork] = field(default_factory=dict)
+    _least: dict[tuple, tuple[float, np.ndarray]] = field(default_factory=dict)   # SearchBounds._least_work
     _mesh_ok: dict[tuple, bool] = field(default_factory=dict)       # (tp, cp, dp, ep, pp) -> placeable
     _layout_facts: dict[tuple, tuple[bool, bool]] = field(default_factory=dict)  # (variant, tp) -> facts
     _cuts: dict[tuple, float] = field(default_factory=dict)   # (tp, cp, mb, pp) -> least p2p cut

@@ -41,8 +41,10 @@ from .strategies import OpContext
 class ShardingSolver:
     """Per-op sharding ILPs for one graph, cluster and precision; layouts cached per (tp, variant).
 
-    ``seconds`` and ``solves`` count the time spent building and solving ILPs (in whichever thread) and
-    the number of group ILPs solved (each has two solver calls); ``waited`` the part of it the callers
+    ``seconds`` and ``solves`` count the time spent building and solving ILPs (in whichever process) and
+    the number of group ILPs solved (each has two solver calls) for the layouts asked for (a layout the
+    second process solved ahead counts once :meth:`solutions` is asked for it, so that the counts do not
+    depend on how far ahead it got); ``waited`` the part of it the callers
     of :meth:`solutions` spent solving or waiting for a :meth:`prefetch` to finish a layout they asked
     for. ``deadline`` (a ``time.perf_counter()`` value, the search's time limit): groups reached after
     it are sharded greedily, without an ILP.
@@ -51,8 +53,11 @@ class ShardingSolver:
     they are) while the caller goes on, and sends each back as it is solved: on two cores the search
     bounds the layouts it has while the next are solved, neither waiting for the other's Python (a
     thread shares Python's lock: building a group's ILP, half its time, held the search up). A layout
-    the search asks for before it arrives is waited for, never solved twice; one it asks for that was
-    not prefetched (or once the prefetch is stopped) is solved where it is asked for. Either way it is
+    the search asks for before it arrives is solved here when the second process has not started it,
+    and waited for when it has; while it waits, this process takes the last layouts the second process
+    has not reached and solves them itself (telling it to pass them over: both processes solve then, not
+    one solving while the other idles). One it asks for that was not prefetched (or once the prefetch is
+    stopped) is solved where it is asked for. Either way it is
     the same layout (one HiGHS thread under a node limit is deterministic; under a wall-clock limit no
     layout is reproducible anyway). Without ``fork`` (Windows, macOS by default), or inside a daemonic process,
     nothing is solved ahead.
@@ -77,6 +82,7 @@ class ShardingSolver:
     _contexts: dict[bool, OpContext] = field(default_factory=dict, repr=False)
     _failed: dict[tuple[int, str], BaseException] = field(default_factory=dict, repr=False, compare=False)
     _ahead: "_Ahead | None" = field(default=None, repr=False, compare=False)   # the prefetch under way
+    _uncounted: dict[tuple[int, str], tuple] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.graph = for_kernels(self.graph, self.precision.kernels)   # the activations its kernels keep
@@ -118,6 +124,10 @@ class ShardingSolver:
             start = _time.perf_counter()
             self._solve(key)
             self.waited += _time.perf_counter() - start
+        if key in self._uncounted:   # solved in the second process: its counts join once it is used
+            solves, stopped, greedy, fallbacks = self._uncounted.pop(key)
+            self.solves, self.stopped_early = self.solves + solves, self.stopped_early + stopped
+            self.greedy_after_deadline, self.fallbacks = self.greedy_after_deadline + greedy, self.fallbacks + fallbacks
         if key in self._failed:
             raise self._failed[key]
         return self._solutions[key]
@@ -143,13 +153,15 @@ class ShardingSolver:
         _ = (self._groups, self._consumers, self._fused, self._context(True), self._context(False))
         context = multiprocessing.get_context("fork")
         receiver, sender = context.Pipe(duplex=False)
-        process = context.Process(target=self._solve_ahead, args=(keys, sender, receiver),
+        skipped, skip = context.Pipe(duplex=False)   # the keys this process took back (_Ahead.take)
+        process = context.Process(target=self._solve_ahead, args=(keys, sender, receiver, skipped, skip),
                                   name="autopar-sharding-ilp", daemon=True)
         with warnings.catch_warnings():   # Python 3.12+ warns of fork beside threads: the child runs no one's locks
             warnings.simplefilter("ignore", DeprecationWarning)
             process.start()
         sender.close()
-        self._ahead = _Ahead(process, receiver, set(keys))
+        skipped.close()
+        self._ahead = _Ahead(process, receiver, set(keys), tuple(keys), skip)
         self._ahead.reader.start()
 
     def stop_prefetch(self) -> None:
@@ -159,7 +171,14 @@ class ShardingSolver:
         if ahead is not None:
             ahead.close()
 
-    def _solve_ahead(self, keys: Sequence[tuple[int, str]], sender: Any, receiver: Any) -> None:
+    def forget_prefetch(self) -> None:
+        """In a process forked from the one that prefetches (ahead.py's walker): leave the prefetch alone (its
+        pipes and reader thread are that process's: a layout taken from it here would be missed there); any
+        layout not yet here is solved here."""
+        self._ahead = None
+
+    def _solve_ahead(self, keys: Sequence[tuple[int, str]], sender: Any, receiver: Any, skipped: Any,
+                     skip: Any) -> None:
         """The second process: each key's solutions (or its failure), the counts it added and the ILP models it
         solved (ilp_solvers' memory, so that this process answers them again without solving), sent in order.
         It closes its copy of the pipe's reading end, so that a send after this process died (killed, where
@@ -169,10 +188,22 @@ class ShardingSolver:
         process group's waited forever on a condition variable, hanging the search that waited for it)."""
         gc.freeze()
         receiver.close()
+        skip.close()
         known = set(ilp_solvers.solved_models())
+        taken: set[tuple[int, str]] = set()   # keys the search solves itself
         for key in keys:
+            try:
+                while skipped.poll():
+                    taken.add(skipped.recv())
+            except (EOFError, OSError):
+                pass
+            if key in taken:
+                continue
             before = (self.seconds, self.solves, self.stopped_early, self.greedy_after_deadline, len(self.fallbacks))
-            found = self._attempt(key) if self._wanted(key) else None
+            # a whole-batch key whose base the search took is passed over too (whether it is wanted would take
+            # solving the base again here): sent as not wanted, solved there if asked for
+            base = (key[0], key[1].removesuffix(WHOLE_BATCH))
+            found = self._attempt(key) if base not in taken and self._wanted(key) else None
             if found is not None:
                 self._keep(key, found)   # what a whole-batch key asks of its base layout (_wanted)
             models = {k: v for k, v in ilp_solvers.solved_models().items() if k not in known}
@@ -212,24 +243,41 @@ class ShardingSolver:
         for key, (found, (seconds, solves, stopped, greedy, fallbacks, models)) in received.items():
             ilp_solvers.remember(models)
             ahead.pending.discard(key)
-            if found is not None:   # None: not wanted (_wanted); solved here if ever asked for
-                self._keep(key, found)
             self.seconds += seconds
-            self.solves += solves
-            self.stopped_early += stopped
-            self.greedy_after_deadline += greedy
-            self.fallbacks += fallbacks
+            if key in ahead.taken:   # solved here too (_Ahead.take): counted once, as here
+                continue
+            if found is not None:    # None: not wanted (_wanted); solved here if ever asked for
+                self._keep(key, found)
+                self._uncounted[key] = (solves, stopped, greedy, fallbacks)
         if ended:   # it ended before sending them all: the rest are solved here
             self._ahead = None
             ahead.close()
 
     def _solve(self, key: tuple[int, str]) -> None:
-        """Solve ``key``'s layout unless it is solved or on its way from the second process (then wait for
-        it). A failure is kept for whoever asks for the layout (:meth:`solutions` raises it)."""
-        if self._ahead is not None and key in self._ahead.pending:
-            self._receive(until=key)
+        """Solve ``key``'s layout unless it is solved or on its way from the second process: solved here when
+        that process has not started it, else waited for, solving meanwhile the last layouts it has not reached
+        (class docstring). A failure is kept for whoever asks for the layout (:meth:`solutions` raises it)."""
+        while self._ahead is not None and key in self._ahead.pending:
+            self._receive()
+            ahead = self._ahead
+            if ahead is None or key not in ahead.pending:
+                break
+            took = ahead.take(key, self._stealable)
+            if took is None:
+                self._receive(until=key)
+                break
+            if took not in self._solutions and took not in self._failed:
+                self._keep(took, self._attempt(took))
         if key not in self._solutions and key not in self._failed:
             self._keep(key, self._attempt(key))
+
+    def _stealable(self, key: tuple[int, str]) -> bool:
+        """Whether this process may take ``key`` from the second one without solving anything else first: a
+        whole-batch layout only once its base layout is here, and only where the second process would solve it
+        (:meth:`_wanted`)."""
+        tp, variant = key
+        base = (tp, variant.removesuffix(WHOLE_BATCH))
+        return not variant.endswith(WHOLE_BATCH) or (base in self._solutions and self._wanted(key))
 
     def _attempt(self, key: tuple[int, str]) -> list[GroupSolution] | Exception:
         """``key``'s solutions, or the failure to raise where the layout is asked for; its seconds counted."""
@@ -358,6 +406,9 @@ class _Ahead:
     process: Any
     receiver: Any
     pending: set[tuple[int, str]]
+    order: tuple[tuple[int, str], ...]   # the keys in the order the second process solves them
+    skip: Any                            # the pipe telling it which keys this process took back
+    taken: set[tuple[int, str]] = field(default_factory=set)   # those keys
     received: dict[tuple[int, str], tuple] = field(default_factory=dict)
     ended: bool = False
     arrived: threading.Condition = field(default_factory=threading.Condition)
@@ -366,12 +417,33 @@ class _Ahead:
     def __post_init__(self) -> None:
         self.reader = threading.Thread(target=self.drain, name="autopar-sharding-ilp-pipe", daemon=True)
 
+    def take(self, key: tuple[int, str], stealable: Callable[[tuple[int, str]], bool]) -> tuple[int, str] | None:
+        """A key this process solves instead of the second one (None: none to take): ``key`` itself when the
+        second process is at an earlier one (it goes in order; the first pending is the one it works on),
+        else the last pending key it has not reached; told to pass it over. A key it started as the message
+        went is solved by both (the same layout: its copy and counts are dropped, ShardingSolver._receive)."""
+        waiting = [k for k in self.order if k in self.pending]
+        if not waiting:
+            return None
+        later = [k for k in waiting[1:] if stealable(k)]
+        if not later:
+            return None
+        took = key if key in later else later[-1]
+        self.pending.discard(took)
+        self.taken.add(took)
+        try:
+            self.skip.send(took)
+        except (OSError, ValueError):   # the process has ended: it solves nothing more
+            pass
+        return took
+
     def close(self) -> None:
-        """End the process, then the reader (which sees the pipe close), then the pipe."""
+        """End the process, then the reader (which sees the pipe close), then the pipes."""
         self.process.terminate()
         self.process.join()
         self.reader.join()
         self.receiver.close()
+        self.skip.close()
 
     def drain(self) -> None:
         while True:

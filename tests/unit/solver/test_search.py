@@ -295,8 +295,10 @@ def test_branches_bound_each_candidate_as_alone(request, graph_name, spec, gbs):
               for lb_t, lb_m, schedule, v, zero in together._part_leaves(p, variant, sp)}
     assert bounds == alone
     assert (together.stats.candidates, together.stats.dominated) == (usable, dominated)
-    for p in pending:   # a branch's floors are at most its candidates' bounds
+    for p in pending:   # a branch's floors are at most its candidates' bounds, its quick floors at most those
         floor, least = together.branch_floor(p)
+        quick, quick_least = together.quick_floor(p)
+        assert quick <= floor and quick_least <= least
         mine = [bound for key, bound in alone.items()
                 if (key.dp, key.tp, key.pp, key.cp, key.ep, key.micro_batch_size, key.offload)
                 == (p.branch.dp, p.branch.tp, p.branch.pp, p.branch.cp, p.branch.ep, p.branch.micro_batch_size,
@@ -308,12 +310,16 @@ def test_branches_bound_each_candidate_as_alone(request, graph_name, spec, gbs):
     search = search_of(_cluster(spec, memory))
     queue = search._queue(None)
     fits = {key: lb_t for key, (lb_t, lb_m) in alone.items() if lb_m <= memory}
-    whole = search.stats.pruned_memory   # branches whose floor on memory is above it
-    assert 0 < whole and search.settled.total == len(alone) - whole > len(queue)   # a branch's entry weighs its own
-    popped = []   # a branch's candidates bounded, a group's made, as each reaches the head: the order of a heap of all
-    while queue:
+    whole = search.stats.pruned_memory   # branches whose quick floor on memory (their states) is above it
+    assert search.settled.total == len(alone) - whole > len(queue)   # a branch's entry weighs its own
+    popped, floored = [], 0   # a branch floored, its candidates bounded, a group's made, as each reaches the head:
+    while queue:              # the order of a heap of all
         entry = heapq.heappop(queue)
-        if entry[3] == "branch":
+        if entry[3] == "floor":
+            before = search.stats.pruned_memory
+            search._floor_branch(queue, entry)
+            floored += search.stats.pruned_memory - before
+        elif entry[3] == "branch":
             search._bound_branch(queue, entry[2], entry[4])
         elif entry[3] == "group":
             search._expand(queue, entry[2], entry[4])
@@ -324,9 +330,12 @@ def test_branches_bound_each_candidate_as_alone(request, graph_name, spec, gbs):
     # again with the bar's arrays full when the branches are bounded (each growth replaces them)
     again = search_of(_cluster(spec, memory))
     queue = again._queue(None)
+    assert whole + floored > 0   # some branches pruned whole by memory
     while queue:
         entry = heapq.heappop(queue)
-        if entry[3] == "branch":
+        if entry[3] == "floor":
+            again._floor_branch(queue, entry)
+        elif entry[3] == "branch":
             while again.settled.size < len(again.settled.bound) <= 2 ** 14:
                 again.settled.add(0.0, 0)
             again._bound_branch(queue, entry[2], entry[4])

@@ -306,15 +306,17 @@ def test_resharding_table():
 
 
 def test_layouts_solved_ahead_are_the_same_each_solved_once(gpt, monkeypatch):
-    """ShardingSolver.prefetch solves layouts in a second process: a layout asked for meanwhile is waited
-    for, never solved again here, and equals the one solved in this process; the ILP counts come back with
-    it; a failure there is raised where the layout is asked for; once stopped, the rest are solved here."""
+    """ShardingSolver.prefetch solves layouts in a second process: a layout asked for before that process reached
+    it is solved here (and passed over there), one it is at is waited for, and while waiting this process solves
+    the last ones it has not reached; each layout is solved once, equals the one solved in this process, and the
+    ILP counts are counted once; a failure there is raised where the layout is asked for; once stopped, the rest
+    are solved here."""
     graph, _ = gpt
     here = []
     real = ShardingSolver._solve_all
 
     def counted(self, tp, variant):
-        here.append((tp, variant))   # in this process only: the second one appends to its own copy
+        here.append((self is ahead, tp, variant))   # in this process only: the second one appends to its own copy
         return real(self, tp, variant)
     monkeypatch.setattr(ShardingSolver, "_solve_all", counted)
     ahead = ShardingSolver(graph, Cluster.from_spec(A100x8), Precision())
@@ -324,7 +326,9 @@ def test_layouts_solved_ahead_are_the_same_each_solved_once(gpt, monkeypatch):
     for tp, variant in reversed(keys):   # asked for while the second process works through them in the other order
         assert ahead.describe(tp, variant) == inline.describe(tp, variant)
         assert ahead.layout(tp, variant) == inline.layout(tp, variant)
-    assert here == list(reversed(keys))   # only ``inline`` solved anything in this process
+    mine = [(tp, v) for own, tp, v in here if own]
+    assert [(tp, v) for own, tp, v in here if not own] == list(reversed(keys))
+    assert (8, "lean") in mine and len(set(mine)) == len(mine) < len(keys)   # the last taken here, each once
     assert ahead.solved(8, "lean") and ahead.solves == inline.solves and ahead.seconds > 0
     assert ahead.stopped_early == inline.stopped_early and ahead.fallbacks == inline.fallbacks
     ahead.stop_prefetch()
@@ -333,7 +337,7 @@ def test_layouts_solved_ahead_are_the_same_each_solved_once(gpt, monkeypatch):
     stopped.stop_prefetch()
     here.clear()
     assert stopped.layout(2, "fast") == inline.layout(2, "fast")   # solved here unless it arrived before the stop
-    assert here in ([], [(2, "fast")])
+    assert here in ([], [(False, 2, "fast")])
     boom = ShardingSolver(graph, Cluster.from_spec(A100x8), Precision())
 
     def fails(self, tp, variant):
@@ -353,16 +357,20 @@ def test_whole_batch_layouts_solved_ahead_where_the_base_splits_the_batch(gpt, m
     real = ShardingSolver._solve_all
 
     def counted(self, tp, variant):
-        here.append((tp, variant))
+        if self is ahead:   # in this process only: the second one appends to its own copy
+            here.append((tp, variant))
         return real(self, tp, variant)
     monkeypatch.setattr(ShardingSolver, "_solve_all", counted)
     ahead = ShardingSolver(graph, Cluster.from_spec(A100x8), Precision())
     keys = [(4, v + suffix) for suffix in ("", WHOLE_BATCH) for v in ("fast", "lean")]
     ahead.prefetch(keys)
-    splits = {v: ahead.splits_batch(4, v) for v in ("fast", "lean")}   # waits for the base layouts
-    assert splits == {"fast": False, "lean": True} and here == []
-    solved_there = ahead.layout(4, "lean" + WHOLE_BATCH)
-    assert here == [] and solved_there == inline.layout(4, "lean" + WHOLE_BATCH)
+    splits = {v: ahead.splits_batch(4, v) for v in ("fast", "lean")}   # the base layouts: while waiting for the first,
+    # this process may take the second and then its whole-batch sibling (wanted: "lean" splits the batch), never
+    # the first's (its base is not here yet, nor would the second process solve it)
+    assert splits == {"fast": False, "lean": True} and set(here) <= {(4, "lean"), (4, "lean" + WHOLE_BATCH)}
+    solved = ahead.layout(4, "lean" + WHOLE_BATCH)   # there, or here once its base is (the last one left)
+    assert solved == inline.layout(4, "lean" + WHOLE_BATCH)
+    assert len(set(here)) == len(here) and (4, "fast" + WHOLE_BATCH) not in here   # none twice; not wanted there
     ahead.stop_prefetch()
     here.clear()
     passed_over = ahead.layout(4, "fast" + WHOLE_BATCH)
