@@ -188,6 +188,18 @@ def main() -> int:
         for family in sorted({p.row.family for p in mine}):
             summary(f"  {name} {family}", [p for p in mine if p.row.family == family])
 
+    # where the residual bias sits: by the stack that ran a row and its tensor-parallel degree (a term of the step
+    # that grows with tp and that one stack pays and another does not shows here before it shows in the totals)
+    print("\nSigned error by stack and tensor-parallel degree (a diagnosis, not a target)")
+    for name in ("calibration", "validation"):
+        groups: dict[tuple[str, int], list[float]] = {}
+        for p in priced:
+            if p.split == name and not math.isnan(p.predicted):
+                groups.setdefault((p.row.stack, p.row.fixed.get("tp", 0)), []).append(p.error)
+        for (stack, tp), errs in sorted(groups.items()):
+            print(f"  {name:<12} {stack[:34]:<34} tp={tp or '?':<3} {len(errs):>3} rows  mean {statistics.mean(errs) * 100:+6.1f}%"
+                  f"  median {statistics.median(errs) * 100:+6.1f}%")
+
     print("\nValidation sweeps: ranking by time per sequence (step / global batch)")
     print(f"  {'sweep':<24} {'rows':>4} {'Spearman':>9} {'regret':>7}  pick (predicted fastest) | fastest measured")
     sweeps_ok, sweep_rows = True, []
