@@ -79,7 +79,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -256,19 +256,42 @@ class SearchBounds:
         (Estimator.least_kind_work), memory from the model states alone."""
         if self.measured is not None:
             return None
+        return self._floor(pending, self._quick_terms)
+
+    def branch_floor(self, pending: "Unbounded") -> tuple[float, float]:
+        """(a floor on LB_T, a floor on LB_M) of every candidate of a branch's ``pending`` parts (module
+        docstring): ``m max((W + C_1) / p, w_p) + min_z opt_z`` with ``C_1 = 2 (p - 1) min_cut`` the fewest
+        crossings of any schedule (every schedule's pipeline term is at least ``m`` times its ``max(...)``:
+        ``W + C >= max((W + C) / p, w_p)``), and the least ``states_z (+ least_acts / p)`` of any ZeRO stage;
+        made a millionth lower, so that rounding in the candidates' own bounds cannot put one under it."""
+        return self._floor(pending, self._priced_terms)
+
+    def _floor(self, pending: "Unbounded", terms: Callable[[Candidate], tuple[float, float, float]]
+               ) -> tuple[float, float]:
+        """:meth:`branch_floor`'s formula with ``terms(rep)`` = (``W``, ``w_p``, the activations one pass of every
+        layer holds at least) of each part's representative candidate."""
         b, schedules = pending.branch, pending.schedules
         m, p = self.global_batch_size // (b.dp * b.micro_batch_size), b.pp
         zeros = [z for z in b.zeros if any(compatible(s, z) for s, _ in schedules)]
+        held = all(_all_held(s, m, p) for s, _ in schedules)
         floor = least = math.inf
         for variant, sp in pending.parts:
             rep = pending.representative(variant, sp)
-            total, costliest = self._least_work(rep)
+            total, largest, acts = terms(rep)
             cut = self._least_cut(rep) if p > 1 else 0.0
+            x = max((total + 2 * (p - 1) * cut) / p, largest)
             steps = [self._per_step(rep, z) for z in zeros]
-            floor = min(floor, m * max((total + 2 * (p - 1) * cut) / p, _most_held(costliest, p))
-                        + min(opt for opt, _ in steps))
-            least = min(least, min(states for _, states in steps))
+            floor = min(floor, m * x + min(optimizer for optimizer, _ in steps))
+            least = min(least, min(states + acts / p if held else states for _, states in steps))
         return floor * (1 - 1e-6), least
+
+    def _priced_terms(self, c: Candidate) -> tuple[float, float, float]:
+        lw = self._layer_work(c)
+        return lw.total, self._largest_stage(c), lw.least_acts
+
+    def _quick_terms(self, c: Candidate) -> tuple[float, float, float]:
+        total, costliest = self._least_work(c)
+        return total, _most_held(costliest, c.pp), 0.0
 
     def _least_work(self, c: Candidate) -> tuple[float, np.ndarray]:
         """(a floor on ``W``, each layer's floor costliest first) of :meth:`_layer_work`'s key, from
@@ -281,27 +304,6 @@ class SearchBounds:
             layers = np.array(est.least_kind_work(cfg, groups["tp"], est.split_groups(cfg, groups)))[self._kinds(est)]
             self._least[key] = (float(layers.sum()), -np.sort(-layers))
         return self._least[key]
-
-    def branch_floor(self, pending: "Unbounded") -> tuple[float, float]:
-        """(a floor on LB_T, a floor on LB_M) of every candidate of a branch's ``pending`` parts (module
-        docstring): ``m max((W + C_1) / p, w_p) + min_z opt_z`` with ``C_1 = 2 (p - 1) min_cut`` the fewest
-        crossings of any schedule (every schedule's pipeline term is at least ``m`` times its ``max(...)``:
-        ``W + C >= max((W + C) / p, w_p)``), and the least ``states_z (+ least_acts / p)`` of any ZeRO stage;
-        made a millionth lower, so that rounding in the candidates' own bounds cannot put one under it."""
-        b, schedules = pending.branch, pending.schedules
-        m, p = self.global_batch_size // (b.dp * b.micro_batch_size), b.pp
-        zeros = [z for z in b.zeros if any(compatible(s, z) for s, _ in schedules)]
-        held = all(_all_held(s, m, p) for s, _ in schedules)
-        floor = least = math.inf
-        for variant, sp in pending.parts:
-            rep = pending.representative(variant, sp)
-            lw = self._layer_work(rep)
-            cut = self._least_cut(rep) if p > 1 else 0.0
-            x = max((lw.total + 2 * (p - 1) * cut) / p, self._largest_stage(rep))
-            steps = [self._per_step(rep, z) for z in zeros]
-            floor = min(floor, m * x + min(optimizer for optimizer, _ in steps))
-            least = min(least, min(states + lw.least_acts / p if held else states for _, states in steps))
-        return floor * (1 - 1e-6), least
 
     def _bounds(self, c: Candidate, total: float, drained: float | None = None) -> tuple[float, float]:
         """(LB_T, LB_M) with ``total`` for ``W`` (and ``drained`` for ZB-H1's drain floor, :func:`_pipe`)."""

@@ -202,8 +202,7 @@ class ShardingSolver:
             before = (self.seconds, self.solves, self.stopped_early, self.greedy_after_deadline, len(self.fallbacks))
             # a whole-batch key whose base the search took is passed over too (whether it is wanted would take
             # solving the base again here): sent as not wanted, solved there if asked for
-            base = (key[0], key[1].removesuffix(WHOLE_BATCH))
-            found = self._attempt(key) if base not in taken and self._wanted(key) else None
+            found = self._attempt(key) if _base(key) not in taken and self._wanted(key) else None
             if found is not None:
                 self._keep(key, found)   # what a whole-batch key asks of its base layout (_wanted)
             models = {k: v for k, v in ilp_solvers.solved_models().items() if k not in known}
@@ -222,11 +221,10 @@ class ShardingSolver:
     def _wanted(self, key: tuple[int, str]) -> bool:
         """Whether the second process solves ``key``: a whole-batch layout only where its base layout, solved
         before it, splits the batch (the search asks for it there alone, Search._variant)."""
-        tp, variant = key
-        if not variant.endswith(WHOLE_BATCH):
+        if not key[1].endswith(WHOLE_BATCH):
             return True
         try:
-            return self.splits_batch(tp, variant.removesuffix(WHOLE_BATCH))
+            return self.splits_batch(*_base(key))
         except Exception:   # noqa: BLE001 - the base layout failed: the search raises that one where it asks
             return False
 
@@ -275,9 +273,7 @@ class ShardingSolver:
         """Whether this process may take ``key`` from the second one without solving anything else first: a
         whole-batch layout only once its base layout is here, and only where the second process would solve it
         (:meth:`_wanted`)."""
-        tp, variant = key
-        base = (tp, variant.removesuffix(WHOLE_BATCH))
-        return not variant.endswith(WHOLE_BATCH) or (base in self._solutions and self._wanted(key))
+        return not key[1].endswith(WHOLE_BATCH) or (_base(key) in self._solutions and self._wanted(key))
 
     def _attempt(self, key: tuple[int, str]) -> list[GroupSolution] | Exception:
         """``key``'s solutions, or the failure to raise where the layout is asked for; its seconds counted."""
@@ -457,6 +453,11 @@ class _Ahead:
             with self.arrived:
                 self.received[key] = (found, added)
                 self.arrived.notify_all()
+
+
+def _base(key: tuple[int, str]) -> tuple[int, str]:
+    """The layout a whole-batch key is the sibling of (the key itself for any other)."""
+    return key[0], key[1].removesuffix(WHOLE_BATCH)
 
 
 def _pick(options: Sequence[Sequence[GroupSolution]], variant: str) -> int:

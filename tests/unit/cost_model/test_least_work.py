@@ -36,6 +36,12 @@ def _graph(name: str):
     return capture(model, inputs)
 
 
+def _estimator(graph, cluster, precision) -> Estimator:
+    """An estimator on the sharding ILP's fast layouts, as the search prices."""
+    layers = LayerCostModel(graph, cluster, precision, layout_fn=ShardingSolver(graph, cluster, precision).layout_fn("fast"))
+    return Estimator(graph, cluster, precision, layers)
+
+
 CASES = [   # (model, cluster, precision, configurations)
     ("gpt", "2x8xA100-80GB", Precision(), [ParallelConfig(dp=16, micro_batch_size=mb) for mb in (1, 4)]
      + [ParallelConfig(dp=4, tp=4, sequence_parallel=sp, micro_batch_size=2) for sp in (False, True)]
@@ -51,11 +57,7 @@ CASES = [   # (model, cluster, precision, configurations)
 
 @pytest.mark.parametrize("name,spec,precision,configs", CASES, ids=[f"{c[0]}-{c[1]}-{c[2].compute}" for c in CASES])
 def test_least_work_floors_every_mode_and_is_close(name, spec, precision, configs):
-    graph = _graph(name)
-    cluster = Cluster.from_spec(spec)
-    sharding = ShardingSolver(graph, cluster, precision)
-    est = Estimator(graph, cluster, precision, LayerCostModel(graph, cluster, precision,
-                                                              layout_fn=sharding.layout_fn("fast")))
+    est = _estimator(_graph(name), Cluster.from_spec(spec), precision)
     ratios = []
     for cfg in configs:
         groups = est.placements(cfg)
@@ -77,9 +79,7 @@ def test_least_work_floors_ranks_that_share_their_cores():
     cluster = Cluster.from_spec("1x4xA100-80GB")
     slow = dataclasses.replace(cluster, device=dataclasses.replace(
         cluster.device, concurrency_slowdown=1.5, dispatch_overhead=2e-5, dispatch_overhead_backward=3e-5))
-    sharding = ShardingSolver(graph, slow, Precision())
-    est = Estimator(graph, slow, Precision(), LayerCostModel(graph, slow, Precision(),
-                                                             layout_fn=sharding.layout_fn("fast")))
+    est = _estimator(graph, slow, Precision())
     for cfg in (ParallelConfig(dp=4, micro_batch_size=2), ParallelConfig(dp=2, tp=2)):
         groups = est.placements(cfg)
         split = est.split_groups(cfg, groups)
