@@ -85,7 +85,7 @@ import numpy as np
 
 from ..config import SPLIT_BACKWARD, SPLIT_EVERY_BACKWARD, V_SHAPED, ParallelConfig
 from ..cost_model.memory import least_passes
-from .even_split import Knapsack, even_pipeline_floor, even_splits, prepare_splits
+from .even_split import Knapsack, PricedModes, even_pipeline_floor, even_splits, prepare_splits
 from .space import Candidate, compatible
 
 if TYPE_CHECKING:
@@ -407,12 +407,21 @@ class SearchBounds:
             # ZB-H1's drain floor takes it once (zbh1_drain_floor: the second rerun goes to the weight-gradient pass)
             work = lw.layer_work + lw.layer_rerun if c.schedule == "zbv" else lw.layer_work
             self._prepared[prepared_key] = prepare_splits(cfg, m, self._splits[key], work, lw.layer_acts,
-                                                          lw.layer_rows)
+                                                          lw.layer_rows, self._priced_modes(c))
         pipe = even_pipeline_floor(est, cfg, m, self._prepared[prepared_key], lw.layer_forward, lw.layer_wgrad,
                                    self.cluster.device.memory if self._holds(c, m) else math.inf)
         if pipe is None:
             return None
         return max(lb_t, pipe + self._per_step(c)[0] + self._tail(c, m))
+
+    def _priced_modes(self, c: Candidate) -> PricedModes:
+        """The recompute choices EvenSplitPlans._even prices for ``c``, as columns of :attr:`bound_modes`."""
+        column = {mode: k for k, mode in enumerate(self.bound_modes)}
+        modes = self.modes_of(c)
+        full = "full" in modes
+        return PricedModes(tuple(column[mode] for mode in modes if mode != "full"),
+                           column["full"] if full else None, column.get("none"),
+                           int(self.fixed.get("recompute_layers") or 0))
 
     def _holds(self, c: Candidate, m: int) -> bool:
         """Whether the memory argument bounds the work: the plan must fit, and :func:`_all_held`."""

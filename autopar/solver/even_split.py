@@ -22,7 +22,15 @@ and a device whose least activations ``sum_l n_l min_r a_l^r`` exceed ``M - s_d`
 pipeline time (cost_model/schedule.py) is increasing in every ``x_d``, so it is at least the
 schedule's time of these floors. Every mode choice the search prices (a mode for every layer, or
 full recomputation of each chunk's first layers and none after) is one of the ``r_l`` above, and
-buffers only add to the left side: the bound holds for each. The split itself is balanced by the
+buffers only add to the left side: the bound holds for each. Those choices are few (:class:`PricedModes`:
+each mode, and ``recompute_layers = k`` for each ``k``), so they are also floored one by one: choice ``q``
+fits only where ``sum_j n_dj sum_{l in L_dj} a_l^q <= M - s_d`` on every device, and the plan the search
+prices is one that fits, so device ``d``'s work is at least ``p2p_d + min_{q fits} sum_{l on d} c_l^q``.
+The floor of ``x_d`` is the larger of the two (the knapsack allows any mode per layer and pools nothing
+across devices; the choices pool nothing across layers): on HF GPT-2 175B over 1,024 A100s the
+knapsack alone left zero-bubble V and interleaved candidates 10-40% below their plans (it kept a few
+layers in selective recomputation where the plans recompute whole layers), and the search evaluated
+62 candidates where it now evaluates 18. The split itself is balanced by the
 work of the mode the estimate prices when the blocks do not divide evenly, so the bound is the
 least over the splits of the search's modes.
 
@@ -58,6 +66,8 @@ class Split:
     params: np.ndarray     # (devices,) parameters owned (a tied copy not counted), after tp and ep
     experts: np.ndarray    # (devices,) of which expert weights
     p2p: np.ndarray        # (devices,) p2p seconds per micro-batch
+    rank: np.ndarray       # (layers,) the layer's count among its chunk's recomputable layers, itself included
+    #                        (0: not recomputable): ``recompute_layers = k`` recomputes those ranked 1..k
 
 
 def even_splits(est: Estimator, cfg: ParallelConfig, work: np.ndarray) -> tuple[Split, ...]:
@@ -75,8 +85,22 @@ def even_splits(est: Estimator, cfg: ParallelConfig, work: np.ndarray) -> tuple[
         params = np.array([own[h].sum() for h in held])
         experts = np.array([own_experts[h].sum() for h in held])
         p2p = np.array([device_p2p(cuts, split, cfg.device_chunks(d)) for d in range(p)], dtype=float)
-        out.append(Split(members, device, chunk, params, experts, p2p))
+        out.append(Split(members, device, chunk, params, experts, p2p, _ranks(split, est.graph.recomputable)))
     return tuple(out)
+
+
+def _ranks(split: tuple[range, ...], recomputable: Sequence[bool]) -> np.ndarray:
+    """Split.rank: within each chunk, the running count of recomputable layers (ParallelConfig.chunk_modes'
+    count), 0 where a layer is not recomputable."""
+    out = np.zeros(len(recomputable), dtype=int)
+    for run in split:
+        counted = 0
+        for i in run:
+            if recomputable[i]:
+                counted += 1
+                out[i] = counted
+    out.setflags(write=False)
+    return out
 
 
 def _placement(split: tuple[range, ...], cfg: ParallelConfig, layers: int) -> tuple[np.ndarray, ...]:
@@ -103,14 +127,54 @@ def _placed(split: tuple[range, ...], places: tuple[tuple[int, ...], ...], layer
     return members, device, chunk, tuple(held)
 
 
+@dataclass(frozen=True)
+class PricedModes:
+    """The recompute choices :class:`EvenSplitPlans` prices on an even split, as columns of the bounds' work and
+    activation tables (``(layers, modes)``): every layer recomputable in one mode (each of ``uniform``), and full
+    recomputation of each chunk's first ``k`` recomputable layers, none after (``full``, ``none``: every ``k``,
+    or only ``layers`` when it is pinned, ``k`` = all of them being full recomputation). A layer recomputation
+    does not apply to runs in mode "none" (ParallelConfig.chunk_modes): its ``none`` column, or the least of its
+    columns where the table has none."""
+
+    uniform: tuple[int, ...]
+    full: int | None = None
+    none: int | None = None
+    layers: int = 0
+
+    def tables(self, split: Split, work: np.ndarray, acts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(work, activation bytes) of each layer in each choice on ``split``, ``(choices, layers)``."""
+        rows = np.arange(len(work))
+        recomputable = split.rank > 0
+        if self.none is not None:
+            plain_work, plain_acts = work[:, self.none], acts[:, self.none]
+        else:
+            plain_work, plain_acts = work.min(axis=1), acts.min(axis=1)
+        columns = [np.full(len(work), u) for u in self.uniform]
+        if self.full is not None:
+            ks = (self.layers,) if self.layers else range(1, max(1, int(split.rank.max())) + 1)
+            columns += [np.where(split.rank <= k, self.full, self.none) for k in ks]
+        columns = np.array(columns)
+        return (np.where(recomputable, work[rows, columns], plain_work),
+                np.where(recomputable, acts[rows, columns], plain_acts))
+
+
+class Prepared(NamedTuple):
+    """One even split with what its floor needs besides the room the model states leave."""
+
+    split: Split
+    knapsack: "Knapsack"   # its devices' layers, any mode each
+    work: np.ndarray       # (choices, devices) work per micro-batch of each priced choice (PricedModes)
+    held: np.ndarray       # (choices, devices) the activation bytes each choice holds at least at its peak
+
+
 def prepare_splits(cfg: ParallelConfig, micro_batches: int, splits: Sequence[Split], work: np.ndarray,
-                   acts: np.ndarray, rows: np.ndarray) -> tuple[tuple[Split, "Knapsack"], ...]:
-    """Each of ``splits`` with the knapsack of its devices' layers (what :func:`even_pipeline_floor` needs
-    besides the room the model states leave, the same for every ZeRO stage and offload of one pipeline,
-    schedule and micro-batch count). ``work`` and ``acts``: each layer's work and activation bytes per
-    micro-batch in each mode the search prices, ``(layers, modes)``; ``rows`` each layer's row of its
-    distinct ``(work, acts)`` rows (equal ids, equal rows): the knapsack takes each distinct row and number
-    of held passes once, counted per device (96 blocks, a few rows)."""
+                   acts: np.ndarray, rows: np.ndarray, priced: PricedModes) -> tuple[Prepared, ...]:
+    """Each of ``splits`` with the knapsack of its devices' layers and its priced choices' work and held bytes
+    per device (what :func:`even_pipeline_floor` needs besides the room the model states leave, the same for
+    every ZeRO stage and offload of one pipeline, schedule and micro-batch count). ``work`` and ``acts``: each
+    layer's work and activation bytes per micro-batch in each mode the search prices, ``(layers, modes)``;
+    ``rows`` each layer's row of its distinct ``(work, acts)`` rows (equal ids, equal rows): the knapsack takes
+    each distinct row and number of held passes once, counted per device (96 blocks, a few rows)."""
     passes = _passes(cfg.schedule, cfg.pp, cfg.virtual_stages, micro_batches)   # (devices, v)
     out = []
     for split in splits:
@@ -118,24 +182,26 @@ def prepare_splits(cfg: ParallelConfig, micro_batches: int, splits: Sequence[Spl
         kinds, first, which = np.unique(rows * (int(held.max()) + 1) + held, return_index=True, return_inverse=True)
         counts = np.zeros((len(kinds), cfg.pp))
         np.add.at(counts, (which.ravel(), split.device), 1.0)
-        out.append((split, Knapsack(work[first], acts[first] * held[first, None], counts)))
+        choice_work, choice_acts = priced.tables(split, work, acts)
+        out.append(Prepared(split, Knapsack(work[first], acts[first] * held[first, None], counts),
+                            choice_work @ split.members, (choice_acts * held) @ split.members))
     return tuple(out)
 
 
-def even_pipeline_floor(est: Estimator, cfg: ParallelConfig, micro_batches: int,
-                        prepared: Sequence[tuple[Split, "Knapsack"]], forward: np.ndarray, wgrad: np.ndarray,
-                        memory: float) -> float | None:
-    """The least pipeline time of ``cfg`` on any of its even splits over every choice of modes
-    (module docstring); None when none fits. ``prepared``: the splits with their knapsacks
+def even_pipeline_floor(est: Estimator, cfg: ParallelConfig, micro_batches: int, prepared: Sequence[Prepared],
+                        forward: np.ndarray, wgrad: np.ndarray, memory: float) -> float | None:
+    """The least pipeline time of ``cfg`` on any of its even splits over the choices of modes it prices
+    (module docstring); None when none fits. ``prepared``: the splits with their knapsacks and choices
     (:func:`prepare_splits`); ``forward`` and ``wgrad`` each layer's forward (with its collectives) and
     weight-gradient seconds, the same in every mode (the zero-bubble schedules' passes); ``memory`` the
     device's bytes (``inf``: no memory argument)."""
     best = None
-    for split, knapsack in prepared:
+    for split, knapsack, choice_work, choice_held in prepared:
         room = memory - sum(est.state_bytes(cfg, split.params, split.experts))
         floors = knapsack.floors(room)
-        if floors is not None:
-            x = floors + split.p2p
+        fit = np.all(choice_held <= room, axis=1)
+        if floors is not None and fit.any():
+            x = np.maximum(floors, choice_work[fit].min(axis=0)) + split.p2p
             f, w = forward @ split.members + split.p2p / 2, wgrad @ split.members
             # ZB-H1's drain grows with each device's work at fixed forward and weight gradient: its time at
             # the floors is a floor; a V's bubble (ZB-V's, DualPipeV's) is at least its fill, (p - 1)/2 of the

@@ -16,6 +16,7 @@ import os
 import re
 from typing import Iterator
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -28,6 +29,7 @@ from autopar.models.llama import LlamaConfig, build_llama
 from autopar.solver import solve
 from autopar.plan import Plan
 from autopar.config import DEFAULT_TIE_TOLERANCE
+from autopar.solver import even_split
 from autopar.solver.choice import moving_parts
 from autopar.solver.search import Search
 from autopar.solver.space import Key
@@ -446,6 +448,28 @@ def test_zero_bubble_bound_pays_the_rerun_twice(deep_graph, schedule, fraction):
         single = dataclasses.replace(lw, rerun=0 * lw.rerun)
         once._work[(c.variant, c.tp, c.sequence_parallel, c.micro_batch_size, c.cp, c.ep)] = single
         tightened += refined > once.refine(c, lb_t) * (1 + 1e-9)
+    assert checked and tightened
+
+
+@pytest.mark.parametrize("fixed", [{"schedule": "interleaved"}, {"schedule": "zbv"}])
+def test_even_split_bound_takes_only_the_modes_it_prices(deep_graph, fixed, monkeypatch):
+    """An even split prices a handful of recompute choices (each mode for every layer, full recomputation of
+    each chunk's first k layers: even_split.PricedModes), not any mode per layer: its bound takes the least of
+    those that fit each device's memory, per device, besides the knapsack of any mode per layer. It stays below
+    every plan that fits and is tighter than the knapsack alone somewhere."""
+    search, memory = _squeezed(deep_graph, "1x8xA100-80GB", 32, fixed, _even, 0.3)
+    loose, _ = _squeezed(deep_graph, "1x8xA100-80GB", 32, fixed, _even, 0.3)
+
+    def any_mode(self, split, work, acts):   # every choice free and fitting: the knapsack's floor alone
+        return np.zeros((1, len(work))), np.zeros((1, len(work)))
+    checked = tightened = 0
+    for c, lb_t, refined in _below_every_plan(search, memory, _even):
+        with monkeypatch.context() as m:
+            m.setattr(even_split.PricedModes, "tables", any_mode)
+            knapsack = loose.refine(c, lb_t)
+        checked += 1
+        assert knapsack is not None and refined >= knapsack * (1 - 1e-12)
+        tightened += refined > knapsack * (1 + 1e-6)
     assert checked and tightened
 
 
