@@ -26,8 +26,9 @@ buffers only add to the left side: the bound holds for each. Those choices are f
 each mode, and ``recompute_layers = k`` for each ``k``), so they are also floored one by one: choice ``q``
 fits only where ``sum_j n_dj sum_{l in L_dj} a_l^q <= M - s_d`` on every device, and the plan the search
 prices is one that fits, so device ``d``'s work is at least ``p2p_d + min_{q fits} sum_{l on d} c_l^q``.
-The floor of ``x_d`` is the larger of the two (the knapsack allows any mode per layer and pools nothing
-across devices; the choices pool nothing across layers): on HF GPT-2 175B over 1,024 A100s the
+The floor of ``x_d`` is the larger of the two (the knapsack lets each layer take a mode of its own, and
+each device fit alone; a choice gives every layer of a chunk one rule, and must fit on every device): on
+HF GPT-2 175B over 1,024 A100s the
 knapsack alone left zero-bubble V and interleaved candidates 10-40% below their plans (it kept a few
 layers in selective recomputation where the plans recompute whole layers), and the search evaluated
 62 candidates where it now evaluates 18. The split itself is balanced by the
