@@ -38,6 +38,7 @@ OFFLOADS: tuple[str, ...] = ("none", "optimizer", "all")
 """What ParallelConfig.offload keeps in host memory (cost_model/offload.py)."""
 DTYPE_BYTES: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 KERNELS: tuple[str, ...] = ("eager", "fused", "compiled")
+GRAD_ACCUMULATIONS: tuple[str, ...] = ("autograd", "fused")   # Precision.grad_accumulation
 FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
 """Precision(compute="fp8")'s scaling recipes: torchao's three float8 training recipes (Float8LinearRecipeName)
 and MXFP8 block scaling (32-element blocks, Blackwell and MI355X tensor cores); cost_model/low_precision.py."""
@@ -317,8 +318,17 @@ class Precision:
     fused kernels, whose activations Korthikanti et al. count; capture/fusion.py); "compiled" (torch.compile: fused chains that keep only a minimum cut of each layer's
     values and recompute the rest inside the backward kernels; capture/fusion.py). Not searched:
     it is how the program is built, as the dtypes are."""
+    grad_accumulation: str | None = None
+    """How the weight gradients of a step's micro-batches add up: "autograd" (each micro-batch after the first
+    adds its gradient into the accumulated one, a pass over the device's gradients: PyTorch's AccumulateGrad, what
+    ``parallelize``, torchtitan, DeepSpeed and Megatron-DeepSpeed run); "fused" (the weight-gradient GEMM
+    accumulates into the gradient buffer in place: Megatron-LM's and Megatron-Core's gradient-accumulation
+    fusion, on by default there). Default: "fused" with ``kernels="fused"``, "autograd" otherwise."""
 
     def __post_init__(self) -> None:
+        if self.grad_accumulation is None:
+            object.__setattr__(self, "grad_accumulation", "fused" if self.kernels == "fused" else "autograd")
+        check_choice("grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATIONS)
         check_choice("compute", self.compute, (*DTYPE_BYTES, "fp8"))
         check_choice("grads", self.grads, tuple(DTYPE_BYTES))
         if self.compute == "fp8":

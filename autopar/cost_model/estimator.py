@@ -261,8 +261,11 @@ class Estimator:
                                     max(self._unit_params(chunk, cfg) for chunk in chunks) if cfg.zero == 3 else 0)
         memory = MemoryBreakdown(params=w, grads=g, optimizer=k, activations=held, buffers=buffers)
         rerun = sum(costs[i].recompute for i in idx)   # once per backward pass: twice when it is split
+        # the weight gradients added up across micro-batches, in the weight-gradient pass (a mean per micro-batch)
+        accumulate = self.tail.accumulation_time(cfg, params, experts, micro_batches) / micro_batches
         return DeviceCost(
-            chunks=tuple(chunks), fwd=sum(costs[i].fwd for i in idx), bwd=sum(costs[i].bwd for i in idx),
+            chunks=tuple(chunks), fwd=sum(costs[i].fwd for i in idx),
+            bwd=sum(costs[i].bwd for i in idx) + accumulate,
             recompute=rerun * reruns(cfg),
             tp_comm=sum(costs[i].tp_fwd + costs[i].tp_bwd for i in idx), p2p=p2p,
             activations=acts, in_flight=flights, params=params, buffers=buffers, memory=memory,
@@ -270,7 +273,7 @@ class Estimator:
             param_tensors=len(names), cp_comm=sum(costs[i].cp_fwd + costs[i].cp_bwd for i in idx),
             ep_comm=sum(costs[i].ep_fwd + costs[i].ep_bwd for i in idx), expert_params=experts,
             fwd_comm=sum(costs[i].tp_fwd + costs[i].cp_fwd + costs[i].ep_fwd for i in idx),
-            wgrad=sum(costs[i].wgrad for i in idx), reruns=reruns(cfg))
+            wgrad=sum(costs[i].wgrad for i in idx) + accumulate, reruns=reruns(cfg))
 
     def _held(self, idx: tuple[int, ...], cfg: ParallelConfig) -> tuple[dict, int, int]:
         """(names, local parameters, local expert parameters) of a device holding layers ``idx``: each

@@ -223,6 +223,27 @@ class StepTail:
         t = collective_time(Collective.ALL_REDUCE, 4.0, world, self.cluster)
         return t - self.overlap(world) * min(t, hidden)
 
+    def accumulation_time(self, cfg: ParallelConfig, params, experts=0.0, micro_batches: int = 1):
+        """Seconds a step of ``micro_batches`` spends adding their weight gradients on one device holding ``params``
+        parameters, ``experts`` of them expert weights (Precision.grad_accumulation "autograd"; 0 when "fused" or
+        with one micro-batch): each micro-batch after the first reads the accumulated gradients and its own and
+        writes their sum, a memory-bound pass over the gradients the device keeps: all of its parameters' at ZeRO
+        0-1 (its own in the weights' dtype, the sum in ``grads``'), its shard at ZeRO 2-3 (each micro-batch's
+        gradients are reduce-scattered first, as FSDP2 does); floats or arrays. Linear in the parameters."""
+        p = self.precision
+        params, experts = np.asarray(params, dtype=float), np.asarray(experts, dtype=float)
+        if p.grad_accumulation == "fused" or micro_batches <= 1:
+            out = 0.0 * params
+        else:
+            if cfg.zero >= 2:
+                local, new = np.asarray(cfg.zero_shard(params, experts), dtype=float), p.grad_bytes
+            else:
+                local, new = params, p.weight_bytes
+            device = self.cluster.device
+            one = local * (2 * p.grad_bytes + new) / (device.memory_bandwidth * device.memory_efficiency)
+            out = (micro_batches - 1) * one * device.concurrency_slowdown
+        return float(out) if out.ndim == 0 else out
+
     def optimizer_time(self, cfg: ParallelConfig, params, experts=0.0, param_tensors: int = 0):
         """The optimizer step of one device holding ``params`` parameters, ``experts`` of them expert
         weights, in ``param_tensors`` tensors (0: not counted); floats or arrays. ZeRO divides the dense

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .common import (RECOMPUTE_PART, Export, Field, Fields, base_warnings, header, layers_of, optimizer_on_device,
-                     peak_instead, recompute_mode, seq_len)
+from .common import (RECOMPUTE_PART, Export, Field, Fields, accumulated_by_autograd, base_warnings, header,
+                     layers_of, optimizer_on_device, peak_instead, recompute_mode, seq_len)
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -54,7 +54,7 @@ def export(plan: "Plan") -> Export:
     cfg, prec = plan.config, plan.precision
     fields = Fields()
     add = fields.add
-    warnings = base_warnings(plan)
+    warnings = base_warnings(plan) + accumulated_by_autograd(plan, "accelerate")
 
     ddp = cfg.zero == 0 and cfg.tp == cfg.cp == 1      # (a pipeline is folded into the data parallelism)
     degrees = ("config.zero", "config.tp", "config.pp", "config.cp")

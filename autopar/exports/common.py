@@ -268,5 +268,15 @@ def base_warnings(plan: "Plan") -> list[str]:
             f"{gb(plan.cluster.device.memory)} device (fits = false); this configuration would run out of memory"]
 
 
+def accumulated_by_autograd(plan: "Plan", stack: str) -> list[str]:
+    """The warning of an export to a stack that adds micro-batches' gradients by autograd (torchtitan, DeepSpeed,
+    accelerate) of a plan priced with fused accumulation (Precision.grad_accumulation "fused")."""
+    if plan.precision.grad_accumulation != "fused" or plan.micro_batches <= 1:
+        return []
+    return [f"precision.grad_accumulation = 'fused' (Megatron-LM's gradient-accumulation fusion): {stack} adds each of "
+            f"the {plan.micro_batches} micro-batches' gradients by autograd, a pass over the gradients per micro-batch "
+            "the plan did not price: slower than predicted (re-plan with Precision(grad_accumulation='autograd'))"]
+
+
 def gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.1f} GB"

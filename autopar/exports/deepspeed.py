@@ -38,8 +38,8 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from ..config import SPLIT_BACKWARD
-from .common import (RECOMPUTE_PART, Export, Field, Fields, base_warnings, chunks_in_order, gb, recompute_mode,
-                     unsharded_memory, zero1_for_offload, zero_bubble_substitute)
+from .common import (RECOMPUTE_PART, Export, Field, Fields, accumulated_by_autograd, base_warnings, chunks_in_order,
+                     gb, recompute_mode, unsharded_memory, zero1_for_offload, zero_bubble_substitute)
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -66,7 +66,7 @@ def export(plan: "Plan") -> Export:
     cfg, prec = plan.config, plan.precision
     fields = Fields()
     add = fields.add
-    warnings = base_warnings(plan)
+    warnings = base_warnings(plan) + accumulated_by_autograd(plan, "DeepSpeed")
 
     # DeepSpeed's data-parallel world is every rank outside tensor and pipeline parallelism; without
     # context parallelism the plan's cp ranks are among them, each taking whole sequences.

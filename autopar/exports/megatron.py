@@ -36,7 +36,8 @@ Every flag is one of ``megatron/training/arguments.py`` (its argument groups ``_
   precision-aware optimizer needs, and said so); for ``"all"`` (the offloaded ZeRO-3) the parameters and
   their gradients stay on the GPU, and the memory that adds is said.
 - precision: ``--bf16`` / ``--fp16``, gradients reduced in fp32 (``--accumulate-allreduce-grads-in-fp32``)
-  or bf16 (``--grad-reduce-in-bf16``), ``--optimizer adam|sgd``.
+  or bf16 (``--grad-reduce-in-bf16``), ``--optimizer adam|sgd``; ``--no-gradient-accumulation-fusion`` when the
+  plan priced the micro-batches' gradients added by autograd (``precision.grad_accumulation``).
 
 With tensor or context parallelism (and not Megatron FSDP) the file exports
 ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which ``validate_args`` requires before Blackwell GPUs.
@@ -338,6 +339,12 @@ def _precision(plan: "Plan", add, warnings: list[str]) -> None:
     if prec.compute == "fp8":
         _fp8(plan, add, warnings)
     add("--optimizer", prec.optimizer, ("precision.optimizer",), _doc("_add_training_args", "--optimizer"))
+    if prec.grad_accumulation == "autograd" and plan.micro_batches > 1 and not (plan.config.zero >= 2
+                                                                                and plan.config.pp == 1):
+        # (Megatron FSDP's branch, _zero, writes the flag already)
+        add("--no-gradient-accumulation-fusion", True, ("precision.grad_accumulation",),
+            _doc("_add_training_args", "--no-gradient-accumulation-fusion"),
+            "the plan priced the micro-batches' gradients added by autograd, a pass per micro-batch")
     if prec.kernels == "eager":
         warnings.append("precision.kernels = 'eager': Megatron-LM runs its fused kernels (bias-GeLU, masked softmax, "
                         "bias-dropout), which keep the same activations and move fewer bytes: faster than the plan "

@@ -46,8 +46,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from .common import (Export, Field, Fields, base_warnings, chunks_in_order, header, layers_of, optimizer_on_device,
-                     peak_instead, recompute_mode, seq_len, zero_bubble_substitute)
+from .common import (Export, Field, Fields, accumulated_by_autograd, base_warnings, chunks_in_order, header,
+                     layers_of, optimizer_on_device, peak_instead, recompute_mode, seq_len, zero_bubble_substitute)
 
 if TYPE_CHECKING:
     from ..plan import Plan
@@ -69,7 +69,7 @@ def export(plan: "Plan") -> Export:
     cfg, prec = plan.config, plan.precision
     fields = Fields()
     add = fields.add
-    warnings = base_warnings(plan)
+    warnings = base_warnings(plan) + accumulated_by_autograd(plan, "torchtitan")
 
     model = plan.extra.get("model")
     name = model.get("model") if isinstance(model, dict) else None

@@ -23,7 +23,11 @@ sender and its receiver; ``min_cut`` the cheapest cut of the model, ``v = 1`` un
 interleaved), ``P`` the parameters after tensor parallelism and
 ``opt``/``states`` the optimizer time and model-state bytes of that many parameters: the
 slowest stage has at least the mean work and the mean parameters, and the pipeline formula
-(cost_model/schedule.py) is increasing in both. In ``LB_M``, ``a_l^r`` are the activation bytes
+(cost_model/schedule.py) is increasing in both. Where micro-batches' weight gradients are added up by
+autograd (Precision.grad_accumulation), each device's work per micro-batch also holds its share of that pass,
+linear in its parameters: ``W`` above takes ``A = p acc(P / p) / m`` more (:meth:`SearchBounds._accumulated`;
+ZB-H1's drain floor none: the pass is in the weight-gradient work, which the floor's terms subtract), and an
+even split's device-by-device bound each device's own share. In ``LB_M``, ``a_l^r`` are the activation bytes
 of layer ``l`` in mode ``r``: every device holds at least one pass of each of its layers at its
 peak (below), so the fullest holds at least the mean of states and activations (a micro-batch
 of 1024 sequences is refused here, not after its stage DP). A candidate with ``LB_M > M`` cannot fit
@@ -163,7 +167,8 @@ class LayerWork:
 class SearchBounds:
     """The bounds of search.Search's candidates (a mixin: Search provides ``estimator``, ``graph``,
     ``cluster``, ``global_batch_size``, ``must_fit``, ``modes``, ``_even_split``, ``ahead`` and the caches
-    ``_work``, ``_cuts``, ``_splits``, ``_prepared``, ``_stage_floor``, ``_held``, ``_params``, ``_fixed`` and ``_tails``)."""
+    ``_work``, ``_cuts``, ``_splits``, ``_prepared``, ``_stage_floor``, ``_held``, ``_params``, ``_fixed``, ``_accumulate``
+    and ``_tails``)."""
 
     @functools.cached_property
     def bound_modes(self) -> tuple[str, ...]:
@@ -236,18 +241,20 @@ class SearchBounds:
         largest = self._largest_stage(rep)
         steps = [self._per_step(rep, z) for z in zeros]
         acts = lw.least_acts
+        added = {z: self._accumulated(rep, m, z) for z in zeros}
         for schedule, v in schedules:
-            pipe = _pipe(schedule, v, m, p, total, 2 * _crossings(schedule, p, v) * cut, largest, lw)
+            crossing = 2 * _crossings(schedule, p, v) * cut
+            pipes = {a: _pipe(schedule, v, m, p, total + a, crossing, largest, lw, total) for a in set(added.values())}
             tried = [(z, step) for z, step in zip(zeros, steps) if compatible(schedule, z)]
             if not tried:
                 continue
             if not _all_held(schedule, m, p):
                 for z, (optimizer, states) in tried:
-                    yield pipe + optimizer, states, schedule, v, z
+                    yield pipes[added[z]] + optimizer, states, schedule, v, z
                 continue
             inverse, most = self._passes_of(rep, schedule, v, m)
             for z, (optimizer, states) in tried:
-                yield (pipe + optimizer, max(states + acts / p, (acts + p * states / most) / inverse),
+                yield (pipes[added[z]] + optimizer, max(states + acts / p, (acts + p * states / most) / inverse),
                        schedule, v, z)
 
     def quick_floor(self, pending: "Unbounded") -> tuple[float, float] | None:
@@ -279,9 +286,9 @@ class SearchBounds:
             rep = pending.representative(variant, sp)
             total, largest, acts = terms(rep)
             cut = self._least_cut(rep) if p > 1 else 0.0
-            x = max((total + 2 * (p - 1) * cut) / p, largest)
             steps = [self._per_step(rep, z) for z in zeros]
-            floor = min(floor, m * x + min(optimizer for optimizer, _ in steps))
+            floor = min(floor, min(m * max((total + self._accumulated(rep, m, z) + 2 * (p - 1) * cut) / p, largest)
+                                   + optimizer for z, (optimizer, _) in zip(zeros, steps)))
             least = min(least, min(states + acts / p if held else states for _, states in steps))
         return floor * (1 - 1e-6), least
 
@@ -311,7 +318,8 @@ class SearchBounds:
         m, p = c.micro_batches(self.global_batch_size), c.pp
         p2p = 2 * _crossings(c.schedule, p, c.virtual_stages) * self._least_cut(c) if p > 1 else 0.0
         optimizer, states = self._per_step(c)
-        lb_t = _pipe(c.schedule, c.virtual_stages, m, p, total, p2p, self._largest_stage(c), lw, drained) + optimizer
+        lb_t = _pipe(c.schedule, c.virtual_stages, m, p, total + self._accumulated(c, m), p2p, self._largest_stage(c),
+                     lw, total if drained is None else drained) + optimizer
         if not _all_held(c.schedule, m, p):
             return lb_t, states
         inverse, most = self._passes(c, m)
@@ -330,6 +338,19 @@ class SearchBounds:
             passes = [least_passes(cfg, d, m) for d in range(c.pp)]
             self._held[key] = (sum(1 / f for f in passes), max(passes))
         return self._held[key]
+
+    def _accumulated(self, c: Candidate, m: int, zero: int | None = None) -> float:
+        """``A``: what adding the micro-batches' weight gradients (StepTail.accumulation_time; 0 when fused or with
+        one micro-batch) puts into one micro-batch's pass through every device, at least: ``p`` times its mean
+        share per micro-batch on the mean pipeline device (``P / p`` parameters; linear in them, so the devices'
+        sum is at least that), of ``c`` at ZeRO stage ``zero`` when given (cached)."""
+        zero = c.zero if zero is None else zero
+        key = (c.variant, c.tp, c.cp, c.dp, c.ep, c.pp, zero, m)
+        if key not in self._accumulate:
+            cfg = replace(c, zero=zero, schedule="1f1b", virtual_stages=1).config()
+            (params, experts), p, est = self._local_params(c, cfg), c.pp, self.estimator(c.variant)
+            self._accumulate[key] = float(est.tail.accumulation_time(cfg, params / p, experts / p, m)) * p / m
+        return self._accumulate[key]
 
     def _per_step(self, c: Candidate, zero: int | None = None) -> tuple[float, float]:
         """``(opt(P / p), states(P / p))``: the optimizer step's seconds and the model-state bytes of

@@ -202,8 +202,10 @@ def even_pipeline_floor(est: Estimator, cfg: ParallelConfig, micro_batches: int,
         floors = knapsack.floors(room)
         fit = np.all(choice_held <= room, axis=1)
         if floors is not None and fit.any():
-            x = np.maximum(floors, choice_work[fit].min(axis=0)) + split.p2p
-            f, w = forward @ split.members + split.p2p / 2, wgrad @ split.members
+            # each device's share per micro-batch of adding the micro-batches' weight gradients (0 when fused)
+            added = est.tail.accumulation_time(cfg, split.params, split.experts, micro_batches) / micro_batches
+            x = np.maximum(floors, choice_work[fit].min(axis=0)) + split.p2p + added
+            f, w = forward @ split.members + split.p2p / 2, wgrad @ split.members + added
             # ZB-H1's drain grows with each device's work at fixed forward and weight gradient: its time at
             # the floors is a floor; a V's bubble (ZB-V's, DualPipeV's) is at least its fill, (p - 1)/2 of the
             # slowest device's forward (tests/unit/cost_model/test_zero_bubble.py), at least the least device's

@@ -175,6 +175,7 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
     _held: dict[tuple, tuple[float, int]] = field(default_factory=dict)   # _passes
     _params: dict[tuple, tuple[float, float]] = field(default_factory=dict)   # _local_params
     _fixed: dict[tuple, tuple[float, float]] = field(default_factory=dict)    # _per_step
+    _accumulate: dict[tuple, float] = field(default_factory=dict)   # _accumulated
     _tails: dict[tuple, float] = field(default_factory=dict)    # _tail
     _kind_index: np.ndarray | None = None    # SearchBounds._kinds
 
