@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from ..collector import collector_paused
 from ..errors import CaptureError
 from .build import GraphWalk, batch_size_of, node_stacks
 from .dtypes import check_dtypes
@@ -47,18 +48,19 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: LossFn | None = None
     bar of the repeated blocks traced (repeat.py's ``repeated_blocks``), on a terminal once it takes a second.
     """
     check_model(model, meta_mix=True)   # before the bar walks its modules
-    program, _ = export_program(model, example_inputs, loss_fn, progress=progress)
-    # raises where a real kernel would; the program with blocks copied holds every op, parameter and
-    # placeholder of the whole one, so the error or notes are the same (test_repeat.py)
-    casts = check_dtypes(program, type(model).__name__, example_inputs)
-    try:
-        graph = graph_of(model, program)
-    except CaptureError:
-        # the graph cannot be planned (an op whose shape depends on tensor values): exported again,
-        # whole and with stack traces, which plain exports leave out (export.py), so that the error
-        # names the line
-        graph_of(model, run_export(model, example_inputs, loss_fn, stack_traces=True))
-        raise
+    with collector_paused():   # (autopar/collector.py)
+        program, _ = export_program(model, example_inputs, loss_fn, progress=progress)
+        # raises where a real kernel would; the program with blocks copied holds every op, parameter and
+        # placeholder of the whole one, so the error or notes are the same (test_repeat.py)
+        casts = check_dtypes(program, type(model).__name__, example_inputs)
+        try:
+            graph = graph_of(model, program)
+        except CaptureError:
+            # the graph cannot be planned (an op whose shape depends on tensor values): exported again,
+            # whole and with stack traces, which plain exports leave out (export.py), so that the error
+            # names the line
+            graph_of(model, run_export(model, example_inputs, loss_fn, stack_traces=True))
+            raise
     return dataclasses.replace(graph, warnings=graph.warnings + casts) if casts else graph
 
 

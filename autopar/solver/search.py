@@ -29,9 +29,7 @@ per-layer objective, decides between them.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
 import heapq
 import math
 import time
@@ -42,6 +40,7 @@ import numpy as np
 
 from ..capture.opgraph import OpGraph
 from ..cluster import Cluster
+from ..collector import collector_paused
 from ..config import DEFAULT_TIE_TOLERANCE, SPLIT_BACKWARD, ParallelConfig, Precision
 from ..cost_model import Estimator, estimate_plan
 from ..cost_model.compute import MeasuredTimes
@@ -60,22 +59,6 @@ from .stages import ABOVE, least_memory, partition, run_tables
 
 if TYPE_CHECKING:
     from .sharding_solver import ShardingSolver
-
-
-@contextlib.contextmanager
-def _cycles_uncollected() -> Iterator[None]:
-    """Python's cyclic garbage collector paused (as it was before, after): the search makes hundreds of
-    thousands of small objects and frees them by reference counting, it makes no reference cycles
-    (gc.collect() after the search of HF GPT-2 175B on 128x8 A100s finds none), yet the collector
-    would sweep the whole heap, the captured model's objects included, a few times (1.2-1.4 s of a
-    13-15 s search)."""
-    paused = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if paused:
-            gc.enable()
 
 
 @dataclass
@@ -348,7 +331,7 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
 
     def _run(self, t0: float, deadline: float | None) -> tuple[Plan | None, Candidate | None, Seen]:
         """:meth:`run` once the layouts are on their way."""
-        with _cycles_uncollected():
+        with collector_paused():
             queue = self._queue(deadline)
             total = self.settled.total
             self.ahead = walk_ahead(self, queue)
