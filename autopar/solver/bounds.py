@@ -166,7 +166,7 @@ class LayerWork:
 
 class SearchBounds:
     """The bounds of search.Search's candidates (a mixin: Search provides ``estimator``, ``graph``,
-    ``cluster``, ``global_batch_size``, ``must_fit``, ``modes``, ``_even_split``, ``ahead`` and the caches
+    ``cluster``, ``precision``, ``global_batch_size``, ``must_fit``, ``modes``, ``_even_split``, ``ahead`` and the caches
     ``_work``, ``_cuts``, ``_splits``, ``_prepared``, ``_stage_floor``, ``_held``, ``_params``, ``_fixed``, ``_accumulate``
     and ``_tails``)."""
 
@@ -343,14 +343,17 @@ class SearchBounds:
         """``A``: what adding the micro-batches' weight gradients (StepTail.accumulation_time; 0 when fused or with
         one micro-batch) puts into one micro-batch's pass through every device, at least: ``p`` times its mean
         share per micro-batch on the mean pipeline device (``P / p`` parameters; linear in them, so the devices'
-        sum is at least that), of ``c`` at ZeRO stage ``zero`` when given (cached)."""
+        sum is at least that), of ``c`` at ZeRO stage ``zero`` when given. ``(m - 1) / m`` passes over the
+        gradients: one pass is cached, by what it depends on (not the micro-batch)."""
+        if m <= 1 or self.precision.grad_accumulation == "fused":
+            return 0.0
         zero = c.zero if zero is None else zero
-        key = (c.variant, c.tp, c.cp, c.dp, c.ep, c.pp, zero, m)
+        key = (c.variant, c.tp, c.cp, c.dp, c.ep, c.pp, zero)
         if key not in self._accumulate:
             cfg = replace(c, zero=zero, schedule="1f1b", virtual_stages=1).config()
             (params, experts), p, est = self._local_params(c, cfg), c.pp, self.estimator(c.variant)
-            self._accumulate[key] = float(est.tail.accumulation_time(cfg, params / p, experts / p, m)) * p / m
-        return self._accumulate[key]
+            self._accumulate[key] = float(est.tail.accumulation_time(cfg, params / p, experts / p, 2)) * p
+        return self._accumulate[key] * (m - 1) / m
 
     def _per_step(self, c: Candidate, zero: int | None = None) -> tuple[float, float]:
         """``(opt(P / p), states(P / p))``: the optimizer step's seconds and the model-state bytes of
