@@ -92,6 +92,10 @@ class SearchStats:
 
 # The runners-up plan.explain() shows besides the fastest few: the best plan of each of these kinds
 # (choice.alternatives' counterfactuals), which a candidate of that kind may be
+BOUNDING_SHARE = 0.6
+"""Of a search's ``time_limit``, the share that may go to bounding branches into the queue before the search
+turns to its first plan: finding one past the bounds took the built-in Llama-3 405B on 2,048 x 8 H100s 0.5-1.0 s
+of refinements and pricing on a 2-core machine (bench/time_limit.py), whatever the limit."""
 _KINDS = {"no cp": lambda c: c.cp == 1, "no ep": lambda c: c.ep == 1, "no ZeRO-3": lambda c: c.zero < 3,
           "no ZeRO": lambda c: c.zero == 0 and c.offload == "none", "no offload": lambda c: c.offload == "none"}
 
@@ -332,7 +336,9 @@ class Search(BoundedQueue, SearchBounds, EvenSplitPlans):
     def _run(self, t0: float, deadline: float | None) -> tuple[Plan | None, Candidate | None, Seen]:
         """:meth:`run` once the layouts are on their way."""
         with collector_paused():
-            queue = self._queue(deadline)
+            # with a limit, branches stop joining the queue at BOUNDING_SHARE of it: the rest is the first
+            # plan's (its candidate's bounds refined, its stage DP and estimate)
+            queue = self._queue(None if deadline is None else t0 + BOUNDING_SHARE * (deadline - t0))
             total = self.settled.total
             self.ahead = walk_ahead(self, queue)
             try:

@@ -9,7 +9,7 @@ import pytest
 from autopar import Cluster, ConfigError
 from autopar.capture import capture
 from autopar.models import GPTConfig, build_gpt
-from autopar.solver import plan_search, sharding, sharding_solver, solve
+from autopar.solver import plan_search, search, sharding, sharding_solver, solve
 from autopar.solver.sharding import ILPLimits, greedy_choice, lp_solvers
 
 TWO = Cluster.from_spec("1x2xA100-80GB")
@@ -116,7 +116,6 @@ class Clock:
     """search.py's clock, advanced one second by each call of one Search method only."""
 
     def __init__(self, monkeypatch, method: str) -> None:
-        from autopar.solver import search
         self.now = 0.0
         monkeypatch.setattr(search, "time", self)
         real = getattr(search.Search, method)
@@ -149,11 +148,12 @@ def test_time_limit_gives_the_gap(tiny, monkeypatch) -> None:
 
 def test_time_limit_while_bounding(tiny, monkeypatch) -> None:
     """The limit passing before every candidate has its bound: the rest are left out, no gap. The
-    space is bounded a branch (a mesh and micro-batch) at a time, the clock ticking once per branch."""
+    space is bounded a branch (a mesh and micro-batch) at a time, the clock ticking once per branch; branches
+    stop joining the queue at search.BOUNDING_SHARE of the limit (the rest is the first plan's)."""
     clock = Clock(monkeypatch, "_branch_parts")
-    plan, stats = solve(tiny, Cluster.from_spec("1x8xA100-80GB"), 64, time_limit=2.5)
+    plan, stats = solve(tiny, Cluster.from_spec("1x8xA100-80GB"), 64, time_limit=2.5 / search.BOUNDING_SHARE)
     assert stats.unbounded and stats.timed_out and plan.optimal is False and plan.gap is None
-    assert clock.now == 3.0 and plan.fits   # three branches: the third passed the limit, the rest left out
+    assert clock.now == 3.0 and plan.fits   # three branches: the third passed 2.5 s, the rest left out
     monkeypatch.undo()
     assert stats.candidates < solve(tiny, Cluster.from_spec("1x8xA100-80GB"), 64)[1].candidates
 
