@@ -40,7 +40,8 @@ def solve(graph: OpGraph, cluster: Cluster, global_batch_size: int, *, precision
     bar on a terminal once the search has taken a second.
 
     Limits: ``time_limit`` (seconds) stops the search once it has a plan (then ``plan.optimal`` is
-    False and ``plan.gap`` bounds how far from optimal it is); ILPs not started by then are replaced
+    False and ``plan.gap`` bounds how far from optimal it is; no branch is bounded after 60% of it, so that
+    the rest finds a first plan: search.BOUNDING_SHARE); ILPs not started by then are replaced
     by greedy sharding. ``ilp_node_limit`` (branch-and-bound nodes, deterministic) and, only when
     given, ``ilp_time_limit`` (seconds of wall clock) bound each sharding ILP solver call (sharding.py). ``sharding``: a ShardingSolver of this
     graph, cluster and precision to reuse (its layouts are cached), e.g. across several solves."""
