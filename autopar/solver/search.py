@@ -90,12 +90,13 @@ class SearchStats:
                 "ilp_sharded_greedily": self.ilp_greedy, "stopped_at_time_limit": self.timed_out}
 
 
-# The runners-up plan.explain() shows besides the fastest few: the best plan of each of these kinds
-# (choice.alternatives' counterfactuals), which a candidate of that kind may be
 BOUNDING_SHARE = 0.6
 """Of a search's ``time_limit``, the share that may go to bounding branches into the queue before the search
 turns to its first plan: finding one past the bounds took the built-in Llama-3 405B on 2,048 x 8 H100s 0.5-1.0 s
 of refinements and pricing on a 2-core machine (bench/time_limit.py), whatever the limit."""
+
+# The runners-up plan.explain() shows besides the fastest few: the best plan of each of these kinds
+# (choice.alternatives' counterfactuals), which a candidate of that kind may be
 _KINDS = {"no cp": lambda c: c.cp == 1, "no ep": lambda c: c.ep == 1, "no ZeRO-3": lambda c: c.zero < 3,
           "no ZeRO": lambda c: c.zero == 0 and c.offload == "none", "no offload": lambda c: c.offload == "none"}
 
