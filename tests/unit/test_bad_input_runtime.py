@@ -175,6 +175,15 @@ def test_recompute_layers_checkpoints_the_first_layers_of_each_chunk(world) -> N
     assert torch.allclose(loss, want, atol=1e-6)
 
 
+def test_parallelize_refuses_a_plan_priced_with_fused_accumulation(world, plan) -> None:
+    """A plan that priced its micro-batches' gradients accumulated inside the GEMMs (Megatron-LM's fusion) would
+    run slower than priced here, where autograd adds them: refused, saying what to re-plan with."""
+    assert plan.micro_batches > 1 and plan.precision.grad_accumulation == "autograd"
+    fused = dataclasses.replace(plan, precision=dataclasses.replace(plan.precision, grad_accumulation="fused"))
+    with pytest.raises(ConfigError, match=r"Precision\(grad_accumulation='autograd'\)"):
+        program(fused)
+
+
 def test_compile_follows_the_plans_kernels(world, plan) -> None:
     """A plan priced for torch.compile's kernels is compiled by default (each chunk after the first step,
     which runs the shape-checked code), an eager one is not; compile= overrides either; a bad value is

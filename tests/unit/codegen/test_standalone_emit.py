@@ -190,4 +190,15 @@ def test_the_cli_builds_its_planned_model_on_meta_and_writes_nothing_on_failure(
     capsys.readouterr()
     assert main(["codegen", "f.json", "-o", "fused", "--standalone"]) == 2
     assert "cannot run hand-written fused kernels" in capsys.readouterr().err
+    # four micro-batches' gradients priced as accumulated inside the GEMMs: the folder adds them by autograd
+    assert main(["plan", "gpt-tiny", "--cluster", "1x2xcpu", "--global-batch", "4", "--fixed",
+                 "tp=2,micro_batch_size=1", "-o", "g.json", "-q"]) == 0
+    four = autopar.load_plan(tmp_path / "g.json")
+    assert four.micro_batches == 4
+    dataclasses.replace(four, precision=dataclasses.replace(four.precision, grad_accumulation="fused")).save(
+        tmp_path / "g.json")
+    capsys.readouterr()
+    assert main(["codegen", "g.json", "-o", "acc", "--standalone"]) == 2
+    assert "Precision(grad_accumulation='autograd')" in capsys.readouterr().err
+    (tmp_path / "g.json").unlink()
     assert sorted(os.listdir(tmp_path)) == ["f.json", "p.json", "run"]
