@@ -223,16 +223,16 @@ class StepTail:
         t = collective_time(Collective.ALL_REDUCE, 4.0, world, self.cluster)
         return t - self.overlap(world) * min(t, hidden)
 
-    def accumulation_time(self, cfg: ParallelConfig, params, experts=0.0, micro_batches: int = 1):
-        """Seconds a step of ``micro_batches`` spends adding their weight gradients on one device holding ``params``
-        parameters, ``experts`` of them expert weights (Precision.grad_accumulation "autograd"; 0 when "fused" or
-        with one micro-batch): each micro-batch after the first reads the accumulated gradients and its own and
-        writes their sum, a memory-bound pass over the gradients the device keeps: all of its parameters' at ZeRO
-        0-1 (its own in the weights' dtype, the sum in ``grads``'), its shard at ZeRO 2-3 (each micro-batch's
-        gradients are reduce-scattered first, as FSDP2 does); floats or arrays. Linear in the parameters."""
+    def accumulation_pass(self, cfg: ParallelConfig, params, experts=0.0):
+        """Seconds of one pass adding a micro-batch's weight gradients into the accumulated ones on one device holding
+        ``params`` parameters, ``experts`` of them expert weights (Precision.grad_accumulation "autograd"; 0 when
+        "fused"): it reads the accumulated gradients and the new ones and writes their sum, a memory-bound pass over
+        the gradients the device keeps: all of its parameters' at ZeRO 0-1 (the new ones in the weights' dtype, the
+        sum in ``grads``'), its shard at ZeRO 2-3 (each micro-batch's gradients are reduce-scattered first, as FSDP2
+        does); floats or arrays. Linear in the parameters."""
         p = self.precision
         params, experts = np.asarray(params, dtype=float), np.asarray(experts, dtype=float)
-        if p.grad_accumulation == "fused" or micro_batches <= 1:
+        if p.grad_accumulation == "fused":
             out = 0.0 * params
         else:
             if cfg.zero >= 2:
@@ -240,9 +240,14 @@ class StepTail:
             else:
                 local, new = params, p.weight_bytes
             device = self.cluster.device
-            one = local * (2 * p.grad_bytes + new) / (device.memory_bandwidth * device.memory_efficiency)
-            out = (micro_batches - 1) * one * device.concurrency_slowdown
+            out = local * (2 * p.grad_bytes + new) / (device.memory_bandwidth * device.memory_efficiency) \
+                * device.concurrency_slowdown
         return float(out) if out.ndim == 0 else out
+
+    def accumulation_time(self, cfg: ParallelConfig, params, experts=0.0, micro_batches: int = 1):
+        """Seconds a step of ``micro_batches`` spends adding their weight gradients: one :meth:`accumulation_pass`
+        per micro-batch after the first."""
+        return max(micro_batches - 1, 0) * self.accumulation_pass(cfg, params, experts)
 
     def optimizer_time(self, cfg: ParallelConfig, params, experts=0.0, param_tensors: int = 0):
         """The optimizer step of one device holding ``params`` parameters, ``experts`` of them expert

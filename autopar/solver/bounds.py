@@ -343,8 +343,8 @@ class SearchBounds:
         """``A``: what adding the micro-batches' weight gradients (StepTail.accumulation_time; 0 when fused or with
         one micro-batch) puts into one micro-batch's pass through every device, at least: ``p`` times its mean
         share per micro-batch on the mean pipeline device (``P / p`` parameters; linear in them, so the devices'
-        sum is at least that), of ``c`` at ZeRO stage ``zero`` when given. ``(m - 1) / m`` passes over the
-        gradients: one pass is cached, by what it depends on (not the micro-batch)."""
+        sum is at least that), of ``c`` at ZeRO stage ``zero`` when given: ``(m - 1) / m`` of one pass
+        (StepTail.accumulation_pass), which is cached by what it depends on (not the micro-batch)."""
         if m <= 1 or self.precision.grad_accumulation == "fused":
             return 0.0
         zero = c.zero if zero is None else zero
@@ -352,7 +352,7 @@ class SearchBounds:
         if key not in self._accumulate:
             cfg = replace(c, zero=zero, schedule="1f1b", virtual_stages=1).config()
             (params, experts), p, est = self._local_params(c, cfg), c.pp, self.estimator(c.variant)
-            self._accumulate[key] = float(est.tail.accumulation_time(cfg, params / p, experts / p, 2)) * p
+            self._accumulate[key] = float(est.tail.accumulation_pass(cfg, params / p, experts / p)) * p
         return self._accumulate[key] * (m - 1) / m
 
     def _per_step(self, c: Candidate, zero: int | None = None) -> tuple[float, float]:
