@@ -36,6 +36,7 @@ from ..capture import graph_of, param_aliases
 from ..capture.opgraph import MoERegion, OpGraph, OpKind
 from ..config import SPLIT_BACKWARD, ParallelConfig
 from ..ops import SKIPPED_TARGETS, base_name
+from ..errors import ConfigError
 from ..plan import Plan
 from ..plan.placement import Placement, normal
 from ..runtime.mesh import Coords, Mesh
@@ -196,6 +197,11 @@ def compile_program(plan: Plan, exported: Any, model: nn.Module) -> CompiledProg
     gives its parameters' names and whether each trains): the module docstring's steps 1-7. Raises
     PlanMismatchError when the export is not the plan's model, ConfigError for what the runtime cannot run."""
     cfg = plan.config
+    if plan.precision.grad_accumulation == "fused" and plan.micro_batches > 1:
+        raise ConfigError(f"this plan prices its {plan.micro_batches} micro-batches' gradients accumulated inside the "
+                          "weight-gradient GEMMs (Precision(grad_accumulation='fused'), Megatron-LM's fusion); the "
+                          "programs autopar compiles add them by autograd, a pass the plan did not price: re-plan with "
+                          "Precision(grad_accumulation='autograd') (the default with eager or compiled kernels)")
     graph = graph_of(model, exported)
     check_structure(plan, graph)
     split = split_graph(exported, graph, plan_chunks(plan), param_aliases(model))

@@ -115,11 +115,6 @@ def emit_standalone(plan: Plan, out_dir: str, model_factory: str, batch_factory:
     if refusals:
         raise ConfigError(f"a standalone program cannot run {refusals[0]} ({cfg.short()}) yet: emit the script "
                           "that runs autopar.parallelize (standalone=False), or re-plan without it")
-    if plan.precision.grad_accumulation == "fused" and plan.micro_batches > 1:
-        raise ConfigError(f"this plan prices its {plan.micro_batches} micro-batches' gradients accumulated inside the "
-                          "weight-gradient GEMMs (Precision(grad_accumulation='fused'), Megatron-LM's fusion); a "
-                          "standalone program adds them by autograd, a pass the plan did not price: re-plan with "
-                          "Precision(grad_accumulation='autograd') (the default with eager or compiled kernels)")
     record = plan.extra.get("inputs")
     if record is None:
         raise ConfigError("the plan does not record its example inputs: re-plan with autopar.plan")

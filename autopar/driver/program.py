@@ -134,11 +134,6 @@ class Program:
             raise ConfigError("this plan prices hand-written fused kernels (Precision(kernels='fused'), Megatron-LM's), "
                               "which autopar's runtime does not have: re-plan with Precision(kernels='compiled') "
                               "(torch.compile) or the default 'eager'")
-        if plan.precision.grad_accumulation == "fused" and plan.micro_batches > 1:
-            raise ConfigError(f"this plan prices its {plan.micro_batches} micro-batches' gradients accumulated inside the "
-                              "weight-gradient GEMMs (Precision(grad_accumulation='fused'), Megatron-LM's fusion); "
-                              "autopar's runtime adds them by autograd, a pass the plan did not price: re-plan with "
-                              "Precision(grad_accumulation='autograd') (the default with eager or compiled kernels)")
         if compile is not None and not isinstance(compile, (bool, str)):
             raise ConfigError(f"compile must be True, False, a torch.compile backend name or None (follow the "
                               f"plan), got {compile!r}")
