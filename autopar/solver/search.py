@@ -51,8 +51,9 @@ from ..progress import counter
 from .choice import TIE, TOP_ALTERNATIVES, Seen, choose, could_beat
 from .ahead import walk_ahead
 from .bounded_queue import BoundedQueue, Settled
-from .bounds import LayerWork, SearchBounds
+from .bounds import SearchBounds
 from .even_split import EvenSplitPlans, Split
+from .layer_work import LayerWork
 from .sharding import WHOLE_BATCH
 from .space import Branch, Candidate, branches, candidates, compatible, placeable, recompute_modes
 from .stages import ABOVE, least_memory, partition, run_tables
