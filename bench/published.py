@@ -81,7 +81,9 @@ class Row:
     flops: str | None = "megatron"  # FLOP formula of the source: "megatron" | "megatron-norecompute" | "palm"
     precision: autopar.Precision = autopar.Precision(compute="bf16", grads="fp32", kernels="fused")
     device: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # datasheet differences of the run's part
-    inter_node_bandwidth: float | None = None   # per GPU per direction, when the source's network differs
+    # the source's network where it differs from the preset's: Link fields (bandwidth: the nominal NIC rate per
+    # GPU per direction; efficiency: the achieved fraction, where the source measured its fabric)
+    inter_node: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     sweep: str | None = None       # rows of one model on one cluster at several configurations
     stack: str = ""
 
@@ -123,7 +125,7 @@ def _row(d: Mapping[str, Any]) -> Row:
     return Row(name=d["id"], source=d["source"], model=Model(**d["model"]), cluster=d["cluster"],
                global_batch=d["global_batch"], fixed=dict(d["config"]), metric=measured["metric"],
                published=measured["value"], flops=measured["flops"], precision=autopar.Precision(**d["precision"]),
-               device=dict(d["device"]), inter_node_bandwidth=d["inter_node_bandwidth"], sweep=d["sweep"],
+               device=dict(d["device"]), inter_node=dict(d["inter_node"]), sweep=d["sweep"],
                stack=d["stack"])
 
 
@@ -166,9 +168,8 @@ def graph_of(model: Model):
 def cluster_of(row: Row, **device: Any) -> autopar.Cluster:
     """The row's cluster; ``device`` overrides device constants (the fit scans matmul_efficiency)."""
     cluster = autopar.Cluster.from_spec(row.cluster)
-    if row.inter_node_bandwidth is not None:   # nominal NIC rate; the preset's achieved fraction stays
-        cluster = dataclasses.replace(cluster, inter_node=dataclasses.replace(
-            cluster.inter_node, bandwidth=row.inter_node_bandwidth))
+    if row.inter_node:   # a field the source does not give (the achieved fraction, mostly) stays the preset's
+        cluster = dataclasses.replace(cluster, inter_node=dataclasses.replace(cluster.inter_node, **row.inter_node))
     changes = {**row.device, **device}
     return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, **changes)) if changes else cluster
 
