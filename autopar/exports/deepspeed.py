@@ -30,6 +30,9 @@ plan's context-parallel ranks become data-parallel ranks that take whole sequenc
 accumulation steps divided to keep the batch), tensor-parallel experts (AutoEP's
 ``expert_tensor_parallel_size`` must be 1) and ZeRO-2/3 with a pipeline (``PipelineEngine``: "ZeRO-2 and
 ZeRO-3 are incompatible with pipeline parallelism"), written as ZeRO-1 with the memory that adds.
+The data-parallel reduction is hidden by compute as the plan prices it only with ZeRO 1-2's ``overlap_comm``
+(written) and stage 3's default; the pipeline engine reduces after the pipeline, stage 0 after the backward,
+and ZeRO 1-2 gather the updated weights after the step: each said.
 """
 
 from __future__ import annotations
@@ -121,6 +124,8 @@ def export(plan: "Plan") -> Export:
     if cfg.offload != "none":
         _offload(plan, zero, add, warnings)
     _optimizer(plan, zero, zero_sources, add, warnings)
+    if ranks > 1:
+        _overlap(plan, zero, ranks, add, warnings)
 
     _precision(plan, add, warnings)
     if cfg.tp > 1:
@@ -133,6 +138,33 @@ def export(plan: "Plan") -> Export:
         _recompute_in_code(plan, warnings)
     text = json.dumps(_nest(fields), indent=2) + "\n"
     return Export("DeepSpeed", text, tuple(fields), tuple(warnings), "ds_config.json")
+
+
+def _overlap(plan: "Plan", zero: int, ranks: int, add, warnings: list[str]) -> None:
+    """The data-parallel reduction hidden by compute, as the plan prices it (cost_model/step_tail.py: buckets under
+    the last micro-batch's backward, ZeRO-1's gather of the updated weights hidden too): ``overlap_comm`` where
+    DeepSpeed can (ZeRO stages 1 and 2 without a pipeline; stage 3 overlaps by default); said where it cannot."""
+    hidden = "which the plan prices hidden under the last micro-batch's backward"
+    if plan.config.pp > 1:
+        warnings.append(f"data parallelism over {ranks} ranks with pp = {plan.config.pp}: DeepSpeed's pipeline engine "
+                        "reduces the gradients after the whole pipeline (its ReduceGrads instruction follows the last "
+                        f"backward pass, runtime/pipe/schedule.py TrainSchedule), {hidden}: that reduction adds to the "
+                        "step in DeepSpeed")
+        return
+    if zero == 0:
+        warnings.append(f"data parallelism over {ranks} ranks at ZeRO stage 0: DeepSpeed's engine all-reduces the "
+                        "gradients after the backward (DeepSpeedEngine.allreduce_gradients), " + hidden + ": that "
+                        "all-reduce adds to the step in DeepSpeed; stages 1 and 2 overlap it (overlap_comm), a plan "
+                        "priced with --config zero=1")
+        return
+    if zero in (1, 2):
+        add("zero_optimization.overlap_comm", True, ("config.dp", "config.cp"),
+            CONFIG_JSON + " zero_optimization.overlap_comm; deepspeed/runtime/zero/config.py "
+            "DeepSpeedZeroConfig.overlap_comm (false by default below stage 3)",
+            "the gradients reduced under the backward, as the plan prices them")
+        warnings.append(f"config.zero = {zero}: DeepSpeed all-gathers the updated weights after the optimizer step "
+                        "(runtime/zero/stage_1_and_2.py step), which the plan prices hidden by compute as Megatron-Core's "
+                        "--overlap-param-gather runs it: that gather adds to the step in DeepSpeed")
 
 
 def _offload(plan: "Plan", zero: int, add, warnings: list[str]) -> None:

@@ -35,6 +35,10 @@ Every flag is one of ``megatron/training/arguments.py`` (its argument groups ``_
   That is the plan's ``offload = "optimizer"`` (ZeRO-0 written as the distributed optimizer, which the
   precision-aware optimizer needs, and said so); for ``"all"`` (the offloaded ZeRO-3) the parameters and
   their gradients stay on the GPU, and the memory that adds is said.
+- data-parallel overlap: ``--overlap-grad-reduce`` (and with the distributed optimizer
+  ``--overlap-param-gather``) whenever gradients have replicas, since the plan prices the reduction, and the
+  updated weights' gather, hidden by compute; Megatron-Core's defaults run them after the backward and
+  before the next forward.
 - precision: ``--bf16`` / ``--fp16``, gradients reduced in fp32 (``--accumulate-allreduce-grads-in-fp32``)
   or bf16 (``--grad-reduce-in-bf16``), ``--optimizer adam|sgd``; ``--no-gradient-accumulation-fusion`` when the
   plan priced the micro-batches' gradients added by autograd (``precision.grad_accumulation``).
@@ -117,6 +121,7 @@ def export(plan: "Plan") -> Export:
     _precision(plan, add, warnings)
     if cfg.offload != "none":
         _offload(plan, add, warnings)
+    _overlap(plan, fields)
     return Export("Megatron-LM", render(plan, fields, warnings), tuple(fields), tuple(warnings), "megatron_args.sh")
 
 
@@ -223,6 +228,24 @@ def _zero(plan: "Plan", add, warnings: list[str]) -> None:
         "Megatron FSDP's documented companion flag")
     add("--ckpt-format", "fsdp_dtensor", ("config.zero",), _doc("_add_checkpointing_args", "--ckpt-format")
         + " (validate_args: \"Megatron FSDP only supports fsdp_dtensor checkpoint format\")")
+
+
+def _overlap(plan: "Plan", fields: Fields) -> None:
+    """The data-parallel gradient reduction under the backward pass, as the plan prices it (cost_model/step_tail.py:
+    buckets that overlap the last micro-batch's backward; the distributed optimizer's all-gather of the updated
+    weights likewise hidden by compute). Megatron-Core reduces after the backward by default
+    (``DistributedDataParallelConfig.overlap_grad_reduce`` False) and gathers before the next forward, so each
+    is a flag; Megatron FSDP sets both from its sharding strategy (validate_args)."""
+    cfg = plan.config
+    if cfg.grad_replicas == 1 or any(f.key == "--use-megatron-fsdp" for f in fields):
+        return
+    dist = "_add_distributed_args"
+    fields.add("--overlap-grad-reduce", True, ("config.dp", "config.cp"), _doc(dist, "--overlap-grad-reduce"),
+               "the gradients reduced in buckets under the last micro-batch's backward, as the plan prices them")
+    if any(f.key == "--use-distributed-optimizer" for f in fields):
+        fields.add("--overlap-param-gather", True, ("config.zero",), _doc(dist, "--overlap-param-gather")
+                   + " (validate_args: with the distributed optimizer and --overlap-grad-reduce)",
+                   "the updated weights' all-gather under the next forward, hidden as the plan prices it")
 
 
 def _offload(plan: "Plan", add, warnings: list[str]) -> None:

@@ -136,6 +136,8 @@ MEGATRON = {   # flag: int, str, FLAG (store_true) or the choices
     # _add_training_args (optimizer CPU offload) and _add_experimental_args (the precision-aware optimizer)
     "--optimizer-cpu-offload": FLAG, "--optimizer-offload-fraction": float, "--overlap-cpu-optimizer-d2h-h2d": FLAG,
     "--use-precision-aware-optimizer": FLAG,
+    # _add_distributed_args: DistributedDataParallelConfig.overlap_grad_reduce, overlap_param_gather
+    "--overlap-grad-reduce": FLAG, "--overlap-param-gather": FLAG,
 }
 TORCHRUN = {"--nnodes": int, "--nproc-per-node": int}
 DEFAULTS = {"--tensor-model-parallel-size": 1, "--pipeline-model-parallel-size": 1, "--context-parallel-size": 1,
@@ -221,6 +223,10 @@ def check_megatron(arrays: dict[str, list[str]], devices: int) -> argparse.Names
         assert args.optimizer in (None, "adam"), "--use-precision-aware-optimizer only supported with adam"
         assert args.use_distributed_optimizer, \
             "--use-precision-aware-optimizer only supported with distributed optimizer"
+    if args.overlap_param_gather:   # validate_args
+        assert args.use_distributed_optimizer or args.use_megatron_fsdp, \
+            "--overlap-param-gather only supported with distributed optimizer or megatron fsdp"
+        assert args.overlap_grad_reduce, "Must use --overlap-param-gather with --overlap-grad-reduce"
     connections = arrays.get("E", [""])[0]
     if args.use_megatron_fsdp:
         assert args.ckpt_format == "fsdp_dtensor", "Megatron FSDP only supports fsdp_dtensor checkpoint format"
@@ -235,7 +241,7 @@ def check_megatron(arrays: dict[str, list[str]], devices: int) -> argparse.Names
 DTYPE_NAMES = ("fp32", "fp16", "bf16")
 DEEPSPEED = {
     "train_batch_size": int, "train_micro_batch_size_per_gpu": int, "gradient_accumulation_steps": int,
-    "zero_optimization": {"stage": (0, 1, 2, 3),   # runtime/zero/offload_config.py: OffloadDeviceEnum, pin_memory
+    "zero_optimization": {"stage": (0, 1, 2, 3), "overlap_comm": bool,   # runtime/zero/offload_config.py: OffloadDeviceEnum, pin_memory
                           "offload_param": {"device": ("none", "cpu", "nvme"), "pin_memory": bool},
                           "offload_optimizer": {"device": ("none", "cpu", "nvme"), "pin_memory": bool}},
     "zero_allow_untested_optimizer": bool, "zero_force_ds_cpu_optimizer": bool,

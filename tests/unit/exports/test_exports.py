@@ -679,7 +679,8 @@ def test_offload_optimizer_writes_the_optimizers_offload_alone(tmp_path):
         assert not any("config.offload" in w for w in off.warnings), stack
     # in the files as the stacks read them
     ds = json.loads(export(offloaded, "deepspeed").text)
-    assert ds["zero_optimization"] == {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    assert ds["zero_optimization"] == {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                                       "overlap_comm": True}
     assert "zero_force_ds_cpu_optimizer" not in ds    # Adam: DeepSpeedCPUAdam, which the warning names
     assert any("DeepSpeedCPUAdam(model.parameters(), lr=...)" in w and "ZeRO-Offload" in w
                for w in export(offloaded, "deepspeed").warnings)
@@ -794,3 +795,52 @@ def test_zero_bubble_schedules_as_each_stack_runs_them(plans, tmp_path):
         result = check_export(dual, stack, tmp_path)
         assert any(w.startswith("config.schedule = 'dualpipev' (zero bubble") for w in result.warnings), stack
     assert any("rather than as dualpipev's V" in w for w in check_export(dual, "megatron", tmp_path).warnings)
+
+
+def test_megatron_overlaps_the_data_parallel_reduction_the_plan_hides(plans, tmp_path):
+    """The plan prices the gradients' reduction (and ZeRO-1's gather of the updated weights) hidden by compute;
+    Megatron-Core runs them after the backward unless told: the export tells it, and only where there is
+    a data-parallel reduction at all."""
+    plan = plans["gpt3-175b_128x8xA100"]
+
+    def keys(config) -> set[str]:
+        changed = dataclasses.replace(plan, config=dataclasses.replace(plan.config, **config))
+        meg = export(changed, "megatron")
+        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.sh"
+        path.write_text(meg.text)
+        schemas.check_megatron(schemas.bash_arrays(str(path)), changed.cluster.devices)
+        return {f.key for f in meg.fields}
+
+    zero0, zero1 = keys(dict(zero=0)), keys(dict(zero=1))
+    assert "--overlap-grad-reduce" in zero0 and "--overlap-param-gather" not in zero0
+    assert {"--overlap-grad-reduce", "--overlap-param-gather", "--use-distributed-optimizer"} <= zero1
+    # no data-parallel replicas: nothing to reduce, nothing written (8 x 16 x 8 on 1,024 devices: dp 8 -> 1)
+    alone = dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, nodes=16),
+                                config=dataclasses.replace(plan.config, dp=1))
+    assert not {f.key for f in export(alone, "megatron").fields} & {"--overlap-grad-reduce", "--overlap-param-gather"}
+    bare = {"T": ["--nnodes", "128", "--nproc-per-node", "8"], "E": [""], "M": ["--micro-batch-size", "1", "--global-batch-size", "1024",
+                                                                       "--overlap-param-gather"]}
+    with pytest.raises(AssertionError, match="only supported with distributed optimizer"):
+        schemas.check_megatron(bare, plan.devices)
+    bare["M"] += ["--use-distributed-optimizer"]
+    with pytest.raises(AssertionError, match="with --overlap-grad-reduce"):
+        schemas.check_megatron(bare, plan.devices)
+
+
+def test_deepspeed_overlaps_the_reduction_where_it_can_and_says_where_it_cannot(plans):
+    plan = plans["llama3-70b_8x8xH100"]
+
+    def ds(**config):   # bf16 gradients of bf16 weights: stage 0 stays stage 0 (the fp32 ones need ZeRO there)
+        return export(dataclasses.replace(plan, config=dataclasses.replace(plan.config, **config),
+                                          precision=dataclasses.replace(plan.precision, grads="bf16")), "deepspeed")
+
+    zero1 = ds(zero=1)
+    assert zero1.field("zero_optimization.overlap_comm").value is True
+    assert any("all-gathers the updated weights after the optimizer step" in w for w in zero1.warnings)
+    schemas.check_deepspeed(json.loads(zero1.text), plan.devices, 1)
+    zero0 = ds(zero=0)
+    assert not any(f.key == "zero_optimization.overlap_comm" for f in zero0.fields)
+    assert any("all-reduces the gradients after the backward" in w for w in zero0.warnings)
+    piped = export(plans["gpt3-175b_128x8xA100"], "deepspeed")
+    assert any("reduces the gradients after the whole pipeline" in w for w in piped.warnings)
+    assert not any(f.key == "zero_optimization.overlap_comm" for f in ds(zero=3).fields)   # stage 3: its default

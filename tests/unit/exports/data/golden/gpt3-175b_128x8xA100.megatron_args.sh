@@ -28,4 +28,5 @@ AUTOPAR_MEGATRON_ARGS=(
     --recompute-granularity selective  # config.recompute: attention's core (--recompute-modules core_attn, the default)
     --fp16  # precision.compute
     --optimizer adam  # precision.optimizer
+    --overlap-grad-reduce  # config.dp, config.cp: the gradients reduced in buckets under the last micro-batch's backward, as the plan prices them
 )
