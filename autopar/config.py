@@ -39,6 +39,7 @@ OFFLOADS: tuple[str, ...] = ("none", "optimizer", "all")
 DTYPE_BYTES: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 KERNELS: tuple[str, ...] = ("eager", "fused", "compiled")
 GRAD_ACCUMULATIONS: tuple[str, ...] = ("autograd", "fused")   # Precision.grad_accumulation
+PARAM_GATHERS: tuple[str, ...] = ("after_step", "overlapped")   # Precision.param_gather
 FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
 """Precision(compute="fp8")'s scaling recipes: torchao's three float8 training recipes (Float8LinearRecipeName)
 and MXFP8 block scaling (32-element blocks, Blackwell and MI355X tensor cores); cost_model/low_precision.py."""
@@ -325,10 +326,18 @@ class Precision:
     accumulates into the gradient buffer in place: Megatron-LM's and Megatron-Core's gradient-accumulation
     fusion, on by default there). Default: "fused" with ``kernels="fused"``, "autograd" otherwise."""
 
+    param_gather: str = "after_step"
+    """When ZeRO-1's data-parallel ranks receive each other's updated weights: "after_step" (gathered, or broadcast
+    from the ranks that stepped them, once the optimizer has stepped, with nothing left to hide it: what ``parallelize``,
+    DeepSpeed's ZeRO-1/2 and Megatron-Core by default run); "overlapped" (bucket by bucket under the next step's
+    forward: Megatron-Core's ``--overlap-param-gather``, which the Megatron-LM export then writes). Only ZeRO-1 has
+    such a gather: ZeRO-2/3 gather weights before each use, inside the step."""
+
     def __post_init__(self) -> None:
         if self.grad_accumulation is None:
             object.__setattr__(self, "grad_accumulation", "fused" if self.kernels == "fused" else "autograd")
         check_choice("grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATIONS)
+        check_choice("param_gather", self.param_gather, PARAM_GATHERS)
         check_choice("compute", self.compute, (*DTYPE_BYTES, "fp8"))
         check_choice("grads", self.grads, tuple(DTYPE_BYTES))
         if self.compute == "fp8":

@@ -202,6 +202,11 @@ def compile_program(plan: Plan, exported: Any, model: nn.Module) -> CompiledProg
                           "weight-gradient GEMMs (Precision(grad_accumulation='fused'), Megatron-LM's fusion); the "
                           "programs autopar compiles add them by autograd, a pass the plan did not price: re-plan with "
                           "Precision(grad_accumulation='autograd') (the default with eager or compiled kernels)")
+    if plan.precision.param_gather == "overlapped" and cfg.zero == 1 and cfg.grad_replicas > 1:
+        raise ConfigError("this plan prices ZeRO-1's gather of the updated weights hidden under the next step's forward "
+                          "(Precision(param_gather='overlapped'), Megatron-Core's --overlap-param-gather); the programs "
+                          "autopar compiles broadcast them after the optimizer step, with nothing to hide them: re-plan "
+                          "with Precision(param_gather='after_step') (the default)")
     graph = graph_of(model, exported)
     check_structure(plan, graph)
     split = split_graph(exported, graph, plan_chunks(plan), param_aliases(model))

@@ -6,10 +6,13 @@ Data parallelism runs over the ``dp * cp`` ranks holding the same dense weights 
 parallel ranks see different tokens of the same sequences, so their gradients are reduced
 together, as Megatron-Core does), expert weights over the ``dp * cp / ep`` ranks holding the
 same experts (expert_parallel.py); ZeRO shards over the same groups. Gradients (ZeRO 0-1) are
-all-reduced (ZeRO 1: reduce-scattered, then the updated weights all-gathered) once per step in
-buckets (``runtime.buckets.dp_bucket_bytes``: DDP's 25 MB, grown with the group as Megatron-Core grows
-them, one collective and one ring latency each) that overlap the backward pass of the last
-micro-batch. With ``o`` the fraction of a
+all-reduced (ZeRO 1: reduce-scattered) once per step in buckets (``runtime.buckets.dp_bucket_bytes``: DDP's
+25 MB, grown with the group as Megatron-Core grows them, one collective and one ring latency each) that
+overlap the backward pass of the last micro-batch. ZeRO-1 then all-gathers the updated weights in the same
+buckets: after the optimizer step, with nothing beside it (``Precision.param_gather`` "after_step", what
+``parallelize``, DeepSpeed and Megatron-Core's default run), or under the next step's first forward
+("overlapped": Megatron-Core's ``--overlap-param-gather``), hidden as the reduction is, with ``F`` for
+``B_last``. With ``o`` the fraction of a
 collective's time that compute issued meanwhile hides (``Link.overlap``: 1 for NCCL, measured
 for gloo, whose threads share the CPU cores) times ``1 - k``, where ``k`` is the compute the
 overlapped collective slows down per second of it (``Device.overlap_slowdown``: its kernels take
@@ -163,18 +166,22 @@ class StepTail:
                 return (micro_batches * (gather + again + rs - o * np.minimum(again + rs, bwd_c)) + edges + tp_sync
                         + scales)
             return gather + edges + micro_batches * (rs - o * np.minimum(rs, bwd_c)) + tp_sync + scales
-        total, buckets = 0.0, 0.0
+        total, buckets, gather = 0.0, 0.0, 0.0
         for n, grp in parts:
             nb = _buckets(n * g_b, grp.size, g_b)
             buckets = buckets + np.where(n > 0, nb, 0.0)
             if cfg.zero == 0:
                 total = total + self.collective(Collective.ALL_REDUCE, n * g_b, grp, nb)
             else:
-                total = total + (self.collective(Collective.REDUCE_SCATTER, n * g_b, grp, nb)
-                                 + self.collective(Collective.ALL_GATHER, n * w_b, grp, nb))
+                total = total + self.collective(Collective.REDUCE_SCATTER, n * g_b, grp, nb)
+                gather = gather + self.collective(Collective.ALL_GATHER, n * w_b, grp, nb)
         buckets = np.maximum(1.0, buckets)
         total = total + tp_sync
-        return total - o * np.minimum(hidden, total - total / buckets)
+        reduced = total - o * np.minimum(hidden, total - total / buckets)
+        if self.precision.param_gather == "overlapped" and not self.cluster.device.is_cpu:
+            # under the next step's first forward, bucket by bucket (a host that runs ahead of its device, as below)
+            return reduced + gather - o * np.minimum(fwd, gather - gather / buckets)
+        return reduced + gather
 
     def dp_floor(self, cfg: ParallelConfig, micro_batches: int, groups: dict[str, GroupPlacement],
                  params: float, experts: float = 0.0) -> float:
@@ -201,7 +208,8 @@ class StepTail:
             return micro_batches * ((1 - o_fwd) * ag + (1 - o) * (ag + rs))
         if cfg.zero == 0:
             return (1 - o) * least(Collective.ALL_REDUCE, g_b)
-        return (1 - o) * (least(Collective.REDUCE_SCATTER, g_b) + least(Collective.ALL_GATHER, w_b))
+        o_gather = o if self.precision.param_gather == "overlapped" and not self.cluster.device.is_cpu else 0.0
+        return (1 - o) * least(Collective.REDUCE_SCATTER, g_b) + (1 - o_gather) * least(Collective.ALL_GATHER, w_b)
 
     def overlap(self, group: GroupPlacement | None) -> float:
         """The fraction of a collective's time compute hides on the links ``group`` uses, net of the

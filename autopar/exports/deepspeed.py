@@ -31,8 +31,9 @@ accumulation steps divided to keep the batch), tensor-parallel experts (AutoEP's
 ``expert_tensor_parallel_size`` must be 1) and ZeRO-2/3 with a pipeline (``PipelineEngine``: "ZeRO-2 and
 ZeRO-3 are incompatible with pipeline parallelism"), written as ZeRO-1 with the memory that adds.
 The data-parallel reduction is hidden by compute as the plan prices it only with ZeRO 1-2's ``overlap_comm``
-(written) and stage 3's default; the pipeline engine reduces after the pipeline, stage 0 after the backward,
-and ZeRO 1-2 gather the updated weights after the step: each said.
+(written) and stage 3's default; the pipeline engine reduces after the pipeline and stage 0 after the backward,
+each said, as is a plan that priced ZeRO-1's gather of the updated weights overlapped (DeepSpeed gathers after
+the step, the plan's default "after_step").
 """
 
 from __future__ import annotations
@@ -142,8 +143,9 @@ def export(plan: "Plan") -> Export:
 
 def _overlap(plan: "Plan", zero: int, ranks: int, add, warnings: list[str]) -> None:
     """The data-parallel reduction hidden by compute, as the plan prices it (cost_model/step_tail.py: buckets under
-    the last micro-batch's backward, ZeRO-1's gather of the updated weights hidden too): ``overlap_comm`` where
-    DeepSpeed can (ZeRO stages 1 and 2 without a pipeline; stage 3 overlaps by default); said where it cannot."""
+    the last micro-batch's backward): ``overlap_comm`` where DeepSpeed can (ZeRO stages 1 and 2 without a pipeline;
+    stage 3 overlaps by default); said where it cannot, and where the plan hid ZeRO-1's gather of the updated
+    weights (``Precision.param_gather`` "overlapped"), which DeepSpeed runs after the step."""
     hidden = "which the plan prices hidden under the last micro-batch's backward"
     if plan.config.pp > 1:
         warnings.append(f"data parallelism over {ranks} ranks with pp = {plan.config.pp}: DeepSpeed's pipeline engine "
@@ -162,9 +164,11 @@ def _overlap(plan: "Plan", zero: int, ranks: int, add, warnings: list[str]) -> N
             CONFIG_JSON + " zero_optimization.overlap_comm; deepspeed/runtime/zero/config.py "
             "DeepSpeedZeroConfig.overlap_comm (false by default below stage 3)",
             "the gradients reduced under the backward, as the plan prices them")
-        warnings.append(f"config.zero = {zero}: DeepSpeed all-gathers the updated weights after the optimizer step "
-                        "(runtime/zero/stage_1_and_2.py step), which the plan prices hidden by compute as Megatron-Core's "
-                        "--overlap-param-gather runs it: that gather adds to the step in DeepSpeed")
+        if plan.precision.param_gather == "overlapped" and plan.config.zero == 1:
+            warnings.append("precision.param_gather = 'overlapped': DeepSpeed all-gathers the updated weights after the "
+                            "optimizer step (runtime/zero/stage_1_and_2.py step), which the plan prices hidden under the "
+                            "next forward as Megatron-Core's --overlap-param-gather runs it: that gather adds to the step "
+                            "in DeepSpeed (re-plan with Precision(param_gather='after_step'))")
 
 
 def _offload(plan: "Plan", zero: int, add, warnings: list[str]) -> None:

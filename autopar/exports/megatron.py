@@ -35,10 +35,10 @@ Every flag is one of ``megatron/training/arguments.py`` (its argument groups ``_
   That is the plan's ``offload = "optimizer"`` (ZeRO-0 written as the distributed optimizer, which the
   precision-aware optimizer needs, and said so); for ``"all"`` (the offloaded ZeRO-3) the parameters and
   their gradients stay on the GPU, and the memory that adds is said.
-- data-parallel overlap: ``--overlap-grad-reduce`` (and with the distributed optimizer
-  ``--overlap-param-gather``) whenever gradients have replicas, since the plan prices the reduction, and the
-  updated weights' gather, hidden by compute; Megatron-Core's defaults run them after the backward and
-  before the next forward.
+- data-parallel overlap: ``--overlap-grad-reduce`` whenever gradients have replicas, since the plan prices
+  the reduction hidden by the backward (Megatron-Core's default runs it after); with the distributed optimizer
+  and ``precision.param_gather = "overlapped"``, ``--overlap-param-gather`` (the updated weights gathered under
+  the next forward; "after_step", the default, is Megatron-Core's default).
 - precision: ``--bf16`` / ``--fp16``, gradients reduced in fp32 (``--accumulate-allreduce-grads-in-fp32``)
   or bf16 (``--grad-reduce-in-bf16``), ``--optimizer adam|sgd``; ``--no-gradient-accumulation-fusion`` when the
   plan priced the micro-batches' gradients added by autograd (``precision.grad_accumulation``).
@@ -232,18 +232,18 @@ def _zero(plan: "Plan", add, warnings: list[str]) -> None:
 
 def _overlap(plan: "Plan", fields: Fields) -> None:
     """The data-parallel gradient reduction under the backward pass, as the plan prices it (cost_model/step_tail.py:
-    buckets that overlap the last micro-batch's backward; the distributed optimizer's all-gather of the updated
-    weights likewise hidden by compute). Megatron-Core reduces after the backward by default
-    (``DistributedDataParallelConfig.overlap_grad_reduce`` False) and gathers before the next forward, so each
-    is a flag; Megatron FSDP sets both from its sharding strategy (validate_args)."""
+    buckets that overlap the last micro-batch's backward), and with ``Precision(param_gather="overlapped")`` the
+    distributed optimizer's all-gather of the updated weights under the next forward. Megatron-Core reduces after
+    the backward by default (``DistributedDataParallelConfig.overlap_grad_reduce`` False) and gathers after the
+    step (the plan's "after_step"), so each is a flag; Megatron FSDP sets both from its sharding strategy."""
     cfg = plan.config
     if cfg.grad_replicas == 1 or any(f.key == "--use-megatron-fsdp" for f in fields):
         return
     dist = "_add_distributed_args"
     fields.add("--overlap-grad-reduce", True, ("config.dp", "config.cp"), _doc(dist, "--overlap-grad-reduce"),
                "the gradients reduced in buckets under the last micro-batch's backward, as the plan prices them")
-    if any(f.key == "--use-distributed-optimizer" for f in fields):
-        fields.add("--overlap-param-gather", True, ("config.zero",), _doc(dist, "--overlap-param-gather")
+    if plan.precision.param_gather == "overlapped" and any(f.key == "--use-distributed-optimizer" for f in fields):
+        fields.add("--overlap-param-gather", True, ("precision.param_gather",), _doc(dist, "--overlap-param-gather")
                    + " (validate_args: with the distributed optimizer and --overlap-grad-reduce)",
                    "the updated weights' all-gather under the next forward, hidden as the plan prices it")
 

@@ -277,3 +277,15 @@ def test_loss_fn_reads_keys_forward_does_not_take(world) -> None:
     assert torch.allclose(loss, want, rtol=1e-6)   # the same ops in the same order: fp32 rounding only
     for name, p in model.named_parameters():
         assert torch.allclose(grads[name], p.grad, rtol=1e-5, atol=1e-7), name
+
+
+def test_parallelize_refuses_a_plan_priced_with_overlapped_param_gather(world, plan) -> None:
+    """A ZeRO-1 plan that priced the updated weights' gather hidden under the next forward (Megatron-Core's
+    --overlap-param-gather) would run slower than priced here, where they are broadcast after the step: refused,
+    saying what to re-plan with, before anything is built: by compile_program, which parallelize and the standalone
+    folder both compile through (called here as they call it, so that two replicas need no two ranks)."""
+    zero1 = dataclasses.replace(plan, config=dataclasses.replace(plan.config, dp=2, zero=1),
+                                precision=dataclasses.replace(plan.precision, param_gather="overlapped"))
+    from autopar.codegen.compile import compile_program
+    with pytest.raises(ConfigError, match=r"Precision\(param_gather='after_step'\)"):
+        compile_program(zero1, None, make_model())

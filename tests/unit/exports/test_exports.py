@@ -813,7 +813,10 @@ def test_megatron_overlaps_the_data_parallel_reduction_the_plan_hides(plans, tmp
 
     zero0, zero1 = keys(dict(zero=0)), keys(dict(zero=1))
     assert "--overlap-grad-reduce" in zero0 and "--overlap-param-gather" not in zero0
-    assert {"--overlap-grad-reduce", "--overlap-param-gather", "--use-distributed-optimizer"} <= zero1
+    assert {"--overlap-grad-reduce", "--use-distributed-optimizer"} <= zero1 and "--overlap-param-gather" not in zero1
+    plan = dataclasses.replace(plan, precision=dataclasses.replace(plan.precision, param_gather="overlapped"))
+    assert {"--overlap-grad-reduce", "--overlap-param-gather", "--use-distributed-optimizer"} <= keys(dict(zero=1))
+    assert "--overlap-param-gather" not in keys(dict(zero=0))
     # no data-parallel replicas: nothing to reduce, nothing written (8 x 16 x 8 on 1,024 devices: dp 8 -> 1)
     alone = dataclasses.replace(plan, cluster=dataclasses.replace(plan.cluster, nodes=16),
                                 config=dataclasses.replace(plan.config, dp=1))
@@ -836,7 +839,11 @@ def test_deepspeed_overlaps_the_reduction_where_it_can_and_says_where_it_cannot(
 
     zero1 = ds(zero=1)
     assert zero1.field("zero_optimization.overlap_comm").value is True
-    assert any("all-gathers the updated weights after the optimizer step" in w for w in zero1.warnings)
+    assert not any("all-gathers the updated weights" in w for w in zero1.warnings)    # after the step, as priced
+    overlapped = export(dataclasses.replace(plan, config=dataclasses.replace(plan.config, zero=1),
+                                            precision=dataclasses.replace(plan.precision, param_gather="overlapped")),
+                        "deepspeed")
+    assert any("all-gathers the updated weights after the optimizer step" in w for w in overlapped.warnings)
     schemas.check_deepspeed(json.loads(zero1.text), plan.devices, 1)
     zero0 = ds(zero=0)
     assert not any(f.key == "zero_optimization.overlap_comm" for f in zero0.fields)
