@@ -35,11 +35,12 @@ A100_KERNEL_OVERHEAD = 5e-6
 
 # H100 SXM, H200 and H800 (same compute die): fitted on Meta's three Llama 3 405B rows, attention priced at
 # FlashAttention-2's speed (below), gradients accumulated over micro-batches by autograd (a PyTorch FSDP
-# stack; bench/data/published_runs.json says why). 0.765 x 989 is 757 TFLOP/s, 0.952 of the 794.5 a large
+# stack, whose FSDP gathers the weights under the forward; bench/data/published_runs.json says why). 0.76 x 989 is
+# 752 TFLOP/s, 0.946 of the 794.5 a large
 # bf16 GEMM reaches at its best shape (the public MAMF table below): Meta's 2024 stack loses little beyond its
 # kernels, where Megatron-LM's 2021 one ran at four fifths of the A100's (0.715 x 312 = 223 of about 280). Checked out of sample
 # on a measured H200 (BENCHMARKS.md, one GPU): eager steps within 5%.
-H100_MATMUL_EFFICIENCY = 0.765
+H100_MATMUL_EFFICIENCY = 0.76
 H100_MATMUL_HALF_DIM = 64.0
 H100_MEMORY_EFFICIENCY = 0.8
 H100_KERNEL_OVERHEAD = 5e-6
@@ -76,8 +77,8 @@ SM_COUNT = {"V100": 80, "A100": 108, "H100": 132, "B200": 148}
 # matmul_efficiency: the share of the dense bf16 peak a large GEMM reaches on the part (the "maximum
 # achievable matmul FLOPS" table of stas00/ml-engineering, compute/accelerator/README.md: torch.matmul at
 # the best of a search over shapes, the mean of 100 runs), times what a training stack keeps of that on the
-# one part with both figures: the H100's fitted 0.765 against its 794.5 TFLOP/s of 989 there (STACK_SHARE,
-# 0.952). No training run checks these (bench/new_presets.py prints them; BENCHMARKS.md lists them among
+# one part with both figures: the H100's fitted 0.76 against its 794.5 TFLOP/s of 989 there (STACK_SHARE,
+# 0.946). No training run checks these (bench/new_presets.py prints them; BENCHMARKS.md lists them among
 # the unmeasured). H800: the H100's die and constants.
 STACK_SHARE = H100_MATMUL_EFFICIENCY / (794.5e12 / 989e12)
 B200_MATMUL_EFFICIENCY = 1745.0e12 / 2.25e15 * STACK_SHARE      # B200 SXM: 1,745 of 2,250
