@@ -8,19 +8,10 @@ from __future__ import annotations
 import pytest
 
 from autopar import Cluster, ConfigError, ParallelConfig, Precision
-from autopar.capture import capture
 from autopar.cost_model import Estimator, estimate_plan
 from autopar.cost_model.comm import Collective
 from autopar.cost_model.layer_cost import LayerCostModel
 from autopar.cost_model.step_tail import _buckets
-from autopar.models import GPTConfig, build_gpt
-
-
-@pytest.fixture(scope="module")
-def graph():
-    model, inputs = build_gpt(GPTConfig(vocab_size=4096, hidden=1024, heads=8, layers=4, seq_len=1024),
-                              batch_size=1, device="meta")
-    return capture(model, inputs)
 
 
 def test_default_and_choices():
