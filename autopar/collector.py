@@ -21,10 +21,10 @@ from typing import Iterator
 def collector_paused() -> Iterator[None]:
     """The cyclic collector off inside the block, and as it was before after it (nested blocks and a caller
     that had it off already keep it off)."""
-    paused = gc.isenabled()
+    was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        if paused:
+        if was_enabled:
             gc.enable()

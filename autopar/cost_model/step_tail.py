@@ -177,11 +177,9 @@ class StepTail:
                 gather = gather + self.collective(Collective.ALL_GATHER, n * w_b, grp, nb)
         buckets = np.maximum(1.0, buckets)
         total = total + tp_sync
-        reduced = total - o * np.minimum(hidden, total - total / buckets)
-        if self.precision.param_gather == "overlapped" and not self.cluster.device.is_cpu:
-            # under the next step's first forward, bucket by bucket (a host that runs ahead of its device, as below)
-            return reduced + gather - o * np.minimum(fwd, gather - gather / buckets)
-        return reduced + gather
+        # ZeRO-1's gather: hidden under the next step's first forward, bucket by bucket, or after the step, exposed
+        return (total - o * np.minimum(hidden, total - total / buckets)
+                + gather - self._gather_overlap(o) * np.minimum(fwd, gather - gather / buckets))
 
     def dp_floor(self, cfg: ParallelConfig, micro_batches: int, groups: dict[str, GroupPlacement],
                  params: float, experts: float = 0.0) -> float:
@@ -208,8 +206,14 @@ class StepTail:
             return micro_batches * ((1 - o_fwd) * ag + (1 - o) * (ag + rs))
         if cfg.zero == 0:
             return (1 - o) * least(Collective.ALL_REDUCE, g_b)
-        o_gather = o if self.precision.param_gather == "overlapped" and not self.cluster.device.is_cpu else 0.0
-        return (1 - o) * least(Collective.REDUCE_SCATTER, g_b) + (1 - o_gather) * least(Collective.ALL_GATHER, w_b)
+        return ((1 - o) * least(Collective.REDUCE_SCATTER, g_b)
+                + (1 - self._gather_overlap(o)) * least(Collective.ALL_GATHER, w_b))
+
+    def _gather_overlap(self, o: float) -> float:
+        """The share of ZeRO-1's gather of the updated weights that compute hides: ``o`` under the next forward
+        (Precision.param_gather "overlapped"; a host that runs ahead of its device, so not on a CPU, as ZeRO-2/3's
+        forward prefetch), none after the step ("after_step")."""
+        return o if self.precision.param_gather == "overlapped" and not self.cluster.device.is_cpu else 0.0
 
     def overlap(self, group: GroupPlacement | None) -> float:
         """The fraction of a collective's time compute hides on the links ``group`` uses, net of the
