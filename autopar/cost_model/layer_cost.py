@@ -88,7 +88,7 @@ def compute_shard(node: OpNode, layout: TPLayout, sequence_parallel: bool) -> in
     """Divisor of the node's compute under the layout."""
     if node.params and node.params[0] in layout.split_params:
         return layout.tp
-    return layout.shard(node.name, sequence_parallel) if node.batch_dependent or layout.state.get(
+    return layout.work_shard(node.name, sequence_parallel) if node.batch_dependent or layout.state.get(
         node.name) == Work.SPLIT else 1
 
 

@@ -23,7 +23,8 @@ Rules (Shoeybi et al. 2019, Megatron-LM section 3):
 - an embedding of the batch's tokens is vocabulary parallel: output ``R`` after a forward
   all-reduce (a table looked up by batch-independent indices, as positions, stays whole);
 - a loss on ``S`` logits is the vocabulary-parallel cross entropy (three all-reduces of
-  one value per token: the max, the target logit, the exp-sum);
+  one value per token: the max, the target logit, the exp-sum): its output is ``R``, but each
+  rank computes it from its ``1/t`` of the logits (``TPLayout.split_work``);
 - any other op with an ``S`` input is ``S`` (it works on its shard), unless it also reads
   an ``R`` activation or normalises/reduces its input, in which case the ``S`` input is
   all-gathered first (a cost, never silently wrong);
@@ -92,14 +93,23 @@ class TPLayout:
     strategy: Mapping[str, str] = field(default_factory=dict)    # node -> strategy name (solver layouts)
     sequence_split: frozenset[str] = frozenset()  # R nodes sequence parallelism splits (splits_along_sequence)
     kept_whole: tuple[str, ...] = ()  # matmul / conv / embedding weights that could split but are kept whole
+    # R nodes each rank computes from 1/t of their inputs, then all-reduces (the vocabulary-parallel
+    # cross entropy, a reduction over a split dim): their work and what they keep inside divide by t
+    split_work: frozenset[str] = frozenset()
 
     def shard(self, name: str, sequence_parallel: bool) -> int:
-        """Divisor of a node's compute and activations."""
-        base = name.split(":")[0]
+        """Divisor of a node's output and activations (``name``), or of a tensor a node keeps inside
+        (``"node:part"``: the log-probabilities of a cross entropy)."""
+        base, _, part = name.partition(":")
         st = self.state.get(base, Work.WHOLE)
-        if st == Work.SPLIT or (st == Work.WHOLE and sequence_parallel and base in self.sequence_split):
+        if (st == Work.SPLIT or (part and base in self.split_work)
+                or (st == Work.WHOLE and sequence_parallel and base in self.sequence_split)):
             return self.tp
         return 1
+
+    def work_shard(self, name: str, sequence_parallel: bool) -> int:
+        """Divisor of a node's compute: its output's, or ``t`` for a node of ``split_work``."""
+        return self.tp if name in self.split_work else self.shard(name, sequence_parallel)
 
 
 def splits_along_sequence(node: OpNode, tp: int) -> bool:
@@ -170,6 +180,7 @@ def megatron_layout(graph: OpGraph, tp: int) -> TPLayout:
     replicated: list[str] = []
     comms: dict[int, list[TPComm]] = {}
     f_inputs: set[str] = set()  # R tensors feeding column-parallel matmuls (one bwd all-reduce each)
+    split_work: set[str] = set()
 
     def split_numel(node: OpNode) -> int:
         """Elements of the node's split (S) inputs: what gathering them moves."""
@@ -218,6 +229,7 @@ def megatron_layout(graph: OpGraph, tp: int) -> TPLayout:
             for _ in range(3):
                 add(node, "all_reduce", "fwd", rows)
             state[node.name] = Work.WHOLE
+            split_work.add(node.name)
         elif has_s and (act_r or node.kind in (OpKind.NORM, OpKind.REDUCTION, OpKind.LOSS)):
             add(node, "all_gather", "fwd", split_numel(node))
             state[node.name] = Work.WHOLE
@@ -228,4 +240,5 @@ def megatron_layout(graph: OpGraph, tp: int) -> TPLayout:
         else:
             state[node.name] = Work.CONST
     return TPLayout(tp, state, frozenset(split), {k: tuple(v) for k, v in comms.items()},
-                    tuple(dict.fromkeys(replicated)), sequence_split=sequence_split_nodes(graph, state, tp))
+                    tuple(dict.fromkeys(replicated)), sequence_split=sequence_split_nodes(graph, state, tp),
+                    split_work=frozenset(split_work))

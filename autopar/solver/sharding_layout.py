@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 from ..capture.opgraph import Layer, OpGraph, OpNode
 from ..cost_model.tensor_parallel import TPComm, TPLayout, Work, sequence_split_nodes
 from ..errors import AutoparError
-from .sharding_problem import GroupProblem, Realised, layout_state, realise
+from .sharding_problem import GroupProblem, Realised, layout_state, realise, splits_work
 from ..plan.placement import Placement, Replicate
 from .strategies import Comm, Strategy
 
@@ -119,7 +119,8 @@ def evaluate_layout(solution: GroupSolution, layout: TPLayout) -> Realised:
         best, best_cost = None, 0.0
         for j, s in enumerate(gp.strategies[k]):
             mine = bool(node.params) and node.params[0] in s.split_params
-            if mine != split or (layout_state(node, s) == Work.SPLIT) != (state == Work.SPLIT):  # WHOLE, CONST alike
+            if (mine != split or (layout_state(node, s) == Work.SPLIT) != (state == Work.SPLIT)  # WHOLE, CONST alike
+                    or splits_work(s) != (node.name in layout.split_work)):
                 continue
             keys = [(gp.strategies[e.u][choice[e.u]].output, s.inputs[e.i]) for e in into.get(k, [])]
             if any(key not in e.costs for key, e in zip(keys, into.get(k, []))):
@@ -150,6 +151,7 @@ def assemble(graph: OpGraph, tp: int, solutions: Sequence[GroupSolution]) -> TPL
     comms: dict[int, list[TPComm]] = {}
     gemm: dict[str, str] = {}
     names: dict[str, str] = {}
+    split_work: set[str] = set()
     for sol in solutions:
         maps = [({}, {})] + [(nm, pm) for _, nm, pm in sol.group.copies]
         chosen = [sol.problem.strategies[k][j] for k, j in enumerate(sol.result.choice)]
@@ -161,6 +163,8 @@ def assemble(graph: OpGraph, tp: int, solutions: Sequence[GroupSolution]) -> TPL
                 target = graph.node(name)
                 state[name] = layout_state(target, s)
                 names[name] = s.name
+                if splits_work(s):
+                    split_work.add(name)
                 if s.gemm and target.gemm is not None:
                     gemm[name] = s.gemm
                 split.update(pmap.get(p, p) for p, d in s.params if d is not None)
@@ -178,7 +182,8 @@ def assemble(graph: OpGraph, tp: int, solutions: Sequence[GroupSolution]) -> TPL
     replicated = [p for p in dict.fromkeys(replicated) if p not in split]
     whole = [p for p in dict.fromkeys(whole) if p not in split and p not in replicated]
     return TPLayout(tp, state, frozenset(split), {k: tuple(v) for k, v in sorted(comms.items())},
-                    tuple(replicated), gemm, names, sequence_split_nodes(graph, state, tp), tuple(whole))
+                    tuple(replicated), gemm, names, sequence_split_nodes(graph, state, tp), tuple(whole),
+                    frozenset(split_work))
 
 
 def _weight(graph: OpGraph, node: OpNode, strategies: Sequence[Strategy]) -> tuple[str, bool] | None:

@@ -104,7 +104,8 @@ class Pricing:
     def compute(self, node: OpNode, s: Strategy) -> tuple[float, float]:
         """(forward, backward) seconds of ``node`` under ``s``, through the cost model's own functions."""
         stub = TPLayout(self.tp, {node.name: layout_state(node, s)}, s.split_params, {}, (),
-                        {node.name: s.gemm} if s.gemm else {})
+                        {node.name: s.gemm} if s.gemm else {},
+                        split_work=frozenset({node.name}) if splits_work(s) else frozenset())
         t = self.model.op_time(node, self.scale, compute_shard(node, stub, False), split_dim(node, stub), self.fused)
         return t.fwd, t.bwd
 
@@ -121,6 +122,13 @@ def layout_state(node: OpNode, s: Strategy) -> Work:
     if isinstance(s.output, Shard) or (s.output == P and not (node.params and node.params[0] in s.split_params)):
         return Work.SPLIT
     return Work.CONST if not node.batch_dependent else Work.WHOLE
+
+
+def splits_work(s: Strategy) -> bool:
+    """Whether each rank computes the op from ``1/t`` of its inputs while its output stays whole: a ``Shard``
+    input, an ``R`` output its own all-reduce joins (the vocabulary-parallel cross entropy, a loss split by
+    rows, a reduction over a split dim): ``TPLayout.split_work``."""
+    return s.output == R and any(isinstance(p, Shard) for p in s.inputs)
 
 
 @dataclass(frozen=True)
@@ -265,7 +273,7 @@ def _price_node(ctx: OpContext, pricing: Pricing, prob: GroupProblem, k: int, no
                 own += reshard_comms(boundary.of(ctx, name, pricing.tp), s.inputs[i], meta.numel, bd,
                                      ctx.requires_grad(name), ctx.is_const(name), s.const) or ()
         t = fwd + bwd + sum(pricing.comm(c) for c in own)
-        mem = saved_bytes / (pricing.tp if layout_state(node, s) == Work.SPLIT else 1)
+        mem = saved_bytes / (pricing.tp if layout_state(node, s) == Work.SPLIT or splits_work(s) else 1)
         for p, d in s.params:
             if readers.get(p, 0) == 1:
                 mem += ctx.param_meta[p].numel * pricing.param_bytes / (pricing.tp if d is not None else 1)

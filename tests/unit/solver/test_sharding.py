@@ -17,7 +17,7 @@ import torch
 from autopar.capture import capture
 from autopar.cluster import Cluster
 from autopar.config import Precision
-from autopar.cost_model.layer_cost import LayerCostModel
+from autopar.cost_model.layer_cost import LayerCostModel, compute_shard
 from autopar.cost_model.tensor_parallel import Work, megatron_layout, replicated_layout
 from autopar.errors import AutoparError, ConfigError
 from autopar.models import GPTConfig, LlamaConfig, build_gpt, build_llama, registry
@@ -119,6 +119,26 @@ def test_gpt_head_and_tied_embedding_are_vocab_parallel(gpt):
     assert tok["strategy"] == "vocab" and tok["params"] == {"embed.tok.weight": 0}
     assert _one(graph, ops, "final_norm")["strategy"] == "replicate"
     assert "embed.tok.weight" in solver.layout(8, "fast").split_params
+
+
+def test_the_vocab_parallel_loss_computes_and_keeps_its_shard_of_the_scores(gpt):
+    """Its output is whole (the loss, after three all-reduces of one value per token), but each rank
+    makes its passes over, and keeps the log-probabilities of, 1/t of the vocabulary: priced so by the
+    ILP's layout and by Megatron's rules alike."""
+    graph, solver = gpt
+    (loss,) = [n for n in graph.nodes if n.kind.value == "loss"]
+    kept = next(st.root for st in loss.saved if ":" in st.root)
+    for layout in (solver.layout(8, "fast"), megatron_layout(graph, 8)):
+        assert layout.state[loss.name] is Work.WHOLE and loss.name in layout.split_work
+        assert compute_shard(loss, layout, False) == 8
+        assert layout.shard(kept, False) == 8 and layout.shard(loss.name, False) == 1
+    head = graph.layers[graph.node(loss.name).layer]
+    whole = LayerCostModel(graph, Cluster.from_spec(A100x8), Precision(), layout_fn=lambda g, tp: replicated_layout(g))
+    split = LayerCostModel(graph, Cluster.from_spec(A100x8), Precision(), layout_fn=solver.layout_fn("fast"))
+    # the divisor the layer's pricing hands the loss's op time
+    priced = {t: next(shard for node, shard, _, _ in m._node_facts(head, t, False) if node is loss)
+              for t, m in ((1, whole), (8, split))}
+    assert priced == {1: 1, 8: 8}
 
 
 def test_llama_block_is_megatron(llama):
