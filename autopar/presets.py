@@ -21,14 +21,14 @@ from .hardware import Device, Fabric, Host, Link, Protocol
 # of HBM bandwidth a streaming kernel reaches; kernel_overhead: fixed seconds per kernel launch.
 # Fitted on the two public V100 rows (Shoeybi et al. 2019: a 1.2B GPT-2 on one V100, 8.3B on 512;
 # bench/fidelity_published.py). Two rows from one source: the least-supported constant set here.
-V100_MATMUL_EFFICIENCY = 0.57
+V100_MATMUL_EFFICIENCY = 0.565
 V100_MATMUL_HALF_DIM = 64.0
 V100_MEMORY_EFFICIENCY = 0.8
 V100_KERNEL_OVERHEAD = 5e-6
 
 # Fitted on the public A100 rows (Megatron SC21 Table 1, the README TP table, MegaScale's Megatron-LM
 # run; bench/fidelity_published.py): minimises the mean squared log error of the published metric.
-A100_MATMUL_EFFICIENCY = 0.715
+A100_MATMUL_EFFICIENCY = 0.705
 A100_MATMUL_HALF_DIM = 64.0
 A100_MEMORY_EFFICIENCY = 0.8
 A100_KERNEL_OVERHEAD = 5e-6
@@ -38,7 +38,7 @@ A100_KERNEL_OVERHEAD = 5e-6
 # stack, whose FSDP gathers the weights under the forward; bench/data/published_runs.json says why). 0.76 x 989 is
 # 752 TFLOP/s, 0.946 of the 794.5 a large
 # bf16 GEMM reaches at its best shape (the public MAMF table below): Meta's 2024 stack loses little beyond its
-# kernels, where Megatron-LM's 2021 one ran at four fifths of the A100's (0.715 x 312 = 223 of about 280). Checked out of sample
+# kernels, where Megatron-LM's 2021 one ran at four fifths of the A100's (0.705 x 312 = 220 of about 280). Checked out of sample
 # on a measured H200 (BENCHMARKS.md, one GPU): eager steps within 5%.
 H100_MATMUL_EFFICIENCY = 0.76
 H100_MATMUL_HALF_DIM = 64.0
