@@ -10,8 +10,8 @@ The folder holds
   values it sends to the spec they cross the cut in;
 - ``train.py`` (standalone_train.py, copied): torchrun entry point: process groups (the runtime's Mesh:
   the mesh the plan was priced on and ``parallelize`` builds), the model from the user's factory, each
-  rank's shards of its weights, FSDP2 for ZeRO-2/3, the pipeline schedule, gradient reductions, AdamW,
-  the loss file, sharded checkpoints;
+  rank's shards of its weights, FSDP2 for ZeRO-2/3, the pipeline schedule, gradient reductions, AdamW
+  (under ZeRO-1 partitioned over the replicas, as ``parallelize``'s), the loss file, sharded checkpoints;
 - ``autopar_runtime/``: autopar's runtime library (autopar/runtime, :data:`autopar.runtime.STANDALONE`,
   torch alone), the same files ``parallelize`` runs: the pipeline executor, the collectives and sharded
   ops the generated layers call, context parallelism's ops and ring attention, the checkpoint format

@@ -179,12 +179,24 @@ def main():
                 module.compile()
     parameters = list({id(p): p for c in chunks.values() for p in c.parameters()}.values())
     adamw = lambda ps: torch.optim.AdamW(ps, lr=args.lr)   # noqa: E731
-    # offloaded, the states and the step on the host, over copies of the weights (optim.HostOptimizer)
-    optimizer = optim.HostOptimizer(parameters, adamw, P.MASTER_WEIGHTS) if P.OFFLOAD == "optimizer" else adamw(parameters)
-    if args.compile:   # and its step, from the second on (optim.py)
+    make = adamw
+    if P.OFFLOAD == "optimizer":   # the states and the step on the host, over copies of the weights (optim.HostOptimizer)
+        make = lambda ps: optim.HostOptimizer(ps, adamw, P.MASTER_WEIGHTS)   # noqa: E731
+    if P.ZERO == 1 and REPLICAS > 1:   # ZeRO-1: each replica keeps the states of, and steps, its share of the
+        # parameters, then sends what it stepped to the others (data_parallel.Zero1Optimizer, as parallelize's)
+        replicas = g.dp.get_group()
+        optimizer = data_parallel.Zero1Optimizer([(parameters, replicas, dist.get_process_group_ranks(replicas))],
+                                                 make, rank, args.timeout)
+        if rank == 0:
+            print(f"ZeRO-1: rank 0 keeps the optimizer states of {len(optimizer.mine)} of its {len(optimizer.params)} "
+                  "parameters", flush=True)
+    else:
+        optimizer = make(parameters)
+    if args.compile and optim.innermost(optimizer) is not None:   # and its step, from the second on (optim.py)
         optim.compile_step(optim.innermost(optimizer), "inductor")
     named = {fqn: p for c in chunks.values() for fqn, p in _named(c).items()}
-    stepped = optimizer.stepped(named) if P.OFFLOAD == "optimizer" else named   # what the checkpoint's state names
+    host = optim.wrapped(optimizer, optim.HostOptimizer)
+    stepped = host.stepped(named) if host is not None else named   # what the checkpoint's state names
 
     io = {c: pipeline.ChunkIO(*P.CHUNK_IO[c]) for c in P.CHUNK_IO}
     values = {v: pipeline.Value(prod, readers, shape, getattr(torch, dtype.removeprefix("torch.")), grad)
@@ -219,8 +231,8 @@ def main():
     if args.resume:   # collective: every rank reads its own shards, resharded to this plan
         start = dcp_state.resume(dcp_state.latest(args.resume), named, stepped, optim.innermost(optimizer), present,
                                  lambda fqn, p: shapes[fqn], {}) or 0
-        if P.OFFLOAD == "optimizer":   # the host copies of the weights just loaded
-            optimizer.reload()
+        if host is not None:   # the host copies of the weights just loaded
+            host.reload()
         if rank == 0:
             print(f"resumed from {args.resume} at step {start}", flush=True)
     # the weights FSDP2 gathers in fp8: their scales refreshed before each step's first gather (fp8.py)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -37,6 +38,8 @@ CASES = {   # name -> (ranks, pinned fields)
     "tp2_sp": (2, dict(tp=2, sequence_parallel=True, recompute="op")),
     "pp2_1f1b": (2, dict(pp=2, micro_batch_size=1)),
     "dp2_zero3": (2, dict(dp=2, zero=3, micro_batch_size=2)),
+    # ZeRO-1: each replica keeps and steps the states of its share, checkpointed and resumed by their owners
+    "dp2_zero1": (2, dict(dp=2, zero=1, micro_batch_size=2)),
     "cp2": (2, dict(cp=2, micro_batch_size=2)),   # ring attention; gradients averaged over the cp ranks
     # built on the meta device: each stage gives values to its own parameters and buffers (rotary tables)
     "pp2_meta": (2, dict(pp=2, micro_batch_size=2)),
@@ -164,7 +167,7 @@ def runs(hook, tmp_path_factory):
     import autopar
     from autopar import Cluster
     root = tmp_path_factory.mktemp("standalone")
-    texts, items = {}, {}
+    texts, items, printed = {}, {}, {}
     torch.manual_seed(0)
     for name, (world, config) in CASES.items():
         factory = FACTORY[name]
@@ -187,14 +190,15 @@ def runs(hook, tmp_path_factory):
                               "--master-port", str(free_port()), str(driver), *folders], env=hook, cwd=root,
                              capture_output=True, text=True, timeout=900)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        printed[world] = run.stdout
     return {name: (texts[name], [float(x) for x in (root / (name + ".losses")).read_text().split()],
-                   root / name / "ckpt" / "step00000001") for name in CASES}
+                   root / name / "ckpt" / "step00000001", printed[CASES[name][0]]) for name in CASES}
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_standalone_program_trains_like_one_process(name, runs, references):
     import autopar
-    text, got, checkpoint = runs[name]
+    text, got, checkpoint, printed = runs[name]
     losses, after_first = references[name]
     assert "import autopar" not in text and "class Chunk0(torch.nn.Module)" in text
     if name.startswith("tp2") and CASES[name][1].get("sequence_parallel"):
@@ -219,6 +223,10 @@ def test_standalone_program_trains_like_one_process(name, runs, references):
     if name.endswith("_dualpipev"):
         assert "B3.1" in text and "B0.0" in text
     assert (f"OFFLOAD, MASTER_WEIGHTS = {CASES[name][1].get('offload', 'none')!r}," in text)
+    assert f"ZERO, MICRO_BATCH_SIZE, MICRO_BATCHES, GLOBAL_BATCH = {CASES[name][1].get('zero', 0)}," in text
+    if name == "dp2_zero1":   # the states partitioned as the plan priced them, not kept whole on every replica
+        kept = re.findall(r"ZeRO-1: rank 0 keeps the optimizer states of (\d+) of its (\d+) parameters", printed)
+        assert kept and all(0 < int(a) < int(b) for a, b in kept), printed[-2000:]
     if "zero3" in name:   # the FSDP2 units the cost model priced: each block; embedding, final norm and
         # head (small) in the chunk's root unit
         assert "UNITS = {0: [([1], False), ([2], False)]}" in text
