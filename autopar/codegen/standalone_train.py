@@ -209,6 +209,9 @@ def main():
     reducer = data_parallel.GradReducer(data_parallel.dedupe([list(_named(chunks[c]).values()) for c in mine],
                                                              [ends[c] for c in mine]),
                                         g.dp.get_group(), REPLICAS, args.timeout) if not fsdp and REPLICAS > 1 else None
+    if reducer is not None and isinstance(optimizer, data_parallel.Zero1Optimizer):   # ZeRO-1: each gradient summed
+        # onto the replica that steps it, but those more sums follow (tensor-parallel partial, tied)
+        reducer.reduce_to_owners(optimizer.owners(named, {*P.TP_PARTIAL, *P.TIED}))
     # the step's micro-batch losses to every rank, started after this rank's last forward (as parallelize's)
     owner = pp_rank == P.CHUNK_DEVICES[-1] and tp_rank == 0   # the last chunk's, which computes the loss
     share = losses.LossShare(P.SHARES_LOSSES, P.LOSSES_RIDE, owner, P.DP, dp_rank,

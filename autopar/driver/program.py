@@ -73,9 +73,10 @@ from ..errors import ConfigError, PlanMismatchError
 from ..plan import Plan
 from ..runtime.batches import replica_micro_batches
 from ..runtime.context_ops import shard_inputs
-from ..runtime.data_parallel import all_reduce_grads, local
+from ..runtime.data_parallel import Zero1Optimizer, all_reduce_grads, local
 from ..runtime.failures import at_step, non_finite_loss, peer_wait, wait_or_fail
 from ..runtime.host_heap import keep_freed_memory
+from ..runtime.optim import wrapped
 from ..runtime.fp8 import fp8_gathered, refresh_scales
 from ..runtime.mesh import Mesh
 from ..runtime.losses import LossShare
@@ -200,6 +201,11 @@ class Program:
         self.expert_fqns = compiled.program.expert_params
         self.tp_partial = compiled.program.lowered.partial_params if compiled.program.lowered is not None \
             else frozenset()
+        zero1 = wrapped(self.optimizer, Zero1Optimizer)
+        if zero1 is not None:   # each gradient summed onto the rank that steps it, but those more sums follow
+            owners = zero1.owners(self.params, self.tp_partial | {fqn for fqn, _ in self.tied})
+            for reducer in self.reducers:
+                reducer.reduce_to_owners(owners)
         self.tp_mesh, self.ep_group = groups.tp, groups.group("ep")
         self.aliases = param_aliases(model)
         state = model.state_dict()
@@ -342,6 +348,8 @@ class Program:
         """Every parameter's full gradient under the model's own names, on every rank (zeros for a
         frozen parameter or one no op reads, as ``p.grad`` is None for those on one device)."""
         with at_step(self.steps - 1, "full_grads"):
+            for reducer in self.reducers:   # ZeRO-1 left each mean on the rank that steps it
+                reducer.share()
             grads = self._gather(lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
         return {**{n: torch.zeros_like(p) for n, p in self.unused.items()}, **grads}
 

@@ -25,13 +25,16 @@ their expert replicas only (``dp * cp / ep`` ranks, or none) and still divided b
 
 :class:`Zero1Optimizer` partitions each group of parameters over the ranks that reduce its
 gradients (dense weights over ``dp * cp``, expert weights over their expert replicas) and runs
-the user's optimizer once over this rank's share of all groups.
+the user's optimizer once over this rank's share of all groups. Its reducers then sum each gradient
+onto its owner only (:meth:`GradReducer.reduce_to_owners`: a reduce per owner and bucket, DeepSpeed's
+ZeRO-1 traffic, which the cost model prices as a reduce-scatter), and after the step each owner
+broadcasts what it stepped (an all-gather's traffic, priced after the step: ``Precision.param_gather``).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -109,19 +112,34 @@ def all_reduce_grads(items: Sequence[tuple[str, nn.Parameter, object]], timeout:
         wait_or_fail(work, timeout, f"all_reduce of {what}", group)
 
 
+class _Part:
+    """One collective of a started bucket: ``grads`` flattened into ``flat``, summed onto rank ``dst`` (a global
+    rank: ZeRO-1's owner of those parameters) or, ``dst`` None, onto every rank of the group."""
+
+    def __init__(self, grads: list[torch.Tensor], dst: int | None, group) -> None:
+        self.grads, self.dst = grads, dst
+        self.flat = _flatten_dense_tensors(grads)
+        if group is None:
+            self.work = _Done()
+        elif dst is None:
+            self.work = start(dist.all_reduce, self.flat, group=group, async_op=True)
+        else:
+            self.work = start(dist.reduce, self.flat, dst=dst, group=group, async_op=True)
+
+
 class _Bucket:
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
         self.ready: set[int] = set()
-        self.flat: torch.Tensor | None = None
-        self.work = None
+        self.parts: list[_Part] | None = None         # its collectives, once started
         self.carried: torch.Tensor | None = None   # values summed with this bucket's gradients (GradReducer.carry)
-        self.grads: list[torch.Tensor] = []         # what the all-reduce under way sums (local gradients, carried)
 
 
 class GradReducer:
     """Bucketed all-reduce (sum) of the gradients of some chunks' parameters over ``group``, then a
-    division by ``divisor``; ``group`` None (a parameter held by one rank only) just divides."""
+    division by ``divisor``; ``group`` None (a parameter held by one rank only) just divides. Under ZeRO-1
+    (:meth:`reduce_to_owners`) a parameter's gradient is summed onto the rank that steps it only, as
+    DeepSpeed's ZeRO-1 reduces: a reduce-scatter's traffic rather than an all-reduce's twice that."""
 
     def __init__(self, chunks: Sequence[Sequence[nn.Parameter]], group, divisor: int, timeout: float,
                  bucket_bytes: int | None = None) -> None:
@@ -132,6 +150,10 @@ class GradReducer:
         self.buckets: list[list[_Bucket]] = []
         self._where: dict[int, tuple[int, _Bucket]] = {}
         self._handles = []
+        self.owners: dict[int, int] = {}   # id(parameter) -> the global rank its gradient is summed onto
+        self.rank = dist.get_rank() if group is not None else 0
+        # the last step's gradients summed onto an owner, by part (their owner), in the order issued
+        self.reduced: list[tuple[list[torch.Tensor], int]] = []
         if bucket_bytes is None:
             first = next((p for ps in chunks for p in ps), None)
             ranks = dist.get_world_size(group) if group is not None else 1
@@ -148,6 +170,30 @@ class GradReducer:
         # 10 ms), alive after the program is gone: they hold it weakly, and are removed with it
         weakref.finalize(self, _remove_all, self._handles)
 
+    def reduce_to_owners(self, owners: Mapping[int, int]) -> None:
+        """ZeRO-1: sum the gradient of each parameter in ``owners`` (id -> global rank of the group) onto that
+        rank alone, the one whose optimizer steps it; after :meth:`finish` the other ranks hold their own
+        partial gradient of it (:meth:`share` sends them the sum). Parameters not in ``owners`` are still
+        all-reduced: those whose sum more reductions follow (a tensor-parallel partial gradient, a tied
+        parameter's), which every rank must hold. Every rank of the group passes the same ``owners``."""
+        self.owners = {i: r for i, r in owners.items() if i in self._ids()}
+
+    def _ids(self) -> set[int]:
+        return {id(p) for buckets in self.buckets for b in buckets for p in b.params}
+
+    def share(self) -> None:
+        """Send every rank the means :meth:`finish` left on their owners (``full_grads``, which reads every
+        gradient on every rank). Collective over the group, after :meth:`finish`."""
+        works = []
+        for grads, dst in self.reduced:
+            flat = _flatten_dense_tensors(grads)
+            works.append((grads, dst, flat, start(dist.broadcast, flat, src=dst, group=self.group, async_op=True)))
+        for grads, dst, flat, work in works:
+            wait_or_fail(work, self.timeout, "broadcast of ZeRO-1 reduced gradients", self.group)
+            if dst != self.rank:
+                torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
+        self.reduced = []
+
     def carry(self, values: torch.Tensor) -> bool:
         """Sum ``values`` over the group in the same collective as the step's last bucket (that of the
         earliest parameters, the last backward finishes), rather than in a collective of their own:
@@ -158,7 +204,7 @@ class GradReducer:
         bucket = next((buckets[-1] for buckets in self.buckets if buckets), None)
         if bucket is None or local(bucket.params[0]).dtype != values.dtype:
             return False
-        if bucket.work is not None:
+        if bucket.parts is not None:
             raise RuntimeError("GradReducer.carry after its last bucket's all-reduce started: call it after the "
                                "step's last forward, before its last backward")
         bucket.carried = values
@@ -172,42 +218,45 @@ class GradReducer:
         """``chunk``'s last backward of the step returned: every gradient of its buckets is complete;
         start those not started (its last bucket, and any whose parameters got no gradient)."""
         for bucket in self.buckets[chunk]:
-            if bucket.work is None:
+            if bucket.parts is None:
                 self._launch(bucket)
 
     def _hook(self, p: torch.Tensor) -> None:
         c, bucket = self._where[id(p)]
-        if c in self.active and bucket.work is None:
+        if c in self.active and bucket.parts is None:
             bucket.ready.add(id(p))
             if len(bucket.ready) == len(bucket.params):
                 self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        grads = []
+        by_dst: dict[int | None, list[torch.Tensor]] = {}   # all-reduced (None) first, then each owner's
         for p in bucket.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            grads.append(local(p.grad))
+            by_dst.setdefault(self.owners.get(id(p)), []).append(local(p.grad))
         if bucket.carried is not None:
-            grads.append(bucket.carried)
-        bucket.grads = grads
-        bucket.flat = _flatten_dense_tensors(grads)
-        bucket.work = start(dist.all_reduce, bucket.flat, group=self.group, async_op=True) if self.group is not None \
-            else _Done()
+            by_dst.setdefault(None, []).append(bucket.carried)
+        bucket.parts = [_Part(grads, dst, self.group) for dst, grads in sorted(by_dst.items(), key=_all_first)]
 
     def finish(self) -> None:
         """Wait for every bucket (starting those not started), write the mean gradients back (and the
-        carried values' sums)."""
+        carried values' sums); under ZeRO-1 the means of the gradients this rank owns only."""
+        self.reduced = []
         for buckets in self.buckets:
             for bucket in buckets:
-                if bucket.work is None:
+                if bucket.parts is None:
                     self._launch(bucket)
-                wait_or_fail(bucket.work, self.timeout, "all_reduce of data-parallel gradients", self.group)
-                carried = 0 if bucket.carried is None else bucket.carried.numel()
-                bucket.flat[:bucket.flat.numel() - carried].div_(self.size)
-                # the bucket's tensors in one op (a copy of each from Python was host time per parameter)
-                torch._foreach_copy_(bucket.grads, _unflatten_dense_tensors(bucket.flat, bucket.grads))
-                bucket.flat, bucket.work, bucket.carried, bucket.grads = None, None, None, []
+                for part in bucket.parts:
+                    wait_or_fail(part.work, self.timeout, "reduction of data-parallel gradients", self.group)
+                    if part.dst is not None:
+                        self.reduced.append((part.grads, part.dst))
+                        if part.dst != self.rank:   # the owner holds the sum (share); here, this rank's own
+                            continue                # gradient stays
+                    carried = bucket.carried.numel() if bucket.carried is not None and part.dst is None else 0
+                    part.flat[:part.flat.numel() - carried].div_(self.size)
+                    # the part's tensors in one op (a copy of each from Python was host time per parameter)
+                    torch._foreach_copy_(part.grads, _unflatten_dense_tensors(part.flat, part.grads))
+                bucket.parts, bucket.carried = None, None
                 bucket.ready.clear()
         self.active.clear()
 
@@ -223,6 +272,12 @@ def _weak_hook(reducer: "weakref.ref[GradReducer]") -> Callable[[torch.Tensor], 
 def _remove_all(handles: list) -> None:
     for handle in handles:
         handle.remove()
+
+
+def _all_first(item: tuple[int | None, list]) -> tuple[int, int]:
+    """The all-reduced part first (the carried values ride it), then the owners' in rank order: every rank of
+    the group issues the bucket's collectives in one order."""
+    return (0, 0) if item[0] is None else (1, item[0])
 
 
 class _Done:
@@ -261,6 +316,7 @@ class Zero1Optimizer:
         self.params: list[nn.Parameter] = []
         self.sources: list[tuple[nn.Parameter, int, object]] = []   # (param, owner's global rank, group)
         self.mine: list[nn.Parameter] = []
+        self.owner: dict[int, int] = {}   # id(parameter) -> the global rank that steps it (groups of several ranks)
         for params, group, ranks in partitions:
             ranks = list(ranks)
             load = [0] * len(ranks)
@@ -275,7 +331,16 @@ class Zero1Optimizer:
                     self.mine.append(p)
                 if len(ranks) > 1:
                     self.sources.append((p, ranks[owner[i]], group))
+                    self.owner[id(p)] = ranks[owner[i]]
         self.inner = factory(self.mine) if self.mine else None
+
+    def owners(self, params: Mapping[str, nn.Parameter], keep_all: Iterable[str] = ()) -> dict[int, int]:
+        """For :meth:`GradReducer.reduce_to_owners`: id(parameter) -> the global rank that steps it, for the
+        parameters of ``params`` (fqn -> parameter, whose local data this optimizer steps) but those of
+        ``keep_all``, whose summed gradient every rank needs (more reductions follow)."""
+        skip = set(keep_all)
+        return {id(p): self.owner[id(local(p))] for fqn, p in params.items()
+                if fqn not in skip and id(local(p)) in self.owner}
 
     @property
     def param_groups(self):

@@ -368,6 +368,27 @@ def run_case(rank: int, world: int, case: Case, plan_dict: dict) -> dict[str, An
             "local_numel": sum(local(p).numel() for p in program.parameters())}
 
 
+def zero1_reduction(rank: int, world: int, case: Case, plan_dict: dict) -> dict[str, Any]:
+    """A ZeRO-1 forward_backward's gradient reduction on one rank of a worlds.World: the elements summed onto
+    this rank and onto the others (each owner's parameters), and whether this rank's gradients of the others'
+    parameters became the mean only when ``full_grads`` shared them (before, they are this rank's own)."""
+    import autopar
+    plan = autopar.Plan.from_dict(plan_dict)
+    model = fresh(case.model)
+    with shared_exports(case.model):
+        program = autopar.parallelize(model, plan, adamw, loss_fn=loss_fn_of(case.model), timeout=60)
+    program.forward_backward(batches(case.model, 1, case.global_batch)[0])
+    me = dist.get_rank()
+    parts = [part for reducer in program.reducers for part in reducer.reduced]   # (gradients, their owner)
+    others = [grads for grads, dst in parts if dst != me]
+    before = [g.clone() for grads in others for g in grads]
+    program.full_grads()
+    after = [g for grads in others for g in grads]
+    return {"mine": sum(g.numel() for grads, dst in parts if dst == me for g in grads),
+            "others": sum(g.numel() for grads in others for g in grads),
+            "shared": any(not torch.equal(a, b) for a, b in zip(before, after))}
+
+
 def thread_count(rank: int, world: int) -> int:
     """This rank's threads (a worlds.World job; Linux): each live gloo process group holds some."""
     return len(os.listdir("/proc/self/task"))

@@ -183,3 +183,15 @@ def test_a_finished_program_leaves_no_process_group_behind():
     for got in w.run("harness:run_case", case, plan):
         assert "error" not in got, got["error"]
     assert w.run("harness:thread_count") == before
+
+
+def test_zero1_sums_each_gradient_onto_the_rank_that_steps_it():
+    """ZeRO-1's reduction is a reduce onto each parameter's owner (a reduce-scatter's traffic, as priced), not an
+    all-reduce: each rank receives the sums of its own share only, the other rank's gradients stay its own
+    until full_grads shares the means (the parameters' values: test_matches_single_process's zero1 cases)."""
+    import worlds
+    case = Case("gpt-dp2-zero1-owners", "gpt", {**BASE, "dp": 2, "zero": 1}, 2)
+    got = worlds.world(2).run("harness:zero1_reduction", case, make_plan(case).to_dict())
+    assert all("error" not in g for g in got), got
+    assert got[0]["mine"] == got[1]["others"] > 0 and got[1]["mine"] == got[0]["others"] > 0
+    assert all(g["shared"] for g in got)
