@@ -4,7 +4,9 @@ Every number here is priced exactly as the cost model prices the TPLayout built 
 solution (layer_cost.py), so the ILP's time for a layer is the cost model's time for it:
 
 - compute: ``ComputeModel.op_time(node, 1 / B, compute_shard, split_dim, fused)`` with the
-  shard and GEMM split dim the layout will state (``B`` the captured batch: one sample);
+  shard and GEMM split dim the layout will state (``B`` the captured batch: one sample); an op
+  that reads a ``Shard`` input and all-reduces its own ``R`` output (:func:`splits_work`: the
+  vocabulary-parallel cross entropy, a reduction over a split dim) computes ``1 / t`` of its work;
 - a forward collective of ``n`` elements costs ``T(n * a * s)`` in forward, plus the same
   again in backward for all-gather, reduce-scatter and all-to-all (their transposes);
   a backward one costs ``T`` in backward (``a`` activation bytes, ``s = 1 / B`` when the
@@ -15,7 +17,7 @@ solution (layer_cost.py), so the ILP's time for a layer is the cost model's time
   bucket model), and each sample is charged its share. It is reported apart from the time,
   as the cost model charges it apart (Estimator.dp_exposed);
 - memory: parameter states ``n (w + g + K) / t`` when split, saved activations (bytes of one
-  sample) divided by ``t`` when the storage root's layout state is ``S``.
+  sample) divided by ``t`` when the storage root's layout state is ``S`` or the op splits its work.
 
 Resharding a tensor from spec ``a`` (producer) to ``b`` (consumer): same spec free;
 ``R -> S(d)`` a backward all-gather of the gradient (if it has one); ``S(d) -> R`` all-gather;
