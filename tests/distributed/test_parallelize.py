@@ -62,6 +62,10 @@ FOUR = {
     "dp2_pp2_zbh1": dict(dp=2, pp=2, schedule="zbh1"),
     # tensor (and sequence) parallelism's collectives in I, the weights' products in W
     "tp2_pp2_zbv": dict(tp=2, pp=2, schedule="zbv", virtual_stages=2, sequence_parallel=True),
+    # ZeRO-1's gradients reduced onto their owners beside the sums that follow: the GPT's tied embedding
+    # across the stages, sequence parallelism's partial gradients of the replicated norms across the tp ranks
+    "dp2_pp2_zero1": dict(dp=2, pp=2, zero=1),
+    "dp2_tp2_sp_zero1": dict(dp=2, tp=2, zero=1, sequence_parallel=True),
     "planner": None,
 }
 MODELS = ("mlp", "gpt", "llama", "gpt2", "bert")
@@ -81,7 +85,8 @@ SAMPLE_TWO = {"gpt": set(TWO) - {"pp2_gpipe", "zero1", "zero2", "recompute_full"
               "gpt2": {"tp2_sp"}, "bert": {"tp2_sp"}}
 SAMPLE_FOUR = {("gpt", "tp2_pp2"), ("gpt", "dp2_tp2"), ("gpt", "dp2_tp2_zero3"), ("gpt", "planner"),
                ("gpt", "dp2_tp2_zero3_offload_optimizer"),
-               ("gpt", "pp4_zbh1"), ("gpt", "dp2_pp2_zbh1"), ("gpt", "tp2_pp2_zbv")}
+               ("gpt", "pp4_zbh1"), ("gpt", "dp2_pp2_zbh1"), ("gpt", "tp2_pp2_zbv"), ("gpt", "dp2_pp2_zero1"),
+               ("gpt", "dp2_tp2_sp_zero1")}
 # Hugging Face Llama, GPT-2 and BERT at dp2, tp2, pp2 1F1B, ZeRO-1 and ZeRO-3 on 2 ranks run in
 # test_new_users.py, planned as users plan them (meta device, batch-1 or larger example inputs).
 HF_ELSEWHERE = ({"llama", "gpt2", "bert"}, {"dp2", "tp2", "pp2_1f1b", "zero1", "zero3"})
