@@ -241,9 +241,10 @@ def _mix_plan(graph, tp: int):
                   recompute_time=0.0, tp_comm_time=0.0, p2p_time=0.0, in_flight=1, activation_per_microbatch=0.0,
                   memory=memory)
     batch = graph.batch_size
+    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(graph.float_dtype, "fp32")   # the mix's own, as it runs
     return Plan(model_name=graph.model_name, fingerprint=graph.fingerprint, structure=graph.structure,
                 loss=graph.loss, cluster=Cluster.from_spec(f"1x{tp}xcpu"),
-                config=ParallelConfig(tp=tp, micro_batch_size=batch), precision=Precision(),
+                config=ParallelConfig(tp=tp, micro_batch_size=batch), precision=Precision(compute=dtype, grads=dtype),
                 global_batch_size=batch, micro_batches=1, step_time=0.0, peak_memory=0.0, throughput=0.0,
                 model_flops=0.0, hardware_flops=0.0, breakdown=TimeBreakdown(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0),
                 stages=(stage,), fits=True, sharding=replicated(graph))

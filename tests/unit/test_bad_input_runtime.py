@@ -289,3 +289,20 @@ def test_parallelize_refuses_a_plan_priced_with_overlapped_param_gather(world, p
     from autopar.codegen.compile import compile_program
     with pytest.raises(ConfigError, match=r"Precision\(param_gather='after_step'\)"):
         compile_program(zero1, None, make_model())
+
+
+def test_parallelize_refuses_a_model_in_another_dtype_than_the_plan_prices(world, plan) -> None:
+    """A plan priced with bf16 weights and activations (a GPU plan's default) and a model whose parameters are
+    fp32 (transformers' default) would train in fp32: twice the activations the plan counted, at fp32's speed.
+    Refused before anything is built, naming both ways out; the model in the plan's dtype compiles."""
+    bf16 = dataclasses.replace(plan, precision=dataclasses.replace(plan.precision, compute="bf16", grads="bf16"))
+    from autopar.codegen.compile import check_weights_dtype
+    with pytest.raises(ConfigError, match=r"trainable parameters are float32: pass the model in bfloat16 "
+                                          r"\(model.to\(torch.bfloat16\)\) or re-plan with "
+                                          r"Precision\(compute='fp32', grads='fp32'\)"):
+        program(bf16)
+    check_weights_dtype(bf16, make_model().to(torch.bfloat16))
+    frozen = make_model()
+    for p in frozen.parameters():   # frozen weights train in no dtype: only the trainable ones count
+        p.requires_grad_(False)
+    check_weights_dtype(bf16, frozen)

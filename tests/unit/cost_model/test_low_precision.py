@@ -157,19 +157,19 @@ def gpt_tiny(device="cpu"):
 
 def test_the_standalone_folder_runs_fp8_linear_layers(tmp_path):
     """An fp8 plan's standalone folder calls its linear layers through the runtime library's torchao float8
-    module (runtime/fp8.py, copied beside it), built by train.py for the plan's recipe; the bf16 plan's layers
+    module (runtime/fp8.py, copied beside it), built by train.py for the plan's recipe; the fp32 plan's layers
     call none (tests/distributed/test_standalone.py trains one against one process converted alike)."""
     model, inputs = build("gpt-tiny", batch_size=1)
     cluster = autopar.Cluster.from_spec("1x2xH100-SXM")
     from autopar.codegen.standalone import emit_standalone
     texts = {}
-    for compute in ("fp8", "bf16"):
+    for compute in ("fp8", "fp32"):   # the fp32 model as it is, or its linear layers in fp8
         plan = autopar.estimate(model, cluster, inputs, ParallelConfig(dp=2), global_batch_size=2,
                                 precision=Precision(compute=compute))
         emit_standalone(plan, str(tmp_path / compute), "test_low_precision:gpt_tiny", None, None, 1e-3)
         texts[compute] = (tmp_path / compute / "program.py").read_text()
-    assert "FP8_RECIPE = 'tensorwise'" in texts["fp8"] and "FP8_RECIPE = None" in texts["bf16"]
+    assert "FP8_RECIPE = 'tensorwise'" in texts["fp8"] and "FP8_RECIPE = None" in texts["fp32"]
     linears = texts["fp8"].count("self.fp8_linear(")
     assert linears >= 4 and "self.fp8_linear = fp8" in texts["fp8"]   # the block's 4 linear layers at least
-    assert "fp8_linear" not in texts["bf16"]
+    assert "fp8_linear" not in texts["fp32"]
     assert (tmp_path / "fp8" / "autopar_runtime" / "fp8.py").exists()
