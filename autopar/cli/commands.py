@@ -45,9 +45,12 @@ def run_estimate(args: argparse.Namespace) -> int:
 
 
 def _precision(args: argparse.Namespace, cluster):
-    """The device's default precision, with ``--kernels``."""
+    """The device's default precision, with ``--kernels``; with ``--dtype``, the model's weights, activations and
+    gradients in it (the program runs the model in the dtype it is built in, and refuses another plan's)."""
     from ..config import Precision
-    return dataclasses.replace(Precision.for_device(cluster.device.name), kernels=args.kernels)
+    precision = dataclasses.replace(Precision.for_device(cluster.device.name), kernels=args.kernels)
+    dtype = getattr(args, "dtype", None)
+    return dataclasses.replace(precision, compute=dtype, grads=dtype) if dtype else precision
 
 
 def _cluster(args: argparse.Namespace):

@@ -202,3 +202,14 @@ def test_parse_fields():
     for bad in ("tp", "tp=", "sp=maybe", "zero=1.5"):
         with pytest.raises(autopar.ConfigError):
             parse_fields(bad, "--fixed")
+
+
+def test_dtype_sets_the_precision_the_plan_prices(tmp_path, capsys):
+    """--dtype builds the model in that dtype and prices the plan in it (a GPU plan is bf16 by default): the program
+    runs the model as built and refuses a plan priced in another dtype (codegen/compile.py check_weights_dtype)."""
+    for dtype, want in ((None, "bf16"), ("fp32", "fp32")):
+        extra = ["--dtype", dtype] if dtype else []
+        plan = json.loads(autopar_main(capsys, tmp_path, "estimate", "gpt-tiny", "--cluster", "1x2xH100-SXM",
+                                       "--global-batch", "4", "--config", "dp=2", "--json", *extra))
+        assert plan["precision"]["compute"] == plan["precision"]["grads"] == want
+        assert plan["extra"]["model"]["dtype"] == want
