@@ -37,6 +37,9 @@ RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "op", "full")
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "all")
 """What ParallelConfig.offload keeps in host memory (cost_model/offload.py)."""
 DTYPE_BYTES: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+# a dtype name as Precision writes it -> torch's (torch.<name>), and back
+TORCH_DTYPE_NAMES: Mapping[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+PRECISION_DTYPES: Mapping[str, str] = {v: k for k, v in TORCH_DTYPE_NAMES.items()}
 KERNELS: tuple[str, ...] = ("eager", "fused", "compiled")
 GRAD_ACCUMULATIONS: tuple[str, ...] = ("autograd", "fused")   # Precision.grad_accumulation
 PARAM_GATHERS: tuple[str, ...] = ("after_step", "overlapped")   # Precision.param_gather

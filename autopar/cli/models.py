@@ -19,11 +19,11 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from ..config import ParallelConfig
+from ..config import TORCH_DTYPE_NAMES, ParallelConfig
 from ..errors import ConfigError
 from ..models import registry
 
-DTYPES: Mapping[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES: Mapping[str, torch.dtype] = {name: getattr(torch, torch_name) for name, torch_name in TORCH_DTYPE_NAMES.items()}
 
 ALIASES: Mapping[str, str] = {"mbs": "micro_batch_size", "mb": "micro_batch_size", "v": "virtual_stages",
                               "sp": "sequence_parallel"}

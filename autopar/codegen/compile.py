@@ -34,7 +34,7 @@ from torch import nn
 
 from ..capture import graph_of, param_aliases
 from ..capture.opgraph import MoERegion, OpGraph, OpKind
-from ..config import SPLIT_BACKWARD, ParallelConfig
+from ..config import PRECISION_DTYPES, SPLIT_BACKWARD, TORCH_DTYPE_NAMES, ParallelConfig
 from ..ops import SKIPPED_TARGETS, base_name
 from ..errors import ConfigError
 from ..plan import Plan
@@ -235,21 +235,18 @@ def compile_program(plan: Plan, exported: Any, model: nn.Module) -> CompiledProg
     return replace(compiled, lowered=lowered, context=context, chunks=chunks, values=values)
 
 
-WEIGHT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}   # Precision.compute
-
-
 def check_weights_dtype(plan: Plan, model: nn.Module) -> None:
     """The model's trainable floating-point weights in the dtype the plan prices its weights, activations and
     compute in (``Precision.compute``): a program runs the model in its own dtype, so an fp32 model under a bf16
     plan would train with twice the activations and at fp32's speed, and not fit where the plan says it does, or
     the other way round. An fp8 plan is not checked: its linear layers run through torchao's float8 training
     over weights of either dtype (its CPU tests run fp32 models), where the plan prices bf16."""
-    want = WEIGHT_DTYPES.get(plan.precision.compute)
+    want = TORCH_DTYPE_NAMES.get(plan.precision.compute)
     found = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
                     if p.requires_grad and p.is_floating_point()})
     if want is None or not found or found == [want]:
         return
-    other = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(found[0])
+    other = PRECISION_DTYPES.get(found[0])
     replan = (f" or re-plan with Precision(compute={other!r}, grads={other!r})" if len(found) == 1 and other else "")
     raise ConfigError(f"this plan is priced with {want} weights and activations (Precision(compute="
                       f"{plan.precision.compute!r})), but the model's trainable parameters are {', '.join(found)}: pass "

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..config import TORCH_DTYPE_NAMES
 from ..errors import ConfigError
 from ..progress import progress_bar
 from .device_profile import AttentionSample, BandwidthSample, ConvSample, DeviceProfile, MatmulSample
@@ -43,7 +44,7 @@ from ..conditions import ProfileConditions
 from .host import LoadMeter, accelerator, call_times, device_name, relative_spread, torch_threads
 
 TORCH_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
-    {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16})
+    {name: getattr(torch, torch_name) for name, torch_name in TORCH_DTYPE_NAMES.items()})
 
 
 # --- Budgets ----------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ from ..capture.export import LossFn, LossWrapper, normalize_inputs, run_export
 from ..capture.opgraph import Gemm, OpGraph, OpKind, OpNode
 from ..runtime.optim import compile_step
 from ..errors import ConfigError
+from ..config import PRECISION_DTYPES
 from ..ops import SKIPPED_TARGETS
 from .database import ProfileDB
 from ..progress import progress_bar
@@ -57,7 +58,6 @@ from .host import median_time, torch_threads
 
 _UNTIMED = (OpKind.VIEW,)
 _LOOP_SECONDS = 1e-3
-_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 @dataclass(frozen=True)
@@ -241,10 +241,10 @@ class OpProfiler:
             raise ConfigError(f"the model's parameters mix dtypes {sorted(map(str, dtypes))}: profile=True times the "
                               "ops as they run, so cast the model to one dtype first")
         dtype = next(iter(dtypes), torch.float32)
-        if str(dtype).removeprefix("torch.") not in _DTYPES:
+        if str(dtype).removeprefix("torch.") not in PRECISION_DTYPES:
             raise ConfigError(f"profile=True times float32 / bfloat16 / float16 models; this one is {dtype}")
         self.dtype = dtype
-        self.dtype_name = _DTYPES[str(dtype).removeprefix("torch.")]
+        self.dtype_name = PRECISION_DTYPES[str(dtype).removeprefix("torch.")]
 
     # --- MeasuredTimes ----------------------------------------------------------------------
     def lookup(self, node: OpNode, batch_scale: float, shard: int, split_dim: str, dtype: str

@@ -230,7 +230,7 @@ def _mix_plan(graph, tp: int):
     """A plan for the exported :class:`_LayerMix` on a tensor-parallel group of ``tp`` ranks, every op kept whole
     (``plan.sharding.replicated``): its costs are not read, only what the compiler lowers."""
     from ..cluster import Cluster
-    from ..config import ParallelConfig, Precision
+    from ..config import PRECISION_DTYPES, ParallelConfig, Precision
     from ..plan import Plan, Stage, TimeBreakdown
     from ..plan.record import MemoryBreakdown
     from ..plan.sharding import replicated
@@ -241,7 +241,7 @@ def _mix_plan(graph, tp: int):
                   recompute_time=0.0, tp_comm_time=0.0, p2p_time=0.0, in_flight=1, activation_per_microbatch=0.0,
                   memory=memory)
     batch = graph.batch_size
-    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(graph.float_dtype, "fp32")   # the mix's own, as it runs
+    dtype = PRECISION_DTYPES.get(graph.float_dtype, "fp32")   # the mix's own, as it runs
     return Plan(model_name=graph.model_name, fingerprint=graph.fingerprint, structure=graph.structure,
                 loss=graph.loss, cluster=Cluster.from_spec(f"1x{tp}xcpu"),
                 config=ParallelConfig(tp=tp, micro_batch_size=batch), precision=Precision(compute=dtype, grads=dtype),
