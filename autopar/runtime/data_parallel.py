@@ -113,12 +113,15 @@ def all_reduce_grads(items: Sequence[tuple[str, nn.Parameter, object]], timeout:
 
 
 class _Part:
-    """One collective of a started bucket: ``grads`` flattened into ``flat``, summed onto rank ``dst`` (a global
-    rank: ZeRO-1's owner of those parameters) or, ``dst`` None, onto every rank of the group."""
+    """One collective of a started bucket: the gradients of ``params`` (and the ``carried`` values) flattened into
+    ``flat``, summed onto rank ``dst`` (a global rank: ZeRO-1's owner of those parameters) or, ``dst`` None, onto
+    every rank of the group."""
 
-    def __init__(self, grads: list[torch.Tensor], dst: int | None, group) -> None:
-        self.grads, self.dst = grads, dst
-        self.flat = _flatten_dense_tensors(grads)
+    def __init__(self, params: list[nn.Parameter], dst: int | None, group,
+                 carried: torch.Tensor | None = None) -> None:
+        self.params, self.dst = params, dst
+        self.grads = [local(p.grad) for p in params] + ([carried] if carried is not None else [])
+        self.flat = _flatten_dense_tensors(self.grads)
         if group is None:
             self.work = _Done()
         elif dst is None:
@@ -152,8 +155,9 @@ class GradReducer:
         self._handles = []
         self.owners: dict[int, int] = {}   # id(parameter) -> the global rank its gradient is summed onto
         self.rank = dist.get_rank() if group is not None else 0
-        # the last step's gradients summed onto an owner, by part (their owner), in the order issued
-        self.reduced: list[tuple[list[torch.Tensor], int]] = []
+        # the last step's parameters whose gradients were summed onto an owner, by part (their owner), in the
+        # order issued: the parameters, not their gradients, which the next step's zero_grad must free
+        self.reduced: list[tuple[list[nn.Parameter], int]] = []
         if bucket_bytes is None:
             first = next((p for ps in chunks for p in ps), None)
             ranks = dist.get_world_size(group) if group is not None else 1
@@ -185,7 +189,8 @@ class GradReducer:
         """Send every rank the means :meth:`finish` left on their owners (``full_grads``, which reads every
         gradient on every rank). Collective over the group, after :meth:`finish`."""
         works = []
-        for grads, dst in self.reduced:
+        for params, dst in self.reduced:
+            grads = [local(p.grad) for p in params]
             flat = _flatten_dense_tensors(grads)
             works.append((grads, dst, flat, start(dist.broadcast, flat, src=dst, group=self.group, async_op=True)))
         for grads, dst, flat, work in works:
@@ -229,14 +234,15 @@ class GradReducer:
                 self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        by_dst: dict[int | None, list[torch.Tensor]] = {}   # all-reduced (None) first, then each owner's
+        by_dst: dict[int | None, list[nn.Parameter]] = {}   # all-reduced (None) first, then each owner's
         for p in bucket.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            by_dst.setdefault(self.owners.get(id(p)), []).append(local(p.grad))
+            by_dst.setdefault(self.owners.get(id(p)), []).append(p)
         if bucket.carried is not None:
-            by_dst.setdefault(None, []).append(bucket.carried)
-        bucket.parts = [_Part(grads, dst, self.group) for dst, grads in sorted(by_dst.items(), key=_all_first)]
+            by_dst.setdefault(None, [])
+        bucket.parts = [_Part(params, dst, self.group, bucket.carried if dst is None else None)
+                        for dst, params in sorted(by_dst.items(), key=_all_first)]
 
     def finish(self) -> None:
         """Wait for every bucket (starting those not started), write the mean gradients back (and the
@@ -249,7 +255,7 @@ class GradReducer:
                 for part in bucket.parts:
                     wait_or_fail(part.work, self.timeout, "reduction of data-parallel gradients", self.group)
                     if part.dst is not None:
-                        self.reduced.append((part.grads, part.dst))
+                        self.reduced.append((part.params, part.dst))
                         if part.dst != self.rank:   # the owner holds the sum (share); here, this rank's own
                             continue                # gradient stays
                     carried = bucket.carried.numel() if bucket.carried is not None and part.dst is None else 0
@@ -316,7 +322,6 @@ class Zero1Optimizer:
         self.params: list[nn.Parameter] = []
         self.sources: list[tuple[nn.Parameter, int, object]] = []   # (param, owner's global rank, group)
         self.mine: list[nn.Parameter] = []
-        self.owner: dict[int, int] = {}   # id(parameter) -> the global rank that steps it (groups of several ranks)
         for params, group, ranks in partitions:
             ranks = list(ranks)
             load = [0] * len(ranks)
@@ -331,16 +336,14 @@ class Zero1Optimizer:
                     self.mine.append(p)
                 if len(ranks) > 1:
                     self.sources.append((p, ranks[owner[i]], group))
-                    self.owner[id(p)] = ranks[owner[i]]
         self.inner = factory(self.mine) if self.mine else None
 
     def owners(self, params: Mapping[str, nn.Parameter], keep_all: Iterable[str] = ()) -> dict[int, int]:
         """For :meth:`GradReducer.reduce_to_owners`: id(parameter) -> the global rank that steps it, for the
         parameters of ``params`` (fqn -> parameter, whose local data this optimizer steps) but those of
         ``keep_all``, whose summed gradient every rank needs (more reductions follow)."""
-        skip = set(keep_all)
-        return {id(p): self.owner[id(local(p))] for fqn, p in params.items()
-                if fqn not in skip and id(local(p)) in self.owner}
+        skip, owner = set(keep_all), {id(p): src for p, src, _ in self.sources}
+        return {id(p): owner[id(local(p))] for fqn, p in params.items() if fqn not in skip and id(local(p)) in owner}
 
     @property
     def param_groups(self):

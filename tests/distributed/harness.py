@@ -373,13 +373,15 @@ def zero1_reduction(rank: int, world: int, case: Case, plan_dict: dict) -> dict[
     this rank and onto the others (each owner's parameters), and whether this rank's gradients of the others'
     parameters became the mean only when ``full_grads`` shared them (before, they are this rank's own)."""
     import autopar
+    from autopar.runtime.data_parallel import local
     plan = autopar.Plan.from_dict(plan_dict)
     model = fresh(case.model)
     with shared_exports(case.model):
         program = autopar.parallelize(model, plan, adamw, loss_fn=loss_fn_of(case.model), timeout=60)
     program.forward_backward(batches(case.model, 1, case.global_batch)[0])
     me = dist.get_rank()
-    parts = [part for reducer in program.reducers for part in reducer.reduced]   # (gradients, their owner)
+    parts = [([local(p.grad) for p in params], dst)   # (gradients, their owner)
+             for reducer in program.reducers for params, dst in reducer.reduced]
     others = [grads for grads, dst in parts if dst != me]
     before = [g.clone() for grads in others for g in grads]
     program.full_grads()
