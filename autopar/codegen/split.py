@@ -21,6 +21,7 @@ What a chunk needs and gives:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Mapping, Sequence
@@ -37,6 +38,7 @@ from ..errors import ConfigError, PlanMismatchError
 from ..plan import Plan
 from ..plan.placement import Placement
 from .lower import local_shape
+from .redistribute import R
 from ..runtime.pipeline import Value
 
 
@@ -324,12 +326,19 @@ def cut_values(split: SplitGraph, graph: OpGraph, spec_of: Callable[[str], Place
                tokens: Callable[[str, list[int]], Sequence[int]] | None = None) -> dict[str, Value]:
     """Every value crossing a cut (pipeline.py's Value), with the shard a receiving rank allocates: its
     block along the split of the spec it crosses in (``spec_of``), of this rank's tokens under context
-    parallelism (``tokens(value, shape)``, context.py's local shape)."""
+    parallelism (``tokens(value, shape)``, context.py's local shape). A batch-dependent value that crosses
+    whole (R) under tensor parallelism crosses scattered (``Value.scatter``: 1/t from each rank, all-gathered
+    by the receivers), as the cost model prices it (cost_model/estimator.py)."""
     out = {}
     for v, readers in split.consumers.items():
         meta = split.meta(v)
         shape = list(meta.shape) if tokens is None else list(tokens(v, list(meta.shape)))
-        grad = graph.node(v).requires_grad if v in graph.node_index else True
-        out[v] = Value(split.producer[v], tuple(readers), local_shape(tuple(shape), spec_of(v), tp), meta.dtype,
-                       grad and meta.is_floating_point())
+        node = graph.node(v) if v in graph.node_index else None
+        grad = node.requires_grad if node is not None else True
+        spec = spec_of(v)
+        local = local_shape(tuple(shape), spec, tp)
+        scatter = (tp > 1 and spec == R and node is not None and node.batch_dependent and meta.is_floating_point()
+                   and math.prod(local) % tp == 0)
+        out[v] = Value(split.producer[v], tuple(readers), local, meta.dtype, grad and meta.is_floating_point(),
+                       scatter)
     return out

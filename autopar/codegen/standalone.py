@@ -254,7 +254,7 @@ def _constants(compiled: CompiledProgram, record: dict, unset: dict[str, str]) -
     cfg = plan.config
     n = len(split.chunks)
     schedule = compiled.schedule
-    values = {v: (x.producer, x.consumers, x.shape, str(x.dtype), x.requires_grad)
+    values = {v: (x.producer, x.consumers, x.shape, str(x.dtype), x.requires_grad, x.scatter)
               for v, x in sorted(compiled.values.items())}
     context = compiled.context
     seeds = {name: (s.dim, s.seq, s.outer, s.inner) for name, s in context.inputs.items()} if context else {}
@@ -304,7 +304,7 @@ def _constants(compiled: CompiledProgram, record: dict, unset: dict[str, str]) -
             f"# replicated parameters whose gradient each tensor-parallel rank holds a part of: summed once per step\n"
             f"TP_PARTIAL = {fmt(sorted(lowered.partial_params) if lowered is not None else [])}\n"
             f"# what each chunk reads and sends, and the values crossing cuts (producer, readers, shard shape, dtype, "
-            "grad)\n"
+            "grad, scattered over the tensor-parallel group)\n"
             f"CHUNK_IO = {fmt({c.index: (c.graph_inputs, c.recv, c.send) for c in split.chunks})}\n"
             f"# ZeRO-2/3: each chunk's FSDP2 units (positions in its layers, the units the cost model priced), each\n"
             f"# with whether ZeRO-3 keeps it gathered from forward to backward (the unit that ends the model)\n"

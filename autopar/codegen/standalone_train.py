@@ -199,8 +199,8 @@ def main():
     stepped = host.stepped(named) if host is not None else named   # what the checkpoint's state names
 
     io = {c: pipeline.ChunkIO(*P.CHUNK_IO[c]) for c in P.CHUNK_IO}
-    values = {v: pipeline.Value(prod, readers, shape, getattr(torch, dtype.removeprefix("torch.")), grad)
-              for v, (prod, readers, shape, dtype, grad) in P.VALUES.items()}
+    values = {v: pipeline.Value(prod, readers, shape, getattr(torch, dtype.removeprefix("torch.")), grad, scatter)
+              for v, (prod, readers, shape, dtype, grad, scatter) in P.VALUES.items()}
     stages = list(g.ranks("pp"))
     # ZeRO 0-1 with replicas: the gradients' bucketed all-reduce over them (as parallelize's), each chunk's
     # buckets started as its last backward of the step runs (FSDP2 reduce-scatters its own)
@@ -227,7 +227,7 @@ def main():
     topology = pipeline.Topology(P.PP, stages, pp_rank, P.CHUNK_DEVICES)
     runner = pipeline.PipelineRunner(chunks, io, values, P.LOSS, topology, None, before_backward,
                                      failures.peer_wait(args.timeout), device, after_forwards=share.start,
-                                     after_backward=after_backward)
+                                     after_backward=after_backward, tp_group=g.tp.get_group() if g.tp is not None else None)
     batch_of = load(P.BATCH_FACTORY) if P.BATCH_FACTORY else (lambda step, n: batches.example_at(P.EXAMPLE, n))
     present = presenter(g, fsdp, shapes, named) if checkpointing else None
     start = 0

@@ -6,8 +6,11 @@ Step time = pipeline time + exposed data-parallel communication + optimizer step
 
 ``x_i``, the work of pipeline device ``i`` per micro-batch, sums its layers' forward,
 backward, recomputation and tensor-parallel collectives (layer_cost.py) and two p2p
-transfers per model chunk boundary (activations forward, gradients backward; with
-tensor parallelism the Megatron scatter/gather optimisation sends ``1/t`` of them).
+transfers per model chunk boundary (activations forward, gradients backward). Under tensor
+parallelism each rank sends ``1/t`` of a batch-dependent value: its shard where sequence parallelism
+splits it, else its ``1/t`` of the whole value every rank holds, which the receiving ranks all-gather
+over their tensor-parallel group (Megatron-LM's scatter/gather, DeepSpeed's partitioned pipeline
+buffers, runtime/pipeline.py's ``Value.scatter``): each side of a cut pays that all-gather too.
 
 The step's tail, ``T_dp_exposed + T_opt`` (gradient synchronisation, ZeRO's gathers, the loss's
 all-reduce, the optimizer step), is priced in step_tail.py; this module assembles each pipeline
@@ -222,12 +225,17 @@ class Estimator:
     def p2p_cut_times(self, cfg: ParallelConfig, group: GroupPlacement) -> list[float]:
         """Seconds of p2p per micro-batch for a pipeline cut after layer ``l`` (index ``l``), as seen by
         each of the two devices beside it: the sender's activations forward, the receiver's gradients
-        back (the matching receives overlap them). Tensor parallelism: Megatron's scatter/gather sends
-        ``1/t`` of a batch-dependent tensor from each rank."""
-        key = (cfg.tp, cfg.cp, cfg.micro_batch_size, group)
+        back (the matching receives overlap them). Tensor parallelism: each rank sends ``1/t`` of a
+        batch-dependent tensor; without sequence parallelism the receivers all-gather it whole over their
+        tensor-parallel group (activations on the later device, gradients on the earlier)."""
+        key = (cfg.tp, cfg.cp, cfg.micro_batch_size, cfg.sequence_parallel, group)
         if key not in self._cuts:
-            self._cuts[key] = [collective_time(Collective.P2P, float(b), group, self.cluster)
-                               for b in self._cut_bytes(cfg)]
+            gather = cfg.tp > 1 and not cfg.sequence_parallel
+            tp_group = self.placements(cfg)["tp"] if gather else None
+            self._cuts[key] = [collective_time(Collective.P2P, float(sent), group, self.cluster)
+                               + (collective_time(Collective.ALL_GATHER, float(whole), tp_group, self.cluster)
+                                  if gather else 0.0)
+                               for sent, whole in zip(self._cut_bytes(cfg), self._cut_bytes(cfg, gathered=True))]
         return self._cuts[key]
 
     def least_cut_time(self, cfg: ParallelConfig, group: GroupPlacement) -> float:
@@ -236,10 +244,13 @@ class Estimator:
         nbytes = self._cut_bytes(cfg)
         return collective_time(Collective.P2P, float(nbytes.min()), group, self.cluster) if len(nbytes) else 0.0
 
-    def _cut_bytes(self, cfg: ParallelConfig) -> np.ndarray:
-        """Bytes one device sends across the cut after each layer but the last, per micro-batch."""
+    def _cut_bytes(self, cfg: ParallelConfig, gathered: bool = False) -> np.ndarray:
+        """Bytes one device sends across the cut after each layer but the last, per micro-batch (``gathered``:
+        the batch-dependent values whole, as the receivers all-gather them)."""
         bd, const = (a[:len(self.graph.layers) - 1] for a in self.layers.crossing_numels)
         scale = cfg.micro_batch_size / (self.graph.batch_size * cfg.cp)
+        if gathered:
+            return bd * scale * self.precision.activation_bytes
         return (bd * scale / cfg.tp + const) * self.precision.activation_bytes
 
     def _device(self, cfg: ParallelConfig, d: int, chunks: list[tuple[int, ...]], p2p: float,

@@ -232,7 +232,8 @@ class Program:
             self.chunks, {c.index: ChunkIO(c.graph_inputs, c.recv, c.send) for c in self.split.chunks},
             dict(compiled.program.values), self.split.loss, topology,
             lambda chunk, name, value: self.node_runner.to_cut(sends[chunk][name], value), self._before_backward,
-            peer_wait(self.timeout), self.device, self.loss_share.start, self._after_backward)
+            peer_wait(self.timeout), self.device, self.loss_share.start, self._after_backward,
+            self.tp_mesh.get_group() if self.tp_mesh is not None else None)
 
     # --- training -----------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:

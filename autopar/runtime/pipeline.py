@@ -25,7 +25,11 @@ For every action of this rank, in order:
   ``W`` of the step returns (``after_backward``).
 
 Under context parallelism a value crosses a cut as this rank's tokens (context.py's local
-shape). Sends between two ranks are matched by tag (gloo) = one per (value, micro-batch, reading
+shape). A value every tensor-parallel rank holds whole (:attr:`Value.scatter`) crosses as ``1/t`` of it
+from each rank, which the receiving ranks all-gather over their tensor-parallel group (Megatron-LM's
+scatter/gather, DeepSpeed's partitioned pipeline buffers): ``t`` times less over the link between
+stages, the NICs between nodes, for one all-gather within the node. Its gradient returns the same way:
+the gradient of a value held whole is whole and the same on every tensor-parallel rank. Sends between two ranks are matched by tag (gloo) = one per (value, micro-batch, reading
 chunk, direction), so their order does not matter; values between two chunks of the same
 rank (interleaved, ZB-V) stay in memory.
 
@@ -40,6 +44,7 @@ This module imports only torch: ``autopar.parallelize`` runs it, and an emitted 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -69,6 +74,7 @@ class Value:
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
+    scatter: bool = False   # held whole by each tensor-parallel rank: crosses as 1/t of it, all-gathered
 
 
 @dataclass
@@ -165,7 +171,9 @@ class PipelineRunner:
     ``wait(work, what, peer)``: waits for a point-to-point operation or raises; ``after_forwards(losses)``:
     called once a step, after this rank's last forward, with the losses so far (all of the step's on the
     rank computing them), so that sharing them can start under the backward passes left;
-    ``after_backward(chunk)``: called after each chunk's last ``B`` (or ``W``) of the step."""
+    ``after_backward(chunk)``: called after each chunk's last ``B`` (or ``W``) of the step; ``tp_group``: the
+    tensor-parallel group of this rank, over which the values that cross scattered (:attr:`Value.scatter`)
+    are all-gathered (required when any does and it has more than one rank)."""
 
     def __init__(self, chunks: Mapping[int, torch.nn.Module], io: Mapping[int, ChunkIO],
                  values: Mapping[str, Value], loss: str, topo: Topology,
@@ -173,8 +181,14 @@ class PipelineRunner:
                  before_backward: Callable[[int, bool], None] | None, wait: Callable[[Any, str, int], None],
                  device: torch.device,
                  after_forwards: Callable[[list[torch.Tensor]], None] | None = None,
-                 after_backward: Callable[[int], None] | None = None) -> None:
+                 after_backward: Callable[[int], None] | None = None, tp_group: Any = None) -> None:
         self.chunks, self.io, self.values, self.loss, self.topo = chunks, io, values, loss, topo
+        self.tp_group = tp_group
+        self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        if tp_group is None and any(v.scatter for v in values.values()):
+            raise ValueError("values cross scattered over the tensor-parallel group (Value.scatter), but no "
+                             "tp_group was given")
         self.to_cut = to_cut or (lambda chunk, name, value: value)
         self.before_backward = before_backward or (lambda chunk, last: None)
         self.after_forwards = after_forwards or (lambda losses: None)
@@ -335,6 +349,8 @@ class PipelineRunner:
             return
         peer = self.topo.rank_of_chunk(dest_chunk)
         t = t.contiguous()
+        if self._scattered(v):   # this rank's 1/t of a value every tensor-parallel rank holds whole
+            t = t.reshape(-1).chunk(self.tp)[self.tp_rank]
         work = start(dist.isend, t, dst=peer, tag=self._tag(v, i, reader, forward))
         what = f"send of {'value' if forward else 'gradient of'} {v} (micro-batch {i})"
         if isinstance(work, Failed):
@@ -348,11 +364,20 @@ class PipelineRunner:
             return self.mailbox.pop(key)
         peer = self.topo.rank_of_chunk(src_chunk)
         value = self.values[v]
-        buf = torch.empty(value.shape, dtype=value.dtype, device=self.device)
+        scattered = self._scattered(v)
+        numel = math.prod(value.shape)
+        buf = torch.empty(numel // self.tp if scattered else value.shape, dtype=value.dtype, device=self.device)
         work = start(dist.irecv, buf, src=peer, tag=self._tag(v, i, reader, forward))
         what = f"receive of {'value' if forward else 'gradient of'} {v} (micro-batch {i})"
         self.wait(work, what, peer)
-        return buf
+        if not scattered:
+            return buf
+        whole = torch.empty(numel, dtype=value.dtype, device=self.device)
+        dist.all_gather_into_tensor(whole, buf, group=self.tp_group)   # as the chunks' own collectives on the group
+        return whole.view(value.shape)
+
+    def _scattered(self, v: str) -> bool:
+        return self.tp > 1 and self.values[v].scatter
 
 
 def _reached(outputs: Sequence[torch.Tensor], leaves: Sequence[torch.Tensor]) -> tuple[bool, ...]:

@@ -5,9 +5,10 @@ at tp=2 (+ sequence parallelism), pp=2 1F1B, dp=2 ZeRO-3, cp=2 (ring attention),
 built on the meta device (each rank gives values to what it holds, equal to autopar.init_weights),
 pp=2 of a plain-torch regressor whose loss_fn reads targets and a mask its forward does not take
 (they reach the last stage's loss), pp=2 ZB-V (the split backward, a four-block Llama), tp=2 of an fp8 plan
-(torchao's float8 training, emulated, against one process converted alike; and, in make bench,
-tp=2 x dp=2 ZeRO-3 on 4 ranks, FSDP2 sharding each tensor-parallel shard again over the data-parallel
-ranks, and cp=2 x tp=2): its
+(torchao's float8 training, emulated, against one process converted alike); and on 4 ranks tp=2 x dp=2
+ZeRO-3, FSDP2 sharding each tensor-parallel shard again over the data-parallel ranks (checkpointed on the
+(dp, tp) mesh), tp=2 x pp=2 (the residual stream crossing the cut as each rank's half, all-gathered), and,
+in make bench, cp=2 x tp=2: its
 losses equal one process's (fp32, relative 1e-5: only the order of additions differs). Each run
 stops after step 1 with a checkpoint and a second run resumes from it: the losses of the steps after
 (AdamW's state included) are still equal, and ``autopar.load_checkpoint`` reads that checkpoint
@@ -67,10 +68,14 @@ FACTORY = {name: "llama_on_meta" if name.endswith("_meta") else "tagger" if name
            "llama4" if name.endswith(("_zbv", "_dualpipev")) else "llama" for name in CASES}
 BATCH = {"tagger": "tagger_batch"}   # factory -> its batch factory (default llama_batch) and loss_fn (default:
 LOSS = {"tagger": "tagger_loss"}     # the model's own), all in plain_factories
-if ALL_CASES:   # a second torchrun, of 4 ranks (4 processes on 2 cores: make bench only)
-    CASES["tp2_dp2_zero3"] = (4, dict(tp=2, dp=2, zero=3, micro_batch_size=2, sequence_parallel=True))
+# a second torchrun, of 4 ranks: ZeRO-3 over tensor-parallel blocks (their checkpoint layout) and tp x pp (the
+# residual stream crossing scattered); cp x tp too under make bench (4 processes on 2 cores)
+CASES["tp2_dp2_zero3"] = (4, dict(tp=2, dp=2, zero=3, micro_batch_size=2, sequence_parallel=True))
+CASES["tp2_pp2"] = (4, dict(tp=2, pp=2, micro_batch_size=2))
+FACTORY.update(tp2_dp2_zero3="llama", tp2_pp2="llama")
+if ALL_CASES:
     CASES["cp2_tp2"] = (4, dict(cp=2, tp=2))
-    FACTORY.update(tp2_dp2_zero3="llama", cp2_tp2="llama")
+    FACTORY.update(cp2_tp2="llama")
 
 
 @pytest.fixture(scope="module")

@@ -50,6 +50,22 @@ def test_each_rank_gets_its_stage(planned):
     assert sent.crossing == compiled.crossing(sent.value)
     shape = compiled.split.meta(sent.value).shape
     assert compiled.values[sent.value].shape[1] == shape[1] // 2
+    assert not compiled.values[sent.value].scatter   # a shard already: sent as it is
+
+
+def test_a_whole_value_crosses_scattered_over_the_tensor_parallel_ranks(planned):
+    """Without sequence parallelism the residual stream crosses whole (R) on every tensor-parallel rank: each
+    sends 1/t of it and the receivers all-gather it (Value.scatter), which is what the cost model prices."""
+    _, exported, model = planned
+    m, example = build_gpt(CFG, batch_size=1, device="meta")
+    cluster = Cluster.from_spec("1x4xcpu", intra_node_bandwidth=1e12, intra_node_latency=1e-9)
+    plan = autopar.plan(m, cluster, example, global_batch_size=8,
+                        fixed=dict(dp=1, tp=2, pp=2, micro_batch_size=2, sequence_parallel=False,
+                                   schedule="1f1b", virtual_stages=1))
+    compiled = compile_program(plan, exported, model)
+    (sent,) = compiled.chunks[0].sends
+    value = compiled.values[sent.value]
+    assert value.shape == tuple(compiled.split.meta(sent.value).shape) and value.scatter
 
 
 def test_rank_program_reads_as_what_the_rank_runs(planned):
