@@ -297,11 +297,24 @@ def whole_entries(model, value):
 def presenter(g, fsdp, shapes, named):
     """dcp_state's presenter: a tensor-parallel block is a block of the parameter on this stage's tp
     mesh at Shard(split dim); under ZeRO-2/3 every parameter is FSDP2's DTensor, whose own layout presents
-    the plain local shards an offloaded optimizer steps (its host copies); anything else is whole."""
+    the plain local shards an offloaded optimizer steps (its host copies), except that of a tensor-parallel
+    block, which FSDP2 shards as a whole tensor of the block's shape: it is presented on the (dp, tp) mesh,
+    FSDP2's rows of the rank's block (strided over the tp blocks when both split dim 0); anything else is
+    whole."""
     from torch.distributed.tensor import DTensor, Shard
     if fsdp:
-        return dcp_state.presenter({fqn: dcp_state.Layout(p.device_mesh, tuple(p.placements), p.shape)
-                                    for fqn, p in named.items() if isinstance(p, DTensor)})
+        from torch.distributed.tensor.placement_types import _StridedShard
+        layouts = {}
+        for fqn, p in named.items():
+            if not isinstance(p, DTensor):
+                continue
+            if fqn in P.TP_DIMS and P.TP > 1:
+                d = P.TP_DIMS[fqn] % len(shapes[fqn])
+                rows = _StridedShard(0, split_factor=P.TP) if d == 0 else Shard(0)
+                layouts[fqn] = dcp_state.Layout(g.submesh(("dp", "tp")), (rows, Shard(d)), shapes[fqn])
+            else:
+                layouts[fqn] = dcp_state.Layout(p.device_mesh, tuple(p.placements), p.shape)
+        return dcp_state.presenter(layouts)
     if P.TP == 1:
         return dcp_state.presenter({})
     return dcp_state.presenter({fqn: dcp_state.Layout(g.tp, (Shard(d % len(shapes[fqn])),), shapes[fqn])
