@@ -1,6 +1,6 @@
-"""Sharded checkpoints (driver/checkpoint.py: torch.distributed.checkpoint) on 2 gloo ranks.
+"""Sharded checkpoints (driver/checkpoint.py: torch.distributed.checkpoint) on 2 and 4 gloo ranks.
 
-Each scenario (checkpoint_cases.py, one job on the session's 2-rank world) trains a source plan one
+Each scenario (checkpoint_cases.py, one job on the session's world of its ranks) trains a source plan one
 step, saves, and trains two more; fresh programs built from shifted weights then load the
 checkpoint:
 
@@ -17,7 +17,8 @@ checkpoint:
   first step moves each element by about lr = 1e-3), so the checks above see the optimizer state.
 
 ZeRO-1 saves each parameter's optimizer state from its owner only; the MoE scenarios save expert
-weights split over the ep ranks (and, under ZeRO-3, FSDP2-sharded within each rank's experts).
+weights split over the ep ranks (and, under ZeRO-3, FSDP2-sharded within each rank's experts); on 4
+ranks, ZeRO-3 over tensor-parallel shards saves each weight on its (dp, tp) mesh.
 """
 
 from __future__ import annotations
@@ -50,38 +51,44 @@ SCENARIOS = {
     # refreshed from the loaded weights on resume
     "gpt-dp2-zero3-offload": ("gpt", dict(dp=2, zero=3, offload="optimizer"),
                               {"tp2-offload": dict(tp=2, micro_batch_size=2, offload="optimizer")}),
+    # 4 ranks: FSDP2 shards each tensor-parallel shard again (a 2-D layout) -> tp x pp, and whole in one process
+    "gpt-dp2-tp2-zero3": ("gpt", dict(dp=2, tp=2, zero=3, micro_batch_size=2),
+                          {"tp2-pp2": dict(tp=2, pp=2, micro_batch_size=2)}),
 }
+WORLDS = {"gpt-dp2-tp2-zero3": 4}   # a scenario's ranks, when not 2
 TARGETS = [(s, t) for s, (_, _, targets) in SCENARIOS.items() for t in [*targets, "one_process"]]
 
 
-def _plan(model: str, fields: dict) -> dict:
+def _plan(model: str, fields: dict, world: int) -> dict:
     name = "-".join(f"{k}{v}" for k, v in fields.items())
-    return make_plan(Case(f"{model}-{name}", model, {**BASE, **fields}, 2)).to_dict()
+    return make_plan(Case(f"{model}-{name}", model, {**BASE, **fields}, world)).to_dict()
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    """Scenario -> each rank's results."""
     import worlds
     folder = str(tmp_path_factory.mktemp("checkpoints"))
-    w = worlds.world(2)
     jobs = []
     for name, (model, source, targets) in SCENARIOS.items():   # one job per scenario: planned while the last runs
-        scenario = (name, model, _plan(model, source),
-                    {t: (_plan(model, {k: v for k, v in f.items() if k != "model"}), f.get("model", model))
+        size = WORLDS.get(name, 2)
+        scenario = (name, model, _plan(model, source, size),
+                    {t: (_plan(model, {k: v for k, v in f.items() if k != "model"}, size), f.get("model", model))
                      for t, f in targets.items()})
-        jobs.append(w.submit("checkpoint_cases:run", [scenario], folder))
-    out: list[dict] = [{}, {}]
-    for k in jobs:
-        for rank, got in enumerate(w.result(k)):
+        w = worlds.world(size)
+        jobs.append((name, w, w.submit("checkpoint_cases:run", [scenario], folder)))
+    out: dict[str, list[dict]] = {}
+    for name, w, k in jobs:
+        ranks = w.result(k)
+        for got in ranks:
             assert "error" not in got, got["error"]
-            out[rank].update(got)
+        out[name] = [got[name] for got in ranks]
     return out
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_resume_equals_uninterrupted(results, scenario):
-    for rank, got in enumerate(results):
-        r = got[scenario]
+    for rank, r in enumerate(results[scenario]):
         assert r["resume_steps"] == 1, (rank, r["resume_steps"])
         assert r["resume_load_diff"] == 0.0, (rank, r["resume_load_diff"])
         for a, b in zip(r["resume_losses"], r["source_losses"]):
@@ -91,8 +98,8 @@ def test_resume_equals_uninterrupted(results, scenario):
 
 @pytest.mark.parametrize("scenario,target", TARGETS, ids=[f"{s}-to-{t}" for s, t in TARGETS])
 def test_load_into_another_plan_continues(results, scenario, target):
-    for rank, got in enumerate(results):
-        r, want = got[scenario][target], got[scenario]["source_losses"][1]
+    for rank, got in enumerate(results[scenario]):
+        r, want = got[target], got["source_losses"][1]
         assert r["steps"] == 1, (rank, r["steps"])
         assert r["load_diff"] == 0.0, (rank, r["load_diff"])
         assert math.isclose(r["loss"], want, rel_tol=1e-5), (rank, r["loss"], want)
@@ -101,8 +108,8 @@ def test_load_into_another_plan_continues(results, scenario, target):
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_checkpoint_without_optimizer_state_is_not_a_resume(results, scenario):
-    for rank, got in enumerate(results):
-        r = got[scenario]["one_process"]
+    for rank, got in enumerate(results[scenario]):
+        r = got["one_process"]
         assert r["steps_fresh_optimizer"] == 1 and r["load_diff_fresh_optimizer"] == 0.0, (rank, r)
         assert r["params_diff_fresh_optimizer"] > 1e-4, (rank, r["params_diff_fresh_optimizer"])
 
