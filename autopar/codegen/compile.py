@@ -298,7 +298,7 @@ def describe(program: RankProgram) -> str:
         for v in chunk.receives:
             x = compiled.values[v]
             lines.append(f"  recv {v} from chunk {x.producer}: {list(x.shape)} {str(x.dtype).removeprefix('torch.')}"
-                         f" as {compiled.crossing(v)}")
+                         f" as {compiled.crossing(v)}" + (", 1/t from each rank, all-gathered" if x.scatter else ""))
         for v in chunk.spec.graph_inputs:
             lines.append(f"  input {v}")
         for layer in chunk.layers:
@@ -307,7 +307,8 @@ def describe(program: RankProgram) -> str:
             steps = " ; ".join(map(str, send.steps)) or "as held"
             to = compiled.split.consumers.get(send.value, ())
             where = f"to chunks {list(to)}" if to else "the loss"
-            lines.append(f"  send {send.value} {where}: held {send.held} -> {send.crossing} ({steps})")
+            scatter = ", this rank's 1/t of it" if send.value in compiled.values and compiled.values[send.value].scatter else ""
+            lines.append(f"  send {send.value} {where}: held {send.held} -> {send.crossing} ({steps}){scatter}")
     lines.append("actions: " + " ".join(map(str, program.actions)))
     return "\n".join(lines)
 

@@ -13,7 +13,7 @@ import torch
 import autopar
 from autopar import Cluster
 from autopar.capture.export import run_export
-from autopar.codegen.compile import compile_program, compile_rank
+from autopar.codegen.compile import compile_program, compile_rank, describe
 from autopar.codegen.redistribute import convert
 from autopar.models import GPTConfig, build_gpt
 from autopar.plan.placement import normal
@@ -66,6 +66,8 @@ def test_a_whole_value_crosses_scattered_over_the_tensor_parallel_ranks(planned)
     (sent,) = compiled.chunks[0].sends
     value = compiled.values[sent.value]
     assert value.shape == tuple(compiled.split.meta(sent.value).shape) and value.scatter
+    text = describe(compiled.rank(0))   # the rank's program says so
+    assert "this rank's 1/t of it" in text and "1/t from each rank, all-gathered" in describe(compiled.rank(2))
 
 
 def test_rank_program_reads_as_what_the_rank_runs(planned):
