@@ -314,6 +314,10 @@ class Precision:
     """Adam keeps two fp32 states per parameter (momentum, variance); SGD with momentum one."""
     recipe: str | None = None
     """How fp8 GEMM operands are scaled (``compute="fp8"`` only; default "tensorwise"): one of FP8_RECIPES."""
+    fp8_storage: DType = "bf16"
+    """Under ``compute="fp8"``: the dtype the weights, the activations and every op but the fp8 GEMMs are in
+    ("bf16": torchao's float8 training over a bf16 model and Transformer Engine under bf16; "fp32": torchao's
+    float8 training over a model left in fp32). The programs check the model's weights against it."""
     kernels: Kernels = "eager"
     """How the ops run, which decides the bytes they move and keep for backward: "eager" (PyTorch
     eager, what ``parallelize`` runs: one kernel per op, autograd keeping what each op's backward
@@ -350,13 +354,18 @@ class Precision:
         elif self.recipe is not None:
             raise ConfigError(f"Precision(recipe={self.recipe!r}) scales fp8 GEMM operands, but compute="
                               f"{self.compute!r}: pass compute=\"fp8\" with it, or drop recipe")
+        check_choice("fp8_storage", self.fp8_storage, tuple(DTYPE_BYTES))
+        if self.compute != "fp8" and self.fp8_storage != "bf16":
+            raise ConfigError(f"Precision(fp8_storage={self.fp8_storage!r}) is the dtype around fp8 GEMMs, but compute="
+                              f"{self.compute!r}: pass compute=\"fp8\" with it, or drop fp8_storage (compute is "
+                              "then the weights' and activations' dtype)")
         check_choice("optimizer", self.optimizer, ("adam", "sgd"))
         check_choice("kernels", self.kernels, KERNELS)
 
     @property
     def storage(self) -> str:
-        """The dtype weights and activations are kept in: ``compute``, or bf16 for fp8 compute."""
-        return "bf16" if self.compute == "fp8" else self.compute
+        """The dtype weights and activations are kept in: ``compute``, or ``fp8_storage`` for fp8 compute."""
+        return self.fp8_storage if self.compute == "fp8" else self.compute
 
     @property
     def weight_bytes(self) -> int:

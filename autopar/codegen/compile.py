@@ -237,20 +237,26 @@ def compile_program(plan: Plan, exported: Any, model: nn.Module) -> CompiledProg
 
 def check_weights_dtype(plan: Plan, model: nn.Module) -> None:
     """The model's trainable floating-point weights in the dtype the plan prices its weights, activations and
-    compute in (``Precision.compute``): a program runs the model in its own dtype, so an fp32 model under a bf16
-    plan would train with twice the activations and at fp32's speed, and not fit where the plan says it does, or
-    the other way round. An fp8 plan is not checked: its linear layers run through torchao's float8 training
-    over weights of either dtype (its CPU tests run fp32 models), where the plan prices bf16."""
-    want = TORCH_DTYPE_NAMES.get(plan.precision.compute)
+    compute in (``Precision.storage``: ``compute``, or ``fp8_storage`` around an fp8 plan's GEMMs): a program
+    runs the model in its own dtype, so an fp32 model under a bf16 plan would train with twice the activations
+    and at fp32's speed, and not fit where the plan says it does, or the other way round."""
+    prec = plan.precision
+    want = TORCH_DTYPE_NAMES.get(prec.storage)
     found = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
                     if p.requires_grad and p.is_floating_point()})
     if want is None or not found or found == [want]:
         return
     other = PRECISION_DTYPES.get(found[0])
-    replan = (f" or re-plan with Precision(compute={other!r}, grads={other!r})" if len(found) == 1 and other else "")
-    raise ConfigError(f"this plan is priced with {want} weights and activations (Precision(compute="
-                      f"{plan.precision.compute!r})), but the model's trainable parameters are {', '.join(found)}: pass "
-                      f"the model in {want} (model.to(torch.{want})){replan}")
+    if prec.compute == "fp8":
+        priced = f"Precision(compute='fp8', fp8_storage={prec.fp8_storage!r})"
+        replan = f" or re-plan with Precision(compute='fp8', fp8_storage={other!r})" if len(found) == 1 and other else ""
+    else:
+        priced = f"Precision(compute={prec.compute!r})"
+        replan = (f" or re-plan with Precision(compute={other!r}, grads={other!r})" if len(found) == 1 and other
+                  else "")
+    raise ConfigError(f"this plan is priced with {want} weights and activations ({priced}), but the model's "
+                      f"trainable parameters are {', '.join(found)}: pass the model in {want} "
+                      f"(model.to(torch.{want})){replan}")
 
 
 def compile_rank(plan: Plan, exported: Any, rank: int, model: nn.Module) -> RankProgram:

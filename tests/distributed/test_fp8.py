@@ -36,8 +36,8 @@ from harness import Case, check_matches, reference, run_cases  # noqa: E402
 
 BASE = dict(dp=1, tp=1, pp=1, micro_batch_size=1, zero=0, recompute="none", schedule="1f1b", virtual_stages=1,
             sequence_parallel=False)
-ROWS = dict(compute="fp8", recipe="rowwise_with_gw_hp")
-TENSOR = dict(compute="fp8", recipe="tensorwise")
+ROWS = dict(compute="fp8", recipe="rowwise_with_gw_hp", fp8_storage="fp32")   # the fp32 test model
+TENSOR = dict(compute="fp8", recipe="tensorwise", fp8_storage="fp32")
 EXACT = [
     Case("fp8-rows-dp2", "gpt", {**BASE, "dp": 2}, 2, precision=ROWS),
     Case("fp8-rows-pp2", "gpt", {**BASE, "pp": 2}, 2, precision=ROWS),

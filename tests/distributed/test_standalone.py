@@ -60,8 +60,8 @@ CASES = {   # name -> (ranks, pinned fields)
     # the whole weight's scale; the activations' scales are each rank's rows' (one process runs them as calls)
     "dp2_zero3_fp8_gathered": (2, dict(dp=2, zero=3, micro_batch_size=2)),
 }
-PRECISION = {"tp2_fp8": dict(compute="fp8", recipe="rowwise_with_gw_hp"),
-             "dp2_zero3_fp8_gathered": dict(compute="fp8", recipe="tensorwise")}
+PRECISION = {"tp2_fp8": dict(compute="fp8", recipe="rowwise_with_gw_hp", fp8_storage="fp32"),   # fp32 models
+             "dp2_zero3_fp8_gathered": dict(compute="fp8", recipe="tensorwise", fp8_storage="fp32")}
 CALLS = {"dp2_zero3_fp8_gathered": 2}   # one process runs each step's batch as this many calls (a rank's rows each)   # the plan edited to it (this CPU has
 # no fp8 peak to price it with: what runs is what this case tests), the reference converted alike
 FACTORY = {name: "llama_on_meta" if name.endswith("_meta") else "tagger" if name.endswith("_targets") else

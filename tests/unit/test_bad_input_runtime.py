@@ -306,3 +306,10 @@ def test_parallelize_refuses_a_model_in_another_dtype_than_the_plan_prices(world
     for p in frozen.parameters():   # frozen weights train in no dtype: only the trainable ones count
         p.requires_grad_(False)
     check_weights_dtype(bf16, frozen)
+    # an fp8 plan: its weights and activations in fp8_storage's dtype around the fp8 GEMMs (bf16 by default)
+    fp8 = dataclasses.replace(plan, precision=autopar.Precision(compute="fp8"))
+    with pytest.raises(ConfigError, match=r"float32: pass the model in bfloat16 \(model.to\(torch.bfloat16\)\) or "
+                                          r"re-plan with Precision\(compute='fp8', fp8_storage='fp32'\)"):
+        check_weights_dtype(fp8, make_model())
+    check_weights_dtype(dataclasses.replace(plan, precision=autopar.Precision(compute="fp8", fp8_storage="fp32")),
+                        make_model())

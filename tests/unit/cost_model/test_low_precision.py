@@ -36,6 +36,13 @@ def test_precision_fp8_keeps_bf16_storage_and_checks_its_recipe():
     with pytest.raises(ConfigError, match='pass compute="fp8"'):
         Precision(recipe="rowwise")
     assert Precision(**p.to_dict()) == p
+    # around the fp8 GEMMs a model left in fp32: its weights and activations priced in fp32
+    kept = Precision(compute="fp8", fp8_storage="fp32")
+    assert kept.storage == "fp32" and (kept.weight_bytes, kept.activation_bytes, kept.master_bytes) == (4, 4, 0)
+    with pytest.raises(ConfigError, match="fp8_storage='fp8' is not one of"):
+        Precision(compute="fp8", fp8_storage="fp8")
+    with pytest.raises(ConfigError, match='pass compute="fp8" with it, or drop fp8_storage'):
+        Precision(fp8_storage="fp32")
 
 
 def test_devices_without_the_recipes_tensor_cores_refuse_it():
@@ -163,9 +170,10 @@ def test_the_standalone_folder_runs_fp8_linear_layers(tmp_path):
     cluster = autopar.Cluster.from_spec("1x2xH100-SXM")
     from autopar.codegen.standalone import emit_standalone
     texts = {}
-    for compute in ("fp8", "fp32"):   # the fp32 model as it is, or its linear layers in fp8
+    for compute in ("fp8", "fp32"):   # the fp32 model as it is, or its linear layers in fp8 (the rest in fp32)
         plan = autopar.estimate(model, cluster, inputs, ParallelConfig(dp=2), global_batch_size=2,
-                                precision=Precision(compute=compute))
+                                precision=Precision(compute=compute, **({"fp8_storage": "fp32"} if compute == "fp8"
+                                                                       else {})))
         emit_standalone(plan, str(tmp_path / compute), "test_low_precision:gpt_tiny", None, None, 1e-3)
         texts[compute] = (tmp_path / compute / "program.py").read_text()
     assert "FP8_RECIPE = 'tensorwise'" in texts["fp8"] and "FP8_RECIPE = None" in texts["fp32"]
