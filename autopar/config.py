@@ -305,7 +305,8 @@ class Precision:
     compute: Compute = "bf16"
     """Dtype of weights used in compute and of activations; "fp8": the linear layers' GEMMs run in fp8
     under ``recipe`` (their inputs, weights and output gradients cast to fp8 around each GEMM), the weights,
-    activations and every other op in bf16, as torchao's float8 training and Transformer Engine do."""
+    activations and every other op in ``fp8_storage`` (bf16 by default), as torchao's float8 training and
+    Transformer Engine do."""
     grads: DType = "bf16"
     """Dtype gradients are accumulated and reduced in."""
     master_weights: bool = True
