@@ -148,7 +148,7 @@ def export(plan: "Plan") -> Export:
 
 def _precision(plan: "Plan", add, warnings: list[str]) -> None:
     prec = plan.precision
-    param = {"bf16": "bfloat16", "fp32": "float32"}.get(prec.storage)   # fp8 compute keeps bf16 weights
+    param = {"bf16": "bfloat16", "fp32": "float32"}.get(prec.storage)   # fp8 compute: its fp8_storage
     if param is None:
         param = "bfloat16"
         warnings.append("precision.compute = 'fp16': torchtitan's mixed precision is bfloat16 or float32 "
