@@ -143,6 +143,10 @@ ZERO_BUBBLE = [Case("gpt-dp2_pp2_zbv", "gpt", {**BASE, "dp": 2, "pp": 2, "schedu
                # (the data-parallel buckets started by the hooks of one, by its end for the other)
                Case("gpt-dp2_pp2_dualpipev", "gpt", {**BASE, "dp": 2, "pp": 2, "schedule": "dualpipev",
                                                     "virtual_stages": 2, "recompute": "full"}, 4, global_batch=8)]
+# A value every tensor-parallel rank holds whole crosses a cut as each rank's half, all-gathered by the
+# receivers, its gradient back alike (runtime/pipeline.py Value.scatter): the cross-attention model's memory
+# tokens, read by every decoder block on the next stage, their gradients summed over those readers
+SCATTERED = [Case("xattn-tp2_pp2", "xattn", {**BASE, "tp": 2, "pp": 2}, 4)]
 # ZB-H1's split backward through cross attention (decoder tokens attending to memory tokens of their own
 # embedding: a query length other than the key length) and Hugging Face Mixtral's routed experts (the
 # router's and experts' weight gradients in W); make bench, where every MODELS one runs pp2_zbh1 too
@@ -155,7 +159,8 @@ CASES = {2: [Case(f"{m}-{k}", m, None if v is None else {**BASE, **v}, 2) for m 
              and (ALL_CASES or k in SAMPLE_TWO[m])]
          + CNN + SELECTIVE + PARTIAL + COMPILED + ZERO_BUBBLE_TWO,
          4: [Case(f"{m}-{k}", m, None if v is None else {**BASE, **v}, 4) for m in MODELS for k, v in FOUR.items()
-             if (k == "planner" or m in VARIANTS_ON) and (ALL_CASES or (m, k) in SAMPLE_FOUR)] + ZERO_BUBBLE}
+             if (k == "planner" or m in VARIANTS_ON) and (ALL_CASES or (m, k) in SAMPLE_FOUR)] + ZERO_BUBBLE
+         + SCATTERED}
 
 
 @pytest.fixture(scope="module")
