@@ -29,9 +29,9 @@ shape). A value every tensor-parallel rank holds whole (:attr:`Value.scatter`) c
 from each rank, which the receiving ranks all-gather over their tensor-parallel group (Megatron-LM's
 scatter/gather, DeepSpeed's partitioned pipeline buffers): ``t`` times less over the link between
 stages, the NICs between nodes, for one all-gather within the node. Its gradient returns the same way:
-the gradient of a value held whole is whole and the same on every tensor-parallel rank. Sends between two ranks are matched by tag (gloo) = one per (value, micro-batch, reading
-chunk, direction), so their order does not matter; values between two chunks of the same
-rank (interleaved, ZB-V) stay in memory.
+the gradient of a value held whole is whole and the same on every tensor-parallel rank. Sends between
+two ranks are matched by tag (gloo) = one per (value, micro-batch, reading chunk, direction), so their
+order does not matter; values between two chunks of the same rank (interleaved, ZB-V) stay in memory.
 
 Chunk ``c`` runs on pipeline device ``c mod pp`` (looped), or where :class:`Topology`'s
 ``chunk_devices`` says (ZB-V's V: device ``d`` holds chunks ``d`` and ``2 pp - 1 - d``).
