@@ -249,7 +249,8 @@ def check_weights_dtype(plan: Plan, model: nn.Module) -> None:
     other = PRECISION_DTYPES.get(found[0])
     if prec.compute == "fp8":
         priced = f"Precision(compute='fp8', fp8_storage={prec.fp8_storage!r})"
-        replan = f" or re-plan with Precision(compute='fp8', fp8_storage={other!r})" if len(found) == 1 and other else ""
+        replan = (f" or re-plan with Precision(compute='fp8', fp8_storage={other!r})" if len(found) == 1 and other
+                  else "")
     else:
         priced = f"Precision(compute={prec.compute!r})"
         replan = (f" or re-plan with Precision(compute={other!r}, grads={other!r})" if len(found) == 1 and other
@@ -313,7 +314,8 @@ def describe(program: RankProgram) -> str:
             steps = " ; ".join(map(str, send.steps)) or "as held"
             to = compiled.split.consumers.get(send.value, ())
             where = f"to chunks {list(to)}" if to else "the loss"
-            scatter = ", this rank's 1/t of it" if send.value in compiled.values and compiled.values[send.value].scatter else ""
+            value = compiled.values.get(send.value)
+            scatter = ", this rank's 1/t of it" if value is not None and value.scatter else ""
             lines.append(f"  send {send.value} {where}: held {send.held} -> {send.crossing} ({steps}){scatter}")
     lines.append("actions: " + " ".join(map(str, program.actions)))
     return "\n".join(lines)
