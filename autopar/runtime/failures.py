@@ -88,10 +88,11 @@ def wait_or_fail(work: Any, timeout: float, what: str, group: Any = None, peers:
         raise RuntimeFailure(_message(what, timeout, group, peers, None))
 
 
-def peer_wait(timeout: float) -> Callable[[Any, str, int], None]:
-    """A PipelineRunner's ``wait(work, what, peer)``: :func:`wait_or_fail` naming the one peer."""
-    def wait(work: Any, what: str, peer: int) -> None:
-        wait_or_fail(work, timeout, what, peers=[peer])
+def peer_wait(timeout: float) -> Callable[[Any, str, int | Sequence[int]], None]:
+    """A PipelineRunner's ``wait(work, what, peer)``: :func:`wait_or_fail` naming the peer (or the peers of a
+    collective)."""
+    def wait(work: Any, what: str, peer: int | Sequence[int]) -> None:
+        wait_or_fail(work, timeout, what, peers=[peer] if isinstance(peer, int) else list(peer))
     return wait
 
 

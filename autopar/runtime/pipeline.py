@@ -168,7 +168,8 @@ class PipelineRunner:
     crossing a cut; ``loss``: the loss value's name; ``to_cut(chunk, name, value)``: a value as it
     is sent (in the spec it crosses the cut in); ``before_backward(chunk, last)``: called before
     each pass that completes gradients, ``B`` or ``W`` (``last``: the chunk's last of the step);
-    ``wait(work, what, peer)``: waits for a point-to-point operation or raises; ``after_forwards(losses)``:
+    ``wait(work, what, peer)``: waits for a point-to-point operation (or the scattered values' all-gather,
+    ``peer`` then its tensor-parallel peers) or raises; ``after_forwards(losses)``:
     called once a step, after this rank's last forward, with the losses so far (all of the step's on the
     rank computing them), so that sharing them can start under the backward passes left;
     ``after_backward(chunk)``: called after each chunk's last ``B`` (or ``W``) of the step; ``tp_group``: the
@@ -178,7 +179,7 @@ class PipelineRunner:
     def __init__(self, chunks: Mapping[int, torch.nn.Module], io: Mapping[int, ChunkIO],
                  values: Mapping[str, Value], loss: str, topo: Topology,
                  to_cut: Callable[[int, str, torch.Tensor], torch.Tensor] | None,
-                 before_backward: Callable[[int, bool], None] | None, wait: Callable[[Any, str, int], None],
+                 before_backward: Callable[[int, bool], None] | None, wait: Callable[[Any, str, Any], None],
                  device: torch.device,
                  after_forwards: Callable[[list[torch.Tensor]], None] | None = None,
                  after_backward: Callable[[int], None] | None = None, tp_group: Any = None) -> None:
@@ -186,6 +187,8 @@ class PipelineRunner:
         self.tp_group = tp_group
         self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        self.tp_peers = [r for r in dist.get_process_group_ranks(tp_group) if r != dist.get_rank()] \
+            if tp_group is not None else []
         if tp_group is None and any(v.scatter for v in values.values()):
             raise ValueError("values cross scattered over the tensor-parallel group (Value.scatter), but no "
                              "tp_group was given")
@@ -373,7 +376,8 @@ class PipelineRunner:
         if not scattered:
             return buf
         whole = torch.empty(numel, dtype=value.dtype, device=self.device)
-        dist.all_gather_into_tensor(whole, buf, group=self.tp_group)   # as the chunks' own collectives on the group
+        work = start(dist.all_gather_into_tensor, whole, buf, group=self.tp_group, async_op=True)
+        self.wait(work, f"tensor-parallel all-gather of the {what}", self.tp_peers)
         return whole.view(value.shape)
 
     def _scattered(self, v: str) -> bool:
