@@ -295,6 +295,11 @@ def _capture_error(model: nn.Module, exc: BaseException, call: str = "*") -> Cap
             hint += ("; a mixture-of-experts layer that loops over the experts it hits is such a branch: "
                      "dispatch with static shapes (Hugging Face: experts_implementation='grouped_mm' or "
                      "'batched_mm'; autopar.models.moe.Experts: a capacity-based dispatch)")
+    elif "found at least two devices" in str(exc):
+        where_model = next((str(p.device) for p in model.parameters()), None)
+        hint = (f"the example inputs are not on the model's device{f' ({where_model})' if where_model else ''}: "
+                "make them there (a model built under `with torch.device('meta'):` takes inputs made in the "
+                "same block)")
     elif isinstance(exc, (RuntimeError, IndexError, TypeError, ValueError)):
         hint = ("the example inputs do not fit the model (shapes, dtypes or keys): call "
                 f"{name}({call}example_inputs) once yourself to see the failure")

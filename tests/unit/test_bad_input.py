@@ -252,6 +252,16 @@ def test_inputs_of_wrong_shape_name_the_source_line() -> None:
         capture(TwoLayer(), (meta(2, 5),), lambda out, inputs: out.sum())
 
 
+def test_inputs_on_another_device_than_the_model_say_so() -> None:
+    """A model built on meta with example inputs made outside that block (on the CPU): the error says where
+    the model is and where to make the inputs, not that their shapes do not fit."""
+    model, inputs = build_mlp(device="meta")
+    cpu = tuple(torch.zeros(t.shape, dtype=t.dtype) for t in inputs) if isinstance(inputs, tuple) else \
+        {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in inputs.items()}
+    with raises(CaptureError, "not on the model's device (meta)", "torch.device('meta')"):
+        capture(model, cpu)
+
+
 def test_data_dependent_control_flow() -> None:
     where = line_of(DataDependent.forward, "<- branch line")
     with raises(CaptureError, "DataDependent", where, "data-dependent control flow", "torch.where"):
