@@ -327,7 +327,9 @@ class PipelineRunner:
             before = [w.grad for w in d.weights]
             for w in d.weights:
                 w.grad = None
-            self._split[1](iter(d.weights), d.param_groups, retain_graph=bool(d.outputs))
+            # several groups may share graph below their intermediates (HF T5's position bias, computed once for
+            # every block): each group's autograd.grad keeps the graph for the next, freed when W returns
+            self._split[1](iter(d.weights), d.param_groups, retain_graph=bool(d.outputs) or len(d.param_groups) > 1)
             for w, old in zip(d.weights, before):
                 new = w.grad
                 if new is None:
