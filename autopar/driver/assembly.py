@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..capture.export import LossFn, loss_source, run_export
 from ..capture.loss import check_loss
 from ..codegen.compile import RankProgram
+from ..errors import ConfigError
 from ..codegen.inputs import example_at
 from ..codegen.split import on_device
 from ..plan import Plan
@@ -42,7 +43,7 @@ from ..runtime.expert_parallel import shard_experts
 from ..runtime.experts import ExpertsModule
 from ..runtime.fp8 import Float8Linear, emulated, gathered_in_fp8
 from ..runtime.mesh import Coords, MeshGroups
-from ..runtime.optim import HostOptimizer, compile_step, innermost, wrapped
+from ..runtime.optim import HostOptimizer, compile_step, innermost, steps_elementwise, wrapped
 from ..runtime.pipeline import backward_ends
 from ..runtime.sharded_init import Materializer
 from .chunk import ChunkModule, NodeRunner
@@ -266,6 +267,7 @@ def build_optimizer(setup: RankSetup, compiled: RankProgram, groups: MeshGroups,
     shards = list({id(p): (p, s) for p, s in zip(params.values(), stepped.values()) if s is not p}.values())
     if factory is None:
         return None, stepped, shards
+    check_elementwise(setup, compiled, factory)
     unique = list({id(p): p for p in stepped.values()}.values())
     offload = setup.plan.config.offload
     if offload == "optimizer":   # the states and the step on the host (cost_model/offload.py)
@@ -291,6 +293,34 @@ def build_optimizer(setup: RankSetup, compiled: RankProgram, groups: MeshGroups,
                       "steps tensor by tensor, several times slower on a CPU (bench/offload.py): build it with fused=True",
                       stacklevel=3)
     return optimizer, stepped, shards
+
+
+def check_elementwise(setup: RankSetup, compiled: RankProgram, factory: OptimizerFactory) -> None:
+    """Refuse an optimizer that is not element-wise (runtime/optim.py: Muon, Adafactor, LAMB) where the plan has
+    ranks step parts of parameters: tensor parallelism's splits, ZeRO-2/3's shards. It would train, with no
+    error, otherwise than one device does. Decided from the plan, alike on every rank; a factory the probe
+    cannot run is warned about."""
+    cfg = setup.plan.config
+    split_tp = sorted(f for f, d in compiled.program.param_dims.items() if d is not None) if cfg.tp > 1 else []
+    sharded = setup.fsdp and cfg.grad_replicas > 1
+    if not split_tp and not sharded:
+        return
+    how = " and ".join(filter(None, [
+        f"tensor parallelism (tp={cfg.tp}) splits {len(split_tp)} parameters ({', '.join(split_tp[:3])}"
+        f"{', ...' if len(split_tp) > 3 else ''})" if split_tp else "",
+        f"ZeRO-{cfg.zero} shards every parameter over its {cfg.grad_replicas} data-parallel replicas" if sharded
+        else ""]))
+    elementwise, why = steps_elementwise(factory, setup.device)
+    if elementwise is False:
+        raise ConfigError(
+            f"the optimizer does not step each element on its own (Muon, Adafactor and LAMB do not; AdamW and SGD do): "
+            f"{why}. In this plan {how}, so each rank would step its parts and train otherwise than one device. Plan "
+            f"with tp=1 and zero <= 1 (autopar.plan(..., fixed=dict(tp=1, zero=1)): ZeRO-1 steps whole parameters), "
+            f"or pass an element-wise optimizer")
+    if elementwise is None:
+        warnings.warn(f"could not check that the optimizer steps each element on its own (its factory or step failed "
+                      f"on a probe tensor: {why}); in this plan {how}, and an optimizer that is not element-wise (Muon, "
+                      f"Adafactor, LAMB) would train otherwise than one device", stacklevel=4)
 
 
 def _bucket_starts(chunk: ChunkModule, buckets: Iterable[Iterable[Any]]) -> list[int]:

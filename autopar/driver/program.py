@@ -96,7 +96,9 @@ def parallelize(model: nn.Module, plan: Plan, optimizer: OptimizerFactory | None
                 compile: bool | str | None = None) -> "Program":
     """This rank's share of ``plan`` for ``model``: a :class:`Program` that trains it.
 
-    ``optimizer`` maps parameters to an optimizer (``lambda ps: torch.optim.AdamW(ps, lr=1e-3)``);
+    ``optimizer`` maps parameters to an optimizer (``lambda ps: torch.optim.AdamW(ps, lr=1e-3)``); where the plan
+    has ranks step parts of parameters (tensor parallelism, ZeRO-2/3) it must be element-wise, as AdamW and SGD
+    are and Muon, Adafactor and LAMB are not (a ConfigError says so: runtime/optim.py probes it);
     ``loss_fn`` must be the one the plan was made with (the plan records its ``module:qualname``; a
     missing or another one, or a plan priced with a stand-in loss, is a PlanMismatchError saying what
     to pass: capture/loss.py); ``example_inputs`` is needed only for a

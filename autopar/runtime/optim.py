@@ -1,5 +1,6 @@
-"""The optimizer's step as a program runs it: compiled (:func:`compile_step`), and on the host's CPU when the
-plan offloads the optimizer (:class:`HostOptimizer`).
+"""The optimizer's step as a program runs it: compiled (:func:`compile_step`), on the host's CPU when the
+plan offloads the optimizer (:class:`HostOptimizer`), and on parts of tensors only when its update is
+element-wise (:func:`steps_elementwise`).
 
 A compiled program (``parallelize(..., compile=True)``, ``train.py --compile``) compiles its
 optimizer's step as well as its chunks, as torch's "compiling the optimizer" recipe does:
@@ -18,6 +19,15 @@ be compiled again at once. It stays a bound method of the optimizer, so that use
 compiled step. A learning rate that changes is a float that dynamo does not specialise on
 (``torch._dynamo.config.specialize_float``, False by default in torch 2.13), so a schedule costs one
 recompile, not one a step (tests/unit/codegen/test_optim.py).
+
+A plan that splits parameters (tensor parallelism, ZeRO-2/3's shards) has each rank step its parts of them, as
+Megatron-LM's and FSDP2's optimizers do. That trains as one device does only for an optimizer whose update
+of an element reads nothing but that element's gradient, state and the hyperparameters (SGD, Adam, AdamW,
+Adagrad, RMSprop, ...). Muon (which orthogonalises a matrix's update), Adafactor (row and column statistics)
+and LAMB (a trust ratio from each tensor's norms) step a part differently from the whole: on a half they
+compute another update, with no error. No attribute of an optimizer says which kind it is, so
+:func:`steps_elementwise` asks the factory's own optimizer: it steps a probe matrix and vector whole, and
+in halves along each dimension, with the same gradients, and compares.
 
 Imports only torch and data_parallel.py: the standalone folder (standalone.py) carries this file beside its
 train.py.
@@ -110,6 +120,63 @@ class HostOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
+
+
+PROBE_SHAPES = ((8, 6), (6,))   # a matrix and a vector (Muon takes matrices only; a factory may sort by ndim)
+PROBE_STEPS = 3                 # the third reads states two steps wrote
+PROBE_TOLERANCE = 1e-4          # of the largest update: element-wise kernels agree to rounding whatever the split
+
+
+def steps_elementwise(factory: Callable[[list[torch.Tensor]], Any], device: torch.device | str = "cpu"
+                      ) -> tuple[bool | None, str]:
+    """Whether the optimizers ``factory`` builds step each element alone: ``(True, "")``, ``(False, how the
+    parts' update differs)``, or ``(None, why it could not tell)`` where the factory or its step fails on
+    the probe's fp32 tensors on ``device`` (it wants parameters of its own, or a closure).
+
+    The probe (module docstring): :data:`PROBE_SHAPES` (or, where the factory refuses the vector, the matrix
+    alone) stepped :data:`PROBE_STEPS` times whole, then split in
+    halves along dim 0 and along dim 1 (the vector along its one dim), with the same seeded gradients; an
+    element-wise optimizer gives each half of what the whole got."""
+    failed = ""
+    for shapes in (PROBE_SHAPES, PROBE_SHAPES[:1]):   # then the matrix alone, for an optimizer of matrices only
+        try:
+            return _probe(factory, device, shapes)
+        except Exception as exc:  # noqa: BLE001 - any failure of a user's factory means: cannot tell
+            failed = failed or f"{type(exc).__name__}: {exc}"
+    return None, failed
+
+
+def _probe(factory: Callable[[list[torch.Tensor]], Any], device: torch.device | str,
+           shapes: tuple[tuple[int, ...], ...]) -> tuple[bool, str]:
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(PROBE_STEPS)]
+
+    def stepped(dim: int | None) -> list[torch.Tensor]:
+        def parts(t: torch.Tensor) -> list[torch.Tensor]:
+            return [t] if dim is None else list(t.chunk(2, min(dim, t.ndim - 1)))
+        params = [torch.nn.Parameter(part.clone().to(device)) for t in start for part in parts(t)]
+        optimizer = factory(params)
+        for step in grads:
+            for p, g in zip(params, [part for t in step for part in parts(t)]):
+                p.grad = g.clone().to(device)
+            optimizer.step()
+        out, k = [], 0
+        for t in start:
+            n = len(parts(t))
+            out.append(torch.cat([p.detach().cpu() for p in params[k:k + n]], min(dim or 0, t.ndim - 1)))
+            k += n
+        return out
+
+    whole = stepped(None)
+    split = {dim: stepped(dim) for dim in (0, 1)}
+    moved = max(float((w - s).abs().max()) for w, s in zip(whole, start))
+    for dim, got in split.items():
+        worst = max(float((g - w).abs().max()) for g, w in zip(got, whole))
+        if worst > PROBE_TOLERANCE * max(moved, 1e-12):
+            return False, (f"stepped in halves along dim {dim}, a probe tensor moved up to {worst:.2g} away from "
+                           f"where stepping it whole took it (moves of up to {moved:.2g})")
+    return True, ""
 
 
 def wrapped(optimizer: Any, kind: type) -> Any:

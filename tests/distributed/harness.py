@@ -40,8 +40,20 @@ EPS = 1e-4
 
 
 def adamw(params) -> torch.optim.Optimizer:
-    """The optimizer every comparison with one process uses (both sides)."""
+    """The optimizer every comparison with one process uses (both sides), but the cases that name another."""
     return torch.optim.AdamW(params, lr=LR, eps=EPS)
+
+
+def adafactor(params) -> torch.optim.Optimizer:
+    """Adafactor (T5's optimizer, transformers'): its second moment of a matrix is factored into row and column
+    means, and its update clipped by the update's RMS over the tensor, so it is not element-wise (runtime/optim.py).
+    Muon is not either, but orthogonalising a gradient of low rank (these tests' batches) turns rounding noise
+    into steps: no comparison between two runs of it holds to a tolerance."""
+    from transformers.optimization import Adafactor
+    return Adafactor(params, lr=LR, relative_step=False, scale_parameter=False, warmup_init=False)
+
+
+OPTIMIZERS = {"adamw": adamw, "adafactor": adafactor}
 
 
 @dataclass(frozen=True)
@@ -57,6 +69,7 @@ class Case:
     steps: int = STEPS            # AdamW steps compared (a compiled program compiles its optimizer's step at
     #                               its second: one step leaves that to the cases that test it)
     precision: dict | None = None  # Precision fields the plan is edited to (fp8: the reference converted alike)
+    optimizer: str = "adamw"       # key of OPTIMIZERS, on both sides
 
 
 def _mlp():
@@ -223,16 +236,17 @@ def call_loss(model, batch, loss_fn):
     return LossWrapper(model, loss_fn, batch)(*args, **kwargs)
 
 
-def one_process(model: torch.nn.Module, data: list[Any], step_loss: Callable[[Any], torch.Tensor]) -> dict[str, Any]:
+def one_process(model: torch.nn.Module, data: list[Any], step_loss: Callable[[Any], torch.Tensor],
+                optimizer: Callable[[Any], torch.optim.Optimizer] = adamw) -> dict[str, Any]:
     """The single-process reference: the loss and gradients of ``step_loss(data[0])`` (a parameter no
     op of the loss reads gets a zero gradient, as the programs report it), and the parameters after
-    one AdamW step per batch of ``data``."""
+    one ``optimizer`` step per batch of ``data``."""
     loss = step_loss(data[0])
     loss.backward()
     grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
              for n, p in model.named_parameters()}
     model.zero_grad()
-    opt = adamw(model.parameters())
+    opt = optimizer(model.parameters())
     for b in data:
         opt.zero_grad()
         step_loss(b).backward()
@@ -249,7 +263,7 @@ def reference(case: Case) -> dict[str, Any]:
     them: computed once)."""
     from autopar import init_weights
     from autopar.runtime.sharded_init import has_meta
-    key = (case.model, case.global_batch, case.steps, tuple(sorted((case.precision or {}).items())))
+    key = (case.model, case.global_batch, case.steps, tuple(sorted((case.precision or {}).items())), case.optimizer)
     if key not in _REFERENCES:
         model = fresh(case.model)
         if has_meta(model):
@@ -258,7 +272,7 @@ def reference(case: Case) -> dict[str, Any]:
             to_fp8(model, case.precision.get("recipe", "tensorwise"))
         loss_fn = loss_fn_of(case.model)
         _REFERENCES[key] = one_process(model, batches(case.model, case.steps, case.global_batch),
-                                       lambda b: call_loss(model, b, loss_fn))
+                                       lambda b: call_loss(model, b, loss_fn), OPTIMIZERS[case.optimizer])
     return _REFERENCES[key]
 
 
@@ -356,8 +370,8 @@ def run_case(rank: int, world: int, case: Case, plan_dict: dict) -> dict[str, An
     model = fresh(case.model)
     data = batches(case.model, case.steps, case.global_batch)
     with shared_exports(case.model):
-        program = autopar.parallelize(model, plan, adamw, loss_fn=loss_fn_of(case.model), timeout=60,
-                                      compile=case.compile or False)
+        program = autopar.parallelize(model, plan, OPTIMIZERS[case.optimizer], loss_fn=loss_fn_of(case.model),
+                                      timeout=60, compile=case.compile or False)
     loss = program.forward_backward(data[0])
     grads = program.full_grads()
     program.optimizer.step()   # train_step(data[0]) is this forward_backward and this step
