@@ -171,6 +171,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seeds the model's initial weights, the same on every rank "
                         "(a model built on the meta device: each module's init, seeded by it and the module's name)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait on a silent peer")
+    parser.add_argument("--clip-grad", type=float, default=None, help="clip the gradients to this total norm before "
+                        "every step (the whole model's norm, as on one device: Program.clip_grad_norm_)")
     parser.add_argument("--loss-file", default=None, help="rank 0 appends each step's loss here")
     parser.add_argument("--checkpoint", default=None, help="save a sharded checkpoint (parameters, optimizer "
                         "state, step) into DIR/step<N> after the last step (torch.distributed.checkpoint)")
@@ -222,9 +224,10 @@ def main() -> None:
             print(f"resumed from {{args.resume}} at step {{start}}", flush=True)
     for step in range(start, args.steps):
         batch = {batch}
-        loss = program.train_step(batch)
+        loss = program.train_step(batch, max_grad_norm=args.clip_grad)
         if rank == 0:
-            print(f"step {{step}} loss {{loss.item():.6f}}", flush=True)
+            norm = "" if program.grad_norm is None else f" grad norm {{program.grad_norm.item():.9g}}"
+            print(f"step {{step}} loss {{loss.item():.6f}}{{norm}}", flush=True)
             if args.loss_file:
                 with open(args.loss_file, "a") as fh:
                     fh.write(f"{{loss.item():.9g}}\\n")

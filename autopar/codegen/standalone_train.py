@@ -104,6 +104,8 @@ def main():
     parser.add_argument("--seed", type=int, default=0, help="seeds the model's initial weights, the same on every "
                         "rank (a model built on the meta device: each module's from the seed and its name, as "
                         "autopar.parallelize's init_seed)")
+    parser.add_argument("--clip-grad", type=float, default=None, help="clip the gradients to this total norm before "
+                        "every step (the whole model's norm, as torch.nn.utils.clip_grad_norm_ on one device: optim.py)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait on a silent peer")
     parser.add_argument("--loss-file", default=None, help="rank 0 appends each step's loss here")
     parser.add_argument("--compile", action="store_true", help="run each chunk (each layer under ZeRO-2/3) "
@@ -260,9 +262,15 @@ def main():
             if failure is not None:
                 raise failure
             loss = micro_losses.mean().item()
+            norm = None
+            if args.clip_grad is not None:   # every element of the model counted on one rank (optim.norm_pieces)
+                pieces = optim.norm_pieces(named, lambda fqn: fqn not in P.TIED or min(P.TIED[fqn]) == pp_rank,
+                                           lambda fqn: P.TP > 1 and fqn in P.TP_DIMS, tp_rank,
+                                           [reducer] if reducer is not None else [])
+                norm = optim.clip_grad_norm_(pieces, args.clip_grad, 2.0, args.timeout).item()
             optimizer.step()
         if rank == 0:
-            print(f"step {step} loss {loss:.6f}", flush=True)
+            print(f"step {step} loss {loss:.6f}" + (f" grad norm {norm:.9g}" if norm is not None else ""), flush=True)
             if args.loss_file:
                 with open(args.loss_file, "a") as fh:
                     fh.write(f"{loss:.9g}\n")

@@ -76,7 +76,7 @@ from ..runtime.context_ops import shard_inputs
 from ..runtime.data_parallel import Zero1Optimizer, all_reduce_grads, local
 from ..runtime.failures import at_step, non_finite_loss, peer_wait, wait_or_fail
 from ..runtime.host_heap import keep_freed_memory
-from ..runtime.optim import wrapped
+from ..runtime.optim import check_clip, clip_grad_norm_, norm_pieces, wrapped
 from ..runtime.fp8 import fp8_gathered, refresh_scales
 from ..runtime.mesh import Mesh
 from ..runtime.losses import LossShare
@@ -218,6 +218,7 @@ class Program:
         self.unused = {n: setup.value(n, p).cpu().clone() for n, p in model.named_parameters()
                        if n not in self.holders or (not p.requires_grad and materializer is None)}
         self.steps = 0                      # forward_backward calls so far (the step failures name)
+        self.grad_norm: torch.Tensor | None = None   # the step's total gradient norm, once clip_grad_norm_ ran
         self.micro_losses: torch.Tensor | None = None
         # the step's micro-batch losses to every rank (runtime/losses.py): started after this rank's last
         # forward, in the gradients' last bucket when their all-reduce spans every rank
@@ -268,6 +269,7 @@ class Program:
             return self._forward_backward(batch)
 
     def _forward_backward(self, batch: Any) -> torch.Tensor:
+        self.grad_norm = None
         for p in self.parameters():
             p.grad = None
         if self.fp8_weights:
@@ -292,8 +294,9 @@ class Program:
         self.micro_losses = self.loss_share.result()
         return self.micro_losses.mean().to(self.device)
 
-    def train_step(self, batch: Any) -> torch.Tensor:
-        """``forward_backward`` then one optimizer step; returns the loss. A micro-batch whose loss is
+    def train_step(self, batch: Any, max_grad_norm: float | None = None) -> torch.Tensor:
+        """``forward_backward``, the gradients clipped to a total norm of ``max_grad_norm`` where given
+        (:meth:`clip_grad_norm_`), then one optimizer step; returns the loss. A micro-batch whose loss is
         not finite stops the step before the optimizer runs (the parameters are unchanged) with a
         RuntimeFailure, raised on every rank, naming the micro-batch and its samples."""
         if self.optimizer is None:
@@ -301,9 +304,27 @@ class Program:
                               "torch.optim.AdamW(params, lr=...))")
         loss = self.forward_backward(batch)
         self._check_finite(self.steps - 1)
+        if max_grad_norm is not None:
+            self.clip_grad_norm_(max_grad_norm)
         with at_step(self.steps - 1, "the optimizer step"):
             self.optimizer.step()
         return loss
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradients so that the model's total gradient norm is at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)`` does on one device; returns
+        that norm, the same on every rank (also kept as ``grad_norm``, for logging; None before a step's
+        gradients are clipped, as ``forward_backward`` leaves it). Call it after ``forward_backward``, before the optimizer steps
+        (``train_step(batch, max_grad_norm=...)`` does). Collective. The torch function over
+        ``program.parameters()`` would not do this: a rank holds parts of some gradients and copies of others,
+        so each rank would compute another norm and scale by another factor (runtime/optim.py)."""
+        check_clip(max_norm, norm_type)   # before the collective, not as a failure of the step
+        with at_step(self.steps - 1, "clip_grad_norm_"):
+            split = self.compiled.program.param_dims if self.cfg.tp > 1 else {}
+            pieces = norm_pieces(self.params, lambda fqn: self.holders[fqn][0] == self.pp_rank,
+                                 lambda fqn: split.get(fqn) is not None, self.tp_rank, self.reducers)
+            self.grad_norm = clip_grad_norm_(pieces, max_norm, norm_type, self.timeout)
+        return self.grad_norm
 
     def _check_finite(self, step: int) -> None:
         """Every rank holds the same micro-batch losses (all-reduced), so every rank raises alike."""

@@ -182,6 +182,16 @@ class GradReducer:
         parameter's), which every rank must hold. Every rank of the group passes the same ``owners``."""
         self.owners = {i: r for i, r in owners.items() if i in self._ids()}
 
+    def counted(self, p: torch.Tensor) -> bool | None:
+        """Whether this rank's gradient of ``p``, after :meth:`finish`, is the one a norm over the group's ranks
+        counts (each element once): the owner's under ZeRO-1 (the others hold their own partial gradient), else
+        the group's first rank's (every rank holds the mean). None when ``p`` is not reduced here."""
+        if id(p) not in self._ids():
+            return None
+        if id(p) in self.owners:
+            return self.owners[id(p)] == self.rank
+        return self.group is None or dist.get_rank(self.group) == 0
+
     def _ids(self) -> set[int]:
         return {id(p) for buckets in self.buckets for b in buckets for p in b.params}
 

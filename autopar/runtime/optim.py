@@ -1,6 +1,7 @@
 """The optimizer's step as a program runs it: compiled (:func:`compile_step`), on the host's CPU when the
-plan offloads the optimizer (:class:`HostOptimizer`), and on parts of tensors only when its update is
-element-wise (:func:`steps_elementwise`).
+plan offloads the optimizer (:class:`HostOptimizer`), on parts of tensors only when its update is
+element-wise (:func:`steps_elementwise`), after its gradients are clipped by the whole model's norm
+(:func:`clip_grad_norm_`).
 
 A compiled program (``parallelize(..., compile=True)``, ``train.py --compile``) compiles its
 optimizer's step as well as its chunks, as torch's "compiling the optimizer" recipe does:
@@ -29,18 +30,31 @@ compute another update, with no error. No attribute of an optimizer says which k
 :func:`steps_elementwise` asks the factory's own optimizer: it steps a probe matrix and vector whole, and
 in halves along each dimension, with the same gradients, and compares.
 
-Imports only torch and data_parallel.py: the standalone folder (standalone.py) carries this file beside its
+Clipping by the gradients' total norm (Megatron-LM's ``--clip-grad``, ``torch.nn.utils.clip_grad_norm_``)
+reads every gradient: a rank holds parts of some (tensor-parallel splits, ZeRO shards, a pipeline stage's
+layers) and copies of others (replicated over tp, over the data-parallel replicas, tied over stages), so
+the torch function on a rank's parameters computes another norm on each rank and scales each by another
+factor. :func:`clip_grad_norm_` takes each of the rank's gradients with whether this rank counts it (the
+program decides, so that every element of the model counts once over all ranks), sums the counted
+``|g|^p`` over every rank in one all-reduce (the max for ``p = inf``) and scales every gradient alike, as
+Megatron-LM's ``clip_grad_norm_fp32`` counts a tensor-parallel replica on one rank only.
+
+Imports only torch, data_parallel.py, errors.py and failures.py: the standalone folder (standalone.py) carries this file beside its
 train.py.
 """
 
 from __future__ import annotations
 
+import math
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
 from .data_parallel import local
+from .errors import ConfigError
+from .failures import start, wait_or_fail
 
 
 def compile_step(optimizer: torch.optim.Optimizer, backend: str | Callable[..., Any]) -> None:
@@ -177,6 +191,63 @@ def _probe(factory: Callable[[list[torch.Tensor]], Any], device: torch.device | 
             return False, (f"stepped in halves along dim {dim}, a probe tensor moved up to {worst:.2g} away from "
                            f"where stepping it whole took it (moves of up to {moved:.2g})")
     return True, ""
+
+
+def norm_pieces(params: Mapping[str, torch.Tensor], first_holder: Callable[[str], bool], tp_split: Callable[[str], bool],
+                tp_rank: int, reducers: Sequence[Any]) -> list[tuple[torch.Tensor, bool]]:
+    """For :func:`clip_grad_norm_`: each gradient of ``params`` (fqn -> parameter) this rank holds (its local
+    data), with whether this rank counts it, so that every element of the model counts on one rank: on the
+    first pipeline stage that holds it (``first_holder``; tied weights are summed over their stages); a
+    tensor-parallel split (``tp_split``) on every tp rank, a replicated one on tp rank 0; over its gradient
+    replicas, on the rank holding its mean (``reducers``: ZeRO-1's owner, else the group's first rank:
+    GradReducer.counted), and on every rank under ZeRO-2/3 (no reducer: FSDP2's shards are disjoint)."""
+    pieces, seen = [], set()
+    for fqn, p in params.items():
+        if p.grad is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        replica = next((c for c in (r.counted(p) for r in reducers) if c is not None), True)
+        pieces.append((local(p.grad), first_holder(fqn) and (tp_split(fqn) or tp_rank == 0) and replica))
+    return pieces
+
+
+def check_clip(max_norm: float, norm_type: float) -> None:
+    if not max_norm > 0 or not norm_type > 0:
+        raise ConfigError(f"clipping the gradients needs max_norm > 0 and norm_type > 0 (inf for the largest element), "
+                          f"got max_norm={max_norm}, norm_type={norm_type}")
+
+
+def clip_grad_norm_(pieces: list[tuple[torch.Tensor, bool]], max_norm: float, norm_type: float, timeout: float
+                    ) -> torch.Tensor:
+    """Scale this rank's gradients (``(gradient, counted here)``; module docstring) so that the model's total
+    ``norm_type``-norm is at most ``max_norm``; returns that norm (fp32, the same on every rank), as
+    ``torch.nn.utils.clip_grad_norm_`` on one device: scale ``max_norm / (norm + 1e-6)`` where below 1.
+    Collective over every rank of the default group."""
+    check_clip(max_norm, norm_type)
+    grads = list({id(g): g for g, _ in pieces}.values())
+    device = grads[0].device if grads else torch.device("cpu")
+    inf = math.isinf(norm_type)
+    norms = [n.float() for same in _by_kind([g for g, here in pieces if here and g.numel()]).values()
+             for n in torch._foreach_norm(same, norm_type)]   # each in its gradient's dtype, as torch's
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    if norms:
+        stacked = torch.stack(norms)
+        total = stacked.max() if inf else stacked.pow(norm_type).sum()
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    wait_or_fail(start(dist.all_reduce, total, op=op, async_op=True), timeout, "all_reduce of the gradients' norm")
+    norm = total if inf else total.pow(1.0 / norm_type)
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for (where, dtype), same in _by_kind(grads).items():
+        torch._foreach_mul_(same, scale.to(where, dtype))
+    return norm
+
+
+def _by_kind(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """``tensors`` by device and dtype: a foreach kernel takes one of each."""
+    out: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault((t.device, t.dtype), []).append(t)
+    return out
 
 
 def wrapped(optimizer: Any, kind: type) -> Any:

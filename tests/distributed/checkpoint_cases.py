@@ -105,13 +105,14 @@ def _scenario(model_name: str, source: dict, targets: dict[str, dict], path: str
 
 
 def resume_standalone(rank: int, world: int, plan: dict, path: str, steps: int, global_batch: int,
-                      lr: float) -> list[float]:
+                      lr: float, clip: float | None = None) -> list[float]:
     """A standalone folder's checkpoint (test_standalone.py) loaded by ``autopar.parallelize`` under
-    another plan, then trained on from its step to ``steps``: the losses of those steps."""
+    another plan, then trained on from its step to ``steps`` (the gradients clipped to ``clip``, as the folder
+    clipped them): the losses of those steps."""
     import autopar
     import plain_factories
     program = autopar.parallelize(plain_factories.llama(), autopar.Plan.from_dict(plan),
                                   lambda ps: torch.optim.AdamW(ps, lr=lr), timeout=60)
     program.load_checkpoint(path)
-    return [program.train_step(plain_factories.llama_batch(step, global_batch)).item()
+    return [program.train_step(plain_factories.llama_batch(step, global_batch), max_grad_norm=clip).item()
             for step in range(program.steps, steps)]

@@ -53,7 +53,13 @@ def adafactor(params) -> torch.optim.Optimizer:
     return Adafactor(params, lr=LR, relative_step=False, scale_parameter=False, warmup_init=False)
 
 
-OPTIMIZERS = {"adamw": adamw, "adafactor": adafactor}
+def sgd(params) -> torch.optim.Optimizer:
+    """Plain SGD: a step proportional to the gradient, so a wrong clipping factor shows in the parameters
+    (AdamW's step all but ignores a gradient's scale)."""
+    return torch.optim.SGD(params, lr=LR * 100)
+
+
+OPTIMIZERS = {"adamw": adamw, "adafactor": adafactor, "sgd": sgd}
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,7 @@ class Case:
     #                               its second: one step leaves that to the cases that test it)
     precision: dict | None = None  # Precision fields the plan is edited to (fp8: the reference converted alike)
     optimizer: str = "adamw"       # key of OPTIMIZERS, on both sides
+    clip: float | None = None      # max_grad_norm: the gradients clipped to this total norm before every step
 
 
 def _mlp():
@@ -237,21 +244,31 @@ def call_loss(model, batch, loss_fn):
 
 
 def one_process(model: torch.nn.Module, data: list[Any], step_loss: Callable[[Any], torch.Tensor],
-                optimizer: Callable[[Any], torch.optim.Optimizer] = adamw) -> dict[str, Any]:
+                optimizer: Callable[[Any], torch.optim.Optimizer] = adamw, clip: float | None = None
+                ) -> dict[str, Any]:
     """The single-process reference: the loss and gradients of ``step_loss(data[0])`` (a parameter no
     op of the loss reads gets a zero gradient, as the programs report it), and the parameters after
-    one ``optimizer`` step per batch of ``data``."""
+    one ``optimizer`` step per batch of ``data``; with ``clip``, each step's gradients clipped to that total
+    norm first (torch.nn.utils.clip_grad_norm_), and the first step's norm and clipped gradients."""
+    def all_grads() -> dict[str, torch.Tensor]:
+        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+                for n, p in model.named_parameters()}
+
     loss = step_loss(data[0])
     loss.backward()
-    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
-             for n, p in model.named_parameters()}
+    grads = all_grads()
     model.zero_grad()
     opt = optimizer(model.parameters())
-    for b in data:
+    out: dict[str, Any] = {}
+    for k, b in enumerate(data):
         opt.zero_grad()
         step_loss(b).backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if k == 0:
+                out = {"norm": norm.item(), "clipped": all_grads()}
         opt.step()
-    return {"loss": loss.item(), "grads": grads,
+    return {"loss": loss.item(), "grads": grads, **out,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
@@ -263,7 +280,8 @@ def reference(case: Case) -> dict[str, Any]:
     them: computed once)."""
     from autopar import init_weights
     from autopar.runtime.sharded_init import has_meta
-    key = (case.model, case.global_batch, case.steps, tuple(sorted((case.precision or {}).items())), case.optimizer)
+    key = (case.model, case.global_batch, case.steps, tuple(sorted((case.precision or {}).items())), case.optimizer,
+           case.clip)
     if key not in _REFERENCES:
         model = fresh(case.model)
         if has_meta(model):
@@ -272,7 +290,7 @@ def reference(case: Case) -> dict[str, Any]:
             to_fp8(model, case.precision.get("recipe", "tensorwise"))
         loss_fn = loss_fn_of(case.model)
         _REFERENCES[key] = one_process(model, batches(case.model, case.steps, case.global_batch),
-                                       lambda b: call_loss(model, b, loss_fn), OPTIMIZERS[case.optimizer])
+                                       lambda b: call_loss(model, b, loss_fn), OPTIMIZERS[case.optimizer], case.clip)
     return _REFERENCES[key]
 
 
@@ -374,11 +392,14 @@ def run_case(rank: int, world: int, case: Case, plan_dict: dict) -> dict[str, An
                                       timeout=60, compile=case.compile or False)
     loss = program.forward_backward(data[0])
     grads = program.full_grads()
+    clipped = {}
+    if case.clip is not None:   # the first step's clip on its own (after full_grads), the others in train_step
+        clipped = {"norm": program.clip_grad_norm_(case.clip).item(), "clipped": program.full_grads()}
     program.optimizer.step()   # train_step(data[0]) is this forward_backward and this step
     for b in data[1:]:
-        program.train_step(b)
+        program.train_step(b, max_grad_norm=case.clip)
     params = round_trip(program.full_state_dict(), fresh(case.model))
-    return {"loss": loss.item(), "grads": grads, "params": params,
+    return {"loss": loss.item(), "grads": grads, "params": params, **clipped,
             "local_numel": sum(local(p).numel() for p in program.parameters())}
 
 
@@ -442,6 +463,12 @@ def check_matches(got: dict, ref: dict, rank: int) -> None:
     for name, p in ref["params"].items():
         diff = (got["params"][name] - p).abs().max().item() if p.numel() else 0.0
         assert diff <= 1e-4, (rank, name, diff)
+    if "norm" in ref:   # clipped: the model's total norm, and every gradient scaled by the one factor
+        assert math.isclose(got["norm"], ref["norm"], rel_tol=1e-5), (rank, got["norm"], ref["norm"])
+        largest = max((g.abs().max().item() for g in ref["clipped"].values() if g.numel()), default=0.0)
+        for name, g in ref["clipped"].items():
+            diff = (got["clipped"][name] - g).abs().max().item() if g.numel() else 0.0
+            assert diff <= 1e-4 * largest, (rank, "clipped", name, diff, largest)
 
 
 def run_cases(cases: list[Case], world: int, function: str = "harness:run_case",

@@ -19,6 +19,7 @@ import autopar  # noqa: E402
 import autopar.codegen  # noqa: E402
 
 STEPS = 2
+CLIP = 0.01   # --clip-grad: below the gradients' norm (every step clipped, as one process clips them)
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([HERE, os.path.dirname(os.path.dirname(HERE))]),
        "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -33,15 +34,18 @@ def _torchrun(script, losses, *args: str) -> list[float]:
     return [float(x) for x in losses.read_text().split()]
 
 
-def _assert_trains_like_one_process(got: list[float], model, step_loss) -> None:
+def _assert_trains_like_one_process(got: list[float], model, step_loss, clip: float | None = None) -> None:
     """``got`` are the losses of STEPS AdamW steps of ``model`` in one process, ``step_loss(model, step)``
-    each (fp32, additions reordered only: relative 1e-5)."""
+    each, the gradients clipped to a total norm of ``clip`` where given (fp32, additions reordered only:
+    relative 1e-5)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     want = []
     for step in range(STEPS):
         opt.zero_grad()
         loss = step_loss(model, step)
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         want.append(loss.item())
     assert len(got) == STEPS
@@ -57,9 +61,10 @@ def test_emitted_script_trains_like_one_process(tmp_path):
                                   lr=LR)
     text = open(script).read()
     assert "CHUNK_LAYERS" in text and "SCHEDULE" in text and "F0.0" in text
-    got = _torchrun(script, tmp_path / "losses.txt", "--checkpoint", str(tmp_path / "ckpt"), "--save-every", "1")
+    got = _torchrun(script, tmp_path / "losses.txt", "--checkpoint", str(tmp_path / "ckpt"), "--save-every", "1",
+                    "--clip-grad", str(CLIP))
     _assert_trains_like_one_process(got, MODELS["gpt2"](), lambda model, step: call_loss(
-        model, batches("gpt2", step + 1, case.global_batch)[step], None))
+        model, batches("gpt2", step + 1, case.global_batch)[step], None), clip=CLIP)
     _assert_checkpoints_resume(tmp_path / "ckpt", got)
     # each pipeline stage wrote the code it runs (test_source.py checks such source against what runs)
     written = sorted(os.listdir(tmp_path / "program"))
@@ -69,7 +74,7 @@ def test_emitted_script_trains_like_one_process(tmp_path):
 
 def _assert_checkpoints_resume(folder, got: list[float]) -> None:
     """``--checkpoint DIR --save-every 1`` wrote DIR/step<N> after every step; the first, loaded in one
-    process (model and AdamW state), takes the second step as the script did: the same loss, and the
+    process (model and AdamW state), takes the second step as the script did (clipped alike): the same loss, and the
     parameters of the second checkpoint (an AdamW step moves
     each element by about lr = 1e-3; observed 7e-8)."""
     assert sorted(os.listdir(folder)) == [f"step{n:08d}" for n in range(1, STEPS + 1)]
@@ -79,6 +84,7 @@ def _assert_checkpoints_resume(folder, got: list[float]) -> None:
     assert autopar.load_checkpoint(folder / f"step{STEPS:08d}", after) == STEPS
     loss = call_loss(model, batches("gpt2", 2, 4)[1], None)
     loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     opt.step()
     assert math.isclose(loss.item(), got[1], rel_tol=1e-5), (loss.item(), got[1])
     want = dict(after.named_parameters())

@@ -1,8 +1,15 @@
-"""An optimizer that is not element-wise (Adafactor, whose second moment of a matrix is factored) trains as one process
-where every rank steps whole parameters (plain data parallelism, ZeRO-1), and is refused, saying what to
-change, where ranks would step parts of them (tensor parallelism, ZeRO-3): each part's update would differ from
-the whole's, with no error (runtime/optim.py's probe, driver/assembly.py's check). The probe itself is tested
-in tests/unit/runtime/test_optim_elementwise.py."""
+"""What the optimizer step reads of the whole model, on ranks that hold parts and copies of it.
+
+- An optimizer that is not element-wise (Adafactor, whose second moment of a matrix is factored) trains as one
+  process where every rank steps whole parameters (plain data parallelism, ZeRO-1, pipeline stages), and is
+  refused, saying what to change, where ranks would step parts of them (tensor parallelism, ZeRO-3): each
+  part's update would differ from the whole's, with no error (runtime/optim.py's probe, driver/assembly.py's
+  check; the probe itself: tests/unit/runtime/test_optim_elementwise.py).
+- Gradient clipping by the model's total norm (``Program.clip_grad_norm_``, ``train_step(max_grad_norm=)``)
+  gives one process's norm and clipped gradients under every way a rank holds its gradients: tensor-parallel
+  splits and replicas, data-parallel replicas (the mean everywhere, or on ZeRO-1's owner only), FSDP2's
+  shards, pipeline stages with a weight tied over them, expert-parallel experts. SGD steps them, so a wrong
+  factor shows in the parameters too (AdamW's step all but ignores a gradient's scale)."""
 
 from __future__ import annotations
 
@@ -21,11 +28,27 @@ WHOLE = [Case("adafactor-dp2", "mlp", {**BASE, "dp": 2}, 2, optimizer="adafactor
 PARTS = {"adafactor-tp2": ({**BASE, "tp": 2, "micro_batch_size": 2}, "tensor parallelism (tp=2) splits"),
          "adafactor-dp2_zero3": ({**BASE, "dp": 2, "zero": 3}, "ZeRO-3 shards every parameter over its 2 data-parallel")}
 REFUSED = [Case(name, "mlp", fields, 2, optimizer="adafactor") for name, (fields, _) in PARTS.items()]
+CLIP = 1e-2   # below every case's first norm: every step is clipped
+CLIPPED = {2: [Case(f"clip-{model}-{name}", model, {**BASE, **fields}, 2, optimizer="sgd", clip=CLIP)
+               for model, name, fields in [
+                   ("gpt", "dp2", {"dp": 2}), ("gpt", "dp2_zero1", {"dp": 2, "zero": 1}),
+                   ("gpt", "dp2_zero3", {"dp": 2, "zero": 3}), ("gpt", "tp2", {"tp": 2, "micro_batch_size": 2}),
+                   ("gpt", "tp2_sp", {"tp": 2, "micro_batch_size": 2, "sequence_parallel": True}),
+                   ("gpt", "pp2", {"pp": 2}), ("moe", "dp2_ep2_zero1", {"dp": 2, "ep": 2, "zero": 1})]],
+           4: [Case(f"clip-gpt-{name}", "gpt", {**BASE, **fields}, 4, optimizer="sgd", clip=CLIP)
+               for name, fields in [("dp2_tp2_zero1", {"dp": 2, "tp": 2, "zero": 1}),
+                                    ("tp2_pp2", {"tp": 2, "pp": 2, "micro_batch_size": 2}),
+                                    ("dp2_tp2_zero3", {"dp": 2, "tp": 2, "zero": 3})]]}
 
 
 @pytest.fixture(scope="module")
 def results():
     return run_cases(WHOLE + REFUSED, 2)
+
+
+@pytest.fixture(scope="module")
+def clipped():
+    return {world: run_cases(cases, world) for world, cases in CLIPPED.items()}
 
 
 @pytest.mark.parametrize("case", WHOLE, ids=lambda c: c.name)
@@ -41,3 +64,11 @@ def test_parts_of_parameters_are_refused_saying_why(results, case):
         error = got[case.name].get("error", "")
         assert "ConfigError: the optimizer does not step each element on its own" in error, (rank, error[:500])
         assert PARTS[case.name][1] in error and "fixed=dict(tp=1, zero=1)" in error, (rank, error[:500])
+
+
+@pytest.mark.parametrize("case", [c for cases in CLIPPED.values() for c in cases], ids=lambda c: f"{c.world}x-{c.name}")
+def test_clipping_by_the_total_norm_is_one_processs(clipped, case):
+    ref = reference(case)
+    assert ref["norm"] > 2 * CLIP, ref["norm"]   # the clip acts
+    for rank, got in enumerate(clipped[case.world]):
+        check_matches(got[case.name], ref, rank)

@@ -12,7 +12,8 @@ in make bench, cp=2 x tp=2: its
 losses equal one process's (fp32, relative 1e-5: only the order of additions differs). Each run
 stops after step 1 with a checkpoint and a second run resumes from it: the losses of the steps after
 (AdamW's state included) are still equal, and ``autopar.load_checkpoint`` reads that checkpoint
-into one process equal to the reference after its first step."""
+into one process equal to the reference after its first step. Every run clips its gradients to a total
+norm below theirs (``--clip-grad``): each step's printed norm is one process's, whatever the ranks hold."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from harness import free_port  # noqa: E402
 from suite import ALL_CASES  # noqa: E402
 
 STEPS, GLOBAL, LR = 3, 4, 1e-3   # a checkpoint after step 1, resumed for steps 2 and 3
+CLIP = 0.05   # --clip-grad: below every step's norm, so every step is clipped (its norm printed, compared)
 BASE = dict(dp=1, tp=1, pp=1, micro_batch_size=4, zero=0, recompute="none", schedule="1f1b", virtual_stages=1,
             sequence_parallel=False)
 CASES = {   # name -> (ranks, pinned fields)
@@ -106,18 +108,19 @@ def _one_process(factory: str, recipe: str | None = None, calls: int = 1):
     if recipe is not None:
         to_fp8(model, recipe)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    out, after_first = [], None
+    out, norms, after_first = [], [], None
     for step in range(STEPS):
         opt.zero_grad()
         batch = _batch(factory, step, GLOBAL)
         parts = [slice_batch(batch, k * GLOBAL // calls, (k + 1) * GLOBAL // calls, GLOBAL) for k in range(calls)]
         loss = torch.stack([LossWrapper(model, _loss_fn(factory), part)(**part) for part in parts]).mean()
         loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         opt.step()
         out.append(loss.item())
         if step == 0:
             after_first = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return out, after_first
+    return out, norms, after_first
 
 
 def _batch(factory: str, step: int, size: int) -> dict:
@@ -155,7 +158,9 @@ for item in sys.argv[1:]:
     folder, losses = item.split("=")
     for name in [n for n in sys.modules if n == "program" or n.split(".")[0] == "autopar_runtime"]:
         sys.modules.pop(name)   # this folder's own program.py and runtime library
-    common = ["--loss-file", losses, "--timeout", "120"]
+    common = ["--loss-file", losses, "--timeout", "120", "--clip-grad", "CLIP"]
+    if dist.get_rank() == 0:   # what rank 0's steps print below is this folder's
+        print("folder", folder, flush=True)
     ckpt = os.path.join(folder, "ckpt")
     # step 1 and a checkpoint, then a second run from it to the end
     for tail in (["--steps", "1", "--checkpoint", ckpt], ["--steps", "STEPS", "--resume", ckpt]):
@@ -189,7 +194,7 @@ def runs(hook, tmp_path_factory):
         texts[name] = (root / name / "program.py").read_text()
         items.setdefault(world, []).append(f"{root / name}={root / (name + '.losses')}")
     driver = root / "driver.py"
-    driver.write_text(DRIVER.replace("STEPS", str(STEPS)))
+    driver.write_text(DRIVER.replace("STEPS", str(STEPS)).replace("CLIP", str(CLIP)))
     for world, folders in items.items():
         run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
                               "--master-port", str(free_port()), str(driver), *folders], env=hook, cwd=root,
@@ -204,7 +209,7 @@ def runs(hook, tmp_path_factory):
 def test_standalone_program_trains_like_one_process(name, runs, references):
     import autopar
     text, got, checkpoint, printed = runs[name]
-    losses, after_first = references[name]
+    losses, norms, after_first = references[name]
     assert "import autopar" not in text and "class Chunk0(torch.nn.Module)" in text
     if name.startswith("tp2") and CASES[name][1].get("sequence_parallel"):
         assert "collectives.gather_partial(" in text and "collectives.reduce_scatter(" in text
@@ -238,6 +243,12 @@ def test_standalone_program_trains_like_one_process(name, runs, references):
     assert len(got) == STEPS
     for g, w in zip(got, losses):
         assert math.isclose(g, w, rel_tol=1e-5), (got, losses)
+    # --clip-grad: each step's norm of the whole model's gradients, as one process's (then clipped alike)
+    mine = printed.split(f"folder {checkpoint.parents[1]}\n")[1].split("\nfolder ")[0]
+    printed_norms = [float(x) for x in re.findall(r"^step \d+ loss \S+ grad norm (\S+)$", mine, re.M)]
+    assert min(norms) > CLIP and len(printed_norms) == STEPS, (norms, mine[-2000:])
+    for g, w in zip(printed_norms, norms):
+        assert math.isclose(g, w, rel_tol=1e-5), (printed_norms, norms)
     # autopar's own loader reads the folder's checkpoint into one process
     model = getattr(plain_factories, FACTORY[name].removesuffix("_on_meta"))()
     assert autopar.load_checkpoint(str(checkpoint), model) == 1
@@ -256,7 +267,7 @@ def test_parallelize_resumes_a_standalone_checkpoint_under_another_plan(runs, re
     plan = autopar.plan(plain_factories.llama(), Cluster.from_spec("1x2xcpu"), example, global_batch_size=GLOBAL,
                         fixed={**BASE, "dp": 2, "micro_batch_size": 2}, verbose=False)
     got = worlds.world(2).run("checkpoint_cases:resume_standalone", plan.to_dict(), str(runs["tp2_sp"][2]), STEPS,
-                              GLOBAL, LR)
+                              GLOBAL, LR, CLIP)
     for per_rank in got:
         assert len(per_rank) == STEPS - 1
         for g, w in zip(per_rank, reference[0][1:]):

@@ -313,3 +313,39 @@ def test_parallelize_refuses_a_model_in_another_dtype_than_the_plan_prices(world
         check_weights_dtype(fp8, make_model())
     check_weights_dtype(dataclasses.replace(plan, precision=autopar.Precision(compute="fp8", fp8_storage="fp32")),
                         make_model())
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_clip_grad_norm_is_torchs_on_one_rank(world, plan, norm_type) -> None:
+    """One rank holds the whole model: the norm and the clipped gradients are torch.nn.utils.clip_grad_norm_'s
+    (the multi-rank ways a rank holds gradients: tests/distributed/test_optimizers.py)."""
+    prog = program(plan)
+    assert prog.grad_norm is None
+    prog.forward_backward(batch())
+    grads = prog.full_grads()
+    norm = prog.clip_grad_norm_(0.01, norm_type)
+    model = make_model()
+    loss_fn(model(*batch()), None).backward()
+    want = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01, norm_type)
+    assert torch.allclose(norm, want, rtol=1e-6) and prog.grad_norm is norm and norm > 0.02
+    clipped = prog.full_grads()
+    for name, p in model.named_parameters():   # a parameter no op reads: zeros, where one process has None
+        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(clipped[name], want, rtol=1e-5, atol=1e-8)
+        assert not torch.equal(clipped[name], grads[name]) or not grads[name].any()
+
+
+def test_train_step_clips_and_forward_backward_forgets_the_norm(world, plan) -> None:
+    prog = program(plan)
+    prog.train_step(batch(), max_grad_norm=0.01)
+    assert prog.grad_norm is not None and prog.grad_norm > 0.01
+    prog.forward_backward(batch(1))
+    assert prog.grad_norm is None
+
+
+@pytest.mark.parametrize("max_norm, norm_type", [(0.0, 2.0), (-1.0, 2.0), (float("nan"), 2.0), (1.0, 0.0)])
+def test_clip_grad_norm_refuses_a_bad_norm(world, plan, max_norm, norm_type) -> None:
+    prog = program(plan)
+    prog.forward_backward(batch())
+    with pytest.raises(ConfigError, match="max_norm > 0 and norm_type > 0"):
+        prog.clip_grad_norm_(max_norm, norm_type)
