@@ -4,7 +4,7 @@
    this machine's CPU: a 64 M-parameter fp32 AdamW step (torch.optim.AdamW, fused, as the model prices it;
    the default tensor-by-tensor loop beside it) against 28 bytes per parameter over the bandwidth of STREAM's
    Triad measured alike (its bytes counted as they move: with write-allocate, 16 an element); and the same
-   step as ``offload="optimizer"`` runs it (runtime/optim.HostOptimizer over host copies, the weights copied
+   step as ``offload="optimizer"`` runs it (runtime/optim.MasterOptimizer over host copies, the weights copied
    back: on a CPU, 8 more bytes a parameter at the same rate). Target: both within 25% of the model.
 2. **Plans that fit only offloaded**: Llama 3 8B on one H100 and Llama 3 70B on 8 H100 (sequence 8192, one
    sequence per micro-batch, 16 sequences a step): ZeRO-3's states (16 bytes per parameter) outgrow the GPU
@@ -28,7 +28,7 @@ from autopar.capture import capture
 from autopar.cost_model.offload import CPU_ADAM_BYTES
 from autopar.errors import InfeasiblePlanError
 from autopar.models import build
-from autopar.runtime.optim import HostOptimizer
+from autopar.runtime.optim import MasterOptimizer
 from autopar.solver import solve
 
 TARGET = 0.25
@@ -59,7 +59,7 @@ def cpu_step(rounds: int = 10) -> bool:
             p.grad = torch.randn_like(p)
         host = kwargs.pop("host", False)
         make = lambda ps, kwargs=kwargs: torch.optim.AdamW(ps, lr=1e-3, **kwargs)   # noqa: E731
-        opt = HostOptimizer(params, make) if host else make(params)
+        opt = MasterOptimizer(params, make) if host else make(params)
         opt.step()   # the states made
         steps[name] = (opt.step, host, kwargs.get("fused", False))
     # in rounds, each step beside a Triad of the same moment (this shared machine's bandwidth drifts): the best

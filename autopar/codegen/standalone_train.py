@@ -182,12 +182,14 @@ def main():
     parameters = list({id(p): p for c in chunks.values() for p in c.parameters()}.values())
     adamw = lambda ps: torch.optim.AdamW(ps, lr=args.lr)   # noqa: E731
     make = adamw
-    if P.OFFLOAD == "optimizer":   # the states and the step on the host, over copies of the weights (optim.HostOptimizer)
-        make = lambda ps: optim.HostOptimizer(ps, adamw, P.MASTER_WEIGHTS)   # noqa: E731
+    if P.OFFLOAD == "optimizer":   # the states and the step on the host, over copies of the weights (optim.MasterOptimizer)
+        make = lambda ps: optim.MasterOptimizer(ps, adamw, P.MASTER_WEIGHTS)   # noqa: E731
+    elif optim.MasterOptimizer.needed(parameters, P.MASTER_WEIGHTS):   # fp32 masters of 16-bit weights, on the device
+        make = lambda ps: optim.MasterOptimizer(ps, adamw, host=False)   # noqa: E731
     if P.ZERO == 1 and REPLICAS > 1:   # ZeRO-1: each replica keeps the states of, and steps, its share of the
-        # parameters, then sends what it stepped to the others (data_parallel.Zero1Optimizer, as parallelize's)
+        # parameters, then sends what it stepped to the others (optim.Zero1Optimizer, as parallelize's)
         replicas = g.dp.get_group()
-        optimizer = data_parallel.Zero1Optimizer([(parameters, replicas, dist.get_process_group_ranks(replicas))],
+        optimizer = optim.Zero1Optimizer([(parameters, replicas, dist.get_process_group_ranks(replicas))],
                                                  make, rank, args.timeout)
         if rank == 0:
             print(f"ZeRO-1: rank 0 keeps the optimizer states of {len(optimizer.mine)} of its {len(optimizer.params)} "
@@ -197,8 +199,9 @@ def main():
     if args.compile and optim.innermost(optimizer) is not None:   # and its step, from the second on (optim.py)
         optim.compile_step(optim.innermost(optimizer), "inductor")
     named = {fqn: p for c in chunks.values() for fqn, p in _named(c).items()}
-    host = optim.wrapped(optimizer, optim.HostOptimizer)
+    host = optim.wrapped(optimizer, optim.MasterOptimizer)
     stepped = host.stepped(named) if host is not None else named   # what the checkpoint's state names
+    masters = host.copies(stepped) if host is not None else {}      # saved beside the weights (dcp_state.py)
 
     io = {c: pipeline.ChunkIO(*P.CHUNK_IO[c]) for c in P.CHUNK_IO}
     values = {v: pipeline.Value(prod, readers, shape, getattr(torch, dtype.removeprefix("torch.")), grad, scatter)
@@ -211,7 +214,7 @@ def main():
     reducer = data_parallel.GradReducer(data_parallel.dedupe([list(_named(chunks[c]).values()) for c in mine],
                                                              [ends[c] for c in mine]),
                                         g.dp.get_group(), REPLICAS, args.timeout) if not fsdp and REPLICAS > 1 else None
-    if reducer is not None and isinstance(optimizer, data_parallel.Zero1Optimizer):   # ZeRO-1: each gradient summed
+    if reducer is not None and isinstance(optimizer, optim.Zero1Optimizer):   # ZeRO-1: each gradient summed
         # onto the replica that steps it, but those more sums follow (tensor-parallel partial, tied)
         reducer.reduce_to_owners(optimizer.owners(named, {*P.TP_PARTIAL, *P.TIED}))
     # the step's micro-batch losses to every rank, started after this rank's last forward (as parallelize's)
@@ -234,10 +237,10 @@ def main():
     present = presenter(g, fsdp, shapes, named) if checkpointing else None
     start = 0
     if args.resume:   # collective: every rank reads its own shards, resharded to this plan
+        # the masters from the checkpoint's, or (saved without them) copied from the weights just loaded
         start = dcp_state.resume(dcp_state.latest(args.resume), named, stepped, optim.innermost(optimizer), present,
-                                 lambda fqn, p: shapes[fqn], {}) or 0
-        if host is not None:   # the host copies of the weights just loaded
-            host.reload()
+                                 lambda fqn, p: shapes[fqn], {}, masters=masters,
+                                 widen=lambda names: host.reload([masters[n] for n in names])) or 0
         if rank == 0:
             print(f"resumed from {args.resume} at step {start}", flush=True)
     # the weights FSDP2 gathers in fp8: their scales refreshed before each step's first gather (fp8.py)
@@ -276,7 +279,7 @@ def main():
                     fh.write(f"{loss:.9g}\n")
         if args.checkpoint and (step + 1 == args.steps or (args.save_every and (step + 1) % args.save_every == 0)):
             dcp_state.save(os.path.join(args.checkpoint, f"step{step + 1:08d}"), named, stepped,
-                           optim.innermost(optimizer), present, whole, step + 1)
+                           optim.innermost(optimizer), present, whole, step + 1, masters)
     dist.barrier()
     del runner, chunks
     gc.collect()

@@ -1,7 +1,7 @@
 r"""Offloading (ParallelConfig.offload): states in host memory, the optimizer step on the CPU.
 
 Two modes. ``offload="optimizer"`` (DeepSpeed's ``offload_optimizer``, Megatron-LM's
-``--optimizer-cpu-offload``; runtime/optim.py's HostOptimizer runs it) keeps the optimizer's states, and a
+``--optimizer-cpu-offload``; runtime/optim.py's MasterOptimizer runs it) keeps the optimizer's states, and a
 master copy of the weights it steps (fp32 under mixed precision with master weights, else the weights' own
 dtype), in host memory; the device keeps its weights and gradients as without offload (sharded as the ZeRO
 stage shards them). Once per step, after the gradients are reduced, each rank copies the gradient shard its
@@ -79,7 +79,7 @@ def require_host(device: Device) -> Host:
 def master_dtype_bytes(precision: Precision) -> float:
     """Bytes per parameter of the dtype the optimizer steps: fp32 under mixed precision with master weights,
     else the weights' own. What FSDP2 keeps sharded and copies under "all" (a parameter's shard and its
-    gradient's), and the host copy runtime/optim.py's HostOptimizer keeps under "optimizer"."""
+    gradient's), and the host copy runtime/optim.py's MasterOptimizer keeps under "optimizer"."""
     return float(precision.master_bytes or precision.weight_bytes)
 
 

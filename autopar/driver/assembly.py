@@ -38,12 +38,12 @@ from ..plan import Plan
 from ..plan.loss import PARALLELIZE, LossSource
 from ..plan.placement import Replicate, Shard, normal
 from ..runtime.context_state import ContextRank
-from ..runtime.data_parallel import GradReducer, Zero1Optimizer, dedupe, local, shard_unit
+from ..runtime.data_parallel import GradReducer, dedupe, local, shard_unit
 from ..runtime.expert_parallel import shard_experts
 from ..runtime.experts import ExpertsModule
 from ..runtime.fp8 import Float8Linear, emulated, gathered_in_fp8
 from ..runtime.mesh import Coords, MeshGroups
-from ..runtime.optim import HostOptimizer, compile_step, innermost, steps_elementwise, wrapped
+from ..runtime.optim import MasterOptimizer, Zero1Optimizer, compile_step, innermost, steps_elementwise, wrapped
 from ..runtime.pipeline import backward_ends
 from ..runtime.sharded_init import Materializer
 from .chunk import ChunkModule, NodeRunner
@@ -270,9 +270,11 @@ def build_optimizer(setup: RankSetup, compiled: RankProgram, groups: MeshGroups,
     check_elementwise(setup, compiled, factory)
     unique = list({id(p): p for p in stepped.values()}.values())
     offload = setup.plan.config.offload
-    if offload == "optimizer":   # the states and the step on the host (cost_model/offload.py)
-        on_device, master_weights = factory, setup.plan.precision.master_weights
-        factory = lambda ps: HostOptimizer(ps, on_device, master_weights)  # noqa: E731
+    user, master_weights = factory, setup.plan.precision.master_weights
+    if offload == "optimizer":   # the states, the masters and the step on the host (cost_model/offload.py)
+        factory = lambda ps: MasterOptimizer(ps, user, master_weights)  # noqa: E731
+    elif MasterOptimizer.needed(unique, master_weights):   # fp32 masters of the 16-bit weights, on the device
+        factory = lambda ps: MasterOptimizer(ps, user, host=False)  # noqa: E731
     if setup.zero == 1:
         experts = {id(stepped[f]) for f in compiled.program.expert_params if f in stepped}
         dp_group = groups.dp.get_group()
@@ -282,7 +284,7 @@ def build_optimizer(setup: RankSetup, compiled: RankProgram, groups: MeshGroups,
         optimizer = Zero1Optimizer(partitions, factory, setup.rank, setup.timeout)
     else:
         optimizer = factory(unique)
-    if (host := wrapped(optimizer, HostOptimizer)) is not None:   # checkpoints name the host copies it steps
+    if (host := wrapped(optimizer, MasterOptimizer)) is not None:   # checkpoints name the masters it steps
         stepped = host.stepped(stepped)
     inner = innermost(optimizer)
     if compile and inner is not None:

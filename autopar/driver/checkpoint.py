@@ -25,9 +25,11 @@ How each tensor carries its global layout:
   shard (``Program.stepped``), and its state is plain: both are presented as DTensors of the
   parameter's mesh and placements, views of the same memory;
 - offloading the optimizer (``offload="optimizer"``), it steps host copies of what it would step on
-  the device (runtime/optim.py's HostOptimizer: plain tensors of the local shape, ``Program.stepped``
-  names them); their state is presented as a local shard's is. After loading, the copies are
-  refreshed from the loaded weights: a 16-bit weight's fp32 master is not saved beyond the weight;
+  the device (runtime/optim.py's MasterOptimizer: plain tensors of the local shape, ``Program.stepped``
+  names them); their state is presented as a local shard's is, and so are the copies themselves
+  (``master.<fqn>``: a 16-bit weight's fp32 master, on the device too under mixed precision). Loading
+  fills them from the checkpoint's, or, where it has none (saved without masters), copies them from the
+  loaded weights;
 - expert weights under expert parallelism (``ep > 1``) are plain tensors of this rank's ``E/ep``
   experts (or an FSDP2 shard of them over the expert replicas): they are presented as a DTensor
   of global shape ``[E, ...]`` on a 2-D ``(ep, expert replica)`` mesh with placements
@@ -68,27 +70,33 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..errors import ConfigError
 from ..runtime import dcp_state
-from ..runtime.optim import HostOptimizer, innermost, wrapped
+from ..runtime.optim import MasterOptimizer, innermost, wrapped
 
 
 def save_program(program: Any, path: str | os.PathLike) -> None:
-    """Collective: every rank writes its shards of ``program``'s parameters and optimizer state."""
+    """Collective: every rank writes its shards of ``program``'s parameters, masters and optimizer state."""
     extra = dict(program.buffers)
     extra.update({k: v for k, v in program.unused.items() if k not in program.params})
     dcp_state.save(os.fspath(path), program.params, program.stepped, innermost(program.optimizer), _presenter(program),
-                   extra, program.steps)
+                   extra, program.steps, _masters(program))
 
 
 def load_program(program: Any, path: str | os.PathLike) -> None:
-    """Collective: fill ``program``'s parameters and optimizer state from the checkpoint at ``path``."""
+    """Collective: fill ``program``'s parameters, masters and optimizer state from the checkpoint at ``path``."""
+    masters = _masters(program)   # filled from the checkpoint's, else widened from the weights just loaded
     steps = dcp_state.resume(os.fspath(path), program.params, program.stepped, innermost(program.optimizer),
                              _presenter(program), lambda fqn, p: _global_shape(program, fqn, p),
-                             {k: v for k, v in program.unused.items() if k not in program.params}, error=ConfigError)
+                             {k: v for k, v in program.unused.items() if k not in program.params}, error=ConfigError,
+                             masters=masters, widen=lambda names: wrapped(program.optimizer, MasterOptimizer).reload(
+                                 [masters[n] for n in names]))
     if steps is not None:
         program.steps = steps
-    host = wrapped(program.optimizer, HostOptimizer)
-    if host is not None:   # its host copies of the weights just loaded
-        host.reload()
+
+
+def _masters(program: Any) -> dict[str, torch.Tensor]:
+    """fqn -> the master copy the program's optimizer steps (MasterOptimizer's), for this rank's names."""
+    host = wrapped(program.optimizer, MasterOptimizer)
+    return host.copies(program.stepped) if host is not None else {}
 
 
 def load_checkpoint(path: str | os.PathLike, model: nn.Module,

@@ -73,10 +73,10 @@ from ..errors import ConfigError, PlanMismatchError
 from ..plan import Plan
 from ..runtime.batches import replica_micro_batches
 from ..runtime.context_ops import shard_inputs
-from ..runtime.data_parallel import Zero1Optimizer, all_reduce_grads, local
+from ..runtime.data_parallel import all_reduce_grads, local
 from ..runtime.failures import at_step, non_finite_loss, peer_wait, wait_or_fail
 from ..runtime.host_heap import keep_freed_memory
-from ..runtime.optim import check_clip, clip_grad_norm_, norm_pieces, wrapped
+from ..runtime.optim import Zero1Optimizer, check_clip, clip_grad_norm_, norm_pieces, wrapped
 from ..runtime.fp8 import fp8_gathered, refresh_scales
 from ..runtime.mesh import Mesh
 from ..runtime.losses import LossShare

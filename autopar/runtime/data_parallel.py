@@ -23,8 +23,8 @@ Python per parameter until the all-reduce. :meth:`GradReducer.finish` waits, div
 their expert replicas only (``dp * cp / ep`` ranks, or none) and still divided by ``dp * cp``
 (expert_parallel.py explains why).
 
-:class:`Zero1Optimizer` partitions each group of parameters over the ranks that reduce its
-gradients (dense weights over ``dp * cp``, expert weights over their expert replicas) and runs
+ZeRO-1's optimizer (optim.py's ``Zero1Optimizer``) partitions each group of parameters over the ranks that
+reduce its gradients (dense weights over ``dp * cp``, expert weights over their expert replicas) and runs
 the user's optimizer once over this rank's share of all groups. Its reducers then sum each gradient
 onto its owner only (:meth:`GradReducer.reduce_to_owners`: a reduce per owner and bucket, DeepSpeed's
 ZeRO-1 traffic, which the cost model prices as a reduce-scatter), and after the step each owner
@@ -314,64 +314,3 @@ def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket
         buckets[-1].append(p)
         size += nbytes
     return [_Bucket(b) for b in buckets if b]
-
-
-class Zero1Optimizer:
-    """ZeRO stage 1: each rank keeps optimizer state for its share of the parameters (whole tensors,
-    greedily balanced by size, as ZeroRedundancyOptimizer partitions), steps only those, then every
-    owner broadcasts its updated parameters to the others.
-
-    ``partitions`` is a list of ``(params, group, ranks)``: the parameters reduced over one group
-    (``ranks``: its global ranks by group rank; a group of one rank, or None, owns everything).
-    The optimizer factory is called once, over this rank's share of every partition."""
-
-    def __init__(self, partitions: Sequence[tuple[Sequence[nn.Parameter], object, Sequence[int]]],
-                 factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], rank: int,
-                 timeout: float) -> None:
-        self.timeout = timeout
-        self.params: list[nn.Parameter] = []
-        self.sources: list[tuple[nn.Parameter, int, object]] = []   # (param, owner's global rank, group)
-        self.mine: list[nn.Parameter] = []
-        for params, group, ranks in partitions:
-            ranks = list(ranks)
-            load = [0] * len(ranks)
-            owner: dict[int, int] = {}
-            for i in sorted(range(len(params)), key=lambda i: -local(params[i]).numel()):
-                k = min(range(len(load)), key=lambda j: (load[j], j))
-                load[k] += local(params[i]).numel()
-                owner[i] = k
-            for i, p in enumerate(params):
-                self.params.append(p)
-                if ranks[owner[i]] == rank:
-                    self.mine.append(p)
-                if len(ranks) > 1:
-                    self.sources.append((p, ranks[owner[i]], group))
-        self.inner = factory(self.mine) if self.mine else None
-
-    def owners(self, params: Mapping[str, nn.Parameter], keep_all: Iterable[str] = ()) -> dict[int, int]:
-        """For :meth:`GradReducer.reduce_to_owners`: id(parameter) -> the global rank that steps it, for the
-        parameters of ``params`` (fqn -> parameter, whose local data this optimizer steps) but those of
-        ``keep_all``, whose summed gradient every rank needs (more reductions follow)."""
-        skip, owner = set(keep_all), {id(p): src for p, src, _ in self.sources}
-        return {id(p): owner[id(local(p))] for fqn, p in params.items() if fqn not in skip and id(local(p)) in owner}
-
-    @property
-    def param_groups(self):
-        return self.inner.param_groups if self.inner is not None else []
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
-
-    def step(self) -> None:
-        if self.inner is not None:
-            self.inner.step()
-        works = []
-        with torch.no_grad():
-            for p, src, group in self.sources:
-                works.append((start(dist.broadcast, local(p.data), src=src, group=group, async_op=True), group))
-        for w, group in works:
-            wait_or_fail(w, self.timeout, "broadcast of ZeRO-1 updated parameters", group)
-
-    def state_dict(self):
-        return self.inner.state_dict() if self.inner is not None else {}

@@ -11,6 +11,9 @@ test_standalone.py):
 - ``optim.<fqn>.<state>``: the optimizer's per-parameter state (AdamW: ``exp_avg``,
   ``exp_avg_sq``, ``step``); ``optim.<fqn>.param_group``: that parameter's group hyperparameters
   (pickled: lr, betas, eps, weight decay, ...);
+- ``master.<fqn>``: the fp32 master copy of a 16-bit parameter that mixed precision steps (optim.py's
+  MasterOptimizer), with the parameter's layout: a resumed program steps from the very masters, not from
+  the 16-bit weights widened (a checkpoint without them, or a loader without masters, reads the weights);
 - ``autopar.steps``: the steps trained so far.
 
 Every tensor reaches DCP with its *global* layout through a ``present(fqn, tensor)`` function
@@ -40,6 +43,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 OPTIM = "optim."
+MASTER = "master."
 GROUP = "param_group"
 STEPS = "autopar.steps"
 
@@ -77,12 +81,15 @@ def presenter(layouts: Mapping[str, Layout]) -> Present:
 
 
 def save(path: str, params: Mapping[str, torch.Tensor], stepped: Mapping[str, torch.Tensor],
-         optimizer: torch.optim.Optimizer | None, present: Present, extra: Mapping[str, Any], steps: int) -> None:
+         optimizer: torch.optim.Optimizer | None, present: Present, extra: Mapping[str, Any], steps: int,
+         masters: Mapping[str, torch.Tensor] | None = None) -> None:
     """Collective: every rank writes its shards. ``params``: fqn -> the parameter this rank holds;
-    ``stepped``: fqn -> what the optimizer steps (the parameter, or its local shard); ``extra``: entries
-    every rank holds whole and alike (persistent buffers, the parameters no stage holds)."""
+    ``stepped``: fqn -> what the optimizer steps (the parameter, its local shard, or its master copy);
+    ``extra``: entries every rank holds whole and alike (persistent buffers, the parameters no stage holds);
+    ``masters``: fqn -> the fp32 master of a 16-bit parameter (of the local shard's shape)."""
     state = dict(extra)
     state.update({fqn: present(fqn, p.detach()) for fqn, p in params.items()})
+    state.update({MASTER + fqn: present(fqn, m.detach()) for fqn, m in (masters or {}).items()})
     if optimizer is not None:
         state.update(optimizer_state(optimizer, param_names(stepped), present))
     state[STEPS] = int(steps)
@@ -92,15 +99,20 @@ def save(path: str, params: Mapping[str, torch.Tensor], stepped: Mapping[str, to
 def resume(path: str, params: Mapping[str, torch.Tensor], stepped: Mapping[str, torch.Tensor],
            optimizer: torch.optim.Optimizer | None, present: Present,
            shape_of: Callable[[str, torch.Tensor], torch.Size], extra: Mapping[str, Any], no_dist: bool = False,
-           error: type[Exception] = ValueError) -> int | None:
+           error: type[Exception] = ValueError, masters: Mapping[str, torch.Tensor] | None = None,
+           widen: Callable[[set[str]], None] | None = None) -> int | None:
     """Collective (unless ``no_dist``): fill ``params``, ``extra`` and ``optimizer``'s state in place from
     the checkpoint at ``path``, saved under any plan of the model; returns the steps it had trained
     (None when it does not record them). Arguments as :func:`save`'s; ``shape_of(fqn, p)``: a stepped
-    tensor's global shape."""
+    tensor's global shape; ``masters`` are filled from the checkpoint's where it has them, and
+    ``widen(names)`` is then called with the others' names (their masters to be copied from the loaded
+    weights)."""
     path = os.fspath(path)
     saved = metadata(path, error)
     state: dict[str, Any] = {fqn: present(fqn, p.detach()) for fqn, p in params.items()}
     state.update(extra)
+    masters = masters or {}
+    state.update({MASTER + fqn: present(fqn, m.detach()) for fqn, m in masters.items() if MASTER + fqn in saved})
     fill = None
     if optimizer is not None:
         fill = optimizer_targets(optimizer, param_names(stepped), saved, present, shape_of, state, error)
@@ -109,6 +121,9 @@ def resume(path: str, params: Mapping[str, torch.Tensor], stepped: Mapping[str, 
     load(state, path, saved, no_dist=no_dist, error=error)
     if fill is not None:
         fill()
+    missing = {fqn for fqn in masters if MASTER + fqn not in saved}
+    if missing and widen is not None:
+        widen(missing)
     return int(state[STEPS]) if STEPS in saved else None
 
 

@@ -1,7 +1,9 @@
-"""The optimizer's step as a program runs it: compiled (:func:`compile_step`), on the host's CPU when the
-plan offloads the optimizer (:class:`HostOptimizer`), on parts of tensors only when its update is
-element-wise (:func:`steps_elementwise`), after its gradients are clipped by the whole model's norm
-(:func:`clip_grad_norm_`).
+"""The optimizer's step as a program runs it: partitioned over the gradient replicas under ZeRO-1
+(:class:`Zero1Optimizer`), on fp32 masters of 16-bit weights, beside them or, when the plan offloads the
+optimizer, on the host (:class:`MasterOptimizer`), compiled (:func:`compile_step`), on parts of tensors only when its update is element-wise
+(:func:`steps_elementwise`), after its gradients are clipped by the whole model's norm (:func:`clip_grad_norm_`).
+The first two wrap the user's optimizer as an :class:`OptimizerWrapper`: a torch optimizer whose groups are the
+user's, so that learning-rate schedulers built on the program's optimizer work under every plan.
 
 A compiled program (``parallelize(..., compile=True)``, ``train.py --compile``) compiles its
 optimizer's step as well as its chunks, as torch's "compiling the optimizer" recipe does:
@@ -47,10 +49,12 @@ from __future__ import annotations
 
 import math
 import types
-from typing import Any, Callable, Mapping, Sequence
+from collections import OrderedDict, defaultdict
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from .data_parallel import local
 from .errors import ConfigError
@@ -72,43 +76,73 @@ def compile_step(optimizer: torch.optim.Optimizer, backend: str | Callable[..., 
     optimizer.step = types.MethodType(step, optimizer)
 
 
-class HostOptimizer:
-    """``offload="optimizer"`` (cost_model/offload.py): the optimizer's states, and a master copy of the
-    tensors it steps, in host memory, the step on the CPU, as DeepSpeed's ``offload_optimizer`` and
-    Megatron-LM's ``--optimizer-cpu-offload`` run it.
+class OptimizerWrapper(torch.optim.Optimizer):
+    """An optimizer around the user's (``inner``, None on a ZeRO-1 rank that owns nothing), whose ``param_groups``,
+    ``state`` and ``defaults`` are the inner one's very objects: a learning-rate scheduler built on the program's
+    optimizer sets the inner one's rates (torch's schedulers take only a ``torch.optim.Optimizer``, and read and
+    write its groups). Not initialised as one: it holds no parameters of its own, and torch refuses an optimizer
+    of none."""
+
+    def __init__(self, inner: torch.optim.Optimizer | None) -> None:   # noqa: super().__init__ not called (above)
+        self.inner = inner
+        self.defaults = inner.defaults if inner is not None else {}
+        self.state = inner.state if inner is not None else defaultdict(dict)
+        self.param_groups = inner.param_groups if inner is not None else []
+        for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                      "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                      "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, hooks, OrderedDict())   # what torch.optim.Optimizer's own methods read
+
+
+class MasterOptimizer(OptimizerWrapper):
+    """The user's optimizer over fp32 master copies of the 16-bit tensors it steps, as mixed-precision training
+    keeps them (``Precision.master_weights``, priced in the states' bytes): beside them on the device (``host``
+    False), or, with the states and the step, in host memory (``host``: ``offload="optimizer"``,
+    cost_model/offload.py, as DeepSpeed's ``offload_optimizer`` and Megatron-LM's ``--optimizer-cpu-offload`` run
+    it). Without masters a 16-bit AdamW rounds away every update below half a unit in the weight's last place
+    (bf16 keeps 8 bits: an update under 0.4% of the weight), so a bf16 model stepped as it is trains otherwise
+    than the mixed precision a plan prices.
 
     ``params`` are what the program's optimizer steps on the device (parameters, FSDP2's sharded DTensors,
     or tensor-parallel local shards: their local data is copied); ``factory`` builds the real optimizer over
-    the host copies (``inner``), fp32 where ``master_weights`` and the tensor is 16-bit, else in its own dtype.
-    Each :meth:`step` copies every gradient to the host in its own dtype (converted there), steps ``inner``,
-    and copies each updated master back, converted to the device's dtype on the host first: the bytes
-    the cost model prices over the host link. On a CPU device the gradient is already in host memory (no
-    copy when the dtypes agree); the master is a copy all the same, so that the step runs as on a GPU.
-    Checkpoints see ``inner`` over the masters (:meth:`stepped` names them), which have the local shape of
-    what they copy; :meth:`reload` refreshes them after the device tensors are loaded."""
+    the masters (``inner``): fp32 where ``master_weights`` and the tensor is 16-bit, else in its own dtype (on
+    the device: the tensor itself, stepped in place). Each :meth:`step` gives every master its gradient
+    (converted; on the host after the copy), steps ``inner``, and copies each updated master back, converted
+    to the device's dtype (on the host first: the bytes the cost model prices over the host link). On a CPU
+    device the gradient is already in host memory (no copy when the dtypes agree); the host master is a copy
+    all the same, so that the step runs as on a GPU. Checkpoints see ``inner`` over the masters (:meth:`stepped`
+    names them), which have the local shape of what they copy; :meth:`reload` refreshes them after the device
+    tensors are loaded."""
 
     def __init__(self, params: Any, factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
-                 master_weights: bool = True) -> None:
+                 master_weights: bool = True, host: bool = True) -> None:
         self.params = list(params)
         pin = torch.cuda.is_available()
         self.masters: list[torch.Tensor] = []
+        self.aliased: list[bool] = []   # on the device and not widened: the tensor itself
         for p in self.params:
             data = local(p).detach()
             wide = master_weights and data.is_floating_point() and data.element_size() < 4
-            master = torch.empty(data.shape, dtype=torch.float32 if wide else data.dtype, device="cpu",
-                                 pin_memory=pin and data.device.type != "cpu")
-            master.copy_(data)
+            if not host and not wide:
+                master = data
+            else:
+                master = torch.empty(data.shape, dtype=torch.float32 if wide else data.dtype,
+                                     device="cpu" if host else data.device,
+                                     pin_memory=host and pin and data.device.type != "cpu")
+                master.copy_(data)
             self.masters.append(master)
+            self.aliased.append(master is data)
         self._master = {id(p): m for p, m in zip(self.params, self.masters)}
-        self.inner = factory(self.masters)
+        super().__init__(factory(self.masters))
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.inner.param_groups
+    @staticmethod
+    def needed(params: Iterable[torch.Tensor], master_weights: bool) -> bool:
+        """Whether stepping ``params`` on the device needs masters: ``master_weights`` and a 16-bit one."""
+        return master_weights and any(local(p).is_floating_point() and local(p).element_size() < 4 for p in params)
 
     def stepped(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``tensors`` (fqn -> what the program steps) with each tensor this optimizer copies replaced by its
-        host master (what ``inner`` steps: the names a checkpoint gives its state)."""
+        master (what ``inner`` steps: the names a checkpoint gives its state)."""
         return {fqn: self._master.get(id(t), t) for fqn, t in tensors.items()}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -121,16 +155,26 @@ class HostOptimizer:
             grad = p.grad
             master.grad = None if grad is None else local(grad).to(master.device).to(master.dtype)
         self.inner.step()
-        for p, master in zip(self.params, self.masters):
-            data = local(p)
-            data.copy_(master.to(data.dtype))
-            master.grad = None
+        for p, master, aliased in zip(self.params, self.masters, self.aliased):
+            if not aliased:
+                data = local(p)
+                data.copy_(master.to(data.dtype))
+                master.grad = None
+
+    def copies(self, stepped: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """fqn -> master of :meth:`stepped`'s names that are copies (not the tensor itself): what a checkpoint saves
+        beside the weights (dcp_state's ``master.<fqn>``)."""
+        mine = {id(m) for m, aliased in zip(self.masters, self.aliased) if not aliased}
+        return {fqn: t for fqn, t in stepped.items() if id(t) in mine}
 
     @torch.no_grad()
-    def reload(self) -> None:
-        """Refresh the masters from the device tensors (after a checkpoint filled those)."""
-        for p, master in zip(self.params, self.masters):
-            master.copy_(local(p))
+    def reload(self, only: Iterable[torch.Tensor] | None = None) -> None:
+        """Refresh the masters (those of ``only``, default all) from the device tensors (after a checkpoint filled
+        those without their masters)."""
+        keep = None if only is None else {id(t) for t in only}
+        for p, master, aliased in zip(self.params, self.masters, self.aliased):
+            if not aliased and (keep is None or id(master) in keep):
+                master.copy_(local(p))
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
@@ -163,20 +207,20 @@ def steps_elementwise(factory: Callable[[list[torch.Tensor]], Any], device: torc
 def _probe(factory: Callable[[list[torch.Tensor]], Any], device: torch.device | str,
            shapes: tuple[tuple[int, ...], ...]) -> tuple[bool, str]:
     gen = torch.Generator().manual_seed(0)
-    start = [torch.randn(s, generator=gen) for s in shapes]
+    initial = [torch.randn(s, generator=gen) for s in shapes]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(PROBE_STEPS)]
 
     def stepped(dim: int | None) -> list[torch.Tensor]:
         def parts(t: torch.Tensor) -> list[torch.Tensor]:
             return [t] if dim is None else list(t.chunk(2, min(dim, t.ndim - 1)))
-        params = [torch.nn.Parameter(part.clone().to(device)) for t in start for part in parts(t)]
+        params = [torch.nn.Parameter(part.clone().to(device)) for t in initial for part in parts(t)]
         optimizer = factory(params)
         for step in grads:
             for p, g in zip(params, [part for t in step for part in parts(t)]):
                 p.grad = g.clone().to(device)
             optimizer.step()
         out, k = [], 0
-        for t in start:
+        for t in initial:
             n = len(parts(t))
             out.append(torch.cat([p.detach().cpu() for p in params[k:k + n]], min(dim or 0, t.ndim - 1)))
             k += n
@@ -184,7 +228,7 @@ def _probe(factory: Callable[[list[torch.Tensor]], Any], device: torch.device | 
 
     whole = stepped(None)
     split = {dim: stepped(dim) for dim in (0, 1)}
-    moved = max(float((w - s).abs().max()) for w, s in zip(whole, start))
+    moved = max(float((w - s).abs().max()) for w, s in zip(whole, initial))
     for dim, got in split.items():
         worst = max(float((g - w).abs().max()) for g, w in zip(got, whole))
         if worst > PROBE_TOLERANCE * max(moved, 1e-12):
@@ -250,14 +294,73 @@ def _by_kind(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtyp
     return out
 
 
+class Zero1Optimizer(OptimizerWrapper):
+    """ZeRO stage 1: each rank keeps optimizer state for its share of the parameters (whole tensors,
+    greedily balanced by size, as ZeroRedundancyOptimizer partitions), steps only those, then every
+    owner broadcasts its updated parameters to the others.
+
+    ``partitions`` is a list of ``(params, group, ranks)``: the parameters reduced over one group
+    (``ranks``: its global ranks by group rank; a group of one rank, or None, owns everything).
+    The optimizer factory is called once, over this rank's share of every partition."""
+
+    def __init__(self, partitions: Sequence[tuple[Sequence[nn.Parameter], object, Sequence[int]]],
+                 factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], rank: int,
+                 timeout: float) -> None:
+        self.timeout = timeout
+        self.params: list[nn.Parameter] = []
+        self.sources: list[tuple[nn.Parameter, int, object]] = []   # (param, owner's global rank, group)
+        self.mine: list[nn.Parameter] = []
+        for params, group, ranks in partitions:
+            ranks = list(ranks)
+            load = [0] * len(ranks)
+            owner: dict[int, int] = {}
+            for i in sorted(range(len(params)), key=lambda i: -local(params[i]).numel()):
+                k = min(range(len(load)), key=lambda j: (load[j], j))
+                load[k] += local(params[i]).numel()
+                owner[i] = k
+            for i, p in enumerate(params):
+                self.params.append(p)
+                if ranks[owner[i]] == rank:
+                    self.mine.append(p)
+                if len(ranks) > 1:
+                    self.sources.append((p, ranks[owner[i]], group))
+        super().__init__(factory(self.mine) if self.mine else None)
+
+    def owners(self, params: Mapping[str, nn.Parameter], keep_all: Iterable[str] = ()) -> dict[int, int]:
+        """For :meth:`GradReducer.reduce_to_owners`: id(parameter) -> the global rank that steps it, for the
+        parameters of ``params`` (fqn -> parameter, whose local data this optimizer steps) but those of
+        ``keep_all``, whose summed gradient every rank needs (more reductions follow)."""
+        skip, owner = set(keep_all), {id(p): src for p, src, _ in self.sources}
+        return {id(p): owner[id(local(p))] for fqn, p in params.items() if fqn not in skip and id(local(p)) in owner}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
+
+    def step(self) -> None:
+        if self.inner is not None:
+            self.inner.step()
+        works = []
+        with torch.no_grad():
+            for p, src, group in self.sources:
+                works.append((start(dist.broadcast, local(p.data), src=src, group=group, async_op=True), group))
+        for w, group in works:
+            wait_or_fail(w, self.timeout, "broadcast of ZeRO-1 updated parameters", group)
+
+    def state_dict(self):
+        return self.inner.state_dict() if self.inner is not None else {}
+
+
 def wrapped(optimizer: Any, kind: type) -> Any:
     """The first ``kind`` down a program's optimizer and the ones it wraps (``inner``: ZeRO-1's partition,
-    HostOptimizer's host copies), or None."""
+    MasterOptimizer's host copies), or None."""
     while optimizer is not None and not isinstance(optimizer, kind):
         optimizer = getattr(optimizer, "inner", None)
     return optimizer
 
 
 def innermost(optimizer: Any) -> torch.optim.Optimizer | None:
-    """The torch optimizer under a program's, or None."""
-    return wrapped(optimizer, torch.optim.Optimizer)
+    """The user's optimizer under a program's (the wrappers' ``inner``), or None."""
+    while isinstance(optimizer, OptimizerWrapper):
+        optimizer = optimizer.inner
+    return optimizer

@@ -77,6 +77,7 @@ class Case:
     precision: dict | None = None  # Precision fields the plan is edited to (fp8: the reference converted alike)
     optimizer: str = "adamw"       # key of OPTIMIZERS, on both sides
     clip: float | None = None      # max_grad_norm: the gradients clipped to this total norm before every step
+    decay: float | None = None     # a LambdaLR on the program's optimizer: the rate times decay ** step
 
 
 def _mlp():
@@ -244,12 +245,13 @@ def call_loss(model, batch, loss_fn):
 
 
 def one_process(model: torch.nn.Module, data: list[Any], step_loss: Callable[[Any], torch.Tensor],
-                optimizer: Callable[[Any], torch.optim.Optimizer] = adamw, clip: float | None = None
-                ) -> dict[str, Any]:
+                optimizer: Callable[[Any], torch.optim.Optimizer] = adamw, clip: float | None = None,
+                decay: float | None = None) -> dict[str, Any]:
     """The single-process reference: the loss and gradients of ``step_loss(data[0])`` (a parameter no
     op of the loss reads gets a zero gradient, as the programs report it), and the parameters after
     one ``optimizer`` step per batch of ``data``; with ``clip``, each step's gradients clipped to that total
-    norm first (torch.nn.utils.clip_grad_norm_), and the first step's norm and clipped gradients."""
+    norm first (torch.nn.utils.clip_grad_norm_), and the first step's norm and clipped gradients; with
+    ``decay``, the learning rate scheduled to decay ** step (LambdaLR, stepped after each step)."""
     def all_grads() -> dict[str, torch.Tensor]:
         return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
                 for n, p in model.named_parameters()}
@@ -259,6 +261,7 @@ def one_process(model: torch.nn.Module, data: list[Any], step_loss: Callable[[An
     grads = all_grads()
     model.zero_grad()
     opt = optimizer(model.parameters())
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: decay ** k) if decay is not None else None
     out: dict[str, Any] = {}
     for k, b in enumerate(data):
         opt.zero_grad()
@@ -268,6 +271,8 @@ def one_process(model: torch.nn.Module, data: list[Any], step_loss: Callable[[An
             if k == 0:
                 out = {"norm": norm.item(), "clipped": all_grads()}
         opt.step()
+        if schedule is not None:
+            schedule.step()
     return {"loss": loss.item(), "grads": grads, **out,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
@@ -281,7 +286,7 @@ def reference(case: Case) -> dict[str, Any]:
     from autopar import init_weights
     from autopar.runtime.sharded_init import has_meta
     key = (case.model, case.global_batch, case.steps, tuple(sorted((case.precision or {}).items())), case.optimizer,
-           case.clip)
+           case.clip, case.decay)
     if key not in _REFERENCES:
         model = fresh(case.model)
         if has_meta(model):
@@ -290,7 +295,8 @@ def reference(case: Case) -> dict[str, Any]:
             to_fp8(model, case.precision.get("recipe", "tensorwise"))
         loss_fn = loss_fn_of(case.model)
         _REFERENCES[key] = one_process(model, batches(case.model, case.steps, case.global_batch),
-                                       lambda b: call_loss(model, b, loss_fn), OPTIMIZERS[case.optimizer], case.clip)
+                                       lambda b: call_loss(model, b, loss_fn), OPTIMIZERS[case.optimizer], case.clip,
+                                       case.decay)
     return _REFERENCES[key]
 
 
@@ -395,8 +401,12 @@ def run_case(rank: int, world: int, case: Case, plan_dict: dict) -> dict[str, An
     clipped = {}
     if case.clip is not None:   # the first step's clip on its own (after full_grads), the others in train_step
         clipped = {"norm": program.clip_grad_norm_(case.clip).item(), "clipped": program.full_grads()}
+    # a learning-rate schedule on the program's optimizer, whatever wraps the user's (ZeRO-1, offload)
+    schedule = torch.optim.lr_scheduler.LambdaLR(program.optimizer, lambda k: case.decay ** k) if case.decay else None
     program.optimizer.step()   # train_step(data[0]) is this forward_backward and this step
     for b in data[1:]:
+        if schedule is not None:
+            schedule.step()
         program.train_step(b, max_grad_norm=case.clip)
     params = round_trip(program.full_state_dict(), fresh(case.model))
     return {"loss": loss.item(), "grads": grads, "params": params, **clipped,

@@ -49,7 +49,7 @@ NEAR = [Case("fp8-tensor-dp2", "gpt", {**BASE, "dp": 2, "micro_batch_size": 2}, 
 # weight's scale (its amax all-reduced over the shards: one process's), the gathers moving bytes over gloo
 GATHERED = Case("fp8-tensor-zero3-gathered", "gpt", {**BASE, "dp": 2, "zero": 3, "micro_batch_size": 2}, 2,
                 precision=TENSOR)
-# and with the optimizer offloaded (optim.HostOptimizer's host copies of the fp8-gathered weights' shards)
+# and with the optimizer offloaded (optim.MasterOptimizer's host copies of the fp8-gathered weights' shards)
 GATHERED_OFFLOAD = Case("fp8-tensor-zero3-gathered-offload", "gpt", {**GATHERED.fixed, "offload": "optimizer"}, 2,
                         precision=TENSOR)
 NEAR += [GATHERED, GATHERED_OFFLOAD]

@@ -9,7 +9,9 @@
   gives one process's norm and clipped gradients under every way a rank holds its gradients: tensor-parallel
   splits and replicas, data-parallel replicas (the mean everywhere, or on ZeRO-1's owner only), FSDP2's
   shards, pipeline stages with a weight tied over them, expert-parallel experts. SGD steps them, so a wrong
-  factor shows in the parameters too (AdamW's step all but ignores a gradient's scale)."""
+  factor shows in the parameters too (AdamW's step all but ignores a gradient's scale).
+- A learning-rate scheduler (torch's LambdaLR) built on ``program.optimizer`` sets the user's optimizer's rate
+  under every plan, also where the program wraps it (ZeRO-1's partition, the offloaded optimizer)."""
 
 from __future__ import annotations
 
@@ -46,9 +48,17 @@ def results():
     return run_cases(WHOLE + REFUSED, 2)
 
 
+# a learning-rate schedule built on the program's optimizer: the user's own (dp2), or the ZeRO-1 partition and the
+# offloaded optimizer around it, which must be torch optimizers sharing its groups for torch's schedulers
+SCHEDULED = [Case(f"decay-gpt-{name}", "gpt", {**BASE, **fields}, 2, optimizer="sgd", decay=0.1)
+             for name, fields in [("dp2", {"dp": 2}), ("dp2_zero1", {"dp": 2, "zero": 1}),
+                                  ("dp2_zero1_offload", {"dp": 2, "zero": 1, "offload": "optimizer"}),
+                                  ("dp2_zero3_offload", {"dp": 2, "zero": 3, "offload": "optimizer"})]]
+
+
 @pytest.fixture(scope="module")
 def clipped():
-    return {world: run_cases(cases, world) for world, cases in CLIPPED.items()}
+    return {world: run_cases(cases + (SCHEDULED if world == 2 else []), world) for world, cases in CLIPPED.items()}
 
 
 @pytest.mark.parametrize("case", WHOLE, ids=lambda c: c.name)
@@ -71,4 +81,11 @@ def test_clipping_by_the_total_norm_is_one_processs(clipped, case):
     ref = reference(case)
     assert ref["norm"] > 2 * CLIP, ref["norm"]   # the clip acts
     for rank, got in enumerate(clipped[case.world]):
+        check_matches(got[case.name], ref, rank)
+
+
+@pytest.mark.parametrize("case", SCHEDULED, ids=lambda c: c.name)
+def test_a_learning_rate_schedule_on_the_programs_optimizer(clipped, case):
+    ref = reference(case)
+    for rank, got in enumerate(clipped[2]):
         check_matches(got[case.name], ref, rank)

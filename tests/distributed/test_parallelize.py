@@ -46,7 +46,7 @@ TWO = {
     # replica too, a pipeline whose every stage offloads (FSDP2 on a one-rank mesh)
     "zero3_offload": dict(dp=2, zero=3, offload="all"),
     "pp2_zero3_offload": dict(pp=2, zero=3, offload="all"),
-    # the optimizer offloaded (runtime/optim.HostOptimizer: host copies stepped, the weights copied back): over
+    # the optimizer offloaded (runtime/optim.MasterOptimizer: host copies stepped, the weights copied back): over
     # ZeRO-1's partition, and over tensor-parallel local shards
     "zero1_offload_optimizer": dict(dp=2, zero=1, offload="optimizer"),
     "tp2_offload_optimizer": dict(tp=2, micro_batch_size=2, offload="optimizer"),

@@ -55,7 +55,7 @@ CASES = {   # name -> (ranks, pinned fields)
     # fp8 linear layers (torchao's float8 training, emulated on this CPU) on tensor-parallel shards: row-wise
     # scales (one token's or channel's each), whose amax the runtime all-reduces where tp splits it
     "tp2_fp8": (2, dict(tp=2, micro_batch_size=2)),
-    # the optimizer offloaded (optim.HostOptimizer over FSDP2's shards): stepped on host copies, checkpointed
+    # the optimizer offloaded (optim.MasterOptimizer over FSDP2's shards): stepped on host copies, checkpointed
     # and resumed through them
     "dp2_zero3_offload": (2, dict(dp=2, zero=3, micro_batch_size=2, offload="optimizer")),
     # tensor-wise fp8 under ZeRO-3: FSDP2 gathers the linear weights in fp8 (FP8_GATHERED), each shard cast with

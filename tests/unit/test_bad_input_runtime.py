@@ -349,3 +349,87 @@ def test_clip_grad_norm_refuses_a_bad_norm(world, plan, max_norm, norm_type) -> 
     prog.forward_backward(batch())
     with pytest.raises(ConfigError, match="max_norm > 0 and norm_type > 0"):
         prog.clip_grad_norm_(max_norm, norm_type)
+
+
+def _bf16():
+    """The test model in bf16 with weights in [1, 2), and a bf16 mixed-precision plan of it (fp32 masters)."""
+    model = make_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(1.0 + torch.rand(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    model = model.to(torch.bfloat16)
+    example = tuple(t.to(torch.bfloat16) for t in batch())
+    return model, autopar.estimate(copy.deepcopy(model), ONE, example, autopar.ParallelConfig(micro_batch_size=BATCH),
+                                   global_batch_size=BATCH, loss_fn=loss_fn,
+                                   precision=autopar.Precision(compute="bf16", grads="bf16"))
+
+
+def _bf16_program(model, plan):
+    return autopar.parallelize(copy.deepcopy(model), plan, lambda ps: torch.optim.AdamW(ps, lr=1e-3), loss_fn=loss_fn)
+
+
+def _bf16_batch(step):
+    return tuple(t.to(torch.bfloat16) for t in batch(step))
+
+
+def test_a_bf16_plan_steps_fp32_master_weights(world) -> None:
+    """A bf16 mixed-precision plan (fp32 master weights, priced in the states' bytes) keeps fp32 masters beside
+    the bf16 weights: AdamW's updates of about lr = 1e-3, below half a bf16 unit of weights in [1, 2) (0.0039),
+    add up in the masters and move the weights after a few steps, as one process's mixed precision does;
+    stepped as they are, the bf16 weights would never move. A learning-rate schedule on the program's
+    optimizer sets the user's optimizer's rate."""
+    from autopar.runtime.optim import MasterOptimizer, innermost, wrapped
+    model, plan = _bf16()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    prog = _bf16_program(model, plan)
+    masters = wrapped(prog.optimizer, MasterOptimizer)
+    assert masters is not None and all(m.dtype == torch.float32 for m in masters.masters)
+    schedule = torch.optim.lr_scheduler.LambdaLR(prog.optimizer, lambda step: 1.0)
+    assert innermost(prog.optimizer).param_groups is prog.optimizer.param_groups
+    ref = copy.deepcopy(model)   # one process: fp32 masters, AdamW on them, the bf16 weights copied from them
+    fp32 = [p.detach().float().requires_grad_() for p in ref.parameters()]
+    opt = torch.optim.AdamW(fp32, lr=1e-3)
+    for step in range(8):
+        prog.train_step(_bf16_batch(step))
+        schedule.step()
+        ref.zero_grad()
+        loss_fn(ref(*(t.to(torch.bfloat16) for t in batch(step))), None).backward()
+        for m, p in zip(fp32, ref.parameters()):
+            m.grad = None if p.grad is None else p.grad.float()
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(fp32, ref.parameters()):
+                p.copy_(m)
+    got = prog.full_state_dict()
+    moved = 0
+    for name, p in ref.named_parameters():
+        if name == "unused":
+            continue
+        moved += int((got[name] != start[name]).sum())
+        torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=2 ** -6)   # a unit of bf16 in [1, 2)
+    assert moved > 0.5 * sum(p.numel() for n, p in ref.named_parameters() if n != "unused")
+
+
+def test_a_checkpoint_keeps_the_fp32_masters(world, tmp_path) -> None:
+    """Saved and resumed after 4 steps, a bf16 mixed-precision program's next 4 steps equal the uninterrupted
+    ones bit for bit: the checkpoint keeps each weight's fp32 master (``master.<fqn>``); widened from the bf16
+    weights instead, the masters would lose what the weights round away, and the steps after would differ."""
+    from autopar.runtime.optim import MasterOptimizer, wrapped
+    model, plan = _bf16()
+    first = _bf16_program(model, plan)
+    for step in range(4):
+        first.train_step(_bf16_batch(step))
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    for step in range(4, 8):
+        first.train_step(_bf16_batch(step))
+    second = _bf16_program(model, plan)
+    second.load_checkpoint(str(tmp_path / "ckpt"))
+    masters = wrapped(second.optimizer, MasterOptimizer).masters
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in masters)   # fp32 values bf16 cannot hold
+    for step in range(4, 8):
+        second.train_step(_bf16_batch(step))
+    want, got = first.full_state_dict(), second.full_state_dict()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    for a, b in zip(wrapped(first.optimizer, MasterOptimizer).masters, masters):
+        assert torch.equal(a, b)
