@@ -307,8 +307,9 @@ class Precision:
     under ``recipe`` (their inputs, weights and output gradients cast to fp8 around each GEMM), the weights,
     activations and every other op in ``fp8_storage`` (bf16 by default), as torchao's float8 training and
     Transformer Engine do."""
-    grads: DType = "bf16"
-    """Dtype gradients are accumulated and reduced in."""
+    grads: DType | None = None
+    """Dtype gradients are accumulated and reduced in; default: the weights' (``storage``), as autograd accumulates
+    them and autopar's programs reduce them (Megatron-LM's fp32 main gradients of bf16 weights: "fp32")."""
     master_weights: bool = True
     """Keep an fp32 master copy of the weights (only meaningful when compute is 16-bit)."""
     optimizer: Literal["adam", "sgd"] = "adam"
@@ -347,6 +348,9 @@ class Precision:
         check_choice("grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATIONS)
         check_choice("param_gather", self.param_gather, PARAM_GATHERS)
         check_choice("compute", self.compute, (*DTYPE_BYTES, "fp8"))
+        check_choice("fp8_storage", self.fp8_storage, tuple(DTYPE_BYTES))
+        if self.grads is None:
+            object.__setattr__(self, "grads", self.storage)
         check_choice("grads", self.grads, tuple(DTYPE_BYTES))
         if self.compute == "fp8":
             if self.recipe is None:
@@ -355,7 +359,6 @@ class Precision:
         elif self.recipe is not None:
             raise ConfigError(f"Precision(recipe={self.recipe!r}) scales fp8 GEMM operands, but compute="
                               f"{self.compute!r}: pass compute=\"fp8\" with it, or drop recipe")
-        check_choice("fp8_storage", self.fp8_storage, tuple(DTYPE_BYTES))
         if self.compute != "fp8" and self.fp8_storage != "bf16":
             raise ConfigError(f"Precision(fp8_storage={self.fp8_storage!r}) is the dtype around fp8 GEMMs, but compute="
                               f"{self.compute!r}: pass compute=\"fp8\" with it, or drop fp8_storage (compute is "

@@ -239,8 +239,15 @@ def check_weights_dtype(plan: Plan, model: nn.Module) -> None:
     """The model's trainable floating-point weights in the dtype the plan prices its weights, activations and
     compute in (``Precision.storage``: ``compute``, or ``fp8_storage`` around an fp8 plan's GEMMs): a program
     runs the model in its own dtype, so an fp32 model under a bf16 plan would train with twice the activations
-    and at fp32's speed, and not fit where the plan says it does, or the other way round."""
+    and at fp32's speed, and not fit where the plan says it does, or the other way round. And the plan's
+    gradients in that dtype (``Precision.grads``): a program accumulates and reduces them so."""
     prec = plan.precision
+    if prec.grads != prec.storage and prec.storage in TORCH_DTYPE_NAMES:
+        # autograd accumulates a gradient in its parameter's dtype, and the program reduces it so
+        raise ConfigError(f"this plan prices gradients accumulated and reduced in {prec.grads} (Precision(grads="
+                          f"{prec.grads!r})), but a program keeps them in its weights' dtype, {prec.storage}: re-plan "
+                          f"with Precision(..., grads={prec.storage!r}) (Megatron-LM's fp32 main gradients: export the "
+                          f"plan to Megatron-LM)")
     want = TORCH_DTYPE_NAMES.get(prec.storage)
     found = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
                     if p.requires_grad and p.is_floating_point()})

@@ -313,6 +313,12 @@ def test_parallelize_refuses_a_model_in_another_dtype_than_the_plan_prices(world
         check_weights_dtype(fp8, make_model())
     check_weights_dtype(dataclasses.replace(plan, precision=autopar.Precision(compute="fp8", fp8_storage="fp32")),
                         make_model())
+    # gradients priced in another dtype than the weights': a program accumulates and reduces them in the weights'
+    main_grads = dataclasses.replace(plan, precision=autopar.Precision(compute="bf16", grads="fp32"))
+    with pytest.raises(ConfigError, match=r"gradients accumulated and reduced in fp32 \(Precision\(grads='fp32'\)\), "
+                                          r"but a program keeps them in its weights' dtype, bf16: re-plan with "
+                                          r"Precision\(\.\.\., grads='bf16'\)"):
+        check_weights_dtype(main_grads, make_model().to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])

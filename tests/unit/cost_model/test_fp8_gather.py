@@ -57,7 +57,7 @@ def test_the_compiler_gathers_the_weights_the_cost_model_prices():
     plan = autopar.plan(model, Cluster.from_spec("1x2xcpu"), example, global_batch_size=4,
                         fixed=dict(dp=2, tp=1, pp=1, zero=3, micro_batch_size=2), verbose=False)
     # this CPU has no fp8 peak to price it with; the model is fp32
-    plan = dataclasses.replace(plan, precision=dataclasses.replace(TENSOR, fp8_storage="fp32"))
+    plan = dataclasses.replace(plan, precision=Precision(compute="fp8", recipe="tensorwise", fp8_storage="fp32"))
     _, inputs = build_gpt(cfg, batch_size=2, device="meta")
     compiled = compile_program(plan, run_export(model, inputs, None), model)
     graph = capture(*build_gpt(cfg, batch_size=1, device="meta"), progress=False)

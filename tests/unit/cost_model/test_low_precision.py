@@ -43,6 +43,9 @@ def test_precision_fp8_keeps_bf16_storage_and_checks_its_recipe():
         Precision(compute="fp8", fp8_storage="fp8")
     with pytest.raises(ConfigError, match='pass compute="fp8" with it, or drop fp8_storage'):
         Precision(fp8_storage="fp32")
+    # gradients default to the weights' dtype (as a program keeps them); Megatron-LM's fp32 main grads by name
+    assert (Precision().grads, Precision(compute="fp32").grads, kept.grads) == ("bf16", "fp32", "fp32")
+    assert Precision(grads="fp32").grad_bytes == 4 and Precision(compute="fp16").grads == "fp16"
 
 
 def test_devices_without_the_recipes_tensor_cores_refuse_it():
