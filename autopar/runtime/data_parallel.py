@@ -28,7 +28,8 @@ reduce its gradients (dense weights over ``dp * cp``, expert weights over their 
 the user's optimizer once over this rank's share of all groups. Its reducers then sum each gradient
 onto its owner only (:meth:`GradReducer.reduce_to_owners`: a reduce per owner and bucket, DeepSpeed's
 ZeRO-1 traffic, which the cost model prices as a reduce-scatter), and after the step each owner
-broadcasts what it stepped (an all-gather's traffic, priced after the step: ``Precision.param_gather``).
+broadcasts what it stepped, a bucket at a time (an all-gather's traffic, priced after the step:
+``Precision.param_gather``).
 """
 
 from __future__ import annotations

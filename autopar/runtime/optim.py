@@ -41,7 +41,7 @@ program decides, so that every element of the model counts once over all ranks),
 ``|g|^p`` over every rank in one all-reduce (the max for ``p = inf``) and scales every gradient alike, as
 Megatron-LM's ``clip_grad_norm_fp32`` counts a tensor-parallel replica on one rank only.
 
-Imports only torch, data_parallel.py, errors.py and failures.py: the standalone folder (standalone.py) carries this file beside its
+Imports only torch, buckets.py, data_parallel.py, errors.py and failures.py: the standalone folder (standalone.py) carries this file beside its
 train.py.
 """
 
@@ -55,7 +55,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .buckets import dp_bucket_bytes
 from .data_parallel import local
 from .errors import ConfigError
 from .failures import start, wait_or_fail
@@ -296,8 +298,11 @@ def _by_kind(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtyp
 
 class Zero1Optimizer(OptimizerWrapper):
     """ZeRO stage 1: each rank keeps optimizer state for its share of the parameters (whole tensors,
-    greedily balanced by size, as ZeroRedundancyOptimizer partitions), steps only those, then every
-    owner broadcasts its updated parameters to the others.
+    greedily balanced by size, as ZeroRedundancyOptimizer partitions, so that any optimizer steps them as
+    one device does), steps only those, then every owner broadcasts its updated parameters to the others:
+    flattened, in buckets of the gradients' size (buckets.dp_bucket_bytes) per owner and dtype, one
+    broadcast each (the cost model prices the gather in such buckets), two in flight at a time (a
+    bucket's flat copy is all the memory it takes beyond the weights).
 
     ``partitions`` is a list of ``(params, group, ranks)``: the parameters reduced over one group
     (``ranks``: its global ranks by group rank; a group of one rank, or None, owns everything).
@@ -306,10 +311,12 @@ class Zero1Optimizer(OptimizerWrapper):
     def __init__(self, partitions: Sequence[tuple[Sequence[nn.Parameter], object, Sequence[int]]],
                  factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], rank: int,
                  timeout: float) -> None:
-        self.timeout = timeout
+        self.timeout, self.rank = timeout, rank
         self.params: list[nn.Parameter] = []
         self.sources: list[tuple[nn.Parameter, int, object]] = []   # (param, owner's global rank, group)
         self.mine: list[nn.Parameter] = []
+        # the broadcasts after the step: (parameters, their owner's global rank, group), the same list on every rank
+        self.sends: list[tuple[list[nn.Parameter], int, object]] = []
         for params, group, ranks in partitions:
             ranks = list(ranks)
             load = [0] * len(ranks)
@@ -324,6 +331,10 @@ class Zero1Optimizer(OptimizerWrapper):
                     self.mine.append(p)
                 if len(ranks) > 1:
                     self.sources.append((p, ranks[owner[i]], group))
+            if len(ranks) > 1:
+                for k, src in enumerate(ranks):
+                    owned = [p for i, p in enumerate(params) if owner[i] == k and local(p).numel()]
+                    self.sends.extend((bucket, src, group) for bucket in _buckets(owned, len(ranks)))
         super().__init__(factory(self.mine) if self.mine else None)
 
     def owners(self, params: Mapping[str, nn.Parameter], keep_all: Iterable[str] = ()) -> dict[int, int]:
@@ -337,18 +348,44 @@ class Zero1Optimizer(OptimizerWrapper):
         for p in self.params:
             p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
 
+    @torch.no_grad()
     def step(self) -> None:
         if self.inner is not None:
             self.inner.step()
-        works = []
-        with torch.no_grad():
-            for p, src, group in self.sources:
-                works.append((start(dist.broadcast, local(p.data), src=src, group=group, async_op=True), group))
-        for w, group in works:
-            wait_or_fail(w, self.timeout, "broadcast of ZeRO-1 updated parameters", group)
+        pending: list[tuple[Any, torch.Tensor, list[torch.Tensor], int, object]] = []
+        for params, src, group in self.sends:
+            datas = [local(p.data) for p in params]
+            flat = (_flatten_dense_tensors(datas) if src == self.rank else
+                    torch.empty(sum(d.numel() for d in datas), dtype=datas[0].dtype, device=datas[0].device))
+            pending.append((start(dist.broadcast, flat, src=src, group=group, async_op=True), flat, datas, src, group))
+            if len(pending) > 1:
+                self._received(*pending.pop(0))
+        for item in pending:
+            self._received(*item)
+
+    def _received(self, work: Any, flat: torch.Tensor, datas: list[torch.Tensor], src: int, group: object) -> None:
+        wait_or_fail(work, self.timeout, "broadcast of ZeRO-1 updated parameters", group)
+        if src != self.rank:
+            torch._foreach_copy_(datas, _unflatten_dense_tensors(flat, datas))
 
     def state_dict(self):
         return self.inner.state_dict() if self.inner is not None else {}
+
+
+def _buckets(params: list[nn.Parameter], ranks: int) -> list[list[nn.Parameter]]:
+    """``params`` in order, cut into runs of one dtype and device of at most dp_bucket_bytes (a larger tensor alone)."""
+    out: list[list[nn.Parameter]] = []
+    size, key = 0, None
+    for p in params:
+        data = local(p)
+        nbytes = data.numel() * data.element_size()
+        limit = dp_bucket_bytes(ranks, data.element_size())
+        if not out or (data.dtype, data.device) != key or size + nbytes > limit:
+            out.append([])
+            size, key = 0, (data.dtype, data.device)
+        out[-1].append(p)
+        size += nbytes
+    return out
 
 
 def wrapped(optimizer: Any, kind: type) -> Any:
