@@ -299,17 +299,21 @@ def build_optimizer(setup: RankSetup, compiled: RankProgram, groups: MeshGroups,
 
 def check_elementwise(setup: RankSetup, compiled: RankProgram, factory: OptimizerFactory) -> None:
     """Refuse an optimizer that is not element-wise (runtime/optim.py: Muon, Adafactor, LAMB) where the plan has
-    ranks step parts of parameters: tensor parallelism's splits, ZeRO-2/3's shards. It would train, with no
+    ranks step parts of parameters: tensor parallelism's splits, expert parallelism's experts of a stacked
+    weight, ZeRO-2/3's shards. It would train, with no
     error, otherwise than one device does. Decided from the plan, alike on every rank; a factory the probe
     cannot run is warned about."""
     cfg = setup.plan.config
     split_tp = sorted(f for f, d in compiled.program.param_dims.items() if d is not None) if cfg.tp > 1 else []
+    split_ep = sorted(compiled.program.expert_params) if cfg.ep > 1 else []   # [E, ...]: E/ep experts a rank
     sharded = setup.fsdp and cfg.grad_replicas > 1
-    if not split_tp and not sharded:
+    if not split_tp and not split_ep and not sharded:
         return
     how = " and ".join(filter(None, [
         f"tensor parallelism (tp={cfg.tp}) splits {len(split_tp)} parameters ({', '.join(split_tp[:3])}"
         f"{', ...' if len(split_tp) > 3 else ''})" if split_tp else "",
+        f"expert parallelism (ep={cfg.ep}) splits the experts' stacked weights ({', '.join(split_ep[:2])}"
+        f"{', ...' if len(split_ep) > 2 else ''})" if split_ep else "",
         f"ZeRO-{cfg.zero} shards every parameter over its {cfg.grad_replicas} data-parallel replicas" if sharded
         else ""]))
     elementwise, why = steps_elementwise(factory, setup.device)
@@ -317,8 +321,8 @@ def check_elementwise(setup: RankSetup, compiled: RankProgram, factory: Optimize
         raise ConfigError(
             f"the optimizer does not step each element on its own (Muon, Adafactor and LAMB do not; AdamW and SGD do): "
             f"{why}. In this plan {how}, so each rank would step its parts and train otherwise than one device. Plan "
-            f"with tp=1 and zero <= 1 (autopar.plan(..., fixed=dict(tp=1, zero=1)): ZeRO-1 steps whole parameters), "
-            f"or pass an element-wise optimizer")
+            f"with tp=1, ep=1 and zero <= 1 (autopar.plan(..., fixed=dict(tp=1, ep=1, zero=1)): ZeRO-1 steps whole "
+            f"parameters), or pass an element-wise optimizer")
     if elementwise is None:
         warnings.warn(f"could not check that the optimizer steps each element on its own (its factory or step failed "
                       f"on a probe tensor: {why}); in this plan {how}, and an optimizer that is not element-wise (Muon, "

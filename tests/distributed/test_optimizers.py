@@ -2,7 +2,8 @@
 
 - An optimizer that is not element-wise (Adafactor, whose second moment of a matrix is factored) trains as one
   process where every rank steps whole parameters (plain data parallelism, ZeRO-1, pipeline stages), and is
-  refused, saying what to change, where ranks would step parts of them (tensor parallelism, ZeRO-3): each
+  refused, saying what to change, where ranks would step parts of them (tensor parallelism, the experts of a
+  stacked expert weight under expert parallelism, ZeRO-3): each
   part's update would differ from the whole's, with no error (runtime/optim.py's probe, driver/assembly.py's
   check; the probe itself: tests/unit/runtime/test_optim_elementwise.py).
 - Gradient clipping by the model's total norm (``Program.clip_grad_norm_``, ``train_step(max_grad_norm=)``)
@@ -27,9 +28,12 @@ BASE = dict(dp=1, tp=1, pp=1, cp=1, ep=1, micro_batch_size=1, zero=0, recompute=
 WHOLE = [Case("adafactor-dp2", "mlp", {**BASE, "dp": 2}, 2, optimizer="adafactor"),
          Case("adafactor-dp2_zero1", "mlp", {**BASE, "dp": 2, "zero": 1}, 2, optimizer="adafactor"),
          Case("adafactor-pp2", "mlp", {**BASE, "pp": 2}, 2, optimizer="adafactor")]
-PARTS = {"adafactor-tp2": ({**BASE, "tp": 2, "micro_batch_size": 2}, "tensor parallelism (tp=2) splits"),
-         "adafactor-dp2_zero3": ({**BASE, "dp": 2, "zero": 3}, "ZeRO-3 shards every parameter over its 2 data-parallel")}
-REFUSED = [Case(name, "mlp", fields, 2, optimizer="adafactor") for name, (fields, _) in PARTS.items()]
+PARTS = {"adafactor-tp2": ("mlp", {**BASE, "tp": 2, "micro_batch_size": 2}, "tensor parallelism (tp=2) splits"),
+         "adafactor-dp2_zero3": ("mlp", {**BASE, "dp": 2, "zero": 3},
+                                 "ZeRO-3 shards every parameter over its 2 data-parallel"),
+         "adafactor-ep2": ("moe", {**BASE, "dp": 2, "ep": 2, "zero": 1},
+                           "expert parallelism (ep=2) splits the experts' stacked weights")}
+REFUSED = [Case(name, model, fields, 2, optimizer="adafactor") for name, (model, fields, _) in PARTS.items()]
 CLIP = 1e-2   # below every case's first norm: every step is clipped
 CLIPPED = {2: [Case(f"clip-{model}-{name}", model, {**BASE, **fields}, 2, optimizer="sgd", clip=CLIP)
                for model, name, fields in [
@@ -73,7 +77,7 @@ def test_parts_of_parameters_are_refused_saying_why(results, case):
     for rank, got in enumerate(results):
         error = got[case.name].get("error", "")
         assert "ConfigError: the optimizer does not step each element on its own" in error, (rank, error[:500])
-        assert PARTS[case.name][1] in error and "fixed=dict(tp=1, zero=1)" in error, (rank, error[:500])
+        assert PARTS[case.name][2] in error and "fixed=dict(tp=1, ep=1, zero=1)" in error, (rank, error[:500])
 
 
 @pytest.mark.parametrize("case", [c for cases in CLIPPED.values() for c in cases], ids=lambda c: f"{c.world}x-{c.name}")
