@@ -314,8 +314,8 @@ class Program:
         """Scale the gradients so that the model's total gradient norm is at most ``max_norm``, as
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)`` does on one device; returns
         that norm, the same on every rank (also kept as ``grad_norm``, for logging; None before a step's
-        gradients are clipped, as ``forward_backward`` leaves it). Call it after ``forward_backward``, before the optimizer steps
-        (``train_step(batch, max_grad_norm=...)`` does). Collective. The torch function over
+        gradients are clipped, as ``forward_backward`` leaves it). Call it after ``forward_backward``, before
+        the optimizer steps (``train_step(batch, max_grad_norm=...)`` does). Collective. The torch function over
         ``program.parameters()`` would not do this: a rank holds parts of some gradients and copies of others,
         so each rank would compute another norm and scale by another factor (runtime/optim.py)."""
         check_clip(max_norm, norm_type)   # before the collective, not as a failure of the step

@@ -1,7 +1,8 @@
 """The optimizer's step as a program runs it: partitioned over the gradient replicas under ZeRO-1
 (:class:`Zero1Optimizer`), on fp32 masters of 16-bit weights, beside them or, when the plan offloads the
-optimizer, on the host (:class:`MasterOptimizer`), compiled (:func:`compile_step`), on parts of tensors only when its update is element-wise
-(:func:`steps_elementwise`), after its gradients are clipped by the whole model's norm (:func:`clip_grad_norm_`).
+optimizer, on the host (:class:`MasterOptimizer`), compiled (:func:`compile_step`), on parts of tensors only
+when its update is element-wise (:func:`steps_elementwise`), after its gradients are clipped by the whole
+model's norm (:func:`clip_grad_norm_`).
 The first two wrap the user's optimizer as an :class:`OptimizerWrapper`: a torch optimizer whose groups are the
 user's, so that learning-rate schedulers built on the program's optimizer work under every plan.
 
@@ -41,8 +42,8 @@ program decides, so that every element of the model counts once over all ranks),
 ``|g|^p`` over every rank in one all-reduce (the max for ``p = inf``) and scales every gradient alike, as
 Megatron-LM's ``clip_grad_norm_fp32`` counts a tensor-parallel replica on one rank only.
 
-Imports only torch, buckets.py, data_parallel.py, errors.py and failures.py: the standalone folder (standalone.py) carries this file beside its
-train.py.
+Imports only torch, buckets.py, data_parallel.py, errors.py and failures.py: the standalone folder (standalone.py)
+carries this file beside its train.py.
 """
 
 from __future__ import annotations
