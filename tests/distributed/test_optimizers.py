@@ -3,9 +3,9 @@
 - An optimizer that is not element-wise (Adafactor, whose second moment of a matrix is factored) trains as one
   process where every rank steps whole parameters (plain data parallelism, ZeRO-1, pipeline stages), and is
   refused, saying what to change, where ranks would step parts of them (tensor parallelism, the experts of a
-  stacked expert weight under expert parallelism, ZeRO-3): each
-  part's update would differ from the whole's, with no error (runtime/optim.py's probe, driver/assembly.py's
-  check; the probe itself: tests/unit/runtime/test_optim_elementwise.py).
+  stacked expert weight under expert parallelism, ZeRO-3): each part's update would differ from the whole's,
+  with no error (runtime/optim.py's probe, driver/assembly.py's check; the probe itself:
+  tests/unit/runtime/test_optim_elementwise.py).
 - Gradient clipping by the model's total norm (``Program.clip_grad_norm_``, ``train_step(max_grad_norm=)``)
   gives one process's norm and clipped gradients under every way a rank holds its gradients: tensor-parallel
   splits and replicas, data-parallel replicas (the mean everywhere, or on ZeRO-1's owner only), FSDP2's
@@ -20,6 +20,7 @@ import os
 import sys
 
 import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
 from harness import Case, check_matches, reference, run_cases  # noqa: E402
 
@@ -61,7 +62,7 @@ SCHEDULED = [Case(f"decay-gpt-{name}", "gpt", {**BASE, **fields}, 2, optimizer="
 
 
 @pytest.fixture(scope="module")
-def clipped():
+def stepped():
     return {world: run_cases(cases + (SCHEDULED if world == 2 else []), world) for world, cases in CLIPPED.items()}
 
 
@@ -81,15 +82,15 @@ def test_parts_of_parameters_are_refused_saying_why(results, case):
 
 
 @pytest.mark.parametrize("case", [c for cases in CLIPPED.values() for c in cases], ids=lambda c: f"{c.world}x-{c.name}")
-def test_clipping_by_the_total_norm_is_one_processs(clipped, case):
+def test_clipping_by_the_total_norm_equals_one_process(stepped, case):
     ref = reference(case)
     assert ref["norm"] > 2 * CLIP, ref["norm"]   # the clip acts
-    for rank, got in enumerate(clipped[case.world]):
+    for rank, got in enumerate(stepped[case.world]):
         check_matches(got[case.name], ref, rank)
 
 
 @pytest.mark.parametrize("case", SCHEDULED, ids=lambda c: c.name)
-def test_a_learning_rate_schedule_on_the_programs_optimizer(clipped, case):
+def test_a_learning_rate_schedule_on_the_programs_optimizer(stepped, case):
     ref = reference(case)
-    for rank, got in enumerate(clipped[2]):
+    for rank, got in enumerate(stepped[2]):
         check_matches(got[case.name], ref, rank)
