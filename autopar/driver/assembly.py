@@ -300,9 +300,8 @@ def build_optimizer(setup: RankSetup, compiled: RankProgram, groups: MeshGroups,
 def check_elementwise(setup: RankSetup, compiled: RankProgram, factory: OptimizerFactory) -> None:
     """Refuse an optimizer that is not element-wise (runtime/optim.py: Muon, Adafactor, LAMB) where the plan has
     ranks step parts of parameters: tensor parallelism's splits, expert parallelism's experts of a stacked
-    weight, ZeRO-2/3's shards. It would train, with no
-    error, otherwise than one device does. Decided from the plan, alike on every rank; a factory the probe
-    cannot run is warned about."""
+    weight, ZeRO-2/3's shards. It would train, with no error, otherwise than one device does. Decided from the
+    plan, alike on every rank; a factory the probe cannot run is warned about."""
     cfg = setup.plan.config
     split_tp = sorted(f for f, d in compiled.program.param_dims.items() if d is not None) if cfg.tp > 1 else []
     split_ep = sorted(compiled.program.expert_params) if cfg.ep > 1 else []   # [E, ...]: E/ep experts a rank
