@@ -270,7 +270,11 @@ def main():
                 pieces = optim.norm_pieces(named, lambda fqn: fqn not in P.TIED or min(P.TIED[fqn]) == pp_rank,
                                            lambda fqn: P.TP > 1 and fqn in P.TP_DIMS, tp_rank,
                                            [reducer] if reducer is not None else [])
-                norm = optim.clip_grad_norm_(pieces, args.clip_grad, 2.0, args.timeout).item()
+                total = optim.clip_grad_norm_(pieces, args.clip_grad, 2.0, args.timeout)
+                failure = failures.non_finite_norm(total, rank, step)   # the same norm on every rank: all stop
+                if failure is not None:
+                    raise failure
+                norm = total.item()
             optimizer.step()
         if rank == 0:
             print(f"step {step} loss {loss:.6f}" + (f" grad norm {norm:.9g}" if norm is not None else ""), flush=True)

@@ -74,7 +74,7 @@ from ..plan import Plan
 from ..runtime.batches import replica_micro_batches
 from ..runtime.context_ops import shard_inputs
 from ..runtime.data_parallel import all_reduce_grads, local
-from ..runtime.failures import at_step, non_finite_loss, peer_wait, wait_or_fail
+from ..runtime.failures import at_step, non_finite_loss, non_finite_norm, peer_wait, wait_or_fail
 from ..runtime.host_heap import keep_freed_memory
 from ..runtime.optim import Zero1Optimizer, check_clip, clip_grad_norm_, norm_pieces, wrapped
 from ..runtime.fp8 import fp8_gathered, refresh_scales
@@ -298,14 +298,17 @@ class Program:
         """``forward_backward``, the gradients clipped to a total norm of ``max_grad_norm`` where given
         (:meth:`clip_grad_norm_`), then one optimizer step; returns the loss. A micro-batch whose loss is
         not finite stops the step before the optimizer runs (the parameters are unchanged) with a
-        RuntimeFailure, raised on every rank, naming the micro-batch and its samples."""
+        RuntimeFailure, raised on every rank, naming the micro-batch and its samples; so does a gradients'
+        norm that is not finite, when clipping computes it."""
         if self.optimizer is None:
             raise ConfigError("train_step needs an optimizer: parallelize(model, plan, optimizer=lambda params: "
                               "torch.optim.AdamW(params, lr=...))")
         loss = self.forward_backward(batch)
         self._check_finite(self.steps - 1)
-        if max_grad_norm is not None:
-            self.clip_grad_norm_(max_grad_norm)
+        if max_grad_norm is not None:   # a norm that is not finite stops the step as a loss that is not does
+            failure = non_finite_norm(self.clip_grad_norm_(max_grad_norm), self.rank, self.steps - 1)
+            if failure is not None:
+                raise failure
         with at_step(self.steps - 1, "the optimizer step"):
             self.optimizer.step()
         return loss

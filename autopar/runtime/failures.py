@@ -111,6 +111,18 @@ def _message(what: str, timeout: float, group: Any, peers: Sequence[int] | None,
             "autopar.parallelize(..., timeout=) if it is only slow)")
 
 
+def non_finite_norm(norm: torch.Tensor, rank: int, step: int) -> RuntimeFailure | None:
+    """The failure for a gradients' total norm that is not finite (optim.clip_grad_norm_'s, the same on every
+    rank: every rank stops alike), or None."""
+    value = float(norm)
+    if math.isfinite(value):
+        return None
+    return RuntimeFailure(
+        f"rank {rank}, step {step}: the gradients' total norm is {value} while every micro-batch's loss is finite (a "
+        "gradient overflowed in backward): the optimizer step was skipped, so the parameters are unchanged; lower the "
+        "learning rate, or find the op that overflows in this precision")
+
+
 def non_finite_loss(losses: torch.Tensor, rank: int, step: int, micro_batches: int, micro_batch_size: int,
                     per_replica: int) -> RuntimeFailure | None:
     """The failure for the first non-finite entry of ``losses`` (``dp * micro_batches`` values,

@@ -439,3 +439,21 @@ def test_a_checkpoint_keeps_the_fp32_masters(world, tmp_path) -> None:
         assert torch.equal(got[name], value), name
     for a, b in zip(wrapped(first.optimizer, MasterOptimizer).masters, masters):
         assert torch.equal(a, b)
+
+
+def test_a_gradients_norm_that_is_not_finite_stops_the_step(world, plan, monkeypatch) -> None:
+    """A gradient that overflows while the losses stay finite: clipping finds the norm inf, and the step stops
+    before the optimizer runs, as for a loss that is not finite (the parameters unchanged)."""
+    prog = program(plan)
+    finish = prog._finish_grads
+
+    def overflowed() -> None:
+        finish()
+        next(p for p in prog.parameters() if p.grad is not None).grad.fill_(float("inf"))
+    monkeypatch.setattr(prog, "_finish_grads", overflowed)
+    before = prog.full_state_dict()
+    with pytest.raises(RuntimeFailure, match=r"step 0: the gradients' total norm is inf while every micro-batch's "
+                                             r"loss is finite .* the parameters are unchanged"):
+        prog.train_step(batch(), max_grad_norm=1.0)
+    after = prog.full_state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
