@@ -164,12 +164,14 @@ class GradReducer:
             ranks = dist.get_world_size(group) if group is not None else 1
             bucket_bytes = dp_bucket_bytes(ranks, local(first).element_size() if first is not None else 4)
         for c, params in enumerate(chunks):
-            buckets = _make_buckets([p for p in reversed(list(params)) if p.requires_grad], bucket_bytes)
+            buckets = [_Bucket(b) for b in bucket_runs([p for p in reversed(list(params)) if p.requires_grad],
+                                                        bucket_bytes)]
             self.buckets.append(buckets)
             for b in buckets[:-1]:   # the last starts when the backward ends (ended)
                 for p in b.params:
                     self._where[id(p)] = (c, b)
                     self._handles.append(p.register_post_accumulate_grad_hook(_weak_hook(weakref.ref(self))))
+        self.reduced_ids = frozenset(id(p) for buckets in self.buckets for b in buckets for p in b.params)
         # the hooks live as long as the parameters (the caller's model may keep them); a hook holding
         # this reducer would keep it, and with it its process group (a gloo group's thread polls every
         # 10 ms), alive after the program is gone: they hold it weakly, and are removed with it
@@ -181,20 +183,17 @@ class GradReducer:
         partial gradient of it (:meth:`share` sends them the sum). Parameters not in ``owners`` are still
         all-reduced: those whose sum more reductions follow (a tensor-parallel partial gradient, a tied
         parameter's), which every rank must hold. Every rank of the group passes the same ``owners``."""
-        self.owners = {i: r for i, r in owners.items() if i in self._ids()}
+        self.owners = {i: r for i, r in owners.items() if i in self.reduced_ids}
 
     def counted(self, p: torch.Tensor) -> bool | None:
         """Whether this rank's gradient of ``p``, after :meth:`finish`, is the one a norm over the group's ranks
         counts (each element once): the owner's under ZeRO-1 (the others hold their own partial gradient), else
         the group's first rank's (every rank holds the mean). None when ``p`` is not reduced here."""
-        if id(p) not in self._ids():
+        if id(p) not in self.reduced_ids:
             return None
         if id(p) in self.owners:
             return self.owners[id(p)] == self.rank
         return self.group is None or dist.get_rank(self.group) == 0
-
-    def _ids(self) -> set[int]:
-        return {id(p) for buckets in self.buckets for b in buckets for p in b.params}
 
     def share(self) -> None:
         """Send every rank the means :meth:`finish` left on their owners (``full_grads``, which reads every
@@ -304,14 +303,17 @@ class _Done:
         return True
 
 
-def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
-    buckets: list[list[nn.Parameter]] = [[]]
-    size = 0
+def bucket_runs(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """``params`` in order, cut into runs of at most ``bucket_bytes`` (a larger tensor alone) of one dtype and
+    device (one flat buffer holds each run): the gradient buckets, and ZeRO-1's broadcasts after the step."""
+    runs: list[list[nn.Parameter]] = []
+    size, kind = 0, None
     for p in params:
-        nbytes = local(p).numel() * local(p).element_size()
-        if buckets[-1] and size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
+        data = local(p)
+        nbytes = data.numel() * data.element_size()
+        if not runs or (data.dtype, data.device) != kind or size + nbytes > bucket_bytes:
+            runs.append([])
+            size, kind = 0, (data.dtype, data.device)
+        runs[-1].append(p)
         size += nbytes
-    return [_Bucket(b) for b in buckets if b]
+    return runs

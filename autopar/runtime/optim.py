@@ -59,7 +59,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .buckets import dp_bucket_bytes
-from .data_parallel import local
+from .data_parallel import bucket_runs, local
 from .errors import ConfigError
 from .failures import start, wait_or_fail
 
@@ -335,7 +335,9 @@ class Zero1Optimizer(OptimizerWrapper):
             if len(ranks) > 1:
                 for k, src in enumerate(ranks):
                     owned = [p for i, p in enumerate(params) if owner[i] == k and local(p).numel()]
-                    self.sends.extend((bucket, src, group) for bucket in _buckets(owned, len(ranks)))
+                    if owned:
+                        limit = dp_bucket_bytes(len(ranks), local(owned[0]).element_size())
+                        self.sends.extend((run, src, group) for run in bucket_runs(owned, limit))
         super().__init__(factory(self.mine) if self.mine else None)
 
     def owners(self, params: Mapping[str, nn.Parameter], keep_all: Iterable[str] = ()) -> dict[int, int]:
@@ -371,22 +373,6 @@ class Zero1Optimizer(OptimizerWrapper):
 
     def state_dict(self):
         return self.inner.state_dict() if self.inner is not None else {}
-
-
-def _buckets(params: list[nn.Parameter], ranks: int) -> list[list[nn.Parameter]]:
-    """``params`` in order, cut into runs of one dtype and device of at most dp_bucket_bytes (a larger tensor alone)."""
-    out: list[list[nn.Parameter]] = []
-    size, key = 0, None
-    for p in params:
-        data = local(p)
-        nbytes = data.numel() * data.element_size()
-        limit = dp_bucket_bytes(ranks, data.element_size())
-        if not out or (data.dtype, data.device) != key or size + nbytes > limit:
-            out.append([])
-            size, key = 0, (data.dtype, data.device)
-        out[-1].append(p)
-        size += nbytes
-    return out
 
 
 def wrapped(optimizer: Any, kind: type) -> Any:
