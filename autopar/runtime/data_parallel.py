@@ -17,8 +17,10 @@ all-reduce (sum) per bucket as soon as the last gradient of the bucket is accumu
 the chunk's final backward (a hook on each of its parameters); the chunk's last bucket, which
 only the end of that backward completes, starts when the backward returns
 (:meth:`GradReducer.ended`), with no hooks: a chunk whose parameters fit one bucket runs no
-Python per parameter until the all-reduce. :meth:`GradReducer.finish` waits, divides by
-``divisor`` and writes the means back in one copy. The divisor is the number of ranks whose losses the gradient averages
+Python per parameter until the all-reduce. A started bucket's gradients are flattened into one
+buffer and each becomes a view of it (DDP's ``gradient_as_bucket_view``): no gradient is held twice
+while the step's collectives finish, which the cost model (one copy of the gradients) does not
+price. :meth:`GradReducer.finish` waits and divides each buffer in place by ``divisor``. The divisor is the number of ranks whose losses the gradient averages
 (``dp * cp``), which is the group's size for dense weights; expert weights are summed over
 their expert replicas only (``dp * cp / ep`` ranks, or none) and still divided by ``dp * cp``
 (expert_parallel.py explains why).
@@ -27,7 +29,8 @@ ZeRO-1's optimizer (optim.py's ``Zero1Optimizer``) partitions each group of para
 reduce its gradients (dense weights over ``dp * cp``, expert weights over their expert replicas) and runs
 the user's optimizer once over this rank's share of all groups. Its reducers then sum each gradient
 onto its owner only (:meth:`GradReducer.reduce_to_owners`: a reduce per owner and bucket, DeepSpeed's
-ZeRO-1 traffic, which the cost model prices as a reduce-scatter), and after the step each owner
+ZeRO-1 traffic, which the cost model prices as a reduce-scatter); the other ranks then free their parts
+of that gradient, which nothing reads (:meth:`GradReducer.share` sends them the mean when asked), and after the step each owner
 broadcasts what it stepped, a bucket at a time (an all-gather's traffic, priced after the step:
 ``Precision.param_gather``).
 """
@@ -116,13 +119,22 @@ def all_reduce_grads(items: Sequence[tuple[str, nn.Parameter, object]], timeout:
 class _Part:
     """One collective of a started bucket: the gradients of ``params`` (and the ``carried`` values) flattened into
     ``flat``, summed onto rank ``dst`` (a global rank: ZeRO-1's owner of those parameters) or, ``dst`` None, onto
-    every rank of the group."""
+    every rank of the group. From then on each gradient is a view of ``flat`` (its own tensor freed), so a
+    bucket's gradients are never held twice while the step's collectives finish (DDP's
+    ``gradient_as_bucket_view``); ``copy_back`` lists what is not a view (the carried values, a gradient of a
+    distributed parameter), into which :meth:`GradReducer.finish` writes the sums."""
 
     def __init__(self, params: list[nn.Parameter], dst: int | None, group,
                  carried: torch.Tensor | None = None) -> None:
         self.params, self.dst = params, dst
-        self.grads = [local(p.grad) for p in params] + ([carried] if carried is not None else [])
-        self.flat = _flatten_dense_tensors(self.grads)
+        grads = [local(p.grad) for p in params] + ([carried] if carried is not None else [])
+        self.flat = _flatten_dense_tensors(grads)
+        self.copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, view in enumerate(_unflatten_dense_tensors(self.flat, grads)):
+            if i < len(params) and not isinstance(params[i].grad, DTensor):
+                params[i].grad = view
+            else:
+                self.copy_back.append((grads[i], view))
         if group is None:
             self.work = _Done()
         elif dst is None:
@@ -179,15 +191,15 @@ class GradReducer:
 
     def reduce_to_owners(self, owners: Mapping[int, int]) -> None:
         """ZeRO-1: sum the gradient of each parameter in ``owners`` (id -> global rank of the group) onto that
-        rank alone, the one whose optimizer steps it; after :meth:`finish` the other ranks hold their own
-        partial gradient of it (:meth:`share` sends them the sum). Parameters not in ``owners`` are still
+        rank alone, the one whose optimizer steps it; after :meth:`finish` the other ranks hold no gradient
+        of it (:meth:`share` sends them the mean). Parameters not in ``owners`` are still
         all-reduced: those whose sum more reductions follow (a tensor-parallel partial gradient, a tied
         parameter's), which every rank must hold. Every rank of the group passes the same ``owners``."""
         self.owners = {i: r for i, r in owners.items() if i in self.reduced_ids}
 
     def counted(self, p: torch.Tensor) -> bool | None:
         """Whether this rank's gradient of ``p``, after :meth:`finish`, is the one a norm over the group's ranks
-        counts (each element once): the owner's under ZeRO-1 (the others hold their own partial gradient), else
+        counts (each element once): the owner's under ZeRO-1 (the others hold none after finish, or the mean after share), else
         the group's first rank's (every rank holds the mean). None when ``p`` is not reduced here."""
         if id(p) not in self.reduced_ids:
             return None
@@ -200,13 +212,21 @@ class GradReducer:
         gradient on every rank). Collective over the group, after :meth:`finish`."""
         works = []
         for params, dst in self.reduced:
-            grads = [local(p.grad) for p in params]
-            flat = _flatten_dense_tensors(grads)
-            works.append((grads, dst, flat, start(dist.broadcast, flat, src=dst, group=self.group, async_op=True)))
-        for grads, dst, flat, work in works:
+            if dst == self.rank:
+                flat = _flatten_dense_tensors([local(p.grad) for p in params])
+            else:   # finish freed this rank's parts of them
+                flat = torch.empty(sum(local(p).numel() for p in params), dtype=local(params[0]).dtype,
+                                   device=local(params[0]).device)
+            works.append((params, dst, flat, start(dist.broadcast, flat, src=dst, group=self.group, async_op=True)))
+        for params, dst, flat, work in works:
             wait_or_fail(work, self.timeout, "broadcast of ZeRO-1 reduced gradients", self.group)
             if dst != self.rank:
-                torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
+                for p, view in zip(params, _unflatten_dense_tensors(flat, [local(p) for p in params])):
+                    if isinstance(p, DTensor):
+                        p.grad = torch.zeros_like(p)
+                        local(p.grad).copy_(view)
+                    else:
+                        p.grad = view
         self.reduced = []
 
     def carry(self, values: torch.Tensor) -> bool:
@@ -266,12 +286,14 @@ class GradReducer:
                     wait_or_fail(part.work, self.timeout, "reduction of data-parallel gradients", self.group)
                     if part.dst is not None:
                         self.reduced.append((part.params, part.dst))
-                        if part.dst != self.rank:   # the owner holds the sum (share); here, this rank's own
-                            continue                # gradient stays
+                        if part.dst != self.rank:   # the owner holds the sum (share); this rank's part of it,
+                            for p in part.params:   # which nothing reads, is freed (as DeepSpeed's ZeRO-1 frees it)
+                                p.grad = None
+                            continue
                     carried = bucket.carried.numel() if bucket.carried is not None and part.dst is None else 0
                     part.flat[:part.flat.numel() - carried].div_(self.size)
-                    # the part's tensors in one op (a copy of each from Python was host time per parameter)
-                    torch._foreach_copy_(part.grads, _unflatten_dense_tensors(part.flat, part.grads))
+                    if part.copy_back:   # in one op (a copy of each from Python was host time per parameter)
+                        torch._foreach_copy_(*map(list, zip(*part.copy_back)))
                 bucket.parts, bucket.carried = None, None
                 bucket.ready.clear()
         self.active.clear()

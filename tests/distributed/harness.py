@@ -413,10 +413,12 @@ def run_case(rank: int, world: int, case: Case, plan_dict: dict) -> dict[str, An
             "local_numel": sum(local(p).numel() for p in program.parameters())}
 
 
-def zero1_reduction(rank: int, world: int, case: Case, plan_dict: dict) -> dict[str, Any]:
-    """A ZeRO-1 forward_backward's gradient reduction on one rank of a worlds.World: the elements summed onto
-    this rank and onto the others (each owner's parameters), and whether this rank's gradients of the others'
-    parameters became the mean only when ``full_grads`` shared them (before, they are this rank's own)."""
+def dp_reduction(rank: int, world: int, case: Case, plan_dict: dict) -> dict[str, Any]:
+    """A forward_backward's data-parallel gradient reduction on one rank of a worlds.World (ZeRO-0 or 1): the
+    elements summed onto this rank and onto the others (each owner's parameters under ZeRO-1), whether this rank
+    holds no gradient of the others' parameters until ``full_grads`` shares their means, and, per bucket, how many
+    gradients this rank holds and in how many buffers (a bucket's gradients are views of the buffer its
+    collective reduced, not copies of it)."""
     import autopar
     from autopar.runtime.data_parallel import local
     plan = autopar.Plan.from_dict(plan_dict)
@@ -425,15 +427,42 @@ def zero1_reduction(rank: int, world: int, case: Case, plan_dict: dict) -> dict[
         program = autopar.parallelize(model, plan, adamw, loss_fn=loss_fn_of(case.model), timeout=60)
     program.forward_backward(batches(case.model, 1, case.global_batch)[0])
     me = dist.get_rank()
-    parts = [([local(p.grad) for p in params], dst)   # (gradients, their owner)
-             for reducer in program.reducers for params, dst in reducer.reduced]
-    others = [grads for grads, dst in parts if dst != me]
-    before = [g.clone() for grads in others for g in grads]
+    parts = [(params, dst) for reducer in program.reducers for params, dst in reducer.reduced]   # (params, owner)
+    others = [p for params, dst in parts if dst != me for p in params]
+    freed = all(p.grad is None for p in others)
+    buckets = [(sum(1 for p in b.params if p.grad is not None),
+                len({local(p.grad).untyped_storage().data_ptr() for p in b.params if p.grad is not None}))
+               for reducer in program.reducers for chunk in reducer.buckets for b in chunk]
     program.full_grads()
-    after = [g for grads in others for g in grads]
-    return {"mine": sum(g.numel() for grads, dst in parts if dst == me for g in grads),
-            "others": sum(g.numel() for grads in others for g in grads),
-            "shared": any(not torch.equal(a, b) for a, b in zip(before, after))}
+    return {"mine": sum(local(p).numel() for params, dst in parts if dst == me for p in params),
+            "others": sum(local(p).numel() for p in others), "freed": freed,
+            "shared": all(p.grad is not None for p in others), "buckets": buckets}
+
+
+def held_gradients(rank: int, world: int, case: Case, plan_dict: dict) -> dict[str, Any]:
+    """Whether the last step's gradients are all freed when the next step's first forward runs (one rank of a
+    worlds.World): none must be held through the next forward and backward beside the new ones, a copy of
+    every gradient the plan's memory does not count. A weak reference to each local gradient a parameter or
+    the optimizer's local shard held (tensor parallelism steps plain shards: assembly.build_optimizer)."""
+    import weakref
+    import autopar
+    from autopar.runtime.data_parallel import local
+    plan = autopar.Plan.from_dict(plan_dict)
+    model = fresh(case.model)
+    with shared_exports(case.model):
+        program = autopar.parallelize(model, plan, adamw, loss_fn=loss_fn_of(case.model), timeout=60)
+    data = batches(case.model, 2, case.global_batch)
+    program.train_step(data[0])
+    held = [p.grad for p in program.parameters()] + [shard.grad for _, shard in program.shards]
+    refs = [weakref.ref(local(g)) for g in held if g is not None]
+    del held
+    alive: list[int] = []
+    hooks = [chunk.register_forward_pre_hook(lambda *_: alive.append(sum(r() is not None for r in refs)))
+             for chunk in program.chunks.values()]
+    program.train_step(data[1])
+    for hook in hooks:
+        hook.remove()
+    return {"gradients": len(refs), "alive": alive[0] if alive else None, "shards": len(program.shards)}
 
 
 def thread_count(rank: int, world: int) -> int:
