@@ -272,6 +272,8 @@ class Program:
         self.grad_norm = None
         for p in self.parameters():
             p.grad = None
+        for _, shard in self.shards:   # the last step's local gradients, held there too (_finish_grads)
+            shard.grad = None
         if self.fp8_weights:
             refresh_scales(self.fp8_weights, self.groups.dp.get_group(), self.node_runner.fp8)
         micro = []
