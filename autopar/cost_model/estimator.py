@@ -36,6 +36,7 @@ from .comm import Collective, GroupPlacement, collective_time
 from .layer_cost import LayerCost, LayerCostModel, SplitGroups
 from .low_precision import gathered_weights
 from ..plan.record import MemoryBreakdown
+from ..runtime.buckets import dp_bucket_bytes
 from .memory import in_flight, interleaved_peak, model_state_bytes, op_kept, order_peak
 from .offload import host_bytes, master_dtype_bytes
 from .mesh import mesh_groups
@@ -269,7 +270,8 @@ class Estimator:
             held = acts * flights
         buffers = self.buffer_bytes(cfg, cfg.stage_mode(d), max(costs[i].largest_tensor for i in idx),
                                     max(costs[i].activations_full for i in idx),
-                                    max(self._unit_params(chunk, cfg) for chunk in chunks) if cfg.zero == 3 else 0)
+                                    max(self._unit_params(chunk, cfg) for chunk in chunks) if cfg.zero >= 2 else 0,
+                                    g, params, experts)
         memory = MemoryBreakdown(params=w, grads=g, optimizer=k, activations=held, buffers=buffers)
         rerun = sum(costs[i].recompute for i in idx)   # once per backward pass: twice when it is split
         # the weight gradients added up across micro-batches, in the weight-gradient pass (a mean per micro-batch)
@@ -336,14 +338,27 @@ class Estimator:
             return host_bytes(self.precision, cfg, cfg.zero_shard(params, experts))
         return host_bytes(self.precision, cfg, self.optimizer_params(cfg, params, experts))
 
-    def buffer_bytes(self, cfg: ParallelConfig, recompute: str, largest, working, layer_params):
+    def buffer_bytes(self, cfg: ParallelConfig, recompute: str, largest, working, layer_params, grads=0.0,
+                     params=0.0, experts=0.0):
         """Transient bytes: two of the largest activation (output and gradient buffers), the
-        recomputed layer's working set, and ZeRO-3's two gathered units of weights (prefetch;
-        ``layer_params``: the largest unit's).
+        recomputed layer's working set; under ZeRO-3 two gathered units of weights (prefetch;
+        ``layer_params``: the largest unit's); under ZeRO-2/3 two units of gradients (FSDP2 reduce-scatters a
+        unit's gradients from a flattened copy, while the next unit's backward makes its own); under ZeRO-2 the
+        weights' shards beside the gathered weights (FSDP2 keeps both from the first forward to the last
+        backward; ``params``, ``experts``: the device's, of which its shard); under ZeRO-0/1 with gradient
+        replicas the bucket the reducer flattens (runtime/data_parallel.py, one at a time; at most the device's
+        ``grads``). bench/step_memory.py measures these against a program's peak.
         Works on floats and numpy arrays alike."""
         work = working if recompute != "none" else 0.0
-        zero3 = 2 * layer_params * self.precision.weight_bytes if cfg.zero == 3 else 0.0
-        return 2 * largest + work + zero3
+        wb, gb = self.precision.weight_bytes, self.precision.grad_bytes
+        zero3 = 2 * layer_params * wb if cfg.zero == 3 else 0.0
+        scatter = 2 * layer_params * gb if cfg.zero >= 2 else 0.0
+        shards = wb * cfg.zero_shard(params, experts) if cfg.zero == 2 else 0.0
+        bucket = 0.0
+        if cfg.zero <= 1 and cfg.grad_replicas > 1:
+            cap = float(dp_bucket_bytes(cfg.grad_replicas, gb))
+            bucket = np.minimum(cap, grads) if isinstance(grads, np.ndarray) else min(cap, float(grads))
+        return 2 * largest + work + zero3 + scatter + shards + bucket
 
     def shard_units(self, layers: Sequence[int], cfg: ParallelConfig) -> ShardUnits:
         """The ZeRO-2/3 (FSDP2) units a chunk of ``layers`` is wrapped in (ModelStructure.shard_units, as

@@ -121,16 +121,22 @@ class _Part:
     ``flat``, summed onto rank ``dst`` (a global rank: ZeRO-1's owner of those parameters) or, ``dst`` None, onto
     every rank of the group. From then on each gradient is a view of ``flat`` (its own tensor freed), so a
     bucket's gradients are never held twice while the step's collectives finish (DDP's
-    ``gradient_as_bucket_view``); ``copy_back`` lists what is not a view (the carried values, a gradient of a
-    distributed parameter), into which :meth:`GradReducer.finish` writes the sums."""
+    ``gradient_as_bucket_view``); a gradient alone in its part is reduced as it is, with no copy. ``copy_back``
+    lists what is not a view (the carried values, a gradient of a distributed parameter), into which
+    :meth:`GradReducer.finish` writes the sums."""
 
     def __init__(self, params: list[nn.Parameter], dst: int | None, group,
                  carried: torch.Tensor | None = None) -> None:
         self.params, self.dst = params, dst
         grads = [local(p.grad) for p in params] + ([carried] if carried is not None else [])
-        self.flat = _flatten_dense_tensors(grads)
         self.copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i, view in enumerate(_unflatten_dense_tensors(self.flat, grads)):
+        if len(grads) == 1 and grads[0].is_contiguous():   # a tensor alone (one larger than a bucket): itself
+            self.flat = grads[0].view(-1)
+            views = []
+        else:
+            self.flat = _flatten_dense_tensors(grads)
+            views = _unflatten_dense_tensors(self.flat, grads)
+        for i, view in enumerate(views):
             if i < len(params) and not isinstance(params[i].grad, DTensor):
                 params[i].grad = view
             else:

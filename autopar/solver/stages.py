@@ -107,7 +107,8 @@ def run_tables(est: Estimator, cfg: ParallelConfig, micro_batches: int, modes: S
     if key not in est.run_cache:
         est.run_cache[key] = _run_params(est, cfg, n)
     params, experts = est.run_cache[key]
-    states = sum(est.state_bytes(cfg, params, experts))
+    weights, grads, optimizer = est.state_bytes(cfg, params, experts)
+    states = weights + grads + optimizer
     step = np.array([est.layers.step_comm_bytes(layer, cfg.tp) for layer in graph.layers], dtype=float)
     units, unit_params, kept, n_kept = est.unit_tables(cfg)   # ZeRO-2/3 units of each run, its largest, the kept ones
     works, tails, fixed, acts, sums = [], [], [], [], []
@@ -124,7 +125,7 @@ def run_tables(est: Estimator, cfg: ParallelConfig, micro_batches: int, modes: S
                               kept, n_kept, est.fp8_layer_tables(cfg))
         tail = dp + est.tail.optimizer_time(cfg, params, experts)
         buffers = est.buffer_bytes(cfg, mode, _run_max(col("largest_tensor")), _run_max(col("activations_full")),
-                                   unit_params)
+                                   unit_params, grads, params, experts)
         works.append(np.where(valid, work, INF))
         tails.append(np.where(valid, tail, INF))
         fixed.append(np.where(valid, states + buffers, INF))
