@@ -19,20 +19,20 @@ only the end of that backward completes, starts when the backward returns
 (:meth:`GradReducer.ended`), with no hooks: a chunk whose parameters fit one bucket runs no
 Python per parameter until the all-reduce. A started bucket's gradients are flattened into one
 buffer and each becomes a view of it (DDP's ``gradient_as_bucket_view``): no gradient is held twice
-while the step's collectives finish, which the cost model (one copy of the gradients) does not
-price. :meth:`GradReducer.finish` waits and divides each buffer in place by ``divisor``. The divisor is the number of ranks whose losses the gradient averages
-(``dp * cp``), which is the group's size for dense weights; expert weights are summed over
-their expert replicas only (``dp * cp / ep`` ranks, or none) and still divided by ``dp * cp``
-(expert_parallel.py explains why).
+while the step's collectives finish (the cost model prices one copy of the gradients and the bucket
+being flattened). :meth:`GradReducer.finish` waits and divides each buffer in place by ``divisor``,
+the number of ranks whose losses the gradient averages (``dp * cp``), which is the group's size for
+dense weights; expert weights are summed over their expert replicas only (``dp * cp / ep`` ranks, or
+none) and still divided by ``dp * cp`` (expert_parallel.py explains why).
 
 ZeRO-1's optimizer (optim.py's ``Zero1Optimizer``) partitions each group of parameters over the ranks that
 reduce its gradients (dense weights over ``dp * cp``, expert weights over their expert replicas) and runs
 the user's optimizer once over this rank's share of all groups. Its reducers then sum each gradient
 onto its owner only (:meth:`GradReducer.reduce_to_owners`: a reduce per owner and bucket, DeepSpeed's
 ZeRO-1 traffic, which the cost model prices as a reduce-scatter); the other ranks then free their parts
-of that gradient, which nothing reads (:meth:`GradReducer.share` sends them the mean when asked), and after the step each owner
-broadcasts what it stepped, a bucket at a time (an all-gather's traffic, priced after the step:
-``Precision.param_gather``).
+of that gradient, which nothing reads (:meth:`GradReducer.share` sends them the mean when asked), and
+after the step each owner broadcasts what it stepped, a bucket at a time (an all-gather's traffic,
+priced after the step: ``Precision.param_gather``).
 """
 
 from __future__ import annotations
@@ -205,8 +205,8 @@ class GradReducer:
 
     def counted(self, p: torch.Tensor) -> bool | None:
         """Whether this rank's gradient of ``p``, after :meth:`finish`, is the one a norm over the group's ranks
-        counts (each element once): the owner's under ZeRO-1 (the others hold none after finish, or the mean after share), else
-        the group's first rank's (every rank holds the mean). None when ``p`` is not reduced here."""
+        counts (each element once): the owner's under ZeRO-1 (the others hold none after finish, or the mean
+        after share), else the group's first rank's (every rank holds the mean). None when ``p`` is not reduced here."""
         if id(p) not in self.reduced_ids:
             return None
         if id(p) in self.owners:
