@@ -443,7 +443,9 @@ def held_gradients(rank: int, world: int, case: Case, plan_dict: dict) -> dict[s
     """Whether the last step's gradients are all freed when the next step's first forward runs (one rank of a
     worlds.World): none must be held through the next forward and backward beside the new ones, a copy of
     every gradient the plan's memory does not count. A weak reference to each local gradient a parameter or
-    the optimizer's local shard held (tensor parallelism steps plain shards: assembly.build_optimizer)."""
+    the optimizer's local shard held (tensor parallelism steps plain shards: assembly.build_optimizer); the
+    bytes of those still alive."""
+    import gc
     import weakref
     import autopar
     from autopar.runtime.data_parallel import local
@@ -453,16 +455,20 @@ def held_gradients(rank: int, world: int, case: Case, plan_dict: dict) -> dict[s
         program = autopar.parallelize(model, plan, adamw, loss_fn=loss_fn_of(case.model), timeout=60)
     data = batches(case.model, 2, case.global_batch)
     program.train_step(data[0])
-    held = [p.grad for p in program.parameters()] + [shard.grad for _, shard in program.shards]
-    refs = [weakref.ref(local(g)) for g in held if g is not None]
+    held = {id(local(g)): local(g) for g in [p.grad for p in program.parameters()] +
+            [shard.grad for _, shard in program.shards] if g is not None}
+    refs = [(weakref.ref(g), g.numel() * g.element_size()) for g in held.values()]
     del held
     alive: list[int] = []
-    hooks = [chunk.register_forward_pre_hook(lambda *_: alive.append(sum(r() is not None for r in refs)))
-             for chunk in program.chunks.values()]
+
+    def count(*_):   # bytes of the last step's gradients still held (cyclic garbage collected first)
+        gc.collect()
+        alive.append(sum(n for r, n in refs if r() is not None))
+    hooks = [chunk.register_forward_pre_hook(count) for chunk in program.chunks.values()]
     program.train_step(data[1])
     for hook in hooks:
         hook.remove()
-    return {"gradients": len(refs), "alive": alive[0] if alive else None, "shards": len(program.shards)}
+    return {"bytes": sum(n for _, n in refs), "alive": alive[0] if alive else None, "shards": len(program.shards)}
 
 
 def thread_count(rank: int, world: int) -> int:
