@@ -130,10 +130,8 @@ class _Part:
         self.params, self.dst = params, dst
         grads = [local(p.grad) for p in params] + ([carried] if carried is not None else [])
         self.copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if len(grads) == 1 and grads[0].is_contiguous():   # a tensor alone (one larger than a bucket): itself
-            self.flat = grads[0].view(-1)
-            views = []
-        else:
+        self.flat, views = lone(grads), []
+        if self.flat is None:
             self.flat = _flatten_dense_tensors(grads)
             views = _unflatten_dense_tensors(self.flat, grads)
         for i, view in enumerate(views):
@@ -219,7 +217,9 @@ class GradReducer:
         works = []
         for params, dst in self.reduced:
             if dst == self.rank:
-                flat = _flatten_dense_tensors([local(p.grad) for p in params])
+                grads = [local(p.grad) for p in params]
+                flat = lone(grads)
+                flat = _flatten_dense_tensors(grads) if flat is None else flat
             else:   # finish freed this rank's parts of them
                 flat = torch.empty(sum(local(p).numel() for p in params), dtype=local(params[0]).dtype,
                                    device=local(params[0]).device)
@@ -329,6 +329,12 @@ class _Done:
 
     def wait(self, timeout=None) -> bool:
         return True
+
+
+def lone(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """A collective's buffer for ``tensors`` without a copy: the tensor itself, flat, when it is alone and contiguous
+    (one larger than a bucket); else None (flatten them)."""
+    return tensors[0].view(-1) if len(tensors) == 1 and tensors[0].is_contiguous() else None
 
 
 def bucket_runs(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:

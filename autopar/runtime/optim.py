@@ -59,7 +59,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .buckets import dp_bucket_bytes
-from .data_parallel import bucket_runs, local
+from .data_parallel import bucket_runs, local, lone
 from .errors import ConfigError
 from .failures import start, wait_or_fail
 
@@ -303,7 +303,8 @@ class Zero1Optimizer(OptimizerWrapper):
     one device does), steps only those, then every owner broadcasts its updated parameters to the others:
     flattened, in buckets of the gradients' size (buckets.dp_bucket_bytes) per owner and dtype, one
     broadcast each (the cost model prices the gather in such buckets), two in flight at a time (a
-    bucket's flat copy is all the memory it takes beyond the weights).
+    bucket's flat copy is all the memory it takes beyond the weights; a tensor alone in its bucket, one
+    larger than a bucket, is sent from and received into itself, with no copy).
 
     ``partitions`` is a list of ``(params, group, ranks)``: the parameters reduced over one group
     (``ranks``: its global ranks by group rank; a group of one rank, or None, owns everything).
@@ -355,20 +356,23 @@ class Zero1Optimizer(OptimizerWrapper):
     def step(self) -> None:
         if self.inner is not None:
             self.inner.step()
-        pending: list[tuple[Any, torch.Tensor, list[torch.Tensor], int, object]] = []
+        pending: list[tuple[Any, torch.Tensor, list[torch.Tensor], bool, object]] = []
         for params, src, group in self.sends:
             datas = [local(p.data) for p in params]
-            flat = (_flatten_dense_tensors(datas) if src == self.rank else
-                    torch.empty(sum(d.numel() for d in datas), dtype=datas[0].dtype, device=datas[0].device))
-            pending.append((start(dist.broadcast, flat, src=src, group=group, async_op=True), flat, datas, src, group))
+            flat = lone(datas)   # a tensor alone: sent from and received into itself
+            copy = flat is None and src != self.rank
+            if flat is None:
+                flat = (_flatten_dense_tensors(datas) if src == self.rank else
+                        torch.empty(sum(d.numel() for d in datas), dtype=datas[0].dtype, device=datas[0].device))
+            pending.append((start(dist.broadcast, flat, src=src, group=group, async_op=True), flat, datas, copy, group))
             if len(pending) > 1:
                 self._received(*pending.pop(0))
         for item in pending:
             self._received(*item)
 
-    def _received(self, work: Any, flat: torch.Tensor, datas: list[torch.Tensor], src: int, group: object) -> None:
+    def _received(self, work: Any, flat: torch.Tensor, datas: list[torch.Tensor], copy: bool, group: object) -> None:
         wait_or_fail(work, self.timeout, "broadcast of ZeRO-1 updated parameters", group)
-        if src != self.rank:
+        if copy:
             torch._foreach_copy_(datas, _unflatten_dense_tensors(flat, datas))
 
     def state_dict(self):

@@ -7,7 +7,9 @@ On 2 gloo ranks: the MLP (4 layers of 1024 x 1024, 17 MB of fp32 gradients) at d
 (aot_eager): the compiled program's chunk has regions starting at the buckets' first layers, dynamo
 compiled one graph per region, and both programs' losses and parameters after 2 AdamW steps agree.
 Each step makes one all-reduce per bucket and no other: the step's losses go in the last bucket's
-(ParallelConfig.losses_ride_gradients), as DDP makes one collective per bucket.
+(ParallelConfig.losses_ride_gradients), as DDP makes one collective per bucket. At these bucket sizes
+each weight is alone in its bucket, reduced (and under ZeRO-1 broadcast after the step) with no flat
+copy: ZeRO-1 trains as plain data parallelism does.
 """
 
 from __future__ import annotations
@@ -24,27 +26,29 @@ BASE = dict(dp=2, tp=1, pp=1, micro_batch_size=2, zero=0, recompute="none", sche
             sequence_parallel=False)
 
 
-def run(rank: int, world: int, plan_dict: dict) -> dict:
+def run(rank: int, world: int, plan_dict: dict, zero1_dict: dict) -> dict:
     import torch
     import torch._dynamo
 
     import autopar
     import autopar.runtime.data_parallel as data_parallel
+    import autopar.runtime.optim as optim
     from harness import batches, fresh, loss_fn_of, shared_exports
     data = batches("mlp", 2, 4)
     out = {}
-    for backend in (None, "aot_eager"):
+    for backend, plan in ((None, plan_dict), ("aot_eager", plan_dict), ("zero1", zero1_dict)):
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         whole = data_parallel.dp_bucket_bytes
-        data_parallel.dp_bucket_bytes = lambda ranks, element_bytes: 4 * 2 ** 20
+        data_parallel.dp_bucket_bytes = optim.dp_bucket_bytes = lambda ranks, element_bytes: 4 * 2 ** 20
         try:
             with shared_exports("mlp"):   # the eager program's export, copied for the compiled one
-                program = autopar.parallelize(fresh("mlp"), autopar.Plan.from_dict(plan_dict),
+                program = autopar.parallelize(fresh("mlp"), autopar.Plan.from_dict(plan),
                                               loss_fn=loss_fn_of("mlp"),
-                                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), compile=backend)
+                                              optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                              compile=backend if backend != "zero1" else False)
         finally:
-            data_parallel.dp_bucket_bytes = whole
+            data_parallel.dp_bucket_bytes = optim.dp_bucket_bytes = whole
         calls, all_reduce = [], torch.distributed.all_reduce
         torch.distributed.all_reduce = lambda *args, **kwargs: calls.append(1) or all_reduce(*args, **kwargs)
         try:
@@ -63,7 +67,8 @@ def run(rank: int, world: int, plan_dict: dict) -> dict:
 def results():
     import worlds
     plan = make_plan(Case("mlp-dp2-buckets", "mlp", BASE, 2)).to_dict()
-    return worlds.world(2).run("test_compiled_buckets:run", plan)
+    zero1 = make_plan(Case("mlp-dp2-zero1-buckets", "mlp", {**BASE, "zero": 1}, 2)).to_dict()
+    return worlds.world(2).run("test_compiled_buckets:run", plan, zero1)
 
 
 def test_compiled_regions_start_at_buckets(results):
@@ -88,4 +93,16 @@ def test_compiled_regions_train_as_eager(results):
             assert abs(a - b) <= 1e-6 * max(1.0, abs(a)), (rank, eager["losses"], compiled["losses"])
         for fqn, p in eager["params"].items():
             diff = (p - compiled["params"][fqn]).abs().max().item()
+            assert diff <= 1e-6, (rank, fqn, diff)
+
+
+def test_tensors_alone_in_their_buckets_train_as_eager(results):
+    """With 4 MB buckets each 1024 x 1024 weight is alone in its bucket, reduced (and, under ZeRO-1, broadcast
+    after the step) as it is, with no flat copy (data_parallel.lone): ZeRO-1 trains as plain data parallelism."""
+    for rank, got in enumerate(results):
+        eager, zero1 = got["eager"], got["zero1"]
+        for a, b in zip(eager["losses"], zero1["losses"]):
+            assert abs(a - b) <= 1e-6 * max(1.0, abs(a)), (rank, eager["losses"], zero1["losses"])
+        for fqn, p in eager["params"].items():
+            diff = (p - zero1["params"][fqn]).abs().max().item()
             assert diff <= 1e-6, (rank, fqn, diff)
