@@ -104,7 +104,10 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     """Fill a single-device ``model`` (and ``optimizer``, one over ``model.parameters()``) from a
     checkpoint ``Program.save_checkpoint`` wrote, whatever plan wrote it, in this process alone (no
     process group needed, none used). Returns the steps the saving program had trained (None if
-    the checkpoint does not record them). The model must be on a real device (not meta)."""
+    the checkpoint does not record them). The model must be on a real device (not meta). A parameter
+    wider than the 16-bit weight saved for it (an fp32 model, from a mixed-precision program) is filled
+    from the weight's saved fp32 master (``master.<fqn>``), which the optimizer state goes with; one of
+    the weight's own width reads the weight."""
     path = os.fspath(path)
     saved = dcp_state.metadata(path, ConfigError)
     params = dict(model.named_parameters())
@@ -114,8 +117,16 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
                           "optimizer after that, over the new parameters)")
     aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     extra = {k: v for k, v in model.state_dict().items() if k not in aliases and k in saved}
-    return dcp_state.resume(path, params, params, optimizer, lambda fqn, t: t, lambda fqn, p: p.shape, extra,
-                            no_dist=True, error=ConfigError)
+    # a parameter as wide as the saved fp32 master of a 16-bit weight reads the master: the weight is its rounding
+    wide = {fqn: p for fqn, p in params.items()
+            if fqn in saved and dcp_state.MASTER + fqn in saved and _wider(p.dtype, saved[fqn].properties.dtype)}
+    return dcp_state.resume(path, {k: p for k, p in params.items() if k not in wide}, params, optimizer,
+                            lambda fqn, t: t, lambda fqn, p: p.shape, extra, no_dist=True, error=ConfigError,
+                            masters=wide)
+
+
+def _wider(mine: torch.dtype, saved: torch.dtype) -> bool:
+    return mine.is_floating_point and saved.is_floating_point and mine.itemsize > saved.itemsize
 
 
 # --- layouts ---------------------------------------------------------------------------------

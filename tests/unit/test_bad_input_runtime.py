@@ -441,6 +441,32 @@ def test_a_checkpoint_keeps_the_fp32_masters(world, tmp_path) -> None:
         assert torch.equal(a, b)
 
 
+def test_one_process_load_of_a_mixed_precision_checkpoint_reads_the_masters(world, tmp_path) -> None:
+    """``autopar.load_checkpoint`` into an fp32 copy of the model fills each weight from its saved fp32 master, the
+    values the optimizer state was stepped with (the bf16 weights are their rounding); into a bf16 copy it reads
+    the bf16 weights."""
+    from autopar.runtime.optim import MasterOptimizer, wrapped
+    model, plan = _bf16()
+    prog = _bf16_program(model, plan)
+    for step in range(4):
+        prog.train_step(_bf16_batch(step))
+    prog.save_checkpoint(str(tmp_path / "ckpt"))
+    masters = wrapped(prog.optimizer, MasterOptimizer).copies(prog.stepped)
+    assert masters and any(not torch.equal(m, m.bfloat16().float()) for m in masters.values())
+    weights = prog.full_state_dict()
+    wide = copy.deepcopy(model).float()
+    opt = torch.optim.AdamW(wide.parameters(), lr=1e-3)
+    assert autopar.load_checkpoint(str(tmp_path / "ckpt"), wide, opt) == 4
+    got = dict(wide.named_parameters())
+    for name, master in masters.items():
+        assert torch.equal(got[name], master), name
+    assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values()) and len(opt.state) == len(masters)
+    narrow = copy.deepcopy(model)
+    autopar.load_checkpoint(str(tmp_path / "ckpt"), narrow)
+    for name, p in narrow.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, weights[name]), name
+
+
 def test_a_gradients_norm_that_is_not_finite_stops_the_step(world, plan, monkeypatch) -> None:
     """A gradient that overflows while the losses stay finite: clipping finds the norm inf, and the step stops
     before the optimizer runs, as for a loss that is not finite (the parameters unchanged)."""
