@@ -80,5 +80,5 @@ def graph_of(model: nn.Module, program) -> OpGraph:
     return OpGraph(model_name=type(model).__name__, nodes=nodes_t, layers=layers, params=dict(walk.params),
                    buffers=dict(walk.buffers), inputs=tuple(walk.inputs), batch_size=batch_size_of(walk.inputs),
                    structure=structure_of(nodes_t, layers, walk.params), loss=loss,
-                   op_ids=op_ids(nodes_t, layers), warnings=warnings, moe=moe,
+                   op_ids=op_ids(nodes_t, layers, walk.inputs), warnings=warnings, moe=moe,
                    replicated=replicated_values(program))

@@ -44,10 +44,10 @@ import torch
 
 from .. import ops
 from ..capture.opgraph import OpGraph, OpKind
+from ..capture.structure import is_volatile, plumbing
 from ..ops import CONTEXT_HOPS, SKIPPED_TARGETS, base_name
 from ..plan.placement import Placement, Shard, normal
 from .redistribute import P, R, Copy, KeepFirst, Step, ToPartial, convert, split_dim
-from ..capture.structure import is_volatile
 from .specs import OpSpec
 
 
@@ -175,6 +175,8 @@ class _Lowering:
                  param_of: Mapping[str, str], param_dims: Mapping[str, int | None], tp: int) -> None:
         self.nodes, self.specs, self.param_of, self.param_dims, self.tp = nodes, specs, param_of, param_dims, tp
         self.ops = {op.name: op for op in graph.nodes}   # capture's view of each op, at this rank's shapes
+        indices = plumbing(graph.nodes, graph.inputs)
+        self.volatile = frozenset(op.name for op in graph.nodes if is_volatile(op, indices))
         self.pinned: frozenset[str] = frozenset()
 
     def param_spec(self, placeholder: str) -> Placement:
@@ -193,7 +195,7 @@ class _Lowering:
                 spec = R    # a piece of another rank (statistics of a split norm): not read as a shard
             return LoweredOp(name, How.LOCAL, {}, spec)
         spec = self.specs.get(name)
-        if spec is None and name in self.ops and is_volatile(self.ops[name]):
+        if spec is None and name in self.volatile:
             carried = self.propagate(node, held)   # a volatile op the plan's export lacked: its input's spec
             spec = None if carried is None else OpSpec("carried", carried[1], carried[0])
         if spec is None or target in CONTEXT_HOPS or any(a.name not in held for a in tensors):

@@ -137,3 +137,33 @@ def test_op_identity_is_structural():
     # the layer's own module is "*"; the relus run in Net.forward, the top level
     assert {"blocks.1: linear#0 in *", "blocks.1: relu#0 in the model's top level",
             "blocks.1: relu#1 in the model's top level"} <= ids, ids
+
+
+def test_index_plumbing_cast_to_float_on_one_device_is_plumbing_on_every_device():
+    """Hugging Face's mixture of experts counts the tokens per expert with ``histc`` over the sorted expert ids,
+    cast to float on a CPU and to int elsewhere: the meta export the plan is made from makes integers where a
+    rank's CPU export makes floats. Computed from integers alone, both are plumbing (volatile, named by what they
+    read), so the two exports' ops map one to one; typed by the dtype they make, the CPU's cast and histogram had
+    no counterpart in the plan (PlanMismatchError at tp > 1)."""
+    from autopar.capture.structure import plumbing
+
+    class Routed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = nn.Linear(8, 4)
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x):
+            ids, _ = torch.sort(self.gate(x).argmax(-1).reshape(-1))
+            counts = torch.histc(ids.float() if x.device.type == "cpu" else ids.int(), bins=4, min=0, max=3)
+            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+            return self.proj(x) * (offsets[-1] / ids.numel()).to(x.dtype)
+
+    torch.manual_seed(0)
+    meta = capture(Routed().to("meta"), (torch.randn(1, 3, 8, device="meta"),))
+    cpu = capture(Routed(), (torch.randn(2, 3, 8),))
+    histc = [n for n in cpu.nodes if "histc" in n.target]
+    assert histc and histc[0].outputs[0].is_float   # float on the CPU: not integral, plumbing all the same
+    assert histc[0].name in plumbing(cpu.nodes, cpu.inputs)
+    assert {i for i in meta.node_of if not i.volatile} == {i for i in cpu.node_of if not i.volatile}
+    assert not any(n.params and n.name in plumbing(cpu.nodes, cpu.inputs) for n in cpu.nodes)   # anchors are data
