@@ -19,8 +19,8 @@ def is_cpu_device(device_name: str) -> bool:
 
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev"]
 Recompute = Literal["none", "selective", "op", "full"]
-DType = Literal["fp32", "bf16", "fp16"]
-Compute = Literal["fp32", "bf16", "fp16", "fp8"]
+DType = Literal["fp64", "fp32", "bf16", "fp16"]
+Compute = Literal["fp64", "fp32", "bf16", "fp16", "fp8"]
 Kernels = Literal["eager", "fused", "compiled"]
 Offload = Literal["none", "optimizer", "all"]
 
@@ -36,9 +36,10 @@ V_SHAPED: tuple[str, ...] = ("zbv", "dualpipev")
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "selective", "op", "full")
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "all")
 """What ParallelConfig.offload keeps in host memory (cost_model/offload.py)."""
-DTYPE_BYTES: Mapping[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES: Mapping[str, int] = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2}
 # a dtype name as Precision writes it -> torch's (torch.<name>), and back
-TORCH_DTYPE_NAMES: Mapping[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+TORCH_DTYPE_NAMES: Mapping[str, str] = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+FP8_STORAGES: tuple[str, ...] = ("bf16", "fp16", "fp32")   # Precision.fp8_storage: what torchao's float8 runs over
 PRECISION_DTYPES: Mapping[str, str] = {v: k for k, v in TORCH_DTYPE_NAMES.items()}
 KERNELS: tuple[str, ...] = ("eager", "fused", "compiled")
 GRAD_ACCUMULATIONS: tuple[str, ...] = ("autograd", "fused")   # Precision.grad_accumulation
@@ -303,7 +304,9 @@ class Precision:
     """
 
     compute: Compute = "bf16"
-    """Dtype of weights used in compute and of activations; "fp8": the linear layers' GEMMs run in fp8
+    """Dtype of weights used in compute and of activations ("fp64": float64 throughout, priced at the device's
+    fp64 peak, for checking a program's numerics against one device; no exported stack trains in it); "fp8": the
+    linear layers' GEMMs run in fp8
     under ``recipe`` (their inputs, weights and output gradients cast to fp8 around each GEMM), the weights,
     activations and every other op in ``fp8_storage`` (bf16 by default), as torchao's float8 training and
     Transformer Engine do."""
@@ -348,7 +351,7 @@ class Precision:
         check_choice("grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATIONS)
         check_choice("param_gather", self.param_gather, PARAM_GATHERS)
         check_choice("compute", self.compute, (*DTYPE_BYTES, "fp8"))
-        check_choice("fp8_storage", self.fp8_storage, tuple(DTYPE_BYTES))
+        check_choice("fp8_storage", self.fp8_storage, FP8_STORAGES)
         if self.grads is None:
             object.__setattr__(self, "grads", self.storage)
         check_choice("grads", self.grads, tuple(DTYPE_BYTES))

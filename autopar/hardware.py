@@ -209,12 +209,14 @@ class Device:
 
     def peak(self, dtype: str) -> float:
         """Dense peak in FLOP/s for ``dtype`` ("fp32", "tf32", "bf16", "fp16"; "fp8", "mxfp8", "fp4" on parts
-        with such tensor cores)."""
+        with such tensor cores; "fp64" where the preset or the profile gives it)."""
         try:
             return self.peak_flops[dtype]
         except KeyError:
-            raise ConfigError(f"device {self.name!r} has no peak for dtype {dtype!r}; "
-                              f"known dtypes: {sorted(self.peak_flops)}") from None
+            raise ConfigError(f"device {self.name!r} has no peak for dtype {dtype!r} (known: {sorted(self.peak_flops)}): "
+                              f"price on a Device whose peak_flops has {dtype!r}"
+                              + (": dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, peak_flops="
+                                 "{**cluster.device.peak_flops, 'fp64': <FLOP/s>}))" if dtype == "fp64" else "")) from None
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}

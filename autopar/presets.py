@@ -188,21 +188,24 @@ _FAMILY_CONSTANTS: Mapping[str, tuple] = MappingProxyType({
                MI355_OVERLAP_SLOWDOWN, None, None, None),
 })
 
-_V100_SRC = ("NVIDIA V100 SXM2 datasheet: 125 TFLOP/s fp16 tensor core, 15.7 fp32, 900 GB/s HBM2; V100 has no "
+_V100_SRC = ("NVIDIA V100 SXM2 datasheet: 125 TFLOP/s fp16 tensor core, 15.7 fp32, 7.8 fp64, 900 GB/s HBM2; V100 has no "
              "bf16, so bf16 is mapped to the fp16 tensor-core peak")
-_A100_SRC = "NVIDIA A100 SXM4 datasheet: 312 TFLOP/s bf16/fp16 dense, 156 tf32, 19.5 fp32"
-_H100_SRC = "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16/fp16 dense, 1,979 fp8, 494 tf32, 66.9 fp32"
+_A100_SRC = "NVIDIA A100 SXM4 datasheet: 312 TFLOP/s bf16/fp16 dense, 156 tf32, 19.5 fp32, 19.5 fp64 tensor core"
+_H100_SRC = "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16/fp16 dense, 1,979 fp8, 494 tf32, 66.9 fp32, 66.9 fp64 tensor core"
 _H100_PEAKS = {"bf16": 989e12, "fp8": 1979e12, "tf32": 494e12, "fp32": 66.9e12}
+# fp64 (tensor core) where the datasheet gives it; the H800's and H20's export-compliant parts, the Blackwell and MI355X
+# presets carry none here: an fp64 plan on them says so (Device.peak) and takes a Device with peak_flops["fp64"]
+_H100_FP64 = {**_H100_PEAKS, "fp64": 66.9e12}
 _B200_SRC = ("NVIDIA DGX B200 / HGX B200 datasheet (1,000 W): per GPU 2.25 PFLOP/s bf16/fp16 dense, 4.5 fp8, 9 fp4, "
              "1.1 tf32, 75 TFLOP/s fp32; DGX B200: 1,440 GB HBM3e in 8 GPUs (180 GB), 64 TB/s (8 TB/s each)")
 _GB200_SRC = ("NVIDIA GB200 NVL72 datasheet (1,200 W): per GPU (a 72nd of the rack's 180 PFLOP/s bf16 dense, 360 fp8, "
               "720 fp4, 90 tf32, 5,760 TFLOP/s fp32) 2.5 PFLOP/s bf16 dense, 5 fp8, 10 fp4, 1.25 tf32, 80 TFLOP/s "
               "fp32; up to 13.4 TB HBM3e (186 GB per GPU) at 576 TB/s (8 TB/s each); a compute tray holds "
               "2 Grace CPUs and 4 GPUs")
-_MI300X_SRC = ("AMD Instinct MI300X datasheet: 1,307.4 TFLOP/s bf16/fp16 dense, 2,614.9 fp8, 653.7 tf32, 163.4 fp32 "
-               "(matrix); 192 GB HBM3, 5.3 TB/s; 304 CUs")
-_MI325X_SRC = ("AMD Instinct MI325X datasheet: 1,307.4 TFLOP/s bf16/fp16 dense, 2,614.9 fp8, 653.7 tf32, 163.4 fp32 "
-               "(matrix), the MI300X's CDNA 3 die; 256 GB HBM3E, 6 TB/s")
+_MI300X_SRC = ("AMD Instinct MI300X datasheet: 1,307.4 TFLOP/s bf16/fp16 dense, 2,614.9 fp8, 653.7 tf32, 163.4 fp32, "
+               "163.4 fp64 (matrix); 192 GB HBM3, 5.3 TB/s; 304 CUs")
+_MI325X_SRC = ("AMD Instinct MI325X datasheet: 1,307.4 TFLOP/s bf16/fp16 dense, 2,614.9 fp8, 653.7 tf32, 163.4 fp32, "
+               "163.4 fp64 (matrix), the MI300X's CDNA 3 die; 256 GB HBM3E, 6 TB/s")
 _MI355X_SRC = ("AMD Instinct MI355X datasheet (1,400 W): 2,516.6 TFLOP/s bf16/fp16 dense, 5,033.2 fp8, 10,066.3 "
                "MXFP4, 157.3 fp32 (matrix); CDNA 4 has no tf32 matrix path; 288 GB HBM3E, 8 TB/s; 256 CUs")
 _H20_SRC = ("NVIDIA HGX H20 (export-compliant Hopper; product brief as published by NVIDIA's partners): 148 TFLOP/s "
@@ -211,23 +214,23 @@ _H800_SRC = ("NVIDIA H800 SXM5 (export-compliant H100: the H100 SXM5 die and pea
              "fp8, 494 tf32, 66.9 fp32; 80 GB HBM3, 3.35 TB/s; NVLink cut to 400 GB/s both ways)")
 
 DEVICE_PRESETS: Mapping[str, Device] = MappingProxyType({
-    "V100-16GB": _gpu("V100-16GB", peaks={"bf16": 125e12, "fp32": 15.7e12}, memory=16e9, hbm=900e9,
+    "V100-16GB": _gpu("V100-16GB", peaks={"bf16": 125e12, "fp32": 15.7e12, "fp64": 7.8e12}, memory=16e9, hbm=900e9,
                       source=_V100_SRC + "; 16 GB", family="V100", host=_DGX1),
-    "V100-32GB": _gpu("V100-32GB", peaks={"bf16": 125e12, "fp32": 15.7e12}, memory=32e9, hbm=900e9,
+    "V100-32GB": _gpu("V100-32GB", peaks={"bf16": 125e12, "fp32": 15.7e12, "fp64": 7.8e12}, memory=32e9, hbm=900e9,
                       source=_V100_SRC + "; 32 GB", family="V100", host=_DGX1),
-    "A100-40GB": _gpu("A100-40GB", peaks={"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, memory=40e9,
+    "A100-40GB": _gpu("A100-40GB", peaks={"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12, "fp64": 19.5e12}, memory=40e9,
                       hbm=1555e9, source=_A100_SRC + "; 40 GB HBM2, 1,555 GB/s", family="A100", host=_DGX_A100),
-    "A100-80GB": _gpu("A100-80GB", peaks={"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, memory=80e9,
+    "A100-80GB": _gpu("A100-80GB", peaks={"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12, "fp64": 19.5e12}, memory=80e9,
                       hbm=2039e9, source=_A100_SRC + "; 80 GB HBM2e, 2,039 GB/s", family="A100", host=_DGX_A100_2TB),
-    "H100-SXM": _gpu("H100-SXM", peaks=_H100_PEAKS, memory=80e9, hbm=3350e9,
+    "H100-SXM": _gpu("H100-SXM", peaks=_H100_FP64, memory=80e9, hbm=3350e9,
                      source=_H100_SRC + "; 80 GB HBM3, 3,350 GB/s", family="H100", host=_DGX_H100),
-    "H100-96GB-500W": _gpu("H100-96GB-500W", peaks=_H100_PEAKS, memory=96e9, hbm=2.4e12,
+    "H100-96GB-500W": _gpu("H100-96GB-500W", peaks=_H100_FP64, memory=96e9, hbm=2.4e12,
                            source=_H100_SRC + " (the die's peaks); Meta Grand Teton part: 96 GB HBM2e, 2.4 TB/s, "
                                   "500 W (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md)",
                            family="H100-500W"),
-    "H200": _gpu("H200", peaks=_H100_PEAKS, memory=141e9, hbm=4800e9,
+    "H200": _gpu("H200", peaks=_H100_FP64, memory=141e9, hbm=4800e9,
                  source="NVIDIA H200 SXM datasheet: H100 compute (989 TFLOP/s bf16 dense, 1,979 fp8, 494 tf32, 66.9 "
-                        "fp32); 141 GB HBM3e, 4,800 GB/s", family="H100", host=_DGX_H100),
+                        "fp32, 66.9 fp64 tensor core); 141 GB HBM3e, 4,800 GB/s", family="H100", host=_DGX_H100),
     "H800": _gpu("H800", peaks=_H100_PEAKS, memory=80e9, hbm=3350e9, source=_H800_SRC, family="H100", host=_DGX_H100),
     "H20": _gpu("H20", peaks={"bf16": 148e12, "fp8": 296e12, "tf32": 74e12, "fp32": 44e12}, memory=96e9, hbm=4.0e12,
                 source=_H20_SRC, family="H20", host=_DGX_H100),
@@ -235,13 +238,15 @@ DEVICE_PRESETS: Mapping[str, Device] = MappingProxyType({
                  memory=180e9, hbm=8e12, source=_B200_SRC, family="B200", host=_DGX_B200),
     "GB200": _gpu("GB200", peaks={"bf16": 2.5e15, "fp8": 5e15, "fp4": 10e15, "tf32": 1.25e15, "fp32": 80e12},
                   memory=186e9, hbm=8e12, source=_GB200_SRC, family="GB200", host=_GB200_HOST),
-    "MI300X": _gpu("MI300X", peaks={"bf16": 1307.4e12, "fp8": 2614.9e12, "tf32": 653.7e12, "fp32": 163.4e12},
+    "MI300X": _gpu("MI300X", peaks={"bf16": 1307.4e12, "fp8": 2614.9e12, "tf32": 653.7e12, "fp32": 163.4e12,
+                          "fp64": 163.4e12},
                    memory=192e9, hbm=5.3e12, source=_MI300X_SRC, family="MI300X", host=_GENOA),
-    "MI325X": _gpu("MI325X", peaks={"bf16": 1307.4e12, "fp8": 2614.9e12, "tf32": 653.7e12, "fp32": 163.4e12},
+    "MI325X": _gpu("MI325X", peaks={"bf16": 1307.4e12, "fp8": 2614.9e12, "tf32": 653.7e12, "fp32": 163.4e12,
+                          "fp64": 163.4e12},
                    memory=256e9, hbm=6e12, source=_MI325X_SRC, family="MI325X", host=_TURIN),
     "MI355X": _gpu("MI355X", peaks={"bf16": 2516.6e12, "fp8": 5033.2e12, "fp4": 10066.3e12, "fp32": 157.3e12},
                    memory=288e9, hbm=8e12, source=_MI355X_SRC, family="MI355X", host=_TURIN),
-    "cpu": Device(name="cpu", peak_flops={"fp32": 1e11, "bf16": 5e10, "fp16": 5e10}, memory=16e9,
+    "cpu": Device(name="cpu", peak_flops={"fp32": 1e11, "bf16": 5e10, "fp16": 5e10, "fp64": 5e10}, memory=16e9,
                   memory_bandwidth=2e10, matmul_efficiency=CPU_MATMUL_EFFICIENCY,
                   matmul_half_dim=CPU_MATMUL_HALF_DIM, memory_efficiency=CPU_MEMORY_EFFICIENCY,
                   kernel_overhead=CPU_KERNEL_OVERHEAD,

@@ -66,6 +66,7 @@ from .compile import ChunkProgram, CompiledProgram, compile_program
 from .constants import fill_made_constants
 from ..runtime.context_state import ContextRank
 from ..runtime.fp8 import Float8Linear
+from ..runtime.losses import loss_dtype
 from .inputs import example_at
 from .layers import class_name, layer_module
 from .source import Written, program_source, write_support
@@ -287,6 +288,8 @@ def _constants(compiled: CompiledProgram, record: dict, unset: dict[str, str]) -
             "# the step's losses all-reduced so that every rank holds them (not when every rank computes them all: tp\n"
             "# alone), in the gradients' last bucket when their all-reduce spans every rank (runtime/losses.py)\n"
             f"SHARES_LOSSES, LOSSES_RIDE = {cfg.shares_losses}, {cfg.losses_ride_gradients}\n"
+            "# the dtype the losses are kept and shared in (torch.<name>: fp32, float64 for a float64 plan)\n"
+            f"LOSS_DTYPE = {str(loss_dtype(plan.precision.storage)).removeprefix('torch.')!r}\n"
             f"# each stage's actions ({cfg.schedule}): F<chunk>.<micro-batch> forward, B<chunk>.<micro-batch>\n"
             "# backward, or in a zero-bubble schedule (SPLIT_BACKWARD) the backward split: I (input gradients), W\n"
             "# (the weights')\n"

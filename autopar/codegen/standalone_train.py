@@ -220,7 +220,7 @@ def main():
     # the step's micro-batch losses to every rank, started after this rank's last forward (as parallelize's)
     owner = pp_rank == P.CHUNK_DEVICES[-1] and tp_rank == 0   # the last chunk's, which computes the loss
     share = losses.LossShare(P.SHARES_LOSSES, P.LOSSES_RIDE, owner, P.DP, dp_rank,
-                             P.MICRO_BATCHES, P.CP, device, args.timeout, reducer)
+                             P.MICRO_BATCHES, P.CP, device, args.timeout, getattr(torch, P.LOSS_DTYPE), reducer)
 
     def before_backward(chunk, last):
         if reducer is not None and last:

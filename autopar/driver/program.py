@@ -79,7 +79,7 @@ from ..runtime.host_heap import keep_freed_memory
 from ..runtime.optim import Zero1Optimizer, check_clip, clip_grad_norm_, norm_pieces, wrapped
 from ..runtime.fp8 import fp8_gathered, refresh_scales
 from ..runtime.mesh import Mesh
-from ..runtime.losses import LossShare
+from ..runtime.losses import LossShare, loss_dtype
 from ..runtime.pipeline import ChunkIO, PipelineRunner, Topology
 from ..runtime.sharded_init import InitFn, Materializer, has_meta
 from .assembly import (OptimizerFactory, RankSetup, apply_data_parallel, apply_fsdp, apply_mesh, apply_tensor_parallel,
@@ -226,7 +226,7 @@ class Program:
         self.loss_share = LossShare(cfg.shares_losses, cfg.losses_ride_gradients,
                                     self.pp_rank == last_stage and self.tp_rank == 0, cfg.dp, self.dp_rank,
                                     self.micro_batches, cfg.cp, self.device, self.timeout,
-                                    self.reducers[0] if self.reducers else None)
+                                    loss_dtype(plan.precision.storage), self.reducers[0] if self.reducers else None)
         self.actions = compiled.actions   # the schedule's, checked for deadlock by the compiler
         sends = {c.index: {s.value: s for s in c.sends} for c in compiled.chunks}
         topology = Topology(cfg.pp, list(groups.ranks("pp")), self.pp_rank,

@@ -56,9 +56,11 @@ class Cell:
 
 
 def cell_of(exc: BaseException) -> Cell:
-    from autopar.errors import AutoparError
+    """An error as a cell: autopar's errors are refusals, but a PlanMismatchError is a failure here, where every
+    plan is made from the very model it runs (its advice, re-plan on this model, cannot be followed)."""
+    from autopar.errors import AutoparError, PlanMismatchError
     line = (str(exc).strip().splitlines() or [""])[0][:300]
-    if isinstance(exc, AutoparError):
+    if isinstance(exc, AutoparError) and not isinstance(exc, PlanMismatchError):
         return Cell("refused", f"{type(exc).__name__}: {line}")
     return Cell("failed", f"{type(exc).__name__}: {line}")
 
@@ -222,17 +224,20 @@ def judge(arch, plans: dict[str, dict], per_rank: list[dict[str, Any]],
 
 def pinned_plans(arch, names, dtype: torch.dtype = torch.float32) -> dict[str, dict]:
     """The plan of each configuration of ``names`` (keys of CONFIGS), made as prepare makes them: the
-    model built on the meta device in ``dtype`` and captured from a batch-1 example."""
+    model built on the meta device in ``dtype``, captured from a batch-1 example, and priced in ``dtype``."""
     from autopar.capture import capture
     from autopar.codegen.inputs import with_inputs
     from autopar.models.shrink import example
     from autopar.solver import solve
+    from autopar.config import PRECISION_DTYPES, Precision
     meta = build(arch, "meta", dtype)
     one = example(arch, meta, 1, device="meta")
     graph = capture(meta, one)
+    name_of = PRECISION_DTYPES[str(dtype).removeprefix("torch.")]   # priced in the dtype the programs run in
+    precision = Precision(compute=name_of, grads=name_of)
     plans = {}
     for name in names:
-        plan, _ = solve(graph, test_cluster(2), GLOBAL_BATCH, fixed={**BASE, **CONFIGS[name]})
+        plan, _ = solve(graph, test_cluster(2), GLOBAL_BATCH, fixed={**BASE, **CONFIGS[name]}, precision=precision)
         plans[name] = with_inputs(plan, one).to_dict()
     return plans
 

@@ -321,6 +321,43 @@ def test_parallelize_refuses_a_model_in_another_dtype_than_the_plan_prices(world
         check_weights_dtype(main_grads, make_model().to(torch.bfloat16))
 
 
+def test_a_float64_plan_prices_and_trains_in_float64(world) -> None:
+    """Precision(compute="fp64"): a float64 model priced at 8 bytes a weight, a gradient and an activation, and at
+    the device's fp64 peak; parallelize trains it as one process's float64 AdamW does. A float64 model under an
+    fp32 plan is refused naming the fp64 precision to re-plan with, and no stack's export takes a float64 plan."""
+    wide = make_model().double()
+    example = tuple(t.double() for t in batch())
+    fp64 = autopar.Precision(compute="fp64", grads="fp64")
+    plan = autopar.estimate(copy.deepcopy(wide), ONE, example, autopar.ParallelConfig(micro_batch_size=BATCH),
+                            global_batch_size=BATCH, loss_fn=loss_fn, precision=fp64)
+    fp32 = autopar.estimate(make_model(), ONE, batch(), autopar.ParallelConfig(micro_batch_size=BATCH),
+                            global_batch_size=BATCH, loss_fn=loss_fn, precision=autopar.Precision(compute="fp32"))
+    (mine,), (theirs,) = plan.stages, fp32.stages
+    assert mine.memory.params == 2 * theirs.memory.params and mine.memory.grads == 2 * theirs.memory.grads
+    assert mine.memory.activations == 2 * theirs.memory.activations
+    assert plan.step_time > fp32.step_time   # the cpu preset's fp64 peak is half its fp32 one
+    with pytest.raises(ConfigError, match=r"float64: pass the model in float32 \(model.to\(torch.float32\)\) or re-plan "
+                                          r"with Precision\(compute='fp64', grads='fp64'\)"):
+        program(fp32, copy.deepcopy(wide))
+    prog = program(plan, copy.deepcopy(wide))
+    ref = copy.deepcopy(wide)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        inputs = tuple(t.double() for t in batch(step))
+        loss = prog.train_step(inputs)
+        opt.zero_grad()
+        want = loss_fn(ref(*inputs), inputs)
+        want.backward()
+        opt.step()
+        assert loss.dtype == torch.float64 and torch.allclose(loss, want.detach(), rtol=1e-12, atol=0)
+    got = prog.full_state_dict()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.detach(), rtol=1e-12, atol=1e-14)
+    for stack in autopar.exports.STACKS:
+        with pytest.raises(ConfigError, match=rf"trains in float64 .* which {stack} has no setting for"):
+            plan.export(stack)
+
+
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
 def test_clip_grad_norm_is_torchs_on_one_rank(world, plan, norm_type) -> None:
     """One rank holds the whole model: the norm and the clipped gradients are torch.nn.utils.clip_grad_norm_'s

@@ -53,7 +53,7 @@ def test_efficiency_constants_are_one_set_per_family():
         d = device_preset(name)
         assert (d.matmul_half_dim, d.memory_efficiency, d.kernel_overhead) == (64, 0.8, 5e-6)
     cpu = device_preset("cpu")
-    assert cpu.peak_flops == {"fp32": 1e11, "bf16": 5e10, "fp16": 5e10}
+    assert cpu.peak_flops == {"fp32": 1e11, "bf16": 5e10, "fp16": 5e10, "fp64": 5e10}
     assert (cpu.memory, cpu.memory_bandwidth, cpu.matmul_efficiency, cpu.matmul_half_dim,
             cpu.memory_efficiency, cpu.kernel_overhead) == (16e9, 2e10, 0.5, 32, 0.5, 1e-5)
     assert "placeholder" in cpu.source
