@@ -6,9 +6,10 @@ an absolute path for a module outside it), the aten op it calls (``linear``) and
 non-volatile ops of the same layer, module and aten op come before it. *Volatile* ops
 (capture/structure.py ``is_volatile``) are the memory-layout copies and broadcasts (``contiguous``,
 ``clone``, ``expand``, ``alias``), ``detach``, ``lift_fresh_copy``, dropout, state updates (an
-in-place op on a buffer, BatchNorm's batch count), and ops making only integer or boolean tensors
-(index and mask plumbing, e.g. T5's decoder inputs shifted from its labels, which torch.export
-traces as other ops at a batch of 1); each is named instead by the op it reads: ``reads``
+in-place op on a buffer, BatchNorm's batch count), and index and mask plumbing, the ops computing from
+integer and boolean tensors alone (e.g. T5's decoder inputs shifted from its labels, which torch.export
+traces as other ops at a batch of 1, and a mixture of experts' token counts, cast to float on a CPU and to
+int elsewhere: capture/structure.py ``plumbing``); each is named instead by the op it reads: ``reads``
 holds that op's identity and ``occurrence`` counts the volatile ops of the same aten op reading it
 before this one (one reading no op reads OpId.source: the graph input it reads, or nothing).
 
@@ -19,10 +20,12 @@ by those alone: a kernel's strides add or drop a ``contiguous`` (or a ``clone`` 
 batch of 1 makes a broadcast to the batch a no-op that export drops (an ``expand``), a tensor that
 needs no gradient makes its ``detach`` a no-op and a program holding constants whole needs no
 ``lift_fresh_copy`` of them (the standalone emit's export), eval mode turns dropout into the
-identity and makes no state updates, and index plumbing traced at a batch of 1 takes other ops.
+identity and makes no state updates, and index plumbing traced at a batch of 1 takes other ops (on
+another device, other dtypes).
 These are exactly the volatile ops, none of which computes a new floating-point activation (each
 returns its input's values, or zeroes some of them; a state update writes only a buffer; plumbing
-makes integers and masks, and every op a plan decides a split for makes floating-point values), so leaving them out of the numbering leaves the same sequence of value-computing
+computes from integers and masks alone, and every op a plan decides a split for computes from
+floating-point data), so leaving them out of the numbering leaves the same sequence of value-computing
 ops in each layer in both exports, and numbering per (layer, module, aten op) gives each the same
 identity: an op present in one export only is volatile, so it shifts no other
 op's occurrence. A volatile op present in both reads the same op in both, so its name by that op
