@@ -213,10 +213,11 @@ class Device:
         try:
             return self.peak_flops[dtype]
         except KeyError:
-            raise ConfigError(f"device {self.name!r} has no peak for dtype {dtype!r} (known: {sorted(self.peak_flops)}): "
-                              f"price on a Device whose peak_flops has {dtype!r}"
-                              + (": dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, peak_flops="
-                                 "{**cluster.device.peak_flops, 'fp64': <FLOP/s>}))" if dtype == "fp64" else "")) from None
+            hint = (": dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, peak_flops="
+                    "{**cluster.device.peak_flops, 'fp64': <FLOP/s>}))" if dtype == "fp64" else "")
+            raise ConfigError(f"device {self.name!r} has no peak for dtype {dtype!r} (known: "
+                              f"{sorted(self.peak_flops)}): price on a Device whose peak_flops has {dtype!r}{hint}"
+                              ) from None
 
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}

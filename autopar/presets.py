@@ -188,10 +188,11 @@ _FAMILY_CONSTANTS: Mapping[str, tuple] = MappingProxyType({
                MI355_OVERLAP_SLOWDOWN, None, None, None),
 })
 
-_V100_SRC = ("NVIDIA V100 SXM2 datasheet: 125 TFLOP/s fp16 tensor core, 15.7 fp32, 7.8 fp64, 900 GB/s HBM2; V100 has no "
-             "bf16, so bf16 is mapped to the fp16 tensor-core peak")
+_V100_SRC = ("NVIDIA V100 SXM2 datasheet: 125 TFLOP/s fp16 tensor core, 15.7 fp32, 7.8 fp64, 900 GB/s HBM2; V100 "
+             "has no bf16, so bf16 is mapped to the fp16 tensor-core peak")
 _A100_SRC = "NVIDIA A100 SXM4 datasheet: 312 TFLOP/s bf16/fp16 dense, 156 tf32, 19.5 fp32, 19.5 fp64 tensor core"
-_H100_SRC = "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16/fp16 dense, 1,979 fp8, 494 tf32, 66.9 fp32, 66.9 fp64 tensor core"
+_H100_SRC = ("NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16/fp16 dense, 1,979 fp8, 494 tf32, 66.9 fp32, 66.9 fp64 "
+             "tensor core")
 _H100_PEAKS = {"bf16": 989e12, "fp8": 1979e12, "tf32": 494e12, "fp32": 66.9e12}
 # fp64 (tensor core) where the datasheet gives it; the H800's and H20's export-compliant parts, the Blackwell and MI355X
 # presets carry none here: an fp64 plan on them says so (Device.peak) and takes a Device with peak_flops["fp64"]
@@ -218,10 +219,12 @@ DEVICE_PRESETS: Mapping[str, Device] = MappingProxyType({
                       source=_V100_SRC + "; 16 GB", family="V100", host=_DGX1),
     "V100-32GB": _gpu("V100-32GB", peaks={"bf16": 125e12, "fp32": 15.7e12, "fp64": 7.8e12}, memory=32e9, hbm=900e9,
                       source=_V100_SRC + "; 32 GB", family="V100", host=_DGX1),
-    "A100-40GB": _gpu("A100-40GB", peaks={"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12, "fp64": 19.5e12}, memory=40e9,
-                      hbm=1555e9, source=_A100_SRC + "; 40 GB HBM2, 1,555 GB/s", family="A100", host=_DGX_A100),
-    "A100-80GB": _gpu("A100-80GB", peaks={"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12, "fp64": 19.5e12}, memory=80e9,
-                      hbm=2039e9, source=_A100_SRC + "; 80 GB HBM2e, 2,039 GB/s", family="A100", host=_DGX_A100_2TB),
+    "A100-40GB": _gpu("A100-40GB", peaks={"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12, "fp64": 19.5e12},
+                      memory=40e9, hbm=1555e9, source=_A100_SRC + "; 40 GB HBM2, 1,555 GB/s", family="A100",
+                      host=_DGX_A100),
+    "A100-80GB": _gpu("A100-80GB", peaks={"bf16": 312e12, "tf32": 156e12, "fp32": 19.5e12, "fp64": 19.5e12},
+                      memory=80e9, hbm=2039e9, source=_A100_SRC + "; 80 GB HBM2e, 2,039 GB/s", family="A100",
+                      host=_DGX_A100_2TB),
     "H100-SXM": _gpu("H100-SXM", peaks=_H100_FP64, memory=80e9, hbm=3350e9,
                      source=_H100_SRC + "; 80 GB HBM3, 3,350 GB/s", family="H100", host=_DGX_H100),
     "H100-96GB-500W": _gpu("H100-96GB-500W", peaks=_H100_FP64, memory=96e9, hbm=2.4e12,

@@ -39,9 +39,9 @@ def export(plan: "Plan", stack: str, path: str | os.PathLike | None = None) -> E
         raise ConfigError(f"the plan's stages do not match its config ({len(plan.stages)} stages for pp="
                           f"{plan.config.pp}): re-create the plan with autopar.plan or autopar.estimate")
     if plan.precision.storage == "fp64":
-        raise ConfigError(f"this plan trains in float64 (Precision(compute='fp64')), which {stack} has no setting for "
-                          "(its trainers run fp32, bf16, fp16 or fp8): re-plan with Precision(compute='fp32') to export it, "
-                          "or run it as it is with autopar.parallelize or autopar.codegen.emit")
+        raise ConfigError(f"this plan trains in float64 (Precision(compute='fp64')), which {stack} has no setting "
+                          "for (its trainers run fp32, bf16, fp16 or fp8): re-plan with Precision(compute='fp32') to "
+                          "export it, or run it as it is with autopar.parallelize or autopar.codegen.emit")
     if stack == "torchtitan":
         from .torchtitan import export as write
     elif stack == "megatron":

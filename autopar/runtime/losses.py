@@ -3,8 +3,8 @@
 Each pipeline's last stage computes its replica's micro-batch losses (its first tensor-parallel rank
 owns them; the other tp ranks computed the same values). After a rank's last forward of the step,
 :meth:`LossShare.start` puts the owner's losses into their slots of a ``replicas * micro_batches``
-vector (fp32, float64 for a float64 model: :func:`loss_dtype`), zeros elsewhere (:func:`loss_slots`), so that a sum over every rank gives every replica's
-losses to every rank. That sum is
+vector (fp32, float64 for a float64 model: :func:`loss_dtype`), zeros elsewhere (:func:`loss_slots`),
+so that a sum over every rank gives every replica's losses to every rank. That sum is
 
 - nothing, when every rank computed every loss already (tensor parallelism alone:
   ``ParallelConfig.shares_losses`` is False);

@@ -336,8 +336,8 @@ def test_a_float64_plan_prices_and_trains_in_float64(world) -> None:
     assert mine.memory.params == 2 * theirs.memory.params and mine.memory.grads == 2 * theirs.memory.grads
     assert mine.memory.activations == 2 * theirs.memory.activations
     assert plan.step_time > fp32.step_time   # the cpu preset's fp64 peak is half its fp32 one
-    with pytest.raises(ConfigError, match=r"float64: pass the model in float32 \(model.to\(torch.float32\)\) or re-plan "
-                                          r"with Precision\(compute='fp64', grads='fp64'\)"):
+    with pytest.raises(ConfigError, match=r"float64: pass the model in float32 \(model.to\(torch.float32\)\) or "
+                                          r"re-plan with Precision\(compute='fp64', grads='fp64'\)"):
         program(fp32, copy.deepcopy(wide))
     prog = program(plan, copy.deepcopy(wide))
     ref = copy.deepcopy(wide)
