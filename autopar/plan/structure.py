@@ -206,13 +206,22 @@ def _op_difference(layer: str, planned: Anchor, running: Anchor) -> str:
 
 
 def relative_name(name: str, layer: str) -> str:
-    if name == layer:
+    """``name`` (a module's or parameter's path) relative to ``layer``'s module: ``*`` for the module itself."""
+    module = layer_module(layer)
+    if name == module:
         return LAYER
-    return LAYER + name[len(layer):] if name.startswith(layer + ".") else name
+    return LAYER + name[len(module):] if name.startswith(module + ".") else name
+
+
+def layer_module(layer: str) -> str:
+    """The module path a layer runs: its name without the ``#k`` a second, third... call of one module adds
+    (capture/layers.py ``unique_names``), so that a block called twice names its ops and parameters as once."""
+    base, sep, visit = layer.rpartition("#")
+    return base if sep and visit.isdigit() else layer
 
 
 def _absolute(name: str, layer: str) -> str:
-    return layer + name[len(LAYER):] if name == LAYER or name.startswith(LAYER + ".") else name
+    return layer_module(layer) + name[len(LAYER):] if name == LAYER or name.startswith(LAYER + ".") else name
 
 
 def _list(value: Any, where: Any) -> list:

@@ -167,3 +167,38 @@ def test_index_plumbing_cast_to_float_on_one_device_is_plumbing_on_every_device(
     assert histc[0].name in plumbing(cpu.nodes, cpu.inputs)
     assert {i for i in meta.node_of if not i.volatile} == {i for i in cpu.node_of if not i.volatile}
     assert not any(n.params and n.name in plumbing(cpu.nodes, cpu.inputs) for n in cpu.nodes)   # anchors are data
+
+
+def test_a_block_called_twice_names_its_ops_as_once():
+    """A block the forward calls twice makes layers ``blocks.0`` and ``blocks.0#2`` of one module: both name their
+    ops and parameters relative to it (``*``), so the second call shares the first's body and a sharding group that
+    records the first layer's ops maps onto the second's (OpId.in_layer). Named by the module path with ``#2``, the
+    second call's ops had absolute modules and no counterpart: at tp=2 a rank's program refused the plan."""
+    from autopar.capture.export import run_export
+    from autopar.codegen.compile import compile_program
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)) for _ in range(2))
+
+        def forward(self, x):
+            for _ in range(2):
+                for block in self.blocks:
+                    x = x + block(x)
+            return x
+
+    torch.manual_seed(0)
+    model, example = Twice(), (torch.randn(2, 4, 8),)
+    graph = capture(model, example)
+    assert [layer.name for layer in graph.layers] == ["blocks.0", "blocks.1", "blocks.0#2", "blocks.1#2"]
+    assert len(graph.structure.bodies) == 1
+    first = [i for i in graph.op_ids if i is not None and i.layer == "blocks.0" and not i.volatile]
+    assert {str(i.in_layer("blocks.0#2")) for i in first} == {
+        str(i) for i in graph.op_ids if i is not None and i.layer == "blocks.0#2" and not i.volatile}
+    loss = lambda out, inputs: out.pow(2).mean()   # noqa: E731
+    plan = autopar.estimate(model, autopar.Cluster.from_spec("1x2xcpu"), example,
+                            autopar.ParallelConfig(tp=2, micro_batch_size=2), global_batch_size=2, loss_fn=loss,
+                            precision=autopar.Precision(compute="fp32"))
+    assert any(len(group.layers) > group.solved for group in plan.sharding)   # the repeats copy the first layer's
+    compile_program(plan, run_export(model, example, loss, train_mode=False), model)
