@@ -246,19 +246,35 @@ def _generic(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
 
 
 def _view(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
-    """The producer's spec carried through the dims map; other inputs (shape donors) are left whole."""
+    """The producer's spec carried through the dims map; other inputs (shape donors) are left whole. A view
+    reading a parameter (``bias.expand_as(x)``: the parameter broadcast to an activation's shape) keeps it whole,
+    so its output splits only along dims the parameter broadcasts over (a whole bias cannot fill a split dim it
+    has), and its partial form, a parameter not being partial, is not offered."""
     rest = tuple(R for _ in node.inputs[1:])
-    out = [Strategy("view", (R,) + rest, R, ()), Strategy("view", (P,) + rest, P, ())]
+    whole = tuple((p, None) for p in node.params)
+    out = [Strategy("view", (R,) + rest, R, whole)] + ([] if node.params else [Strategy("view", (P,) + rest, P, ())])
     src = ctx.meta(node.inputs[0]).shape
     dims = node.dims[0]
     for e in range(len(src)):
         if not ctx.splittable(node.inputs[0], e, t):
             continue
         d = next((d for d, m in enumerate(dims) if m == e), None)
-        if d is None or not ctx.splittable(node.name, d, t):
+        if d is None or not ctx.splittable(node.name, d, t) or not _broadcasts(ctx, node, d):
             continue
-        out.append(Strategy("view", (Shard(e),) + rest, Shard(d), ()))
+        out.append(Strategy("view", (Shard(e),) + rest, Shard(d), whole))
     return out
+
+
+def _broadcasts(ctx: OpContext, node: OpNode, d: int) -> bool:
+    """Whether every parameter ``node`` reads is broadcast along its output dim ``d`` (absent there, or of size 1,
+    aligned from the last dim as broadcasting aligns them)."""
+    n = len(node.outputs[0].shape)
+    for p in node.params:
+        shape = ctx.param_meta[p].shape
+        k = d - (n - len(shape))
+        if k >= 0 and shape[k] != 1:
+            return False
+    return True
 
 
 def _param_view(ctx: OpContext, node: OpNode, t: int) -> list[Strategy]:
