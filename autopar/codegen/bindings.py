@@ -91,10 +91,13 @@ def use_bindings(graph: fx.Graph) -> None:
 
 
 def _explicit(schema: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """``args`` and ``kwargs`` with every schema argument they leave out given by name at its default
-    (by name: a binding may take keyword-only what the schema takes positionally, as ``Tensor.to``
-    takes ``memory_format``)."""
-    kwargs = dict(kwargs)
+    """``args`` and ``kwargs`` with the schema's required arguments positional and every argument that has a
+    default given by name, at its default where they leave it out (by name: a binding may take keyword-only
+    what the schema takes positionally, as ``Tensor.to`` takes ``memory_format``, which an export may pass
+    positionally: ``x.to(torch.float32, False, False, torch.contiguous_format)`` is refused by the binding)."""
+    required = next((i for i, a in enumerate(schema.arguments[:len(args)]) if a.has_default_value()), len(args))
+    kwargs = {**{a.name: v for a, v in zip(schema.arguments[required:], args[required:])}, **kwargs}
+    args = args[:required]
     for arg in schema.arguments[len(args):]:
         if arg.name in kwargs or not arg.has_default_value():
             continue

@@ -56,11 +56,12 @@ class Cell:
 
 
 def cell_of(exc: BaseException) -> Cell:
-    """An error as a cell: autopar's errors are refusals, but a PlanMismatchError is a failure here, where every
-    plan is made from the very model it runs (its advice, re-plan on this model, cannot be followed)."""
-    from autopar.errors import AutoparError, PlanMismatchError
+    """An error as a cell: autopar's errors are refusals, but two are failures here: a PlanMismatchError, where
+    every plan is made from the very model it runs (its advice, re-plan on this model, cannot be followed), and a
+    RuntimeFailure, a program that failed while it ran (what it wraps: a raw exception, a rank that died)."""
+    from autopar.errors import AutoparError, PlanMismatchError, RuntimeFailure
     line = (str(exc).strip().splitlines() or [""])[0][:300]
-    if isinstance(exc, AutoparError) and not isinstance(exc, PlanMismatchError):
+    if isinstance(exc, AutoparError) and not isinstance(exc, (PlanMismatchError, RuntimeFailure)):
         return Cell("refused", f"{type(exc).__name__}: {line}")
     return Cell("failed", f"{type(exc).__name__}: {line}")
 

@@ -102,3 +102,15 @@ def test_rewritten_graph_prints_plain_torch():
     assert "linear.view([2, -1])" in module.code and "torch.ops.aten.slice.Tensor" in module.code
     got = module(torch.ones(2, 3, 4), torch.ones(5, 4))[0]
     assert torch.equal(got, (2 * torch.ones(2, 3, 4) @ torch.ones(4, 5)).view(2, -1)[:, :2])
+
+
+def test_optional_arguments_given_positionally_are_passed_by_name():
+    """An export may record a cast with every argument positional, ``aten.to.dtype(x, float32, False, False,
+    contiguous_format)`` (Qwen3-Next's and OLMo-Hybrid's gated delta rules); ``Tensor.to`` takes
+    ``memory_format`` by name only, so the rewrite passes every argument that has a default by name."""
+    op = torch.ops.aten.to.dtype
+    module, inputs = _rewritten(op, (X, torch.float64, False, False, torch.contiguous_format), {})
+    assert torch.equal(module(*inputs), op(X, torch.float64, False, False, torch.contiguous_format))
+    assert "memory_format = torch.contiguous_format" in module.code
+    module, inputs = _rewritten(torch.ops.aten.tril.default, (M, 1), {})
+    assert torch.equal(module(*inputs), torch.tril(M, 1)) and "diagonal = 1" in module.code
