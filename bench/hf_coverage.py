@@ -98,9 +98,12 @@ def write_doc(rows: dict[str, dict], tasks: dict[str, str], version: str, everyt
         "(micro-batch 2) and dp=2 ZeRO-3, each trained 3 AdamW steps (lr 1e-3, eps 1e-4) on 2 gloo ranks and "
         "compared with one process (loss 1e-5 relative, gradients 1e-4 of the largest, parameters 1e-4), "
         "both built and run with one torch thread; a configuration that differs in float32 is run again in "
-        "float64 (model, plan and reference) and judged there, listed below when it passes only there. "
+        "float64 (model, plan priced in fp64, and reference) and judged there, listed below when it passes only "
+        "there. "
         "ok: equal to one process; refused: a clear `AutoparError` (its message below); **FAILED**: a raw "
-        "exception, a rank killed, a plan slower than the sweep's limits, or a result that differs; "
+        "exception, a `PlanMismatchError` (every plan here is made from the model it runs), a `RuntimeFailure` "
+        "(a program that failed as it ran), a rank killed, a "
+        "plan slower than the sweep's limits, or a result that differs; "
         "-: not reached.",
         "",
         f"- {s['architectures']} architectures; {s['built']} build and compute a loss at the test size "
