@@ -26,14 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import socket
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+import rank_memory
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -41,11 +39,6 @@ WORLD = 8
 BIG = dict(vocab_size=4096, hidden=1024, heads=16, layers=16, seq_len=64, dropout=0.0)
 SMALL = {**BIG, "hidden": 64}
 PLANS = {"dp8-zero3": dict(dp=8, zero=3), "tp2-dp4-zero3": dict(tp=2, dp=4, zero=3)}
-
-
-def _kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 
 def _rank(rank: int, port: int, sizes: dict, device: str, plan_dict: dict, out: str) -> None:
@@ -57,13 +50,11 @@ def _rank(rank: int, port: int, sizes: dict, device: str, plan_dict: dict, out: 
     from autopar.runtime.data_parallel import local
     plan = autopar.Plan.from_dict(plan_dict)
     dist.barrier()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")                      # VmHWM := VmRSS from here on
-    start = _kib("VmRSS")
+    start = rank_memory.reset_peak()
     torch.manual_seed(0)
     model, _ = build_gpt(GPTConfig(**sizes), batch_size=1, device=device)
     program = autopar.parallelize(model, plan)
-    peak = _kib("VmHWM") - start
+    peak = rank_memory.kib("VmHWM") - start
     share = sum(local(p).numel() * local(p).element_size() for p in program.parameters())
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump({"peak": peak, "share": share}, f)
@@ -83,13 +74,7 @@ def _plan(sizes: dict, config: dict) -> "object":
 
 def run(sizes: dict, device: str, plan) -> dict:
     """The largest peak and share over the ranks of one spawn."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(port, sizes, device, plan.to_dict(), out), nprocs=WORLD,
-                           start_method="spawn")
-        got = [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(WORLD)]
+    got = rank_memory.spawn(_rank, (sizes, device, plan.to_dict()), WORLD)
     return {"peak": max(g["peak"] for g in got), "share": max(g["share"] for g in got)}
 
 

@@ -28,14 +28,12 @@ import ctypes
 import ctypes.util
 import json
 import os
-import re
-import socket
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+import rank_memory
 
 WORLD = 2
 BIG = dict(vocab_size=4096, hidden=512, heads=8, layers=8, seq_len=64, dropout=0.0)
@@ -47,11 +45,6 @@ PLANS = {"dp2": dict(dp=2), "dp2-zero1": dict(dp=2, zero=1), "dp2-zero2": dict(d
 LOW, HIGH = 0.9, 1.1
 MMAP_THRESHOLD = 64 << 10
 SMALL = {**BIG, "hidden": 64}
-
-
-def _kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 
 def _rank(rank: int, port: int, sizes: dict, plan_dict: dict, out: str) -> None:
@@ -73,15 +66,13 @@ def _rank(rank: int, port: int, sizes: dict, plan_dict: dict, out: str) -> None:
     assert libc.mallopt(host_heap.M_MMAP_THRESHOLD, MMAP_THRESHOLD) and libc.mallopt(host_heap.M_TRIM_THRESHOLD, 0)
     libc.malloc_trim(0)
     dist.barrier()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")                      # VmHWM := VmRSS from here on
-    start = _kib("VmRSS")
+    start = rank_memory.reset_peak()
     g = torch.Generator().manual_seed(1)
     for _ in range(STEPS):
         ids = torch.randint(0, sizes["vocab_size"], (GLOBAL_BATCH, sizes["seq_len"]), generator=g)
         program.train_step(dict(input_ids=ids, labels=ids))
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
-        json.dump({"peak": _kib("VmHWM") - start + held}, f)
+        json.dump({"peak": rank_memory.kib("VmHWM") - start + held}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -104,12 +95,7 @@ def run(sizes: dict, plan) -> int:
 
 
 def _spawn(sizes: dict, plan) -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_rank, args=(port, sizes, plan.to_dict(), out), nprocs=WORLD, start_method="spawn")
-        return max(json.load(open(os.path.join(out, f"{r}.json")))["peak"] for r in range(WORLD))
+    return max(got["peak"] for got in rank_memory.spawn(_rank, (sizes, plan.to_dict()), WORLD))
 
 
 def main() -> int:

@@ -86,23 +86,22 @@ def test_a_step_makes_one_all_reduce_per_bucket(results):
             assert got[mode]["all_reduces"] == got[mode]["buckets"], (rank, mode, got[mode]["all_reduces"])
 
 
+def _trains_as(rank: int, want: dict, got: dict) -> None:
+    """``got``'s run took ``want``'s losses (1e-6 relative) to ``want``'s parameters (1e-6)."""
+    for a, b in zip(want["losses"], got["losses"]):
+        assert abs(a - b) <= 1e-6 * max(1.0, abs(a)), (rank, want["losses"], got["losses"])
+    for fqn, p in want["params"].items():
+        diff = (p - got["params"][fqn]).abs().max().item()
+        assert diff <= 1e-6, (rank, fqn, diff)
+
+
 def test_compiled_regions_train_as_eager(results):
     for rank, got in enumerate(results):
-        eager, compiled = got["eager"], got["aot_eager"]
-        for a, b in zip(eager["losses"], compiled["losses"]):
-            assert abs(a - b) <= 1e-6 * max(1.0, abs(a)), (rank, eager["losses"], compiled["losses"])
-        for fqn, p in eager["params"].items():
-            diff = (p - compiled["params"][fqn]).abs().max().item()
-            assert diff <= 1e-6, (rank, fqn, diff)
+        _trains_as(rank, got["eager"], got["aot_eager"])
 
 
 def test_tensors_alone_in_their_buckets_train_as_eager(results):
     """With 4 MB buckets each 1024 x 1024 weight is alone in its bucket, reduced (and, under ZeRO-1, broadcast
     after the step) as it is, with no flat copy (data_parallel.lone): ZeRO-1 trains as plain data parallelism."""
     for rank, got in enumerate(results):
-        eager, zero1 = got["eager"], got["zero1"]
-        for a, b in zip(eager["losses"], zero1["losses"]):
-            assert abs(a - b) <= 1e-6 * max(1.0, abs(a)), (rank, eager["losses"], zero1["losses"])
-        for fqn, p in eager["params"].items():
-            diff = (p - zero1["params"][fqn]).abs().max().item()
-            assert diff <= 1e-6, (rank, fqn, diff)
+        _trains_as(rank, got["eager"], got["zero1"])
