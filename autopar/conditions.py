@@ -19,6 +19,10 @@ What is recorded, from the operating system around the measurement (profiler/hos
 * ``spread``: how far the timed repeats of one kernel disagree, ``(max - min) / median`` over a
   kernel's repeats, the median over the device profile's kernels (``None`` for the links, whose
   per-call times are bimodal by nature, see link_timing.py);
+* ``flat``: the links only, the collectives whose fitted time does not grow with message size
+  (profiler/links.py: ``beta = 0``). A link's time does grow from 1 KiB to 24 MiB, so a flat fit is
+  what stalls on the small messages make of it (CI: an all-to-all of 4 KiB timed as long as one of
+  16 MiB while a test suite ran beside it), and it has no bandwidth to price a plan with;
 * ``load_average`` just before it (1 minute), the date, the torch version, the threads it ran and
   the machine's cores, and how many measurements it took (``attempts``: the least noisy is kept).
 
@@ -31,7 +35,8 @@ What is recorded, from the operating system around the measurement (profiler/hos
 * ``wait_fraction > WAIT_LIMIT``: the measurement itself lost more than that share of its time to
   other processes;
 * ``spread > SPREAD_LIMIT``: its repeats disagree more than a quiet machine's do (a burst of load
-  that comes and goes within the measurement, which the averaged loads can understate).
+  that comes and goes within the measurement, which the averaged loads can understate);
+* ``flat`` names a collective: the measurement cannot be priced with (the most severe noise).
 
 The limits come from the device profile (1 thread, normal budget) measured again and again on a
 shared 2-core VM while other jobs came and went (bench/profile_noise.py prints such runs):
@@ -96,8 +101,14 @@ class ProfileConditions:
     """Median over the timed kernels of ``(max - min) / median`` of their repeats."""
     attempts: int = 1
     """Measurements taken; this is the least noisy of them."""
+    flat: tuple[str, ...] = ()
+    """The links: collectives whose fitted time does not grow with size (module docstring); () for the device."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.flat, list):     # a record read back from JSON
+            object.__setattr__(self, "flat", tuple(self.flat))
+        if not isinstance(self.flat, tuple) or not all(isinstance(k, str) and k for k in self.flat):
+            raise ConfigError(f"ProfileConditions.flat={self.flat!r} must be a tuple of collective names")
         if self.device_type not in ("cpu", "cuda"):
             raise ConfigError(f"ProfileConditions.device_type={self.device_type!r} must be 'cpu' or 'cuda'")
         for name in ("part", "measured_at", "torch_version"):
@@ -129,6 +140,9 @@ class ProfileConditions:
             reasons.append(f"it waited for a core {self.wait_fraction:.0%} of its time (limit {WAIT_LIMIT:.0%})")
         if self.spread is not None and self.spread > SPREAD_LIMIT:
             reasons.append(f"its repeats spread {self.spread:.0%} (limit {SPREAD_LIMIT:.0%})")
+        if self.flat:
+            reasons.append(f"the {', '.join(self.flat)} time did not grow with message size (stalls on the small "
+                           "messages; no bandwidth can be fitted)")
         return tuple(reasons)
 
     @property
@@ -137,7 +151,10 @@ class ProfileConditions:
 
     def severity(self) -> float:
         """How far past its limits this measurement is (the largest ratio of a quantity to its limit; other
-        load against own load): the least severe of several attempts is kept."""
+        load against own load; infinite with a flat fit, which cannot be priced with): the least severe of
+        several attempts is kept."""
+        if self.flat:
+            return math.inf
         ratios = [0.0]
         if self.device_type == "cpu" and self.other_load is not None and self.own_load is not None:
             ratios.append(self.other_load / max(self.own_load, 1e-9))
@@ -179,7 +196,7 @@ class ProfileConditions:
                               f"({REFRESH_ADVICE})")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known - {"format"})
-        missing = sorted(known - set(data) - {"attempts"})
+        missing = sorted(known - set(data) - {"attempts", "flat"})
         if unknown or missing:
             raise ConfigError(f"profile conditions {dict(data)!r}: unknown fields {unknown}, missing {missing}; "
                               f"measure again ({REFRESH_ADVICE})")

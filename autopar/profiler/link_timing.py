@@ -52,6 +52,7 @@ import statistics
 import tempfile
 import time
 import warnings
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable, Sequence
 
@@ -62,7 +63,7 @@ from ..conditions import ProfileConditions
 from ..errors import ConfigError, RuntimeFailure
 from ..progress import progress_bar
 from .host import LoadMeter, check_threads
-from .links import COLLECTIVES, LinkProfile, links_key
+from .links import COLLECTIVES, LinkProfile, fit_profile, links_key
 from .step_conditions import (FLOAT_BYTES, concurrency_slowdown, dispatch_overhead, in_context,
                               max_over_ranks, overlap_fraction, sync)
 
@@ -142,14 +143,17 @@ def measure_links(nprocs: int, threads_per_rank: int = 1, *, sizes: Sequence[int
         with open(out) as fh:
             record = json.load(fh)
     # The ranks' own run-queue waits end with them: the links record the loads (the ranks are this
-    # process's children), and no spread (their per-call times are bimodal by nature, "Noise" above).
+    # process's children), no spread (their per-call times are bimodal by nature, "Noise" above), and
+    # the collectives whose fit comes out flat, which only stalls make of a link (autopar/conditions.py).
     conditions = ProfileConditions(part=f"links {links_key(backend, nprocs)}",
                                    device_type="cuda" if backend == "nccl" else "cpu", measured_at=started,
                                    torch_version=torch.__version__, threads=nprocs * threads_per_rank,
                                    cores=os.cpu_count() or 1, load_average=load.load_average,
                                    other_load=load.other_load, own_load=load.own_load, wait_fraction=None,
                                    spread=None)
-    return LinkProfile.from_record(record | {"conditions": conditions.to_dict()})
+    profile = LinkProfile.from_record(record | {"conditions": conditions.to_dict()})
+    flat = tuple(kind for kind, fit in fit_profile(profile).items() if fit.beta <= 0)
+    return replace(profile, conditions=replace(conditions, flat=flat))
 
 
 def _rank_main(rank: int, nprocs: int, port: int, threads: int, sizes: list[int], warmup: int, repeats: int,

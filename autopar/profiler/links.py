@@ -54,7 +54,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..conditions import ProfileConditions
+from ..conditions import REFRESH_ADVICE, ProfileConditions
 from ..hardware import CollectiveFit, Link
 from ..errors import ConfigError
 from .host import check_threads
@@ -381,8 +381,10 @@ def collective_fit(kind: str, fit: CollectiveFitResult, n: int) -> CollectiveFit
     """The ring model's ``a`` (seconds per step) and ``B`` (bytes/s) of one fitted collective on ``n`` ranks."""
     steps, traffic = ring_factors(kind, n)
     if fit.beta <= 0:
-        raise ConfigError(f"the {kind} fit has beta = 0 s/byte (time does not grow with size): measure it up to "
-                          "larger sizes so the bandwidth can be fitted")
+        raise ConfigError(f"the {kind} fit has beta = 0 s/byte (time does not grow with size; its samples are a "
+                          f"median {fit.median_rel_error:.0%} off it): measure it up to larger sizes so the "
+                          "bandwidth can be fitted, or, when they reach megabytes, the small messages stalled: "
+                          f"{REFRESH_ADVICE}")
     return CollectiveFit(latency=fit.alpha / steps, bandwidth=traffic / fit.beta)
 
 

@@ -10,6 +10,7 @@ by made-up figures, and the kernels are not even called.
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from dataclasses import replace
@@ -173,6 +174,13 @@ def test_conditions_validate_and_round_trip() -> None:
         ProfileConditions.from_dict({k: v for k, v in c.to_dict().items() if k != "format"})
     with pytest.raises(ConfigError, match="missing"):
         ProfileConditions.from_dict({k: v for k, v in c.to_dict().items() if k != "spread"})
+    # a links measurement with a flat fit: noisy past any other, round-trips, and older records read as none
+    flat = replace(c, flat=("all_to_all",))
+    assert flat.noisy and flat.severity() == math.inf and "all_to_all time did not grow" in flat.describe()
+    assert ProfileConditions.from_dict(json.loads(json.dumps(flat.to_dict()))) == flat
+    assert ProfileConditions.from_dict({k: v for k, v in c.to_dict().items() if k != "flat"}).flat == ()
+    with pytest.raises(ConfigError, match="flat"):
+        replace(c, flat=("",))
 
 
 def test_the_load_meter_reads_other_processes_and_its_own_threads_waits(monkeypatch) -> None:

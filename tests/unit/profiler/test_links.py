@@ -257,5 +257,13 @@ def test_measure_links_on_two_gloo_ranks():
     conditions = profile.conditions   # the load around the spawn; no spread (per-call times are bimodal)
     assert conditions.part == "links gloo x2" and conditions.threads == 2 and conditions.spread is None
     assert conditions.own_load > 0 and conditions.torch_version == torch.__version__
-    link = to_link(profile, 2)
-    assert link.bandwidth > 0
+    # whether a fit comes out flat is the machine's doing (CI: a 4 KB all-to-all as slow as 16 MB while the other
+    # worker ran tests); the contract is that the profile says so, and prices a link exactly when it does not
+    fits = fit_profile(profile)
+    assert conditions.flat == tuple(kind for kind in profile.samples if fits[kind].beta <= 0)
+    if conditions.flat:
+        assert conditions.noisy and conditions.severity() == math.inf
+        with pytest.raises(ConfigError, match="autopar profile --refresh"):
+            to_link(profile, 2)
+    else:
+        assert to_link(profile, 2).bandwidth > 0

@@ -123,3 +123,33 @@ def test_a_link_record_of_an_older_autopar_is_measured_again(measured, tmp_path)
     cluster = Cluster.local(nprocs=2, threads_per_rank=1, profile_db=str(db), progress=False)
     assert measured["links"] == 2 and cluster.device.concurrency_slowdown == 1.25
 
+
+
+def test_a_flat_link_fit_is_measured_again_and_the_priceable_one_kept(monkeypatch, tmp_path) -> None:
+    """A measurement whose all-to-all came out flat (stalls on the small messages, as CI's load made one) is
+    noisy past any other: Cluster.local measures again and keeps the one it can price; flat every time, the
+    error says to measure again on an idle machine, not to measure larger sizes that were measured."""
+    flat = {"all_to_all": tuple((s, 1.4e-3) for s in SIZES)}
+    attempts = []
+
+    def links(nprocs, threads, flat_first=1, **kw):
+        attempts.append(None)
+        profile = _synthetic_links(nprocs, threads)
+        if len(attempts) <= flat_first:
+            profile = replace(profile, samples={**profile.samples, **flat},
+                              conditions=replace(profile.conditions, flat=("all_to_all",)))
+        return profile
+
+    monkeypatch.setattr(local, "measure_device", lambda dev, threads, progress=True: replace(
+        measure_device(dev, threads, dtypes=("fp32",), budget="quick", progress=False),
+        conditions=idle("device", threads)))
+    monkeypatch.setattr(local, "measure_links", links)
+    cluster = Cluster.local(nprocs=2, threads_per_rank=1, profile_db=str(tmp_path / "a.json"), progress=False)
+    assert len(attempts) == 2 and cluster.profile_conditions[1].attempts == 2
+    assert cluster.profile_conditions[1].flat == () and cluster.profile_warning is None
+    assert cluster.intra_node.collectives["all_to_all"].bandwidth > 0
+    attempts.clear()
+    monkeypatch.setattr(local, "measure_links", lambda n, t, **kw: links(n, t, flat_first=99))
+    with pytest.warns(Warning, match="all_to_all time did not grow"), \
+            pytest.raises(ConfigError, match="the small messages stalled: run `autopar profile --refresh`"):
+        Cluster.local(nprocs=2, threads_per_rank=1, profile_db=str(tmp_path / "b.json"), progress=False)
