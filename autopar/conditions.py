@@ -36,7 +36,8 @@ What is recorded, from the operating system around the measurement (profiler/hos
   other processes;
 * ``spread > SPREAD_LIMIT``: its repeats disagree more than a quiet machine's do (a burst of load
   that comes and goes within the measurement, which the averaged loads can understate);
-* ``flat`` names a collective: the measurement cannot be priced with (the most severe noise).
+* ``flat`` names a collective: the measurement cannot be priced with (the most severe noise;
+  ``Cluster.local`` refuses it, uncached, when every attempt has one).
 
 The limits come from the device profile (1 thread, normal budget) measured again and again on a
 shared 2-core VM while other jobs came and went (bench/profile_noise.py prints such runs):

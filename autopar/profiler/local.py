@@ -17,6 +17,7 @@ A cached record without conditions (an older autopar's) is measured again.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass, replace
@@ -141,8 +142,9 @@ Measured = TypeVar("Measured", DeviceProfile, LinkProfile)
 
 def _least_noisy(measure: Callable[[], Measured], strict: bool, stacklevel: int = 4) -> Measured:
     """``measure()`` until its conditions are clean, at most MAX_ATTEMPTS times; the least noisy, with the
-    attempts counted in its conditions; warned about (or, ``strict``, refused) when still noisy. ``stacklevel``
-    points the warning at the caller of ``Cluster.local``."""
+    attempts counted in its conditions; warned about (or, ``strict``, refused) when still noisy, and refused
+    whatever ``strict`` when it cannot be priced with (a flat link fit). ``stacklevel`` points the warning at
+    the caller of ``Cluster.local``."""
     best = None
     for attempt in range(1, MAX_ATTEMPTS + 1):
         result = measure()
@@ -154,9 +156,11 @@ def _least_noisy(measure: Callable[[], Measured], strict: bool, stacklevel: int 
     if best.conditions.noisy:
         text = (f"the {best.conditions.part} of this machine was measured {attempt} times and every measurement "
                 f"was noisy; the least noisy ({', '.join(best.conditions.noise())})")
-        if strict:
-            raise NoisyProfileError(f"{text} is refused (strict=True): {REFRESH_ADVICE}, or pass strict=False "
-                                    "to plan with it")
+        unusable = best.conditions.severity() == math.inf     # a flat link fit: no bandwidth to price with
+        if strict or unusable:
+            why, advice = (("it cannot be priced with", REFRESH_ADVICE) if unusable else
+                           ("strict=True", f"{REFRESH_ADVICE}, or pass strict=False to plan with it"))
+            raise NoisyProfileError(f"{text} is refused ({why}): {advice}")
         warnings.warn(f"{text} is cached and plans priced with it may be off: {REFRESH_ADVICE}",
                       NoisyProfileWarning, stacklevel=stacklevel)
     return best
