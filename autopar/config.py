@@ -331,6 +331,14 @@ class Precision:
     fused kernels, whose activations Korthikanti et al. count; capture/fusion.py); "compiled" (torch.compile: fused chains that keep only a minimum cut of each layer's
     values and recompute the rest inside the backward kernels; capture/fusion.py). Not searched:
     it is how the program is built, as the dtypes are."""
+    fused_softmax: bool = True
+    """With ``kernels="fused"``: whether the attention's scale, mask and softmax run as Megatron-LM's fused
+    scale-mask-softmax kernel (True), or as the PyTorch code Megatron falls back to where that kernel's shape
+    constraints fail (False: the scores cast to fp32, scaled, masked, softmaxed and cast back, five kernels with
+    fp32 in between; cost_model/compute.py). Megatron checks the constraints each call, so what ran depends on
+    the shapes and the version: Megatron-DeepSpeed from October 2021 to March 2022 passed the kernel's arguments
+    in the wrong order and fell back wherever micro-batch x heads per tensor-parallel rank was not a multiple of
+    the block the heads count gave (e.g. 64 heads at tp=8 with micro-batches of 1 and 2). Not searched."""
     grad_accumulation: str | None = None
     """How the weight gradients of a step's micro-batches add up: "autograd" (each micro-batch after the first
     adds its gradient into the accumulated one, a pass over the device's gradients: PyTorch's AccumulateGrad, what
@@ -368,6 +376,17 @@ class Precision:
                               "then the weights' and activations' dtype)")
         check_choice("optimizer", self.optimizer, ("adam", "sgd"))
         check_choice("kernels", self.kernels, KERNELS)
+        if not isinstance(self.fused_softmax, bool):
+            raise ConfigError(f"Precision(fused_softmax={self.fused_softmax!r}) must be True or False")
+        if not self.fused_softmax and self.kernels != "fused":
+            raise ConfigError(f"Precision(fused_softmax=False) prices Megatron-LM's PyTorch fallback of its fused "
+                              f"scale-mask-softmax kernel, but kernels={self.kernels!r} runs no such kernel: pass "
+                              "kernels=\"fused\" with it, or drop fused_softmax")
+
+    @property
+    def kernels_name(self) -> str:
+        """``kernels``, and how the attention softmax ran where it was not the fused kernel (reports)."""
+        return self.kernels if self.fused_softmax else f"{self.kernels} (PyTorch softmax)"
 
     @property
     def storage(self) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -120,11 +121,47 @@ class Row:
         return value if self.metric == "seconds" else self.metric_of(1.0, cluster) / value
 
 
+def megatron_deepspeed_2022_fused_softmax(model: Model, tp: int, micro_batch: int) -> bool:
+    """Whether the Megatron-DeepSpeed of 9f5f5d4c (2021-10-21) to 1cb76a64 (2022-03-06, "sync the whole Meg-LM
+    fused_kernels sub-tree") ran its fused scale-mask-softmax for a causal GPT of ``model`` at this tensor
+    parallelism and micro-batch (bigscience-workshop/Megatron-DeepSpeed megatron/model/fused_softmax.py @541b967f,
+    ``is_kernel_available``); else it ran the PyTorch fallback (``Precision(fused_softmax=False)``).
+
+    The check wants 16 < s <= 2048, s % 4 == 0 and ``b * np`` (micro-batch x heads per rank) a multiple of 4 and
+    of the kernel's batches per block. It calls the static ``get_batch_per_block(b, np, sq, sk)`` as
+    ``get_batch_per_block(sq, sk, b, np)``, which passes the CUDA helper (scaled_masked_softmax.h) the heads per
+    rank as the key length: its block is then ``128 / min(2^ceil(log2 np), 32)`` warps of 2 rows, not the 4 rows of
+    a 2048-long key. 64 heads at tp=8 (8 a rank): 32 rows, so micro-batches 1, 2 and 6 fall back, 4 and 8 do not;
+    at tp=4 and tp=2 (16, 32 a rank): 16 and 8 rows, every micro-batch fused."""
+    heads = model.heads // tp
+    rows = micro_batch * heads
+    if not (16 < model.seq <= 2048 and model.seq % 4 == 0 and rows % 4 == 0):
+        return False
+    key = 1 << max(0, math.ceil(math.log2(heads)))   # the CUDA helper's next power of two of the "key length"
+    warp = min(key, 32)
+    return rows % ((128 // warp) * (2 if key <= 128 else 1)) == 0
+
+
+# Sources whose stack checked its fused softmax's constraints with code whose rule differs from the kernel's own
+# (bench/sources.md): each row's precision says whether the fused kernel ran at its tp and micro-batch
+FUSED_SOFTMAX_RULES = {"bloom-tr11-prequel": megatron_deepspeed_2022_fused_softmax}
+
+
+def _precision(d: Mapping[str, Any], model: Model) -> autopar.Precision:
+    precision = autopar.Precision(**d["precision"])
+    rule = FUSED_SOFTMAX_RULES.get(d["source"])
+    if rule is None or precision.kernels != "fused":
+        return precision
+    config = d["config"]
+    return dataclasses.replace(precision, fused_softmax=rule(model, config["tp"], config["micro_batch_size"]))
+
+
 def _row(d: Mapping[str, Any]) -> Row:
     measured = d["measured"]
-    return Row(name=d["id"], source=d["source"], model=Model(**d["model"]), cluster=d["cluster"],
+    model = Model(**d["model"])
+    return Row(name=d["id"], source=d["source"], model=model, cluster=d["cluster"],
                global_batch=d["global_batch"], fixed=dict(d["config"]), metric=measured["metric"],
-               published=measured["value"], flops=measured["flops"], precision=autopar.Precision(**d["precision"]),
+               published=measured["value"], flops=measured["flops"], precision=_precision(d, model),
                device=dict(d["device"]), inter_node=dict(d["inter_node"]), sweep=d["sweep"],
                stack=d["stack"])
 

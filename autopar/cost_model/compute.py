@@ -37,6 +37,15 @@ Eager kernels (the default) write and read back every op's output.
 Backward moves about twice the forward bytes (read the output gradient and the saved
 tensors, write the input gradient). Views cost nothing.
 
+Where Megatron-LM's fused scale-mask-softmax kernel does not run (``Precision(fused_softmax=False)``: its
+shape constraints failed, and Megatron ran its PyTorch fallback), the attention softmax is priced as that
+fallback runs it, over the chain of element-wise ops the fused kernel would have been (the scale and the mask
+before it stay fused away, their bytes counted here): with ``d`` the scores' bytes (2 for fp16/bf16), a cast
+to fp32 (``d + 4`` per score), the scale, the mask and the softmax in fp32 (8 each: read, write) and the cast
+back (``4 + d``): forward ``2d + 32``, backward ``2d + 36`` (the softmax's backward also reads its output:
+12), in :data:`FALLBACK_SOFTMAX_KERNELS` kernels each way; 4 and 6 bytes a score when the kernel runs (16-bit
+scores; in fp32 the fallback has no casts: 24 and 28).
+
 A softmax cross entropy over ``C`` classes is one captured op, but each program runs it as several
 passes over its ``N x C`` scores (``d`` bytes each), which for a large vocabulary weigh as much as a
 transformer layer's element-wise ops (:func:`loss_bytes`); bytes moved per score:
@@ -75,6 +84,7 @@ from .low_precision import Recipe, cast_seconds, is_fp8_linear
 
 _GEMM_KINDS = (OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION)
 _FUSABLE = (OpKind.ELEMENTWISE, OpKind.DROPOUT, OpKind.SOFTMAX)
+FALLBACK_SOFTMAX_KERNELS = 5   # Megatron's PyTorch softmax: cast, scale, mask, softmax, cast back
 FREE_KINDS = (OpKind.VIEW,)   # ops that take no time (views: no kernel)
 FUSED_ATTENTION_BACKWARD = 5 / 4   # products a fused attention backward runs / those its FLOPs count
 TILE = (256, 128)                  # a GPU GEMM's output tile, m x n (module docstring)
@@ -164,6 +174,18 @@ def loss_bytes(graph: OpGraph, node: OpNode, kernels: str, dtype: str) -> tuple[
     return per[0] * scores.numel, per[1] * scores.numel
 
 
+def fallback_softmax_bytes(node: OpNode, dtype: str) -> tuple[float, float] | None:
+    """Forward and backward bytes Megatron-LM's PyTorch fallback of its fused scale-mask-softmax moves over an
+    attention softmax's scores (module docstring), at the captured batch and unsplit; None for any other op.
+    ``dtype`` is the training dtype the scores are kept in."""
+    if node.kind is not OpKind.SOFTMAX:
+        return None
+    d = DTYPE_BYTES[dtype]
+    casts = 2.0 * d + 8.0 if d < 4 else 0.0
+    numel = node.outputs[0].numel
+    return (24.0 + casts) * numel, (28.0 + casts) * numel
+
+
 def fused_away(graph: OpGraph) -> frozenset[str]:
     """Element-wise ops whose output is consumed only by one same-sized element-wise op and is
     not kept for backward (a saved tensor must be written, fused kernel or not)."""
@@ -199,6 +221,7 @@ class ComputeModel:
     waves: bool = True              # tile and wave quantization (False: the smooth e_mm alone)
     fp8: Recipe | None = None       # the linear layers' fp8 recipe (cost_model/low_precision.py), or None
     kernels: str = "eager"          # Precision.kernels: how the fp8 casts run
+    fused_softmax: bool = True      # Precision.fused_softmax: False prices Megatron's PyTorch softmax fallback
 
     @property
     def peak(self) -> float:
@@ -238,8 +261,18 @@ class ComputeModel:
             bwd = max(node.flops_bwd * work * redo, mem_bwd) if node.flops_bwd else 0.0
         else:
             fwd, bwd = mem_fwd, (mem_bwd if node.requires_grad else 0.0)
-        fused_launch = 0.0 if node.name in fused else launch
+        fused_launch = self._kernels(node, fused) * launch
         return OpTime(fwd + fused_launch, bwd + (fused_launch * 2 if node.requires_grad else 0.0))
+
+    def _fallback(self, node: OpNode) -> bool:
+        """Whether ``node`` is an attention softmax run as Megatron's PyTorch fallback (module docstring)."""
+        return not self.fused_softmax and self.kernels == "fused" and node.kind is OpKind.SOFTMAX
+
+    def _kernels(self, node: OpNode, fused: frozenset[str] | Mapping[str, bool]) -> int:
+        """Kernels ``node`` launches in its forward: none fused into its consumer, one, or the fallback's."""
+        if node.name in fused:
+            return 0
+        return FALLBACK_SOFTMAX_KERNELS if self._fallback(node) else 1
 
     def least_time(self, node: OpNode, shard: int, fused: frozenset[str] | Mapping[str, bool] = frozenset()
                    ) -> tuple[OpTime, OpTime]:
@@ -267,7 +300,7 @@ class ComputeModel:
             bwd = max(node.flops_bwd * per_flop * redo, mem_bwd) if node.flops_bwd else 0.0
         else:
             fwd, bwd = mem_fwd, (mem_bwd if node.requires_grad else 0.0)
-        launch = 0.0 if node.name in fused else self.device.kernel_overhead
+        launch = self._kernels(node, fused) * self.device.kernel_overhead
         slow = self.device.concurrency_slowdown
         fixed = OpTime(launch * slow, 2 * launch * slow if node.requires_grad and (node.flops_bwd or not fp8) else 0.0)
         if node.batch_dependent:
@@ -282,7 +315,8 @@ class ComputeModel:
         if node.name in fused:
             moved -= node.output_bytes * scale * self._byte_ratio(node) * 2  # neither written nor re-read
             moved = max(moved, 0.0)
-        passes = loss_bytes(self.graph, node, self.kernels, self.dtype)
+        passes = (fallback_softmax_bytes(node, self.dtype) if self._fallback(node)
+                  else loss_bytes(self.graph, node, self.kernels, self.dtype))
         if passes is not None:
             return tuple(b * scale / self.bandwidth for b in passes)
         return moved / self.bandwidth, 2.0 * moved / self.bandwidth

@@ -172,7 +172,8 @@ class LayerCostModel:
     def compute(self) -> ComputeModel:
         """The graph's op times (one model: it caches them)."""
         return ComputeModel(self.graph, self.cluster.device, self.precision.storage, self.measured,
-                            fp8=recipe_of(self.precision), kernels=self.precision.kernels)
+                            fp8=recipe_of(self.precision), kernels=self.precision.kernels,
+                            fused_softmax=self.precision.fused_softmax)
 
     @staticmethod
     def kind(layer: Layer) -> tuple[str, int]:

@@ -41,7 +41,9 @@ Every flag is one of ``megatron/training/arguments.py`` (its argument groups ``_
   the next forward; "after_step", the default, is Megatron-Core's default).
 - precision: ``--bf16`` / ``--fp16``, gradients reduced in fp32 (``--accumulate-allreduce-grads-in-fp32``)
   or bf16 (``--grad-reduce-in-bf16``), ``--optimizer adam|sgd``; ``--no-gradient-accumulation-fusion`` when the
-  plan priced the micro-batches' gradients added by autograd (``precision.grad_accumulation``).
+  plan priced the micro-batches' gradients added by autograd (``precision.grad_accumulation``);
+  ``--no-masked-softmax-fusion`` when it priced the attention softmax as Megatron's PyTorch fallback
+  (``precision.fused_softmax`` false).
 
 With tensor or context parallelism (and not Megatron FSDP) the file exports
 ``CUDA_DEVICE_MAX_CONNECTIONS=1``, which ``validate_args`` requires before Blackwell GPUs.
@@ -368,6 +370,10 @@ def _precision(plan: "Plan", add, warnings: list[str]) -> None:
         add("--no-gradient-accumulation-fusion", True, ("precision.grad_accumulation",),
             _doc("_add_training_args", "--no-gradient-accumulation-fusion"),
             "the plan priced the micro-batches' gradients added by autograd, a pass per micro-batch")
+    if not prec.fused_softmax:
+        add("--no-masked-softmax-fusion", True, ("precision.fused_softmax",),
+            _doc("_add_training_args", "--no-masked-softmax-fusion"),
+            "the plan priced the attention softmax as Megatron-LM's PyTorch fallback, not its fused kernel")
     if prec.kernels == "eager":
         warnings.append("precision.kernels = 'eager': Megatron-LM runs its fused kernels (bias-GeLU, masked softmax, "
                         "bias-dropout), which keep the same activations and move fewer bytes: faster than the plan "

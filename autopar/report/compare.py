@@ -110,7 +110,7 @@ def _setting_rows(a: Plan, b: Plan) -> list[Row]:
             _text_row("cluster", cluster_spec(a), cluster_spec(b)),
             _text_row("global batch", a.global_batch_size, b.global_batch_size),
             _text_row("precision", a.precision.compute, b.precision.compute),
-            _text_row("kernels", a.precision.kernels, b.precision.kernels)]
+            _text_row("kernels", a.precision.kernels_name, b.precision.kernels_name)]
 
 
 def _config_rows(a: ParallelConfig, b: ParallelConfig) -> list[Row]:

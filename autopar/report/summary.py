@@ -30,7 +30,7 @@ def _header(plan: Plan) -> list[str]:
         f"{heading(plan)} for {plan.model_name} on {plan.cluster.describe()}",
         f"  configuration  {c.short()}",
         f"  batch          global {plan.global_batch_size} = dp {c.dp} x {plan.micro_batches} micro-batches x "
-        f"{c.micro_batch_size} per micro-batch; precision {plan.precision.compute}, {plan.precision.kernels} kernels",
+        f"{c.micro_batch_size} per micro-batch; precision {plan.precision.compute}, {plan.precision.kernels_name} kernels",
         f"  step time      {seconds(plan.step_time)}   throughput {throughput(plan)}   "
         f"{flops_rate(plan.tflops_per_device * 1e12)} per device   MFU {percent(plan.mfu)}",
         f"  error bar      {interval_line(plan.step_time_interval())}",

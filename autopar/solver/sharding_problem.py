@@ -83,7 +83,8 @@ class Pricing:
         # micro-batches a plan runs; the ILP ranks them with the smooth efficiency, and the step time
         # (layer_cost at the plan's micro-batch) prices the waves of the layout it picks.
         self.model = ComputeModel(self.graph, self.cluster.device, self.precision.storage, waves=False,
-                                  fp8=recipe_of(self.precision), kernels=self.precision.kernels)
+                                  fp8=recipe_of(self.precision), kernels=self.precision.kernels,
+                                  fused_softmax=self.precision.fused_softmax)
         self.owner = saved_owner(self.graph)
 
     @property

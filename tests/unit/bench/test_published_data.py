@@ -76,3 +76,25 @@ def test_ranks_share_ties_and_spearman_reads_order():
     assert list(fidelity.ranks([3.0, 1.0, 3.0, 2.0])) == [3.5, 1.0, 3.5, 2.0]
     assert fidelity.spearman([1.0, 2.0, 3.0], [10.0, 20.0, 30.0]) == pytest.approx(1.0)
     assert fidelity.spearman([1.0, 2.0, 3.0], [30.0, 20.0, 10.0]) == pytest.approx(-1.0)
+
+
+def test_megatron_deepspeed_2022_falls_back_to_the_torch_softmax_where_its_check_did():
+    """Megatron-DeepSpeed 541b967f's is_kernel_available, its arguments swapped (bench/published.py): the block is
+    128 / min(next power of two of heads-per-rank, 32) warps of 2 rows; 64 heads at tp=8 fall back at micro-batches
+    1, 2 and 6, as do 112 heads at tp=8 with micro-batch 4 (the chronicle's slow NHEADS=112 row); tp=4 and tp=2
+    with 64 heads never. Only the BLOOM prequel's rows take the rule, and their precision says what ran."""
+    published = _load("published")
+    rule = published.megatron_deepspeed_2022_fused_softmax
+    bloom = published.Model(family="gpt", hidden=14336, heads=64, layers=72, seq=2048, vocab=250880)
+    assert [rule(bloom, 8, mb) for mb in (1, 2, 4, 6, 8)] == [False, False, True, False, True]
+    assert all(rule(bloom, tp, mb) for tp in (2, 4) for mb in (1, 2, 4))
+    heads112 = published.Model(family="gpt", hidden=14336, heads=112, layers=72, seq=2048, vocab=250880)
+    assert not rule(heads112, 8, 4) and rule(heads112, 4, 2)
+    long = published.Model(family="gpt", hidden=14336, heads=64, layers=72, seq=4096, vocab=250880)
+    assert not rule(long, 4, 2)                  # the 2022 kernel took keys up to 2048
+    rows = published.load_rows()
+    prequel = [r for r in rows if r.source == "bloom-tr11-prequel"]
+    assert prequel and all(r.precision.fused_softmax == rule(r.model, r.fixed["tp"], r.fixed["micro_batch_size"])
+                           for r in prequel)
+    assert any(not r.precision.fused_softmax for r in prequel)
+    assert all(r.precision.fused_softmax for r in rows if r.source != "bloom-tr11-prequel")

@@ -198,3 +198,42 @@ def test_ranks_sharing_a_machine_compute_slower(llama):
     assert H100.device.concurrency_slowdown == 1.0
     with pytest.raises(autopar.ConfigError, match="concurrency_slowdown"):
         dataclasses.replace(cpu.device, concurrency_slowdown=0.8)
+
+
+def test_megatrons_torch_softmax_fallback_costs_its_five_fp32_passes(gpt):
+    """Precision(fused_softmax=False): the attention softmax as Megatron's PyTorch fallback runs it (cast to
+    fp32, scale, mask, softmax, cast back): 2d + 32 bytes a score forward and 2d + 36 backward (d = 2 in bf16)
+    in five kernels, where the fused kernel's chain moves 4 and 8 in one; every other op unchanged. Only with
+    hand-fused kernels: the others run no such kernel."""
+    fallback = Precision(kernels="fused", fused_softmax=False)
+    fused_away = fused_ops(gpt, "fused")
+    node = next(n for n in gpt.nodes if n.kind is OpKind.SOFTMAX)
+    assert node.name not in fused_away
+    kernel, torch_softmax = (ComputeModel(gpt, H100.device, "bf16", kernels="fused", fused_softmax=f)
+                             for f in (True, False))
+    device = H100.device
+    bandwidth, launch = device.memory_bandwidth * device.memory_efficiency, device.kernel_overhead
+    scores = node.outputs[0].numel
+    one, five = kernel.op_time(node, 1.0, 1, "", fused_away), torch_softmax.op_time(node, 1.0, 1, "", fused_away)
+    assert one.fwd == pytest.approx(4 * scores / bandwidth + launch)
+    assert five.fwd == pytest.approx(36 * scores / bandwidth + 5 * launch)
+    assert five.bwd == pytest.approx(40 * scores / bandwidth + 10 * launch)
+    others = [n for n in gpt.nodes if n.kind is not OpKind.SOFTMAX]
+    assert all(kernel.op_time(n, 1.0, 1, "", fused_away) == torch_softmax.op_time(n, 1.0, 1, "", fused_away)
+               for n in others)
+    cfg = ParallelConfig(dp=8)
+    assert price(gpt, H100, cfg, 8, precision=fallback).step_time > price(gpt, H100, cfg, 8, precision=FUSED).step_time
+    for kernels in ("eager", "compiled"):
+        with pytest.raises(autopar.ConfigError, match="kernels=\"fused\""):
+            Precision(kernels=kernels, fused_softmax=False)
+    with pytest.raises(autopar.ConfigError, match="True or False"):
+        Precision(kernels="fused", fused_softmax="no")
+
+
+def test_reports_say_the_softmax_ran_as_pytorch(gpt):
+    cfg = ParallelConfig(dp=8)
+    fused = price(gpt, H100, cfg, 8, precision=FUSED)
+    fallback = price(gpt, H100, cfg, 8, precision=Precision(kernels="fused", fused_softmax=False))
+    assert "fused kernels" in fused.summary() and "PyTorch softmax" not in fused.summary()
+    assert "fused (PyTorch softmax) kernels" in fallback.summary()
+    assert "PyTorch softmax" in str(fused.compare(fallback))

@@ -127,6 +127,7 @@ MEGATRON = {   # flag: int, str, FLAG (store_true) or the choices
     "--recompute-num-layers": int, "--use-distributed-optimizer": FLAG, "--use-megatron-fsdp": FLAG,
     "--data-parallel-sharding-strategy": ("no_shard", "optim", "optim_grads", "optim_grads_params"),
     "--no-gradient-accumulation-fusion": FLAG,
+    "--no-masked-softmax-fusion": FLAG,
     "--ckpt-format": ("torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"),
     "--fp16": FLAG, "--bf16": FLAG, "--accumulate-allreduce-grads-in-fp32": FLAG, "--grad-reduce-in-bf16": FLAG,
     "--optimizer": ("adam", "sgd", "muon", "dist_muon"),

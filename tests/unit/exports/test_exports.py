@@ -851,3 +851,19 @@ def test_deepspeed_overlaps_the_reduction_where_it_can_and_says_where_it_cannot(
     piped = export(plans["gpt3-175b_128x8xA100"], "deepspeed")
     assert any("reduces the gradients after the whole pipeline" in w for w in piped.warnings)
     assert not any(f.key == "zero_optimization.overlap_comm" for f in ds(zero=3).fields)   # stage 3: its default
+
+
+def test_megatron_runs_the_torch_softmax_a_plan_priced(plans, tmp_path):
+    """A plan priced with Megatron's PyTorch softmax fallback (Precision(fused_softmax=False)) tells Megatron-LM to
+    run it (--no-masked-softmax-fusion), else Megatron would run the fused kernel the plan did not price; the
+    default writes nothing."""
+    plan = plans["gpt3-175b_128x8xA100"]
+    assert plan.precision.kernels == "fused" and plan.precision.fused_softmax
+    assert "--no-masked-softmax-fusion" not in {f.key for f in export(plan, "megatron").fields}
+    fallback = dataclasses.replace(plan, precision=dataclasses.replace(plan.precision, fused_softmax=False))
+    meg = export(fallback, "megatron")
+    field = next(f for f in meg.fields if f.key == "--no-masked-softmax-fusion")
+    assert field.sources == ("precision.fused_softmax",)
+    path = tmp_path / "megatron_args.sh"
+    path.write_text(meg.text)
+    schemas.check_megatron(schemas.bash_arrays(str(path)), fallback.cluster.devices)
