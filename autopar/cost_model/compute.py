@@ -174,11 +174,17 @@ def loss_bytes(graph: OpGraph, node: OpNode, kernels: str, dtype: str) -> tuple[
     return per[0] * scores.numel, per[1] * scores.numel
 
 
+def is_attention_softmax(node: OpNode) -> bool:
+    """A softmax over attention scores ``[batch, heads, queries, keys]``: the 4-D input Megatron's
+    FusedScaleMaskSoftmax takes (a router's softmax over experts is not one)."""
+    return node.kind is OpKind.SOFTMAX and len(node.outputs[0].shape) == 4
+
+
 def fallback_softmax_bytes(node: OpNode, dtype: str) -> tuple[float, float] | None:
     """Forward and backward bytes Megatron-LM's PyTorch fallback of its fused scale-mask-softmax moves over an
     attention softmax's scores (module docstring), at the captured batch and unsplit; None for any other op.
     ``dtype`` is the training dtype the scores are kept in."""
-    if node.kind is not OpKind.SOFTMAX:
+    if not is_attention_softmax(node):
         return None
     d = DTYPE_BYTES[dtype]
     casts = 2.0 * d + 8.0 if d < 4 else 0.0
@@ -266,7 +272,7 @@ class ComputeModel:
 
     def _fallback(self, node: OpNode) -> bool:
         """Whether ``node`` is an attention softmax run as Megatron's PyTorch fallback (module docstring)."""
-        return not self.fused_softmax and self.kernels == "fused" and node.kind is OpKind.SOFTMAX
+        return not self.fused_softmax and self.kernels == "fused" and is_attention_softmax(node)
 
     def _kernels(self, node: OpNode, fused: frozenset[str] | Mapping[str, bool]) -> int:
         """Kernels ``node`` launches in its forward: none fused into its consumer, one, or the fallback's."""

@@ -218,6 +218,9 @@ def test_megatrons_torch_softmax_fallback_costs_its_five_fp32_passes(gpt):
     assert one.fwd == pytest.approx(4 * scores / bandwidth + launch)
     assert five.fwd == pytest.approx(36 * scores / bandwidth + 5 * launch)
     assert five.bwd == pytest.approx(40 * scores / bandwidth + 10 * launch)
+    assert len(node.outputs[0].shape) == 4     # [batch, heads, queries, keys]: a router's softmax is not one
+    router = dataclasses.replace(node, name="router", outputs=(dataclasses.replace(node.outputs[0], shape=(64, 8)),))
+    assert torch_softmax.op_time(router, 1.0, 1, "") == kernel.op_time(router, 1.0, 1, "")
     others = [n for n in gpt.nodes if n.kind is not OpKind.SOFTMAX]
     assert all(kernel.op_time(n, 1.0, 1, "", fused_away) == torch_softmax.op_time(n, 1.0, 1, "", fused_away)
                for n in others)
