@@ -44,6 +44,7 @@ PRECISION_DTYPES: Mapping[str, str] = {v: k for k, v in TORCH_DTYPE_NAMES.items(
 KERNELS: tuple[str, ...] = ("eager", "fused", "compiled")
 GRAD_ACCUMULATIONS: tuple[str, ...] = ("autograd", "fused")   # Precision.grad_accumulation
 PARAM_GATHERS: tuple[str, ...] = ("after_step", "overlapped")   # Precision.param_gather
+GRAD_REDUCES: tuple[str, ...] = ("reduce_scatter", "all_reduce")   # Precision.grad_reduce
 FP8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8")
 """Precision(compute="fp8")'s scaling recipes: torchao's three float8 training recipes (Float8LinearRecipeName)
 and MXFP8 block scaling (32-element blocks, Blackwell and MI355X tensor cores); cost_model/low_precision.py."""
@@ -353,11 +354,19 @@ class Precision:
     forward: Megatron-Core's ``--overlap-param-gather``, which the Megatron-LM export then writes). Only ZeRO-1 has
     such a gather: ZeRO-2/3 gather weights before each use, inside the step."""
 
+    grad_reduce: str = "reduce_scatter"
+    """How ZeRO-1's data-parallel ranks reduce the gradients: "reduce_scatter" (each rank receives the sum of its
+    own shard: what ``parallelize``, Megatron-Core's distributed optimizer and DeepSpeed from 0.13 run); "all_reduce"
+    (every rank receives the whole sum and keeps its shard, twice the bytes: DeepSpeed 0.4.4 to 0.12's ZeRO stage 1,
+    whose engine turns ``contiguous_gradients`` off at stage 1, so that its optimizer reduces through
+    ``buffered_reduce_fallback``'s all-reduce). Only ZeRO-1 reads it: ZeRO-0 all-reduces, ZeRO-2/3 reduce-scatter."""
+
     def __post_init__(self) -> None:
         if self.grad_accumulation is None:
             object.__setattr__(self, "grad_accumulation", "fused" if self.kernels == "fused" else "autograd")
         check_choice("grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATIONS)
         check_choice("param_gather", self.param_gather, PARAM_GATHERS)
+        check_choice("grad_reduce", self.grad_reduce, GRAD_REDUCES)
         check_choice("compute", self.compute, (*DTYPE_BYTES, "fp8"))
         check_choice("fp8_storage", self.fp8_storage, FP8_STORAGES)
         if self.grads is None:

@@ -147,12 +147,21 @@ def megatron_deepspeed_2022_fused_softmax(model: Model, tp: int, micro_batch: in
 FUSED_SOFTMAX_RULES = {"bloom-tr11-prequel": megatron_deepspeed_2022_fused_softmax}
 
 
+# Sources whose fp16 runs used DeepSpeed 0.4.4-0.12's ZeRO stage 1 (its engine turns contiguous_gradients off at
+# stage 1, so the optimizer all-reduces the gradients: runtime/engine.py, "meaningless in stage 1", and
+# zero/stage_1_and_2.py reduce_ipg_grads -> buffered_reduce_fallback -> allreduce_bucket; bench/sources.md). The
+# BLOOM prequel's bf16 rows (02-28 on) ran another optimizer (a BF16 branch, DeepSpeed's ZeRO stage 0): not these.
+DEEPSPEED_STAGE1_ALL_REDUCE = frozenset({"bloom-tr11-prequel"})
+
+
 def _precision(d: Mapping[str, Any], model: Model) -> autopar.Precision:
     precision = autopar.Precision(**d["precision"])
+    config = d["config"]
+    if d["source"] in DEEPSPEED_STAGE1_ALL_REDUCE and precision.compute == "fp16" and config.get("zero") == 1:
+        precision = dataclasses.replace(precision, grad_reduce="all_reduce")
     rule = FUSED_SOFTMAX_RULES.get(d["source"])
     if rule is None or precision.kernels != "fused":
         return precision
-    config = d["config"]
     return dataclasses.replace(precision, fused_softmax=rule(model, config["tp"], config["micro_batch_size"]))
 
 

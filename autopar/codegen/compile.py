@@ -207,6 +207,11 @@ def compile_program(plan: Plan, exported: Any, model: nn.Module) -> CompiledProg
                           "(Precision(param_gather='overlapped'), Megatron-Core's --overlap-param-gather); the programs "
                           "autopar compiles broadcast them after the optimizer step, with nothing to hide them: re-plan "
                           "with Precision(param_gather='after_step') (the default)")
+    if plan.precision.grad_reduce == "all_reduce" and cfg.zero == 1 and cfg.grad_replicas > 1:
+        raise ConfigError("this plan prices ZeRO-1's gradients all-reduced, every rank receiving the whole sum "
+                          "(Precision(grad_reduce='all_reduce'), DeepSpeed 0.4.4-0.12's stage 1); the programs autopar "
+                          "compiles reduce-scatter them, half the bytes: re-plan with "
+                          "Precision(grad_reduce='reduce_scatter') (the default)")
     check_weights_dtype(plan, model)
     graph = graph_of(model, exported)
     check_structure(plan, graph)

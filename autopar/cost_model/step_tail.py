@@ -6,7 +6,8 @@ Data parallelism runs over the ``dp * cp`` ranks holding the same dense weights 
 parallel ranks see different tokens of the same sequences, so their gradients are reduced
 together, as Megatron-Core does), expert weights over the ``dp * cp / ep`` ranks holding the
 same experts (expert_parallel.py); ZeRO shards over the same groups. Gradients (ZeRO 0-1) are
-all-reduced (ZeRO 1: reduce-scattered) once per step in buckets (``runtime.buckets.dp_bucket_bytes``: DDP's
+all-reduced (ZeRO 1: reduce-scattered, or all-reduced where the program does, ``Precision.grad_reduce``:
+DeepSpeed 0.4.4-0.12's stage 1) once per step in buckets (``runtime.buckets.dp_bucket_bytes``: DDP's
 25 MB, grown with the group as Megatron-Core grows them, one collective and one ring latency each) that
 overlap the backward pass of the last micro-batch. ZeRO-1 then all-gathers the updated weights in the same
 buckets: after the optimizer step, with nothing beside it (``Precision.param_gather`` "after_step", what
@@ -170,10 +171,8 @@ class StepTail:
         for n, grp in parts:
             nb = _buckets(n * g_b, grp.size, g_b)
             buckets = buckets + np.where(n > 0, nb, 0.0)
-            if cfg.zero == 0:
-                total = total + self.collective(Collective.ALL_REDUCE, n * g_b, grp, nb)
-            else:
-                total = total + self.collective(Collective.REDUCE_SCATTER, n * g_b, grp, nb)
+            total = total + self.collective(self._grad_reduce(cfg), n * g_b, grp, nb)
+            if cfg.zero == 1:
                 gather = gather + self.collective(Collective.ALL_GATHER, n * w_b, grp, nb)
         buckets = np.maximum(1.0, buckets)
         total = total + tp_sync
@@ -206,8 +205,15 @@ class StepTail:
             return micro_batches * ((1 - o_fwd) * ag + (1 - o) * (ag + rs))
         if cfg.zero == 0:
             return (1 - o) * least(Collective.ALL_REDUCE, g_b)
-        return ((1 - o) * least(Collective.REDUCE_SCATTER, g_b)
+        return ((1 - o) * least(self._grad_reduce(cfg), g_b)
                 + (1 - self._gather_overlap(o)) * least(Collective.ALL_GATHER, w_b))
+
+    def _grad_reduce(self, cfg: ParallelConfig) -> Collective:
+        """The collective reducing ZeRO-0/1's gradients: an all-reduce at ZeRO-0; at ZeRO-1 a reduce-scatter, or the
+        all-reduce DeepSpeed 0.4.4-0.12's stage 1 runs (``Precision.grad_reduce``)."""
+        if cfg.zero == 0 or self.precision.grad_reduce == "all_reduce":
+            return Collective.ALL_REDUCE
+        return Collective.REDUCE_SCATTER
 
     def _gather_overlap(self, o: float) -> float:
         """The share of ZeRO-1's gather of the updated weights that compute hides: ``o`` under the next forward

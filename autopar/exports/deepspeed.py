@@ -294,6 +294,11 @@ def _precision(plan: "Plan", add, warnings: list[str]) -> None:
                            if prec.gathers_fp8(plan.config) else ""))
     add("data_types.grad_accum_dtype", prec.grads, ("precision.grads",), CONFIG_JSON + " data_types; " + DTYPES)
     add("communication_data_type", prec.grads, ("precision.grads",), CONFIG_JSON + " communication_data_type")
+    if prec.grad_reduce == "all_reduce" and plan.config.zero == 1:
+        warnings.append("precision.grad_reduce = 'all_reduce': the plan prices the gradients all-reduced, as "
+                        "DeepSpeed 0.4.4-0.12's stage 1 ran them; from 0.13 DeepSpeed reduces each shard to its "
+                        "owner, half the bytes: faster than the plan predicts (re-plan with "
+                        "Precision(grad_reduce='reduce_scatter'))")
     if prec.storage != "fp32" and not prec.master_weights:
         warnings.append("precision.master_weights = false: DeepSpeed's 16-bit optimizers keep fp32 master weights "
                         "(4 more bytes per parameter than the plan)")

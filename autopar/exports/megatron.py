@@ -370,6 +370,10 @@ def _precision(plan: "Plan", add, warnings: list[str]) -> None:
         add("--no-gradient-accumulation-fusion", True, ("precision.grad_accumulation",),
             _doc("_add_training_args", "--no-gradient-accumulation-fusion"),
             "the plan priced the micro-batches' gradients added by autograd, a pass per micro-batch")
+    if prec.grad_reduce == "all_reduce" and plan.config.zero == 1:
+        warnings.append("precision.grad_reduce = 'all_reduce': Megatron-Core's distributed optimizer reduce-scatters "
+                        "the gradients, half the bytes the plan priced: faster than it predicts (re-plan with "
+                        "Precision(grad_reduce='reduce_scatter'))")
     if not prec.fused_softmax:
         add("--no-masked-softmax-fusion", True, ("precision.fused_softmax",),
             _doc("_add_training_args", "--no-masked-softmax-fusion"),

@@ -28,8 +28,8 @@ none) and still divided by ``dp * cp`` (expert_parallel.py explains why).
 ZeRO-1's optimizer (optim.py's ``Zero1Optimizer``) partitions each group of parameters over the ranks that
 reduce its gradients (dense weights over ``dp * cp``, expert weights over their expert replicas) and runs
 the user's optimizer once over this rank's share of all groups. Its reducers then sum each gradient
-onto its owner only (:meth:`GradReducer.reduce_to_owners`: a reduce per owner and bucket, DeepSpeed's
-ZeRO-1 traffic, which the cost model prices as a reduce-scatter); the other ranks then free their parts
+onto its owner only (:meth:`GradReducer.reduce_to_owners`: a reduce per owner and bucket, the traffic of
+DeepSpeed's ZeRO-1 with contiguous gradients (0.13 on), which the cost model prices as a reduce-scatter); the other ranks then free their parts
 of that gradient, which nothing reads (:meth:`GradReducer.share` sends them the mean when asked), and
 after the step each owner broadcasts what it stepped, a bucket at a time (an all-gather's traffic,
 priced after the step: ``Precision.param_gather``).

@@ -291,6 +291,16 @@ def test_parallelize_refuses_a_plan_priced_with_overlapped_param_gather(world, p
         compile_program(zero1, None, make_model())
 
 
+def test_parallelize_refuses_a_plan_priced_with_all_reduced_zero1_gradients(world, plan) -> None:
+    """A ZeRO-1 plan priced with DeepSpeed 0.4.4-0.12's all-reduce of the gradients would run faster than priced
+    here, where each owner receives its shard's sum: refused, saying what to re-plan with."""
+    zero1 = dataclasses.replace(plan, config=dataclasses.replace(plan.config, dp=2, zero=1),
+                                precision=dataclasses.replace(plan.precision, grad_reduce="all_reduce"))
+    from autopar.codegen.compile import compile_program
+    with pytest.raises(ConfigError, match=r"Precision\(grad_reduce='reduce_scatter'\)"):
+        compile_program(zero1, None, make_model())
+
+
 def test_parallelize_refuses_a_model_in_another_dtype_than_the_plan_prices(world, plan) -> None:
     """A plan priced with bf16 weights and activations (a GPU plan's default) and a model whose parameters are
     fp32 (transformers' default) would train in fp32: twice the activations the plan counted, at fp32's speed.

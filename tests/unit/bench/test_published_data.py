@@ -98,3 +98,13 @@ def test_megatron_deepspeed_2022_falls_back_to_the_torch_softmax_where_its_check
                            for r in prequel)
     assert any(not r.precision.fused_softmax for r in prequel)
     assert all(r.precision.fused_softmax for r in rows if r.source != "bloom-tr11-prequel")
+
+
+def test_the_bloom_prequels_fp16_zero1_rows_all_reduce_their_gradients():
+    """DeepSpeed 0.4.4-0.12's stage 1 all-reduces the gradients (its engine turns contiguous_gradients off):
+    the BLOOM prequel's fp16 ZeRO-1 rows say so; its bf16 rows (another optimizer) and every other source do not."""
+    rows = _load("published").load_rows()
+    fp16 = [r for r in rows if r.source == "bloom-tr11-prequel" and r.precision.compute == "fp16"]
+    assert fp16 and all(r.precision.grad_reduce == "all_reduce" and r.fixed["zero"] == 1 for r in fp16)
+    others = [r for r in rows if r not in fp16]
+    assert others and all(r.precision.grad_reduce == "reduce_scatter" for r in others)

@@ -867,3 +867,15 @@ def test_megatron_runs_the_torch_softmax_a_plan_priced(plans, tmp_path):
     path = tmp_path / "megatron_args.sh"
     path.write_text(meg.text)
     schemas.check_megatron(schemas.bash_arrays(str(path)), fallback.cluster.devices)
+
+
+def test_exports_say_a_stack_reduces_zero1_gradients_faster_than_an_all_reduce_plan(plans):
+    """A ZeRO-1 plan priced with DeepSpeed 0.4.4-0.12's gradient all-reduce (Precision(grad_reduce='all_reduce')):
+    Megatron-Core and today's DeepSpeed reduce each shard to its owner, half the bytes; their exports say so."""
+    plan = plans["gpt3-175b_128x8xA100"]
+    zero1 = dataclasses.replace(plan, config=dataclasses.replace(plan.config, zero=1),
+                                precision=dataclasses.replace(plan.precision, grad_reduce="all_reduce"))
+    for stack in ("megatron", "deepspeed"):
+        assert any("grad_reduce = 'all_reduce'" in w for w in export(zero1, stack).warnings), stack
+        assert not any("grad_reduce" in w for w in export(dataclasses.replace(zero1, precision=plan.precision),
+                                                            stack).warnings), stack
