@@ -12,7 +12,8 @@ Activations of one layer for one micro-batch are the bytes of the tensors autogr
 saves (capture/rules.py; compiled, what a compiled program keeps: capture/fusion.py),
 each storage counted once and charged to the first layer that saves it, at the training
 precision (floating tensors of the model's dtype at 2 bytes in bf16, a float32 copy the model
-makes on purpose at 4; masks 1 byte). Tensor parallelism divides a tensor in the split region by ``t``; sequence
+makes on purpose at 4; masks 1 byte; the attention probabilities at 4 where Megatron's PyTorch softmax ran,
+``Precision(fused_softmax=False)``, which saves its fp32 output). Tensor parallelism divides a tensor in the split region by ``t``; sequence
 parallelism divides the replicated region by ``t`` as well. Selective recomputation
 drops what the attention core's ops save of the values the core computes (capture/layers.py: from
 ``Q K^T`` through the value product, or a fused attention op), keeping its inputs and what the ops
@@ -46,6 +47,7 @@ import numpy as np
 from ..capture.opgraph import Layer, OpGraph, OpKind, SavedTensor
 from ..config import SPLIT_BACKWARD, ParallelConfig, Precision
 from ..runtime.schedules import build, releases
+from .compute import is_attention_softmax
 from .tensor_parallel import TPLayout
 
 
@@ -128,8 +130,9 @@ class ActivationModel:
     def _list(self, what: str, layer: Layer, owner: Mapping[str, int] | None) -> Iterable[tuple]:
         graph, per = self.graph, self.precision.activation_bytes
         if what in ("none", "selective"):
+            fp32 = self._fp32_probabilities
             for st in self._saved_in(layer, owner, what == "selective"):
-                yield self._term(st.root, st, per)
+                yield self._term(st.root, st, 4 if st.root in fp32 else per)
         elif what == "boundary":
             for name in layer.inputs:
                 if name in graph.node_index:
@@ -148,6 +151,14 @@ class ActivationModel:
                 meta = node.outputs[0]
                 yield self._term(node.name, SavedTensor(node.name, meta.numel, meta.dtype, node.batch_dependent),
                                  per if meta.is_float else None)
+
+    @functools.cached_property
+    def _fp32_probabilities(self) -> frozenset[str]:
+        """The attention softmaxes whose output is saved in fp32: those of Megatron's PyTorch softmax
+        (``Precision(fused_softmax=False)``), which upcasts the scores before it; none otherwise."""
+        if self.precision.fused_softmax or self.precision.kernels != "fused":
+            return frozenset()
+        return frozenset(n.name for n in self.graph.nodes if is_attention_softmax(n))
 
     @staticmethod
     def _sum(terms: Iterable[tuple], batch_scale: float, start=0.0) -> float:

@@ -240,3 +240,15 @@ def test_reports_say_the_softmax_ran_as_pytorch(gpt):
     assert "fused kernels" in fused.summary() and "PyTorch softmax" not in fused.summary()
     assert "fused (PyTorch softmax) kernels" in fallback.summary()
     assert "PyTorch softmax" in str(fused.compare(fallback))
+
+
+def test_megatrons_torch_softmax_keeps_fp32_probabilities(gpt):
+    """Without recomputation the fallback's softmax saves its fp32 output where the fused kernel saves bf16
+    probabilities: 2 more bytes a score in every layer's activations; full recomputation keeps neither."""
+    scores = sum(n.outputs[0].numel for n in gpt.nodes if n.kind is OpKind.SOFTMAX)
+    fallback = Precision(kernels="fused", fused_softmax=False)
+    for recompute, extra in (("none", 2 * scores), ("full", 0)):
+        cfg = ParallelConfig(dp=8, recompute=recompute)
+        fused, torch_softmax = (price(gpt, H100, cfg, 8, precision=p) for p in (FUSED, fallback))
+        assert (torch_softmax.stages[0].activation_per_microbatch
+                - fused.stages[0].activation_per_microbatch) == pytest.approx(extra)
