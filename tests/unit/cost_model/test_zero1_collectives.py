@@ -1,7 +1,12 @@
-"""Precision.param_gather: ZeRO-1's all-gather of the updated weights runs after the optimizer step with nothing
-beside it ("after_step": parallelize, DeepSpeed, Megatron-Core's default), or under the next step's forward
-("overlapped": Megatron-Core's --overlap-param-gather). The price follows; programs autopar compiles refuse the
-overlapped one; StepTail.dp_floor stays a lower bound of dp_time either way."""
+"""ZeRO-1's data-parallel collectives, as the program runs them.
+
+Precision.param_gather: the all-gather of the updated weights runs after the optimizer step with nothing beside it
+("after_step": parallelize, DeepSpeed, Megatron-Core's default), or under the next step's forward ("overlapped":
+Megatron-Core's --overlap-param-gather). Precision.grad_reduce: the gradients reduce-scattered (each rank receives
+its shard's sum: parallelize, Megatron-Core, DeepSpeed from 0.13) or all-reduced (every rank receives the whole
+sum: DeepSpeed 0.4.4-0.12's stage 1, whose engine turns contiguous_gradients off there). The price follows each;
+programs autopar compiles refuse the overlapped gather and the all-reduce; StepTail.dp_floor stays a lower bound
+of dp_time either way."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from autopar.cost_model.layer_cost import LayerCostModel
 from autopar.cost_model.step_tail import _buckets
 
 
-def test_default_and_choices():
+def test_param_gather_default_and_choices():
     assert Precision().param_gather == "after_step"
     assert Precision(kernels="fused").param_gather == "after_step"     # Megatron-Core's default too
     with pytest.raises(ConfigError, match="param_gather"):
@@ -52,3 +57,32 @@ def test_a_plan_prices_the_gather_it_was_given(graph):
     hidden = estimate_plan(graph, cluster, cfg, 16, Precision(param_gather="overlapped"))
     assert hidden.step_time < after.step_time
     assert hidden.breakdown.dp_comm < after.breakdown.dp_comm
+
+
+def test_grad_reduce_default_and_choices():
+    assert Precision().grad_reduce == "reduce_scatter"
+    with pytest.raises(ConfigError, match="grad_reduce"):
+        Precision(grad_reduce="reduce")
+
+
+@pytest.mark.parametrize("spec", ["2x8xA100-80GB", "1x8xH100-SXM"])
+def test_an_all_reduce_costs_its_extra_bytes_at_zero_1_only(graph, spec):
+    """With no backward to hide under (bwd 0), all_reduce - reduce_scatter is the all-reduce's time less the
+    reduce-scatter's over the same buckets; ZeRO-0 (all-reduce either way) and ZeRO-2 price the same under both."""
+    cluster = Cluster.from_spec(spec)
+    tails = {how: _tail(graph, cluster, Precision(grad_reduce=how)) for how in ("reduce_scatter", "all_reduce")}
+    params, fwd = 2e9, 0.5
+    for zero in (0, 1, 2):
+        cfg = ParallelConfig(dp=cluster.devices, zero=zero)
+        groups = Estimator(graph, cluster, Precision(), LayerCostModel(graph, cluster, Precision())).placements(cfg)
+        t = {how: tail.dp_time(cfg, 4, groups, params, fwd, 0.0, 0.0, 0.0, 0.0, 1.0) for how, tail in tails.items()}
+        for how, tail in tails.items():
+            assert tail.dp_floor(cfg, 4, groups, params) <= t[how] + 1e-12
+        if zero != 1:
+            assert t["all_reduce"] == pytest.approx(t["reduce_scatter"])
+            continue
+        tail, nbytes = tails["reduce_scatter"], params * 2
+        buckets = _buckets(nbytes, cluster.devices, 2)
+        extra = (tail.collective(Collective.ALL_REDUCE, nbytes, groups["dp"], buckets)
+                 - tail.collective(Collective.REDUCE_SCATTER, nbytes, groups["dp"], buckets))
+        assert extra > 0 and t["all_reduce"] - t["reduce_scatter"] == pytest.approx(extra)
