@@ -16,6 +16,9 @@ from typing import Any, Mapping
 from .config import is_cpu_device
 from .errors import ConfigError
 
+MEASURED_SOURCE = "measured by autopar's profiler"
+"""How the ``source`` of a Device that ``Cluster.local`` measured begins (profiler/device_fit.py)."""
+
 REQUIRED_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
 
 def check_number(owner: str, name: str, value: Any, *, allow_zero: bool = False,
@@ -215,6 +218,9 @@ class Device:
         except KeyError:
             hint = (": dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, peak_flops="
                     "{**cluster.device.peak_flops, 'fp64': <FLOP/s>}))" if dtype == "fp64" else "")
+            if dtype == "fp64" and self.source.startswith(MEASURED_SOURCE):
+                hint = ("; this machine's profile was measured before autopar measured fp64: Cluster.local(refresh="
+                        "True) or `autopar profile --refresh` measures it")
             raise ConfigError(f"device {self.name!r} has no peak for dtype {dtype!r} (known: "
                               f"{sorted(self.peak_flops)}): price on a Device whose peak_flops has {dtype!r}{hint}"
                               ) from None

@@ -272,7 +272,7 @@ def _check_dtypes(dtypes: Iterable[str]) -> tuple[str, ...]:
 
 
 def measure_device(device: torch.device | None = None, threads: int = 1, *,
-                   dtypes: Sequence[str] = ("fp32", "bf16", "fp16"), budget: str = "normal",
+                   dtypes: Sequence[str] = ("fp32", "bf16", "fp16", "fp64"), budget: str = "normal",
                    progress: bool = True) -> DeviceProfile:
     """Measure ``device`` (default: this machine's accelerator) with ``threads`` torch threads (CPU).
 

@@ -33,7 +33,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..hardware import REQUIRED_DTYPES, Device
+from ..hardware import MEASURED_SOURCE, REQUIRED_DTYPES, Device
 from ..errors import ConfigError
 from .device_profile import DeviceProfile
 
@@ -202,7 +202,11 @@ def _fit_dtypes(profile: DeviceProfile, dtypes: Sequence[str] | None) -> tuple[l
         return list(dict.fromkeys(dtypes)), {dt: "not asked for" for dt in measured if dt not in dtypes}
     fp32 = profile.peak("fp32")
     excluded = {}
+    if "fp64" in measured:   # a GPU's fp64 runs on other units (1/64 of fp32 on most): its curve is not the others'
+        excluded["fp64"] = "fp64: priced at its own best matmul, left out of the training dtypes' fit"
     for dt in measured:
+        if dt == "fp64":
+            continue
         best = profile.peak(dt)
         if dt != "fp32" and fp32 is not None and best is not None and best < EMULATED_FRACTION * fp32:
             excluded[dt] = (f"emulated: its best matmul ({best / 1e9:.3g} GFLOP/s) is below "
@@ -221,7 +225,7 @@ def fit_device(profile: DeviceProfile, *, memory: float | None = None, dispatch_
     ``peak_flops[dtype]`` is the highest achieved matmul FLOP/s of that dtype: there is no
     datasheet peak for a CPU (nor one a GPU's GEMMs reach). Only ``peak * e_max`` is identifiable
     from times, so: one ``(e, d_half)`` is fitted to the matmul samples of ``dtypes`` (default:
-    every measured dtype but emulated ones, see EMULATED_FRACTION) by least squared log error of
+    every measured dtype but fp64 and emulated ones, see EMULATED_FRACTION) by least squared log error of
     time; if ``e <= 1`` it is ``matmul_efficiency``; if ``e > 1`` (the model's large-GEMM
     asymptote lies above the best sample, as it must when ``d_half > 0`` and the best sample
     is the largest) the fitted dtypes' peaks are multiplied by ``e`` and ``matmul_efficiency``
@@ -247,7 +251,7 @@ def fit_device(profile: DeviceProfile, *, memory: float | None = None, dispatch_
     cpu = profile.device_type == "cpu"
     scaled = f" times {scale:.4g} (the fitted large-GEMM asymptote)" if scale > 1 else ""
     measured = profile.conditions
-    source = (f"measured by autopar's profiler on {measured.measured_at.split('T')[0]} with torch "
+    source = (f"{MEASURED_SOURCE} on {measured.measured_at.split('T')[0]} with torch "
               f"{measured.torch_version} ({profile.budget} budget{f', {profile.threads} thread(s)' if cpu else ''}): "
               f"peaks are the best achieved matmul FLOP/s{scaled}, no datasheet figure; matmul_efficiency and "
               f"matmul_half_dim fitted to the {'/'.join(fitted)} matmul times; memory_bandwidth the best "

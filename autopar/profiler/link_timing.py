@@ -1,7 +1,7 @@
-r"""Link timing: the collectives of this machine's ranks, measured in one spawn (links.py fits them).
+r"""Link timing: the collectives of this machine's ranks, measured in one launch (links.py fits them).
 
-**What is measured.** :func:`measure_links` spawns ``n`` local ranks once (gloo on CPU, NCCL with
-one GPU per rank) and times, for every per-rank size ``S`` in bytes (float32 buffers; ``S`` has
+**What is measured.** :func:`measure_links` starts ``n`` local ranks once, as child interpreters (gloo on CPU,
+NCCL with one GPU per rank), and times, for every per-rank size ``S`` in bytes (float32 buffers; ``S`` has
 the meaning of cost_model/comm.py: all-reduce the buffer, all-gather the OUTPUT,
 reduce-scatter the INPUT, all-to-all the send buffer, p2p the message):
 
@@ -27,9 +27,9 @@ ProcessGroupGloo clones the input, all-reduces all of it and copies this rank's 
 so it costs about an all-reduce of ``S``. The profile records what the backend really does;
 its fit then gives a (low) effective ``B`` for reduce-scatter that the cost model uses as is.
 
-The same spawn then measures what collectives and compute cost inside a training step (overlap,
+The same ranks then measure what collectives and compute cost inside a training step (overlap,
 in-context extra, concurrency slowdown, the tensor-parallel runtime's per-op dispatch overhead):
-step_conditions.py. The profile records the load of other processes around the spawn
+step_conditions.py. The profile records the load of other processes around the launch
 (autopar/conditions.py).
 
 **Noise.** On a small VM gloo's times are bimodal: most calls take the link's time, but a
@@ -49,6 +49,8 @@ import math
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -111,7 +113,7 @@ def _free_port() -> int:
 def measure_links(nprocs: int, threads_per_rank: int = 1, *, sizes: Sequence[int] | None = None, warmup: int = 2,
                   repeats: int = 5, backend: str | None = None, progress: bool = True) -> LinkProfile:
     """Time every collective of :data:`COLLECTIVES` at every size, and the tensor-parallel dispatch overhead,
-    on ``nprocs`` local ranks spawned once (module docstring: what is measured).
+    on ``nprocs`` local ranks started once (module docstring: what is measured).
 
     ``sizes``: per-rank bytes (default :data:`DEFAULT_SIZES`), rounded by :func:`round_sizes`.
     ``backend``: None picks NCCL when CUDA is available (one GPU per rank), else gloo.
@@ -131,15 +133,12 @@ def measure_links(nprocs: int, threads_per_rank: int = 1, *, sizes: Sequence[int
     if backend == "gloo" and nprocs * threads_per_rank > (os.cpu_count() or 1):
         warnings.warn(f"{nprocs} ranks x {threads_per_rank} threads oversubscribe this machine's {os.cpu_count()} "
                       "cores: the link times will include scheduling delays", stacklevel=2)
-    import torch.multiprocessing as mp
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     with tempfile.TemporaryDirectory() as tmp, LoadMeter() as load:
         out = os.path.join(tmp, "links.json")
-        args = (nprocs, _free_port(), threads_per_rank, list(sizes), warmup, repeats, backend, out, progress)
-        try:
-            mp.start_processes(_rank_main, args=args, nprocs=nprocs, join=True, start_method="spawn")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
-            raise RuntimeFailure(f"link profiling on {nprocs} {backend} ranks failed: {exc}") from exc
+        args = dict(nprocs=nprocs, port=_free_port(), threads=threads_per_rank, sizes=list(sizes), warmup=warmup,
+                    repeats=repeats, backend=backend, out_path=out, show_progress=progress)
+        _run_ranks(args, tmp)
         with open(out) as fh:
             record = json.load(fh)
     # The ranks' own run-queue waits end with them: the links record the loads (the ranks are this
@@ -154,6 +153,56 @@ def measure_links(nprocs: int, threads_per_rank: int = 1, *, sizes: Sequence[int
     profile = LinkProfile.from_record(record | {"conditions": conditions.to_dict()})
     flat = tuple(kind for kind, fit in fit_profile(profile).items() if fit.beta <= 0)
     return replace(profile, conditions=replace(conditions, flat=flat))
+
+
+_RANK_ENTRY = "import sys; from autopar.profiler.link_timing import _rank_cli; _rank_cli(sys.argv[1:])"
+"""What each rank's interpreter runs: the ranks are fresh interpreters that import autopar, not the caller's
+``__main__`` again, as multiprocessing's spawn would (a script calling ``Cluster.local`` without an
+``if __name__ == "__main__":`` guard would start its own ranks from each rank; stdin has no file to re-run)."""
+_TAIL_CHARS = 4000
+
+
+def _run_ranks(args: dict[str, Any], tmp: str) -> None:
+    """Run the ``args["nprocs"]`` ranks of :func:`_rank_main` as child interpreters and wait for all of them;
+    the first that fails stops the others and raises RuntimeFailure with its standard error's tail. Rank 0
+    writes to this process's standard error (its progress bar); the others' go to files read on failure.
+    The children see this process's ``sys.path`` (a notebook's additions included)."""
+    nprocs = args["nprocs"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    procs, logs = [], []
+    try:
+        for rank in range(nprocs):
+            log = open(os.path.join(tmp, f"rank{rank}.err"), "w+")
+            logs.append(log)
+            procs.append(subprocess.Popen([sys.executable, "-c", _RANK_ENTRY, str(rank), json.dumps(args)],
+                                          env=env, stdin=subprocess.DEVNULL,
+                                          stderr=None if rank == 0 else log, stdout=None if rank == 0 else log))
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank = failed[0]
+                logs[rank].seek(0)
+                tail = logs[rank].read()[-_TAIL_CHARS:].strip()
+                raise RuntimeFailure(f"link profiling on {nprocs} {args['backend']} ranks failed: rank {rank} "
+                                     f"exited with code {codes[rank]}" + (f":\n{tail}" if tail else
+                                                                        " (its output is above)"))
+            if all(c == 0 for c in codes):
+                return
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for log in logs:
+            log.close()
+
+
+def _rank_cli(argv: Sequence[str]) -> None:
+    """A rank's entry point (:data:`_RANK_ENTRY`): ``argv`` is the rank and :func:`_rank_main`'s other
+    arguments as JSON."""
+    _rank_main(int(argv[0]), **json.loads(argv[1]))
 
 
 def _rank_main(rank: int, nprocs: int, port: int, threads: int, sizes: list[int], warmup: int, repeats: int,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import time
@@ -13,7 +14,7 @@ import torch
 
 from autopar.capture.opgraph import Gemm
 from autopar.conditions import ProfileConditions
-from autopar.hardware import Device
+from autopar.hardware import MEASURED_SOURCE, Device
 from autopar.cost_model.compute import gemm_efficiency
 from autopar.errors import ConfigError
 from autopar.profiler import device as dev
@@ -214,13 +215,13 @@ def test_measure_device_refuses_bad_arguments():
 
 @pytest.fixture(scope="module")
 def quick_cpu_profile() -> DeviceProfile:
-    return measure_device(torch.device("cpu"), threads=1, dtypes=("fp32",), budget="quick", progress=False)
+    return measure_device(torch.device("cpu"), threads=1, dtypes=("fp32", "fp64"), budget="quick", progress=False)
 
 
 def test_quick_cpu_measurement_gives_a_valid_device(quick_cpu_profile):
     profile = quick_cpu_profile
     assert profile.device_name == device_name(torch.device("cpu"), 1) and profile.threads == 1
-    assert list(profile.matmul) == ["fp32"] and len(profile.matmul["fp32"]) >= 5
+    assert list(profile.matmul) == ["fp32", "fp64"] and min(len(v) for v in profile.matmul.values()) >= 5
     assert all(s.seconds > 0 and s.flops_per_second > 0 for s in profile.matmul["fp32"])
     assert profile.conv and profile.attention and all(s.flops_per_second > 0 for s in profile.conv + profile.attention)
     assert profile.best_bandwidth > 1e8 and 0 < profile.kernel_overhead_seconds < 1e-3
@@ -230,8 +231,19 @@ def test_quick_cpu_measurement_gives_a_valid_device(quick_cpu_profile):
     # How close the fit comes on a real machine is timing, measured by bench/device_fit.py: here only
     # that the fit is a fit (finite errors over every fitted sample, an efficiency in (0, 1]).
     assert math.isfinite(report.median_relative_error) and math.isfinite(report.max_relative_error)
-    assert report.samples == len(profile.matmul["fp32"]) and 0 < device.matmul_efficiency <= 1
+    assert report.samples == len(profile.matmul["fp32"]) and 0 < device.matmul_efficiency <= 1   # fp64: not fitted
     assert DeviceProfile.from_record(json.loads(json.dumps(profile.to_record()))) == profile
+    # fp64 is measured like the others (Cluster.local's default dtypes), so an fp64 plan prices on this machine
+    assert "fp64" in inspect.signature(measure_device).parameters["dtypes"].default
+    assert device.peak("fp64") == max(s.flops_per_second for s in profile.matmul["fp64"])
+
+
+def test_a_profile_measured_without_fp64_says_how_to_measure_it(quick_cpu_profile):
+    device, _ = fit_device(quick_cpu_profile)
+    older = replace(device, peak_flops={k: v for k, v in device.peak_flops.items() if k != "fp64"})
+    assert older.source.startswith(MEASURED_SOURCE)
+    with pytest.raises(ConfigError, match=r"Cluster.local\(refresh=True\)"):
+        older.peak("fp64")
 
 
 def test_measuring_restores_the_thread_count_and_fp32_precision(quick_cpu_profile):

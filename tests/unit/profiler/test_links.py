@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -14,8 +18,9 @@ from autopar.cluster import Cluster
 from autopar.conditions import ProfileConditions
 from autopar.presets import device_preset, link_presets
 from autopar.cost_model.comm import Collective, GroupPlacement, collective_time
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, RuntimeFailure
 from autopar.profiler.database import ProfileDB
+from autopar.profiler import link_timing
 from autopar.profiler.link_timing import measure_links, round_sizes
 from autopar.profiler.links import (COLLECTIVES, CollectiveFitResult, LineFit, LinkProfile, fit_collective,
                                     fit_line, fit_profile, heldout_errors, to_link)
@@ -234,12 +239,22 @@ def test_measure_links_refuses_bad_arguments():
             measure_links(2, backend="nccl")
 
 
-def test_measure_links_on_two_gloo_ranks():
+def test_measure_links_on_two_gloo_ranks_from_a_script_without_a_main_guard(tmp_path):
     # five sizes, not three: a small message's mean can hold a stall (below), and the fit's relative error caps
     # what one such sample costs at about 1, which the other four outweigh; with three sizes a stalled 4 KB beside
     # a quick 256 KB made the least-error line flat (beta = 0), which to_link refuses (CI, both suites at once)
     sizes = [4096, 64 * 1024, 256 * 1024, 2**20, 16 * 2**20]
-    profile = measure_links(2, sizes=sizes, repeats=3, backend="gloo", progress=False)
+    # called at a script's top level: the ranks are fresh interpreters that import autopar, not the caller's
+    # __main__ again (multiprocessing's spawn re-ran a script's top level in every rank, which started ranks of its
+    # own and failed)
+    script = tmp_path / "profile_links.py"
+    script.write_text("import json\nfrom autopar.profiler.link_timing import measure_links\n"
+                      f"profile = measure_links(2, sizes={sizes}, repeats=3, backend='gloo', progress=False)\n"
+                      "print(json.dumps(profile.to_record()))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    profile = LinkProfile.from_record(json.loads(done.stdout.splitlines()[-1]))
     assert profile.backend == "gloo" and profile.nprocs == 2 and profile.threads_per_rank == 1
     assert set(profile.samples) == set(COLLECTIVES)
     for kind, pairs in profile.samples.items():
@@ -254,7 +269,7 @@ def test_measure_links_on_two_gloo_ranks():
     assert 0 <= profile.overlap_fraction <= 1
     assert set(profile.context_seconds) == {"all_reduce", "p2p"} and min(profile.context_seconds.values()) >= 0
     assert profile.concurrency_slowdown >= 1
-    conditions = profile.conditions   # the load around the spawn; no spread (per-call times are bimodal)
+    conditions = profile.conditions   # the load around the launch; no spread (per-call times are bimodal)
     assert conditions.part == "links gloo x2" and conditions.threads == 2 and conditions.spread is None
     assert conditions.own_load > 0 and conditions.torch_version == torch.__version__
     # whether a fit comes out flat is the machine's doing (CI: a 4 KB all-to-all as slow as 16 MB while the other
@@ -267,3 +282,13 @@ def test_measure_links_on_two_gloo_ranks():
             to_link(profile, 2)
     else:
         assert to_link(profile, 2).bandwidth > 0
+
+
+def test_a_failing_rank_stops_the_others_and_its_output_is_the_error(monkeypatch, tmp_path):
+    # rank 1 fails at once; rank 0 would wait a minute: it is stopped, and the error quotes rank 1's standard error
+    monkeypatch.setattr(link_timing, "_RANK_ENTRY", "import sys, time\n"
+                        "if sys.argv[1] == '1':\n    sys.exit('rank one could not connect')\ntime.sleep(60)")
+    start = time.perf_counter()
+    with pytest.raises(RuntimeFailure, match=r"(?s)rank 1 exited with code 1:\nrank one could not connect"):
+        link_timing._run_ranks(dict(nprocs=2, backend="gloo"), str(tmp_path))
+    assert time.perf_counter() - start < 30
