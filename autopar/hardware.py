@@ -141,6 +141,10 @@ class Device:
     the lowering's conversions, the shard's shape check). Measured by the profiler; 0 for presets."""
     dispatch_overhead_backward: float = 0.0
     """The same per op of the backward pass (measured; 0 for presets)."""
+    dtensor_step_overhead: float = 0.0
+    """Extra host seconds per parameter tensor of an optimizer step on DTensor parameters (FSDP2's, ZeRO-2/3)
+    over plain ones: DTensor's dispatch of every op of the update. Measured by the profiler; 0 for presets,
+    whose kernels run behind the host."""
     threads: int = 0
     """CPU threads per rank the measured figures hold for (profiler, CPU only); 0 when not measured."""
     concurrency_slowdown: float = 1.0
@@ -180,7 +184,8 @@ class Device:
             check_number("Device", name, getattr(self, name))
         for name in ("matmul_efficiency", "memory_efficiency"):
             check_number("Device", name, getattr(self, name), at_most_one=True)
-        for name in ("matmul_half_dim", "kernel_overhead", "dispatch_overhead", "dispatch_overhead_backward"):
+        for name in ("matmul_half_dim", "kernel_overhead", "dispatch_overhead", "dispatch_overhead_backward",
+                     "dtensor_step_overhead"):
             check_number("Device", name, getattr(self, name), allow_zero=True)
         check_number("Device", "overlap_slowdown", self.overlap_slowdown, allow_zero=True, at_most_one=True)
         for name in ("attention_efficiency", "fp8_matmul_efficiency"):
@@ -203,7 +208,8 @@ class Device:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory, self.memory_bandwidth,
                      self.source, self.matmul_efficiency, self.matmul_half_dim, self.sm_count,
                      self.attention_efficiency, self.fp8_matmul_efficiency, self.memory_efficiency,
-                     self.kernel_overhead, self.dispatch_overhead, self.dispatch_overhead_backward, self.threads, self.overlap_slowdown, self.concurrency_slowdown, self.host))
+                     self.kernel_overhead, self.dispatch_overhead, self.dispatch_overhead_backward,
+                     self.dtensor_step_overhead, self.threads, self.overlap_slowdown, self.concurrency_slowdown, self.host))
 
     @property
     def is_cpu(self) -> bool:

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
           f"half dim {device.matmul_half_dim:.1f}; memory bandwidth {device.memory_bandwidth / 1e9:.1f} GB/s; "
           f"kernel overhead {device.kernel_overhead * 1e6:.2f} us; tensor-parallel dispatch {device.dispatch_overhead * 1e6:.1f} us"
           f" fwd / {device.dispatch_overhead_backward * 1e6:.1f} us bwd"
-          f"/op; memory {device.memory / 1e9:.1f} GB")
+          f"/op; DTensor optimizer step {device.dtensor_step_overhead * 1e6:.0f} us/tensor; memory {device.memory / 1e9:.1f} GB")
     print(f"  matmul fit over {report.samples} samples: median error {report.median_relative_error * 100:.1f}%, "
           f"max {report.max_relative_error * 100:.1f}%")
     if result.link_fits:

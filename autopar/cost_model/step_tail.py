@@ -50,12 +50,13 @@ losses has them all by then), so that it runs under the backward passes left: ex
 The optimizer step streams the local shard's weights, gradients and states through
 memory once: ``Psi_local (2 K + g + w) / (W e_mem)``; profiled, it is the measured seconds
 per parameter of an AdamW step on the model's own parameters times ``Psi_local``, the step as
-the program runs it: eager, torch's default implementation, plus, for DTensor parameters
-(FSDP2's, ZeRO-2/3), the device's per-op dispatch overhead for each of the update's
-ADAM_OPS_PER_TENSOR ops on each parameter tensor; compiled (``Precision.kernels`` not "eager"),
-the step through torch.compile, as compiled programs run it (runtime/optim.py), whose generated
-code runs on the local tensors: no dispatch term. Tensor-parallel shards are stepped as plain
-tensors (driver/assembly.py), as Megatron's optimizer steps them: no dispatch term either.
+the program runs it: eager, torch's default implementation. Eager, the step of DTensor parameters
+(FSDP2's, ZeRO-2/3) pays the device's ``dtensor_step_overhead`` per parameter tensor, with or without
+measured times: DTensor's dispatch of each op of the update (measured on this machine's ranks,
+profiler/step_conditions.py; 0 for the presets, whose kernels run behind the host). Compiled
+(``Precision.kernels`` not "eager"), the step runs through torch.compile, as compiled programs run
+it (runtime/optim.py), whose generated code runs on the local tensors: no such term. Tensor-parallel
+shards are stepped as plain tensors (driver/assembly.py), as Megatron's optimizer steps them: none either.
 
 Offloading (``ParallelConfig.offload``, offload.py) steps the optimizer on the host's CPU cores: "all"
 (ZeRO-3's shards in host memory) adds each shard's trip over the host link to its gathers and
@@ -77,11 +78,6 @@ from ..runtime.buckets import dp_bucket_bytes
 from .comm import Collective, GroupPlacement, collective_lines, collective_time, place_axes
 from .compute import MeasuredTimes
 from .offload import copy_time, cpu_step_time, optimizer_round_trip
-
-# Tensor ops per parameter of torch's single-tensor AdamW (the CPU default): weight decay, the two
-# moment updates (lerp_, mul_ + addcmul_), sqrt, div, add_ (eps) and addcdiv_ (torch/optim/adam.py)
-ADAM_OPS_PER_TENSOR = 8
-
 
 @dataclass
 class StepTail:
@@ -278,17 +274,17 @@ class StepTail:
         device = self.cluster.device
         if cfg.offload != "none" and not device.is_cpu:   # on the host's CPU cores (offload.py)
             out = np.asarray(cpu_step_time(device, local))
-        elif measured is not None:
-            out = local * measured
-            if cfg.zero >= 2 and cfg.grad_replicas > 1 and kernels == "eager" and cfg.offload != "optimizer":
-                # FSDP2's DTensor parameters: every op of the per-tensor update pays the dispatch overhead
-                # (not under offload="optimizer": its host copies are plain tensors)
-                out = out + param_tensors * ADAM_OPS_PER_TENSOR * device.dispatch_overhead
         else:
-            p = self.precision
-            per_param = 2 * p.optimizer_bytes + p.grad_bytes + p.weight_bytes
-            bandwidth = device.memory_bandwidth * device.memory_efficiency
-            out = local * per_param / bandwidth
+            if measured is not None:
+                out = local * measured
+            else:
+                p = self.precision
+                per_param = 2 * p.optimizer_bytes + p.grad_bytes + p.weight_bytes
+                out = local * per_param / (device.memory_bandwidth * device.memory_efficiency)
+            if cfg.zero >= 2 and cfg.grad_replicas > 1 and kernels == "eager" and cfg.offload != "optimizer":
+                # FSDP2's DTensor parameters: DTensor dispatches every op of each tensor's update (not under
+                # offload="optimizer": its host copies are plain tensors)
+                out = out + param_tensors * device.dtensor_step_overhead
         if cfg.offload == "optimizer":   # the gradients to the host, the updated weights back: two copies a tensor
             stepped = param_tensors / cfg.grad_replicas if cfg.zero == 1 else param_tensors   # ZeRO-1: whole tensors
             out = out + optimizer_round_trip(device, self.precision, local) + 2 * stepped * device.dispatch_overhead

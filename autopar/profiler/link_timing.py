@@ -66,8 +66,8 @@ from ..errors import ConfigError, RuntimeFailure
 from ..progress import progress_bar
 from .host import LoadMeter, check_threads
 from .links import COLLECTIVES, LinkProfile, fit_profile, links_key
-from .step_conditions import (FLOAT_BYTES, concurrency_slowdown, dispatch_overhead, in_context,
-                              max_over_ranks, overlap_fraction, sync)
+from .step_conditions import (FLOAT_BYTES, concurrency_slowdown, dispatch_overhead, dtensor_step_overhead,
+                              in_context, max_over_ranks, overlap_fraction, sync)
 
 DEFAULT_SIZES: tuple[int, ...] = tuple(int(s) for s in np.geomspace(2 ** 10, 24 * 2 ** 20, 16))
 """Per-rank bytes measured by default: 16 sizes log-spaced from 1 KiB to 24 MiB (below the 32 MiB
@@ -225,12 +225,13 @@ def _rank_main(rank: int, nprocs: int, port: int, threads: int, sizes: list[int]
         for (kind, size), t in zip(tasks, seconds):
             samples[kind].append((size, t / 2 if kind == "p2p" else t))  # p2p: a round trip is two messages
         fwd, bwd = dispatch_overhead(device, nprocs)
+        dtensor_step = dtensor_step_overhead(device, nprocs)
         overlap = overlap_fraction(device)
         context = in_context(device, rank)
         concurrency = concurrency_slowdown(device, rank, nprocs)
         if rank == 0:
             record = LinkProfile(backend=backend, nprocs=nprocs, threads_per_rank=threads, samples=samples,
-                                 dispatch_fwd_seconds=fwd, dispatch_bwd_seconds=bwd,
+                                 dispatch_fwd_seconds=fwd, dispatch_bwd_seconds=bwd, dtensor_step_seconds=dtensor_step,
                                  overlap_fraction=overlap, context_seconds=context,
                                  concurrency_slowdown=concurrency).to_record()
             with open(out_path, "w") as fh:

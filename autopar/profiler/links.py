@@ -95,6 +95,8 @@ class LinkProfile:
     ("all_reduce" for the ring collectives, "p2p"); stored read-only."""
     concurrency_slowdown: float = 1.0
     """How much longer a rank computes when every rank computes at once than alone (>= 1)."""
+    dtensor_step_seconds: float = 0.0
+    """Extra seconds per parameter tensor of an AdamW step on DTensor (FSDP2) parameters over plain ones."""
     conditions: ProfileConditions | None = None
     """What it was measured under (autopar/conditions.py); None for one not measured by measure_links.
     Its record must carry them: a record without (an older autopar's) is measured again."""
@@ -121,7 +123,7 @@ class LinkProfile:
             raise ConfigError(f"LinkProfile.context_seconds={context!r} must map 'all_reduce' and 'p2p' to "
                               "seconds >= 0")
         object.__setattr__(self, "context_seconds", MappingProxyType(context))
-        for name in ("dispatch_fwd_seconds", "dispatch_bwd_seconds"):
+        for name in ("dispatch_fwd_seconds", "dispatch_bwd_seconds", "dtensor_step_seconds"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"LinkProfile.{name}={value!r} must be a finite number of seconds >= 0")
@@ -134,7 +136,8 @@ class LinkProfile:
     def __hash__(self) -> int:
         return hash((self.backend, self.nprocs, self.threads_per_rank, tuple(sorted(self.samples.items())),
                      self.dispatch_fwd_seconds, self.dispatch_bwd_seconds, self.overlap_fraction,
-                     tuple(sorted(self.context_seconds.items())), self.concurrency_slowdown, self.conditions))
+                     tuple(sorted(self.context_seconds.items())), self.concurrency_slowdown, self.dtensor_step_seconds,
+                     self.conditions))
 
     @property
     def key(self) -> str:
@@ -149,6 +152,7 @@ class LinkProfile:
                 "dispatch_fwd_seconds": self.dispatch_fwd_seconds,
                 "dispatch_bwd_seconds": self.dispatch_bwd_seconds, "overlap_fraction": self.overlap_fraction,
                 "context_seconds": dict(self.context_seconds), "concurrency_slowdown": self.concurrency_slowdown,
+                "dtensor_step_seconds": self.dtensor_step_seconds,
                 "conditions": None if self.conditions is None else self.conditions.to_dict()}
 
     @classmethod
@@ -156,7 +160,8 @@ class LinkProfile:
         """The profile :meth:`to_record` wrote; ConfigError when a field is missing or malformed (also when
         it records no measurement conditions: unknown conditions are measured again)."""
         needed = ("backend", "nprocs", "threads_per_rank", "collectives", "dispatch_fwd_seconds",
-                  "dispatch_bwd_seconds", "overlap_fraction", "context_seconds", "concurrency_slowdown", "conditions")
+                  "dispatch_bwd_seconds", "overlap_fraction", "context_seconds", "concurrency_slowdown",
+                  "dtensor_step_seconds", "conditions")
         missing = [k for k in needed if k not in record]
         if missing:
             raise ConfigError(f"link profile record lacks {missing}: measure the links again (measure_links)")
@@ -176,6 +181,7 @@ class LinkProfile:
                    dispatch_bwd_seconds=record["dispatch_bwd_seconds"],
                    overlap_fraction=record["overlap_fraction"], context_seconds=record["context_seconds"],
                    concurrency_slowdown=record["concurrency_slowdown"],
+                   dtensor_step_seconds=record["dtensor_step_seconds"],
                    conditions=ProfileConditions.from_dict(record["conditions"]))
 
 

@@ -3,7 +3,8 @@
 Ranks: on a GPU machine one per GPU (NCCL); on a CPU ``nprocs`` processes of
 ``threads_per_rank`` torch threads each (gloo), by default as many one-thread ranks as there
 are cores. The device comes from device.py (``fit_device`` of its FLOP/s curves; memory per
-rank = RAM / ranks on a CPU), its ``dispatch_overhead`` (tensor-parallel host cost, per op) and the intra-node
+rank = RAM / ranks on a CPU), its ``dispatch_overhead`` (tensor-parallel host cost, per op),
+``dtensor_step_overhead`` (an FSDP2 optimizer step's DTensor cost, per parameter tensor) and the intra-node
 link from links.py (per-collective alpha/beta fits). One machine has no inter-node link to
 measure: the preset one of the device family stands in, and ``describe()`` says so.
 
@@ -104,7 +105,8 @@ def local_profile(nprocs: int | None = None, threads_per_rank: int | None = None
     fitted, report = fit_device(curves, memory=_memory_per_rank(curves, nprocs), dispatch_overhead=dispatch)
     fitted = replace(fitted, name=name, threads=threads if device.type == "cpu" else 0,
                      dispatch_overhead_backward=links.dispatch_bwd_seconds if links is not None else 0.0,
-                     concurrency_slowdown=links.concurrency_slowdown if links is not None else 1.0)
+                     concurrency_slowdown=links.concurrency_slowdown if links is not None else 1.0,
+                     dtensor_step_overhead=links.dtensor_step_seconds if links is not None else 0.0)
     preset_intra, preset_inter = _preset_links(device)
     fits = fit_profile(links) if links is not None else {}
     intra = replace(to_link(fits, nprocs, name="shm" if device.type == "cpu" else "NVLink"),

@@ -8,7 +8,11 @@ measures, on the same ranks, what that changes (each function's docstring gives 
   collective (the backend's threads asleep, the ranks arriving apart);
 * :func:`concurrency_slowdown`: how much longer compute takes when every rank computes at once;
 * :func:`dispatch_overhead`: the **per-op host cost of the tensor-parallel runtime** beyond running
-  the op (reading each argument through the lowering's conversion, the shard's shape check).
+  the op (reading each argument through the lowering's conversion, the shard's shape check);
+* :func:`dtensor_step_overhead`: the extra seconds **per parameter tensor of an AdamW step on DTensor
+  parameters** (FSDP2's, ZeRO-2/3) over the same step on plain tensors of the shard's size: every op of
+  the update goes through DTensor's dispatch (its sharding propagation). The lowered tensor-parallel code
+  above runs on plain tensors, so its overhead says nothing of this one.
 
 The dispatch overhead is measured on the op mix of a layer at a negligible size (a linear, gelu,
 two views, two transposes, a multiply, a sum), exported and emitted as the runtime emits a layer
@@ -191,6 +195,25 @@ def concurrency_slowdown(device: torch.device, rank: int, nprocs: int) -> float:
     alone = max_over_ranks([statistics.median(alone)], device)[0]   # every rank's median alone, the largest
     together = max_over_ranks(together, device)
     return max(1.0, statistics.median(together) / alone)
+
+
+def dtensor_step_overhead(device: torch.device, nprocs: int) -> float:
+    """Seconds per parameter tensor that torch's AdamW step (its default implementation on this device) takes
+    more on a DTensor sharded over all ``nprocs`` ranks (``Shard(0)``, as FSDP2 shards) than on a plain tensor
+    of the local shard's size: ``t_dtensor - t_plain`` per step of one tensor, each the median of
+    :data:`DISPATCH_BLOCKS` alternating blocks (:func:`_per_call`), the MAX over ranks, below 0 (noise) as 0."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh(device.type, (nprocs,))
+    shape = (64 * nprocs, 64)
+    weight = torch.nn.Parameter(distribute_tensor(torch.randn(shape, device=device), mesh, [Shard(0)]))
+    weight.grad = distribute_tensor(torch.randn(shape, device=device), mesh, [Shard(0)])
+    plain = torch.nn.Parameter(weight.to_local().detach().clone())
+    plain.grad = weight.grad.to_local().clone()
+    sharded, local = torch.optim.AdamW([weight], lr=1e-6), torch.optim.AdamW([plain], lr=1e-6)
+    t_dtensor, t_plain = _per_call([sharded.step, local.step], device, 20)
+    return max(0.0, max_over_ranks([t_dtensor - t_plain], device)[0])
 
 
 def _per_call(fns: Sequence[Callable[[], object]], device: torch.device, calls: int) -> list[float]:

@@ -35,7 +35,7 @@ def _synthetic_links(nprocs: int, threads: int, **_) -> LinkProfile:
     return LinkProfile(backend="gloo", nprocs=nprocs, threads_per_rank=threads, samples=samples,
                        dispatch_fwd_seconds=2e-5, dispatch_bwd_seconds=3e-5, overlap_fraction=0.25,
                        context_seconds={"all_reduce": 2e-3, "p2p": 1e-3}, concurrency_slowdown=1.25,
-                       conditions=idle(f"links gloo x{nprocs}", nprocs * threads))
+                       dtensor_step_seconds=1.5e-4, conditions=idle(f"links gloo x{nprocs}", nprocs * threads))
 
 
 @pytest.fixture()
@@ -66,7 +66,7 @@ def test_local_cluster_is_this_machine_measured_and_cached(measured, tmp_path) -
     assert cluster.device.name == device_name(torch.device("cpu"), 1) and cluster.device.threads == 1
     assert cluster.device.dispatch_overhead == pytest.approx(2e-5)
     assert cluster.device.dispatch_overhead_backward == pytest.approx(3e-5)
-    assert cluster.device.concurrency_slowdown == 1.25
+    assert cluster.device.concurrency_slowdown == 1.25 and cluster.device.dtensor_step_overhead == 1.5e-4
     assert cluster.intra_node.overlap == 0.25
     assert set(cluster.intra_node.collectives) == set(COLLECTIVES)
     assert "not measured" in cluster.inter_node.name
