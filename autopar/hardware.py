@@ -143,8 +143,9 @@ class Device:
     """The same per op of the backward pass (measured; 0 for presets)."""
     dtensor_step_overhead: float = 0.0
     """Extra host seconds per parameter tensor of an optimizer step on DTensor parameters (FSDP2's, ZeRO-2/3)
-    over plain ones: DTensor's dispatch of every op of the update. Measured by the profiler; 0 for presets,
-    whose kernels run behind the host."""
+    over plain ones: DTensor's dispatch of every op of the update. Measured by the profiler (on a GPU, host
+    time that a large model's kernels may hide, priced as exposed); 0 for presets, whose kernels run behind
+    the host."""
     threads: int = 0
     """CPU threads per rank the measured figures hold for (profiler, CPU only); 0 when not measured."""
     concurrency_slowdown: float = 1.0
