@@ -76,11 +76,11 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Protocol
 
 from .. import ops
-from ..config import DTYPE_BYTES
+from ..config import DTYPE_BYTES, Precision
 from ..capture.fusion import for_kernels
 from ..capture.opgraph import FLOAT_DTYPES, Gemm, OpGraph, OpKind, OpNode, dtype_bytes
 from ..hardware import Device
-from .low_precision import Recipe, cast_seconds, is_fp8_linear
+from .low_precision import Recipe, cast_seconds, is_fp8_linear, recipe_of
 
 _GEMM_KINDS = (OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION)
 _FUSABLE = (OpKind.ELEMENTWISE, OpKind.DROPOUT, OpKind.SOFTMAX)
@@ -228,6 +228,13 @@ class ComputeModel:
     fp8: Recipe | None = None       # the linear layers' fp8 recipe (cost_model/low_precision.py), or None
     kernels: str = "eager"          # Precision.kernels: how the fp8 casts run
     fused_softmax: bool = True      # Precision.fused_softmax: False prices Megatron's PyTorch softmax fallback
+
+    @classmethod
+    def of(cls, graph: OpGraph, device: Device, precision: Precision, measured: MeasuredTimes | None = None,
+           waves: bool = True) -> "ComputeModel":
+        """The model of ``graph``'s ops under ``precision``: its storage dtype, fp8 recipe, kernels and softmax."""
+        return cls(graph, device, precision.storage, measured, waves=waves, fp8=recipe_of(precision),
+                   kernels=precision.kernels, fused_softmax=precision.fused_softmax)
 
     @property
     def peak(self) -> float:

@@ -171,9 +171,7 @@ class LayerCostModel:
     @functools.cached_property
     def compute(self) -> ComputeModel:
         """The graph's op times (one model: it caches them)."""
-        return ComputeModel(self.graph, self.cluster.device, self.precision.storage, self.measured,
-                            fp8=recipe_of(self.precision), kernels=self.precision.kernels,
-                            fused_softmax=self.precision.fused_softmax)
+        return ComputeModel.of(self.graph, self.cluster.device, self.precision, self.measured)
 
     @staticmethod
     def kind(layer: Layer) -> tuple[str, int]:

@@ -155,8 +155,9 @@ class ActivationModel:
     @functools.cached_property
     def _fp32_probabilities(self) -> frozenset[str]:
         """The attention softmaxes whose output is saved in fp32: those of Megatron's PyTorch softmax
-        (``Precision(fused_softmax=False)``), which upcasts the scores before it; none otherwise."""
-        if self.precision.fused_softmax or self.precision.kernels != "fused":
+        (``Precision(fused_softmax=False)``, valid with fused kernels only), which upcasts the scores before it;
+        none otherwise."""
+        if self.precision.fused_softmax:
             return frozenset()
         return frozenset(n.name for n in self.graph.nodes if is_attention_softmax(n))
 

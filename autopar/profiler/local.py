@@ -18,7 +18,6 @@ A cached record without conditions (an older autopar's) is measured again.
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from dataclasses import dataclass, replace
@@ -158,7 +157,7 @@ def _least_noisy(measure: Callable[[], Measured], strict: bool, stacklevel: int 
     if best.conditions.noisy:
         text = (f"the {best.conditions.part} of this machine was measured {attempt} times and every measurement "
                 f"was noisy; the least noisy ({', '.join(best.conditions.noise())})")
-        unusable = best.conditions.severity() == math.inf     # a flat link fit: no bandwidth to price with
+        unusable = bool(best.conditions.flat)     # a flat link fit: no bandwidth to price with
         if strict or unusable:
             why, advice = (("it cannot be priced with", REFRESH_ADVICE) if unusable else
                            ("strict=True", f"{REFRESH_ADVICE}, or pass strict=False to plan with it"))

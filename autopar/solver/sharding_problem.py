@@ -38,7 +38,6 @@ from ..config import Precision
 from ..cost_model.comm import SELF_TRANSPOSED, Collective, GroupPlacement, collective_time
 from ..cost_model.compute import ComputeModel
 from ..cost_model.layer_cost import compute_shard, split_dim
-from ..cost_model.low_precision import recipe_of
 from ..cost_model.memory import saved_owner
 from ..cost_model.tensor_parallel import TPLayout, Work
 from ..plan.placement import Placement, Shard
@@ -82,9 +81,7 @@ class Pricing:
         # quantization would rank strategies by the padding of a product no rank computes at the
         # micro-batches a plan runs; the ILP ranks them with the smooth efficiency, and the step time
         # (layer_cost at the plan's micro-batch) prices the waves of the layout it picks.
-        self.model = ComputeModel(self.graph, self.cluster.device, self.precision.storage, waves=False,
-                                  fp8=recipe_of(self.precision), kernels=self.precision.kernels,
-                                  fused_softmax=self.precision.fused_softmax)
+        self.model = ComputeModel.of(self.graph, self.cluster.device, self.precision, waves=False)
         self.owner = saved_owner(self.graph)
 
     @property
