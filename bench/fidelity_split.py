@@ -15,6 +15,13 @@ sweep (one model on one cluster at several configurations), Spearman's rank corr
 predicted and measured time per sequence, and the regret of autopar's pick: how much slower the
 configuration autopar ranks fastest measured than the fastest measured one.
 
+What a sweep's own measurements allow its ranking (model-free): two rows of one configuration at two global
+batches fix a 1F1B step's time per pipeline slot and its tail (the step beyond its m + pp - 1 slots); a pair whose
+tail is above half its step no schedule explains, so one of its measurements did not run the configuration as
+the others did. Each sweep's ceiling is the Spearman of a model exact on every row, such a pair's member priced
+as its sibling implies (whichever member gives the higher ceiling), and the median of that model with 1%, 2% and 5%
+independent errors: the ranking a faithful model can reach on the sweep, printed beside autopar's.
+
 Targets (issue 50), on validation: median |error| <= 8%, p90 <= 15%; every sweep Spearman >= 0.9 and
 regret <= 5%. Exits 1 on a miss (and on a row that cannot be priced). Reads nothing outside the repo.
 
@@ -46,6 +53,14 @@ from published import CONSTANT_FAMILIES, Row, cluster_of, graph_of, load_rows, l
 
 MEDIAN, P90, SPEARMAN, REGRET = 0.08, 0.15, 0.9, 0.05
 # The fields a configuration must publish to be priced as it ran (schedule only matters with pp > 1).
+# A sweep's own consistency (model-free, measurements only). Two rows of one configuration at two global batches
+# run m1 < m2 micro-batches through the same pipeline: under 1F1B a step is (m + pp - 1) slots of one micro-batch's
+# stage time t plus a tail c (the data-parallel reduce, the optimizer step), so the pair fixes t and c. A pair whose
+# tail comes out above half its step, or below -TAIL_SLACK of it, no schedule explains: one of its two measurements
+# is not the configuration's (a slow node, another setting); which one the pair cannot say.
+TAIL_MAX, TAIL_SLACK = 0.5, 0.02
+CEILING_ERRORS = (0.01, 0.02, 0.05)   # independent model errors the ranking ceiling is also quoted at (median of draws)
+CEILING_DRAWS, CEILING_SEED = 2000, 0
 PINNED = ("dp", "tp", "pp", "cp", "micro_batch_size", "zero", "recompute", "sequence_parallel")
 RESIDUAL_NOISE = 1e-4   # |change| of a row's error taken as noise (0.01 points; intervals print 3 digits)
 
@@ -104,6 +119,57 @@ def spearman(a: list[float], b: list[float]) -> float:
     if np.std(ra) == 0 or np.std(rb) == 0:
         return math.nan
     return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def slots(row: Row) -> int:
+    """Pipeline slots of a 1F1B step: micro-batches per data-parallel rank plus the fill (pp - 1)."""
+    f = row.fixed
+    return row.global_batch // (f["dp"] * f["micro_batch_size"]) + f.get("pp", 1) - 1
+
+
+def inconsistent_pairs(rows: list[Priced]) -> list[tuple[Priced, Priced, float]]:
+    """Pairs of one configuration at two global batches that no 1F1B step explains (``TAIL_MAX``), each with the
+    tail (s) the pair implies."""
+    out = []
+    for i, a in enumerate(rows):
+        for b in rows[i + 1:]:
+            if (a.row.model, dict(a.row.fixed)) != (b.row.model, dict(b.row.fixed)) or slots(a.row) == slots(b.row):
+                continue
+            if a.row.fixed.get("schedule", "1f1b") != "1f1b":
+                continue
+            lo, hi = sorted((a, b), key=lambda p: slots(p.row))
+            t = (hi.measured - lo.measured) / (slots(hi.row) - slots(lo.row))
+            tail = hi.measured - slots(hi.row) * t
+            if t <= 0 or not -TAIL_SLACK * hi.measured <= tail <= TAIL_MAX * hi.measured:
+                out.append((lo, hi, tail))
+    return out
+
+
+def ranking_ceiling(rows: list[Priced]) -> tuple[float, tuple[float, ...], list[tuple[Priced, Priced, float]]]:
+    """The Spearman a model exact on every row of the sweep reaches, when an inconsistent pair's member is priced at
+    what its sibling implies (t from the sibling, no tail); the best over which member of each pair is taken as the
+    measurement that ran the configuration (the reading kindest to the target). Also the median over draws of that
+    model with independent errors of each of ``CEILING_ERRORS``; and the inconsistent pairs."""
+    pairs = inconsistent_pairs(rows)
+    meas = [p.measured / p.row.global_batch for p in rows]
+    index = {id(p): i for i, p in enumerate(rows)}
+    best, best_values = -math.inf, None
+    for choice in range(2 ** len(pairs)):
+        values = [p.measured for p in rows]
+        for bit, (lo, hi, _) in enumerate(pairs):
+            wrong, kept = (lo, hi) if choice >> bit & 1 else (hi, lo)
+            values[index[id(wrong)]] = kept.measured * slots(wrong.row) / slots(kept.row)
+        rho = spearman([v / p.row.global_batch for v, p in zip(values, rows)], meas)
+        if rho > best:
+            best, best_values = rho, values
+    rng = np.random.default_rng(CEILING_SEED)
+    noisy = []
+    for sigma in CEILING_ERRORS:
+        draws = [spearman([v * (1 + sigma * e) / p.row.global_batch
+                           for v, p, e in zip(best_values, rows, rng.standard_normal(len(rows)))], meas)
+                 for _ in range(CEILING_DRAWS)]
+        noisy.append(float(np.median(draws)))
+    return best, tuple(noisy), pairs
 
 
 def summary(label: str, rows: list[Priced]) -> tuple[float, float]:
@@ -202,7 +268,7 @@ def main() -> int:
 
     print("\nValidation sweeps: ranking by time per sequence (step / global batch)")
     print(f"  {'sweep':<24} {'rows':>4} {'Spearman':>9} {'regret':>7}  pick (predicted fastest) | fastest measured")
-    sweeps_ok, sweep_rows = True, []
+    sweeps_ok, sweep_rows, ceilings = True, [], []
     for sweep in sorted({p.row.sweep for p in priced if p.row.sweep and p.split == "validation"}):
         mine = [p for p in priced if p.row.sweep == sweep and not math.isnan(p.predicted)]
         if len(mine) < len([p for p in priced if p.row.sweep == sweep]):
@@ -213,9 +279,22 @@ def main() -> int:
         pick, best = mine[int(np.argmin(pred))], mine[int(np.argmin(meas))]
         regret = (pick.measured / pick.row.global_batch) / min(meas) - 1
         sweeps_ok &= not math.isnan(rho) and rho >= SPEARMAN and regret <= REGRET
+        ceiling, noisy, pairs = ranking_ceiling(mine)
         sweep_rows.append(dict(sweep=sweep, rows=len(mine), spearman=rho, regret=regret,
-                               pick=pick.row.name, fastest=best.row.name))
+                               pick=pick.row.name, fastest=best.row.name, ceiling=ceiling,
+                               ceiling_with_error={f"{s:g}": v for s, v in zip(CEILING_ERRORS, noisy)},
+                               inconsistent=[[lo.row.name, hi.row.name, tail] for lo, hi, tail in pairs]))
         print(f"  {sweep:<24} {len(mine):>4} {rho:>9.2f} {regret * 100:>6.1f}%  {pick.row.name} | {best.row.name}")
+        ceilings.append((sweep, ceiling, noisy, pairs))
+    print(f"\nWhat the sweeps' own measurements allow: pairs of one configuration at two global batches whose 1F1B "
+          f"tail\n(step - (m + pp - 1) slots) is above {TAIL_MAX:.0%} of the step, and the Spearman of a model exact "
+          f"on every row\n(such a pair's member priced as its sibling implies), and of that model with independent "
+          f"errors ({', '.join(f'{s:.0%}' for s in CEILING_ERRORS)}; median of {CEILING_DRAWS} draws)")
+    for sweep, ceiling, noisy, pairs in ceilings:
+        print(f"  {sweep:<24} ceiling {ceiling:5.2f}; with error " + " / ".join(f"{v:.2f}" for v in noisy))
+        for lo, hi, tail in pairs:
+            print(f"    inconsistent: {lo.row.name} ({lo.measured:.2f} s, {slots(lo.row)} slots) and {hi.row.name} "
+                  f"({hi.measured:.2f} s, {slots(hi.row)} slots): a tail of {tail:.1f} s")
 
     med, q90 = results["validation"]
     priced_all = all(not math.isnan(p.predicted) for p in priced)

@@ -108,3 +108,35 @@ def test_the_bloom_prequels_fp16_zero1_rows_all_reduce_their_gradients():
     assert fp16 and all(r.precision.grad_reduce == "all_reduce" and r.fixed["zero"] == 1 for r in fp16)
     others = [r for r in rows if r not in fp16]
     assert others and all(r.precision.grad_reduce == "reduce_scatter" for r in others)
+
+
+def test_a_sweeps_inconsistent_pair_and_the_ranking_it_allows():
+    """Two rows of one configuration at two global batches fix a 1F1B step's slot time and tail; a pair whose tail
+    is most of its step is flagged (either member may be the wrong one), a consistent pair is not, and the ceiling
+    is the Spearman of a model exact on every row but the flagged member, priced as its sibling implies."""
+    published = _load("published")
+    fidelity = _load("fidelity_split")
+    model = published.Model(family="gpt", hidden=1024, heads=16, layers=24, seq=2048, vocab=51200)
+
+    def priced(pp, dp, batch, seconds):
+        fixed = dict(tp=8, pp=pp, dp=dp, cp=1, micro_batch_size=1, zero=1, recompute="full",
+                     sequence_parallel=False, schedule="1f1b")
+        row = published.Row(name=f"pp{pp} dp{dp} gbs{batch}", source="s", model=model, cluster="8x8xA100-80GB",
+                            global_batch=batch, fixed=fixed, metric="seconds", published=seconds)
+        return fidelity.Priced(row, "validation", seconds, seconds, "estimate", "")
+
+    # pp 4, dp 8: 16 + 3 and 32 + 3 slots. A pair 1 s a slot with a 2 s tail is a pipeline; one that takes
+    # nearly as long at half the batch is not (its tail: 36.4 - 35 x 0.0625 = 34.2 s)
+    good = [priced(4, 8, 128, 21.0), priced(4, 8, 256, 37.0)]
+    assert fidelity.inconsistent_pairs(good) == []
+    bad = [priced(4, 8, 128, 35.4), priced(4, 8, 256, 36.4)]
+    (lo, hi, tail), = fidelity.inconsistent_pairs(bad)
+    assert (lo, hi) == (bad[0], bad[1]) and tail == pytest.approx(36.4 - 35 / 16)
+    assert fidelity.slots(bad[0].row) == 19 and fidelity.slots(bad[1].row) == 35
+    # a sweep ranked by that pair and a third configuration: measured per sequence, gbs128 is slowest; a model exact
+    # but for it (priced 36.4 x 19 / 35 = 19.76 s, 0.154 s a sequence) ranks it between the others
+    sweep = bad + [priced(2, 16, 256, 40.0)]
+    ceiling, noisy, pairs = fidelity.ranking_ceiling(sweep)
+    assert len(pairs) == 1 and ceiling == pytest.approx(0.5)
+    assert len(noisy) == len(fidelity.CEILING_ERRORS) and all(-1 <= v <= 1 for v in noisy)
+    assert fidelity.ranking_ceiling(good + [priced(2, 16, 256, 40.0)])[:1] == (pytest.approx(1.0),)
