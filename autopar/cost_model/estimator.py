@@ -360,6 +360,21 @@ class Estimator:
             bucket = np.minimum(cap, grads) if isinstance(grads, np.ndarray) else min(cap, float(grads))
         return 2 * largest + work + zero3 + scatter + shards + bucket
 
+    def lead_params(self, cfg: ParallelConfig) -> np.ndarray:
+        """Per layer, the parameters (one device's, after tp and ep) of the first parameter tensor its forward
+        reads, tied ones included: of a run of layers starting there, the gradient the backward completes last
+        (a language model's first stage: the token embedding). Bucketed reductions never split a tensor, so the
+        step's last bucket holds at least it (StepTail.dp_time). Cached per tp and ep."""
+        key = ("lead", cfg.tp, cfg.ep)
+        if key not in self._numel:
+            out = []
+            for layer in self.graph.layers:
+                first = next((p for node in self.graph.layer_nodes(layer) for p in node.params
+                              if p in self.graph.params), None)
+                out.append(0.0 if first is None else float(self.local_numel(first, cfg.tp, cfg.ep)))
+            self._numel[key] = np.array(out)
+        return self._numel[key]
+
     def shard_units(self, layers: Sequence[int], cfg: ParallelConfig) -> ShardUnits:
         """The ZeRO-2/3 (FSDP2) units a chunk of ``layers`` is wrapped in (ModelStructure.shard_units, as
         the runtime wraps them): each unit one all-gather and one reduce-scatter."""
@@ -458,10 +473,12 @@ class Estimator:
             held = self._held(tuple(i for c in dev.chunks for i in c), cfg)[0]
             in_kept = self._held(tuple(i for u in kept for i in u), cfg)[0]
             fp8 = tuple(x for names in (held, in_kept) for x in self._fp8_gathered(names))
+        # the device's last gradient: its first chunk's first tensor (an interleaved device's last backward is chunk 0's)
+        lead = float(self.lead_params(cfg)[dev.chunks[0][0]]) if dev.chunks and dev.chunks[0] else 0.0
         return float(self.tail.dp_time(cfg, micro_batches, groups, dev.params, dev.fwd, dev.bwd, dev.recompute,
                                   dev.tp_comm, dev.tp_grad_bytes, sum(len(c.units) for c in chunks),
                                   dev.expert_params, sum(self._layer_params(i, cfg) for u in kept for i in u),
-                                  len(kept), fp8))
+                                  len(kept), fp8, lead))
 
     @functools.cached_property
     def fp8_weights(self) -> frozenset[str]:

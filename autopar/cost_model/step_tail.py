@@ -18,8 +18,12 @@ collective's time that compute issued meanwhile hides (``Link.overlap``: 1 for N
 for gloo, whose threads share the CPU cores) times ``1 - k``, where ``k`` is the compute the
 overlapped collective slows down per second of it (``Device.overlap_slowdown``: its kernels take
 SMs and memory bandwidth), what is exposed is
-``T_dp - o * min(B_last, T_dp - T_dp / n_buckets)`` (the last bucket never hides; with
-``o = 1`` this is ``max(T_dp - B_last, T_dp / n_buckets)``).
+``T_dp - o * min(B_last, T_dp - T_last)`` (the last bucket never hides; with
+``o = 1`` this is ``max(T_dp - B_last, T_last)``), where ``T_last = max(T_dp / n_buckets, T(lead))``: a bucket
+never splits a tensor, and the tensor the backward completes last is the one its forward reads first
+(``Estimator.lead_params``: the token embedding on a language model's first stage, as large as a block's
+weights), so the last bucket holds at least it. ZeRO-1's gather under the next forward needs that tensor first:
+its first bucket is at least the lead tensor's gather alike.
 ZeRO 3 gathers each unit's weights in forward and again in backward (``T_ag'``: all but the kept
 units: the chunk's root, which holds the runs outside the repeated block too small for a unit of
 their own, and the model's last unit, the final norm and head, whose backward follows its forward at
@@ -28,7 +32,7 @@ reduce-scatters its gradients (one collective per unit: each repeated block, eac
 other layers, the root; ModelStructure.shard_units, as the runtime wraps them), for every micro-batch,
 prefetched under compute: exposed ``T_ag - o_f min(T_ag, F) + T_ag' + T_rs - o min(T_ag' + T_rs, B)``
 per micro-batch, plus the hidden share of the first unit's gather, which nothing hides, and of the last
-unit's reduce-scatter, which FSDP2 issues when the step's last backward has ended, with no compute
+unit's reduce-scatter (an equal unit's share, or the lead tensor's collectives where larger: the unit holding it), which FSDP2 issues when the step's last backward has ended, with no compute
 left to hide it (the optimizer waits for it): prefetching one unit ahead, as FSDP2 does, hides each
 unit's collectives behind its neighbour's compute, never the step's first gather or last reduction.
 ZeRO 2 (FSDP2 without resharding after forward, and none between the step's micro-batches, as
@@ -105,7 +109,7 @@ class StepTail:
 
     def dp_time(self, cfg: ParallelConfig, micro_batches: int, groups: dict[str, GroupPlacement],
                 params, fwd, bwd, recompute, tp_comm, tp_grad_bytes, units, experts=0.0, kept=0.0, n_kept=0.0,
-                fp8: tuple[int, int, int, int] | None = None):
+                fp8: tuple[int, int, int, int] | None = None, lead=0.0):
         """Data-parallel / ZeRO communication of one device that compute does not hide, per step (with
         the tensor-parallel group's own gradient all-reduce, when the layout has one).
 
@@ -114,7 +118,9 @@ class StepTail:
         ZeRO-3 gathers again for backward every unit but the ``n_kept`` units of ``kept`` parameters
         (``ShardUnits.kept``). ``fp8``: the (elements, tensors) of ``params`` FSDP2 gathers in fp8, and of
         ``kept`` (Precision.gathers_fp8, low_precision.py): one byte an element, their scales from one
-        all-reduce of their amaxes a step.
+        all-reduce of their amaxes a step. ``lead``: the parameters of the tensor whose gradient the device's
+        backward completes last (Estimator.lead_params): the last bucket holds at least it, and ZeRO-1's
+        gather under the next forward needs it first.
         Dense weights synchronise over ``groups["dp"]`` (dp * cp ranks), the ``experts`` of ``params``
         over ``groups["edp"]``."""
         group, tp_group = groups["dp"], groups["tp"] if cfg.tp > 1 else None
@@ -151,8 +157,14 @@ class StepTail:
             # computes on the thread that would issue the next gather, so forward hides nothing there
             o_fwd = 0.0 if self.cluster.device.is_cpu else o
             gather = ag - o_fwd * np.minimum(ag, fwd_c)
-            # the step's first gather and last reduce-scatter have no compute beside them
-            edges = (o_fwd * ag + o * rs) / np.maximum(1, units)
+            # the step's first gather and last reduce-scatter have no compute beside them: an equal unit's, or the
+            # unit holding the lead tensor (its first gathered, its gradient the last complete)
+            lead = np.minimum(np.asarray(lead, dtype=float), dense)
+            per_unit = np.maximum(1, units)
+            edges = (o_fwd * np.maximum(ag / per_unit, self.collective(Collective.ALL_GATHER, lead * w_b, group)
+                                        + host(lead, group))
+                     + o * np.maximum(rs / per_unit, self.collective(Collective.REDUCE_SCATTER, lead * g_b, group)
+                                      + host(lead, group)))
             if cfg.zero == 3:   # gathered again for backward, every micro-batch, all but the kept units
                 kept = np.asarray(kept, dtype=float)
                 again_f8 = f8 - f8_kept
@@ -172,9 +184,15 @@ class StepTail:
                 gather = gather + self.collective(Collective.ALL_GATHER, n * w_b, grp, nb)
         buckets = np.maximum(1.0, buckets)
         total = total + tp_sync
+        # the bucket nothing hides: an equal share, or the one holding the lead tensor (a bucket never splits a
+        # tensor), whose gradient is complete only when the backward ends and which the next forward needs first
+        lead = np.minimum(np.asarray(lead, dtype=float), params - experts)
+        last = np.maximum(total / buckets, self.collective(self._grad_reduce(cfg), lead * g_b, group))
+        first = np.maximum(gather / buckets, self.collective(Collective.ALL_GATHER, lead * w_b, group)
+                           if cfg.zero == 1 else 0.0)
         # ZeRO-1's gather: hidden under the next step's first forward, bucket by bucket, or after the step, exposed
-        return (total - o * np.minimum(hidden, total - total / buckets)
-                + gather - self._gather_overlap(o) * np.minimum(fwd, gather - gather / buckets))
+        return (total - o * np.minimum(hidden, np.maximum(total - last, 0.0))
+                + gather - self._gather_overlap(o) * np.minimum(fwd, np.maximum(gather - first, 0.0)))
 
     def dp_floor(self, cfg: ParallelConfig, micro_batches: int, groups: dict[str, GroupPlacement],
                  params: float, experts: float = 0.0) -> float:

@@ -111,6 +111,7 @@ def run_tables(est: Estimator, cfg: ParallelConfig, micro_batches: int, modes: S
     states = weights + grads + optimizer
     step = np.array([est.layers.step_comm_bytes(layer, cfg.tp) for layer in graph.layers], dtype=float)
     units, unit_params, kept, n_kept = est.unit_tables(cfg)   # ZeRO-2/3 units of each run, its largest, the kept ones
+    lead = np.broadcast_to(est.lead_params(cfg)[:, None], (n, n))   # a run's last gradient: its first layer's lead
     works, tails, fixed, acts, sums = [], [], [], [], []
     for mode in modes:
         costs = est.layer_costs(cfg, groups["tp"], mode, groups)
@@ -122,7 +123,7 @@ def run_tables(est: Estimator, cfg: ParallelConfig, micro_batches: int, modes: S
         p2p = q_in[:, None] + cuts[None, :]
         work = fwd + bwd + rec + tp + other + p2p
         dp = est.tail.dp_time(cfg, micro_batches, groups, params, fwd, bwd, rec, tp, _run_sum(step), units, experts,
-                              kept, n_kept, est.fp8_layer_tables(cfg))
+                              kept, n_kept, est.fp8_layer_tables(cfg), lead)
         tail = dp + est.tail.optimizer_time(cfg, params, experts)
         buffers = est.buffer_bytes(cfg, mode, _run_max(col("largest_tensor")), _run_max(col("activations_full")),
                                    unit_params, grads, params, experts)

@@ -84,19 +84,20 @@ def test_fp8_gathers_move_half_the_bytes_of_those_weights_plus_their_amax(llama)
     args = (cfg, 4, groups, dev.params, dev.fwd, dev.bwd, dev.recompute, dev.tp_comm, dev.tp_grad_bytes,
             sum(len(c.units) for c in chunks), dev.expert_params, sum(est._layer_params(i, cfg) for u in kept for i in u),
             len(kept))
-    with_fp8, bf16 = est.dp_exposed(cfg, dev, 4, groups), float(est.tail.dp_time(*args))
+    lead = float(est.lead_params(cfg)[dev.chunks[0][0]])   # the device's last gradient (test_last_bucket.py)
+    with_fp8, bf16 = est.dp_exposed(cfg, dev, 4, groups), float(est.tail.dp_time(*args, lead=lead))
     assert with_fp8 < bf16
     # what dp_exposed passes: every gathered weight the device holds (one device: all), and those of the kept units
     in_kept = [w for w in weights if any(w in llama.layers[i].params for u in kept for i in u)]
     fp8 = (sum(llama.params[w].numel for w in weights), len(weights),
            sum(llama.params[w].numel for w in in_kept), len(in_kept))
-    assert with_fp8 == pytest.approx(float(est.tail.dp_time(*args, fp8)), rel=1e-12)
-    bytes_only = float(est.tail.dp_time(*args, (fp8[0], 0, fp8[2], 0)))   # the gathers at one byte, no amax
+    assert with_fp8 == pytest.approx(float(est.tail.dp_time(*args, fp8, lead)), rel=1e-12)
+    bytes_only = float(est.tail.dp_time(*args, (fp8[0], 0, fp8[2], 0), lead))   # the gathers at one byte, no amax
     assert bytes_only < with_fp8 < bf16
-    assert float(est.tail.dp_time(*args, (0, len(weights), 0, 0))) > bf16   # the amax all-reduce alone adds
+    assert float(est.tail.dp_time(*args, (0, len(weights), 0, 0), lead)) > bf16   # the amax all-reduce alone adds
     rowwise = Precision(compute="fp8", recipe="rowwise")
     est_r = Estimator(llama, CLUSTER, rowwise, LayerCostModel(llama, CLUSTER, rowwise))
     dev_r = est_r.devices(cfg, 4)[0]
     assert est_r.dp_exposed(cfg, dev_r, 4, groups) == pytest.approx(float(est_r.tail.dp_time(
         cfg, 4, groups, dev_r.params, dev_r.fwd, dev_r.bwd, dev_r.recompute, dev_r.tp_comm, dev_r.tp_grad_bytes,
-        *args[9:])), rel=1e-12)
+        *args[9:], lead=lead)), rel=1e-12)
