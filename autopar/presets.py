@@ -48,7 +48,7 @@ H100_KERNEL_OVERHEAD = 5e-6
 # Meta's Grand Teton H100 (torchtitan's H100 benchmark): the same die, 96 GB of HBM2e at 2.4 TB/s,
 # its power capped at 500 W instead of the SXM part's 700 W, which lowers the clocks a long GEMM
 # sustains. Its own family: fitted on its own public rows (bench/fidelity_published.py).
-H100_500W_MATMUL_EFFICIENCY = 0.5775   # torchtitan's Llama 3.1 8B rows (8 and 128 GPUs, eager and compiled)
+H100_500W_MATMUL_EFFICIENCY = 0.605   # torchtitan's Llama 3.1 8B rows (8 and 128 GPUs, eager and compiled)
 
 # attention_efficiency: what a fused attention kernel sustains, forward and backward, as a fraction of
 # peak: FlashAttention-2's published kernel benchmark (Dao 2023, arXiv 2307.08691, section 4.1), not

@@ -40,6 +40,12 @@ the runtime runs it) gathers each unit's weights once per step, under the first 
 reduce-scatters its gradients after every backward, so that only a shard of them is ever held:
 ``T_ag - o_f min(T_ag, F)`` plus ``T_rs - o min(T_rs, B)`` per micro-batch, plus the first gather and
 the last reduce-scatter.
+FSDP2 copies around each unit's collectives (torch.distributed.fsdp's _fsdp_collectives.py), each a memory-bound
+pass (read and written) of one kernel a unit, for ``N`` parameters gathered or reduced over ``d`` ranks: before a
+gather, the shards into one flat buffer (``2 w_b N / d``, on the gather's own stream: part of ``T_ag``, hidden
+as it is); after it, that buffer into the unsharded parameters (``2 w_b N``, copy-out) and, before a
+reduce-scatter, the unsharded gradients into its flat input in the reduce dtype (``(w_b + g_b) N``), both on
+the compute stream: exposed, per gather and per reduce-scatter.
 Forward prefetch (``o_f = o``) needs a host that runs ahead of its device, as with GPU
 streams; on a CPU the compute runs on the thread that would issue the next gather
 (FSDP2 prefetches explicitly only in backward), so ``o_f = 0`` there.
@@ -148,10 +154,23 @@ class StepTail:
             scales = (self.collective(Collective.ALL_REDUCE, 4.0 * np.asarray(f8_tensors, dtype=float), group)
                       + f8 / group.size * w_b / (device.memory_bandwidth * device.memory_efficiency))
             dense = parts[0][0]
-            ag = (self.collective(Collective.ALL_GATHER, (dense - f8) * w_b + f8, group, units)
-                  + self.collective(Collective.ALL_GATHER, experts * w_b, groups["edp"], units)
-                  + host(dense, group) + host(experts, groups["edp"]))
+            edp = groups["edp"]
+            # FSDP2's copies around each unit's collectives (module docstring): the gather's copy-in of the shards
+            # on its own stream, before it; its copy-out into the unsharded parameters and the reduce-scatter's
+            # copy-in of the unsharded gradients on the compute stream, nothing beside them
+            def gathered(n_dense, n_f8):   # bytes of the unsharded weights a gather of these elements delivers
+                return (n_dense - n_f8) * w_b + n_f8
+
+            def copy_in(n_dense, n_f8, calls):
+                return self.passes(2 * (gathered(n_dense, n_f8) / group.size + experts * w_b / edp.size), calls)
+
+            def copy_out(n_dense, n_f8, calls):
+                return self.passes(2 * (gathered(n_dense, n_f8) + experts * w_b), calls)
+            ag = (self.collective(Collective.ALL_GATHER, gathered(dense, f8), group, units)
+                  + self.collective(Collective.ALL_GATHER, experts * w_b, edp, units)
+                  + host(dense, group) + host(experts, edp) + copy_in(dense, f8, units))
             rs = sum(self.collective(Collective.REDUCE_SCATTER, n * g_b, grp, units) + host(n, grp) for n, grp in parts)
+            scatter_in = self.passes((dense + experts) * (w_b + g_b), units)   # unsharded gradients -> fp32 input
             fwd_c, bwd_c = fwd + tp_comm / 2, hidden + tp_comm / 2
             # forward prefetch needs a host that runs ahead of its device (GPU streams); a CPU rank
             # computes on the thread that would issue the next gather, so forward hides nothing there
@@ -162,19 +181,21 @@ class StepTail:
             lead = np.minimum(np.asarray(lead, dtype=float), dense)
             per_unit = np.maximum(1, units)
             edges = (o_fwd * np.maximum(ag / per_unit, self.collective(Collective.ALL_GATHER, lead * w_b, group)
-                                        + host(lead, group))
+                                        + host(lead, group) + self.passes(2 * lead * w_b / group.size))
                      + o * np.maximum(rs / per_unit, self.collective(Collective.REDUCE_SCATTER, lead * g_b, group)
                                       + host(lead, group)))
             if cfg.zero == 3:   # gathered again for backward, every micro-batch, all but the kept units
                 kept = np.asarray(kept, dtype=float)
                 again_f8 = f8 - f8_kept
-                again = (self.collective(Collective.ALL_GATHER, (dense - kept - again_f8) * w_b + again_f8, group,
-                                         units - n_kept)
-                         + self.collective(Collective.ALL_GATHER, experts * w_b, groups["edp"], units)
-                         + host(dense - kept, group) + host(experts, groups["edp"]))
-                return (micro_batches * (gather + again + rs - o * np.minimum(again + rs, bwd_c)) + edges + tp_sync
-                        + scales)
-            return gather + edges + micro_batches * (rs - o * np.minimum(rs, bwd_c)) + tp_sync + scales
+                again = (self.collective(Collective.ALL_GATHER, gathered(dense - kept, again_f8), group, units - n_kept)
+                         + self.collective(Collective.ALL_GATHER, experts * w_b, edp, units)
+                         + host(dense - kept, group) + host(experts, edp) + copy_in(dense - kept, again_f8, units - n_kept))
+                copies = copy_out(dense, f8, units) + copy_out(dense - kept, again_f8, units - n_kept) + scatter_in
+                return (micro_batches * (gather + again + rs - o * np.minimum(again + rs, bwd_c) + copies) + edges
+                        + tp_sync + scales)
+            return (gather + copy_out(dense, f8, units) + edges + micro_batches * (rs - o * np.minimum(rs, bwd_c)
+                                                                                    + scatter_in)
+                    + tp_sync + scales)
         total, buckets, gather = 0.0, 0.0, 0.0
         for n, grp in parts:
             nb = _buckets(n * g_b, grp.size, g_b)
@@ -193,6 +214,14 @@ class StepTail:
         # ZeRO-1's gather: hidden under the next step's first forward, bucket by bucket, or after the step, exposed
         return (total - o * np.minimum(hidden, np.maximum(total - last, 0.0))
                 + gather - self._gather_overlap(o) * np.minimum(fwd, np.maximum(gather - first, 0.0)))
+
+    def passes(self, nbytes, calls=1):
+        """Seconds of memory-bound copies moving ``nbytes`` (read and written counted) in ``calls`` kernels on one
+        device while every rank runs them (compute.py's concurrency); 0 for 0 bytes. Floats or arrays."""
+        device = self.cluster.device
+        nbytes = np.asarray(nbytes, dtype=float)
+        t = (nbytes / (device.memory_bandwidth * device.memory_efficiency) + calls * device.kernel_overhead)
+        return np.where(nbytes > 0, t * device.concurrency_slowdown, 0.0)
 
     def dp_floor(self, cfg: ParallelConfig, micro_batches: int, groups: dict[str, GroupPlacement],
                  params: float, experts: float = 0.0) -> float:

@@ -82,7 +82,9 @@ def test_all_gather_efficiency_falls_with_ranks():
 
 def test_zero3_exposes_the_last_reduce_scatter():
     """With compute far longer than every collective, ZeRO-3 still exposes the un-hidden share (1 - o)
-    of each and the hidden share o of the step's first gather and last reduce-scatter (one unit each)."""
+    of each and the hidden share o of the step's first gather and last reduce-scatter (one unit each), and
+    FSDP2's copies on the compute stream: each gather's copy-out, twice, and the reduce-scatter's copy-in (a
+    gather's copy-in runs on its stream, before it)."""
     cluster = Cluster.from_spec("48x8xA100-80GB")
     cfg = ParallelConfig(dp=384, zero=3)
     groups = place_axes(cluster, [("tp", 1), ("cp", 1), ("dp", 384), ("pp", 1)])
@@ -92,7 +94,11 @@ def test_zero3_exposes_the_last_reduce_scatter():
     params, units = 1.3e9, 25
     got = float(tail.dp_time(cfg, 1, groups, params, 1e3, 1e3, 0.0, 0.0, 0.0, units))
     o = tail.overlap(groups["dp"])
-    ag = float(tail.collective(Collective.ALL_GATHER, params * 2, groups["dp"], units))
+    ag = float(tail.collective(Collective.ALL_GATHER, params * 2, groups["dp"], units)
+               + tail.passes(2 * params * 2 / 384, units))
     rs = float(tail.collective(Collective.REDUCE_SCATTER, params * 2, groups["dp"], units))
-    expected = (1 - o) * (2 * ag + rs) + o * (ag + rs) / units
+    copies = float(2 * tail.passes(2 * params * 2, units) + tail.passes(params * (2 + 2), units))
+    bandwidth = cluster.device.memory_bandwidth * cluster.device.memory_efficiency
+    assert copies == pytest.approx(12 * params / bandwidth + 3 * units * cluster.device.kernel_overhead)
+    expected = (1 - o) * (2 * ag + rs) + o * (ag + rs) / units + copies
     assert got == pytest.approx(expected, rel=1e-9)

@@ -76,7 +76,8 @@ def test_cost_model_tables_count_the_units_of_every_run():
 
 def test_zero3_gathers_the_kept_unit_once_per_micro_batch():
     """The backward re-gather leaves out the kept unit: the same run priced with nothing kept costs
-    exactly one more all-gather of that unit's weights (with one collective more) per micro-batch."""
+    exactly one more all-gather of that unit's weights (with one collective more) per micro-batch, and its
+    copies in and out (FSDP2's, around the gather: 2 ranks, so the copy-in moves half of what the copy-out does)."""
     import autopar.models.hf as hf
     model, inputs = hf.build_hf_llama(layers=3, batch_size=1)
     graph = autopar.capture.capture(model, inputs)
@@ -93,5 +94,9 @@ def test_zero3_gathers_the_kept_unit_once_per_micro_batch():
     w_b = est.precision.weight_bytes
     regather = lambda nbytes, calls: float(  # noqa: E731
         est.tail.collective(Collective.ALL_GATHER, nbytes, groups["dp"], calls))
-    gap = 4 * (regather(params * w_b, count[0, n - 1]) - regather((params - kept[0, n - 1]) * w_b, count[0, n - 1] - 1))
+    copies = lambda elements, calls: float(  # noqa: E731
+        est.tail.passes(2 * elements * w_b / 2, calls) + est.tail.passes(2 * elements * w_b, calls))
+    units, left = count[0, n - 1], params - kept[0, n - 1]
+    gap = 4 * (regather(params * w_b, units) + copies(params, units)
+               - regather(left * w_b, units - 1) - copies(left, units - 1))
     assert without - with_kept == pytest.approx(gap, rel=1e-9) and gap > 0
