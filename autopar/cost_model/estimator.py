@@ -473,7 +473,7 @@ class Estimator:
             held = self._held(tuple(i for c in dev.chunks for i in c), cfg)[0]
             in_kept = self._held(tuple(i for u in kept for i in u), cfg)[0]
             fp8 = tuple(x for names in (held, in_kept) for x in self._fp8_gathered(names))
-        # the device's last gradient: its first chunk's first tensor (an interleaved device's last backward is chunk 0's)
+        # the device's last gradient: its first chunk's first tensor (an interleaved device's last backward is chunk 0)
         lead = float(self.lead_params(cfg)[dev.chunks[0][0]]) if dev.chunks and dev.chunks[0] else 0.0
         return float(self.tail.dp_time(cfg, micro_batches, groups, dev.params, dev.fwd, dev.bwd, dev.recompute,
                                   dev.tp_comm, dev.tp_grad_bytes, sum(len(c.units) for c in chunks),

@@ -32,9 +32,10 @@ reduce-scatters its gradients (one collective per unit: each repeated block, eac
 other layers, the root; ModelStructure.shard_units, as the runtime wraps them), for every micro-batch,
 prefetched under compute: exposed ``T_ag - o_f min(T_ag, F) + T_ag' + T_rs - o min(T_ag' + T_rs, B)``
 per micro-batch, plus the hidden share of the first unit's gather, which nothing hides, and of the last
-unit's reduce-scatter (an equal unit's share, or the lead tensor's collectives where larger: the unit holding it), which FSDP2 issues when the step's last backward has ended, with no compute
-left to hide it (the optimizer waits for it): prefetching one unit ahead, as FSDP2 does, hides each
-unit's collectives behind its neighbour's compute, never the step's first gather or last reduction.
+unit's reduce-scatter (an equal unit's share, or the lead tensor's collectives where larger: the unit holding
+it), which FSDP2 issues when the step's last backward has ended, with no compute left to hide it (the
+optimizer waits for it): prefetching one unit ahead, as FSDP2 does, hides each unit's collectives behind its
+neighbour's compute, never the step's first gather or last reduction.
 ZeRO 2 (FSDP2 without resharding after forward, and none between the step's micro-batches, as
 the runtime runs it) gathers each unit's weights once per step, under the first forward, and
 reduce-scatters its gradients after every backward, so that only a shard of them is ever held:
@@ -187,10 +188,11 @@ class StepTail:
             if cfg.zero == 3:   # gathered again for backward, every micro-batch, all but the kept units
                 kept = np.asarray(kept, dtype=float)
                 again_f8 = f8 - f8_kept
-                again = (self.collective(Collective.ALL_GATHER, gathered(dense - kept, again_f8), group, units - n_kept)
+                regathered = units - n_kept
+                again = (self.collective(Collective.ALL_GATHER, gathered(dense - kept, again_f8), group, regathered)
                          + self.collective(Collective.ALL_GATHER, experts * w_b, edp, units)
-                         + host(dense - kept, group) + host(experts, edp) + copy_in(dense - kept, again_f8, units - n_kept))
-                copies = copy_out(dense, f8, units) + copy_out(dense - kept, again_f8, units - n_kept) + scatter_in
+                         + host(dense - kept, group) + host(experts, edp) + copy_in(dense - kept, again_f8, regathered))
+                copies = copy_out(dense, f8, units) + copy_out(dense - kept, again_f8, regathered) + scatter_in
                 return (micro_batches * (gather + again + rs - o * np.minimum(again + rs, bwd_c) + copies) + edges
                         + tp_sync + scales)
             return (gather + copy_out(dense, f8, units) + edges + micro_batches * (rs - o * np.minimum(rs, bwd_c)
