@@ -171,7 +171,7 @@ class StepTail:
                   + self.collective(Collective.ALL_GATHER, experts * w_b, edp, units)
                   + host(dense, group) + host(experts, edp) + copy_in(dense, f8, units))
             rs = sum(self.collective(Collective.REDUCE_SCATTER, n * g_b, grp, units) + host(n, grp) for n, grp in parts)
-            scatter_in = self.passes((dense + experts) * (w_b + g_b), units)   # unsharded gradients -> fp32 input
+            scatter_in = self.passes((dense + experts) * (w_b + g_b), units)   # unsharded gradients -> the reduce dtype
             fwd_c, bwd_c = fwd + tp_comm / 2, hidden + tp_comm / 2
             # forward prefetch needs a host that runs ahead of its device (GPU streams); a CPU rank
             # computes on the thread that would issue the next gather, so forward hides nothing there
