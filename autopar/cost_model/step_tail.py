@@ -21,7 +21,7 @@ SMs and memory bandwidth), what is exposed is
 ``T_dp - o * min(B_last, T_dp - T_last)`` (the last bucket never hides; with
 ``o = 1`` this is ``max(T_dp - B_last, T_last)``), where ``T_last = max(T_dp / n_buckets, T(lead))``: a bucket
 never splits a tensor, and the tensor the backward completes last is the one its forward reads first
-(``Estimator.lead_params``: the token embedding on a language model's first stage, as large as a block's
+(``ParamTables.lead_params``: the token embedding on a language model's first stage, as large as a block's
 weights), so the last bucket holds at least it. ZeRO-1's gather under the next forward needs that tensor first:
 its first bucket is at least the lead tensor's gather alike.
 ZeRO 3 gathers each unit's weights in forward and again in backward (``T_ag'``: all but the kept
@@ -121,12 +121,12 @@ class StepTail:
         the tensor-parallel group's own gradient all-reduce, when the layout has one).
 
         Gradients go in ``dp_bucket_bytes`` buckets (one collective each); ZeRO-2 and 3 gather and
-        reduce-scatter unit by unit (one collective per unit held, ``units``: Estimator.shard_units);
+        reduce-scatter unit by unit (one collective per unit held, ``units``: ParamTables.shard_units);
         ZeRO-3 gathers again for backward every unit but the ``n_kept`` units of ``kept`` parameters
         (``ShardUnits.kept``). ``fp8``: the (elements, tensors) of ``params`` FSDP2 gathers in fp8, and of
         ``kept`` (Precision.gathers_fp8, low_precision.py): one byte an element, their scales from one
         all-reduce of their amaxes a step. ``lead``: the parameters of the tensor whose gradient the device's
-        backward completes last (Estimator.lead_params): the last bucket holds at least it, and ZeRO-1's
+        backward completes last (ParamTables.lead_params): the last bucket holds at least it, and ZeRO-1's
         gather under the next forward needs it first.
         Dense weights synchronise over ``groups["dp"]`` (dp * cp ranks), the ``experts`` of ``params``
         over ``groups["edp"]``."""

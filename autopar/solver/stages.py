@@ -111,7 +111,7 @@ def run_tables(est: Estimator, cfg: ParallelConfig, micro_batches: int, modes: S
     states = weights + grads + optimizer
     step = np.array([est.layers.step_comm_bytes(layer, cfg.tp) for layer in graph.layers], dtype=float)
     units, unit_params, kept, n_kept = est.unit_tables(cfg)   # ZeRO-2/3 units of each run, its largest, the kept ones
-    lead = np.broadcast_to(est.lead_params(cfg)[:, None], (n, n))   # a run's last gradient: its first layer's lead
+    lead = est.lead_params(cfg)[:, None]   # a run's last gradient: its first layer's lead (broadcast over j)
     works, tails, fixed, acts, sums = [], [], [], [], []
     for mode in modes:
         costs = est.layer_costs(cfg, groups["tp"], mode, groups)

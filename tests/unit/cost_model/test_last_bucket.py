@@ -1,7 +1,7 @@
 """The gradient a device's backward completes last, and the bucket that holds it.
 
 A bucketed reduction (DDP, Megatron-Core's buffers, FSDP2's units) never splits a tensor, and the tensor its
-backward completes last is the first one its forward reads (Estimator.lead_params: a language model's token
+backward completes last is the first one its forward reads (ParamTables.lead_params: a language model's token
 embedding on the first stage). Its bucket's reduction has no backward left to hide under, and ZeRO-1's gather
 under the next forward needs it first: StepTail.dp_time exposes at least that tensor's collective, where an
 equal share of the buckets was all it exposed before."""
